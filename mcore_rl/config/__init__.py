@@ -1,0 +1,5 @@
+"""Typed, frozen config dataclasses loaded from YAML with `a.b.c=value` CLI overrides."""
+
+from mcore_rl.config.loader import ConfigError, from_dict, load_config, parse_overrides, to_dict
+
+__all__ = ["ConfigError", "from_dict", "load_config", "parse_overrides", "to_dict"]

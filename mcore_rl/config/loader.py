@@ -1,0 +1,163 @@
+"""Build frozen dataclasses from YAML + `a.b.c=value` overrides, with errors that name the field.
+
+Each component owns its config dataclass and validates itself in `__post_init__` by raising
+`ConfigError(field, value, problem)` with its *local* field name; the loader prefixes the path
+of the enclosing fields, so the user reads e.g. `parallel.tp=3: does not divide
+num_attention_heads=8`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+from pathlib import Path
+from typing import Any, Literal, TypeVar, Union, get_args, get_origin, get_type_hints
+
+import yaml
+
+T = TypeVar("T")
+
+
+class ConfigError(ValueError):
+    """A config value is wrong. `field` is the dotted path, e.g. `parallel.tp`."""
+
+    def __init__(self, field: str, value: Any, problem: str):
+        self.field, self.value, self.problem = field, value, problem
+        super().__init__(f"{field}={value!r}: {problem}")
+
+    def under(self, prefix: str) -> "ConfigError":
+        return ConfigError(f"{prefix}.{self.field}" if prefix else self.field, self.value,
+                           self.problem)
+
+
+def parse_overrides(overrides: list[str]) -> dict[str, Any]:
+    """`["a.b=1", "c=x"]` → nested dict; values are parsed as YAML scalars/lists."""
+    tree: dict[str, Any] = {}
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(item, None, "override must look like a.b.c=value")
+        node = tree
+        *parents, leaf = key.split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(key, raw, f"'{part}' is set to a value and a section at once")
+        node[leaf] = yaml.safe_load(raw) if raw != "" else ""
+    return tree
+
+
+def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in extra.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def load_config(cls: type[T], path: str | Path | None = None,
+                overrides: list[str] | None = None) -> T:
+    """Read YAML at `path` (optional), apply overrides, build and validate `cls`."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError("config", str(path), "no such file")
+        loaded = yaml.safe_load(path.read_text()) or {}
+        if not isinstance(loaded, dict):
+            raise ConfigError("config", str(path), "top level must be a mapping")
+        data = loaded
+    data = _merge(data, parse_overrides(overrides or []))
+    return from_dict(cls, data)
+
+
+def from_dict(cls: type[T], data: Any, prefix: str = "") -> T:
+    """Build dataclass `cls` from a mapping, checking names and types of every field."""
+    if not isinstance(data, dict):
+        raise ConfigError(prefix or cls.__name__, data, "expected a mapping")
+    hints = get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        raise ConfigError(_join(prefix, unknown[0]), data[unknown[0]],
+                          f"unknown field; allowed: {', '.join(sorted(fields))}")
+    kwargs = {name: _coerce(hints[name], value, _join(prefix, name))
+              for name, value in data.items()}
+    try:
+        return cls(**kwargs)
+    except ConfigError as err:
+        raise err.under(prefix) from None
+    except TypeError as err:  # a required field is missing
+        raise ConfigError(prefix or cls.__name__, None, str(err)) from None
+
+
+def _join(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
+
+
+def _coerce(tp: Any, value: Any, path: str) -> Any:
+    origin = get_origin(tp)
+    if dataclasses.is_dataclass(tp):
+        return from_dict(tp, value, path)
+    if origin in (Union, types.UnionType):
+        options = get_args(tp)
+        if value is None and type(None) in options:
+            return None
+        errors = []
+        for option in options:
+            if option is type(None):
+                continue
+            try:
+                return _coerce(option, value, path)
+            except ConfigError as err:
+                errors.append(err.problem)
+        raise ConfigError(path, value, "; ".join(errors))
+    if origin is Literal:
+        allowed = get_args(tp)
+        if value not in allowed:
+            raise ConfigError(path, value, f"allowed values: {', '.join(map(str, allowed))}")
+        return value
+    if origin in (tuple, list):
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(path, value, "expected a list")
+        args = get_args(tp)
+        item_tp = args[0] if args else Any
+        items = [_coerce(item_tp, v, f"{path}[{i}]") for i, v in enumerate(value)]
+        return tuple(items) if origin is tuple else items
+    if origin is dict or tp is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(path, value, "expected a mapping")
+        return dict(value)
+    if tp is Any:
+        return value
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(path, value, "expected true or false")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(path, value, "expected an integer")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(path, value, "expected a number")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(path, value, "expected a string")
+        return value
+    return value
+
+
+def to_dict(obj: Any) -> Any:
+    """Dataclass → plain dict (for logging the resolved config)."""
+    if dataclasses.is_dataclass(obj):
+        return {f.name: to_dict(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, (list, tuple)):
+        return [to_dict(v) for v in obj]
+    return obj
+
+
+__all__ = ["ConfigError", "from_dict", "load_config", "parse_overrides", "to_dict"]

@@ -1,0 +1,106 @@
+"""Explicit process groups of the training grid, built once from megatron-core at start-up.
+
+megatron-core keeps its groups in module globals; this is the one place that reads them.
+Everything else takes a `ParallelGroups` argument, so a job that also holds inference and
+sync groups can never pick up the wrong grid's group by accident.
+"""
+
+from __future__ import annotations
+
+import datetime
+import enum
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from mcore_rl.parallel.config import ParallelConfig
+
+
+class Axis(str, enum.Enum):
+    """A parallel dimension of a grid ("dim" is reserved for tensor dimensions)."""
+
+    TP = "tp"
+    PP = "pp"
+    DP = "dp"
+
+
+def default_backend() -> str:
+    """gloo on CPU, NCCL on GPU — chosen here and nowhere else."""
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+@dataclass(frozen=True)
+class ParallelGroups:
+    """The training grid: its config, this rank's coordinates and the group of each axis.
+
+    `megatron` is megatron-core's `ProcessGroupCollection` for the same groups, for the
+    megatron modules that take a `pg_collection` argument.
+    """
+
+    config: ParallelConfig
+    rank: int
+    coords: dict
+    groups: dict
+    megatron: object
+
+    def group(self, axis: Axis) -> dist.ProcessGroup:
+        return self.groups[Axis(axis)]
+
+    def rank_in(self, axis: Axis) -> int:
+        return self.coords[Axis(axis).value]
+
+    def size_of(self, axis: Axis) -> int:
+        return getattr(self.config, Axis(axis).value)
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.rank_in(Axis.PP) == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.rank_in(Axis.PP) == self.config.pp - 1
+
+
+def init_training_groups(config: ParallelConfig, *, timeout_s: float = 600.0) -> ParallelGroups:
+    """Create megatron-core's model-parallel state for `config` and return it as groups.
+
+    The default process group must exist (torchrun / the test helper / the Ray worker sets it
+    up) and its world size must equal tp * pp * dp.
+    """
+    from megatron.core import parallel_state as mpu
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    if not dist.is_initialized():
+        dist.init_process_group(default_backend(), timeout=datetime.timedelta(seconds=timeout_s))
+    world = dist.get_world_size()
+    if world != config.world_size:
+        raise ValueError(f"parallel: tp*pp*dp = {config.tp}*{config.pp}*{config.dp} = "
+                         f"{config.world_size} but the job has {world} ranks")
+    if mpu.model_parallel_is_initialized():
+        mpu.destroy_model_parallel()
+    mpu.initialize_model_parallel(
+        tensor_model_parallel_size=config.tp,
+        pipeline_model_parallel_size=config.pp,
+        virtual_pipeline_model_parallel_size=config.vpp,
+        distributed_timeout_minutes=max(1, int(timeout_s // 60)),
+    )
+    rank = dist.get_rank()
+    coords = {"tp": mpu.get_tensor_model_parallel_rank(),
+              "pp": mpu.get_pipeline_model_parallel_rank(),
+              "dp": mpu.get_data_parallel_rank()}
+    if coords != config.coords_of(rank):
+        raise RuntimeError(f"megatron-core placed rank {rank} at {coords}, but mcore-rl's grid "
+                           f"order expects {config.coords_of(rank)}")
+    groups = {Axis.TP: mpu.get_tensor_model_parallel_group(),
+              Axis.PP: mpu.get_pipeline_model_parallel_group(),
+              Axis.DP: mpu.get_data_parallel_group()}
+    return ParallelGroups(config=config, rank=rank, coords=coords, groups=groups,
+                          megatron=ProcessGroupCollection.use_mpu_process_groups())
+
+
+def destroy_training_groups() -> None:
+    from megatron.core import parallel_state as mpu
+
+    if mpu.model_parallel_is_initialized():
+        mpu.destroy_model_parallel()
