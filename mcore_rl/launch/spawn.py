@@ -1,4 +1,5 @@
-"""Run a function on N gloo ranks in spawned processes — the one helper every distributed test uses.
+"""Run a function on N gloo ranks in spawned processes — used by the CLI to launch local jobs
+and by every distributed test (through tests/conftest.py).
 
 The parent owns a `TCPStore` on an OS-chosen loopback port (no free-port race) and every child
 joins the default process group through it. Each rank's return value (or its traceback) comes

@@ -1,0 +1,30 @@
+"""`mcore-rl` console script. Each subcommand lives with the package it drives; this file only
+lists them. A subcommand module exposes `add_parser(subparsers)` which registers itself and
+sets `func` (called with the parsed args, returning an exit code)."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# name → module providing add_parser(). Add a row when a command becomes real.
+COMMANDS: dict[str, str] = {
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="mcore-rl", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for module in dict.fromkeys(COMMANDS.values()):
+        importlib.import_module(module).add_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

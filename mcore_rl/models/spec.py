@@ -1,0 +1,156 @@
+"""`ModelSpec`: everything mcore-rl needs to know about a decoder, read from an HF config.
+
+It is the one reader of HF `config.json` files. The layout tables and the resharding planner
+need only its shapes (so a 70B model can be planned without weights); the Megatron model
+builder maps it to a `TransformerConfig`.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+# HF architectures → layout family. Mistral uses Llama's tensor names and layouts.
+ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "llama",
+    "Qwen2ForCausalLM": "qwen2",
+}
+
+# Rope scaling types the Megatron builder reproduces exactly.
+SUPPORTED_ROPE_TYPES = ("default", "llama3")
+
+
+class UnsupportedModelError(ValueError):
+    """The HF config asks for something mcore-rl cannot reproduce exactly."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelSpec:
+    """Architecture of a Llama-family decoder (Llama 2/3, Mistral, Qwen2).
+
+    family: layout family ("llama" or "qwen2"), from the HF architecture.
+    architecture: the HF architecture name (kept for exporting config.json).
+    hidden / ffn: hidden size and MLP intermediate size.
+    heads / kv_heads / head_dim: attention heads, key-value heads (GQA), per-head size.
+    layers: decoder layers. vocab: true (unpadded) vocabulary size.
+    tied_embeddings: output layer shares the input embedding.
+    qkv_bias: q/k/v projections have biases (Qwen2).
+    rope_theta, rope_scaling: rotary embedding base and optional llama3-style scaling dict.
+    norm_eps: RMSNorm epsilon. max_positions: maximum sequence length.
+    """
+
+    family: str
+    architecture: str
+    hidden: int
+    ffn: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    layers: int
+    vocab: int
+    tied_embeddings: bool = False
+    qkv_bias: bool = False
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None
+    norm_eps: float = 1e-5
+    max_positions: int = 4096
+
+    def __post_init__(self) -> None:
+        for name in ("hidden", "ffn", "heads", "kv_heads", "head_dim", "layers", "vocab"):
+            if getattr(self, name) < 1:
+                raise UnsupportedModelError(f"{name}={getattr(self, name)}: must be >= 1")
+        if self.heads % self.kv_heads:
+            raise UnsupportedModelError(f"num_attention_heads={self.heads} is not a multiple "
+                                        f"of num_key_value_heads={self.kv_heads}")
+
+    @property
+    def q_dim(self) -> int:
+        return self.heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        return self.kv_heads * self.head_dim
+
+    def mcore_padded_vocab(self, tp: int, divisible_by: int = 128) -> int:
+        """Megatron pads the vocabulary to a multiple of `divisible_by * tp` (Megatron-LM's
+        --make-vocab-size-divisible-by), so every TP rank holds an equal slice."""
+        step = divisible_by * tp
+        return -(-self.vocab // step) * step
+
+    def num_params(self) -> int:
+        """Parameter count (unpadded vocab)."""
+        attn = self.hidden * (self.q_dim + 2 * self.kv_dim) + self.q_dim * self.hidden
+        attn += (self.q_dim + 2 * self.kv_dim) if self.qkv_bias else 0
+        mlp = 3 * self.hidden * self.ffn
+        per_layer = attn + mlp + 2 * self.hidden
+        embed = self.vocab * self.hidden * (1 if self.tied_embeddings else 2)
+        return self.layers * per_layer + embed + self.hidden
+
+    def with_(self, **changes: Any) -> "ModelSpec":
+        return replace(self, **changes)
+
+    @classmethod
+    def from_hf_config(cls, config: Any) -> "ModelSpec":
+        """From a `transformers.PretrainedConfig` (or its dict). Rejects fields we would
+        silently get wrong (sliding windows, MLP biases, unknown rope scaling, ...)."""
+        cfg = config.to_dict() if hasattr(config, "to_dict") else dict(config)
+        archs = cfg.get("architectures") or []
+        arch = next((a for a in archs if a in ARCHITECTURES), None)
+        if arch is None:
+            raise UnsupportedModelError(
+                f"architectures={archs}: unsupported; supported: {', '.join(ARCHITECTURES)}")
+        _reject_unsupported(cfg)
+        rope = cfg.get("rope_parameters") or {}
+        scaling = cfg.get("rope_scaling") or None
+        rope_type = (rope.get("rope_type") or (scaling or {}).get("rope_type")
+                     or (scaling or {}).get("type") or "default")
+        if rope_type not in SUPPORTED_ROPE_TYPES:
+            raise UnsupportedModelError(f"rope type {rope_type!r}: unsupported; supported: "
+                                        f"{', '.join(SUPPORTED_ROPE_TYPES)}")
+        if rope_type == "llama3":
+            scaling = {k: v for k, v in {**(scaling or {}), **rope}.items() if k != "rope_theta"}
+        else:
+            scaling = None
+        heads = cfg["num_attention_heads"]
+        return cls(
+            family=ARCHITECTURES[arch],
+            architecture=arch,
+            hidden=cfg["hidden_size"],
+            ffn=cfg["intermediate_size"],
+            heads=heads,
+            kv_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            layers=cfg["num_hidden_layers"],
+            vocab=cfg["vocab_size"],
+            tied_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            qkv_bias=ARCHITECTURES[arch] == "qwen2" or bool(cfg.get("attention_bias", False)),
+            rope_theta=float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))),
+            rope_scaling=scaling,
+            norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
+            max_positions=int(cfg.get("max_position_embeddings", 4096)),
+        )
+
+    @classmethod
+    def from_hf_dir(cls, path: str | Path) -> "ModelSpec":
+        config_file = Path(path) / "config.json"
+        if not config_file.is_file():
+            raise FileNotFoundError(f"{config_file}: no config.json in the model directory")
+        return cls.from_hf_config(json.loads(config_file.read_text()))
+
+
+def _reject_unsupported(cfg: dict) -> None:
+    problems = []
+    if cfg.get("hidden_act", "silu") != "silu":
+        problems.append(f"hidden_act={cfg['hidden_act']!r} (only 'silu' / SwiGLU)")
+    if cfg.get("mlp_bias"):
+        problems.append("mlp_bias=true (MLP biases)")
+    if cfg.get("use_sliding_window") or (cfg.get("model_type") == "mistral"
+                                         and cfg.get("sliding_window")):
+        problems.append(f"sliding_window={cfg.get('sliding_window')} (sliding-window attention)")
+    if cfg.get("pretraining_tp", 1) not in (1, None):
+        problems.append(f"pretraining_tp={cfg['pretraining_tp']}")
+    if problems:
+        raise UnsupportedModelError("unsupported HF config fields: " + "; ".join(problems))

@@ -1,0 +1,7 @@
+"""Shared test fixtures. Distributed tests spawn gloo ranks through `mcore_rl.launch.spawn`."""
+
+import os
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
