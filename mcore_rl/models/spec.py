@@ -126,7 +126,7 @@ class ModelSpec:
             layers=cfg["num_hidden_layers"],
             vocab=cfg["vocab_size"],
             tied_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            qkv_bias=ARCHITECTURES[arch] == "qwen2" or bool(cfg.get("attention_bias", False)),
+            qkv_bias=ARCHITECTURES[arch] == "qwen2",
             rope_theta=float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))),
             rope_scaling=scaling,
             norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
@@ -145,6 +145,9 @@ def _reject_unsupported(cfg: dict) -> None:
     problems = []
     if cfg.get("hidden_act", "silu") != "silu":
         problems.append(f"hidden_act={cfg['hidden_act']!r} (only 'silu' / SwiGLU)")
+    if cfg.get("attention_bias") and cfg.get("model_type") != "qwen2":
+        problems.append("attention_bias=true (q/k/v/o biases; Qwen2's q/k/v biases are "
+                        "supported through its own architecture)")
     if cfg.get("mlp_bias"):
         problems.append("mlp_bias=true (MLP biases)")
     if cfg.get("use_sliding_window") or (cfg.get("model_type") == "mistral"

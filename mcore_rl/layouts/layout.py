@@ -1,0 +1,132 @@
+"""The vocabulary of parameter layouts: declarative per-side specs, and the shard maps they
+expand to.
+
+A model family is a table of `Row`s (see `families.py`). Each row names one HF tensor (or
+several HF tensors fused into one, like q/k/v) and says, per side (Megatron, vLLM), what the
+per-rank tensor looks like: which tensor dim is split over TP, whether fused parts interleave
+per query group, whether the vocabulary is padded, whether too-few kv heads are replicated.
+`shards.py` expands a table into a `ShardMap`: for every rank, every local tensor as a list of
+`Piece`s — boxes of the local tensor and the HF-tensor boxes they hold. Planning, conversion and
+checks all work on those boxes; nothing anywhere copies tensors by name.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+# A box is a half-open range per tensor dim: ((start0, stop0), (start1, stop1), ...).
+Box = tuple[tuple[int, int], ...]
+
+# Symbolic dimension names used in HF shapes; sizes come from ModelSpec (see shards.dim_size).
+Dim = Literal["hidden", "ffn", "vocab", "heads", "kv_heads"]
+
+
+@dataclass(frozen=True)
+class Side:
+    """How one side (Megatron or vLLM) holds a row's tensor on each TP rank.
+
+    name: the side's parameter name; `{layer}` is the layer index (Megatron: local to its
+        pipeline chunk; vLLM: global).
+    te_name: Megatron TransformerEngine-spec name where it differs (norms fused into linears).
+    split_dim: tensor dim split over the TP axis; None = every TP rank holds the whole tensor.
+    interleave: fused parts interleave per group of this symbol ("kv_heads": Megatron's
+        linear_qkv holds, per query group, that group's q heads, then its k head, then its v
+        head); None = parts are concatenated whole per rank ([q_r; k_r; v_r], [gate_r; up_r]).
+    replicate_short: when a part has fewer units than TP ranks, rank r holds unit
+        r // (tp / units) (vLLM's kv-head replication); otherwise TP must divide the units.
+    pad_vocab: pad the split dim before splitting: "megatron" (to a multiple of 128·TP) or
+        "vllm" (to a multiple of 64, then split evenly); padding rows are zeros.
+    """
+
+    name: str
+    te_name: str | None = None
+    split_dim: int | None = None
+    interleave: Dim | None = None
+    replicate_short: bool = False
+    pad_vocab: Literal["megatron", "vllm"] | None = None
+
+
+@dataclass(frozen=True)
+class Row:
+    """One tensor family.
+
+    hf: HF tensor names fused (in this order) into the side's single tensor.
+    shapes: symbolic HF shape of each part, e.g. ("heads", "hidden") for q_proj.weight.
+    mcore / vllm: the two sides' layouts (None: the side has no such tensor).
+    place: where Megatron keeps it: in every decoder layer, on the first pipeline stage
+        (embedding) or on the last (final norm, output layer).
+    when: conditions that must all hold for the row to exist (see shards.conditions).
+    """
+
+    hf: tuple[str, ...]
+    shapes: tuple[tuple[Dim, ...], ...]
+    mcore: Side | None
+    vllm: Side | None
+    place: Literal["layer", "first", "last"] = "layer"
+    when: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Piece:
+    """`local[local_box]` holds `hf_tensor(hf_name)[hf_box]` (same orientation, same extent)."""
+
+    local_box: Box
+    hf_name: str
+    hf_box: Box
+
+
+@dataclass(frozen=True)
+class LocalTensor:
+    """A tensor one rank holds. Elements no piece covers are padding (zeros)."""
+
+    key: str
+    shape: tuple[int, ...]
+    pieces: tuple[Piece, ...]
+
+
+@dataclass
+class ShardMap:
+    """Every rank's local tensors on one side. `ranks[r][key]` is rank r's tensor `key`.
+
+    side: "megatron", "vllm" or "hf". hf_shapes: the full HF shape of every HF tensor the
+    side's pieces refer to. `rank_labels` names ranks in error messages (e.g. "tp1 pp0 dp0").
+    """
+
+    side: str
+    family: str
+    hf_shapes: dict[str, tuple[int, ...]]
+    ranks: dict[int, dict[str, LocalTensor]] = field(default_factory=dict)
+    rank_labels: dict[int, str] = field(default_factory=dict)
+
+    def label(self, rank: int) -> str:
+        return f"{self.side} rank {rank} ({self.rank_labels.get(rank, '?')})"
+
+    def nbytes(self, rank: int, element_size: int) -> int:
+        return sum(_numel(t.shape) for t in self.ranks[rank].values()) * element_size
+
+
+def box_numel(box: Box) -> int:
+    return _numel(tuple(stop - start for start, stop in box))
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def box_slices(box: Box) -> tuple[slice, ...]:
+    return tuple(slice(start, stop) for start, stop in box)
+
+
+def intersect(a: Box, b: Box) -> Box | None:
+    out = tuple((max(a0, b0), min(a1, b1)) for (a0, a1), (b0, b1) in zip(a, b))
+    return out if all(start < stop for start, stop in out) else None
+
+
+def translate(inner: Box, frm: Box, to: Box) -> Box:
+    """The box in `to`'s coordinates that corresponds to `inner` (a sub-box of `frm`)."""
+    return tuple((t0 + i0 - f0, t0 + i1 - f0) for (i0, i1), (f0, _), (t0, _) in
+                 zip(inner, frm, to))

@@ -1,0 +1,237 @@
+"""Pure resharding planner: two shard maps in, point-to-point transfers out.
+
+`build_plan(src, dst)` intersects every destination piece with the source pieces of the same
+HF tensor. Source replicas (DP copies, TP-replicated norms, the tied output-layer copy) hold
+identical regions; each region is taken from the least-loaded replica so sends spread over
+them, and each destination rank gets each region once — so a training rank never sends the
+same bytes to one engine twice. Transfers are cut to fit buckets and packed into rounds in
+which no rank sends or receives more than `bucket_bytes`: that bounds every rank's staging
+memory. No process group, no tensors: a 70B plan needs only shapes, and every rank builds the
+identical plan on its own (checked by fingerprint before any byte moves).
+
+Sync ranks: source rank s is sync rank s; destination rank d is sync rank `len(src) + d`.
+
+Why not megatron.core.resharding: it reshards Megatron → Megatron (same names, same layouts)
+inside one world, posts the whole plan as one batch (every receive buffer at once) and
+barriers on the default group. We need Megatron → vLLM layouts (per-rank [q; k; v], vLLM
+vocab padding, kv-head replication) across two worlds joined by a separate sync group, with
+bounded buckets.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+from mcore_rl.layouts.layout import (Box, ShardMap, box_numel, intersect, translate)
+
+
+class PlanError(ValueError):
+    """The two layouts cannot be connected (names the tensor and what is wrong)."""
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """Copy `src[src_box]` on sync rank `src_rank` to `dst[dst_box]` on sync rank `dst_rank`."""
+
+    src_rank: int
+    src_key: str
+    src_box: Box
+    dst_rank: int
+    dst_key: str
+    dst_box: Box
+
+    @property
+    def numel(self) -> int:
+        return box_numel(self.src_box)
+
+
+@dataclass
+class Plan:
+    """Transfers grouped into rounds. `rounds[k]` lists round k's transfers in a fixed order;
+    within a round, one message per (src, dst) pair carries that pair's transfers in order.
+
+    dst_shapes[d][key]: what destination sync rank d allocates (its own shard; padding zero).
+    element_size: bytes per element of the transferred dtype.
+    """
+
+    rounds: list[list[Transfer]]
+    dst_shapes: dict[int, dict[str, tuple[int, ...]]]
+    num_src: int
+    num_dst: int
+    element_size: int
+    bucket_bytes: int
+    src_labels: dict[int, str] = field(default_factory=dict)
+    dst_labels: dict[int, str] = field(default_factory=dict)
+
+    @property
+    def world_size(self) -> int:
+        return self.num_src + self.num_dst
+
+    def label(self, sync_rank: int) -> str:
+        if sync_rank < self.num_src:
+            return f"training rank {sync_rank} ({self.src_labels.get(sync_rank, '?')})"
+        return f"inference rank {sync_rank - self.num_src} " \
+               f"({self.dst_labels.get(sync_rank, '?')})"
+
+    def expected_names(self, sync_rank: int) -> set[str]:
+        return set(self.dst_shapes.get(sync_rank, {}))
+
+    def bytes_sent(self) -> dict[int, int]:
+        return self._per_rank(lambda t: t.src_rank)
+
+    def bytes_received(self) -> dict[int, int]:
+        return self._per_rank(lambda t: t.dst_rank)
+
+    def _per_rank(self, who) -> dict[int, int]:
+        out: dict[int, int] = defaultdict(int)
+        for rnd in self.rounds:
+            for t in rnd:
+                out[who(t)] += t.numel * self.element_size
+        return dict(out)
+
+    def messages(self, round_index: int) -> dict[tuple[int, int], list[Transfer]]:
+        """Round k's transfers grouped by (src, dst) pair, in plan order."""
+        out: dict[tuple[int, int], list[Transfer]] = {}
+        for t in self.rounds[round_index]:
+            out.setdefault((t.src_rank, t.dst_rank), []).append(t)
+        return out
+
+    def fingerprint(self) -> bytes:
+        digest = hashlib.sha256()
+        for k, rnd in enumerate(self.rounds):
+            digest.update(repr((k, [(t.src_rank, t.src_key, t.src_box, t.dst_rank, t.dst_key,
+                                     t.dst_box) for t in rnd])).encode())
+        digest.update(repr(sorted((r, sorted(s.items())) for r, s in
+                                  self.dst_shapes.items())).encode())
+        return digest.digest()
+
+
+def build_plan(src: ShardMap, dst: ShardMap, *, bucket_bytes: int = 64 << 20,
+               element_size: int = 4) -> Plan:
+    """Plan the transfers that give every destination rank exactly its pieces.
+
+    Raises PlanError if the families differ, an HF tensor's shape disagrees between the two
+    sides, or a destination region is held by no source rank.
+    """
+    _check_compatible(src, dst)
+    if bucket_bytes < element_size:
+        raise PlanError(f"bucket_bytes={bucket_bytes} cannot hold one element")
+    num_src = len(src.ranks)
+    by_hf = _index_sources(src)
+    load: dict[int, int] = defaultdict(int)
+    transfers: list[Transfer] = []
+    dst_shapes: dict[int, dict[str, tuple[int, ...]]] = {}
+    for d in sorted(dst.ranks):
+        sync_d = num_src + d
+        dst_shapes[sync_d] = {}
+        for key, local in dst.ranks[d].items():
+            dst_shapes[sync_d][key] = local.shape
+            for piece in local.pieces:
+                for region, holders in _regions(by_hf, piece.hf_name, piece.hf_box, key,
+                                                dst.label(d)):
+                    s, s_key, s_local_box, s_hf_box = min(
+                        holders, key=lambda h: (load[h[0]], h[0]))
+                    load[s] += box_numel(region) * element_size
+                    transfers.append(Transfer(
+                        s, s_key, translate(region, s_hf_box, s_local_box),
+                        sync_d, key, translate(region, piece.hf_box, piece.local_box)))
+    rounds = _pack_rounds(_split_to_fit(transfers, bucket_bytes, element_size), bucket_bytes,
+                          element_size)
+    return Plan(rounds, dst_shapes, num_src, len(dst.ranks), element_size, bucket_bytes,
+                src_labels=dict(src.rank_labels),
+                dst_labels={num_src + r: lbl for r, lbl in dst.rank_labels.items()})
+
+
+def _check_compatible(src: ShardMap, dst: ShardMap) -> None:
+    if src.family != dst.family:
+        raise PlanError(f"model families differ: source is {src.family!r}, "
+                        f"destination is {dst.family!r}")
+    for name, shape in dst.hf_shapes.items():
+        if name in src.hf_shapes and src.hf_shapes[name] != shape:
+            raise PlanError(f"tensor {name}: source shape {src.hf_shapes[name]} but "
+                            f"destination shape {shape}")
+
+
+def _index_sources(src: ShardMap):
+    """hf_name → [(rank, key, local_box, hf_box)] over all source ranks."""
+    by_hf: dict[str, list[tuple[int, str, Box, Box]]] = defaultdict(list)
+    for rank in sorted(src.ranks):
+        for key, local in src.ranks[rank].items():
+            for piece in local.pieces:
+                by_hf[piece.hf_name].append((rank, key, piece.local_box, piece.hf_box))
+    return by_hf
+
+
+def _regions(by_hf, hf_name: str, want: Box, dst_key: str, dst_label: str):
+    """Split `want` into the regions source pieces cut it into; each with all its holders.
+    Source replicas hold identical regions, so grouping by box finds the replica set."""
+    regions: dict[Box, list] = {}
+    for rank, key, local_box, hf_box in by_hf.get(hf_name, ()):
+        region = intersect(want, hf_box)
+        if region is not None:
+            regions.setdefault(region, []).append((rank, key, local_box, hf_box))
+    covered = sum(box_numel(r) for r in regions)
+    if covered != box_numel(want) or _overlapping(list(regions)):
+        raise PlanError(f"{dst_label} tensor {dst_key} needs {hf_name}{list(want)}, which the "
+                        f"source ranks {'do not hold' if covered < box_numel(want) else 'hold in overlapping pieces'}"
+                        f" (covered {covered} of {box_numel(want)} elements)")
+    return sorted(regions.items())
+
+
+def _overlapping(boxes: list[Box]) -> bool:
+    return any(intersect(a, b) for i, a in enumerate(boxes) for b in boxes[i + 1:])
+
+
+def _split_to_fit(transfers: list[Transfer], bucket_bytes: int,
+                  element_size: int) -> list[Transfer]:
+    """Cut transfers larger than a bucket along their leading dim (at least one row each)."""
+    out = []
+    for t in transfers:
+        nbytes = t.numel * element_size
+        if nbytes <= bucket_bytes:
+            out.append(t)
+            continue
+        (s0, s1), *rest = t.src_box
+        (d0, _), *drest = t.dst_box
+        row_bytes = max(1, nbytes // (s1 - s0))
+        step = max(1, bucket_bytes // row_bytes)
+        for start in range(0, s1 - s0, step):
+            stop = min(start + step, s1 - s0)
+            out.append(Transfer(t.src_rank, t.src_key, ((s0 + start, s0 + stop), *rest),
+                                t.dst_rank, t.dst_key, ((d0 + start, d0 + stop), *drest)))
+    return out
+
+
+def _pack_rounds(transfers: list[Transfer], bucket_bytes: int,
+                 element_size: int) -> list[list[Transfer]]:
+    """First-fit transfers into rounds where each rank sends ≤ bucket and receives ≤ bucket.
+    Keeps each (src, dst) pair's transfers in plan order across rounds."""
+    rounds: list[list[Transfer]] = []
+    sent: list[dict[int, int]] = []
+    recvd: list[dict[int, int]] = []
+    pair_last: dict[tuple[int, int], int] = {}
+    first_free: dict[tuple[str, int], int] = defaultdict(int)  # rounds before it are full
+    for t in transfers:
+        nbytes = t.numel * element_size
+        k = max(pair_last.get((t.src_rank, t.dst_rank), 0),
+                first_free[("s", t.src_rank)], first_free[("d", t.dst_rank)])
+        while True:
+            if k == len(rounds):
+                rounds.append([])
+                sent.append(defaultdict(int))
+                recvd.append(defaultdict(int))
+            if (sent[k][t.src_rank] + nbytes <= bucket_bytes
+                    and recvd[k][t.dst_rank] + nbytes <= bucket_bytes):
+                break
+            k += 1
+        rounds[k].append(t)
+        sent[k][t.src_rank] += nbytes
+        recvd[k][t.dst_rank] += nbytes
+        pair_last[(t.src_rank, t.dst_rank)] = k
+        for side, rank, used in (("s", t.src_rank, sent), ("d", t.dst_rank, recvd)):
+            while first_free[(side, rank)] < len(rounds) and \
+                    used[first_free[(side, rank)]][rank] >= bucket_bytes:
+                first_free[(side, rank)] += 1
+    return rounds
