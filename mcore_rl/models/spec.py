@@ -153,6 +153,11 @@ def _reject_unsupported(cfg: dict) -> None:
     if cfg.get("use_sliding_window") or (cfg.get("model_type") == "mistral"
                                          and cfg.get("sliding_window")):
         problems.append(f"sliding_window={cfg.get('sliding_window')} (sliding-window attention)")
+    if (cfg.get("model_type") == "qwen2" and cfg.get("head_dim")
+            and cfg["head_dim"] != cfg["hidden_size"] // cfg["num_attention_heads"]):
+        # vLLM's Qwen2 always uses hidden_size // num_attention_heads.
+        problems.append(f"head_dim={cfg['head_dim']} != hidden_size // num_attention_heads "
+                        "for qwen2")
     if cfg.get("pretraining_tp", 1) not in (1, None):
         problems.append(f"pretraining_tp={cfg['pretraining_tp']}")
     if problems:

@@ -1,0 +1,83 @@
+"""Config of the RL algorithm: advantage estimator, policy/value/KL/entropy losses, filters."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from mcore_rl.algorithms.losses import KL_ESTIMATORS, LOSS_AGGS
+from mcore_rl.config import ConfigError
+
+ADVANTAGE_ESTIMATORS: tuple[str, ...] = ("gae", "grpo", "rloo", "reinforce_pp")
+KL_MODES: tuple[str, ...] = ("loss", "reward")
+
+
+@dataclass(frozen=True, kw_only=True)
+class AlgorithmConfig:
+    """How advantages and losses are computed. Defaults: GRPO, token-mean, no KL, no entropy.
+
+    advantage_estimator: "gae" (PPO with a critic), "grpo", "rloo" or "reinforce_pp".
+    clip_eps_low / clip_eps_high: PPO ratio clip range [1 - low, 1 + high]; high > low is
+        DAPO's clip-higher (DAPO uses 0.2 / 0.28).
+    clip_c: dual-clip bound (> 1) on the loss of negative-advantage tokens; null turns it off.
+    loss_agg: "token-mean" (DAPO), "seq-mean-token-mean" (GRPO) or "seq-mean-token-sum".
+    entropy_coeff: weight of the entropy bonus (>= 0; 0 turns it off).
+    kl_coeff: weight of the KL to the reference policy (>= 0; 0 means no reference needed).
+    kl_estimator: "k1", "k2" or "k3" (see `losses.kl_divergence`).
+    kl_mode: "loss" (a loss term, GRPO) or "reward" (folded into token rewards, PPO /
+        REINFORCE++).
+    gamma: discount over tokens, in [0, 1] (gae, reinforce_pp).
+    lam: GAE lambda, in [0, 1] (gae).
+    value_clip: critic clip range around the rollout values (> 0; null turns it off) (gae).
+    grpo_norm_by_std: divide GRPO advantages by the group std (false: Dr. GRPO).
+    grpo_eps: added to the group std before dividing (> 0).
+    dynamic_sampling: drop groups whose rewards are all equal (DAPO).
+    overlong_buffer: tokens before the max response length over which the overlong penalty
+        ramps from 0 to -overlong_penalty (>= 0; 0 turns it off).
+    overlong_penalty: size of the full overlong penalty (>= 0).
+    """
+
+    advantage_estimator: Literal["gae", "grpo", "rloo", "reinforce_pp"] = "grpo"
+    clip_eps_low: float = 0.2
+    clip_eps_high: float = 0.2
+    clip_c: float | None = 3.0
+    loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = "token-mean"
+    entropy_coeff: float = 0.0
+    kl_coeff: float = 0.0
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    kl_mode: Literal["loss", "reward"] = "loss"
+    gamma: float = 1.0
+    lam: float = 1.0
+    value_clip: float | None = 0.2
+    grpo_norm_by_std: bool = True
+    grpo_eps: float = 1e-6
+    dynamic_sampling: bool = False
+    overlong_buffer: int = 0
+    overlong_penalty: float = 1.0
+
+    def __post_init__(self) -> None:
+        for name, allowed in (("advantage_estimator", ADVANTAGE_ESTIMATORS),
+                              ("loss_agg", LOSS_AGGS), ("kl_estimator", KL_ESTIMATORS),
+                              ("kl_mode", KL_MODES)):
+            if getattr(self, name) not in allowed:
+                raise ConfigError(name, getattr(self, name),
+                                  f"allowed values: {', '.join(allowed)}")
+        if not 0.0 <= self.clip_eps_low < 1.0:
+            raise ConfigError("clip_eps_low", self.clip_eps_low, "must be in [0, 1)")
+        if self.clip_eps_high < 0.0:
+            raise ConfigError("clip_eps_high", self.clip_eps_high, "must be >= 0")
+        if self.clip_c is not None and self.clip_c <= 1.0:
+            raise ConfigError("clip_c", self.clip_c, "must be > 1 (null turns dual-clip off)")
+        for name in ("entropy_coeff", "kl_coeff", "overlong_buffer", "overlong_penalty"):
+            if getattr(self, name) < 0:
+                raise ConfigError(name, getattr(self, name), "must be >= 0")
+        for name in ("gamma", "lam"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise ConfigError(name, getattr(self, name), "must be in [0, 1]")
+        if self.value_clip is not None and self.value_clip <= 0.0:
+            raise ConfigError("value_clip", self.value_clip, "must be > 0 (null turns it off)")
+        if self.grpo_eps <= 0.0:
+            raise ConfigError("grpo_eps", self.grpo_eps, "must be > 0")
+
+
+__all__ = ["ADVANTAGE_ESTIMATORS", "AlgorithmConfig", "KL_MODES"]
