@@ -54,14 +54,14 @@ def _hf_shape(spec: ModelSpec, shape: tuple[str, ...]) -> tuple[int, ...]:
     return tuple(n * unit for n, unit in (dim_size(spec, d) for d in shape))
 
 
-def _padded(n: int, tp: int, rule: str | None) -> int:
+def _padded(spec: ModelSpec, tp: int, rule: str | None) -> int:
+    """Padded vocabulary size under a side's rule."""
     if rule == "megatron":
-        step = 128 * tp
+        padded = spec.mcore_padded_vocab(tp)
     elif rule == "vllm":
-        step = VLLM_VOCAB_PADDING
+        padded = -(-spec.vocab // VLLM_VOCAB_PADDING) * VLLM_VOCAB_PADDING
     else:
-        return n
-    padded = -(-n // step) * step
+        return spec.vocab
     if padded % tp:
         raise LayoutError(f"padded vocab {padded} is not divisible by TP={tp}")
     return padded
@@ -98,7 +98,7 @@ def _tp_pieces(spec: ModelSpec, row: Row, side: Side, name: str, hf_names: tuple
         pieces.append(Piece(local_box, hf_names[part], hf_box))
         offset += stop - start
     if side.pad_vocab:
-        offset = _padded(shapes[0][d], tp, side.pad_vocab) // tp
+        offset = _padded(spec, tp, side.pad_vocab) // tp
     shape = tuple(offset if i == d else s for i, s in enumerate(shapes[0]))
     return LocalTensor(name, shape, tuple(pieces))
 
@@ -110,7 +110,7 @@ def _split_runs(spec: ModelSpec, row: Row, side: Side, name: str, tp: int,
     units = [dim_size(spec, shape[d]) for shape in row.shapes]
     if side.pad_vocab:
         (n, _), = units
-        per = _padded(n, tp, side.pad_vocab) // tp
+        per = _padded(spec, tp, side.pad_vocab) // tp
         start, stop = rank * per, min((rank + 1) * per, n)
         return [(0, start, stop)] if start < stop else []
     if side.interleave is None:
@@ -244,6 +244,8 @@ def materialize_rank(smap: ShardMap, rank: int, hf_get: Callable[[str], torch.Te
 
 def _build_local(local, hf_get, dtype) -> torch.Tensor:
     tensor = None
+    if not local.pieces:  # all padding (e.g. a vocab shard past the real vocabulary)
+        return torch.zeros(local.shape, dtype=dtype or torch.float32)
     for piece in local.pieces:
         src = hf_get(piece.hf_name)[box_slices(piece.hf_box)]
         if tensor is None:

@@ -222,8 +222,10 @@ def _pack_rounds(transfers: list[Transfer], bucket_bytes: int,
                 rounds.append([])
                 sent.append(defaultdict(int))
                 recvd.append(defaultdict(int))
-            if (sent[k][t.src_rank] + nbytes <= bucket_bytes
-                    and recvd[k][t.dst_rank] + nbytes <= bucket_bytes):
+            fits = (sent[k][t.src_rank] + nbytes <= bucket_bytes
+                    and recvd[k][t.dst_rank] + nbytes <= bucket_bytes)
+            alone = sent[k][t.src_rank] == 0 and recvd[k][t.dst_rank] == 0
+            if fits or alone:  # a single row larger than a bucket goes in a round of its own
                 break
             k += 1
         rounds[k].append(t)

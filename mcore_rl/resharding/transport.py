@@ -133,6 +133,7 @@ def receive_shards(plan: Plan, group: dist.ProcessGroup, sync_rank: int, *,
             if t.dst_rank == sync_rank:
                 remaining[t.dst_key] += t.numel
     tensors: dict[str, torch.Tensor] = {}
+    yielded: set[str] = set()
     for k, msgs in enumerate(_schedule(plan, sync_rank, sending=False)):
         posted = []
         for src, transfers in msgs:
@@ -154,7 +155,11 @@ def receive_shards(plan: Plan, group: dist.ProcessGroup, sync_rank: int, *,
                 remaining[t.dst_key] -= t.numel
                 if remaining[t.dst_key] == 0:
                     stats.seconds = time.perf_counter() - start
+                    yielded.add(t.dst_key)
                     yield t.dst_key, tensors.pop(t.dst_key)
+    for key, left in remaining.items():
+        if left == 0 and key not in tensors and key not in yielded:
+            yield key, torch.zeros(shapes[key], dtype=dtype)  # all padding: nothing to receive
     missing = sorted(key for key, left in remaining.items() if left)
     if missing:
         raise SyncError(f"{plan.label(sync_rank)}: plan ended with {len(missing)} tensors "

@@ -1,0 +1,162 @@
+"""The streaming transport on real gloo ranks: every inference rank receives exactly its
+vLLM-form shard, bit for bit, straight from the training ranks that hold the pieces.
+
+All table rows run in ONE launch (a launch costs seconds): each row forms its own sync group
+(a fresh prefix) over the first T + D processes; the others sit that row out.
+"""
+
+import os
+import time
+
+import pytest
+import torch
+
+from mcore_rl.launch.spawn import DistributedRunError, run_on_ranks
+from mcore_rl.layouts import hf_shards, materialize_rank, megatron_shards, vllm_shards
+from mcore_rl.models.presets import get_preset
+from mcore_rl.parallel import ParallelConfig
+from mcore_rl.resharding import (SyncGroupSpec, build_plan, join_sync_group, receive_shards,
+                                 send_shards, verify_plan)
+
+MICRO = get_preset("micro")  # 4 heads, 2 kv heads, head_dim 32, 4 layers, vocab 250
+WIDE = MICRO.with_(heads=8, kv_heads=4, head_dim=16, hidden=128)
+QWEN_TIED = MICRO.with_(family="qwen2", architecture="Qwen2ForCausalLM", qkv_bias=True,
+                        tied_embeddings=True, vocab=251)
+BUCKET = 64 << 10
+
+# id: (model, training grid, vLLM TP, engines)
+CASES = {
+    # same TP, two engines served by every training rank
+    "llama tp2pp2 -> tp2 x2": (MICRO, ParallelConfig(tp=2, pp=2), 2, 2),
+    # TP up-sizing 1→2 from interleaved VPP chunks
+    "llama pp2vpp2 -> tp2": (MICRO, ParallelConfig(pp=2, vpp=2), 2, 1),
+    # TP down-sizing 4→2
+    "wide tp4 -> tp2": (WIDE, ParallelConfig(tp=4), 2, 1),
+    # TP up-sizing 2→4 with kv-head replication (4 ranks > 2 kv heads)
+    "llama tp2 -> tp4 (kv replicated)": (MICRO, ParallelConfig(tp=2), 4, 1),
+    # TP down-sizing 2→1, two DP replicas share the sending, two engines
+    "llama tp2dp2 -> tp1 x2": (MICRO, ParallelConfig(tp=2, dp=2), 1, 2),
+    # qkv bias, tied embeddings (output-layer copy on the last stage), odd vocab, uneven PP
+    "qwen2 tied pp2 uneven -> tp2": (QWEN_TIED, ParallelConfig(pp=2, first_stage_layers=1), 2, 1),
+    # tied embeddings at TP down-sizing 2→1 with an odd vocabulary
+    "qwen2 tied tp2 -> tp1": (QWEN_TIED, ParallelConfig(tp=2), 1, 1),
+}
+MAX_RANKS = max(p.world_size + tp * e for _, p, tp, e in CASES.values())
+
+
+def hf_reference(spec):
+    g = torch.Generator().manual_seed(7)
+    return {n: torch.randn(s, generator=g) for n, s in hf_shards(spec).hf_shapes.items()}
+
+
+def run_case(rank, case_index, spec, parallel, infer_tp, engines, timeout_s=30.0):
+    """One row on this process. Returns None when this rank sits the row out."""
+    src, dst = megatron_shards(spec, parallel), vllm_shards(spec, infer_tp, engines)
+    plan = build_plan(src, dst, bucket_bytes=BUCKET)
+    if rank >= plan.world_size:
+        return None
+    hf = hf_reference(spec)
+    group_spec = SyncGroupSpec("127.0.0.1", int(os.environ["MCORE_RL_TEST_STORE_PORT"]),
+                               f"case{case_index}/", plan.world_size, timeout_s=timeout_s)
+    group = join_sync_group(group_spec, rank)
+    verify_plan(plan, group, rank)
+    if rank < plan.num_src:
+        local = materialize_rank(src, rank, hf.__getitem__)
+        stats = send_shards(plan, group, rank, local, dtype=torch.float32)
+        return {"role": "src", "stats": stats.as_dict(), "shard_bytes": src.nbytes(rank, 4)}
+    expected = materialize_rank(dst, rank - plan.num_src, hf.__getitem__)
+    received = dict(receive_shards(plan, group, rank, dtype=torch.float32))
+    mismatched = sorted(k for k in expected if k in received
+                        and not torch.equal(expected[k], received[k]))
+    return {"role": "dst", "missing": sorted(set(expected) - set(received)),
+            "extra": sorted(set(received) - set(expected)), "mismatched": mismatched,
+            "bytes": sum(t.numel() * 4 for t in received.values()),
+            "planned_bytes": plan.bytes_received().get(rank, 0)}
+
+
+def run_table(rank, world_size):
+    out = {}
+    for i, (case_id, case) in enumerate(CASES.items()):
+        try:
+            out[case_id] = run_case(rank, i, *case)
+        except Exception as err:  # recorded per row so one broken row doesn't hide the rest
+            out[case_id] = {"role": "error", "error": f"{type(err).__name__}: {err}"}
+    return out
+
+
+@pytest.fixture(scope="module")
+def table():
+    return run_on_ranks(run_table, MAX_RANKS, timeout_s=600, init_default_group=False)
+
+
+@pytest.mark.parametrize("case_id", CASES)
+def test_every_inference_rank_gets_its_exact_shard(table, case_id):
+    results = [r[case_id] for r in table if r[case_id] is not None]
+    errors = [r["error"] for r in results if r["role"] == "error"]
+    assert not errors, errors
+    dst = [r for r in results if r["role"] == "dst"]
+    spec, parallel, infer_tp, engines = CASES[case_id]
+    assert len(dst) == infer_tp * engines
+    for r in dst:
+        assert not r["missing"] and not r["extra"] and not r["mismatched"], r
+    for r in (r for r in results if r["role"] == "src"):
+        stats = r["stats"]
+        # staging memory stays within one bucket; each shard goes out at most once per engine,
+        # except kv heads that vLLM replicates over several of its ranks
+        kv_copies = max(1, infer_tp // spec.kv_heads)
+        assert stats["peak_extra_bytes"] <= BUCKET
+        assert stats["bytes_sent"] <= engines * r["shard_bytes"] * (
+            1 if kv_copies == 1 else 1.5)
+
+
+def die_mid_stream(rank, world_size, mode):
+    """2 training ranks (TP2) → 2 inference ranks (TP2); training rank 1 dies or stalls after
+    its first message."""
+    src, dst = megatron_shards(MICRO, ParallelConfig(tp=2)), vllm_shards(MICRO, 2)
+    plan = build_plan(src, dst, bucket_bytes=16 << 10)
+    spec = SyncGroupSpec("127.0.0.1", int(os.environ["MCORE_RL_TEST_STORE_PORT"]), "die/",
+                         plan.world_size, timeout_s=5.0)
+    group = join_sync_group(spec, rank)
+    hf = hf_reference(MICRO)
+    start = time.monotonic()
+    try:
+        if rank < 2:
+            local = materialize_rank(src, rank, hf.__getitem__)
+            if rank == 1:
+                local = FailingAfter(local, 3, mode)
+            send_shards(plan, group, rank, local, dtype=torch.float32, timeout_s=5.0)
+        else:
+            for _ in receive_shards(plan, group, rank, dtype=torch.float32, timeout_s=5.0):
+                pass
+    finally:
+        elapsed = time.monotonic() - start
+    return elapsed
+
+
+class FailingAfter(dict):
+    """Tensor lookup that kills (or stalls) the process after `n` lookups."""
+
+    def __init__(self, tensors, n, mode):
+        super().__init__(tensors)
+        self.left, self.mode = n, mode
+
+    def __getitem__(self, key):
+        self.left -= 1
+        if self.left < 0:
+            if self.mode == "die":
+                os._exit(3)
+            time.sleep(60)
+        return super().__getitem__(key)
+
+
+@pytest.mark.parametrize("mode", ["die", "stall"])
+def test_a_dead_or_stalled_sender_is_named_within_the_deadline(mode):
+    start = time.monotonic()
+    with pytest.raises(DistributedRunError) as info:
+        run_on_ranks(die_mid_stream, 4, mode, timeout_s=90, init_default_group=False)
+    elapsed = time.monotonic() - start
+    text = str(info.value)
+    # both inference ranks name the training rank that stopped sending
+    assert text.count("receive from training rank 1 (tp1 pp0 dp0)") >= 1, text
+    assert "hung" not in text or mode == "stall", text
+    assert elapsed < 60, elapsed
