@@ -10,6 +10,7 @@ import sys
 
 # name → module providing add_parser(). Add a row when a command becomes real.
 COMMANDS: dict[str, str] = {
+    "bench": "mcore_rl.bench.cli",
 }
 
 

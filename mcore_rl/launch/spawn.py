@@ -60,13 +60,13 @@ def run_on_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s:
 
     `fn` must be importable (module level). Returns the per-rank return values in rank order.
     Raises DistributedRunError naming the failing or hung ranks, with their tracebacks.
-    With `init_default_group=False` the children get `MCORE_RL_TEST_STORE_PORT` and build
+    With `init_default_group=False` the children get `MCORE_RL_STORE_PORT` and build
     whatever groups they need themselves (e.g. a trainer world plus a separate sync group).
     """
     ctx = mp.get_context("spawn")
     store = dist.TCPStore("127.0.0.1", 0, world_size + 1, is_master=True,
                           wait_for_workers=False, timeout=datetime.timedelta(seconds=60))
-    child_env = {"OMP_NUM_THREADS": "1", "MCORE_RL_TEST_STORE_PORT": str(store.port),
+    child_env = {"OMP_NUM_THREADS": "1", "MCORE_RL_STORE_PORT": str(store.port),
                  "MASTER_ADDR": "127.0.0.1", **(env or {})}
     results = ctx.Queue()
     procs = [ctx.Process(target=_child_main, daemon=False, name=f"rank{rank}",

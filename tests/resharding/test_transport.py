@@ -56,7 +56,7 @@ def run_case(rank, case_index, spec, parallel, infer_tp, engines, timeout_s=30.0
     if rank >= plan.world_size:
         return None
     hf = hf_reference(spec)
-    group_spec = SyncGroupSpec("127.0.0.1", int(os.environ["MCORE_RL_TEST_STORE_PORT"]),
+    group_spec = SyncGroupSpec("127.0.0.1", int(os.environ["MCORE_RL_STORE_PORT"]),
                                f"case{case_index}/", plan.world_size, timeout_s=timeout_s)
     group = join_sync_group(group_spec, rank)
     verify_plan(plan, group, rank)
@@ -114,7 +114,7 @@ def die_mid_stream(rank, world_size, mode):
     its first message."""
     src, dst = megatron_shards(MICRO, ParallelConfig(tp=2)), vllm_shards(MICRO, 2)
     plan = build_plan(src, dst, bucket_bytes=16 << 10)
-    spec = SyncGroupSpec("127.0.0.1", int(os.environ["MCORE_RL_TEST_STORE_PORT"]), "die/",
+    spec = SyncGroupSpec("127.0.0.1", int(os.environ["MCORE_RL_STORE_PORT"]), "die/",
                          plan.world_size, timeout_s=5.0)
     group = join_sync_group(spec, rank)
     hf = hf_reference(MICRO)

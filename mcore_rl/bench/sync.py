@@ -1,0 +1,298 @@
+"""`mcore-rl bench sync`: the streaming resharding transport against the gather-then-broadcast
+baseline, on the same model, ranks and buckets, in one launch.
+
+Ranks: training ranks 0..T-1 (Megatron layout of the chosen grid), inference ranks T..T+D-1
+(vLLM layout, `engines` engines of `infer_tp` ranks). Weights come from an HF directory (read
+lazily, each rank only its own slices) or are made on the fly from a preset's shapes.
+
+The baseline does what the seed trainers do, and lives only here: every training shard is
+gathered onto training rank 0, which assembles whole HF tensors (the whole model in one rank's
+memory), then broadcasts each whole tensor to every inference rank, which cuts out its shard.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import psutil
+import torch
+import torch.distributed as dist
+
+from mcore_rl.layouts import ShardMap, materialize_rank, megatron_shards, vllm_shards
+from mcore_rl.layouts.layout import box_slices
+from mcore_rl.models.hf_weights import RandomWeights, SafetensorsWeights
+from mcore_rl.models.presets import PRESETS, get_preset
+from mcore_rl.models.spec import ModelSpec
+from mcore_rl.parallel import ParallelConfig
+from mcore_rl.resharding import (Plan, SyncGroupSpec, SyncStats, build_plan, join_sync_group,
+                                 receive_shards, send_shards, verify_plan)
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+@dataclass(frozen=True, kw_only=True)
+class SyncBenchConfig:
+    """model: preset name or HF model directory. train: the training grid. infer_tp / engines:
+    the vLLM side. bucket_mb: transport bucket. dtype: fp32 | bf16. baseline: also run the
+    gather-then-broadcast baseline. check: compare every received shard bit for bit.
+    repeats: timed repetitions (median reported). timeout_s: every send/recv deadline."""
+
+    model: str
+    train: ParallelConfig
+    infer_tp: int = 1
+    engines: int = 1
+    bucket_mb: float = 64.0
+    dtype: str = "fp32"
+    baseline: bool = False
+    check: bool = False
+    repeats: int = 1
+    timeout_s: float = 300.0
+    seed: int = 0
+
+    @property
+    def bucket_bytes(self) -> int:
+        return int(self.bucket_mb * (1 << 20))
+
+
+def resolve_model(model: str) -> ModelSpec:
+    """A preset name or an HF model directory."""
+    if model in PRESETS:
+        return get_preset(model)
+    if Path(model).is_dir():
+        return ModelSpec.from_hf_dir(model)
+    raise ValueError(f"--model {model!r}: neither a preset ({', '.join(sorted(PRESETS))}) "
+                     "nor an HF model directory")
+
+
+def make_plan(cfg: SyncBenchConfig, spec: ModelSpec) -> tuple[ShardMap, ShardMap, Plan]:
+    src = megatron_shards(spec, cfg.train)
+    dst = vllm_shards(spec, cfg.infer_tp, cfg.engines)
+    element_size = torch.empty((), dtype=DTYPES[cfg.dtype]).element_size()
+    return src, dst, build_plan(src, dst, bucket_bytes=cfg.bucket_bytes,
+                                element_size=element_size)
+
+
+def _weights(cfg: SyncBenchConfig, src: ShardMap):
+    if Path(cfg.model).is_dir():
+        return SafetensorsWeights(cfg.model)
+    return RandomWeights(src.hf_shapes, seed=cfg.seed)
+
+
+def _barrier(group: dist.ProcessGroup) -> None:
+    group.allreduce([torch.zeros(1)]).wait()
+
+
+def rank_main(rank: int, world_size: int, cfg: SyncBenchConfig) -> dict:
+    """One process of the benchmark. Returns this rank's measurements."""
+    spec = resolve_model(cfg.model)
+    src, dst, plan = make_plan(cfg, spec)
+    dtype = DTYPES[cfg.dtype]
+    weights = _weights(cfg, src)
+    port = int(os.environ["MCORE_RL_STORE_PORT"])
+    is_src = rank < plan.num_src
+    local = (materialize_rank(src, rank, weights.__getitem__, dtype) if is_src else None)
+    expected = (materialize_rank(dst, rank - plan.num_src, weights.__getitem__, dtype)
+                if cfg.check and not is_src else None)
+    out: dict = {"rank": rank, "role": "train" if is_src else "infer",
+                 "rss_bytes": psutil.Process().memory_info().rss}
+    group = join_sync_group(SyncGroupSpec("127.0.0.1", port, "ours/", world_size,
+                                          cfg.timeout_s), rank)
+    verify_plan(plan, group, rank)
+    out["ours"] = _repeat(cfg, group, lambda i: _ours_once(plan, group, rank, local, dtype,
+                                                           cfg), expected)
+    if cfg.baseline:
+        out["baseline"] = _repeat(cfg, group, lambda i: _baseline_once(
+            plan, src, dst, rank, local, dtype, cfg, port, i), expected)
+    return out
+
+
+def _repeat(cfg, group, once, expected) -> dict:
+    walls, stats, received = [], None, None
+    for i in range(cfg.repeats):
+        _barrier(group)
+        start = time.perf_counter()
+        stats, received = once(i)
+        walls.append(time.perf_counter() - start)
+    result = {"wall_s": walls, **stats.as_dict()}
+    if expected is not None:
+        bad = sorted(k for k in expected if k not in received
+                     or not torch.equal(expected[k], received[k]))
+        bad += sorted(set(received) - set(expected))
+        result["check_failures"] = bad
+    return result
+
+
+def _ours_once(plan, group, rank, local, dtype, cfg):
+    if local is not None:
+        return send_shards(plan, group, rank, local, dtype=dtype, timeout_s=cfg.timeout_s), None
+    stats = SyncStats()
+    received = dict(receive_shards(plan, group, rank, dtype=dtype, timeout_s=cfg.timeout_s,
+                                   stats=stats))
+    return stats, received
+
+
+def _baseline_once(plan, src, dst, rank, local, dtype, cfg, port, attempt):
+    """Gather every shard to training rank 0, assemble whole tensors, broadcast each whole
+    tensor to the inference ranks, which cut their shards out of it."""
+    stats = SyncStats()
+    gathered = None
+    if rank < plan.num_src:
+        gathered = _gather_to_rank0(src, rank, local, dtype, cfg, port, plan.num_src, stats,
+                                    attempt)
+        if rank != 0:
+            return stats, None
+    # rank 0 + inference ranks form the broadcast group
+    bcast_rank = 0 if rank == 0 else rank - plan.num_src + 1
+    group = join_sync_group(SyncGroupSpec("127.0.0.1", port, f"bcast{attempt}/",
+                                          plan.num_dst + 1, cfg.timeout_s), bcast_rank)
+    received = None if rank == 0 else {}
+    my_tensors = None if rank == 0 else dst.ranks[rank - plan.num_src]
+    for name in sorted(src.hf_shapes):
+        if name not in dst.hf_shapes:
+            continue  # e.g. the tied output-layer copy: vLLM has no such tensor
+        if rank == 0:
+            full = gathered[name]
+        else:
+            full = torch.empty(src.hf_shapes[name], dtype=dtype)
+            stats.hold(full.numel() * full.element_size())
+        opts = dist.BroadcastOptions()
+        opts.rootRank = 0
+        group.broadcast([full], opts).wait()
+        nbytes = full.numel() * full.element_size()
+        if rank == 0:
+            stats.bytes_sent += nbytes * plan.num_dst
+        else:
+            stats.bytes_received += nbytes
+            _cut_shards(my_tensors, name, full, received, dtype)
+            stats.release(nbytes)
+    return stats, received
+
+
+def _gather_to_rank0(src, rank, local, dtype, cfg, port, num_src, stats, attempt):
+    """Training ranks of DP replica 0 send every local tensor to rank 0, which assembles
+    whole HF tensors from the pieces (the whole model ends up on rank 0)."""
+    group = join_sync_group(SyncGroupSpec("127.0.0.1", port, f"gather{attempt}/", num_src,
+                                          cfg.timeout_s), rank)
+    holders = [r for r in sorted(src.ranks) if cfg.train.coords_of(r)["dp"] == 0]
+    if rank != 0:
+        if rank in holders:
+            for key in sorted(local):
+                tensor = local[key].contiguous()
+                group.send([tensor], 0, 0).wait()
+                stats.bytes_sent += tensor.numel() * tensor.element_size()
+        return None
+    full = {name: torch.zeros(shape, dtype=dtype) for name, shape in src.hf_shapes.items()}
+    stats.hold(sum(t.numel() * t.element_size() for t in full.values()))
+    for holder in holders:
+        tensors = local if holder == 0 else {}
+        for key in sorted(src.ranks[holder]):
+            if holder != 0:
+                buf = torch.empty(src.ranks[holder][key].shape, dtype=dtype)
+                stats.hold(buf.numel() * buf.element_size())
+                group.recv([buf], holder, 0).wait()
+                stats.bytes_received += buf.numel() * buf.element_size()
+                tensors[key] = buf
+            for piece in src.ranks[holder][key].pieces:
+                full[piece.hf_name][box_slices(piece.hf_box)] = \
+                    tensors[key][box_slices(piece.local_box)]
+        if holder != 0:
+            stats.release(sum(t.numel() * t.element_size() for t in tensors.values()))
+    return full
+
+
+def _cut_shards(my_tensors, name, full, received, dtype):
+    for key, local in my_tensors.items():
+        for piece in local.pieces:
+            if piece.hf_name == name:
+                if key not in received:
+                    received[key] = torch.zeros(local.shape, dtype=dtype)
+                received[key][box_slices(piece.local_box)] = full[box_slices(piece.hf_box)]
+    for key, local in my_tensors.items():  # all-padding shards
+        if not local.pieces and key not in received:
+            received[key] = torch.zeros(local.shape, dtype=dtype)
+
+
+def summarize(cfg: SyncBenchConfig, spec: ModelSpec, plan: Plan, per_rank: list[dict]) -> dict:
+    """Fold per-rank results into the report (the JSON line the CLI prints last)."""
+    def fold(which: str) -> dict:
+        runs = [max(r[which]["wall_s"][i] for r in per_rank) for i in range(cfg.repeats)]
+        failures = {r["rank"]: r[which]["check_failures"] for r in per_rank
+                    if r[which].get("check_failures")}
+        return {
+            "check": ("pass" if not failures else "fail") if cfg.check else "not run",
+            "check_failures": failures,
+            "wall_s": statistics.median(runs),
+            "wall_s_runs": runs,
+            "bytes_sent": {r["rank"]: r[which]["bytes_sent"] for r in per_rank},
+            "bytes_received": {r["rank"]: r[which]["bytes_received"] for r in per_rank},
+            "peak_extra_bytes": {r["rank"]: r[which]["peak_extra_bytes"] for r in per_rank},
+        }
+
+    ours = fold("ours")
+    report = {
+        "model": cfg.model, "params": spec.num_params(),
+        "model_bytes": spec.num_params() * plan.element_size,
+        "train": f"tp{cfg.train.tp} pp{cfg.train.pp} vpp{cfg.train.vpp or 1} dp{cfg.train.dp}",
+        "infer": f"tp{cfg.infer_tp} x{cfg.engines}", "bucket_mb": cfg.bucket_mb,
+        "dtype": cfg.dtype, "rounds": len(plan.rounds), **ours,
+        "max_peak_extra_bytes": max(ours["peak_extra_bytes"].values()),
+        "rss_bytes": {r["rank"]: r["rss_bytes"] for r in per_rank},
+    }
+    if cfg.baseline:
+        base = fold("baseline")
+        report["baseline"] = base
+        report["speedup_vs_baseline"] = base["wall_s"] / ours["wall_s"]
+        report["baseline_max_peak_extra_bytes"] = max(base["peak_extra_bytes"].values())
+        if cfg.check:
+            report["check"] = "pass" if ours["check"] == base["check"] == "pass" else "fail"
+    return report
+
+
+def run_sync_bench(cfg: SyncBenchConfig) -> dict:
+    """Launch T + D local processes, run the benchmark, return the report."""
+    from mcore_rl.launch.spawn import run_on_ranks
+
+    spec = resolve_model(cfg.model)
+    _, _, plan = make_plan(cfg, spec)  # fail on bad input before any process starts
+    per_rank = run_on_ranks(rank_main, plan.world_size, cfg, init_default_group=False,
+                            timeout_s=cfg.timeout_s + 120)
+    report = summarize(cfg, spec, plan, per_rank)
+    report["config"] = {**asdict(cfg), "train": asdict(cfg.train)}
+    return report
+
+
+def plan_only_report(cfg: SyncBenchConfig, link) -> dict:
+    """Plan on shapes alone (any model size) and project both transports' times."""
+    from mcore_rl.bench.link_model import project_baseline, project_transport
+
+    spec = resolve_model(cfg.model)
+    src, _, plan = make_plan(cfg, spec)
+    received = plan.bytes_received()
+    sent = plan.bytes_sent()
+    return {
+        "model": cfg.model, "params": spec.num_params(),
+        "model_bytes": spec.num_params() * plan.element_size,
+        "train": f"tp{cfg.train.tp} pp{cfg.train.pp} vpp{cfg.train.vpp or 1} dp{cfg.train.dp}",
+        "infer": f"tp{cfg.infer_tp} x{cfg.engines}", "bucket_mb": cfg.bucket_mb,
+        "dtype": cfg.dtype, "rounds": len(plan.rounds),
+        "transfers": sum(len(r) for r in plan.rounds),
+        "assumptions": link.describe(),
+        "projected_s": project_transport(plan, link),
+        "baseline_projected_s": project_baseline(plan, src, cfg.train, link),
+        "max_rank_bytes_received": max(received.values()),
+        "max_rank_bytes_sent": max(sent.values()),
+        "baseline_rank0_bytes": sum(_numel(s) for s in src.hf_shapes.values())
+        * plan.element_size,
+        "bytes_received": received, "bytes_sent": sent,
+    }
+
+
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n

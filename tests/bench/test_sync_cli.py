@@ -1,0 +1,53 @@
+"""`mcore-rl bench sync` end to end: it launches its own ranks, checks bit-exactness and
+reports bytes and staging memory per rank; `--plan-only` plans 70B from shapes alone."""
+
+import json
+
+import pytest
+
+from mcore_rl.cli import main
+
+
+def run_cli(capsys, *argv):
+    code = main(list(argv))
+    out = capsys.readouterr()
+    return code, json.loads(out.out.strip().splitlines()[-1]) if code == 0 else None, out
+
+
+def test_sync_with_baseline_checks_bytes_and_memory(capsys, tmp_path):
+    code, report, _ = run_cli(capsys, "bench", "sync", "--model", "micro", "--train-tp", "2",
+                              "--train-pp", "2", "--infer-tp", "2", "--bucket-mb", "0.0625",
+                              "--baseline", "gather", "--check", "--out", str(tmp_path))
+    assert code == 0
+    assert report["check"] == "pass" and report["baseline"]["check"] == "pass"
+    bucket = 0.0625 * (1 << 20)
+    assert report["max_peak_extra_bytes"] <= bucket
+    # the baseline holds the whole model on training rank 0
+    assert report["baseline_max_peak_extra_bytes"] >= report["model_bytes"]
+    # each inference rank receives only its shard: about half the model at TP2
+    for rank in ("4", "5"):
+        assert 0.45 < report["bytes_received"][rank] / report["model_bytes"] < 0.56
+    assert report["speedup_vs_baseline"] > 0
+    assert (tmp_path / "sync.json").is_file() and (tmp_path / "sync.md").is_file()
+
+
+def test_plan_only_projects_70b_against_the_baseline(capsys):
+    code, report, out = run_cli(capsys, "bench", "sync", "--plan-only", "--model", "llama3-70b",
+                                "--train-tp", "8", "--train-pp", "2", "--infer-tp", "8",
+                                "--engines", "2", "--dtype", "bf16", "--bucket-mb", "512")
+    assert code == 0
+    assert report["projected_s"] > 0 and report["baseline_projected_s"] > report["projected_s"]
+    # one inference rank needs ~1/8 of the bf16 weights, never the whole 141 GB
+    assert report["max_rank_bytes_received"] < report["model_bytes"] / 7
+    assert "GB/s" in out.out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--train-tp", "3"], "parallel.tp=3 does not divide num_attention_heads=4"),
+    (["--infer-tp", "3"], "vLLM tp=3 does not divide num_attention_heads=4"),
+    (["--model", "no-such-model"], "neither a preset"),
+])
+def test_bad_input_fails_before_any_rank_starts(capsys, argv, message):
+    code = main(["bench", "sync", "--model", "micro", *argv])  # a later --model wins
+    assert code == 2
+    assert message in capsys.readouterr().err
