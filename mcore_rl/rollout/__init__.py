@@ -1,0 +1,11 @@
+"""Rollouts: vLLM engines (TP via vLLM's mp executor), data-parallel engines in Ray actors, and
+the worker-side receive/install of streamed weight shards. vLLM and Ray are imported lazily."""
+
+from mcore_rl.rollout.engine import (Completion, RankSync, RolloutConfig, RolloutEngine,
+                                     RolloutError, SamplingConfig, SyncReport)
+from mcore_rl.rollout.ray_engines import RayEngines, init_local_ray
+from mcore_rl.rollout.worker_extension import install_from_iterator, rank_shapes
+
+__all__ = ["Completion", "RankSync", "RayEngines", "RolloutConfig", "RolloutEngine",
+           "RolloutError", "SamplingConfig", "SyncReport", "init_local_ray",
+           "install_from_iterator", "rank_shapes"]

@@ -1,0 +1,265 @@
+"""Data-parallel rollout: `RolloutConfig.engines` vLLM engines, each in its own Ray actor.
+
+Each actor hosts one `RolloutEngine` in-process (its TP workers, when tp > 1, are that
+engine's own mp-executor processes). Prompts are cut into contiguous chunks, one per engine,
+and results come back in prompt order; seeds depend on a prompt's global index, so results do
+not depend on the number of engines. Engine i's TP rank r is sync rank
+`first_sync_rank + i * tp + r` (engine-major, as `layouts.vllm_shards` numbers them).
+
+Every call has a deadline (`start_timeout_s` for start-up, `call_timeout_s` or the call's
+`timeout_s` otherwise). An engine that dies or misses it raises `RolloutError` naming the
+engine index and the phase; engines are not restarted (a dead engine has lost its weights:
+build a new `RayEngines` and sync it).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+from mcore_rl.rollout.engine import (Completion, RolloutConfig, RolloutEngine, RolloutError,
+                                     SamplingConfig, SyncReport)
+
+# Engine methods an actor may run on request (besides generate).
+_FORWARDED = frozenset({"describe_shards", "check_shapes", "start_join_sync_group",
+                        "finish_join_sync_group", "leave_sync_group", "begin_sync",
+                        "finish_sync", "sleep", "wake_up", "reset_prefix_cache", "shutdown"})
+
+
+def init_local_ray(num_cpus: int | None = None, host_ip: str = "127.0.0.1") -> None:
+    """Start a one-machine Ray instance bound to `host_ip` unless Ray is already initialized.
+
+    Loopback really binds loopback only if `RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0` is in the
+    environment before `ray` is first imported (vLLM imports it): on Linux, Ray 2.60 otherwise
+    turns `_node_ip_address="127.0.0.1"` into the machine's routable address and its GCS,
+    raylet and workers listen on all interfaces. This sets it (when not set) and checks the
+    result: a Ray that ended up on another address is shut down and reported. Token auth is
+    turned off (Ray 2.60 enables it when ~/.ray/auth_token exists) unless RAY_AUTH_MODE is set.
+    """
+    loopback = host_ip.startswith("127.") or host_ip in ("localhost", "::1")
+    if loopback:
+        os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    os.environ.setdefault("VLLM_HOST_IP", host_ip)
+    import ray
+
+    if ray.is_initialized():
+        return
+    ray.init(num_cpus=num_cpus or os.cpu_count(), include_dashboard=False,
+             _node_ip_address=host_ip)
+    actual = ray.util.get_node_ip_address()
+    if loopback and actual != host_ip:
+        ray.shutdown()
+        raise RuntimeError(
+            f"Ray came up on {actual}, not {host_ip}: set RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 "
+            "in the environment before anything imports ray (vLLM does), or init Ray yourself")
+
+
+class EngineHost:
+    """The Ray actor body: one RolloutEngine (Ray wraps this class with `ray.remote`)."""
+
+    def __init__(self, model_dir: str, cfg: RolloutConfig, index: int):
+        self.engine = RolloutEngine(model_dir, cfg, engine_index=index)
+
+    def ready(self) -> dict[str, Any]:
+        return {"startup_s": self.engine.startup_s, "pid": os.getpid()}
+
+    def generate(self, prompts, sampling: SamplingConfig, first_index: int):
+        return self.engine.generate(prompts, sampling, first_index=first_index)
+
+    def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        if method not in _FORWARDED:
+            raise RolloutError(self.engine.index, method, "not an engine method actors run")
+        return getattr(self.engine, method)(*args, **kwargs)
+
+
+class RayEngines:
+    """`cfg.engines` rollout engines in Ray actors (Ray must be initialized, e.g. by
+    `init_local_ray()`). Blocks until every engine has started or raises naming the one
+    that failed. `startup_s[i]`: engine i's vLLM start-up time; `pids[i]`: its process."""
+
+    def __init__(self, model_dir: str | Path, cfg: RolloutConfig):
+        import ray
+
+        if not ray.is_initialized():
+            raise RuntimeError("Ray is not initialized: call init_local_ray() or ray.init()")
+        self.cfg = cfg
+        self._sync_timeout = cfg.call_timeout_s
+        actor = ray.remote(num_cpus=cfg.cpus_per_engine, max_restarts=0,
+                           max_concurrency=1)(EngineHost)
+        self._actors = [actor.remote(str(model_dir), cfg, i) for i in range(cfg.engines)]
+        try:
+            info = self._gather("start-up", [(i, a.ready.remote())
+                                             for i, a in enumerate(self._actors)],
+                                cfg.start_timeout_s)
+        except RolloutError:
+            self.shutdown()
+            raise
+        self.startup_s = [r["startup_s"] for r in info]
+        self.pids = [r["pid"] for r in info]
+
+    @property
+    def num_engines(self) -> int:
+        return len(self._actors)
+
+    # ---------------------------------------------------------------- generation
+
+    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig, *,
+                 timeout_s: float | None = None,
+                 engines: Sequence[int] | None = None) -> list[list[Completion]]:
+        """Spread prompts over `engines` (default: all) in contiguous chunks; results in
+        prompt order (each prompt's `sampling.n` samples in order)."""
+        use = list(range(self.num_engines)) if engines is None else list(engines)
+        if not use or any(not 0 <= i < self.num_engines for i in use):
+            raise ValueError(f"engines={engines}: indices must be in [0, {self.num_engines})")
+        calls, start = [], 0
+        for k, i in enumerate(use):
+            stop = start + (len(prompts) - start) // (len(use) - k)
+            if stop > start:
+                chunk = [list(map(int, p)) for p in prompts[start:stop]]
+                calls.append((i, self._actors[i].generate.remote(chunk, sampling, start)))
+            start = stop
+        out: list[list[Completion]] = []
+        for part in self._gather("generate", calls, self._timeout(timeout_s)):
+            out.extend(part)
+        return out
+
+    # ---------------------------------------------------------------- engine calls
+
+    def _call_all(self, phase: str, method: str, *args: Any, deadline_s: float | None = None,
+                  per_engine_args: Sequence[tuple] | None = None, **kwargs: Any) -> list[Any]:
+        """`engine.<method>(*args, *per_engine_args[i], **kwargs)` on every engine; replies in
+        engine order within `deadline_s` (default call_timeout_s)."""
+        calls = []
+        for i, actor in enumerate(self._actors):
+            extra = per_engine_args[i] if per_engine_args is not None else ()
+            calls.append((i, actor.call.remote(method, *args, *extra, **kwargs)))
+        return self._gather(phase, calls, self._timeout(deadline_s))
+
+    def describe_shards(self) -> list[list[dict[str, tuple[int, ...]]]]:
+        """[engine][tp_rank] → vLLM name → per-rank shape."""
+        return self._call_all("describe", "describe_shards")
+
+    def check_shapes(self, plan, first_sync_rank: int) -> None:
+        """Every engine's per-rank shapes equal `plan.dst_shapes` of its sync ranks."""
+        tp = self.cfg.tp
+        self._call_all("describe", "check_shapes", per_engine_args=[
+            ([plan.dst_shapes.get(first_sync_rank + i * tp + r, {}) for r in range(tp)],)
+            for i in range(self.num_engines)])
+
+    def start_join_sync_group(self, spec, first_sync_rank: int) -> None:
+        """Every engine's workers start joining the sync group (returns at once); the trainer
+        then joins and calls `finish_join_sync_group`."""
+        tp = self.cfg.tp
+        self._call_all("sync", "start_join_sync_group", spec, per_engine_args=[
+            (first_sync_rank + i * tp,) for i in range(self.num_engines)])
+
+    def finish_join_sync_group(self, timeout_s: float | None = None) -> None:
+        timeout = self._timeout(timeout_s)
+        self._call_all("sync", "finish_join_sync_group", timeout, deadline_s=timeout + 15.0)
+
+    def leave_sync_group(self) -> None:
+        self._call_all("sync", "leave_sync_group")
+
+    def begin_sync(self, plan, *, dtype: torch.dtype = torch.float32, verify: bool = True,
+                   timeout_s: float | None = None) -> None:
+        """Start every engine's receive-and-install; returns once all have started.
+        timeout_s: the workers' receive deadline (default call_timeout_s)."""
+        self._sync_timeout = self._timeout(timeout_s)
+        self._call_all("sync", "begin_sync", plan, dtype=dtype, verify=verify,
+                       timeout_s=self._sync_timeout)
+
+    def finish_sync(self, timeout_s: float | None = None) -> list[SyncReport]:
+        """Wait for every engine's install, check names, reset prefix caches. timeout_s: how
+        long each engine waits for its workers (default: their receive deadline + 20 s)."""
+        deadline = (timeout_s if timeout_s is not None else self._sync_timeout + 20.0) + 30.0
+        return self._call_all("sync", "finish_sync", timeout_s=timeout_s, deadline_s=deadline)
+
+    def sleep(self) -> None:
+        """Colocated training: free GPU memory (enable_sleep); a no-op on CPU."""
+        self._call_all("sleep", "sleep")
+
+    def wake_up(self) -> None:
+        self._call_all("wake-up", "wake_up")
+
+    def shutdown(self) -> None:
+        """Stop every engine (cleanly when it answers within 30 s) and kill its actor."""
+        import ray
+
+        actors, self._actors = getattr(self, "_actors", []), []
+        refs = [a.call.remote("shutdown") for a in actors]
+        if refs:
+            ray.wait(refs, num_returns=len(refs), timeout=30.0)
+        for actor in actors:
+            ray.kill(actor, no_restart=True)
+
+    # ---------------------------------------------------------------- plumbing
+
+    def _timeout(self, timeout_s: float | None) -> float:
+        return self.cfg.call_timeout_s if timeout_s is None else timeout_s
+
+    def _gather(self, phase: str, calls: list[tuple[int, Any]], timeout_s: float) -> list[Any]:
+        """Results of `calls` ([(engine, ObjectRef)]) in order; the first failure or the
+        deadline raises RolloutError naming the engine(s) and the phase."""
+        import ray
+        from ray.exceptions import RayActorError, RayError, RayTaskError
+
+        deadline = time.monotonic() + timeout_s
+        engine_of = {ref: i for i, ref in calls}
+        results: dict[Any, Any] = {}
+        pending = [ref for _, ref in calls]
+        while pending:
+            remaining = deadline - time.monotonic()
+            ready = []
+            if remaining > 0:
+                ready, pending = ray.wait(pending, num_returns=1, timeout=remaining)
+            if not ready:
+                late = sorted(engine_of[r] for r in pending)
+                raise RolloutError(late[0], phase, f"no reply within {timeout_s:.1f} s "
+                                   f"(engines without a reply: {late}); the engine is stuck "
+                                   "or overloaded")
+            for ref in ready:
+                i = engine_of[ref]
+                try:
+                    results[ref] = ray.get(ref)
+                except RayActorError as err:
+                    raise RolloutError(i, phase, _actor_error(err)) from err
+                except RayTaskError as err:
+                    cause = getattr(err, "cause", None)
+                    if isinstance(cause, RolloutError):
+                        raise RolloutError(cause.engine, cause.phase, cause.detail,
+                                           cause.rank) from err
+                    raise RolloutError(i, phase, f"{type(cause).__name__ if cause else 'error'}:"
+                                                 f" {cause if cause else _first_line(err)}") \
+                        from err
+                except RayError as err:  # e.g. OutOfMemoryError: Ray's memory monitor killed it
+                    raise RolloutError(i, phase, f"{type(err).__name__}: {_first_line(err)}") \
+                        from err
+        return [results[ref] for _, ref in calls]
+
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+_OUR_ERROR = re.compile(r"^(?:[\w.]+\.)?RolloutError: rollout engine \d+(?: tp rank \d+)?, "
+                        r"[\w-]+: ")
+
+
+def _first_line(err: BaseException) -> str:
+    text = _ANSI.sub("", str(err)).strip()
+    return text.splitlines()[0] if text else type(err).__name__
+
+
+def _actor_error(err: BaseException) -> str:
+    """A dead actor's error in one line: the exception its constructor raised, if it was
+    that (Ray puts it last in the message), else Ray's own first line."""
+    lines = [line.strip() for line in _ANSI.sub("", str(err)).splitlines() if line.strip()]
+    if getattr(err, "_actor_init_failed", False) and len(lines) > 1:
+        return "failed to start: " + _OUR_ERROR.sub("", lines[-1])
+    return "engine process died: " + (lines[0] if lines else type(err).__name__)
+
+
+__all__ = ["EngineHost", "RayEngines", "init_local_ray"]

@@ -1,0 +1,88 @@
+"""Helpers of the rollout tests: the test model's shape, perturbed weights, per-rank shards."""
+
+from __future__ import annotations
+
+import torch
+from safetensors.torch import load_file
+
+from mcore_rl.layouts import materialize_rank, vllm_shards
+from mcore_rl.models.presets import get_preset
+
+SPEC = get_preset("micro")  # 4 layers, hidden 128, 4 heads / 2 kv heads (dim 32), vocab 250
+MAX_MODEL_LEN = 256  # = micro's max_positions
+
+
+def hf_state(model_dir) -> dict[str, torch.Tensor]:
+    return load_file(model_dir / "model.safetensors")
+
+
+def perturbed(state: dict[str, torch.Tensor], seed: int, scale: float = 0.1):
+    """Every matrix plus normal(0, scale) noise; norms unchanged."""
+    gen = torch.Generator().manual_seed(seed)
+    return {k: v + scale * torch.randn(v.shape, generator=gen) if v.ndim == 2 else v.clone()
+            for k, v in state.items()}
+
+
+def rank_items(state: dict[str, torch.Tensor], tp: int, rank: int):
+    """(vLLM name, per-rank tensor) pairs of TP rank `rank` — what the transport delivers."""
+    return list(materialize_rank(vllm_shards(SPEC, tp), rank, state.__getitem__).items())
+
+
+def hf_model_with(model_dir, state):
+    from mcore_rl.models.hf_reference import load_hf_model
+
+    model = load_hf_model(model_dir)
+    model.load_state_dict(state)
+    return model
+
+
+def prompts(count: int, length: int, seed: int = 0) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(4, SPEC.vocab, (length + i % 3,), generator=gen).tolist()
+            for i in range(count)]
+
+
+class Trainer:
+    """The training side of a weight sync, reduced to one rank that holds the full HF tensors
+    (`hf_shards` as the source layout) — enough to drive the engines' real receive path.
+    `engines` is a RolloutEngine or RayEngines (same sync methods)."""
+
+    def __init__(self, tp: int, engines: int = 1, timeout_s: float = 60.0):
+        from mcore_rl.layouts import hf_shards
+        from mcore_rl.resharding import build_plan, host_store
+
+        self.plan = build_plan(hf_shards(SPEC), vllm_shards(SPEC, tp, engines))
+        self.store = host_store(world_size=self.plan.world_size)
+        self.timeout_s = timeout_s
+        self.group = None
+        self.incarnation = 0
+
+    def connect(self, engines, timeout_s: float | None = None) -> None:
+        """Form a fresh sync group (new prefix) with the engines' workers."""
+        from mcore_rl.resharding import SyncGroupSpec, join_sync_group
+
+        self.incarnation += 1
+        spec = SyncGroupSpec("127.0.0.1", self.store.port, f"test-sync-{self.incarnation}",
+                             self.plan.world_size, timeout_s=timeout_s or self.timeout_s)
+        engines.start_join_sync_group(spec, self.plan.num_src)
+        self.group = join_sync_group(spec, 0, store=self.store)
+        engines.finish_join_sync_group()
+
+    def disconnect(self, engines) -> None:
+        engines.leave_sync_group()
+        self.group.shutdown()
+        self.group = None
+
+    def sync(self, engines, state: dict[str, torch.Tensor]):
+        """Stream `state` into the engines; returns (engine report(s), trainer SyncStats)."""
+        from mcore_rl.resharding import SyncError, send_shards, verify_plan
+
+        engines.begin_sync(self.plan)
+        try:
+            verify_plan(self.plan, self.group, 0)
+            stats = send_shards(self.plan, self.group, 0, state, dtype=torch.float32,
+                                timeout_s=self.timeout_s)
+        except SyncError:
+            engines.finish_sync()  # raises the engine's own (more precise) error if it has one
+            raise
+        return engines.finish_sync(), stats

@@ -1,0 +1,45 @@
+"""RolloutConfig / SamplingConfig validate themselves and name the field (no vLLM needed)."""
+
+import pytest
+
+from mcore_rl.config import ConfigError, from_dict
+from mcore_rl.rollout import RolloutConfig, SamplingConfig
+
+
+@pytest.mark.parametrize("cls,field,value", [
+    (RolloutConfig, "tp", 0),
+    (RolloutConfig, "engines", 0),
+    (RolloutConfig, "kv_cache_gib", 0.0),
+    (RolloutConfig, "gpu_memory_utilization", 1.5),
+    (RolloutConfig, "call_timeout_s", 0.0),
+    (RolloutConfig, "sleep_level", 3),
+    (RolloutConfig, "block_size", 20),             # not a multiple of 16
+    (SamplingConfig, "temperature", -0.5),
+    (SamplingConfig, "top_p", 0.0),
+    (SamplingConfig, "n", 0),
+    (SamplingConfig, "max_tokens", 0),
+])
+def test_bad_values_name_the_field(cls, field, value):
+    with pytest.raises(ConfigError) as err:
+        cls(**{field: value})
+    assert err.value.field == field
+
+
+def test_threads_bind_needs_one_list_per_rank():
+    with pytest.raises(ConfigError, match="cpu_threads_bind"):
+        RolloutConfig(tp=2, cpu_threads_bind="0")
+    RolloutConfig(tp=2, cpu_threads_bind="0|1")
+
+
+def test_loaded_from_yaml_dict_with_prefix():
+    cfg = from_dict(RolloutConfig, {"tp": 2, "engines": 3, "kv_cache_gib": 2})
+    assert (cfg.tp, cfg.engines, cfg.kv_cache_gib) == (2, 3, 2.0)
+    with pytest.raises(ConfigError, match="rollout.tp=0"):
+        from_dict(RolloutConfig, {"tp": 0}, prefix="rollout")
+
+
+def test_prompt_seeds_do_not_overlap_between_prompts():
+    sp = SamplingConfig(n=4, seed=10)
+    # vLLM gives sample j of a request seed + j: prompt i's seeds are 10 + 4i .. 10 + 4i + 3.
+    assert [sp.prompt_seed(i) for i in range(3)] == [10, 14, 18]
+    assert SamplingConfig().prompt_seed(5) is None
