@@ -6,12 +6,22 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 # name → module providing add_parser(). Add a row when a command becomes real.
 COMMANDS: dict[str, str] = {
     "bench": "mcore_rl.bench.cli",
+    "demo": "mcore_rl.trainer.demo",
+    "plot": "mcore_rl.trainer.demo",
+    "train-lm": "mcore_rl.trainer.lm",
 }
+
+
+def _bind_localhost_by_default() -> None:
+    """Ray (imported by vLLM too) listens on the machine's address unless this is set before
+    its first import; our ports bind to localhost unless the user configures otherwise."""
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -23,6 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    _bind_localhost_by_default()
     args = build_parser().parse_args(argv)
     return int(args.func(args) or 0)
 

@@ -26,8 +26,8 @@ class SafetensorsWeights:
 
     def __init__(self, model_dir: str | Path):
         self.dir = Path(model_dir)
-        self._file_of = self._index()
         self._handles: dict[Path, object] = {}
+        self._file_of = self._index()
 
     def _index(self) -> dict[str, Path]:
         index = self.dir / "model.safetensors.index.json"

@@ -1,0 +1,156 @@
+"""The actor role: one Ray actor per Megatron rank, driven by the single controller.
+
+Each worker joins the actor's own gloo/NCCL world, builds megatron-core's groups for the grid
+and the model chunks (weights streamed from the HF directory: each rank reads only its own
+slices), and then runs what the controller asks: supervised steps, log-prob passes, policy
+updates, and weight sync sends. Batches arrive whole; each worker keeps its DP slice and cuts
+it into micro batches (the pipeline needs equal shapes).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import asdict
+
+import torch
+import torch.distributed as dist
+
+from mcore_rl.algorithms import AlgorithmConfig
+from mcore_rl.layouts import materialize_rank, megatron_shards
+from mcore_rl.models.hf_weights import SafetensorsWeights
+from mcore_rl.models.spec import ModelSpec
+from mcore_rl.parallel import ParallelConfig
+from mcore_rl.parallel.groups import Axis, default_backend, init_training_groups
+from mcore_rl.resharding import Plan, SyncGroupSpec, join_sync_group, send_shards, verify_plan
+from mcore_rl.trainer.config import TrainConfig
+
+
+class ActorWorker:
+    """One Megatron rank of the actor. Methods return plain, picklable values."""
+
+    def __init__(self, rank: int, world_size: int, master_port: int, spec: ModelSpec,
+                 parallel: ParallelConfig, train: TrainConfig, hf_dir: str,
+                 timeout_s: float = 600.0):
+        from mcore_rl.models.gpt import load_chunks
+        from mcore_rl.trainer.megatron_train import setup_trainer
+
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
+        torch.set_num_threads(1)
+        dist.init_process_group(default_backend(), init_method=f"tcp://127.0.0.1:{master_port}",
+                                rank=rank, world_size=world_size,
+                                timeout=datetime.timedelta(seconds=timeout_s))
+        self.rank, self.spec, self.parallel = rank, spec, parallel
+        self.groups = init_training_groups(parallel, timeout_s=timeout_s)
+        self.shards = megatron_shards(spec, parallel)
+        weights = SafetensorsWeights(hf_dir)
+        dtype = torch.bfloat16 if train.dtype == "bf16" else torch.float32
+
+        def load(chunks):
+            load_chunks(chunks, materialize_rank(self.shards, rank, weights.__getitem__, dtype),
+                        parallel.vpp)
+
+        self.trainer = setup_trainer(spec, self.groups, train, load_weights=load)
+        self.train_cfg = train
+        self.sync_group = None
+
+    # --- batches ----------------------------------------------------------------------------
+
+    def _my_rows(self, n: int) -> slice:
+        dp, dp_rank = self.parallel.dp, self.groups.rank_in(Axis.DP)
+        if n % dp:
+            raise ValueError(f"batch of {n} sequences does not split over dp={dp}")
+        per = n // dp
+        return slice(dp_rank * per, (dp_rank + 1) * per)
+
+    def _micro(self, tensors: dict[str, torch.Tensor], cls):
+        rows = self._my_rows(next(iter(tensors.values())).shape[0])
+        mine = {k: v[rows] for k, v in tensors.items()}
+        n = next(iter(mine.values())).shape[0]
+        mbs = self.train_cfg.micro_batch_size
+        if n % mbs:
+            raise ValueError(f"{n} sequences per DP rank do not split into micro batches of "
+                             f"micro_batch_size={mbs}")
+        return [cls(**{k: v[i:i + mbs] for k, v in mine.items()}) for i in range(0, n, mbs)]
+
+    # --- passes -----------------------------------------------------------------------------
+
+    def sft_step(self, tokens, labels, loss_mask) -> dict:
+        from mcore_rl.trainer.megatron_train import MicroBatch, train_step
+
+        batches = self._micro({"tokens": tokens, "labels": labels, "loss_mask": loss_mask},
+                              MicroBatch)
+        return asdict(train_step(self.trainer, batches))
+
+    def logprobs(self, tokens, labels) -> torch.Tensor | None:
+        """Log-probs of this DP slice's labels; returned by the last stage's TP rank 0 only."""
+        from mcore_rl.trainer.megatron_train import MicroBatch
+        from mcore_rl.trainer.rl_step import compute_logprobs
+
+        batches = self._micro({"tokens": tokens, "labels": labels,
+                               "loss_mask": torch.ones_like(labels)}, MicroBatch)
+        out = compute_logprobs(self.trainer, batches)
+        if out is None or self.groups.rank_in(Axis.TP) != 0:
+            return None
+        return torch.cat(out)
+
+    def update(self, batch: dict[str, torch.Tensor], algo: AlgorithmConfig) -> dict:
+        from mcore_rl.trainer.rl_step import PolicyBatch, policy_update
+
+        return policy_update(self.trainer, self._micro(batch, PolicyBatch), algo)
+
+    def reset_optimizer(self, train: TrainConfig) -> bool:
+        """A fresh optimizer and LR schedule (e.g. RL after the supervised warm-up)."""
+        from mcore_rl.trainer.megatron_train import (_configure_schedule, build_optimizer,
+                                                     build_scheduler)
+
+        dtype = torch.bfloat16 if train.dtype == "bf16" else torch.float32
+        trainer = self.trainer
+        trainer.optimizer = build_optimizer(trainer.model, train.optimizer, dtype, self.groups)
+        trainer.scheduler = build_scheduler(trainer.optimizer, train.optimizer)
+        trainer.train = train
+        _configure_schedule(trainer.config, trainer.model, trainer.optimizer)
+        self.train_cfg = train
+        return True
+
+    def dp_rank_of_output(self) -> int | None:
+        """Which DP slice this rank's `logprobs` output covers (None: it returns nothing)."""
+        if self.groups.is_last_stage and self.groups.rank_in(Axis.TP) == 0:
+            return self.groups.rank_in(Axis.DP)
+        return None
+
+    # --- weight sync ------------------------------------------------------------------------
+
+    def join_sync_group(self, spec: SyncGroupSpec) -> bool:
+        self.sync_group = join_sync_group(spec, self.rank)
+        return True
+
+    def local_tensors(self) -> dict[str, torch.Tensor]:
+        """This rank's parameters keyed as `megatron_shards` names them."""
+        out = {}
+        prefix_chunks = self.parallel.vpp is not None
+        for v, chunk in enumerate(self.trainer.unwrapped()):
+            for name, tensor in chunk.state_dict(keep_vars=True).items():
+                if name.endswith("_extra_state"):
+                    continue
+                out[f"model{v}.{name}" if prefix_chunks else name] = tensor.detach()
+        return out
+
+    def send_weights(self, plan: Plan, dtype: str = "fp32", timeout_s: float = 120.0) -> dict:
+        """Stream this rank's shards to the inference ranks (the plan says which bytes go
+        where). Returns this rank's transport stats."""
+        if self.sync_group is None:
+            raise RuntimeError(f"actor rank {self.rank}: join_sync_group was not called")
+        torch_dtype = torch.bfloat16 if dtype == "bf16" else torch.float32
+        verify_plan(plan, self.sync_group, self.rank)
+        stats = send_shards(plan, self.sync_group, self.rank, self.local_tensors(),
+                            dtype=torch_dtype, timeout_s=timeout_s)
+        return stats.as_dict()
+
+    def shutdown(self) -> bool:
+        from mcore_rl.parallel.groups import destroy_training_groups
+
+        destroy_training_groups()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        return True

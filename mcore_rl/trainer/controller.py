@@ -1,0 +1,230 @@
+"""The single controller of an RL run (GRPO family) on the addition task.
+
+It owns the data flow and the clock; workers own the compute. Per step:
+generate (vLLM engines) → reward (rule function) → old log-probs (Megatron actor) →
+advantages → policy update (mini-batches) → weight sync (streamed shards, timed as its own
+phase, never billed to the actor). Every remote wait has a deadline; a phase that misses it
+is reported with the names of the workers that did not answer.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from mcore_rl.algorithms import grpo_advantages
+from mcore_rl.layouts import megatron_shards, vllm_shards
+from mcore_rl.models.spec import ModelSpec
+from mcore_rl.resharding import SyncGroupSpec, build_plan, host_store
+from mcore_rl.rollout.engine import SamplingConfig
+from mcore_rl.tasks.addition import AdditionTask, reward
+from mcore_rl.tasks.tokenizer import encode_answer, encode_prompt, load_tokenizer, response_text
+from mcore_rl.trainer.metrics import MetricsWriter, PhaseTimer
+from mcore_rl.trainer.rl_config import RLConfig
+
+
+class PhaseTimeout(RuntimeError):
+    """A phase missed its deadline; names the phase and the workers still running."""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Batch:
+    """Sequences [n, s] as the actor sees them: tokens (inputs), labels (next tokens), and the
+    response mask aligned with labels."""
+
+    tokens: torch.Tensor
+    labels: torch.Tensor
+    mask: torch.Tensor
+
+
+def build_batch(prompts: list[list[int]], responses: list[list[int]], length: int,
+                pad_id: int) -> Batch:
+    """Concatenate prompt + response ids, pad to `length` + 1 tokens, shift into
+    (tokens, labels); the mask marks the labels that are response tokens."""
+    rows, masks = [], []
+    for prompt, response in zip(prompts, responses):
+        seq = (list(prompt) + list(response))[:length + 1]
+        pad = length + 1 - len(seq)
+        rows.append(seq + [pad_id] * pad)
+        mask = [0] * (len(prompt) - 1) + [1] * (len(seq) - len(prompt)) + [0] * pad
+        masks.append(mask[:length])
+    full = torch.tensor(rows, dtype=torch.long)
+    return Batch(full[:, :-1].contiguous(), full[:, 1:].contiguous(),
+                 torch.tensor(masks, dtype=torch.float32))
+
+
+class RLController:
+    """Owns the Ray workers (actor ranks, rollout engines), the sync plan and the loop."""
+
+    def __init__(self, cfg: RLConfig, model_dir: Path, run_dir: Path):
+        import ray
+
+        from mcore_rl.rollout.ray_engines import RayEngines, init_local_ray
+        from mcore_rl.trainer.actor_worker import ActorWorker
+
+        self.cfg, self.run_dir = cfg, Path(run_dir)
+        self.spec = ModelSpec.from_hf_dir(model_dir)
+        self.tokenizer = load_tokenizer(model_dir)
+        self.task = AdditionTask(digits=cfg.digits)
+        init_local_ray(num_cpus=max(2, os.cpu_count() or 2))
+        world = cfg.actor.world_size
+        port = _free_port()
+        remote_cls = ray.remote(num_cpus=0)(ActorWorker)
+        self.workers = [remote_cls.options(name=None).remote(
+            rank, world, port, self.spec, cfg.actor, cfg.warmup.train, str(model_dir),
+            cfg.phase_timeout_s) for rank in range(world)]
+        self.engines = RayEngines(model_dir, cfg.rollout)
+        self._join_sync_group()
+        self.plan = build_plan(megatron_shards(self.spec, cfg.actor),
+                               vllm_shards(self.spec, cfg.rollout.tp, cfg.rollout.engines),
+                               bucket_bytes=int(cfg.sync_bucket_mb * (1 << 20)))
+
+    # --- plumbing ---------------------------------------------------------------------------
+
+    def _wait(self, refs: list, phase: str, names: list[str] | None = None) -> list:
+        """ray.get with the phase deadline; on timeout, name who did not answer."""
+        import ray
+
+        done, pending = ray.wait(refs, num_returns=len(refs), timeout=self.cfg.phase_timeout_s)
+        if pending:
+            names = names or [f"actor rank {i}" for i in range(len(refs))]
+            late = [names[i] for i, r in enumerate(refs) if r in pending]
+            raise PhaseTimeout(f"phase {phase!r} missed its {self.cfg.phase_timeout_s:.0f} s "
+                               f"deadline; still running: {', '.join(late)}")
+        return ray.get(refs)
+
+    def _actor(self, method: str, *args, phase: str) -> list:
+        return self._wait([getattr(w, method).remote(*args) for w in self.workers], phase)
+
+    def _join_sync_group(self) -> None:
+        world = self.cfg.actor.world_size + self.cfg.rollout.tp * self.cfg.rollout.engines
+        self._store = host_store(world_size=world, timeout_s=self.cfg.phase_timeout_s)
+        spec = SyncGroupSpec("127.0.0.1", self._store.port, "sync/", world,
+                             self.cfg.phase_timeout_s)
+        self.engines.start_join_sync_group(spec, self.cfg.actor.world_size)
+        self._actor("join_sync_group", spec, phase="sync-join")
+        self.engines.finish_join_sync_group()
+
+    def sync_weights(self) -> dict[str, float]:
+        """Stream the actor's shards into every engine; checks each engine got every name."""
+        self.engines.begin_sync(self.plan)
+        stats = self._actor("send_weights", self.plan, phase="sync")
+        self.engines.finish_sync()
+        return {"sync_bytes": float(sum(s["bytes_sent"] for s in stats))}
+
+    def _logprobs(self, batch: Batch) -> torch.Tensor:
+        outs = self._actor("logprobs", batch.tokens, batch.labels, phase="old_logprob")
+        slots = self._wait([w.dp_rank_of_output.remote() for w in self.workers], "old_logprob")
+        by_dp = {dp: out for dp, out in zip(slots, outs) if dp is not None}
+        return torch.cat([by_dp[d] for d in range(self.cfg.actor.dp)])
+
+    def _generate(self, prompts: list[list[int]], sampling: SamplingConfig):
+        return self.engines.generate(prompts, sampling, timeout_s=self.cfg.phase_timeout_s)
+
+    # --- warm-up ----------------------------------------------------------------------------
+
+    def accuracy(self, n: int) -> float:
+        texts = self.task.heldout_prompts(n, seed=self.cfg.seed)
+        prompts = [encode_prompt(self.tokenizer, t) for t in texts]
+        sampling = SamplingConfig(temperature=0.0, max_tokens=self.cfg.max_new_tokens,
+                                  stop_token_ids=[self.tokenizer.eos_token_id])
+        outs = self._generate(prompts, sampling)
+        return sum(reward(t, response_text(o[0].token_ids, self.tokenizer))
+                   for t, o in zip(texts, outs)) / n
+
+    def warmup(self, writer: MetricsWriter) -> float:
+        """Supervised steps on noisy answers until held-out greedy accuracy is reached."""
+        w = self.cfg.warmup
+        acc = 0.0
+        for step in range(1, w.max_steps + 1):
+            timer = PhaseTimer()
+            examples = self.task.warmup_examples(w.batch_size, seed=self.cfg.seed * 100003 + step,
+                                                 p=w.label_noise)
+            prompts = [encode_prompt(self.tokenizer, p) for p, _ in examples]
+            answers = [encode_answer(self.tokenizer, a) for _, a in examples]
+            batch = build_batch(prompts, answers, w.train.seq_len, self.tokenizer.pad_token_id)
+            with timer("update_actor"):
+                result = self._actor("sft_step", batch.tokens, batch.labels, batch.mask,
+                                     phase="warmup")[0]
+            metrics = {"loss": result["loss"], "grad_norm": result["grad_norm"]}
+            if step % w.eval_every == 0:
+                with timer("sync"):
+                    self.sync_weights()
+                with timer("gen"):
+                    acc = self.accuracy(w.eval_prompts)
+                metrics["accuracy"] = acc
+                writer.write(step, {**metrics, **timer.as_metrics()})
+                if acc >= w.target_accuracy:
+                    break
+        return acc
+
+    # --- RL ---------------------------------------------------------------------------------
+
+    def reset_optimizer(self) -> None:
+        self._actor("reset_optimizer", self.cfg.train, phase="setup")
+
+    def rl_step(self, step: int) -> dict[str, float]:
+        cfg, timer = self.cfg, PhaseTimer()
+        texts = self.task.prompts(cfg.prompts_per_step, seed=cfg.seed * 7919 + step)
+        prompts = [encode_prompt(self.tokenizer, t) for t in texts]
+        sampling = SamplingConfig(temperature=cfg.temperature, max_tokens=cfg.max_new_tokens,
+                                  n=cfg.samples_per_prompt, seed=cfg.seed * 1000 + step,
+                                  stop_token_ids=[self.tokenizer.eos_token_id])
+        with timer("gen"):
+            outs = self._generate(prompts, sampling)
+        flat_prompts = [p for p, o in zip(prompts, outs) for _ in o]
+        completions = [c for o in outs for c in o]
+        with timer("reward"):
+            scores = torch.tensor([reward(t, response_text(c.token_ids, self.tokenizer))
+                                   for t, o in zip(texts, outs) for c in o])
+        batch = build_batch(flat_prompts, [c.token_ids for c in completions],
+                            cfg.train.seq_len, self.tokenizer.pad_token_id)
+        with timer("old_logprob"):
+            old_logp = self._logprobs(batch)
+        with timer("adv"):
+            groups = torch.arange(len(prompts)).repeat_interleave(cfg.samples_per_prompt)
+            adv = grpo_advantages(scores, groups, batch.mask,
+                                  norm_by_std=cfg.algorithm.grpo_norm_by_std,
+                                  eps=cfg.algorithm.grpo_eps)
+        updates = []
+        with timer("update_actor"):
+            n = batch.tokens.shape[0] // cfg.updates_per_batch
+            for k in range(cfg.updates_per_batch):
+                rows = slice(k * n, (k + 1) * n)
+                mini = {"tokens": batch.tokens[rows], "labels": batch.labels[rows],
+                        "response_mask": batch.mask[rows], "old_logp": old_logp[rows],
+                        "advantages": adv[rows]}
+                updates.append(self._actor("update", mini, cfg.algorithm,
+                                           phase="update_actor")[0])
+        with timer("sync"):
+            sync = self.sync_weights()
+        gen_tokens = float(batch.mask.sum())
+        metrics = {
+            "reward_mean": float(scores.mean()), "reward_std": float(scores.std()),
+            "response_length": gen_tokens / len(completions),
+            "pg_loss": updates[-1]["pg_loss"], "clip_frac": updates[-1]["clip_frac"],
+            "ppo_kl": updates[-1]["ppo_kl"], "entropy": updates[0]["entropy"],
+            "grad_norm": updates[-1]["grad_norm"],
+            **sync, **timer.as_metrics(),
+        }
+        metrics["tokens_per_s"] = gen_tokens / max(metrics["timing_s/gen"], 1e-9)
+        return metrics
+
+    def shutdown(self) -> None:
+        import ray
+
+        try:
+            self._wait([w.shutdown.remote() for w in self.workers], "shutdown")
+            self.engines.shutdown()
+        finally:
+            ray.shutdown()

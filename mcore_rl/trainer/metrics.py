@@ -1,0 +1,112 @@
+"""Per-step metrics: phase timers, and one writer for console (rich), JSONL and TensorBoard;
+`plot_run` turns a run's metrics.jsonl into PNG charts (`mcore-rl plot RUN_DIR`)."""
+
+from __future__ import annotations
+
+import json
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+
+class PhaseTimer:
+    """Wall seconds per phase of one step; phases never nest, so no time is billed twice."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self._start = time.perf_counter()
+        self._open: str | None = None
+
+    @contextmanager
+    def __call__(self, phase: str):
+        if self._open is not None:
+            raise RuntimeError(f"phase {phase!r} started inside {self._open!r}")
+        self._open, start = phase, time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - start
+            self._open = None
+
+    def as_metrics(self) -> dict[str, float]:
+        out = {f"timing_s/{k}": v for k, v in self.seconds.items()}
+        out["timing_s/step"] = time.perf_counter() - self._start
+        return out
+
+
+class MetricsWriter:
+    """Writes each step's metrics to RUN_DIR/metrics.jsonl, TensorBoard (RUN_DIR/tb) and the
+    console."""
+
+    CONSOLE = ("reward_mean", "accuracy", "loss", "pg_loss", "clip_frac", "entropy",
+               "grad_norm", "timing_s/gen", "timing_s/update_actor", "timing_s/sync",
+               "timing_s/step")
+
+    def __init__(self, run_dir: Path, phase: str = "rl"):
+        from rich.console import Console
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.run_dir = Path(run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.jsonl = (self.run_dir / ("metrics.jsonl" if phase == "rl"
+                                      else f"{phase}_metrics.jsonl")).open("a")
+        self.tb = SummaryWriter(str(self.run_dir / "tb" / phase))
+        self.console = Console(highlight=False)
+        self.phase = phase
+
+    def write(self, step: int, metrics: dict[str, float]) -> None:
+        record = {"step": step, **{k: float(v) for k, v in metrics.items()}}
+        self.jsonl.write(json.dumps(record) + "\n")
+        self.jsonl.flush()
+        for key, value in record.items():
+            if key != "step":
+                self.tb.add_scalar(key, value, step)
+        shown = "  ".join(f"{k.removeprefix('timing_s/')}={record[k]:.3g}"
+                          for k in self.CONSOLE if k in record)
+        self.console.print(f"[bold]{self.phase} step {step:4d}[/bold]  {shown}")
+
+    def close(self) -> None:
+        self.jsonl.close()
+        self.tb.close()
+
+
+def plot_run(run_dir: str | Path) -> list[Path]:
+    """reward.png (reward per step) and phases.png (seconds per phase per step)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    run_dir = Path(run_dir)
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no metrics.jsonl in the run directory")
+    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    steps = [r["step"] for r in records]
+    written = []
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot(steps, [r["reward_mean"] for r in records], label="reward_mean")
+    ax.set_xlabel("step")
+    ax.set_ylabel("reward")
+    ax.set_title("reward")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(run_dir / "reward.png")
+    written.append(run_dir / "reward.png")
+    phases = sorted({k for r in records for k in r if k.startswith("timing_s/")
+                     and k != "timing_s/step"})
+    fig, ax = plt.subplots(figsize=(7, 4))
+    bottom = [0.0] * len(records)
+    for phase in phases:
+        values = [r.get(phase, 0.0) for r in records]
+        ax.bar(steps, values, bottom=bottom, label=phase.removeprefix("timing_s/"))
+        bottom = [b + v for b, v in zip(bottom, values)]
+    ax.set_xlabel("step")
+    ax.set_ylabel("seconds")
+    ax.set_title("time per phase")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(run_dir / "phases.png")
+    written.append(run_dir / "phases.png")
+    plt.close("all")
+    return written
