@@ -63,6 +63,18 @@ def build_batch(prompts: list[list[int]], responses: list[list[int]], length: in
                  torch.tensor(masks, dtype=torch.float32))
 
 
+def _rollout_logprob_diff(completions, actor_logp: torch.Tensor, mask: torch.Tensor) -> float:
+    """Max |vLLM log-prob − actor log-prob| over all sampled response tokens."""
+    worst = 0.0
+    for row, completion in enumerate(completions):
+        positions = mask[row].nonzero().flatten()
+        n = min(len(positions), len(completion.logprobs))
+        if n:
+            engine = torch.tensor(completion.logprobs[:n])
+            worst = max(worst, float((engine - actor_logp[row, positions[:n]]).abs().max()))
+    return worst
+
+
 class RLController:
     """Owns the Ray workers (actor ranks, rollout engines), the sync plan and the loop."""
 
@@ -191,6 +203,7 @@ class RLController:
                             cfg.train.seq_len, self.tokenizer.pad_token_id)
         with timer("old_logprob"):
             old_logp = self._logprobs(batch)
+        rollout_diff = _rollout_logprob_diff(completions, old_logp, batch.mask)
         with timer("adv"):
             groups = torch.arange(len(prompts)).repeat_interleave(cfg.samples_per_prompt)
             adv = grpo_advantages(scores, groups, batch.mask,
@@ -215,6 +228,9 @@ class RLController:
             "pg_loss": updates[-1]["pg_loss"], "clip_frac": updates[-1]["clip_frac"],
             "ppo_kl": updates[-1]["ppo_kl"], "entropy": updates[0]["entropy"],
             "grad_norm": updates[-1]["grad_norm"],
+            # vLLM's log-probs of its samples vs the actor's on the same (synced) weights:
+            # ~0 means the weight sync is exact; it grows if the engine serves stale weights
+            "rollout_logprob_max_diff": rollout_diff,
             **sync, **timer.as_metrics(),
         }
         metrics["tokens_per_s"] = gen_tokens / max(metrics["timing_s/gen"], 1e-9)

@@ -70,14 +70,15 @@ def compute_logprobs(trainer: MegatronTrainer,
     """Log-probs of the labels per micro batch ([b, s], fp32) on the last pipeline stage;
     None on other stages. Forward only (old / reference log-probs)."""
 
-    def collect(output, non_loss_data=False):
-        return output
+    def collect(labels, logits, non_loss_data=False):
+        # called by the schedule on the last pipeline stage only (others hold hidden states)
+        logp, _ = logp_and_entropy(trainer, logits, labels)
+        return logp
 
     def step(data_iterator, chunk):
         batch = next(data_iterator)
-        logits = chunk(batch.tokens, _positions(batch.tokens), None)
-        logp, _ = logp_and_entropy(trainer, logits, batch.labels)
-        return logp, collect
+        output = chunk(batch.tokens, _positions(batch.tokens), None)
+        return output, functools.partial(collect, batch.labels)
 
     with torch.no_grad():
         out = _run_schedule(trainer.model, trainer.groups, micro_batches, forward_step=step,
