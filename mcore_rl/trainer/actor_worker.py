@@ -31,8 +31,12 @@ class ActorWorker:
 
     def __init__(self, rank: int, world_size: int, master_port: int, spec: ModelSpec,
                  parallel: ParallelConfig, train: TrainConfig, hf_dir: str,
-                 timeout_s: float = 600.0):
-        from mcore_rl.models.gpt import load_chunks
+                 timeout_s: float = 600.0, *, critic_train: TrainConfig | None = None,
+                 reference: bool = False):
+        """Roles colocated on this rank: the actor always; a critic (PPO) when
+        `critic_train` is given; a frozen reference policy when `reference`."""
+        from mcore_rl.models.gpt import build_gpt_model, load_chunks
+        from mcore_rl.trainer.critic import FrozenModel, attach_value_head
         from mcore_rl.trainer.megatron_train import setup_trainer
 
         os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -50,8 +54,22 @@ class ActorWorker:
             load_chunks(chunks, materialize_rank(self.shards, rank, weights.__getitem__, dtype),
                         parallel.vpp)
 
+        def load_critic(chunks):  # initialized from the policy, then a fresh value head
+            load(chunks)
+            attach_value_head(chunks, spec.hidden, self.groups.is_last_stage)
+
         self.trainer = setup_trainer(spec, self.groups, train, load_weights=load)
         self.train_cfg = train
+        self.critic = (setup_trainer(spec, self.groups, critic_train, load_weights=load_critic)
+                       if critic_train is not None else None)
+        self.reference = None
+        if reference:
+            chunks = build_gpt_model(spec, parallel, self.groups, params_dtype=dtype,
+                                     seed=train.seed)
+            load(chunks)
+            for chunk in chunks:
+                chunk.eval().requires_grad_(False)
+            self.reference = FrozenModel(spec, chunks, self.groups)
         self.sync_group = None
 
     # --- batches ----------------------------------------------------------------------------
@@ -82,22 +100,49 @@ class ActorWorker:
                               MicroBatch)
         return asdict(train_step(self.trainer, batches))
 
-    def logprobs(self, tokens, labels) -> torch.Tensor | None:
-        """Log-probs of this DP slice's labels; returned by the last stage's TP rank 0 only."""
+    def _forward_only(self, fn, model, tokens, labels) -> torch.Tensor | None:
+        """Run a forward-only pass over this DP slice; the last stage's TP rank 0 returns the
+        [n, s] result (others return None: the controller takes one copy per DP slice)."""
         from mcore_rl.trainer.megatron_train import MicroBatch
-        from mcore_rl.trainer.rl_step import compute_logprobs
 
         batches = self._micro({"tokens": tokens, "labels": labels,
                                "loss_mask": torch.ones_like(labels)}, MicroBatch)
-        out = compute_logprobs(self.trainer, batches)
+        out = fn(model, batches)
         if out is None or self.groups.rank_in(Axis.TP) != 0:
             return None
         return torch.cat(out)
+
+    def logprobs(self, tokens, labels) -> torch.Tensor | None:
+        """The actor's log-probs of the labels (old log-probs)."""
+        from mcore_rl.trainer.rl_step import compute_logprobs
+
+        return self._forward_only(compute_logprobs, self.trainer, tokens, labels)
+
+    def ref_logprobs(self, tokens, labels) -> torch.Tensor | None:
+        """The frozen reference policy's log-probs of the labels."""
+        from mcore_rl.trainer.rl_step import compute_logprobs
+
+        if self.reference is None:
+            raise RuntimeError(f"actor rank {self.rank}: no reference model on this worker")
+        return self._forward_only(compute_logprobs, self.reference, tokens, labels)
+
+    def values(self, tokens, labels) -> torch.Tensor | None:
+        """The critic's values V(state before label t), [n, s]."""
+        from mcore_rl.trainer.critic import compute_values
+
+        if self.critic is None:
+            raise RuntimeError(f"actor rank {self.rank}: no critic on this worker")
+        return self._forward_only(compute_values, self.critic, tokens, labels)
 
     def update(self, batch: dict[str, torch.Tensor], algo: AlgorithmConfig) -> dict:
         from mcore_rl.trainer.rl_step import PolicyBatch, policy_update
 
         return policy_update(self.trainer, self._micro(batch, PolicyBatch), algo)
+
+    def critic_update(self, batch: dict[str, torch.Tensor], algo: AlgorithmConfig) -> dict:
+        from mcore_rl.trainer.critic import ValueBatch, value_update
+
+        return value_update(self.critic, self._micro(batch, ValueBatch), algo)
 
     def reset_optimizer(self, train: TrainConfig) -> bool:
         """A fresh optimizer and LR schedule (e.g. RL after the supervised warm-up)."""

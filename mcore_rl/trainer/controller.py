@@ -16,7 +16,9 @@ from pathlib import Path
 
 import torch
 
-from mcore_rl.algorithms import grpo_advantages
+from mcore_rl.algorithms import (AlgorithmConfig, gae_advantages, grpo_advantages,
+                                 kl_penalty_rewards, outcome_to_token_rewards, overlong_penalty,
+                                 reinforce_pp_advantages, rloo_advantages)
 from mcore_rl.layouts import megatron_shards, vllm_shards
 from mcore_rl.models.spec import ModelSpec
 from mcore_rl.resharding import SyncGroupSpec, build_plan, host_store
@@ -63,6 +65,40 @@ def build_batch(prompts: list[list[int]], responses: list[list[int]], length: in
                  torch.tensor(masks, dtype=torch.float32))
 
 
+def _mini_batches(batch: dict[str, torch.Tensor], count: int):
+    """`count` equal, contiguous mini-batches of the rows."""
+    n = next(iter(batch.values())).shape[0] // count
+    for k in range(count):
+        yield {key: value[k * n:(k + 1) * n] for key, value in batch.items()}
+
+
+def compute_advantages(algo: AlgorithmConfig, scores: torch.Tensor, groups: torch.Tensor,
+                       mask: torch.Tensor, old_logp: torch.Tensor,
+                       extra: dict[str, torch.Tensor]):
+    """Advantages [n, s] (and returns, for the critic) by the configured estimator.
+
+    Group estimators (grpo, rloo) use the sequence scores; token estimators (gae,
+    reinforce_pp) use token rewards: the score on the last response token, minus the KL to
+    the reference on every token when kl_mode is "reward"."""
+    metrics: dict[str, float] = {}
+    if algo.advantage_estimator == "grpo":
+        return grpo_advantages(scores, groups, mask, norm_by_std=algo.grpo_norm_by_std,
+                               eps=algo.grpo_eps), None, metrics
+    if algo.advantage_estimator == "rloo":
+        return rloo_advantages(scores, groups, mask), None, metrics
+    token_rewards = outcome_to_token_rewards(scores, mask)
+    if algo.kl_coeff and algo.kl_mode == "reward":
+        token_rewards, kl = kl_penalty_rewards(token_rewards, old_logp, extra["ref_logp"], mask,
+                                               coeff=algo.kl_coeff, estimator=algo.kl_estimator)
+        metrics["kl_reward"] = float(kl["kl"])
+    if algo.advantage_estimator == "gae":
+        adv, returns = gae_advantages(token_rewards, extra["values"], mask, gamma=algo.gamma,
+                                      lam=algo.lam)
+        return adv, returns, metrics
+    adv, returns = reinforce_pp_advantages(token_rewards, mask, gamma=algo.gamma)
+    return adv, returns, metrics
+
+
 def _rollout_logprob_diff(completions, actor_logp: torch.Tensor, mask: torch.Tensor) -> float:
     """Max |vLLM log-prob − actor log-prob| over all sampled response tokens."""
     worst = 0.0
@@ -92,9 +128,12 @@ class RLController:
         world = cfg.actor.world_size
         port = _free_port()
         remote_cls = ray.remote(num_cpus=0)(ActorWorker)
-        self.workers = [remote_cls.options(name=None).remote(
+        self.use_critic = cfg.algorithm.advantage_estimator == "gae"
+        self.use_reference = cfg.algorithm.kl_coeff > 0
+        self.workers = [remote_cls.remote(
             rank, world, port, self.spec, cfg.actor, cfg.warmup.train, str(model_dir),
-            cfg.phase_timeout_s) for rank in range(world)]
+            cfg.phase_timeout_s, critic_train=cfg.critic_train if self.use_critic else None,
+            reference=self.use_reference) for rank in range(world)]
         self.engines = RayEngines(model_dir, cfg.rollout)
         self._join_sync_group()
         self.plan = build_plan(megatron_shards(self.spec, cfg.actor),
@@ -134,9 +173,10 @@ class RLController:
         self.engines.finish_sync()
         return {"sync_bytes": float(sum(s["bytes_sent"] for s in stats))}
 
-    def _logprobs(self, batch: Batch) -> torch.Tensor:
-        outs = self._actor("logprobs", batch.tokens, batch.labels, phase="old_logprob")
-        slots = self._wait([w.dp_rank_of_output.remote() for w in self.workers], "old_logprob")
+    def _per_token(self, method: str, batch: Batch, phase: str) -> torch.Tensor:
+        """A forward-only pass on every worker; one [n, s] result, assembled over DP."""
+        outs = self._actor(method, batch.tokens, batch.labels, phase=phase)
+        slots = self._wait([w.dp_rank_of_output.remote() for w in self.workers], phase)
         by_dp = {dp: out for dp, out in zip(slots, outs) if dp is not None}
         return torch.cat([by_dp[d] for d in range(self.cfg.actor.dp)])
 
@@ -201,24 +241,43 @@ class RLController:
                                    for t, o in zip(texts, outs) for c in o])
         batch = build_batch(flat_prompts, [c.token_ids for c in completions],
                             cfg.train.seq_len, self.tokenizer.pad_token_id)
+        lengths = batch.mask.sum(-1)
+        if cfg.algorithm.overlong_buffer:
+            scores = scores + overlong_penalty(
+                lengths, max_response_length=cfg.max_new_tokens,
+                overlong_buffer=cfg.algorithm.overlong_buffer,
+                penalty_factor=cfg.algorithm.overlong_penalty)
         with timer("old_logprob"):
-            old_logp = self._logprobs(batch)
+            old_logp = self._per_token("logprobs", batch, "old_logprob")
         rollout_diff = _rollout_logprob_diff(completions, old_logp, batch.mask)
+        extra: dict[str, torch.Tensor] = {}
+        if self.use_reference:
+            with timer("ref"):
+                extra["ref_logp"] = self._per_token("ref_logprobs", batch, "ref")
+        if self.use_critic:
+            with timer("values"):
+                extra["values"] = self._per_token("values", batch, "values")
         with timer("adv"):
             groups = torch.arange(len(prompts)).repeat_interleave(cfg.samples_per_prompt)
-            adv = grpo_advantages(scores, groups, batch.mask,
-                                  norm_by_std=cfg.algorithm.grpo_norm_by_std,
-                                  eps=cfg.algorithm.grpo_eps)
-        updates = []
+            adv, returns, adv_metrics = compute_advantages(cfg.algorithm, scores, groups,
+                                                           batch.mask, old_logp, extra)
+        policy = {"tokens": batch.tokens, "labels": batch.labels, "response_mask": batch.mask,
+                  "old_logp": old_logp, "advantages": adv}
+        if self.use_reference and cfg.algorithm.kl_mode == "loss":
+            policy["ref_logp"] = extra["ref_logp"]
+        updates, critic_updates = [], []
         with timer("update_actor"):
-            n = batch.tokens.shape[0] // cfg.updates_per_batch
-            for k in range(cfg.updates_per_batch):
-                rows = slice(k * n, (k + 1) * n)
-                mini = {"tokens": batch.tokens[rows], "labels": batch.labels[rows],
-                        "response_mask": batch.mask[rows], "old_logp": old_logp[rows],
-                        "advantages": adv[rows]}
+            for mini in _mini_batches(policy, cfg.updates_per_batch):
                 updates.append(self._actor("update", mini, cfg.algorithm,
                                            phase="update_actor")[0])
+        if self.use_critic:
+            value = {"tokens": batch.tokens, "labels": batch.labels,
+                     "response_mask": batch.mask, "old_values": extra["values"],
+                     "returns": returns}
+            with timer("update_critic"):
+                for mini in _mini_batches(value, cfg.updates_per_batch):
+                    critic_updates.append(self._actor("critic_update", mini, cfg.algorithm,
+                                                      phase="update_critic")[0])
         with timer("sync"):
             sync = self.sync_weights()
         gen_tokens = float(batch.mask.sum())
@@ -231,6 +290,8 @@ class RLController:
             # vLLM's log-probs of its samples vs the actor's on the same (synced) weights:
             # ~0 means the weight sync is exact; it grows if the engine serves stale weights
             "rollout_logprob_max_diff": rollout_diff,
+            "kl_ref": updates[-1]["kl_ref"], **adv_metrics,
+            **(critic_updates[-1] if critic_updates else {}),
             **sync, **timer.as_metrics(),
         }
         metrics["tokens_per_s"] = gen_tokens / max(metrics["timing_s/gen"], 1e-9)

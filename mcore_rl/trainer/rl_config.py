@@ -58,6 +58,7 @@ class RLConfig:
 
     actor: the actor's Megatron grid. warmup: supervised warm-up (0 max_steps skips it).
     train: the RL optimizer (a fresh one after warm-up) and micro batch size.
+    critic_train: the critic's optimizer and micro batch size (advantage_estimator "gae").
     rollout: vLLM engines. algorithm: advantages and loss.
     steps: RL steps. prompts_per_step x samples_per_prompt sequences per step.
     updates_per_batch: optimizer steps (mini-batches x epochs) per generated batch.
@@ -71,6 +72,9 @@ class RLConfig:
     train: TrainConfig = field(default_factory=lambda: TrainConfig(
         micro_batch_size=64, num_micro_batches=1, seq_len=11,
         optimizer=OptimizerConfig(lr=5e-4, clip_grad=1.0)))
+    critic_train: TrainConfig = field(default_factory=lambda: TrainConfig(
+        micro_batch_size=64, num_micro_batches=1, seq_len=11,
+        optimizer=OptimizerConfig(lr=1e-3, clip_grad=1.0)))
     rollout: RolloutConfig = field(default_factory=lambda: RolloutConfig(
         tp=1, engines=1, max_model_len=64))
     algorithm: AlgorithmConfig = field(default_factory=lambda: AlgorithmConfig(
@@ -97,9 +101,21 @@ class RLConfig:
             raise ConfigError("updates_per_batch", self.updates_per_batch,
                               f"must divide prompts_per_step*samples_per_prompt={batch}")
         per_dp = batch // self.updates_per_batch // self.actor.dp
-        if per_dp % self.train.micro_batch_size or per_dp == 0:
-            raise ConfigError("train.micro_batch_size", self.train.micro_batch_size,
-                              f"must divide the {per_dp} sequences each DP rank gets per update")
+        if per_dp < 1:
+            raise ConfigError("updates_per_batch", self.updates_per_batch,
+                              f"leaves no sequences for each of actor.dp={self.actor.dp} ranks")
+        roles = [("train", self.train)]
+        if self.algorithm.advantage_estimator == "gae":
+            roles.append(("critic_train", self.critic_train))
+        for role, train in roles:
+            if per_dp % train.micro_batch_size:
+                raise ConfigError(f"{role}.micro_batch_size", train.micro_batch_size,
+                                  f"must divide the {per_dp} sequences each DP rank gets per "
+                                  "update")
+        if self.algorithm.kl_mode == "reward" and self.algorithm.kl_coeff and \
+                self.algorithm.advantage_estimator in ("grpo", "rloo"):
+            raise ConfigError("algorithm.kl_mode", "reward",
+                              "group estimators (grpo, rloo) take the KL as a loss term")
         if self.algorithm.loss_agg != "token-mean":
             raise ConfigError("algorithm.loss_agg", self.algorithm.loss_agg,
                               "the Megatron actor update supports token-mean (global token "

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mcore_rl.algorithms import AlgorithmConfig, policy_loss
+from mcore_rl.algorithms import AlgorithmConfig, kl_loss, policy_loss
 from mcore_rl.algorithms.vocab_parallel import vocab_parallel_log_probs_and_entropy
 from mcore_rl.parallel.groups import Axis
 from mcore_rl.trainer.megatron_train import MegatronTrainer, MicroBatch, _run_schedule
@@ -35,6 +35,7 @@ class PolicyBatch:
     response_mask: torch.Tensor
     old_logp: torch.Tensor
     advantages: torch.Tensor
+    ref_logp: torch.Tensor | None = None  # with a KL loss term
 
     @property
     def loss_mask(self) -> torch.Tensor:  # what the schedule helper checks shapes of
@@ -98,10 +99,16 @@ def _policy_loss(batch: PolicyBatch, algo: AlgorithmConfig, trainer: MegatronTra
     loss_sum = pg_mean * num_tokens
     if algo.entropy_coeff:
         loss_sum = loss_sum - algo.entropy_coeff * (entropy * mask).sum()
+    kl_sum = torch.zeros(())
+    if batch.ref_logp is not None and algo.kl_coeff and algo.kl_mode == "loss":
+        kl_mean, kl_metrics = kl_loss(logp, batch.ref_logp, mask, coeff=algo.kl_coeff,
+                                      estimator=algo.kl_estimator, agg="token-mean")
+        loss_sum = loss_sum + kl_mean * num_tokens
+        kl_sum = kl_metrics["kl"] * num_tokens
     report = torch.stack([loss_sum.detach(), num_tokens,
                           metrics["pg_clipfrac"].detach() * num_tokens,
                           metrics["ppo_kl"].detach() * num_tokens,
-                          (entropy.detach() * mask).sum()])
+                          (entropy.detach() * mask).sum(), kl_sum.detach()])
     return loss_sum, num_tokens.to(torch.int), {"policy": report}
 
 
@@ -129,13 +136,17 @@ def policy_update(trainer: MegatronTrainer, micro_batches: list[PolicyBatch],
     tokens = max(float(totals[1]), 1.0)
     return {"pg_loss": float(totals[0]) / tokens, "clip_frac": float(totals[2]) / tokens,
             "ppo_kl": float(totals[3]) / tokens, "entropy": float(totals[4]) / tokens,
+            "kl_ref": float(totals[5]) / tokens,
             "grad_norm": float(grad_norm), "update_tokens": tokens}
 
 
-def _global_sum(reports: list[torch.Tensor], trainer: MegatronTrainer) -> torch.Tensor:
+def _global_sum(reports: list[torch.Tensor], trainer: MegatronTrainer,
+                size: int = 6) -> torch.Tensor:
+    """Sum per-micro-batch report vectors over micro batches and DP; share over PP (only the
+    last stage has reports)."""
     import torch.distributed as dist
 
-    total = torch.zeros(5, dtype=torch.float64)
+    total = torch.zeros(size, dtype=torch.float64)
     for report in reports:
         total += report.double()
     dist.all_reduce(total, group=trainer.groups.group(Axis.DP))

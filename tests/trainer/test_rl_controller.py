@@ -19,14 +19,21 @@ def small_config(*overrides):
         "updates_per_batch=2", "train.micro_batch_size=4", "phase_timeout_s=240", *overrides])
 
 
+GRPO = ["algorithm.advantage_estimator=grpo"]
+# PPO: critic with GAE, KL to a frozen reference as a loss term (k3)
+PPO = ["algorithm.advantage_estimator=gae", "algorithm.kl_coeff=0.05",
+       "critic_train.micro_batch_size=4"]
+
+
+@pytest.mark.parametrize("algo", [GRPO, PPO], ids=["grpo", "ppo"])
 @pytest.mark.parametrize("grid", [["actor.tp=2"], ["actor.tp=1", "actor.pp=2"]],
                          ids=["actor-tp2", "actor-pp2"])
-def test_two_grpo_steps_with_vllm_and_streamed_sync(tmp_path, grid):
+def test_two_rl_steps_with_vllm_and_streamed_sync(tmp_path, grid, algo):
     from mcore_rl.trainer.controller import RLController
     from mcore_rl.trainer.demo import build_demo_model
     from mcore_rl.trainer.metrics import MetricsWriter, plot_run
 
-    cfg = small_config(*grid)
+    cfg = small_config(*grid, *algo)
     model_dir = build_demo_model(cfg, tmp_path)
     controller = RLController(cfg, model_dir, tmp_path)
     try:
@@ -39,13 +46,16 @@ def test_two_grpo_steps_with_vllm_and_streamed_sync(tmp_path, grid):
         writer.close()
     finally:
         controller.shutdown()
+    phases = PHASES + (("ref", "values", "update_critic") if algo is PPO else ())
     for m in steps:
-        assert all(f"timing_s/{p}" in m for p in PHASES)
-        parts = sum(m[f"timing_s/{p}"] for p in PHASES if p != "step")
+        assert all(f"timing_s/{p}" in m for p in phases)
+        parts = sum(m[f"timing_s/{p}"] for p in phases if p != "step")
         assert parts <= m["timing_s/step"] + 1e-6  # phases never overlap or double-bill
         assert m["sync_bytes"] > 0
         # vLLM sampled from exactly the actor's weights (fp32)
         assert m["rollout_logprob_max_diff"] < 1e-4, m["rollout_logprob_max_diff"]
+        if algo is PPO:
+            assert "vf_loss" in m and m["kl_ref"] >= 0
     records = [json.loads(l) for l in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2] and "reward_mean" in records[0]
     assert all(p.is_file() for p in plot_run(tmp_path))

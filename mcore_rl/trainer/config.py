@@ -1,0 +1,111 @@
+"""Config of a Megatron-Core training step, and the model × grid compatibility check.
+
+`check_model_fits_parallel` is the one place that decides whether a model can be split on a
+training grid; the trainer calls it at start-up and a preflight can call it without importing
+megatron.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from mcore_rl.config import ConfigError
+from mcore_rl.models.spec import ModelSpec
+from mcore_rl.parallel.config import ParallelConfig
+
+
+@dataclass(frozen=True, kw_only=True)
+class OptimizerConfig:
+    """Adam (decoupled weight decay, as megatron-core's `adam`) with gradient clipping.
+
+    lr / min_lr: peak and floor learning rate; warmup_steps: linear warm-up from 0 to lr;
+    decay: after warm-up, "constant" or "cosine" down to min_lr over decay_steps.
+    clip_grad: clip the global gradient norm to this.
+    Weight decay skips biases and norms (megatron's default).
+    """
+
+    lr: float = 1e-3
+    min_lr: float = 0.0
+    warmup_steps: int = 0
+    decay: Literal["constant", "cosine"] = "constant"
+    decay_steps: int = 1
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.95
+    adam_eps: float = 1e-8
+    weight_decay: float = 0.0
+    clip_grad: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not self.lr > 0:
+            raise ConfigError("lr", self.lr, "must be > 0")
+        if not 0 <= self.min_lr <= self.lr:
+            raise ConfigError("min_lr", self.min_lr, f"must be in [0, lr={self.lr}]")
+        for name in ("adam_beta1", "adam_beta2"):
+            if not 0 <= getattr(self, name) < 1:
+                raise ConfigError(name, getattr(self, name), "must be in [0, 1)")
+        for name in ("adam_eps", "weight_decay", "warmup_steps"):
+            if getattr(self, name) < 0:
+                raise ConfigError(name, getattr(self, name), "must be >= 0")
+        if not self.clip_grad > 0:
+            # megatron computes the grad norm only while clipping; the step reports it.
+            raise ConfigError("clip_grad", self.clip_grad,
+                              "must be > 0 (a large value effectively turns clipping off)")
+        if self.decay_steps < 1:
+            raise ConfigError("decay_steps", self.decay_steps, "must be >= 1")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    """One training step through megatron-core's schedules.
+
+    Per step and data-parallel rank: num_micro_batches micro batches of micro_batch_size
+    sequences of seq_len tokens (global batch = dp * num_micro_batches * micro_batch_size).
+    The loss is the mean over all loss-masked tokens of the global batch.
+    dtype: "fp32", or "bf16" (bf16 weights and activations, fp32 main weights, grads reduced
+    in fp32). seed: weight init and megatron's RNG tracker.
+    """
+
+    micro_batch_size: int = 4
+    num_micro_batches: int = 2
+    seq_len: int = 32
+    dtype: Literal["fp32", "bf16"] = "fp32"
+    seed: int = 1234
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+
+    def __post_init__(self) -> None:
+        for name in ("micro_batch_size", "num_micro_batches", "seq_len"):
+            if getattr(self, name) < 1:
+                raise ConfigError(name, getattr(self, name), "must be >= 1")
+
+
+def check_model_fits_parallel(spec: ModelSpec, parallel: ParallelConfig,
+                              train: TrainConfig | None = None) -> None:
+    """Raise ConfigError (field named as in the YAML: `parallel.tp`, ...) unless `spec` can be
+    split on `parallel` (and, with `train`, its batches fit the grid).
+
+    tp must divide the attention heads, the key-value heads (megatron splits whole query
+    groups; replicating kv heads across TP is not supported here) and the FFN width; the
+    layers must split over pp (· vpp) stages as `ParallelConfig.stage_layer_counts` says.
+    """
+    tp = parallel.tp
+    for what, count in (("num_attention_heads", spec.heads),
+                        ("num_key_value_heads", spec.kv_heads),
+                        ("intermediate_size", spec.ffn)):
+        if count % tp:
+            raise ConfigError("parallel.tp", tp, f"does not divide {what}={count}")
+    try:
+        parallel.stage_layer_counts(spec.layers)
+    except ConfigError as err:
+        raise err.under("parallel") from None
+    if train is None:
+        return
+    if parallel.sequence_parallel and train.seq_len % tp:
+        raise ConfigError("train.seq_len", train.seq_len,
+                          f"sequence_parallel needs it divisible by parallel.tp={tp}")
+    if train.seq_len > spec.max_positions:
+        raise ConfigError("train.seq_len", train.seq_len,
+                          f"exceeds the model's max_position_embeddings={spec.max_positions}")
+    if parallel.vpp is not None and train.num_micro_batches % parallel.pp:
+        raise ConfigError("train.num_micro_batches", train.num_micro_batches,
+                          f"interleaved pipelining needs a multiple of parallel.pp={parallel.pp}")

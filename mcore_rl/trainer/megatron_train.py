@@ -1,0 +1,286 @@
+"""A training step through megatron-core: its schedules, DDP, finalize_model_grads, optimizer.
+
+Per step each data-parallel rank gets its own micro batches (tokens, labels, loss_mask), all of
+one shape [micro_batch_size, seq_len]. megatron's schedule runs them through this rank's model
+chunks (no pipelining, 1F1B, or interleaved 1F1B with VPP); DDP reduces the gradients over DP
+(reduce-scatter with the distributed optimizer), `finalize_model_grads` adds the TP/PP
+reductions (SP norms, tied embeddings) and divides by the number of loss tokens of the global
+batch; the megatron optimizer clips and steps. The loss is the token mean over the global
+batch, the same number a one-process run over all micro batches gives.
+
+Process groups are passed explicitly (`ParallelGroups`); megatron's own layers still read the
+parallel_state globals that `init_training_groups` set for the same grid.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+import torch
+import torch.distributed as dist
+from megatron.core import tensor_parallel
+from megatron.core.distributed import (DistributedDataParallel, DistributedDataParallelConfig,
+                                       finalize_model_grads)
+from megatron.core.optimizer import OptimizerConfig as MegatronOptimizerConfig
+from megatron.core.optimizer import get_megatron_optimizer
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
+from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.module import Float16Module
+from megatron.core.utils import get_model_config
+
+from mcore_rl.compat import apply_cpu_compat
+from mcore_rl.models.gpt import build_gpt_model, transformer_config_from_spec
+from mcore_rl.models.spec import ModelSpec
+from mcore_rl.parallel.groups import Axis, ParallelGroups
+from mcore_rl.trainer.config import OptimizerConfig, TrainConfig, check_model_fits_parallel
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class MicroBatch:
+    """One micro batch, [micro_batch_size, seq_len] each: input tokens, the next-token labels,
+    and loss_mask (1.0 where the label counts in the loss)."""
+
+    tokens: torch.Tensor
+    labels: torch.Tensor
+    loss_mask: torch.Tensor
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """Identical on every rank: global token-mean loss, gradient norm before clipping, number
+    of loss tokens in the global batch."""
+
+    loss: float
+    grad_norm: float
+    num_tokens: int
+
+
+@dataclass
+class MegatronTrainer:
+    """What a training step needs: the DDP-wrapped chunks, optimizer, scheduler and groups."""
+
+    spec: ModelSpec
+    config: TransformerConfig
+    model: list[DistributedDataParallel]
+    optimizer: object
+    scheduler: OptimizerParamScheduler
+    groups: ParallelGroups
+    train: TrainConfig
+
+    def unwrapped(self) -> list[torch.nn.Module]:
+        """The GPTModel chunks (state-dict keys as `mcore_rl.layouts.megatron_shards`)."""
+        chunks = [ddp.module for ddp in self.model]
+        return [c.module if isinstance(c, Float16Module) else c for c in chunks]
+
+
+# --- set-up -----------------------------------------------------------------------------------
+
+
+def setup_trainer(spec: ModelSpec, groups: ParallelGroups, train: TrainConfig,
+                  load_weights: Callable[[list[torch.nn.Module]], None] | None = None
+                  ) -> MegatronTrainer:
+    """Build model chunks, load weights (`load_weights(chunks)`, before the optimizer copies
+    them into its fp32 main params), wrap them in DDP and build the optimizer."""
+    apply_cpu_compat()
+    parallel = groups.config
+    check_model_fits_parallel(spec, parallel, train)
+    dtype = DTYPES[train.dtype]
+    config = transformer_config_from_spec(spec, parallel, params_dtype=dtype)
+    chunks = build_gpt_model(spec, parallel, groups, params_dtype=dtype, seed=train.seed,
+                             config=config)
+    if load_weights is not None:
+        load_weights(chunks)
+    model = wrap_ddp(chunks, config, groups)
+    optimizer = build_optimizer(model, train.optimizer, dtype, groups)
+    scheduler = build_scheduler(optimizer, train.optimizer)
+    _configure_schedule(config, model, optimizer)
+    return MegatronTrainer(spec=spec, config=config, model=model, optimizer=optimizer,
+                           scheduler=scheduler, groups=groups, train=train)
+
+
+def wrap_ddp(chunks: list[torch.nn.Module], config: TransformerConfig,
+             groups: ParallelGroups) -> list[DistributedDataParallel]:
+    """megatron's DDP around each chunk: grads accumulate into fp32 contiguous buffers and are
+    reduced over DP once, after the last micro batch (no overlap: nothing to overlap on CPU).
+    Only chunk 0 gets buckets, as in Megatron-LM (later chunks reduce as one)."""
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True, overlap_grad_reduce=False, overlap_param_gather=False,
+        use_distributed_optimizer=groups.config.use_distributed_optimizer,
+        check_for_nan_in_grad=True)
+    if config.bf16:
+        chunks = [Float16Module(config, c) for c in chunks]
+    return [DistributedDataParallel(config=config, ddp_config=ddp_config, module=chunk,
+                                    disable_bucketing=i > 0, pg_collection=groups.megatron)
+            for i, chunk in enumerate(chunks)]
+
+
+def build_optimizer(model: list[DistributedDataParallel], cfg: OptimizerConfig,
+                    dtype: torch.dtype, groups: ParallelGroups):
+    """megatron's Adam; with bf16 it keeps fp32 main params. With the distributed optimizer
+    each DP rank owns 1/dp of the main params and optimizer state (ZeRO-1)."""
+    opt_config = MegatronOptimizerConfig(
+        optimizer="adam", lr=cfg.lr, min_lr=cfg.min_lr, weight_decay=cfg.weight_decay,
+        adam_beta1=cfg.adam_beta1, adam_beta2=cfg.adam_beta2, adam_eps=cfg.adam_eps,
+        clip_grad=cfg.clip_grad, bf16=dtype == torch.bfloat16, params_dtype=dtype,
+        use_distributed_optimizer=groups.config.use_distributed_optimizer)
+    # use_gloo_process_groups: megatron's extra gloo groups for host-side optimizer-state
+    # gathers; it refuses them with explicit groups (and on CPU the groups are gloo already).
+    return get_megatron_optimizer(opt_config, model, use_gloo_process_groups=False,
+                                  pg_collection=groups.megatron)
+
+
+def build_scheduler(optimizer, cfg: OptimizerConfig) -> OptimizerParamScheduler:
+    """Linear warm-up to lr, then constant or cosine to min_lr (sets each group's lr).
+    Step k (from 0) trains at lr·(k+1)/warmup_steps during warm-up: megatron's scheduler
+    would give the very first step lr 0, so it starts one step in."""
+    scheduler = OptimizerParamScheduler(
+        optimizer, init_lr=0.0, max_lr=cfg.lr, min_lr=cfg.min_lr,
+        lr_warmup_steps=cfg.warmup_steps, lr_decay_steps=cfg.warmup_steps + cfg.decay_steps,
+        lr_decay_style=cfg.decay, start_wd=cfg.weight_decay, end_wd=cfg.weight_decay,
+        wd_incr_steps=1, wd_incr_style="constant")
+    if cfg.warmup_steps:
+        scheduler.step(increment=1)
+    return scheduler
+
+
+def _configure_schedule(config: TransformerConfig, model: list[DistributedDataParallel],
+                        optimizer) -> None:
+    """The schedules read their hooks from the model config (megatron-core's API). Its p2p
+    settings (batch_p2p_comm off with VPP) come from transformer_config_from_spec."""
+    config.no_sync_func = [chunk.no_sync for chunk in model]
+    if len(model) == 1:
+        config.no_sync_func = config.no_sync_func[0]
+    config.finalize_model_grads_func = finalize_model_grads
+    config.grad_scale_func = optimizer.scale_loss
+
+
+# --- loss -------------------------------------------------------------------------------------
+
+
+def token_logprobs(logits: torch.Tensor, labels: torch.Tensor, vocab: int,
+                   tp_rank: int) -> torch.Tensor:
+    """log p(label) per token, from this TP rank's vocab slice of the logits.
+
+    logits: [b, s, V_pad / tp] (rank t holds vocab ids [t·V_pad/tp, (t+1)·V_pad/tp)).
+    Megatron's padded vocab rows are not part of the model: their logits are set to -inf so
+    the softmax runs over the true vocabulary only (as in HF and vLLM). The cross entropy
+    itself is megatron's vocab-parallel one (all-reduces over the TP group).
+    """
+    per_rank = logits.shape[-1]
+    first_pad = vocab - tp_rank * per_rank
+    # A copy: megatron's cross entropy subtracts the max in place.
+    logits = logits.to(torch.float32, copy=True)
+    if first_pad < per_rank:
+        logits[..., max(first_pad, 0):] = float("-inf")
+    return -tensor_parallel.vocab_parallel_cross_entropy(logits, labels)
+
+
+def _lm_loss(batch: MicroBatch, vocab: int, tp_rank: int, logits: torch.Tensor):
+    """Loss function handed to the schedule: (sum of token losses, token count, report)."""
+    mask = batch.loss_mask.float()
+    loss_sum = -(token_logprobs(logits, batch.labels, vocab, tp_rank) * mask).sum()
+    num_tokens = mask.sum().to(torch.int)
+    return loss_sum, num_tokens, {"lm": torch.stack([loss_sum.detach(), mask.sum()])}
+
+
+def _forward_step(data_iterator: Iterator[MicroBatch], model, *, vocab: int, tp_rank: int):
+    batch = next(data_iterator)
+    b, s = batch.tokens.shape
+    positions = torch.arange(s).unsqueeze(0).expand(b, s)
+    # attention_mask=None: the local attention builds the causal mask itself.
+    logits = model(batch.tokens, positions, None)
+    return logits, functools.partial(_lm_loss, batch, vocab, tp_rank)
+
+
+# --- the step ---------------------------------------------------------------------------------
+
+
+def _run_schedule(model: list[torch.nn.Module], groups: ParallelGroups,
+                  micro_batches: list[MicroBatch], *, forward_step, forward_only: bool,
+                  collect_non_loss_data: bool = False):
+    """megatron's forward-backward schedule for this grid over `micro_batches`."""
+    parallel = groups.config
+    b, s = _check_micro_batches(micro_batches)
+    config = get_model_config(model[0])
+    data = [iter(micro_batches) for _ in model]
+    schedule = get_forward_backward_func(pp_size=parallel.pp, vp_size=parallel.vpp)
+    p2p = P2PCommunicator(pp_group=groups.group(Axis.PP), config=config)
+    return schedule(
+        forward_step_func=forward_step,
+        data_iterator=data if len(data) > 1 else data[0],
+        model=model if len(model) > 1 else model[0],
+        num_microbatches=len(micro_batches), seq_length=s, micro_batch_size=b,
+        forward_only=forward_only, collect_non_loss_data=collect_non_loss_data,
+        p2p_communicator=p2p, pg_collection=groups.megatron)
+
+
+def _check_micro_batches(micro_batches: list[MicroBatch]) -> tuple[int, int]:
+    if not micro_batches:
+        raise ValueError("micro_batches: need at least one micro batch")
+    shape = micro_batches[0].tokens.shape
+    for i, mb in enumerate(micro_batches):
+        for name in ("tokens", "labels", "loss_mask"):
+            if getattr(mb, name).shape != shape:
+                raise ValueError(f"micro_batches[{i}].{name}: shape "
+                                 f"{tuple(getattr(mb, name).shape)} != {tuple(shape)} (the "
+                                 "schedule sends fixed-shape activations between stages)")
+    return shape[0], shape[1]
+
+
+def train_step(trainer: MegatronTrainer, micro_batches: list[MicroBatch]) -> StepResult:
+    """One optimizer step on this DP rank's `micro_batches`; every rank returns the same
+    global loss and grad norm."""
+    for chunk in trainer.model:
+        chunk.zero_grad_buffer()
+    trainer.optimizer.zero_grad()
+    vocab, tp_rank = trainer.spec.vocab, trainer.groups.rank_in(Axis.TP)
+    reports = _run_schedule(trainer.model, trainer.groups, micro_batches, forward_only=False,
+                            forward_step=functools.partial(_forward_step, vocab=vocab,
+                                                           tp_rank=tp_rank))
+    ok, grad_norm, _ = trainer.optimizer.step()
+    if not ok:
+        raise FloatingPointError("optimizer step skipped: gradients overflowed")
+    trainer.scheduler.step(increment=1)
+    loss_sum, num_tokens = _global_loss(reports, trainer.groups)
+    return StepResult(loss=loss_sum / max(num_tokens, 1), grad_norm=float(grad_norm),
+                      num_tokens=int(num_tokens))
+
+
+def _global_loss(reports: list[dict], groups: ParallelGroups) -> tuple[float, float]:
+    """Sum (loss, tokens) over micro batches (last stage), DP ranks, then share over PP."""
+    total = torch.zeros(2, dtype=torch.float64)
+    for report in reports:  # empty except on the last stage
+        total += report["lm"].double()
+    dist.all_reduce(total, group=groups.group(Axis.DP))
+    pp_group = groups.group(Axis.PP)
+    dist.broadcast(total, src=dist.get_global_rank(pp_group, groups.config.pp - 1),
+                   group=pp_group)
+    return float(total[0]), float(total[1])
+
+
+def forward_logits(model: list[torch.nn.Module], micro_batches: list[MicroBatch], *,
+                   vocab: int, groups: ParallelGroups) -> list[torch.Tensor] | None:
+    """Full-vocab logits [b, s, vocab] (fp32, padding cut) per micro batch on the last pipeline
+    stage (gathered over TP); None on other stages. Runs the forward-only schedule over this
+    rank's chunks (`trainer.model`, or bare `build_gpt_model` chunks)."""
+
+    def collect(logits, non_loss_data=False):
+        full = tensor_parallel.gather_from_tensor_model_parallel_region(logits)
+        return full[..., :vocab].float()
+
+    def step(data_iterator, chunk):
+        batch = next(data_iterator)
+        b, s = batch.tokens.shape
+        positions = torch.arange(s).unsqueeze(0).expand(b, s)
+        return chunk(batch.tokens, positions, None), collect
+
+    with torch.no_grad():
+        out = _run_schedule(model, groups, micro_batches, forward_step=step, forward_only=True,
+                            collect_non_loss_data=True)
+    return out if groups.is_last_stage else None
