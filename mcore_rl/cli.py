@@ -12,8 +12,12 @@ import sys
 # name → module providing add_parser(). Add a row when a command becomes real.
 COMMANDS: dict[str, str] = {
     "bench": "mcore_rl.bench.cli",
+    "convert": "tools.checkpoint_convert.cli",
+    "plan-memory": "mcore_rl.planning.cli",
+    "preflight": "mcore_rl.planning.cli",
     "demo": "mcore_rl.trainer.demo",
     "plot": "mcore_rl.trainer.demo",
+    "train": "mcore_rl.trainer.demo",
     "train-lm": "mcore_rl.trainer.lm",
 }
 

@@ -72,6 +72,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     demo.add_argument("--config", type=Path, default=None, help="YAML (default: built-in)")
     demo.add_argument("overrides", nargs="*", help="a.b.c=value")
     demo.set_defaults(func=_run)
+    train = sub.add_parser("train", help="an RL run from a YAML config (addition task)")
+    train.add_argument("--config", type=Path, required=True)
+    train.add_argument("--out", type=Path, default=Path("runs/train"))
+    train.add_argument("overrides", nargs="*", help="a.b.c=value")
+    train.set_defaults(func=_run)
     plot = sub.add_parser("plot", help="reward.png and phases.png from RUN_DIR/metrics.jsonl")
     plot.add_argument("run_dir", type=Path)
     plot.set_defaults(func=_plot)
@@ -83,7 +88,7 @@ def _run(args) -> int:
     try:
         cfg = load_config(RLConfig, args.config, args.overrides)
     except ConfigError as err:
-        print(f"mcore-rl demo: config error: {err}")
+        print(f"mcore-rl {args.command}: config error: {err}")
         return 2
     run_demo(cfg, args.out)
     return 0
