@@ -1,0 +1,26 @@
+"""Adapters that let upstream libraries run where they were not written to run (CPU).
+
+All monkeypatching of upstream code lives here and nowhere else. See `megatron_cpu`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def apply_cpu_compat() -> list[str]:
+    """Make megatron-core usable without CUDA; a no-op when CUDA is available.
+
+    Idempotent: call it at every entry point that builds or runs megatron modules. Returns the
+    shims installed by this call (empty when already applied or on GPU). The device rewrite is
+    per thread (torch function modes are thread-local): call it in the thread that runs
+    megatron.
+    """
+    if torch.cuda.is_available():
+        return []
+    from mcore_rl.compat import megatron_cpu
+
+    return megatron_cpu.apply()
+
+
+__all__ = ["apply_cpu_compat"]

@@ -1,0 +1,198 @@
+"""Build the Megatron-Core GPT model of a `ModelSpec` on a training grid.
+
+`transformer_config_from_spec` is the one mapping from an HF-derived `ModelSpec` (Llama 2/3,
+Mistral, Qwen2) to megatron-core's `TransformerConfig`; `build_gpt_model` makes this rank's
+model chunks. Weights are loaded separately (mcore_rl.layouts) — the builder only shapes them.
+
+Sharding of what it builds, per rank (tp rank t, pp stage p, VPP chunk v):
+  embedding.word_embeddings.weight   [V_pad / tp, hidden]   first stage, chunk 0 only
+  linear_qkv.weight                  [(q + 2 kv) / tp, hidden], per query group [q_g; k_g; v_g]
+  linear_proj.weight                 [hidden, q_dim / tp]
+  linear_fc1.weight                  [2 ffn / tp, hidden] = [gate_t; up_t]
+  linear_fc2.weight                  [hidden, ffn / tp]
+  norms                              [hidden], replicated
+  output_layer.weight                [V_pad / tp, hidden]   last stage, last chunk (untied)
+with V_pad = spec.mcore_padded_vocab(tp); layers split over stages as ParallelConfig.layer_ranges.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from megatron.core import tensor_parallel
+from megatron.core.models.gpt import GPTModel
+from megatron.core.transformer import TransformerConfig
+
+from mcore_rl.compat import apply_cpu_compat
+from mcore_rl.models.spec import ModelSpec, UnsupportedModelError
+from mcore_rl.parallel.config import ParallelConfig
+from mcore_rl.parallel.groups import Axis, ParallelGroups
+
+# megatron-core's RotaryEmbedding._apply_scaling takes only `factor`; the other llama3 rope
+# parameters are fixed at these values (Llama 3.1 / 3.2 use exactly these).
+_MEGATRON_LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                         "original_max_position_embeddings": 8192}
+
+
+def transformer_config_from_spec(spec: ModelSpec, parallel: ParallelConfig, *,
+                                 params_dtype: torch.dtype = torch.float32,
+                                 init_method_std: float = 0.02,
+                                 calculate_per_token_loss: bool = True) -> TransformerConfig:
+    """The TransformerConfig that reproduces the HF model of `spec` on the grid `parallel`.
+
+    Llama-family decoder: pre-RMSNorm, SwiGLU MLP, GQA (num_query_groups = kv heads), rotary
+    embeddings in HF's non-interleaved (rotate_half) form, no biases except Qwen2's q/k/v bias.
+    Dropout is off: RL needs the trainer's log-probabilities to be a deterministic function of
+    the weights. Fusions that need TE/apex kernels are off; on CPU weights are initialized on
+    the host (`use_cpu_initialization`). `params_dtype` is fp32 or bf16 (bf16 turns on
+    megatron's mixed precision: bf16 params, fp32 main params in the optimizer).
+    """
+    if params_dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"params_dtype={params_dtype}: only torch.float32 and torch.bfloat16")
+    on_cpu = not torch.cuda.is_available()
+    return TransformerConfig(
+        num_layers=spec.layers,
+        hidden_size=spec.hidden,
+        ffn_hidden_size=spec.ffn,
+        num_attention_heads=spec.heads,
+        num_query_groups=spec.kv_heads,
+        kv_channels=spec.head_dim,
+        normalization="RMSNorm",
+        layernorm_epsilon=spec.norm_eps,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=spec.qkv_bias,
+        rotary_interleaved=False,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        init_method_std=init_method_std,
+        params_dtype=params_dtype,
+        bf16=params_dtype == torch.bfloat16,
+        # Softmax in fp32 even with bf16 activations (HF does the same in eager attention).
+        attention_softmax_in_fp32=True,
+        calculate_per_token_loss=calculate_per_token_loss,
+        tensor_model_parallel_size=parallel.tp,
+        pipeline_model_parallel_size=parallel.pp,
+        virtual_pipeline_model_parallel_size=parallel.vpp,
+        sequence_parallel=parallel.sequence_parallel,
+        num_layers_in_first_pipeline_stage=parallel.first_stage_layers,
+        num_layers_in_last_pipeline_stage=parallel.last_stage_layers,
+        # p2p buffers between stages are allocated in this dtype.
+        pipeline_dtype=params_dtype if parallel.pp > 1 else None,
+        # Interleaved 1F1B with batch_p2p_comm=True (megatron's default: one batch_isend_irecv
+        # per exchange) mixes up peers' activations and gradients over gloo — silently wrong
+        # loss and gradients at PP2·VPP2 (shared/FINDINGS.md; checked again in
+        # tests/trainer/test_parallel_layouts.py). Separate isend/irecv are exact.
+        batch_p2p_comm=parallel.vpp is None,
+        # batch_p2p_sync calls torch.cuda.synchronize() after each batched exchange (a guard for
+        # old NCCL builds); without CUDA there is nothing to synchronize and the call raises.
+        batch_p2p_sync=not on_cpu,
+        use_cpu_initialization=on_cpu,
+        # The fused kernels below need TransformerEngine / apex / CUDA.
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        apply_rope_fusion=False,
+        persist_layer_norm=False,
+        gradient_accumulation_fusion=False,
+        cross_entropy_loss_fusion=False,
+    )
+
+
+def rope_kwargs(spec: ModelSpec) -> dict:
+    """GPTModel's rotary arguments for the spec's rope (default or llama3 scaling)."""
+    kwargs = {"position_embedding_type": "rope", "rotary_base": spec.rope_theta,
+              "rotary_percent": 1.0}
+    if spec.rope_scaling is None:
+        return kwargs
+    scaling = spec.rope_scaling
+    for key, fixed in _MEGATRON_LLAMA3_ROPE.items():
+        if float(scaling.get(key, fixed)) != fixed:
+            raise UnsupportedModelError(
+                f"rope_scaling.{key}={scaling[key]}: megatron-core 0.16.1 fixes it at {fixed}")
+    return {**kwargs, "rope_scaling": True, "rope_scaling_factor": float(scaling["factor"])}
+
+
+def layer_spec():
+    """Megatron's local (pure PyTorch) layer spec on CPU; TransformerEngine's on GPU."""
+    if not torch.cuda.is_available():
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+        return get_gpt_layer_local_spec(normalization="RMSNorm")
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_layer_with_transformer_engine_spec)
+
+    return get_gpt_layer_with_transformer_engine_spec()
+
+
+def seed_rngs(seed: int, groups: ParallelGroups) -> None:
+    """Same CPU RNG on every rank; megatron's tracker gives TP ranks distinct streams for the
+    model-parallel regions (dropout there; none in our configs)."""
+    torch.manual_seed(seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed, tp_rank=groups.rank_in(Axis.TP),
+                                                    ep_rank=0, etp_rank=0)
+
+
+def build_gpt_model(spec: ModelSpec, parallel: ParallelConfig, groups: ParallelGroups, *,
+                    params_dtype: torch.dtype = torch.float32, seed: int = 1234,
+                    config: TransformerConfig | None = None) -> list[GPTModel]:
+    """This rank's model chunks: one GPTModel per VPP chunk (one without VPP).
+
+    Chunk v of stage p holds the layers `parallel.layer_ranges(spec.layers)[(p, v)]`; the
+    embedding lives on stage 0 chunk 0, the final norm and output layer on the last stage's
+    last chunk (tied embeddings: the output layer reuses the word embedding, which megatron
+    also keeps on the last stage and all-reduces over the embedding group). Logits come out
+    split over TP ([b, s, V_pad / tp]).
+
+    `seed` seeds the weight init (same on every rank, so replicas start equal) and megatron's
+    RNG tracker (which attention enters on every forward).
+    """
+    apply_cpu_compat()
+    seed_rngs(seed, groups)
+    config = config or transformer_config_from_spec(spec, parallel, params_dtype=params_dtype)
+    pp_rank, last_pp = groups.rank_in(Axis.PP), parallel.pp - 1
+    num_chunks = parallel.vpp or 1
+    chunks = []
+    for v in range(num_chunks):
+        model = GPTModel(
+            config=config,
+            transformer_layer_spec=layer_spec(),
+            vocab_size=spec.mcore_padded_vocab(parallel.tp),
+            max_sequence_length=spec.max_positions,
+            pre_process=pp_rank == 0 and v == 0,
+            post_process=pp_rank == last_pp and v == num_chunks - 1,
+            parallel_output=True,
+            share_embeddings_and_output_weights=spec.tied_embeddings,
+            pg_collection=groups.megatron,
+            vp_stage=v if parallel.vpp else None,
+            **rope_kwargs(spec),
+        )
+        if params_dtype == torch.bfloat16:
+            model.bfloat16()
+        chunks.append(model)
+    return chunks
+
+
+def load_chunks(chunks: list[torch.nn.Module], tensors: dict[str, torch.Tensor],
+                vpp: int | None) -> None:
+    """Load this rank's megatron tensors (keys as `mcore_rl.layouts.megatron_shards` names them:
+    prefixed `model{v}.` per chunk when `vpp` is set) into its chunks, strictly: a missing or
+    unexpected key is an error naming it."""
+    per_chunk: list[dict[str, torch.Tensor]] = [{} for _ in chunks]
+    for key, tensor in tensors.items():
+        v, name = _split_chunk_prefix(key, vpp, len(chunks))
+        per_chunk[v][name] = tensor
+    for v, (chunk, state) in enumerate(zip(chunks, per_chunk)):
+        with torch.no_grad():
+            chunk.load_state_dict(state, strict=True)
+
+
+def _split_chunk_prefix(key: str, vpp: int | None, num_chunks: int) -> tuple[int, str]:
+    if vpp is None:
+        return 0, key
+    head, _, name = key.partition(".")
+    if not head.startswith("model") or not head[5:].isdigit() or int(head[5:]) >= num_chunks:
+        raise KeyError(f"{key}: with vpp={vpp} keys must start with model<chunk>. "
+                       f"(chunk < {num_chunks})")
+    return int(head[5:]), name

@@ -1,0 +1,117 @@
+"""One training run of the micro Llama on a parallel layout, as a spawned rank function, and the
+shared inputs (HF-named initial weights, the global batch) every layout gets."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from mcore_rl.layouts import hf_shards
+from mcore_rl.models.presets import get_preset
+from mcore_rl.models.spec import ModelSpec
+
+SPEC = get_preset("micro")  # Llama, GQA (4 heads / 2 kv heads), 4 layers, vocab 250
+GLOBAL_MICRO_BATCHES, MICRO_BATCH, SEQ = 4, 2, 16
+STEPS = 3
+
+
+def hf_init(spec: ModelSpec, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Random HF-named weights: every layout loads exactly these (via mcore_rl.layouts)."""
+    gen = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, shape in hf_shards(spec).hf_shapes.items():
+        noise = torch.randn(shape, generator=gen)
+        out[name] = 1.0 + 0.1 * noise if name.endswith("norm.weight") else 0.05 * noise
+    return out
+
+
+def global_batch(spec: ModelSpec, seed: int = 1) -> list[dict[str, torch.Tensor]]:
+    """GLOBAL_MICRO_BATCHES micro batches of [MICRO_BATCH, SEQ]; ~20 % of labels masked."""
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(GLOBAL_MICRO_BATCHES):
+        seq = torch.randint(0, spec.vocab, (MICRO_BATCH, SEQ + 1), generator=gen)
+        mask = (torch.rand(MICRO_BATCH, SEQ, generator=gen) > 0.2).float()
+        out.append({"tokens": seq[:, :-1], "labels": seq[:, 1:], "loss_mask": mask})
+    return out
+
+
+def to_numpy(obj):
+    """Tensors → numpy for the trip back to the parent (torch tensors cross process borders
+    as shared-memory handles that die with the child)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().float().numpy() if obj.is_floating_point() else obj.numpy()
+    if isinstance(obj, dict):
+        return {k: to_numpy(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(to_numpy(v) for v in obj)
+    return obj
+
+
+def from_numpy(obj):
+    if isinstance(obj, np.ndarray):
+        return torch.from_numpy(obj)
+    if isinstance(obj, dict):
+        return {k: from_numpy(v) for k, v in obj.items()}
+    return obj
+
+
+def run_layout(rank: int, world: int, parallel_kw: dict, dtype: str = "fp32",
+               p2p_control: bool = False) -> dict:
+    """Load `hf_init` into the layout, return (numpy) this rank's logits of its micro batches,
+    per-step (loss, grad norm) and its megatron tensors after STEPS Adam steps."""
+    from mcore_rl.layouts import materialize_rank, megatron_shards
+    from mcore_rl.models.gpt import load_chunks
+    from mcore_rl.parallel.config import ParallelConfig
+    from mcore_rl.parallel.groups import Axis, init_training_groups
+    from mcore_rl.trainer.config import OptimizerConfig, TrainConfig
+    from mcore_rl.trainer.megatron_train import (MicroBatch, forward_logits, setup_trainer,
+                                                 train_step)
+
+    parallel = ParallelConfig(**parallel_kw)
+    groups = init_training_groups(parallel)
+    shard_map = megatron_shards(SPEC, parallel)
+    hf = hf_init(SPEC)
+    initial = materialize_rank(shard_map, rank, hf.__getitem__)
+    per_dp = GLOBAL_MICRO_BATCHES // parallel.dp
+    # adam_eps 1e-6, not 1e-8: Adam's update g / (sqrt(v) + eps) turns fp32 reduction-order
+    # noise (~1e-9) on near-zero gradients into up to lr * noise / eps of parameter change
+    # (6e-5 at eps=1e-8, lr=1e-3, measured); at 1e-6 that bound is ~1e-6.
+    train = TrainConfig(micro_batch_size=MICRO_BATCH, num_micro_batches=per_dp, seq_len=SEQ,
+                        dtype=dtype, optimizer=OptimizerConfig(lr=1e-3, adam_eps=1e-6,
+                                                               weight_decay=0.01))
+    trainer = setup_trainer(SPEC, groups, train, load_weights=lambda chunks: load_chunks(
+        chunks, initial, parallel.vpp))
+    loaded = _local_tensors(trainer, parallel.vpp)
+    load_error = max(float((loaded[k].float() - initial[k].to(loaded[k].dtype).float())
+                           .abs().max()) for k in initial)
+    dp = groups.rank_in(Axis.DP)
+    mine = [MicroBatch(**mb) for mb in global_batch(SPEC)[dp * per_dp:(dp + 1) * per_dp]]
+    logits = forward_logits(trainer.model, mine, vocab=SPEC.vocab, groups=groups)
+    steps = [train_step(trainer, mine) for _ in range(STEPS)]
+    control = None
+    if p2p_control:  # a fresh model's first step with megatron's default batched p2p exchange
+        fresh = setup_trainer(SPEC, groups, train, load_weights=lambda chunks: load_chunks(
+            chunks, initial, parallel.vpp))
+        fresh.config.batch_p2p_comm = True
+        step = train_step(fresh, mine)
+        control = (step.loss, step.grad_norm)
+    return to_numpy({
+        "coords": groups.coords, "keys": sorted(loaded) == sorted(initial),
+        "load_error": load_error,
+        "logits": logits if groups.rank_in(Axis.TP) == 0 else None,
+        "control_step": control,
+        "param_dtypes": sorted({str(p.dtype) for c in trainer.unwrapped()
+                                for p in c.parameters()}),
+        "loss": [s.loss for s in steps], "grad_norm": [s.grad_norm for s in steps],
+        "params": _local_tensors(trainer, parallel.vpp)})
+
+
+def _local_tensors(trainer, vpp) -> dict[str, torch.Tensor]:
+    """This rank's parameters under the layout's keys (`model{v}.` prefix with VPP)."""
+    out = {}
+    for v, chunk in enumerate(trainer.unwrapped()):
+        for key, tensor in chunk.state_dict().items():
+            if not key.endswith("_extra_state"):
+                out[(f"model{v}." if vpp else "") + key] = tensor.detach().clone()
+    return out
