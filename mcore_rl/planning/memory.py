@@ -1,0 +1,765 @@
+"""Per-device memory of an RL run, estimated from its `RunShape` before anything is launched.
+
+Roles and what each rank holds (P = parameters on the rank, see `mcore_stage_params`):
+  actor, critic  weights, grads, (bf16) fp32 main params and main-grad copies, Adam m and v,
+                 saved activations of the micro batches in flight, logits (last stage)
+  reference      weights; forward only (logits of one micro batch on the last stage)
+  rollout        one vLLM TP rank: weights / tp, KV cache, activation peak of one engine step
+Devices and phases: a training device holds all training roles of one (pp stage, tp rank, dp
+rank) at once; its peak is over the phases "actor train", "critic train" and "forward"
+(reference / old log-probs). Disaggregated rollout devices hold one engine rank. Colocated,
+every device also holds one engine rank: all of it during "rollout", and during the training
+phases what `rollout.sleep` keeps ("none": weights + KV, "kv": weights, "all": nothing).
+Every device also keeps `reserve_gib` for what is not modelled (CUDA context, NCCL buffers,
+allocator fragmentation, transient workspaces) — except a disaggregated engine sized by
+gpu_memory_utilization, whose budget already covers its own.
+
+Bytes per parameter of the training states (`state_bytes_per_param`) reproduce the table of
+Megatron-Core's distributed-optimizer guide (docs.nvidia.com/megatron-core/developer-guide,
+"Distributed Optimizer"), d = data-parallel size:
+    param / grad dtype          no dist-opt   dist-opt
+    bf16 (fp16) / bf16 (fp16)   20            4 + 16/d
+    bf16 (fp16) / fp32          18            6 + 12/d
+    fp32 / fp32                 16            8 + 8/d
+(tests/planning/test_memory.py checks every stage of a llama3-70b grid against these.)
+
+Activations follow Korthikanti et al. 2022, "Reducing Activation Recomputation in Large
+Transformer Models" (arXiv 2205.05198), Table 2, per layer and micro batch (16-bit
+activations, GeLU MLP with ffn = 4h, dropout, a heads):
+    no parallelism                   s·b·h·(34 + 5·a·s/h)
+    TP t                             s·b·h·(10 + 24/t + 5·a·s/(h·t))
+    TP t + sequence parallelism      s·b·h/t·(34 + 5·a·s/h)
+    ... + selective recomputation    34·s·b·h/t
+    full recomputation               2·s·b·h
+The first pipeline stage holds p micro batches in flight (1F1B), i.e. L layers' worth;
+interleaving with v chunks multiplies that by 1 + (p - 1)/(p·v). Megatron-LM's
+`megatron/training/theoretical_memory_usage.py` uses the same Table 2 formulas.
+`layer_activation_terms` counts the same saved tensors term by term for a Llama-family layer
+(SwiGLU, GQA, RMSNorm, rotary, no dropout; TE or megatron-local kernels) and reduces exactly
+to the rows above for the paper's GPT layer (`ActivationModel.paper`, tested). In-flight micro
+batches per stage follow megatron's own warm-up rule (`in_flight_layers`), which gives the
+paper's figures when a step has at least p micro batches.
+
+Validated on CPU (megatron-core 0.16.1 over gloo, micro model, local kernels;
+tests/planning/test_measured.py and `python -m mcore_rl.planning.measure`): weights + grads +
+main params + Adam states equal the tensor bytes megatron allocates (to < 0.01 %) for TP, SP,
+PP, VPP, DP, distributed optimizer, fp32 and bf16; activations equal the peak of live
+saved-for-backward bytes during megatron's no-pipelining / 1F1B / interleaved schedules within
+0.2 % (no and selective recompute) and 3.4 % (full recompute). Not validated: the TE kernels
+(flash attention, fused norms: GPU only), bf16 grads (the trainer reduces in fp32), vLLM's
+activation peak (a coarse estimate), workspaces and fragmentation (in the reserve).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from mcore_rl.config import ConfigError, from_dict, parse_overrides, to_dict
+from mcore_rl.layouts.shards import VLLM_VOCAB_PADDING, validate_megatron_grid
+from mcore_rl.models.spec import ModelSpec
+from mcore_rl.parallel.config import ParallelConfig
+from mcore_rl.planning.run_shape import GiB, RunShape
+
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "float32": 4, "bfloat16": 2, "float16": 2}
+
+# --- parameters per rank ----------------------------------------------------------------------
+
+
+def mcore_layer_params(spec: ModelSpec, tp: int) -> int:
+    """Parameters of one decoder layer on one Megatron TP rank: qkv [(q + 2kv)/tp, h] (+ bias),
+    proj [h, q/tp], fc1 [2·ffn/tp, h], fc2 [h, ffn/tp], two norms [h] (replicated)."""
+    qkv_out = spec.q_dim + 2 * spec.kv_dim
+    qkv = spec.hidden * qkv_out + (qkv_out if spec.qkv_bias else 0)
+    return (qkv + spec.q_dim * spec.hidden + 3 * spec.ffn * spec.hidden) // tp + 2 * spec.hidden
+
+
+def mcore_stage_params(spec: ModelSpec, parallel: ParallelConfig, stage: int,
+                       head: Literal["lm", "value"] = "lm") -> int:
+    """Parameters on one TP rank of pipeline stage `stage`: its layers, the embedding
+    [V_pad/tp, h] on stage 0, final norm and output head on the last stage. With tied
+    embeddings megatron keeps a copy of the embedding on the last stage when pp > 1. The
+    critic's value head is [1, h]."""
+    tp = parallel.tp
+    counts = parallel.stage_layer_counts(spec.layers)
+    vocab_rows = spec.mcore_padded_vocab(tp) // tp
+    n = counts[stage] * mcore_layer_params(spec, tp)
+    if stage == 0:
+        n += vocab_rows * spec.hidden
+    if stage == parallel.pp - 1:
+        n += spec.hidden
+        if head == "value":
+            n += spec.hidden
+        elif not spec.tied_embeddings or parallel.pp > 1:
+            n += vocab_rows * spec.hidden
+    return n
+
+
+def vllm_kv_heads_per_rank(spec: ModelSpec, tp: int) -> int:
+    """vLLM splits kv heads over TP, or replicates them when tp > kv heads."""
+    return max(spec.kv_heads // tp, 1)
+
+
+def vllm_rank_params(spec: ModelSpec, tp: int) -> int:
+    """Parameters on one vLLM TP rank (kv heads replicated when tp > kv heads; vocab padded to
+    a multiple of 64, then split)."""
+    q = spec.q_dim // tp
+    kv = vllm_kv_heads_per_rank(spec, tp) * spec.head_dim
+    qkv = spec.hidden * (q + 2 * kv) + ((q + 2 * kv) if spec.qkv_bias else 0)
+    layer = qkv + q * spec.hidden + 3 * spec.ffn * spec.hidden // tp + 2 * spec.hidden
+    vocab_rows = -(-spec.vocab // VLLM_VOCAB_PADDING) * VLLM_VOCAB_PADDING // tp
+    heads = 1 if spec.tied_embeddings else 2
+    return spec.layers * layer + heads * vocab_rows * spec.hidden + spec.hidden
+
+
+def kv_bytes_per_token(spec: ModelSpec, tp: int, dtype_bytes: int) -> int:
+    """KV cache per token on one vLLM TP rank: 2 (k and v) · layers · kv heads per rank ·
+    head_dim · dtype bytes."""
+    return 2 * spec.layers * vllm_kv_heads_per_rank(spec, tp) * spec.head_dim * dtype_bytes
+
+
+# --- training states --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StateBytes:
+    """Bytes per parameter of each training state on one rank."""
+
+    weights: float
+    grads: float
+    main_params: float
+    main_grads: float
+    adam: float
+
+    @property
+    def total(self) -> float:
+        return self.weights + self.grads + self.main_params + self.main_grads + self.adam
+
+
+def state_bytes_per_param(dtype: str, grad_dtype: str, distributed_optimizer: bool,
+                          dp: int) -> StateBytes:
+    """Megatron's training states per parameter (see the module doc for the published table).
+
+    weights in `dtype`; the DDP grad buffer in `grad_dtype`; with 16-bit weights the optimizer
+    keeps fp32 main params, and, when the grads are 16-bit too, an fp32 copy of them as the
+    main params' grads (`main_param.grad = main_grad.float()`); Adam keeps m and v in fp32.
+    The distributed optimizer shards the fp32 states over the dp ranks (ZeRO-1).
+    """
+    p, g = DTYPE_BYTES[dtype], DTYPE_BYTES[grad_dtype]
+    if g < p:
+        raise ValueError(f"grad_dtype={grad_dtype} narrower than dtype={dtype}")
+    share = 1 / dp if distributed_optimizer else 1.0
+    mixed = p < 4
+    return StateBytes(weights=p, grads=g, main_params=4 * share if mixed else 0.0,
+                      main_grads=4 * share if mixed and g < 4 else 0.0, adam=8 * share)
+
+
+# --- activations ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True)
+class ActivationModel:
+    """What a decoder layer saves for backward: the kernels and the layer's make-up.
+
+    norm: "fused" (TransformerEngine: keeps the norm input, in act dtype) or "composite"
+        (torch's CPU RMSNorm: keeps the input upcast to fp32 and the fp32 normalized tensor).
+    attention: "flash" (keeps q, k, v and fp32 softmax statistics) or "unfused" (megatron's
+        local DotProductAttention: GQA keys/values expanded to all heads, the softmax output,
+        a bool causal mask per layer).
+    mlp: "swiglu" (megatron's unfused glu: [gate; up], silu(gate), up + offset, product) or
+        "gelu" (GeLU input, fc2 input). dropout: dropout masks (1 byte per element) are kept.
+    softmax_fp32: the softmax runs (and is kept) in fp32, plus an act-dtype copy for the bmm.
+    rope: unfused rotary embedding keeps cos and sin for q and k.
+    causal_mask: unfused attention keeps a bool [s, s] causal mask per layer (megatron builds
+        its default mask per call when none is passed).
+    The paper's GPT layer is `ActivationModel.paper(...)`; ours come from `for_kernels`.
+    """
+
+    act_bytes: int
+    tp: int = 1
+    sequence_parallel: bool = False
+    recompute: Literal["none", "selective", "full"] = "none"
+    norm: Literal["fused", "composite"] = "fused"
+    attention: Literal["flash", "unfused"] = "flash"
+    mlp: Literal["swiglu", "gelu"] = "swiglu"
+    dropout: bool = False
+    softmax_fp32: bool = True
+    rope: bool = True
+    causal_mask: bool = True
+
+    @classmethod
+    def for_kernels(cls, kernels: str, **kw) -> "ActivationModel":
+        """"te": TransformerEngine layers (GPU); "local": megatron's local spec (CPU)."""
+        if kernels == "te":
+            return cls(norm="fused", attention="flash", **kw)
+        if kernels == "local":
+            return cls(norm="composite", attention="unfused", **kw)
+        raise ValueError(f"kernels={kernels!r}: te or local")
+
+    @classmethod
+    def paper(cls, **kw) -> "ActivationModel":
+        """Korthikanti et al.'s GPT layer: LayerNorm, unfused MHA with dropout, GeLU MLP,
+        16-bit softmax, no rotary embedding."""
+        return cls(norm="fused", attention="unfused", mlp="gelu", dropout=True,
+                   softmax_fp32=False, rope=False, causal_mask=False, **kw)
+
+
+def layer_activation_terms(spec: ModelSpec, seq: int, micro_batch: int,
+                           model: ActivationModel) -> dict[str, float]:
+    """Bytes one decoder layer saves for backward, per micro batch, on one TP rank, by group.
+
+    Sequence-parallel regions (divided by tp only with SP): the two norms, the inputs of the
+    qkv and fc1 linears, the dropout masks. Tensor-parallel regions (divided by tp): q, k, v,
+    attention scores and output (proj input), MLP intermediates. Replicated: rotary cos/sin,
+    the causal mask. With "selective" recompute core attention keeps only its inputs
+    (unexpanded q, k, v); with "full" recompute the layer keeps only its input.
+    """
+    s, b, B, t = seq, micro_batch, model.act_bytes, model.tp
+    h, q, kv, f, a = spec.hidden, spec.q_dim, spec.kv_dim, spec.ffn, spec.heads
+    sp = t if model.sequence_parallel else 1
+    if model.recompute == "full":
+        return {"layer input": B * s * b * h / sp}
+    norm = (8 * s * b * h + 4 * s * b) if model.norm == "composite" else B * s * b * h
+    terms = {"norms": 2 * norm / sp, "qkv, fc1 inputs": 2 * B * s * b * h / sp}
+    if model.dropout:
+        terms["dropout masks"] = 2 * s * b * h / sp
+    if model.rope:
+        terms["rotary cos, sin"] = 4 * B * s * spec.head_dim
+    core = model.recompute != "selective"
+    unfused = model.attention == "unfused"
+    if unfused and core and spec.kv_heads < spec.heads:
+        qkv = 3 * q  # q and the GQA-expanded k, v that the bmm's keep
+    elif model.dropout:  # the paper's count: q, k, v
+        qkv = q + 2 * kv
+    else:
+        # q and k are new tensors (rotary), v is a view of the fused qkv output, which it
+        # keeps alive whole (measured for megatron's local attention; assumed for TE)
+        qkv = q + kv + (q + 2 * kv)
+    terms["q, k, v"] = B * s * b * qkv / t
+    terms["attention output"] = B * s * b * q / t
+    if core and unfused:
+        scores = a * s * s * b / t
+        if model.softmax_fp32:
+            per = 4 + (B if B != 4 else 0)
+        else:
+            per = B
+        if model.dropout:
+            per += 1 + B  # mask, dropped-out probabilities
+        terms["attention scores"] = scores * per
+        if model.causal_mask:
+            terms["causal mask"] = s * s
+    elif core:
+        terms["attention lse"] = 4 * a * s * b / t
+    if model.mlp == "gelu":
+        terms["mlp"] = 2 * B * s * b * f / t
+    else:
+        terms["mlp"] = 5 * B * s * b * f / t
+    return terms
+
+
+def recompute_workspace(spec: ModelSpec, seq: int, micro_batch: int,
+                        model: ActivationModel) -> float:
+    """Bytes rematerialized at once during backward: one whole layer ("full"), one layer's
+    core attention ("selective": scores, expanded k and v), nothing ("none")."""
+    if model.recompute == "full":
+        return layer_activation_bytes(spec, seq, micro_batch,
+                                      dataclasses.replace(model, recompute="none"))
+    if model.recompute == "selective":
+        full = layer_activation_terms(spec, seq, micro_batch,
+                                      dataclasses.replace(model, recompute="none"))
+        kept = layer_activation_terms(spec, seq, micro_batch, model)
+        return sum(full.values()) - sum(kept.values())
+    return 0.0
+
+
+def layer_activation_bytes(spec: ModelSpec, seq: int, micro_batch: int,
+                           model: ActivationModel) -> float:
+    return sum(layer_activation_terms(spec, seq, micro_batch, model).values())
+
+
+def in_flight_layers(parallel: ParallelConfig, num_layers: int, stage: int,
+                     num_micro_batches: int) -> int:
+    """Layers' worth of one micro batch's activations that stage `stage` holds at its peak,
+    from megatron's schedules: no PP — 1 micro batch; 1F1B — min(pp - stage, m) micro batches
+    of the stage's layers; interleaved — min(warm-up + 1, m·v) chunk micro batches, warm-up
+    = 2·(pp - stage - 1) + (v - 1)·pp, of L/(pp·v) layers each."""
+    counts = parallel.stage_layer_counts(num_layers)
+    m = max(num_micro_batches, 1)
+    if parallel.pp == 1:
+        return counts[0]
+    if parallel.vpp is None:
+        return counts[stage] * min(parallel.pp - stage, m)
+    v, pp = parallel.vpp, parallel.pp
+    total = m * v
+    warmup = 2 * (pp - stage - 1) + (v - 1) * pp
+    chunks = total if warmup >= total else warmup + 1
+    return chunks * num_layers // (pp * v)
+
+
+# --- the plan ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Component:
+    """One line of a rank's memory. `resident`: held for the whole run (weights, states, KV);
+    otherwise only during the role's own phase (activations, logits)."""
+
+    name: str
+    bytes: float
+    detail: str
+    resident: bool = True
+
+
+@dataclass(frozen=True)
+class RankMemory:
+    """What one rank of a role holds. `where`: which rank ("pp stage 0/4", "engine tp rank")."""
+
+    role: str
+    where: str
+    components: tuple[Component, ...]
+
+    @property
+    def total(self) -> float:
+        return sum(c.bytes for c in self.components)
+
+    @property
+    def resident(self) -> float:
+        return sum(c.bytes for c in self.components if c.resident)
+
+    @property
+    def transient(self) -> float:
+        return sum(c.bytes for c in self.components if not c.resident)
+
+
+@dataclass(frozen=True)
+class Phase:
+    name: str
+    parts: tuple[tuple[str, float], ...]  # (what, bytes)
+
+    @property
+    def total(self) -> float:
+        return sum(b for _, b in self.parts)
+
+
+@dataclass(frozen=True)
+class DeviceMemory:
+    """One kind of device (its worst pipeline stage) and its phases."""
+
+    device: str
+    phases: tuple[Phase, ...]
+
+    @property
+    def peak(self) -> Phase:
+        return max(self.phases, key=lambda p: p.total)
+
+
+@dataclass(frozen=True)
+class Suggestion:
+    """A change of the shape (as CLI overrides) and the worst device's peak it gives."""
+
+    knob: str
+    overrides: tuple[str, ...]
+    peak_bytes: float
+    fits: bool
+    note: str = ""
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    shape: RunShape
+    roles: tuple[RankMemory, ...]
+    devices: tuple[DeviceMemory, ...]
+    notes: tuple[str, ...] = ()
+    suggestions: tuple[Suggestion, ...] = ()
+
+    @property
+    def device_bytes(self) -> float:
+        return self.shape.device_gib * GiB
+
+    @property
+    def worst(self) -> DeviceMemory:
+        return max(self.devices, key=lambda d: d.peak.total)
+
+    @property
+    def peak_bytes(self) -> float:
+        return self.worst.peak.total
+
+    @property
+    def fits(self) -> bool:
+        return self.peak_bytes <= self.device_bytes
+
+
+def _gib(n: float) -> str:
+    return f"{n / GiB:.2f} GiB"
+
+
+def _mib(n: float) -> str:
+    return f"{n / (1 << 20):.1f} MiB"
+
+
+def _g(n: float) -> str:
+    return f"{n / 1e9:.3g}e9" if n >= 1e7 else f"{n:,.0f}"
+
+
+def activation_model(shape: RunShape) -> ActivationModel:
+    t = shape.train
+    return ActivationModel.for_kernels(shape.kernels, act_bytes=DTYPE_BYTES[t.dtype],
+                                       tp=t.parallel.tp,
+                                       sequence_parallel=t.parallel.sequence_parallel,
+                                       recompute=t.recompute)
+
+
+def last_stage_terms(spec: ModelSpec, seq: int, micro_batch: int, model: ActivationModel,
+                     head: Literal["lm", "value"] = "lm") -> dict[str, float]:
+    """What the last stage keeps after its layers, per micro batch: the final norm, the output
+    layer's input and, for an LM head, the fp32 logits megatron's vocab-parallel cross entropy
+    keeps ([s·b, V_pad/tp]); plus, not kept but alive while the loss is formed, the output
+    layer's own logits in act dtype."""
+    s, b, B, t = seq, micro_batch, model.act_bytes, model.tp
+    sp = t if model.sequence_parallel else 1
+    h = spec.hidden
+    norm = (8 * s * b * h + 4 * s * b) if model.norm == "composite" else B * s * b * h
+    terms = {"final norm, head input": (norm + B * s * b * h) / sp}
+    if head == "lm":
+        rows = spec.mcore_padded_vocab(t) // t
+        terms["logits (fp32, kept)"] = 4 * s * b * rows
+        terms["logits (transient)"] = B * s * b * rows
+    return terms
+
+
+def training_rank(shape: RunShape, spec: ModelSpec, role: str, stage: int) -> RankMemory:
+    """One TP rank of pipeline stage `stage` of a training role ("actor", "critic",
+    "reference")."""
+    t = shape.train
+    par = t.parallel
+    head = "value" if role == "critic" else "lm"
+    n = mcore_stage_params(spec, par, stage, head)
+    where = f"pp stage {stage}/{par.pp}"
+    states = state_bytes_per_param(t.dtype, t.grad_dtype, par.use_distributed_optimizer,
+                                   par.dp)
+    comps = [Component("weights", n * states.weights, f"{t.dtype}, {_g(n)} params")]
+    s, b = t.seq_len, t.micro_batch_size
+    act = activation_model(shape)
+    last = stage == par.pp - 1
+    tail = last_stage_terms(spec, s, b, act, head) if last else {}
+    if role == "reference":  # forward only: nothing kept; one micro batch's logits at a time
+        if last:
+            logits = tail.get("logits (fp32, kept)", 0) + tail.get("logits (transient)", 0)
+            comps.append(Component("logits", logits, f"1 micro batch, [s·b, V/tp] {t.dtype} "
+                                                     "+ fp32", False))
+        return RankMemory(role, where, tuple(comps))
+    shard = f", sharded over dp={par.dp}" if par.use_distributed_optimizer and par.dp > 1 else ""
+    comps.append(Component("grads", n * states.grads, f"{t.grad_dtype} DDP grad buffer"))
+    if states.main_params:
+        comps.append(Component("main params", n * states.main_params, f"fp32{shard}"))
+    if states.main_grads:
+        comps.append(Component("main grads", n * states.main_grads, f"fp32 copy{shard}"))
+    comps.append(Component("adam m, v", n * states.adam, f"2 × fp32{shard}"))
+    per_layer = layer_activation_bytes(spec, s, b, act)
+    m = int(t.num_micro_batches) or 1
+    layers = in_flight_layers(par, spec.layers, stage, m)
+    comps.append(Component(
+        "activations", layers * per_layer,
+        f"{layers} layer-micro-batches × {_mib(per_layer)} ({t.recompute} recompute, "
+        f"{shape.kernels} kernels{', SP' if par.sequence_parallel else ''})", False))
+    if last:
+        for name, value in tail.items():
+            comps.append(Component(name, value, "last stage, 1 micro batch", False))
+    work = recompute_workspace(spec, s, b, act)
+    logits = sum(tail.values())
+    if work - logits > 1 << 20:  # rematerialized in backward, after the loss freed the logits
+        comps.append(Component("recompute workspace", max(work - logits, 0.0),
+                               f"{_mib(work)} rematerialized per layer in backward"
+                               + (f", minus the {_mib(logits)} of logits freed by then"
+                                  if logits else ""), False))
+    return RankMemory(role, where, tuple(comps))
+
+
+def rollout_rank(shape: RunShape, spec: ModelSpec) -> tuple[RankMemory, list[str]]:
+    """One vLLM TP rank: weights, activation peak of one step, KV cache — sized by
+    gpu_memory_utilization (what is left of util · device) or by max_num_seqs · seq_len."""
+    r = shape.rollout
+    notes = []
+    B = DTYPE_BYTES[r.dtype]
+    n = vllm_rank_params(spec, r.tp)
+    weights = n * B
+    tok = r.max_num_batched_tokens
+    vocab = -(-spec.vocab // VLLM_VOCAB_PADDING) * VLLM_VOCAB_PADDING
+    # Coarse: hidden states, qkv, MLP intermediates of one step's tokens, plus the sampler's
+    # fp32 logits and probabilities of max_num_seqs rows over the whole (gathered) vocab.
+    act = tok * (4 * spec.hidden + (spec.q_dim + 2 * spec.kv_dim + 3 * spec.ffn) // r.tp) * B
+    act += 2 * 4 * min(r.max_num_seqs, tok) * vocab
+    per_tok = kv_bytes_per_token(spec, r.tp, B)
+    want_tokens = r.max_num_seqs * shape.train.seq_len
+    if r.gpu_memory_utilization is None:
+        kv = want_tokens * per_tok
+        kv_detail = f"{r.max_num_seqs} seqs × {shape.train.seq_len} tokens × {per_tok:,} B"
+    else:
+        kv = r.gpu_memory_utilization * shape.device_gib * GiB - weights - act
+        tokens = max(kv, 0) // per_tok
+        kv_detail = (f"rest of {r.gpu_memory_utilization:g} × {shape.device_gib:g} GiB: "
+                     f"{tokens:,.0f} tokens × {per_tok:,} B")
+        if kv <= 0:
+            notes.append(f"rollout: gpu_memory_utilization={r.gpu_memory_utilization:g} leaves "
+                         f"no KV cache ({_gib(kv)}) after weights {_gib(weights)}")
+        elif tokens < shape.train.seq_len:
+            notes.append(f"rollout: the KV cache holds {tokens:,.0f} tokens, less than one "
+                         f"sequence of seq_len={shape.train.seq_len}: vLLM refuses to start")
+        elif tokens < want_tokens:
+            notes.append(f"rollout: the KV cache holds {tokens / shape.train.seq_len:.1f} full "
+                         f"sequences < max_num_seqs={r.max_num_seqs} (vLLM preempts; slower)")
+        kv = max(kv, 0)
+    comps = (Component("weights", weights, f"{r.dtype}, {_g(n)} params (1/{r.tp} of the model)"),
+             Component("activations", act, f"one step of {tok} tokens + sampler logits "
+                                           "(estimate)"),
+             Component("kv cache", kv, kv_detail))
+    return RankMemory("rollout", f"engine tp rank (tp={r.tp})", comps), notes
+
+
+def _sleep_mode(shape: RunShape) -> str:
+    # vLLM's sleep()/wake_up() are accepted on CPU but do nothing (shared/FINDINGS.md).
+    return "none" if shape.device == "cpu" else shape.rollout.sleep
+
+
+def plan_memory(shape: RunShape) -> MemoryPlan:
+    """Every role's per-rank memory and every device's phases (worst pipeline stage)."""
+    spec = shape.spec()
+    t = shape.train
+    par = t.parallel
+    validate_megatron_grid(spec, par)  # LayoutError / ConfigError naming the field
+    roles_on = ["actor"] + (["critic"] if t.critic else []) + (["reference"] if t.reference
+                                                                else [])
+    reserve = ("reserve", shape.reserve_gib * GiB)
+    rollout, notes = rollout_rank(shape, spec)
+    sleep = _sleep_mode(shape)
+    if shape.device == "cpu" and shape.rollout.sleep != "none" and shape.placement == "colocated":
+        notes.append("rollout.sleep has no effect on CPU (vLLM sleep is a no-op): planned "
+                     "as 'none'")
+    asleep = {"none": rollout.total, "kv": rollout.components[0].bytes, "all": 0.0}[sleep]
+    per_stage: list[tuple[dict[str, RankMemory], DeviceMemory]] = []
+    for stage in range(par.pp):
+        ranks = {role: training_rank(shape, spec, role, stage) for role in roles_on}
+        resident = tuple((f"{role} states", r.resident) for role, r in ranks.items())
+        phases = []
+        for role, name in (("actor", "actor train"), ("critic", "critic train"),
+                           ("reference", "forward (reference / old log-probs)")):
+            if role not in ranks:
+                continue
+            parts = resident + ((f"{role} activations", ranks[role].transient),)
+            if shape.placement == "colocated":
+                parts += (("rollout asleep", asleep),)
+            phases.append(Phase(name, parts + (reserve,)))
+        if shape.placement == "colocated":
+            phases.append(Phase("rollout", resident + (("rollout engine", rollout.total),
+                                                       reserve)))
+        label = "shared device" if shape.placement == "colocated" else "training device"
+        per_stage.append((ranks, DeviceMemory(f"{label}, pp stage {stage}/{par.pp}",
+                                              tuple(phases))))
+    worst_ranks, worst_dev = max(per_stage, key=lambda x: x[1].peak.total)
+    devices = [worst_dev]
+    if shape.placement == "disaggregated":
+        # With gpu_memory_utilization vLLM's own budget covers its CUDA context and
+        # non-torch memory; a fixed-size KV cache does not.
+        parts = (("rollout engine", rollout.total),) + (
+            (reserve,) if shape.rollout.gpu_memory_utilization is None else ())
+        devices.append(DeviceMemory("rollout device", (Phase("rollout", parts),)))
+    return MemoryPlan(shape=shape, roles=tuple(worst_ranks.values()) + (rollout,),
+                      devices=tuple(devices), notes=tuple(notes))
+
+
+# --- suggestions ------------------------------------------------------------------------------
+
+
+def with_overrides(shape: RunShape, overrides: list[str] | tuple[str, ...]) -> RunShape:
+    """`shape` with `a.b.c=value` overrides applied (validated like a loaded config)."""
+    data = to_dict(shape)
+
+    def merge(base: dict, extra: dict) -> dict:
+        out = dict(base)
+        for k, v in extra.items():
+            out[k] = merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k),
+                                                                             dict) else v
+        return out
+
+    return from_dict(RunShape, merge(data, parse_overrides(list(overrides))))
+
+
+def _candidates(shape: RunShape, spec: ModelSpec) -> list[tuple[str, list[str], str]]:
+    """(knob, overrides, note) — each changes one thing, keeping the number of devices where
+    the knob allows it."""
+    t, par, r = shape.train, shape.train.parallel, shape.rollout
+    out: list[tuple[str, list[str], str]] = []
+    mb = t.micro_batch_size
+    while mb > 1:
+        mb //= 2
+        out.append((f"micro batch {mb}", [f"train.micro_batch_size={mb}"], ""))
+    order = ["none", "selective", "full"]
+    for level in order[order.index(t.recompute) + 1:]:
+        out.append((f"{level} recompute", [f"train.recompute={level}"], ""))
+    if par.dp > 1 and not par.use_distributed_optimizer:
+        out.append(("distributed optimizer", ["train.parallel.use_distributed_optimizer=true"],
+                    ""))
+    if t.dtype == "bf16" and t.grad_dtype == "fp32":
+        out.append(("bf16 grads", ["train.grad_dtype=bf16"],
+                    "trainer.megatron_train reduces grads in fp32 today"))
+    if par.tp > 1 and not par.sequence_parallel:
+        out.append(("sequence parallel", ["train.parallel.sequence_parallel=true"], ""))
+    tp2 = par.tp * 2
+    if (spec.heads % tp2 == 0 and spec.kv_heads % tp2 == 0 and spec.ffn % tp2 == 0
+            and tp2 <= shape.gpus_per_node):
+        dp = par.dp // 2 if par.dp % 2 == 0 else par.dp
+        note = "same devices" if dp != par.dp else f"needs {tp2 * par.pp * dp} training devices"
+        out.append((f"actor tp {tp2}", [f"train.parallel.tp={tp2}", f"train.parallel.dp={dp}"],
+                    note))
+    pp2 = par.pp * 2
+    if par.first_stage_layers is None and par.last_stage_layers is None and \
+            spec.layers % (pp2 * (par.vpp or 1)) == 0:
+        dp = par.dp // 2 if par.dp % 2 == 0 else par.dp
+        note = "same devices" if dp != par.dp else f"needs {par.tp * pp2 * dp} training devices"
+        out.append((f"actor pp {pp2}", [f"train.parallel.pp={pp2}", f"train.parallel.dp={dp}"],
+                    note))
+    if shape.placement == "colocated":
+        if _sleep_mode(shape) != "all" and shape.device == "gpu":
+            out.append(("rollout sleep all", ["rollout.sleep=all"], ""))
+        util = r.gpu_memory_utilization
+        if util is not None and util > 0.1:
+            for new in (round(util - 0.1 * k, 2) for k in range(1, 9)):
+                if new >= 0.1:
+                    out.append((f"gpu_memory_utilization {new:g}",
+                                [f"rollout.gpu_memory_utilization={new:g}"], ""))
+    if r.gpu_memory_utilization is None and r.max_num_seqs > 1:
+        out.append((f"max_num_seqs {r.max_num_seqs // 2}",
+                    [f"rollout.max_num_seqs={r.max_num_seqs // 2}"], ""))
+    rtp = r.tp * 2
+    if spec.heads % rtp == 0 and rtp <= shape.gpus_per_node and (
+            spec.kv_heads % rtp == 0 or rtp % spec.kv_heads == 0):
+        engines = r.engines // 2 if r.engines % 2 == 0 else r.engines
+        out.append((f"rollout tp {rtp}", [f"rollout.tp={rtp}", f"rollout.engines={engines}"],
+                    "same devices" if engines != r.engines else "more devices"))
+    return out
+
+
+def _try(shape: RunShape, overrides: list[str]) -> MemoryPlan | None:
+    try:
+        return plan_memory(with_overrides(shape, overrides))
+    except (ConfigError, ValueError):
+        return None
+
+
+def suggest(plan: MemoryPlan, *, max_steps: int = 6) -> tuple[Suggestion, ...]:
+    """For a plan that does not fit: each knob alone (re-estimated with the knob changed; for
+    stepwise knobs the mildest setting that fits, else the strongest), then a greedy
+    combination (repeatedly the single knob that lowers the peak most) until it fits."""
+    shape = plan.shape
+    spec = shape.spec()
+    singles: dict[str, Suggestion] = {}
+    for knob, overrides, note in _candidates(shape, spec):
+        family = knob.rsplit(" ", 1)[0] if knob.startswith(("micro batch", "gpu_memory")) \
+            else knob
+        if family in singles and singles[family].fits:
+            continue  # a milder step of this knob already fits
+        trial = _try(shape, overrides)
+        if trial is None or trial.peak_bytes >= plan.peak_bytes:
+            continue
+        singles[family] = Suggestion(knob, tuple(overrides), trial.peak_bytes, trial.fits, note)
+    out = sorted(singles.values(), key=lambda s: (not s.fits, s.peak_bytes))
+    if not any(s.fits for s in out):
+        combo: list[str] = []
+        current, knobs, notes = plan, [], []
+        for _ in range(max_steps):
+            best = None
+            for knob, overrides, note in _candidates(current.shape, spec):
+                trial = _try(current.shape, overrides)
+                if trial is not None and trial.peak_bytes < current.peak_bytes and (
+                        best is None or trial.peak_bytes < best[1].peak_bytes):
+                    best = (knob, trial, overrides, note)
+            if best is None:
+                break
+            knobs.append(best[0])
+            combo += best[2]
+            current = best[1]
+            if best[3] and best[3] != "same devices":
+                notes.append(best[3])
+            if current.fits:
+                break
+        if knobs:
+            out.append(Suggestion(" + ".join(knobs), tuple(combo), current.peak_bytes,
+                                  current.fits, "; ".join(["combined"] + notes)))
+    return tuple(out)
+
+
+def plan_with_suggestions(shape: RunShape) -> MemoryPlan:
+    plan = plan_memory(shape)
+    if plan.fits:
+        return plan
+    return dataclasses.replace(plan, suggestions=suggest(plan))
+
+
+# --- report -----------------------------------------------------------------------------------
+
+
+def describe(shape: RunShape) -> str:
+    t, par, r = shape.train, shape.train.parallel, shape.rollout
+    grid = f"tp{par.tp} pp{par.pp}" + (f" vpp{par.vpp}" if par.vpp else "") + f" dp{par.dp}"
+    flags = [f for f, on in (("SP", par.sequence_parallel),
+                             ("dist-opt", par.use_distributed_optimizer)) if on]
+    return (f"{shape.model} · {shape.placement} · {shape.nodes}×{shape.gpus_per_node} "
+            f"{shape.device} ({shape.device_gib:g} GiB) · actor {grid}"
+            f"{' (' + ', '.join(flags) + ')' if flags else ''} · mb {t.micro_batch_size} × "
+            f"seq {t.seq_len}, {t.dtype}, {t.recompute} recompute · rollout {r.engines}×tp{r.tp}")
+
+
+def format_plan(plan: MemoryPlan) -> str:
+    lines = [describe(plan.shape), ""]
+    for rank in plan.roles:
+        lines.append(f"{rank.role} ({rank.where})")
+        for c in rank.components:
+            lines.append(f"  {c.name:<22}{_gib(c.bytes):>13}  {c.detail}")
+        lines.append(f"  {'total':<22}{_gib(rank.total):>13}")
+        lines.append("")
+    limit = plan.device_bytes
+    for dev in plan.devices:
+        lines.append(f"{dev.device}")
+        for phase in dev.phases:
+            ok = "fits" if phase.total <= limit else "DOES NOT FIT"
+            parts = " + ".join(f"{what} {b / GiB:.2f}" for what, b in phase.parts)
+            lines.append(f"  {phase.name:<36}{_gib(phase.total):>13}  {ok}   ({parts})")
+        lines.append("")
+    for note in plan.notes:
+        lines.append(f"note: {note}")
+    verdict = "FITS" if plan.fits else "DOES NOT FIT"
+    lines.append(f"peak {_gib(plan.peak_bytes)} of {plan.shape.device_gib:g} GiB "
+                 f"({plan.worst.device}, {plan.worst.peak.name}): {verdict}")
+    if plan.suggestions:
+        lines.append("knobs (peak of the worst device with the change):")
+        for s in plan.suggestions:
+            tag = "fits" if s.fits else "still too big"
+            note = f"  [{s.note}]" if s.note else ""
+            lines.append(f"  {s.knob:<34}{_gib(s.peak_bytes):>13}  {tag}   "
+                         f"{' '.join(s.overrides)}{note}")
+    return "\n".join(lines)
+
+
+def plan_to_json(plan: MemoryPlan) -> dict[str, Any]:
+    return {
+        "shape": to_dict(plan.shape),
+        "roles": [{"role": r.role, "where": r.where, "total_bytes": r.total,
+                   "components": [{"name": c.name, "bytes": c.bytes, "detail": c.detail,
+                                   "resident": c.resident} for c in r.components]}
+                  for r in plan.roles],
+        "devices": [{"device": d.device, "phases": [
+            {"name": p.name, "total_bytes": p.total, "parts": dict(p.parts)} for p in d.phases]}
+            for d in plan.devices],
+        "peak_bytes": plan.peak_bytes, "device_bytes": plan.device_bytes, "fits": plan.fits,
+        "notes": list(plan.notes),
+        "suggestions": [dataclasses.asdict(s) for s in plan.suggestions],
+    }
+
+
+__all__ = ["ActivationModel", "Component", "DeviceMemory", "MemoryPlan", "Phase", "RankMemory",
+           "StateBytes", "Suggestion", "format_plan", "in_flight_layers", "kv_bytes_per_token",
+           "last_stage_terms", "layer_activation_bytes", "layer_activation_terms",
+           "mcore_layer_params", "mcore_stage_params", "plan_memory", "plan_to_json",
+           "plan_with_suggestions", "recompute_workspace", "state_bytes_per_param", "suggest",
+           "vllm_rank_params", "with_overrides"]

@@ -1,0 +1,162 @@
+"""The memory planner against published figures (Megatron-Core's distributed-optimizer table,
+Korthikanti et al. 2022 Table 2, Llama 3 70B's KV bytes per token), its own consistency, and
+the shipped GPU configs. Pure arithmetic: no process groups, no megatron import."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from mcore_rl.cli import main
+from mcore_rl.config import load_config
+from mcore_rl.models.presets import get_preset
+from mcore_rl.models.spec import ModelSpec
+from mcore_rl.parallel.config import ParallelConfig
+from mcore_rl.planning.memory import (ActivationModel, in_flight_layers, kv_bytes_per_token,
+                                      layer_activation_bytes, mcore_stage_params,
+                                      plan_memory, plan_with_suggestions, state_bytes_per_param,
+                                      training_rank, vllm_rank_params, with_overrides)
+from mcore_rl.planning.run_shape import GiB, RunShape, TrainShape
+
+CONFIGS = Path(__file__).resolve().parents[2] / "configs" / "gpu"
+LLAMA3_70B = get_preset("llama3-70b")
+# GPT-3 175B, the paper's shape: a = 96 heads, h = 12288, ffn = 4h, s = 2048, L = 96.
+GPT3 = ModelSpec(family="llama", architecture="LlamaForCausalLM", hidden=12288, ffn=4 * 12288,
+                 heads=96, kv_heads=96, head_dim=128, layers=96, vocab=51200)
+
+STATE_NAMES = ("weights", "grads", "main params", "main grads", "adam m, v")
+
+# Megatron-Core developer guide, "Distributed Optimizer": theoretical bytes per parameter.
+MEGATRON_TABLE = [
+    # dtype, grad dtype, distributed optimizer, dp, bytes/param
+    ("bf16", "bf16", False, 8, 20),          # fp16/bf16 params, fp16/bf16 grads: 20
+    ("bf16", "bf16", True, 8, 4 + 16 / 8),   # ... with the distributed optimizer: 4 + 16/d
+    ("bf16", "fp32", False, 8, 18),          # bf16 params, fp32 grads: 18
+    ("bf16", "fp32", True, 8, 6 + 12 / 8),   # ... 6 + 12/d
+    ("bf16", "fp32", True, 2, 6 + 12 / 2),
+    ("fp32", "fp32", False, 8, 16),          # fp32 params and grads: 16
+    ("fp32", "fp32", True, 8, 8 + 8 / 8),    # ... 8 + 8/d
+]
+
+
+@pytest.mark.parametrize("dtype,grad_dtype,dist_opt,dp,published", MEGATRON_TABLE)
+def test_llama3_70b_training_states_match_megatron_table(dtype, grad_dtype, dist_opt, dp,
+                                                         published):
+    """Every pipeline stage of a 70B grid holds exactly `published` bytes per local param."""
+    assert state_bytes_per_param(dtype, grad_dtype, dist_opt, dp).total == pytest.approx(
+        published)
+    shape = RunShape(model="llama3-70b", nodes=8, train=TrainShape(
+        parallel=ParallelConfig(tp=8, pp=4, dp=dp, use_distributed_optimizer=dist_opt),
+        dtype=dtype, grad_dtype=grad_dtype))
+    total_params = 0
+    for stage in range(4):
+        rank = training_rank(shape, LLAMA3_70B, "actor", stage)
+        states = sum(c.bytes for c in rank.components if c.name in STATE_NAMES)
+        params = mcore_stage_params(LLAMA3_70B, shape.train.parallel, stage)
+        assert states / params == pytest.approx(published, rel=1e-12)
+        total_params += params * 8  # 8 TP ranks
+    # Rank shards add up to the model, plus megatron's vocab padding (to 128 · tp rows) and
+    # the norms every TP rank keeps whole.
+    spec = LLAMA3_70B
+    padding = 2 * (spec.mcore_padded_vocab(8) - spec.vocab) * spec.hidden
+    replicated = 7 * (2 * spec.layers + 1) * spec.hidden
+    assert total_params == spec.num_params() + padding + replicated
+
+
+def _per_layer(model: ActivationModel, s=2048, b=1, spec=GPT3) -> float:
+    return layer_activation_bytes(spec, s, b, model)
+
+
+def test_paper_gpt_layer_reproduces_korthikanti_table_2():
+    s, b, h, a, t = 2048, 1, GPT3.hidden, GPT3.heads, 8
+    sbh = s * b * h
+    paper = ActivationModel.paper(act_bytes=2)
+    assert _per_layer(paper) == pytest.approx(sbh * (34 + 5 * a * s / h))
+    assert _per_layer(paper.__class__.paper(act_bytes=2, tp=t)) == pytest.approx(
+        sbh * (10 + 24 / t + 5 * a * s / (h * t)))
+    assert _per_layer(ActivationModel.paper(act_bytes=2, tp=t, sequence_parallel=True)) == \
+        pytest.approx(sbh / t * (34 + 5 * a * s / h))
+    assert _per_layer(ActivationModel.paper(act_bytes=2, tp=t, sequence_parallel=True,
+                                            recompute="selective")) == pytest.approx(
+        34 * sbh / t)
+    assert _per_layer(ActivationModel.paper(act_bytes=2, recompute="full")) == \
+        pytest.approx(2 * sbh)
+
+
+@pytest.mark.parametrize("pp,vpp,m,stage,expect_layers", [
+    (4, None, 8, 0, 96),                     # 1F1B: first stage holds pp micro batches = L
+    (4, None, 8, 3, 24),                     # last stage: one micro batch
+    (4, None, 2, 0, 48),                     # fewer micro batches than stages: m of them
+    (4, 2, 8, 0, 96 * (1 + 3 / (4 * 2))),    # interleaved: L · (1 + (p - 1)/(p·v))
+    (4, 3, 8, 0, 96 * (1 + 3 / (4 * 3))),
+    (4, 2, 4, 0, 96),                        # m = pp: every micro batch in warm-up (m·v chunks)
+    (1, None, 8, 0, 96),                     # no pipeline: one micro batch of all layers
+])
+def test_in_flight_layers(pp, vpp, m, stage, expect_layers):
+    par = ParallelConfig(pp=pp, vpp=vpp)
+    assert in_flight_layers(par, 96, stage, m) == pytest.approx(expect_layers)
+
+
+def test_kv_cache_and_vllm_weights():
+    # Llama 3 70B, bf16: 2 · 80 layers · 8 kv heads · 128 · 2 B = 320 KiB per token.
+    assert kv_bytes_per_token(LLAMA3_70B, 1, 2) == 320 * 1024
+    assert kv_bytes_per_token(LLAMA3_70B, 8, 2) == 40 * 1024
+    # tp 16 > 8 kv heads: each rank keeps one (replicated) kv head.
+    assert kv_bytes_per_token(LLAMA3_70B, 16, 2) == 40 * 1024
+    spec = get_preset("llama3-8b")
+    vocab_pad = 2 * (-(-spec.vocab // 64) * 64 - spec.vocab) * spec.hidden
+    assert vllm_rank_params(spec, 1) == spec.num_params() + vocab_pad
+    # tp 2: half of everything but the replicated norms.
+    norms = (2 * spec.layers + 1) * spec.hidden
+    assert vllm_rank_params(spec, 2) == (spec.num_params() + vocab_pad - norms) // 2 + norms
+
+
+@pytest.mark.parametrize("name", ["llama3-8b", "llama2-13b", "llama3-70b"])
+def test_gpu_configs_fit_80_gib(name):
+    shape = load_config(RunShape, CONFIGS / f"{name}.yaml")
+    assert shape.device_gib == 80
+    plan = plan_memory(shape)
+    assert plan.fits, plan.peak_bytes / GiB
+    assert plan.peak_bytes > 0.5 * plan.device_bytes  # and they use the devices
+
+
+def _too_big() -> RunShape:
+    return load_config(RunShape, CONFIGS / "llama3-70b.yaml",
+                       ["train.parallel.pp=2", "train.parallel.dp=2", "train.recompute=none",
+                        "train.parallel.sequence_parallel=false", "train.micro_batch_size=2"])
+
+
+def test_suggestions_are_re_estimates_and_some_fit():
+    plan = plan_with_suggestions(_too_big())
+    assert not plan.fits
+    assert plan.suggestions and any(s.fits for s in plan.suggestions)
+    for s in plan.suggestions:
+        again = plan_memory(with_overrides(plan.shape, s.overrides))
+        assert again.peak_bytes == pytest.approx(s.peak_bytes)
+        assert again.fits == s.fits
+        assert s.peak_bytes < plan.peak_bytes
+    knobs = {s.knob.split(" +")[0] for s in plan.suggestions}
+    assert {"full recompute", "distributed optimizer", "sequence parallel",
+            "micro batch 1"} <= knobs
+
+
+def test_colocated_rollout_sleep_and_cpu():
+    base = load_config(RunShape, CONFIGS / "llama3-8b.yaml")
+    train_phase = {s: plan_memory(with_overrides(base, [f"rollout.sleep={s}"]))
+                   .devices[0].phases[0].total for s in ("none", "kv", "all")}
+    assert train_phase["all"] < train_phase["kv"] < train_phase["none"]
+    # On CPU vLLM's sleep is a no-op: planned as "none", and said so.
+    cpu = plan_memory(with_overrides(base, ["device=cpu", "sync_backend=gloo"]))
+    assert any("no effect on CPU" in n for n in cpu.notes)
+
+
+def test_cli_plan_memory(capsys):
+    cfg = str(CONFIGS / "llama3-70b.yaml")
+    assert main(["plan-memory", cfg]) == 0
+    out = capsys.readouterr().out
+    assert "actor (pp stage 0/4)" in out and "FITS" in out
+    assert main(["plan-memory", cfg, "--device-gib", "48"]) == 1
+    out = capsys.readouterr().out
+    assert "DOES NOT FIT" in out and "knobs" in out
+    assert main(["plan-memory", cfg, "train.parallel.tp=3"]) == 2
