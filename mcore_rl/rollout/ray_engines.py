@@ -22,6 +22,7 @@ from typing import Any, Sequence
 
 import torch
 
+from mcore_rl.launch.watchdog import arm_stack_dump, maybe_stall
 from mcore_rl.rollout.engine import (Completion, RolloutConfig, RolloutEngine, RolloutError,
                                      SamplingConfig, SyncReport)
 
@@ -63,13 +64,18 @@ def init_local_ray(num_cpus: int | None = None, host_ip: str = "127.0.0.1") -> N
 class EngineHost:
     """The Ray actor body: one RolloutEngine (Ray wraps this class with `ray.remote`)."""
 
-    def __init__(self, model_dir: str, cfg: RolloutConfig, index: int):
+    def __init__(self, model_dir: str, cfg: RolloutConfig, index: int,
+                 stack_dir: str | None = None, inject_stall: str | None = None):
+        if stack_dir:  # the controller's watchdog asks for stacks with SIGUSR1
+            self._stack_file = arm_stack_dump(stack_dir, f"engine{index}")
+        self.inject_stall = inject_stall
         self.engine = RolloutEngine(model_dir, cfg, engine_index=index)
 
     def ready(self) -> dict[str, Any]:
         return {"startup_s": self.engine.startup_s, "pid": os.getpid()}
 
     def generate(self, prompts, sampling: SamplingConfig, first_index: int):
+        maybe_stall("gen", f"engine{self.engine.index}", self.inject_stall)
         return self.engine.generate(prompts, sampling, first_index=first_index)
 
     def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
@@ -83,7 +89,10 @@ class RayEngines:
     `init_local_ray()`). Blocks until every engine has started or raises naming the one
     that failed. `startup_s[i]`: engine i's vLLM start-up time; `pids[i]`: its process."""
 
-    def __init__(self, model_dir: str | Path, cfg: RolloutConfig):
+    def __init__(self, model_dir: str | Path, cfg: RolloutConfig, *,
+                 stack_dir: str | Path | None = None, inject_stall: str | None = None):
+        """stack_dir: where engines dump their stacks on SIGUSR1 (watchdog).
+        inject_stall: fault injection for watchdog tests ("gen@engine<i>")."""
         import ray
 
         if not ray.is_initialized():
@@ -92,7 +101,9 @@ class RayEngines:
         self._sync_timeout = cfg.call_timeout_s
         actor = ray.remote(num_cpus=cfg.cpus_per_engine, max_restarts=0,
                            max_concurrency=1)(EngineHost)
-        self._actors = [actor.remote(str(model_dir), cfg, i) for i in range(cfg.engines)]
+        self._actors = [actor.remote(str(model_dir), cfg, i,
+                                     str(stack_dir) if stack_dir else None, inject_stall)
+                        for i in range(cfg.engines)]
         try:
             info = self._gather("start-up", [(i, a.ready.remote())
                                              for i, a in enumerate(self._actors)],

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from mcore_rl.algorithms import AlgorithmConfig
+from mcore_rl.launch.watchdog import arm_stack_dump, maybe_stall
 from mcore_rl.layouts import materialize_rank, megatron_shards
 from mcore_rl.models.hf_weights import SafetensorsWeights
 from mcore_rl.models.spec import ModelSpec
@@ -32,9 +33,15 @@ class ActorWorker:
     def __init__(self, rank: int, world_size: int, master_port: int, spec: ModelSpec,
                  parallel: ParallelConfig, train: TrainConfig, hf_dir: str,
                  timeout_s: float = 600.0, *, critic_train: TrainConfig | None = None,
-                 reference: bool = False):
+                 reference: bool = False, stack_dir: str | None = None,
+                 inject_stall: str | None = None):
         """Roles colocated on this rank: the actor always; a critic (PPO) when
-        `critic_train` is given; a frozen reference policy when `reference`."""
+        `critic_train` is given; a frozen reference policy when `reference`.
+        stack_dir: where this process dumps its stacks on SIGUSR1 (the watchdog).
+        inject_stall: fault injection for watchdog tests ("<phase>@rank<r>")."""
+        if stack_dir:
+            self._stack_file = arm_stack_dump(stack_dir, f"rank{rank}")
+        self.inject_stall = inject_stall
         from mcore_rl.models.gpt import build_gpt_model, load_chunks
         from mcore_rl.trainer.critic import FrozenModel, attach_value_head
         from mcore_rl.trainer.megatron_train import setup_trainer
@@ -94,6 +101,7 @@ class ActorWorker:
     # --- passes -----------------------------------------------------------------------------
 
     def sft_step(self, tokens, labels, loss_mask) -> dict:
+        maybe_stall("warmup", f"rank{self.rank}", self.inject_stall)
         from mcore_rl.trainer.megatron_train import MicroBatch, train_step
 
         batches = self._micro({"tokens": tokens, "labels": labels, "loss_mask": loss_mask},
@@ -114,6 +122,7 @@ class ActorWorker:
 
     def logprobs(self, tokens, labels) -> torch.Tensor | None:
         """The actor's log-probs of the labels (old log-probs)."""
+        maybe_stall("old_logprob", f"rank{self.rank}", self.inject_stall)
         from mcore_rl.trainer.rl_step import compute_logprobs
 
         return self._forward_only(compute_logprobs, self.trainer, tokens, labels)
@@ -135,11 +144,13 @@ class ActorWorker:
         return self._forward_only(compute_values, self.critic, tokens, labels)
 
     def update(self, batch: dict[str, torch.Tensor], algo: AlgorithmConfig) -> dict:
+        maybe_stall("update_actor", f"rank{self.rank}", self.inject_stall)
         from mcore_rl.trainer.rl_step import PolicyBatch, policy_update
 
         return policy_update(self.trainer, self._micro(batch, PolicyBatch), algo)
 
     def critic_update(self, batch: dict[str, torch.Tensor], algo: AlgorithmConfig) -> dict:
+        maybe_stall("update_critic", f"rank{self.rank}", self.inject_stall)
         from mcore_rl.trainer.critic import ValueBatch, value_update
 
         return value_update(self.critic, self._micro(batch, ValueBatch), algo)
@@ -187,10 +198,14 @@ class ActorWorker:
         if self.sync_group is None:
             raise RuntimeError(f"actor rank {self.rank}: join_sync_group was not called")
         torch_dtype = torch.bfloat16 if dtype == "bf16" else torch.float32
+        maybe_stall("sync", f"rank{self.rank}", self.inject_stall)
         verify_plan(plan, self.sync_group, self.rank)
         stats = send_shards(plan, self.sync_group, self.rank, self.local_tensors(),
                             dtype=torch_dtype, timeout_s=timeout_s)
         return stats.as_dict()
+
+    def pid(self) -> int:
+        return os.getpid()
 
     def shutdown(self) -> bool:
         from mcore_rl.parallel.groups import destroy_training_groups

@@ -4,7 +4,8 @@ It owns the data flow and the clock; workers own the compute. Per step:
 generate (vLLM engines) → reward (rule function) → old log-probs (Megatron actor) →
 advantages → policy update (mini-batches) → weight sync (streamed shards, timed as its own
 phase, never billed to the actor). Every remote wait has a deadline; a phase that misses it
-is reported with the names of the workers that did not answer.
+ends the run with a `WatchdogTimeout` naming the phase, the workers that did not arrive, and
+the stack dumps every worker wrote (mcore_rl/launch/watchdog.py).
 """
 
 from __future__ import annotations
@@ -19,18 +20,15 @@ import torch
 from mcore_rl.algorithms import (AlgorithmConfig, gae_advantages, grpo_advantages,
                                  kl_penalty_rewards, outcome_to_token_rewards, overlong_penalty,
                                  reinforce_pp_advantages, rloo_advantages)
+from mcore_rl.launch.watchdog import WatchdogTimeout, dump_stacks
 from mcore_rl.layouts import megatron_shards, vllm_shards
 from mcore_rl.models.spec import ModelSpec
 from mcore_rl.resharding import SyncGroupSpec, build_plan, host_store
-from mcore_rl.rollout.engine import SamplingConfig
+from mcore_rl.rollout.engine import RolloutError, SamplingConfig
 from mcore_rl.tasks.addition import AdditionTask, reward
 from mcore_rl.tasks.tokenizer import encode_answer, encode_prompt, load_tokenizer, response_text
 from mcore_rl.trainer.metrics import MetricsWriter, PhaseTimer
 from mcore_rl.trainer.rl_config import RLConfig
-
-
-class PhaseTimeout(RuntimeError):
-    """A phase missed its deadline; names the phase and the workers still running."""
 
 
 def _free_port() -> int:
@@ -130,11 +128,15 @@ class RLController:
         remote_cls = ray.remote(num_cpus=0)(ActorWorker)
         self.use_critic = cfg.algorithm.advantage_estimator == "gae"
         self.use_reference = cfg.algorithm.kl_coeff > 0
+        self.stack_dir = self.run_dir / "stacks"
         self.workers = [remote_cls.remote(
             rank, world, port, self.spec, cfg.actor, cfg.warmup.train, str(model_dir),
-            cfg.phase_timeout_s, critic_train=cfg.critic_train if self.use_critic else None,
-            reference=self.use_reference) for rank in range(world)]
-        self.engines = RayEngines(model_dir, cfg.rollout)
+            cfg.deadlines.train_s, critic_train=cfg.critic_train if self.use_critic else None,
+            reference=self.use_reference, stack_dir=str(self.stack_dir),
+            inject_stall=cfg.inject_stall) for rank in range(world)]
+        self.worker_pids = self._actor("pid", phase="startup")
+        self.engines = RayEngines(model_dir, cfg.rollout, stack_dir=self.stack_dir,
+                                  inject_stall=cfg.inject_stall)
         self._join_sync_group()
         self.plan = build_plan(megatron_shards(self.spec, cfg.actor),
                                vllm_shards(self.spec, cfg.rollout.tp, cfg.rollout.engines),
@@ -142,34 +144,44 @@ class RLController:
 
     # --- plumbing ---------------------------------------------------------------------------
 
-    def _wait(self, refs: list, phase: str, names: list[str] | None = None) -> list:
-        """ray.get with the phase deadline; on timeout, name who did not answer."""
+    def _wait(self, refs: list, phase: str) -> list:
+        """ray.get under the phase's deadline; past it, the watchdog names who is late."""
         import ray
 
-        done, pending = ray.wait(refs, num_returns=len(refs), timeout=self.cfg.phase_timeout_s)
+        deadline = self.cfg.deadlines.for_phase(phase)
+        _, pending = ray.wait(refs, num_returns=len(refs), timeout=deadline)
         if pending:
-            names = names or [f"actor rank {i}" for i in range(len(refs))]
-            late = [names[i] for i, r in enumerate(refs) if r in pending]
-            raise PhaseTimeout(f"phase {phase!r} missed its {self.cfg.phase_timeout_s:.0f} s "
-                               f"deadline; still running: {', '.join(late)}")
+            late = [f"actor rank {i}" for i, r in enumerate(refs) if r in pending]
+            raise self._watchdog(phase, deadline, late)
         return ray.get(refs)
+
+    def _watchdog(self, phase: str, deadline: float, late: list[str],
+                  detail: str = "") -> WatchdogTimeout:
+        """Every worker (actor ranks and engines) dumps its stacks; the error names the phase,
+        the late workers and the dump files."""
+        pids = {f"rank{i}": pid for i, pid in enumerate(getattr(self, "worker_pids", []))}
+        if hasattr(self, "engines"):
+            pids.update({f"engine{i}": pid for i, pid in enumerate(self.engines.pids)})
+        return WatchdogTimeout(phase, deadline, late, dump_stacks(pids, self.stack_dir),
+                               detail)
 
     def _actor(self, method: str, *args, phase: str) -> list:
         return self._wait([getattr(w, method).remote(*args) for w in self.workers], phase)
 
     def _join_sync_group(self) -> None:
         world = self.cfg.actor.world_size + self.cfg.rollout.tp * self.cfg.rollout.engines
-        self._store = host_store(world_size=world, timeout_s=self.cfg.phase_timeout_s)
+        self._store = host_store(world_size=world, timeout_s=self.cfg.deadlines.startup_s)
         spec = SyncGroupSpec("127.0.0.1", self._store.port, "sync/", world,
-                             self.cfg.phase_timeout_s)
+                             self.cfg.deadlines.sync_s)
         self.engines.start_join_sync_group(spec, self.cfg.actor.world_size)
         self._actor("join_sync_group", spec, phase="sync-join")
         self.engines.finish_join_sync_group()
 
     def sync_weights(self) -> dict[str, float]:
         """Stream the actor's shards into every engine; checks each engine got every name."""
-        self.engines.begin_sync(self.plan)
-        stats = self._actor("send_weights", self.plan, phase="sync")
+        deadline = self.cfg.deadlines.sync_s
+        self.engines.begin_sync(self.plan, timeout_s=deadline)
+        stats = self._actor("send_weights", self.plan, "fp32", deadline, phase="sync")
         self.engines.finish_sync()
         return {"sync_bytes": float(sum(s["bytes_sent"] for s in stats))}
 
@@ -181,7 +193,14 @@ class RLController:
         return torch.cat([by_dp[d] for d in range(self.cfg.actor.dp)])
 
     def _generate(self, prompts: list[list[int]], sampling: SamplingConfig):
-        return self.engines.generate(prompts, sampling, timeout_s=self.cfg.phase_timeout_s)
+        deadline = self.cfg.deadlines.gen_s
+        try:
+            return self.engines.generate(prompts, sampling, timeout_s=deadline)
+        except RolloutError as err:
+            if "no reply within" not in str(err):
+                raise
+            raise self._watchdog("gen", deadline, [f"rollout engine {err.engine}"],
+                                 str(err)) from err
 
     # --- warm-up ----------------------------------------------------------------------------
 
@@ -298,10 +317,12 @@ class RLController:
         return metrics
 
     def shutdown(self) -> None:
+        """Stop workers and engines; a worker stuck in a collective is killed with Ray."""
         import ray
 
         try:
-            self._wait([w.shutdown.remote() for w in self.workers], "shutdown")
+            ray.wait([w.shutdown.remote() for w in self.workers],
+                     num_returns=len(self.workers), timeout=10.0)
             self.engines.shutdown()
         finally:
             ray.shutdown()

@@ -90,7 +90,13 @@ def _run(args) -> int:
     except ConfigError as err:
         print(f"mcore-rl {args.command}: config error: {err}")
         return 2
-    run_demo(cfg, args.out)
+    from mcore_rl.launch.watchdog import WatchdogTimeout
+
+    try:
+        run_demo(cfg, args.out)
+    except WatchdogTimeout as err:  # a hang, diagnosed: exit non-zero with the diagnosis
+        print(f"mcore-rl {args.command}: {err}")
+        return 3
     return 0
 
 

@@ -53,6 +53,33 @@ class WarmupConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class DeadlineConfig:
+    """Seconds each phase may take before the watchdog stops the run (naming the phase, the
+    workers that did not arrive, and their stack dumps). startup_s: workers, engines and the
+    sync group coming up. gen_s: one generation call. train_s: each actor/critic/reference
+    pass (log-probs, values, updates, warm-up steps). sync_s: one weight sync."""
+
+    startup_s: float = 600.0
+    gen_s: float = 300.0
+    train_s: float = 300.0
+    sync_s: float = 120.0
+
+    def __post_init__(self) -> None:
+        for name in ("startup_s", "gen_s", "train_s", "sync_s"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(name, getattr(self, name), "must be > 0")
+
+    def for_phase(self, phase: str) -> float:
+        if phase in ("startup", "sync-join", "setup", "shutdown"):
+            return self.startup_s
+        if phase == "gen":
+            return self.gen_s
+        if phase == "sync":
+            return self.sync_s
+        return self.train_s
+
+
+@dataclass(frozen=True, kw_only=True)
 class RLConfig:
     """A GRPO-family run on the addition task.
 
@@ -63,7 +90,9 @@ class RLConfig:
     steps: RL steps. prompts_per_step x samples_per_prompt sequences per step.
     updates_per_batch: optimizer steps (mini-batches x epochs) per generated batch.
     temperature / max_new_tokens: sampling. sync_bucket_mb: weight-sync bucket.
-    phase_timeout_s: deadline of every phase (a phase past it is named in the error).
+    deadlines: per-phase deadlines of the watchdog.
+    inject_stall: fault injection for watchdog tests: "<phase>@rank<r>" stalls actor rank r
+        in that phase, "gen@engine<i>" stalls engine i's generation. Leave null.
     digits: operand digits of the addition task. seed: prompts and sampling.
     """
 
@@ -87,7 +116,8 @@ class RLConfig:
     temperature: float = 1.0
     max_new_tokens: int = 5
     sync_bucket_mb: float = 16.0
-    phase_timeout_s: float = 300.0
+    deadlines: DeadlineConfig = field(default_factory=DeadlineConfig)
+    inject_stall: str | None = None
     digits: int = 2
     seed: int = 0
 

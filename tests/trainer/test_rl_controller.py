@@ -16,7 +16,7 @@ PHASES = ("gen", "reward", "old_logprob", "adv", "update_actor", "sync", "step")
 def small_config(*overrides):
     return load_config(RLConfig, None, [
         "warmup.max_steps=0", "steps=2", "prompts_per_step=4", "samples_per_prompt=4",
-        "updates_per_batch=2", "train.micro_batch_size=4", "phase_timeout_s=240", *overrides])
+        "updates_per_batch=2", "train.micro_batch_size=4", "deadlines.train_s=240", *overrides])
 
 
 GRPO = ["algorithm.advantage_estimator=grpo"]

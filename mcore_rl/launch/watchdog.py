@@ -1,0 +1,70 @@
+"""Hang diagnosis: every worker process can dump its Python stacks on demand, and the
+controller turns a missed deadline into an error that names the phase, the workers that did
+not arrive, and where their stacks are — instead of a silent hang or a bare gloo/NCCL timeout.
+
+Workers call `arm_stack_dump` once at start (faulthandler on SIGUSR1 into
+STACK_DIR/<name>.stack.txt); the controller calls `dump_stacks` with every worker's pid when a
+phase misses its deadline. `maybe_stall` is the fault-injection point the watchdog tests use to
+stall one worker on purpose ("<phase>@<worker>", e.g. "update_actor@rank1" or "gen@engine0").
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Mapping
+
+STACK_SIGNAL = signal.SIGUSR1
+
+
+class WatchdogTimeout(RuntimeError):
+    """A phase missed its deadline. `phase`, `late` (worker names) and `stacks` (paths)."""
+
+    def __init__(self, phase: str, deadline_s: float, late: list[str], stacks: list[Path],
+                 detail: str = ""):
+        self.phase, self.late, self.stacks = phase, late, stacks
+        where = f"; stack dumps: {', '.join(str(p) for p in stacks)}" if stacks else ""
+        super().__init__(f"watchdog: phase {phase!r} missed its {deadline_s:.0f} s deadline; "
+                         f"did not arrive: {', '.join(late) or 'unknown'}"
+                         f"{'; ' + detail if detail else ''}{where}")
+
+
+def stack_file(stack_dir: str | Path, name: str) -> Path:
+    return Path(stack_dir) / f"{name}.stack.txt"
+
+
+def arm_stack_dump(stack_dir: str | Path, name: str):
+    """Dump all threads' Python stacks to STACK_DIR/<name>.stack.txt on SIGUSR1. Returns the
+    open file (keep a reference: faulthandler writes to its descriptor)."""
+    path = stack_file(stack_dir, name)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handle = path.open("w")
+    faulthandler.register(STACK_SIGNAL, file=handle, all_threads=True, chain=False)
+    return handle
+
+
+def dump_stacks(pids: Mapping[str, int], stack_dir: str | Path,
+                wait_s: float = 3.0) -> list[Path]:
+    """Signal every worker to dump its stacks; return the dump files that were written."""
+    for pid in pids.values():
+        try:
+            os.kill(pid, STACK_SIGNAL)
+        except ProcessLookupError:
+            pass
+    deadline = time.monotonic() + wait_s
+    paths = {name: stack_file(stack_dir, name) for name in pids}
+    while time.monotonic() < deadline:
+        if all(p.is_file() and p.stat().st_size for p in paths.values()):
+            break
+        time.sleep(0.1)
+    return [p for p in paths.values() if p.is_file() and p.stat().st_size]
+
+
+def maybe_stall(phase: str, worker: str, inject: str | None) -> None:
+    """Fault injection for watchdog tests: block forever if `inject` == "<phase>@<worker>"."""
+    if inject and inject == f"{phase}@{worker}":
+        while True:
+            time.sleep(3600)
