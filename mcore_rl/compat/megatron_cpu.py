@@ -160,6 +160,18 @@ def _torch_norm_new(original_new: Callable) -> Callable:
     return staticmethod(new)
 
 
+def _preload_without_cuda_sync(original: staticmethod) -> staticmethod:
+    """dist_checkpointing's async writer copies tensors to host with non_blocking=True and then
+    calls torch.cuda.synchronize(), which raises without CUDA. On CPU the copy is a no-op:
+    run it blocking, which skips the synchronize."""
+    fn = original.__func__
+
+    def preload_tensors(write_buckets, non_blocking=True):
+        return fn(write_buckets, non_blocking=False)
+
+    return staticmethod(_mark(preload_tensors))
+
+
 # --- installation -----------------------------------------------------------------------------
 
 
@@ -194,6 +206,8 @@ def check_version(installed: str | None = None) -> None:
 def _installers() -> dict[str, Callable[[], bool]]:
     """Shim name → installer (returns False when already installed), in dependency order:
     later shims' code paths also need the earlier ones."""
+    from megatron.core.dist_checkpointing.strategies.filesystem_async import (
+        FileSystemWriterAsync)
     from megatron.core.fusions import fused_softmax
     from megatron.core.optimizer import clip_grads, distrib_optimizer, optimizer
     from megatron.core.tensor_parallel import random as tp_random
@@ -227,6 +241,8 @@ def _installers() -> dict[str, Callable[[], bool]]:
             _replace(optimizer, "clip_grad_by_total_norm_fp32", _with_cuda_type_names)]),
         "torch_norm_sequence_parallel": lambda: _replace(
             torch_norm.WrappedTorchNorm, "__new__", lambda sm: _torch_norm_new(sm.__func__)),
+        "checkpoint_preload_sync": lambda: _replace(
+            FileSystemWriterAsync, "preload_tensors", _preload_without_cuda_sync),
     }
 
 

@@ -140,3 +140,13 @@ def reward(prompt_text: str, response_text: str) -> float:
     if answer is None:
         raise ValueError(f"prompt {prompt_text!r} is not an addition prompt like '37+05='")
     return 1.0 if response_text == answer + EOS_TEXT else 0.0
+
+
+def digit_reward(prompt_text: str, response_text: str) -> float:
+    """Partial credit: the fraction of answer digits the response has right, position by
+    position (EOS and extra text ignored). A shaped reward for runs that start from an
+    untrained model. Import path `mcore_rl.tasks.addition:digit_reward`."""
+    answer = expected_answer(prompt_text)
+    if answer is None:
+        raise ValueError(f"prompt {prompt_text!r} is not an addition prompt like '37+05='")
+    return sum(a == b for a, b in zip(answer, response_text)) / len(answer)

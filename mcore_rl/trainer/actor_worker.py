@@ -12,6 +12,7 @@ from __future__ import annotations
 import datetime
 import os
 from dataclasses import asdict
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -203,6 +204,35 @@ class ActorWorker:
         stats = send_shards(plan, self.sync_group, self.rank, self.local_tensors(),
                             dtype=torch_dtype, timeout_s=timeout_s)
         return stats.as_dict()
+
+    # --- checkpoints --------------------------------------------------------------------------
+
+    def save_checkpoint(self, ckpt_dir: str) -> bool:
+        """Actor (and critic) model + optimizer + schedule + RNG into ckpt_dir (collective)."""
+        from mcore_rl.trainer.checkpoint import save_role
+
+        save_role(self.trainer, Path(ckpt_dir) / "actor", self.rank)
+        if self.critic is not None:
+            save_role(self.critic, Path(ckpt_dir) / "critic", self.rank)
+        return True
+
+    def load_checkpoint(self, ckpt_dir: str) -> bool:
+        from mcore_rl.trainer.checkpoint import load_role
+
+        load_role(self.trainer, Path(ckpt_dir) / "actor", self.rank)
+        if self.critic is not None:
+            load_role(self.critic, Path(ckpt_dir) / "critic", self.rank)
+        return True
+
+    def weights_digest(self) -> str:
+        """sha256 of this rank's actor parameters (resume tests compare runs bit for bit)."""
+        import hashlib
+
+        digest = hashlib.sha256()
+        for key, tensor in sorted(self.local_tensors().items()):
+            digest.update(key.encode())
+            digest.update(tensor.detach().contiguous().view(torch.uint8).numpy().tobytes())
+        return digest.hexdigest()
 
     def pid(self) -> int:
         return os.getpid()

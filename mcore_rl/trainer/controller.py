@@ -10,7 +10,9 @@ the stack dumps every worker wrote (mcore_rl/launch/watchdog.py).
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import socket
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,7 +30,7 @@ from mcore_rl.rollout.engine import RolloutError, SamplingConfig
 from mcore_rl.tasks.addition import AdditionTask, reward
 from mcore_rl.tasks.tokenizer import encode_answer, encode_prompt, load_tokenizer, response_text
 from mcore_rl.trainer.metrics import MetricsWriter, PhaseTimer
-from mcore_rl.trainer.rl_config import RLConfig
+from mcore_rl.trainer.rl_config import RLConfig, load_reward_fn
 
 
 def _free_port() -> int:
@@ -122,6 +124,7 @@ class RLController:
         self.spec = ModelSpec.from_hf_dir(model_dir)
         self.tokenizer = load_tokenizer(model_dir)
         self.task = AdditionTask(digits=cfg.digits)
+        self.reward = load_reward_fn(cfg.reward_fn)
         init_local_ray(num_cpus=max(2, os.cpu_count() or 2))
         world = cfg.actor.world_size
         port = _free_port()
@@ -256,7 +259,7 @@ class RLController:
         flat_prompts = [p for p, o in zip(prompts, outs) for _ in o]
         completions = [c for o in outs for c in o]
         with timer("reward"):
-            scores = torch.tensor([reward(t, response_text(c.token_ids, self.tokenizer))
+            scores = torch.tensor([self.reward(t, response_text(c.token_ids, self.tokenizer))
                                    for t, o in zip(texts, outs) for c in o])
         batch = build_batch(flat_prompts, [c.token_ids for c in completions],
                             cfg.train.seq_len, self.tokenizer.pad_token_id)
@@ -315,6 +318,39 @@ class RLController:
         }
         metrics["tokens_per_s"] = gen_tokens / max(metrics["timing_s/gen"], 1e-9)
         return metrics
+
+    # --- checkpoints --------------------------------------------------------------------------
+
+    def save_checkpoint(self, step: int) -> Path:
+        """RUN_DIR/checkpoints/step_<k>: every rank writes into a temporary directory, which is
+        renamed when all are done (a crash leaves no half checkpoint under the final name)."""
+        root = self.run_dir / "checkpoints"
+        final = root / f"step_{step}"
+        tmp = root / f".step_{step}.tmp"
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        self._actor("save_checkpoint", str(tmp), phase="save")
+        (tmp / "controller.json").write_text(json.dumps({"step": step}))
+        if final.exists():
+            shutil.rmtree(final)
+        tmp.rename(final)
+        (root / "latest").write_text(final.name)
+        return final
+
+    def load_checkpoint(self, path: Path) -> int:
+        """Restore every role from a checkpoint; returns the step it was taken after. The
+        data position is the step: prompts and sampling seeds derive from it."""
+        path = Path(path)
+        if path.name == "checkpoints" or (path / "latest").is_file():
+            path = path / (path / "latest").read_text().strip()
+        meta = path / "controller.json"
+        if not meta.is_file():
+            raise FileNotFoundError(f"{path}: not a checkpoint (no controller.json)")
+        self._actor("load_checkpoint", str(path), phase="load")
+        return int(json.loads(meta.read_text())["step"])
+
+    def weights_digests(self) -> list[str]:
+        return self._actor("weights_digest", phase="save")
 
     def shutdown(self) -> None:
         """Stop workers and engines; a worker stuck in a collective is killed with Ray."""

@@ -31,7 +31,7 @@ def build_demo_model(cfg, out: Path) -> Path:
     return make_hf_model_dir(spec, out / "model", seed=m.seed, tokenizer_dir_or_obj=tok_dir)
 
 
-def run_demo(cfg, out: Path) -> dict:
+def run_demo(cfg, out: Path, resume: Path | None = None) -> dict:
     from mcore_rl.trainer.controller import RLController
     from mcore_rl.trainer.metrics import MetricsWriter, plot_run
 
@@ -40,17 +40,24 @@ def run_demo(cfg, out: Path) -> dict:
     model_dir = build_demo_model(cfg, out)
     controller = RLController(cfg, model_dir, out)
     try:
-        warm = MetricsWriter(out, phase="warmup")
-        accuracy = controller.warmup(warm) if cfg.warmup.max_steps else None
-        warm.close()
-        controller.reset_optimizer()
+        accuracy, first_step = None, 1
+        if resume is None:
+            warm = MetricsWriter(out, phase="warmup")
+            accuracy = controller.warmup(warm) if cfg.warmup.max_steps else None
+            warm.close()
+            controller.reset_optimizer()
+        else:
+            controller.reset_optimizer()
+            first_step = controller.load_checkpoint(resume) + 1
         controller.sync_weights()
         writer = MetricsWriter(out)
         rewards = []
-        for step in range(1, cfg.steps + 1):
+        for step in range(first_step, cfg.steps + 1):
             metrics = controller.rl_step(step)
             rewards.append(metrics["reward_mean"])
             writer.write(step, metrics)
+            if cfg.save_every and step % cfg.save_every == 0:
+                controller.save_checkpoint(step)
         writer.close()
     finally:
         controller.shutdown()
@@ -75,6 +82,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     train = sub.add_parser("train", help="an RL run from a YAML config (addition task)")
     train.add_argument("--config", type=Path, required=True)
     train.add_argument("--out", type=Path, default=Path("runs/train"))
+    train.add_argument("--resume", type=Path, default=None,
+                       help="a checkpoint dir (or RUN_DIR/checkpoints for the latest)")
     train.add_argument("overrides", nargs="*", help="a.b.c=value")
     train.set_defaults(func=_run)
     plot = sub.add_parser("plot", help="reward.png and phases.png from RUN_DIR/metrics.jsonl")
@@ -93,7 +102,7 @@ def _run(args) -> int:
     from mcore_rl.launch.watchdog import WatchdogTimeout
 
     try:
-        run_demo(cfg, args.out)
+        run_demo(cfg, args.out, getattr(args, "resume", None))
     except WatchdogTimeout as err:  # a hang, diagnosed: exit non-zero with the diagnosis
         print(f"mcore-rl {args.command}: {err}")
         return 3

@@ -11,6 +11,7 @@ rank.
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 import time
@@ -71,13 +72,15 @@ def _micro_batches(cfg: LMRunConfig, step: int, dp_rank: int):
 
 
 # Warnings megatron-core 0.16.1 prints on every CPU run, about kernels that do not exist here.
-_CPU_NOISE = (r"(Transformer Engine and )?Apex is not installed", r"full scope is deprecated",
+_CPU_NOISE = (r"(Transformer Engine and )?Apex (is|are) not installed", r"full scope is deprecated",
               r"When using async grad allreduce", r"`torch\.distributed\.\w+` is deprecated")
 
 
 def _quiet_cpu_warnings() -> None:
     for message in _CPU_NOISE:
         warnings.filterwarnings("ignore", message=message)
+    # "Implicit initialization of Rerun State Machine!": megatron's fault-tolerance hook.
+    logging.getLogger("megatron.core.rerun_state_machine").setLevel(logging.ERROR)
 
 
 def run_rank(rank: int, world: int, cfg: LMRunConfig) -> list[dict]:

@@ -11,6 +11,19 @@ from mcore_rl.rollout.engine import RolloutConfig
 from mcore_rl.trainer.config import OptimizerConfig, TrainConfig
 
 
+def load_reward_fn(path: str):
+    """"package.module:function" → the function (rule rewards are plain functions)."""
+    import importlib
+
+    module, sep, name = path.partition(":")
+    if not sep or not module or not name:
+        raise ValueError("expected 'package.module:function'")
+    fn = getattr(importlib.import_module(module), name)
+    if not callable(fn):
+        raise ValueError(f"{path} is not callable")
+    return fn
+
+
 @dataclass(frozen=True, kw_only=True)
 class DemoModelConfig:
     """The locally built Llama the demo trains (no download): hidden, heads, kv_heads,
@@ -93,6 +106,8 @@ class RLConfig:
     deadlines: per-phase deadlines of the watchdog.
     inject_stall: fault injection for watchdog tests: "<phase>@rank<r>" stalls actor rank r
         in that phase, "gen@engine<i>" stalls engine i's generation. Leave null.
+    save_every: write a checkpoint every this many RL steps (0: never).
+    reward_fn: "module:function" taking (prompt_text, response_text) -> float.
     digits: operand digits of the addition task. seed: prompts and sampling.
     """
 
@@ -118,6 +133,8 @@ class RLConfig:
     sync_bucket_mb: float = 16.0
     deadlines: DeadlineConfig = field(default_factory=DeadlineConfig)
     inject_stall: str | None = None
+    save_every: int = 0
+    reward_fn: str = "mcore_rl.tasks.addition:reward"
     digits: int = 2
     seed: int = 0
 
@@ -134,6 +151,10 @@ class RLConfig:
         if per_dp < 1:
             raise ConfigError("updates_per_batch", self.updates_per_batch,
                               f"leaves no sequences for each of actor.dp={self.actor.dp} ranks")
+        try:
+            load_reward_fn(self.reward_fn)
+        except (ImportError, AttributeError, ValueError) as err:
+            raise ConfigError("reward_fn", self.reward_fn, str(err)) from None
         roles = [("train", self.train)]
         if self.algorithm.advantage_estimator == "gae":
             roles.append(("critic_train", self.critic_train))

@@ -17,7 +17,8 @@ from mcore_rl.launch.spawn import run_on_ranks
 
 SHIMS = ("cuda_to_cpu_mode", "current_device", "default_causal_mask", "rng_get_state",
          "rng_set_state", "rng_tracker_add", "fp16_optimizer_type_check",
-         "distrib_optimizer_type_check", "clip_grad_type_check", "torch_norm_sequence_parallel")
+         "distrib_optimizer_type_check", "clip_grad_type_check", "torch_norm_sequence_parallel",
+         "checkpoint_preload_sync")
 
 
 # --- probes: each exercises the upstream code one shim is for and returns what it observed ----
@@ -146,6 +147,16 @@ def _torch_norm_sp():
             plain.weight.sequence_parallel)
 
 
+def _checkpoint_preload():
+    # what dist_checkpointing.save runs before writing each rank's files
+    from megatron.core.dist_checkpointing.strategies.filesystem_async import (
+        FileSystemWriterAsync)
+
+    buckets = [("f", "k", ([], [("item", torch.arange(3.0))]))]
+    (_, _, (_, tensors)), = FileSystemWriterAsync.preload_tensors(buckets)
+    return tensors[0][1].tolist()
+
+
 # shim → (probe, its value with the shim, the upstream failure it fixes: error regex, or None
 # when upstream silently does the wrong thing).
 PROBES = {
@@ -169,6 +180,7 @@ PROBES = {
     # SP norm weights are marked so finalize_model_grads all-reduces them over TP.
     "torch_norm_sequence_parallel": (_torch_norm_sp, ("RMSNorm", True, False),
                                      "sequence parallel not supported by torch LayerNorm"),
+    "checkpoint_preload_sync": (_checkpoint_preload, [0.0, 1.0, 2.0], "not compiled with CUDA"),
 }
 
 
