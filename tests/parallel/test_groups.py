@@ -1,59 +1,33 @@
-"""`init_training_groups` puts every rank where `ParallelConfig.rank_of` says, on two grids
-whose axes are all > 1 somewhere (TP2·PP2 and DP2·TP2), in one 4-rank launch."""
+"""`init_training_groups` puts every rank where `ParallelConfig.rank_of` says, on the two
+4-rank grids of the layout table (TP2·PP2 and DP2·TP2): each rank's TP / PP / DP group holds
+exactly the ranks that differ from it only along that axis, in our groups and in megatron's
+ProcessGroupCollection. Reads the layout table's launches (tests/trainer/layout_run.py)."""
 
 from __future__ import annotations
 
 import pytest
 
-from mcore_rl.launch.spawn import run_on_ranks
 from mcore_rl.parallel.config import ParallelConfig
+from trainer.layout_run import layout_results
 
-GRIDS = {"tp2pp2": dict(tp=2, pp=2), "dp2tp2": dict(dp=2, tp=2)}
-AXES = ("tp", "pp", "dp")
-
-
-def _placement(rank, world):
-    import torch.distributed as dist
-
-    from mcore_rl.parallel.groups import Axis, destroy_training_groups, init_training_groups
-
-    out = {}
-    for name, kw in GRIDS.items():
-        groups = init_training_groups(ParallelConfig(**kw))
-        out[name] = {
-            "coords": {axis: groups.rank_in(Axis(axis)) for axis in AXES},
-            "members": {axis: dist.get_process_group_ranks(groups.group(Axis(axis)))
-                        for axis in AXES},
-            # megatron's ProcessGroupCollection holds the same groups.
-            "megatron_tp": dist.get_process_group_ranks(groups.megatron.tp),
-            "megatron_pp": dist.get_process_group_ranks(groups.megatron.pp),
-            "megatron_dp": dist.get_process_group_ranks(groups.megatron.dp),
-            "first_last": (groups.is_first_stage, groups.is_last_stage),
-        }
-        destroy_training_groups()
-    return out
-
-
-@pytest.fixture(scope="module")
-def placed():
-    return run_on_ranks(_placement, 4, timeout_s=180)
+GRIDS = {"tp2pp2": dict(tp=2, pp=2),
+         "dp2tp2": dict(dp=2, tp=2, use_distributed_optimizer=True)}
 
 
 def _expected_members(parallel: ParallelConfig, coords: dict, axis: str) -> list[int]:
-    size = getattr(parallel, axis)
-    return sorted(parallel.rank_of(**{**coords, axis: i}) for i in range(size))
+    return sorted(parallel.rank_of(**{**coords, axis: i}) for i in range(getattr(parallel, axis)))
 
 
 @pytest.mark.parametrize("grid", list(GRIDS))
-def test_ranks_placed_as_rank_of_says(placed, grid):
+def test_ranks_placed_as_rank_of_says(grid):
     parallel = ParallelConfig(**GRIDS[grid])
-    for rank, out in enumerate(placed):
-        got = out[grid]
-        assert got["coords"] == parallel.coords_of(rank)
-        assert parallel.rank_of(**got["coords"]) == rank
-        for axis in AXES:
-            want = _expected_members(parallel, got["coords"], axis)
-            assert sorted(got["members"][axis]) == want, (grid, rank, axis)
-            assert sorted(got[f"megatron_{axis}"]) == want
-        assert got["first_last"] == (got["coords"]["pp"] == 0,
-                                     got["coords"]["pp"] == parallel.pp - 1)
+    ranks = layout_results(GRIDS[grid])
+    assert len(ranks) == 4
+    for rank, out in enumerate(ranks):
+        coords = {k: int(v) for k, v in out["coords"].items()}
+        assert coords == parallel.coords_of(rank)
+        assert parallel.rank_of(**coords) == rank
+        for axis in ("tp", "pp", "dp"):
+            want = _expected_members(parallel, coords, axis)
+            assert sorted(out["group_members"][axis]) == want, (grid, rank, axis)
+            assert sorted(out["group_members"][f"megatron_{axis}"]) == want, (grid, rank, axis)

@@ -56,6 +56,23 @@ def from_numpy(obj):
     return obj
 
 
+_RESULTS: dict[tuple, list[dict]] = {}
+
+
+def layout_results(parallel_kw: dict, dtype: str = "fp32") -> list[dict]:
+    """Per-rank `run_layout` results, launched once per pytest session and layout (the layout
+    table and the group-placement test read the same launch)."""
+    from mcore_rl.launch.spawn import run_on_ranks
+    from mcore_rl.parallel.config import ParallelConfig
+
+    key = (tuple(sorted(parallel_kw.items())), dtype)
+    if key not in _RESULTS:
+        parallel = ParallelConfig(**parallel_kw)
+        _RESULTS[key] = run_on_ranks(run_layout, parallel.world_size, parallel_kw, dtype,
+                                     p2p_control=parallel.vpp is not None, timeout_s=240)
+    return _RESULTS[key]
+
+
 def run_layout(rank: int, world: int, parallel_kw: dict, dtype: str = "fp32",
                p2p_control: bool = False) -> dict:
     """Load `hf_init` into the layout, return (numpy) this rank's logits of its micro batches,
@@ -97,7 +114,8 @@ def run_layout(rank: int, world: int, parallel_kw: dict, dtype: str = "fp32",
         step = train_step(fresh, mine)
         control = (step.loss, step.grad_norm)
     return to_numpy({
-        "coords": groups.coords, "keys": sorted(loaded) == sorted(initial),
+        "coords": groups.coords, "group_members": _group_members(groups),
+        "keys": sorted(loaded) == sorted(initial),
         "load_error": load_error,
         "logits": logits if groups.rank_in(Axis.TP) == 0 else None,
         "control_step": control,
@@ -114,4 +132,17 @@ def _local_tensors(trainer, vpp) -> dict[str, torch.Tensor]:
         for key, tensor in chunk.state_dict().items():
             if not key.endswith("_extra_state"):
                 out[(f"model{v}." if vpp else "") + key] = tensor.detach().clone()
+    return out
+
+
+def _group_members(groups) -> dict[str, list[int]]:
+    """Global ranks in this rank's group of each axis, ours and megatron's collection's."""
+    import torch.distributed as dist
+
+    from mcore_rl.parallel.groups import Axis
+
+    out = {}
+    for axis in ("tp", "pp", "dp"):
+        out[axis] = dist.get_process_group_ranks(groups.group(Axis(axis)))
+        out[f"megatron_{axis}"] = dist.get_process_group_ranks(getattr(groups.megatron, axis))
     return out

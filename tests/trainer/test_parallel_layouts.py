@@ -3,7 +3,7 @@
 All layouts load the same HF-named random weights (through mcore_rl.layouts), run the same
 global batch, and must match the TP1·PP1 reference: logits and per-step loss / grad norm, then
 every parameter after 3 Adam steps (compared as HF tensors, reassembled from the ranks' shards).
-One spawned launch per row.
+One spawned launch per row (shared with tests/parallel/test_groups.py).
 """
 
 from __future__ import annotations
@@ -12,11 +12,10 @@ import numpy as np
 import pytest
 import torch
 
-from mcore_rl.launch.spawn import run_on_ranks
 from mcore_rl.layouts import assemble_hf, megatron_shards
 from mcore_rl.parallel.config import ParallelConfig
 
-from .layout_run import SPEC, STEPS, global_batch, hf_init, from_numpy, run_layout
+from .layout_run import SPEC, STEPS, from_numpy, global_batch, hf_init, layout_results
 
 DTYPE_NAMES = {"fp32": "torch.float32", "bf16": "torch.bfloat16"}
 FP32 = dict(logits=1e-5, loss=1e-5, params=1e-5)
@@ -24,7 +23,8 @@ FP32 = dict(logits=1e-5, loss=1e-5, params=1e-5)
 BF16 = dict(logits=0.1, loss=0.02, params=0.02)
 
 LAYOUTS = [
-    # id, ParallelConfig kwargs, dtype, tolerances
+    # id, ParallelConfig kwargs, dtype, tolerances. TP1·PP1 is the reference itself (fixture
+    # `reference`, checked against HF transformers in test_reference_learns_and_matches_hf).
     ("tp2", dict(tp=2), "fp32", FP32),                     # heads, GQA groups, FFN, vocab split
     ("pp2", dict(pp=2), "fp32", FP32),                     # 1F1B over 2 stages
     ("tp2pp2", dict(tp=2, pp=2), "fp32", FP32),            # TP inside PP stages, 4 ranks
@@ -43,9 +43,8 @@ LAYOUTS = [
 @pytest.fixture(scope="module")
 def reference():
     """The one-process model (TP1·PP1·DP1): all micro batches on one rank."""
-    out = run_on_ranks(run_layout, 1, {}, timeout_s=240)[0]
-    out["hf_params"] = _as_hf(ParallelConfig(), [out])
-    return out
+    out = layout_results({})[0]
+    return {**out, "hf_params": _as_hf(ParallelConfig(), [out])}
 
 
 def _as_hf(parallel: ParallelConfig, ranks: list[dict]) -> dict[str, torch.Tensor]:
@@ -66,8 +65,7 @@ def _logits_by_micro_batch(parallel: ParallelConfig, ranks: list[dict]) -> list[
                          ids=[row[0] for row in LAYOUTS])
 def test_layout_matches_one_process_model(reference, layout_id, parallel_kw, dtype, tol):
     parallel = ParallelConfig(**parallel_kw)
-    ranks = run_on_ranks(run_layout, parallel.world_size, parallel_kw, dtype,
-                         p2p_control=parallel.vpp is not None, timeout_s=240)
+    ranks = layout_results(parallel_kw, dtype)
 
     # Same initial weights everywhere: each rank loaded exactly its shard of hf_init.
     for out in ranks:
@@ -84,6 +82,12 @@ def test_layout_matches_one_process_model(reference, layout_id, parallel_kw, dty
         np.testing.assert_allclose(out["loss"], reference["loss"], rtol=0, atol=tol["loss"])
         np.testing.assert_allclose(out["grad_norm"], reference["grad_norm"],
                                    rtol=10 * tol["loss"])
+
+    # DP replicas hold identical parameters (assemble_hf below reads one replica per region).
+    replicas = {}
+    for out in ranks:
+        first = replicas.setdefault((out["coords"]["tp"], out["coords"]["pp"]), out["params"])
+        assert all(np.array_equal(first[k], out["params"][k]) for k in first)
 
     got = _as_hf(parallel, ranks)
     assert got.keys() == reference["hf_params"].keys()
