@@ -19,6 +19,7 @@ import torch
 
 from mcore_rl.layouts.families import family_table
 from mcore_rl.layouts.layout import (Box, LocalTensor, Piece, Row, ShardMap, Side, box_slices)
+from mcore_rl.config import ConfigError
 from mcore_rl.models.spec import ModelSpec
 from mcore_rl.parallel.config import ParallelConfig
 
@@ -224,12 +225,11 @@ def _hf_shapes(spec: ModelSpec, rows: Iterable[Row]) -> dict[str, tuple[int, ...
 
 
 def validate_megatron_grid(spec: ModelSpec, parallel: ParallelConfig) -> None:
-    """Megatron needs TP to divide heads, kv heads and FFN, and the PP split to add up."""
-    for what, n in (("num_attention_heads", spec.heads), ("num_key_value_heads", spec.kv_heads),
-                    ("intermediate_size", spec.ffn)):
-        if n % parallel.tp:
-            raise LayoutError(f"parallel.tp={parallel.tp} does not divide {what}={n}")
-    parallel.stage_layer_counts(spec.layers)
+    """The grid check of `ParallelConfig.check_model`, as a LayoutError naming the field."""
+    try:
+        parallel.check_model(spec)
+    except ConfigError as err:
+        raise LayoutError(str(err.under("parallel"))) from None
 
 
 def materialize_rank(smap: ShardMap, rank: int, hf_get: Callable[[str], torch.Tensor],

@@ -50,6 +50,17 @@ class ParallelConfig:
                 if value is not None and value < 1:
                     raise ConfigError(name, value, "must be >= 1")
 
+    def check_model(self, spec) -> None:
+        """Raise ConfigError unless a model of `spec`'s shape splits on this grid: tp divides
+        the attention heads, the key-value heads (Megatron splits whole query groups) and the
+        FFN width, and the layers split over the pipeline stages (see stage_layer_counts)."""
+        for what, count in (("num_attention_heads", spec.heads),
+                            ("num_key_value_heads", spec.kv_heads),
+                            ("intermediate_size", spec.ffn)):
+            if count % self.tp:
+                raise ConfigError("tp", self.tp, f"does not divide {what}={count}")
+        self.stage_layer_counts(spec.layers)
+
     @property
     def world_size(self) -> int:
         return self.tp * self.pp * self.dp

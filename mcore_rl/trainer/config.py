@@ -89,13 +89,8 @@ def check_model_fits_parallel(spec: ModelSpec, parallel: ParallelConfig,
     layers must split over pp (· vpp) stages as `ParallelConfig.stage_layer_counts` says.
     """
     tp = parallel.tp
-    for what, count in (("num_attention_heads", spec.heads),
-                        ("num_key_value_heads", spec.kv_heads),
-                        ("intermediate_size", spec.ffn)):
-        if count % tp:
-            raise ConfigError("parallel.tp", tp, f"does not divide {what}={count}")
     try:
-        parallel.stage_layer_counts(spec.layers)
+        parallel.check_model(spec)
     except ConfigError as err:
         raise err.under("parallel") from None
     if train is None:

@@ -43,7 +43,7 @@ def test_plan_only_projects_70b_against_the_baseline(capsys):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--train-tp", "3"], "parallel.tp=3 does not divide num_attention_heads=4"),
+    (["--train-tp", "3"], "parallel.tp=3: does not divide num_attention_heads=4"),
     (["--infer-tp", "3"], "vLLM tp=3 does not divide num_attention_heads=4"),
     (["--model", "no-such-model"], "neither a preset"),
 ])

@@ -130,9 +130,9 @@ def test_vpp_chunks_get_interleaved_global_layers():
 
 @pytest.mark.parametrize("make, message", [
     (lambda: megatron_shards(MICRO, ParallelConfig(tp=4)),
-     "parallel.tp=4 does not divide num_key_value_heads=2"),
+     "parallel.tp=4: does not divide num_key_value_heads=2"),
     (lambda: megatron_shards(MICRO, ParallelConfig(tp=3)),
-     "parallel.tp=3 does not divide num_attention_heads=4"),
+     "parallel.tp=3: does not divide num_attention_heads=4"),
     (lambda: megatron_shards(MICRO, ParallelConfig(pp=3)),
      "does not divide num_layers=4"),
     (lambda: vllm_shards(MICRO, 3), "vLLM tp=3 does not divide num_attention_heads=4"),
