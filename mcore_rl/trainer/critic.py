@@ -14,8 +14,9 @@ from dataclasses import dataclass
 import torch
 
 from mcore_rl.algorithms import AlgorithmConfig, value_loss
-from mcore_rl.trainer.megatron_train import MegatronTrainer, _run_schedule
-from mcore_rl.trainer.rl_step import _global_sum, _positions
+from mcore_rl.trainer.megatron_train import (MegatronTrainer, _run_schedule,
+                                             global_report_sum, optimizer_step)
+from mcore_rl.trainer.rl_step import _positions
 
 
 class ValueHead(torch.nn.Module):
@@ -84,22 +85,13 @@ def _value_loss(batch: ValueBatch, algo: AlgorithmConfig, values: torch.Tensor):
 def value_update(trainer: MegatronTrainer, micro_batches: list[ValueBatch],
                  algo: AlgorithmConfig) -> dict[str, float]:
     """One critic optimizer step on this DP rank's micro batches (token-mean value loss)."""
-    for chunk in trainer.model:
-        chunk.zero_grad_buffer()
-    trainer.optimizer.zero_grad()
-
     def step(data_iterator, chunk):
         batch = next(data_iterator)
         values = chunk(batch.tokens, _positions(batch.tokens), None)
         return values, functools.partial(_value_loss, batch, algo)
 
-    reports = _run_schedule(trainer.model, trainer.groups, micro_batches, forward_step=step,
-                            forward_only=False)
-    ok, grad_norm, _ = trainer.optimizer.step()
-    if not ok:
-        raise FloatingPointError("critic update skipped: gradients overflowed")
-    trainer.scheduler.step(increment=1)
-    totals = _global_sum([r["value"] for r in reports], trainer, size=3)
+    reports, grad_norm = optimizer_step(trainer, micro_batches, step, "critic update")
+    totals = global_report_sum([r["value"] for r in reports], trainer.groups, 3)
     tokens = max(float(totals[1]), 1.0)
     return {"vf_loss": float(totals[0]) / tokens, "vf_clipfrac": float(totals[2]) / tokens,
             "critic_grad_norm": float(grad_norm)}

@@ -233,35 +233,47 @@ def _check_micro_batches(micro_batches: list[MicroBatch]) -> tuple[int, int]:
     return shape[0], shape[1]
 
 
-def train_step(trainer: MegatronTrainer, micro_batches: list[MicroBatch]) -> StepResult:
-    """One optimizer step on this DP rank's `micro_batches`; every rank returns the same
-    global loss and grad norm."""
+def optimizer_step(trainer: MegatronTrainer, micro_batches: list, forward_step,
+                   what: str = "optimizer step") -> tuple[list[dict], float]:
+    """Zero the grads, run the forward-backward schedule over `micro_batches`, step the
+    optimizer and the LR schedule. Returns the loss functions' reports (last stage only) and
+    the global grad norm before clipping."""
     for chunk in trainer.model:
         chunk.zero_grad_buffer()
     trainer.optimizer.zero_grad()
-    vocab, tp_rank = trainer.spec.vocab, trainer.groups.rank_in(Axis.TP)
     reports = _run_schedule(trainer.model, trainer.groups, micro_batches, forward_only=False,
-                            forward_step=functools.partial(_forward_step, vocab=vocab,
-                                                           tp_rank=tp_rank))
+                            forward_step=forward_step)
     ok, grad_norm, _ = trainer.optimizer.step()
     if not ok:
-        raise FloatingPointError("optimizer step skipped: gradients overflowed")
+        raise FloatingPointError(f"{what} skipped: gradients overflowed")
     trainer.scheduler.step(increment=1)
-    loss_sum, num_tokens = _global_loss(reports, trainer.groups)
-    return StepResult(loss=loss_sum / max(num_tokens, 1), grad_norm=float(grad_norm),
+    return reports, float(grad_norm)
+
+
+def train_step(trainer: MegatronTrainer, micro_batches: list[MicroBatch]) -> StepResult:
+    """One optimizer step on this DP rank's `micro_batches`; every rank returns the same
+    global loss and grad norm."""
+    vocab, tp_rank = trainer.spec.vocab, trainer.groups.rank_in(Axis.TP)
+    reports, grad_norm = optimizer_step(
+        trainer, micro_batches,
+        functools.partial(_forward_step, vocab=vocab, tp_rank=tp_rank))
+    loss_sum, num_tokens = global_report_sum([r["lm"] for r in reports], trainer.groups, 2)
+    return StepResult(loss=float(loss_sum) / max(float(num_tokens), 1), grad_norm=grad_norm,
                       num_tokens=int(num_tokens))
 
 
-def _global_loss(reports: list[dict], groups: ParallelGroups) -> tuple[float, float]:
-    """Sum (loss, tokens) over micro batches (last stage), DP ranks, then share over PP."""
-    total = torch.zeros(2, dtype=torch.float64)
+def global_report_sum(reports: list[torch.Tensor], groups: ParallelGroups,
+                      size: int) -> torch.Tensor:
+    """Sum per-micro-batch report vectors (length `size`) over micro batches and DP ranks,
+    then share the total over PP (only the last stage has reports). Float64."""
+    total = torch.zeros(size, dtype=torch.float64)
     for report in reports:  # empty except on the last stage
-        total += report["lm"].double()
+        total += report.double()
     dist.all_reduce(total, group=groups.group(Axis.DP))
     pp_group = groups.group(Axis.PP)
     dist.broadcast(total, src=dist.get_global_rank(pp_group, groups.config.pp - 1),
                    group=pp_group)
-    return float(total[0]), float(total[1])
+    return total
 
 
 def forward_logits(model: list[torch.nn.Module], micro_batches: list[MicroBatch], *,

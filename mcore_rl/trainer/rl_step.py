@@ -19,7 +19,8 @@ import torch
 from mcore_rl.algorithms import AlgorithmConfig, kl_loss, policy_loss
 from mcore_rl.algorithms.vocab_parallel import vocab_parallel_log_probs_and_entropy
 from mcore_rl.parallel.groups import Axis
-from mcore_rl.trainer.megatron_train import MegatronTrainer, MicroBatch, _run_schedule
+from mcore_rl.trainer.megatron_train import (MegatronTrainer, MicroBatch, _run_schedule,
+                                             global_report_sum, optimizer_step)
 
 # Megatron's padded vocab rows are not part of the model: their logits are pushed far below
 # any real logit (finite, so the entropy's p·logit stays 0·x = 0 rather than 0·inf = nan).
@@ -122,35 +123,12 @@ def policy_update(trainer: MegatronTrainer, micro_batches: list[PolicyBatch],
                   algo: AlgorithmConfig) -> dict[str, float]:
     """One optimizer step over this DP rank's micro batches (one mini-batch). Returns global
     metrics (identical on every rank): pg_loss, clip_frac, ppo_kl, entropy, grad_norm."""
-    for chunk in trainer.model:
-        chunk.zero_grad_buffer()
-    trainer.optimizer.zero_grad()
-    reports = _run_schedule(trainer.model, trainer.groups, micro_batches, forward_only=False,
-                            forward_step=functools.partial(_policy_forward, algo=algo,
-                                                           trainer=trainer))
-    ok, grad_norm, _ = trainer.optimizer.step()
-    if not ok:
-        raise FloatingPointError("policy update skipped: gradients overflowed")
-    trainer.scheduler.step(increment=1)
-    totals = _global_sum([r["policy"] for r in reports], trainer)
+    reports, grad_norm = optimizer_step(
+        trainer, micro_batches, functools.partial(_policy_forward, algo=algo, trainer=trainer),
+        "policy update")
+    totals = global_report_sum([r["policy"] for r in reports], trainer.groups, 6)
     tokens = max(float(totals[1]), 1.0)
     return {"pg_loss": float(totals[0]) / tokens, "clip_frac": float(totals[2]) / tokens,
             "ppo_kl": float(totals[3]) / tokens, "entropy": float(totals[4]) / tokens,
             "kl_ref": float(totals[5]) / tokens,
             "grad_norm": float(grad_norm), "update_tokens": tokens}
-
-
-def _global_sum(reports: list[torch.Tensor], trainer: MegatronTrainer,
-                size: int = 6) -> torch.Tensor:
-    """Sum per-micro-batch report vectors over micro batches and DP; share over PP (only the
-    last stage has reports)."""
-    import torch.distributed as dist
-
-    total = torch.zeros(size, dtype=torch.float64)
-    for report in reports:
-        total += report.double()
-    dist.all_reduce(total, group=trainer.groups.group(Axis.DP))
-    pp_group = trainer.groups.group(Axis.PP)
-    last = dist.get_global_rank(pp_group, trainer.groups.config.pp - 1)
-    dist.broadcast(total, src=last, group=pp_group)
-    return total
