@@ -1,6 +1,6 @@
 """`mcore-rl bench ...`: benchmarks that report ratios against a baseline measured in the same
-run. Each prints a human summary, writes JSON + markdown under --out, and prints one JSON
-object as its last line."""
+run. Each prints a human summary, writes JSON + markdown under --out (logprob, rollout and
+step also a PNG chart), and prints one JSON object as its last line."""
 
 from __future__ import annotations
 
@@ -41,6 +41,109 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     sync.add_argument("--out", type=Path, default=None,
                       help="directory for sync.json and sync.md (default: none)")
     sync.set_defaults(func=run_sync)
+    _add_logprob(kinds)
+    _add_rollout(kinds)
+    _add_step(kinds)
+
+
+def _add_common(parser: argparse.ArgumentParser, name: str, repeats: int) -> None:
+    parser.add_argument("--repeats", type=int, default=repeats,
+                        help="timed repetitions; median and min/max are reported")
+    parser.add_argument("--out", type=Path, default=None,
+                        help=f"directory for {name}.json, {name}.md and {name}.png "
+                             "(default: none)")
+
+
+def _add_logprob(kinds) -> None:
+    p = kinds.add_parser("logprob", help="vocab-parallel log-prob+entropy vs gathered logits")
+    p.add_argument("--tokens", type=int, default=4096, help="b*s positions")
+    p.add_argument("--vocab", type=int, default=32000)
+    p.add_argument("--tp", type=int, default=2, help="gloo ranks (vocab shards)")
+    p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
+    p.add_argument("--backward", action="store_true", help="also the backward to the shard")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timeout-s", type=float, default=300.0)
+    _add_common(p, "logprob", 3)
+    p.set_defaults(func=run_logprob)
+
+
+def _add_rollout(kinds) -> None:
+    p = kinds.add_parser("rollout", help="vLLM generation vs HF transformers generate")
+    p.add_argument("--model", default="micro", help="preset or HF model dir")
+    p.add_argument("--prompts", type=int, default=16)
+    p.add_argument("--prompt-len", type=int, default=32)
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--threads", type=int, default=0, help="CPU threads (0: all cores)")
+    p.add_argument("--kv-cache-gib", type=float, default=0.25)
+    p.add_argument("--seed", type=int, default=0)
+    _add_common(p, "rollout", 3)
+    p.set_defaults(func=run_rollout)
+
+
+def _add_step(kinds) -> None:
+    p = kinds.add_parser("step", help="RL steps: time per phase, sync share, tokens/s, MFU")
+    p.add_argument("--config", default=None, help="RLConfig YAML (default: built-in)")
+    p.add_argument("--warmup-steps", type=int, default=1, help="unmeasured steps first")
+    p.add_argument("--peak-tflops", type=float, default=0.2,
+                   help="dense peak per device in TFLOP/s (e.g. 989 for H100 bf16)")
+    p.add_argument("overrides", nargs="*", help="a.b.c=value")
+    _add_common(p, "step", 2)
+    p.set_defaults(func=run_step)
+
+
+def _run_bench(args, name: str, make_config, run, module) -> int:
+    """Shared tail of logprob / rollout / step: config errors exit 2, summary, files, JSON
+    last line."""
+    from mcore_rl.bench.report import write_outputs
+
+    try:
+        cfg = make_config(args)
+    except (ValueError, KeyError, OSError) as err:  # ConfigError is a ValueError
+        print(f"mcore-rl bench {name}: {err}", file=sys.stderr)
+        return 2
+    try:
+        report = run(cfg)
+    except (ValueError, KeyError) as err:  # e.g. an unknown model or a bad config file
+        print(f"mcore-rl bench {name}: {err}", file=sys.stderr)
+        return 2
+    print("\n".join(module.summary_lines(report)))
+    if args.out:
+        write_outputs(args.out, name, report, module.tables(report), module.chart(report))
+    print(json.dumps(report, default=str))
+    return 0
+
+
+def run_logprob(args) -> int:
+    from mcore_rl.bench import logprob
+
+    return _run_bench(args, "logprob", lambda a: logprob.LogprobBenchConfig(
+        tokens=a.tokens, vocab=a.vocab, tp=a.tp, dtype=a.dtype, backward=a.backward,
+        repeats=a.repeats, seed=a.seed, timeout_s=a.timeout_s),
+        logprob.run_logprob_bench, logprob)
+
+
+def run_rollout(args) -> int:
+    from mcore_rl.bench import rollout
+
+    return _run_bench(args, "rollout", lambda a: rollout.RolloutBenchConfig(
+        model=a.model, prompts=a.prompts, prompt_len=a.prompt_len,
+        max_new_tokens=a.max_new_tokens, temperature=a.temperature, repeats=a.repeats,
+        threads=a.threads, kv_cache_gib=a.kv_cache_gib, seed=a.seed),
+        rollout.run_rollout_bench, rollout)
+
+
+def run_step(args) -> int:
+    from mcore_rl.bench import step
+
+    def make(a):
+        cfg = step.StepBenchConfig(config=a.config, overrides=tuple(a.overrides),
+                                   repeats=a.repeats, warmup_steps=a.warmup_steps,
+                                   peak_tflops=a.peak_tflops)
+        cfg.rl_config()  # fail on a bad config before anything starts
+        return cfg
+
+    return _run_bench(args, "step", make, step.run_step_bench, step)
 
 
 def _config(args):
@@ -99,10 +202,6 @@ def _print_summary(report: dict) -> None:
 
 
 def _write(out: Path, name: str, report: dict) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"{name}.json").write_text(json.dumps(report, indent=2, default=str))
-    rows = [("metric", "value")] + [(k, v) for k, v in report.items()
-                                     if isinstance(v, (int, float, str))]
-    table = "\n".join(f"| {k} | {v} |" for k, v in rows)
-    (out / f"{name}.md").write_text(table.replace("| metric | value |",
-                                                  "| metric | value |\n|---|---|", 1) + "\n")
+    from mcore_rl.bench.report import write_json_md
+
+    write_json_md(out, name, report)

@@ -37,6 +37,11 @@ class RankResult:
 
 def _child_main(fn, rank, world_size, store_port, init_default_group, env, args, kwargs, results):
     os.environ.update(env)
+    # torch was imported (with fn's module) before this env existed: apply the thread count
+    # now, or every rank runs one thread per core and the collectives stall on a small machine
+    import torch
+
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     try:
         if init_default_group:

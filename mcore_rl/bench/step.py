@@ -1,0 +1,292 @@
+"""`mcore-rl bench step`: whole RL steps through `RLController` (Megatron actor on Ray, vLLM
+engines, streamed weight sync) — seconds per phase, the share of the step spent in weight
+sync, tokens/s per device and model FLOPs utilization (MFU). Nothing here is CPU-specific: on
+a cluster, pass a GPU config and the device's peak (`--peak-tflops`).
+
+Model FLOPs (the convention of PaLM, appendix B, and Megatron-LM's throughput report):
+    N  = matmul parameters = layers * (hidden*(q_dim + 2*kv_dim) + q_dim*hidden
+                                       + 3*hidden*ffn) + vocab*hidden (output layer);
+         embeddings lookups, norms and biases are not counted. The critic's N has a
+         hidden x 1 value head in place of the vocab x hidden output layer.
+    d  = heads * head_dim (q_dim), L = layers, s = the sequence's length.
+    forward pass over one sequence  (inference: gen, old_logprob, ref, values)
+        F_fwd(s)   = 2*N*s + 4*L*d*s^2        (QK^T and AV, 2*s*d FLOPs per token each;
+                                                no causal-mask discount)
+    forward + backward              (training: update_actor, update_critic)
+        F_train(s) = 3 * F_fwd(s) = 6*N*s + 12*L*d*s^2
+    i.e. per token 2N + 4*L*d*s (inference) and 6N + 12*L*d*s (training), the "12 * layers *
+    hidden * seq" attention term. Activation recomputation is not counted (that is HFU).
+Which sequences: the actor passes run on the padded batch the controller builds,
+prompts_per_step * samples_per_prompt rows of `train.seq_len` tokens, each update epoch once
+(`updates_per_batch` mini-batches cover the batch once); generation counts one forward over
+each final sequence (prompt + response ids, unpadded; the KV cache makes the real work
+smaller, not larger).
+MFU of a phase = F_phase / (seconds * devices of that phase * peak FLOP/s per device), with
+devices = actor.tp*pp*dp for actor/critic/reference phases and rollout.tp*engines for gen;
+the step's MFU = sum of F_phase / (step seconds * all devices * peak) (actor and engines are
+separate devices, as `RLController` places them).
+tokens/s per device = (prompt + response tokens of the step, unpadded) / step seconds /
+all devices.
+"""
+
+from __future__ import annotations
+
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+from mcore_rl.bench.report import Table, spread
+from mcore_rl.config import ConfigError
+from mcore_rl.models.spec import ModelSpec
+
+PHASES = ("gen", "reward", "old_logprob", "ref", "values", "adv", "update_actor",
+          "update_critic", "sync")
+INFERENCE = ("gen", "old_logprob", "ref", "values")
+TRAINING = ("update_actor", "update_critic")
+ACTOR_PHASES = ("old_logprob", "ref", "values", "update_actor", "update_critic")
+
+
+@dataclass(frozen=True, kw_only=True)
+class FlopsModel:
+    """The FLOPs convention of the module doc. matmul_params: N; layers: L; attn_dim: d."""
+
+    matmul_params: int
+    layers: int
+    attn_dim: int
+
+    @classmethod
+    def policy(cls, spec: ModelSpec) -> "FlopsModel":
+        return cls(matmul_params=_backbone_params(spec) + spec.vocab * spec.hidden,
+                   layers=spec.layers, attn_dim=spec.q_dim)
+
+    @classmethod
+    def critic(cls, spec: ModelSpec) -> "FlopsModel":
+        return cls(matmul_params=_backbone_params(spec) + spec.hidden,
+                   layers=spec.layers, attn_dim=spec.q_dim)
+
+    def forward(self, seq_lens: Sequence[int]) -> float:
+        """F_fwd summed over sequences of the given lengths."""
+        return float(sum(2 * self.matmul_params * s + 4 * self.layers * self.attn_dim * s * s
+                         for s in seq_lens))
+
+    def train(self, seq_lens: Sequence[int]) -> float:
+        """F_train = 3 * F_fwd (forward + backward)."""
+        return 3.0 * self.forward(seq_lens)
+
+
+def _backbone_params(spec: ModelSpec) -> int:
+    attn = spec.hidden * (spec.q_dim + 2 * spec.kv_dim) + spec.q_dim * spec.hidden
+    return spec.layers * (attn + 3 * spec.hidden * spec.ffn)
+
+
+def mfu(flops: float, seconds: float, devices: int, peak_flops_per_device: float) -> float:
+    """Model FLOPs utilization: flops / (seconds * devices * peak per device)."""
+    if seconds <= 0 or devices < 1 or peak_flops_per_device <= 0:
+        raise ValueError(f"mfu: need seconds > 0, devices >= 1, peak > 0; got {seconds}, "
+                         f"{devices}, {peak_flops_per_device}")
+    return flops / (seconds * devices * peak_flops_per_device)
+
+
+def phase_flops(spec: ModelSpec, *, phases: Sequence[str], rows: int, seq_len: int,
+                gen_seq_lens: Sequence[int]) -> dict[str, float]:
+    """Model FLOPs of each phase that ran (module doc). rows x seq_len: the actor's padded
+    batch; gen_seq_lens: prompt + response length of every generated sequence."""
+    policy, critic = FlopsModel.policy(spec), FlopsModel.critic(spec)
+    batch = [seq_len] * rows
+    table = {"gen": lambda: policy.forward(gen_seq_lens),
+             "old_logprob": lambda: policy.forward(batch),
+             "ref": lambda: policy.forward(batch),
+             "values": lambda: critic.forward(batch),
+             "update_actor": lambda: policy.train(batch),
+             "update_critic": lambda: critic.train(batch)}
+    return {p: table[p]() for p in phases if p in table}
+
+
+def step_metrics(timings: dict[str, float], flops: dict[str, float], *, actor_devices: int,
+                 rollout_devices: int, tokens: int, peak_flops_per_device: float) -> dict:
+    """Derived numbers of one step from its phase seconds (`timings`, incl. "step") and phase
+    FLOPs: per-phase MFU, the step's MFU, sync share, tokens/s per device."""
+    total_devices = actor_devices + rollout_devices
+    step_s = timings["step"]
+    out: dict = {"sync_share": timings.get("sync", 0.0) / step_s,
+                 "tokens": tokens,
+                 "tokens_per_s_per_device": tokens / step_s / total_devices,
+                 "step_flops": sum(flops.values()),
+                 "mfu": mfu(sum(flops.values()), step_s, total_devices, peak_flops_per_device)}
+    for phase, f in flops.items():
+        devices = rollout_devices if phase == "gen" else actor_devices
+        out[f"mfu/{phase}"] = mfu(f, timings[phase], devices, peak_flops_per_device)
+    return out
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepBenchConfig:
+    """config: RLConfig YAML (None: built-in defaults); overrides: `a.b=value` strings.
+    repeats: measured RL steps; warmup_steps: unmeasured steps before them (start-up costs).
+    peak_tflops: dense peak per device, TFLOP/s, in the training dtype (e.g. 989 for H100
+    bf16); the CPU default is a placeholder for a couple of cores."""
+
+    config: str | None = None
+    overrides: tuple[str, ...] = ()
+    repeats: int = 2
+    warmup_steps: int = 1
+    peak_tflops: float = 0.2
+
+    def __post_init__(self) -> None:
+        if self.repeats < 1:
+            raise ConfigError("repeats", self.repeats, "must be >= 1")
+        if self.warmup_steps < 0:
+            raise ConfigError("warmup_steps", self.warmup_steps, "must be >= 0")
+        if not self.peak_tflops > 0:
+            raise ConfigError("peak_tflops", self.peak_tflops, "must be > 0")
+
+    def rl_config(self):
+        from mcore_rl.config import load_config
+        from mcore_rl.trainer.rl_config import RLConfig
+
+        return load_config(RLConfig, self.config, list(self.overrides))
+
+
+def _controller_cls():
+    from mcore_rl.trainer.controller import RLController
+
+    class MeasuredController(RLController):
+        """RLController that records the lengths of the sequences it generates (for the
+        generation FLOPs and the token count) — nothing else changes."""
+
+        def _generate(self, prompts, sampling):
+            outs = super()._generate(prompts, sampling)
+            self.gen_seq_lens = [len(p) + len(c.token_ids) for p, o in zip(prompts, outs)
+                                 for c in o]
+            return outs
+
+    return MeasuredController
+
+
+def run_step_bench(cfg: StepBenchConfig) -> dict:
+    """Start the controller on a locally built model, run warm-up + measured steps, return
+    the report."""
+    from mcore_rl.trainer.demo import build_demo_model
+
+    rl = cfg.rl_config()
+    start = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="mcore-rl-bench-step-") as scratch:
+        model_dir = build_demo_model(rl, Path(scratch))
+        spec = ModelSpec.from_hf_dir(model_dir)
+        controller = _controller_cls()(rl, model_dir, Path(scratch) / "run")
+        try:
+            startup_s = time.perf_counter() - start
+            controller.reset_optimizer()
+            controller.sync_weights()
+            steps = []
+            for step in range(1, cfg.warmup_steps + cfg.repeats + 1):
+                metrics = controller.rl_step(step)
+                if step > cfg.warmup_steps:
+                    steps.append((metrics, list(controller.gen_seq_lens)))
+        finally:
+            controller.shutdown()
+    return build_report(cfg, rl, spec, steps, startup_s)
+
+
+def build_report(cfg: StepBenchConfig, rl, spec: ModelSpec,
+                 steps: list[tuple[dict, list[int]]], startup_s: float) -> dict:
+    """Per-step derived metrics, then median/min/max of every timing and metric."""
+    actor_devices = rl.actor.world_size
+    rollout_devices = rl.rollout.tp * rl.rollout.engines
+    rows = rl.prompts_per_step * rl.samples_per_prompt
+    peak = cfg.peak_tflops * 1e12
+    per_step = []
+    for metrics, gen_lens in steps:
+        timings = {k.removeprefix("timing_s/"): v for k, v in metrics.items()
+                   if k.startswith("timing_s/")}
+        ran = [p for p in PHASES if p in timings]
+        flops = phase_flops(spec, phases=ran, rows=rows, seq_len=rl.train.seq_len,
+                            gen_seq_lens=gen_lens)
+        derived = step_metrics(timings, flops, actor_devices=actor_devices,
+                               rollout_devices=rollout_devices, tokens=sum(gen_lens),
+                               peak_flops_per_device=peak)
+        per_step.append({"timings": timings, "flops": flops, **derived,
+                         "reward_mean": metrics["reward_mean"]})
+    phases = [p for p in PHASES + ("step",) if p in per_step[0]["timings"]]
+    report: dict = {
+        "model_params": spec.num_params(),
+        "matmul_params": FlopsModel.policy(spec).matmul_params,
+        "actor": f"tp{rl.actor.tp} pp{rl.actor.pp} dp{rl.actor.dp}",
+        "rollout": f"tp{rl.rollout.tp} x{rl.rollout.engines}",
+        "actor_devices": actor_devices, "rollout_devices": rollout_devices,
+        "devices": actor_devices + rollout_devices,
+        "sequences_per_step": rows, "seq_len": rl.train.seq_len,
+        "train_dtype": rl.train.dtype, "peak_tflops_per_device": cfg.peak_tflops,
+        "repeats": cfg.repeats, "warmup_steps": cfg.warmup_steps, "startup_s": startup_s,
+        "timing_s": {p: spread([s["timings"][p] for s in per_step]) for p in phases},
+        "flops": {p: spread([s["flops"][p] for s in per_step])
+                  for p in per_step[0]["flops"]},
+    }
+    for key in ("sync_share", "tokens", "tokens_per_s_per_device", "step_flops", "mfu"):
+        report[key] = spread([s[key] for s in per_step])
+    report["mfu_by_phase"] = {p: spread([s[f"mfu/{p}"] for s in per_step])
+                              for p in per_step[0]["flops"]}
+    report["per_step"] = per_step
+    report["config"] = {"config": cfg.config, "overrides": list(cfg.overrides),
+                        "repeats": cfg.repeats, "warmup_steps": cfg.warmup_steps,
+                        "peak_tflops": cfg.peak_tflops}
+    return report
+
+
+def tables(report: dict) -> list[Table]:
+    t, m = report["timing_s"], report["mfu_by_phase"]
+    step = t["step"]["median"]
+    rows = tuple((p, t[p]["median"], t[p]["min"], t[p]["max"], t[p]["median"] / step,
+                  m[p]["median"] if p in m else "", report["flops"][p]["median"]
+                  if p in report["flops"] else "")
+                 for p in t)
+    return [Table(f"RL step: actor {report['actor']}, rollout {report['rollout']}, "
+                  f"{report['sequences_per_step']} sequences, peak "
+                  f"{report['peak_tflops_per_device']} TFLOP/s per device",
+                  ("phase", "median s", "min s", "max s", "share of step", "MFU (fraction)",
+                   "model FLOPs"), rows),
+            Table("per step (median)", ("sync share", "tokens/s per device", "MFU (fraction)",
+                                        "devices"),
+                  ((report["sync_share"]["median"],
+                    report["tokens_per_s_per_device"]["median"], report["mfu"]["median"],
+                    report["devices"]),))]
+
+
+def chart(report: dict):
+    def draw(fig) -> None:
+        left, right = fig.subplots(1, 2)
+        t = report["timing_s"]
+        phases = [p for p in t if p != "step"]
+        med = [t[p]["median"] for p in phases]
+        err = [[t[p]["median"] - t[p]["min"] for p in phases],
+               [t[p]["max"] - t[p]["median"] for p in phases]]
+        left.barh(phases, med, xerr=err, capsize=3, color="tab:blue")
+        left.invert_yaxis()
+        left.set_xlabel("seconds (median, min/max)")
+        left.set_title(f"step {t['step']['median']:.2f} s, sync "
+                       f"{100 * report['sync_share']['median']:.1f} %")
+        m = report["mfu_by_phase"]
+        right.bar(list(m) + ["step"], [100 * m[p]["median"] for p in m]
+                  + [100 * report["mfu"]["median"]], color="tab:orange")
+        right.set_ylabel("MFU %")
+        right.set_title(f"MFU at {report['peak_tflops_per_device']} TFLOP/s per device")
+        right.tick_params(axis="x", labelrotation=30)
+    return draw
+
+
+def summary_lines(report: dict) -> list[str]:
+    t = report["timing_s"]
+    lines = [f"RL step: actor {report['actor']}, rollout {report['rollout']}, "
+             f"{report['sequences_per_step']} sequences x {report['seq_len']} tokens, "
+             f"{report['repeats']} measured steps (start-up {report['startup_s']:.1f} s)"]
+    for p, s in t.items():
+        mf = report["mfu_by_phase"].get(p)
+        lines.append(f"  {p:13s} {s['median']:.4f} s (min {s['min']:.4f}, max {s['max']:.4f})"
+                     + (f"  MFU {100 * mf['median']:.3f} %" if mf else ""))
+    lines.append(f"  sync share {100 * report['sync_share']['median']:.1f} %, "
+                 f"{report['tokens_per_s_per_device']['median']:.1f} tokens/s per device, "
+                 f"MFU {100 * report['mfu']['median']:.3f} % of "
+                 f"{report['peak_tflops_per_device']} TFLOP/s x {report['devices']} devices")
+    return lines
