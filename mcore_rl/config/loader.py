@@ -83,7 +83,8 @@ def from_dict(cls: type[T], data: Any, prefix: str = "") -> T:
     if unknown:
         raise ConfigError(_join(prefix, unknown[0]), data[unknown[0]],
                           f"unknown field; allowed: {', '.join(sorted(fields))}")
-    kwargs = {name: _coerce(hints[name], value, _join(prefix, name))
+    kwargs = {name: _coerce(hints[name], _with_defaults(fields[name], value),
+                            _join(prefix, name))
               for name, value in data.items()}
     try:
         return cls(**kwargs)
@@ -91,6 +92,16 @@ def from_dict(cls: type[T], data: Any, prefix: str = "") -> T:
         raise err.under(prefix) from None
     except TypeError as err:  # a required field is missing
         raise ConfigError(prefix or cls.__name__, None, str(err)) from None
+
+
+def _with_defaults(field: dataclasses.Field, value: Any) -> Any:
+    """A partial mapping for a nested config keeps the parent's defaults for that section
+    (e.g. `rollout.tp=2` keeps the run's own rollout.max_model_len, not the class default)."""
+    if isinstance(value, dict) and field.default_factory is not dataclasses.MISSING:
+        default = field.default_factory()
+        if dataclasses.is_dataclass(default):
+            return _merge(to_dict(default), value)
+    return value
 
 
 def _join(prefix: str, name: str) -> str:

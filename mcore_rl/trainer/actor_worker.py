@@ -224,6 +224,11 @@ class ActorWorker:
             load_role(self.critic, Path(ckpt_dir) / "critic", self.rank)
         return True
 
+    def export_weights(self) -> dict[str, torch.Tensor]:
+        """A copy of this rank's actor parameters (megatron_shards keys), for checks that
+        rebuild HF tensors with `layouts.assemble_hf` on small models."""
+        return {k: v.detach().clone() for k, v in self.local_tensors().items()}
+
     def weights_digest(self) -> str:
         """sha256 of this rank's actor parameters (resume tests compare runs bit for bit)."""
         import hashlib
