@@ -142,6 +142,20 @@ class RayEngines:
 
     # ---------------------------------------------------------------- engine calls
 
+    def dead_engines(self, timeout_s: float = 5.0) -> list[int]:
+        """Engines whose process is gone or that do not answer within `timeout_s` (used to
+        name the culprit when a sync or call fails)."""
+        import ray
+        from ray.exceptions import GetTimeoutError, RayActorError
+
+        dead = []
+        for i, ref in enumerate([a.ready.remote() for a in self._actors]):
+            try:
+                ray.get(ref, timeout=timeout_s)
+            except (RayActorError, GetTimeoutError):
+                dead.append(i)
+        return dead
+
     def _call_all(self, phase: str, method: str, *args: Any, deadline_s: float | None = None,
                   per_engine_args: Sequence[tuple] | None = None, **kwargs: Any) -> list[Any]:
         """`engine.<method>(*args, *per_engine_args[i], **kwargs)` on every engine; replies in

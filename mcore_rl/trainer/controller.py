@@ -33,6 +33,15 @@ from mcore_rl.trainer.metrics import MetricsWriter, PhaseTimer
 from mcore_rl.trainer.rl_config import RLConfig, load_reward_fn
 
 
+class SyncFailed(RuntimeError):
+    """A weight sync failed; names the engines that died."""
+
+
+def _first_line(err: BaseException) -> str:
+    lines = [line for line in str(err).splitlines() if line.strip()]
+    return lines[-1][:300] if lines else ""
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -182,10 +191,25 @@ class RLController:
 
     def sync_weights(self) -> dict[str, float]:
         """Stream the actor's shards into every engine; checks each engine got every name."""
-        deadline = self.cfg.deadlines.sync_s
-        self.engines.begin_sync(self.plan, timeout_s=deadline)
-        stats = self._actor("send_weights", self.plan, "fp32", deadline, phase="sync")
-        self.engines.finish_sync()
+        self.engines.begin_sync(self.plan, timeout_s=self.cfg.deadlines.sync_s)
+        return self._finish_sync()
+
+    def _finish_sync(self) -> dict[str, float]:
+        """The trainer side of a started sync. A failure is blamed on the engines that died,
+        by name, when there are any (a bare transport error only says a peer left)."""
+        try:
+            stats = self._actor("send_weights", self.plan, "fp32", self.cfg.deadlines.sync_s,
+                                phase="sync")
+            self.engines.finish_sync()
+        except WatchdogTimeout:
+            raise
+        except Exception as err:
+            dead = self.engines.dead_engines()
+            if dead:
+                raise SyncFailed(f"weight sync failed: rollout engine(s) {dead} died or stopped "
+                                 f"answering during the sync ({type(err).__name__}: "
+                                 f"{_first_line(err)})") from err
+            raise
         return {"sync_bytes": float(sum(s["bytes_sent"] for s in stats))}
 
     def _per_token(self, method: str, batch: Batch, phase: str) -> torch.Tensor:
