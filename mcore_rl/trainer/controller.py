@@ -271,20 +271,56 @@ class RLController:
     def reset_optimizer(self) -> None:
         self._actor("reset_optimizer", self.cfg.train, phase="setup")
 
-    def rl_step(self, step: int) -> dict[str, float]:
-        cfg, timer = self.cfg, PhaseTimer()
-        texts = self.task.prompts(cfg.prompts_per_step, seed=cfg.seed * 7919 + step)
+    def _sample(self, step: int, attempt: int):
+        """Generate samples_per_prompt responses for prompts_per_step fresh prompts (seeded by
+        step and attempt: the data position is the step); returns (texts, completions)."""
+        cfg = self.cfg
+        texts = self.task.prompts(cfg.prompts_per_step,
+                                  seed=cfg.seed * 7919 + step + 1_000_003 * attempt)
         prompts = [encode_prompt(self.tokenizer, t) for t in texts]
         sampling = SamplingConfig(temperature=cfg.temperature, max_tokens=cfg.max_new_tokens,
-                                  n=cfg.samples_per_prompt, seed=cfg.seed * 1000 + step,
+                                  n=cfg.samples_per_prompt,
+                                  seed=cfg.seed * 1000 + step + 1_000_003 * attempt,
                                   stop_token_ids=[self.tokenizer.eos_token_id])
-        with timer("gen"):
-            outs = self._generate(prompts, sampling)
+        return texts, self._generate(prompts, sampling)
+
+    def _generate_groups(self, step: int, timer: PhaseTimer):
+        """The step's groups. With DAPO dynamic sampling, groups whose rewards are all equal
+        (no gradient) are dropped and more prompts are drawn — up to `max_sampling_rounds`
+        — until prompts_per_step informative groups exist; short of that, dropped groups
+        refill the batch (zero advantage) so its shape stays fixed."""
+        cfg = self.cfg
+        kept, dropped, rounds = [], [], 0
+        while len(kept) < cfg.prompts_per_step and rounds < cfg.max_sampling_rounds:
+            with timer("gen"):
+                texts, outs = self._sample(step, rounds)
+            with timer("reward"):
+                scores = [[self.reward(t, response_text(c.token_ids, self.tokenizer))
+                           for c in o] for t, o in zip(texts, outs)]
+            rounds += 1
+            for group in zip(texts, outs, scores):
+                informative = len(set(group[2])) > 1
+                (kept if informative or not cfg.algorithm.dynamic_sampling
+                 else dropped).append(group)
+            if not cfg.algorithm.dynamic_sampling:
+                break
+        groups = (kept + dropped)[:cfg.prompts_per_step]
+        stats = {"informative_groups_frac": sum(len(set(g[2])) > 1 for g in groups)
+                 / len(groups), "sampling_rounds": rounds}
+        return groups, stats
+
+    def rl_step(self, step: int) -> dict[str, float]:
+        cfg, timer = self.cfg, PhaseTimer()
+        groups, sampling_stats = self._generate_groups(step, timer)
+        if cfg.rollout.enable_sleep:  # colocated on GPU: free the KV cache while training
+            with timer("sleep"):
+                self.engines.sleep()
+        texts = [g[0] for g in groups]
+        prompts = [encode_prompt(self.tokenizer, t) for t in texts]
+        outs = [g[1] for g in groups]
         flat_prompts = [p for p, o in zip(prompts, outs) for _ in o]
         completions = [c for o in outs for c in o]
-        with timer("reward"):
-            scores = torch.tensor([self.reward(t, response_text(c.token_ids, self.tokenizer))
-                                   for t, o in zip(texts, outs) for c in o])
+        scores = torch.tensor([s for g in groups for s in g[2]])
         batch = build_batch(flat_prompts, [c.token_ids for c in completions],
                             cfg.train.seq_len, self.tokenizer.pad_token_id)
         lengths = batch.mask.sum(-1)
@@ -324,6 +360,9 @@ class RLController:
                 for mini in _mini_batches(value, cfg.updates_per_batch):
                     critic_updates.append(self._actor("critic_update", mini, cfg.algorithm,
                                                       phase="update_critic")[0])
+        if cfg.rollout.enable_sleep:
+            with timer("wake"):
+                self.engines.wake_up()
         with timer("sync"):
             sync = self.sync_weights()
         gen_tokens = float(batch.mask.sum())
@@ -338,7 +377,7 @@ class RLController:
             "rollout_logprob_max_diff": rollout_diff,
             "kl_ref": updates[-1]["kl_ref"], **adv_metrics,
             **(critic_updates[-1] if critic_updates else {}),
-            **sync, **timer.as_metrics(),
+            **sync, **sampling_stats, **timer.as_metrics(),
         }
         metrics["tokens_per_s"] = gen_tokens / max(metrics["timing_s/gen"], 1e-9)
         return metrics

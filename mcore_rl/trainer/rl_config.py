@@ -107,6 +107,7 @@ class RLConfig:
     inject_stall: fault injection for watchdog tests: "<phase>@rank<r>" stalls actor rank r
         in that phase, "gen@engine<i>" stalls engine i's generation. Leave null.
     save_every: write a checkpoint every this many RL steps (0: never).
+    max_sampling_rounds: with algorithm.dynamic_sampling, generation rounds per step at most.
     reward_fn: "module:function" taking (prompt_text, response_text) -> float.
     digits: operand digits of the addition task. seed: prompts and sampling.
     """
@@ -134,6 +135,7 @@ class RLConfig:
     deadlines: DeadlineConfig = field(default_factory=DeadlineConfig)
     inject_stall: str | None = None
     save_every: int = 0
+    max_sampling_rounds: int = 4
     reward_fn: str = "mcore_rl.tasks.addition:reward"
     digits: int = 2
     seed: int = 0

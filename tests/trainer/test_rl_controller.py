@@ -19,7 +19,9 @@ def small_config(*overrides):
         "updates_per_batch=2", "train.micro_batch_size=4", "deadlines.train_s=240", *overrides])
 
 
-GRPO = ["algorithm.advantage_estimator=grpo"]
+# GRPO with DAPO dynamic sampling (all-equal groups dropped, more prompts drawn)
+GRPO = ["algorithm.advantage_estimator=grpo", "algorithm.dynamic_sampling=true",
+        "reward_fn=mcore_rl.tasks.addition:digit_reward"]
 # PPO: critic with GAE, KL to a frozen reference as a loss term (k3)
 PPO = ["algorithm.advantage_estimator=gae", "algorithm.kl_coeff=0.05",
        "critic_train.micro_batch_size=4"]
@@ -56,6 +58,8 @@ def test_two_rl_steps_with_vllm_and_streamed_sync(tmp_path, grid, algo):
         assert m["rollout_logprob_max_diff"] < 1e-4, m["rollout_logprob_max_diff"]
         if algo is PPO:
             assert "vf_loss" in m and m["kl_ref"] >= 0
+        else:  # dynamic sampling filled the batch with groups that carry a gradient
+            assert m["informative_groups_frac"] == 1.0, m
     records = [json.loads(l) for l in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2] and "reward_mean" in records[0]
     assert all(p.is_file() for p in plot_run(tmp_path))
