@@ -202,6 +202,31 @@ def _print_summary(report: dict) -> None:
 
 
 def _write(out: Path, name: str, report: dict) -> None:
-    from mcore_rl.bench.report import write_json_md
+    """sync.json, sync.md and sync.png: time and the largest staging buffer, ours vs the
+    baseline (or the projections, with --plan-only)."""
+    from mcore_rl.bench.report import write_outputs
 
-    write_json_md(out, name, report)
+    def chart(fig):
+        if "projected_s" in report:
+            ax = fig.add_subplot(1, 1, 1)
+            ax.bar(["streamed (ours)", "gather+broadcast"],
+                   [report["projected_s"], report["baseline_projected_s"]],
+                   color=["tab:blue", "tab:orange"])
+            ax.set_ylabel("projected seconds")
+            ax.set_title(f"{report['model']}: {report['train']} -> {report['infer']}")
+            return
+        base = report.get("baseline")
+        labels = ["streamed (ours)"] + (["gather+broadcast"] if base else [])
+        time_ax, mem_ax = fig.add_subplot(1, 2, 1), fig.add_subplot(1, 2, 2)
+        time_ax.bar(labels, [report["wall_s"]] + ([base["wall_s"]] if base else []),
+                    color=["tab:blue", "tab:orange"][:len(labels)])
+        time_ax.set_ylabel("wall seconds (median)")
+        time_ax.set_title("sync time")
+        mib = 1 << 20
+        mem_ax.bar(labels, [report["max_peak_extra_bytes"] / mib]
+                   + ([report["baseline_max_peak_extra_bytes"] / mib] if base else []),
+                   color=["tab:blue", "tab:orange"][:len(labels)])
+        mem_ax.set_ylabel("MiB")
+        mem_ax.set_title("largest per-rank staging memory")
+
+    write_outputs(out, name, report, [], chart)

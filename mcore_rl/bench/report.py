@@ -56,15 +56,6 @@ def scalar_table(report: dict) -> str:
     return table.replace("| metric | value |", "| metric | value |\n|---|---|", 1) + "\n"
 
 
-def write_json_md(out: Path, name: str, report: dict) -> list[Path]:
-    """NAME.json (indented, non-JSON values as str) and NAME.md (`scalar_table`)."""
-    out.mkdir(parents=True, exist_ok=True)
-    paths = [out / f"{name}.json", out / f"{name}.md"]
-    paths[0].write_text(json.dumps(report, indent=2, default=str))
-    paths[1].write_text(scalar_table(report))
-    return paths
-
-
 def write_outputs(out: Path, name: str, report: dict, tables: Sequence[Table],
                   chart: Callable | None) -> list[Path]:
     """NAME.json, NAME.md (the given tables, then every top-level scalar) and, when `chart`
@@ -106,5 +97,5 @@ def bar_with_spread(ax, labels: Sequence[str], stats: Sequence[dict], *, ylabel:
     ax.grid(axis="y", alpha=0.3)
 
 
-__all__ = ["Table", "bar_with_spread", "fmt", "scalar_table", "spread", "write_json_md",
+__all__ = ["Table", "bar_with_spread", "fmt", "scalar_table", "spread",
            "write_outputs"]

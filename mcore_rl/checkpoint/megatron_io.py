@@ -1,0 +1,30 @@
+"""Load a dist checkpoint into this rank's Megatron model chunks — megatron-core's own loader,
+at whatever grid the chunks were built for."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+
+def megatron_sharded_state_dict(chunks: list[torch.nn.Module]) -> dict:
+    """The sharded state dict of this rank's chunks, nested per VPP chunk as Megatron-LM does
+    (`model0`, `model1`, ...) when there are several."""
+    if len(chunks) == 1:
+        return chunks[0].sharded_state_dict()
+    return {f"model{v}": chunk.sharded_state_dict() for v, chunk in enumerate(chunks)}
+
+
+def load_dist_checkpoint(chunks: list[torch.nn.Module], ckpt_dir: str | Path) -> None:
+    """`dist_checkpointing.load(model.sharded_state_dict(), dir)` into the chunks, strictly.
+    Every rank of the training grid calls it (megatron validates shard access collectively)."""
+    from megatron.core import dist_checkpointing
+
+    state = dist_checkpointing.load(megatron_sharded_state_dict(chunks), str(ckpt_dir))
+    with torch.no_grad():
+        if len(chunks) == 1:
+            chunks[0].load_state_dict(state, strict=True)
+        else:
+            for v, chunk in enumerate(chunks):
+                chunk.load_state_dict(state[f"model{v}"], strict=True)
