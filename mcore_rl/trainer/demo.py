@@ -34,10 +34,13 @@ def build_demo_model(cfg, out: Path) -> Path:
 def run_demo(cfg, out: Path, resume: Path | None = None) -> dict:
     from mcore_rl.trainer.controller import RLController
     from mcore_rl.trainer.metrics import MetricsWriter, plot_run
+    from mcore_rl.trainer.preflight import check_run
 
     start = time.perf_counter()
     out.mkdir(parents=True, exist_ok=True)
     model_dir = build_demo_model(cfg, out)
+    for warning in check_run(cfg, model_dir):  # raises PreflightFailed before any worker
+        print(f"preflight warning [{warning.check}] {warning.message} (fix: {warning.fix})")
     controller = RLController(cfg, model_dir, out)
     try:
         accuracy, first_step = None, 1
@@ -100,9 +103,13 @@ def _run(args) -> int:
         print(f"mcore-rl {args.command}: config error: {err}")
         return 2
     from mcore_rl.launch.watchdog import WatchdogTimeout
+    from mcore_rl.trainer.preflight import PreflightFailed
 
     try:
         run_demo(cfg, args.out, getattr(args, "resume", None))
+    except PreflightFailed as err:
+        print(f"mcore-rl {args.command}: {err}")
+        return 2
     except WatchdogTimeout as err:  # a hang, diagnosed: exit non-zero with the diagnosis
         print(f"mcore-rl {args.command}: {err}")
         return 3
