@@ -22,6 +22,11 @@ def load_dist_checkpoint(chunks: list[torch.nn.Module], ckpt_dir: str | Path) ->
     from megatron.core import dist_checkpointing
 
     state = dist_checkpointing.load(megatron_sharded_state_dict(chunks), str(ckpt_dir))
+    load_chunk_states(chunks, state)
+
+
+def load_chunk_states(chunks: list[torch.nn.Module], state: dict) -> None:
+    """Load a state dict nested as `megatron_sharded_state_dict` nests it, strictly."""
     with torch.no_grad():
         if len(chunks) == 1:
             chunks[0].load_state_dict(state, strict=True)

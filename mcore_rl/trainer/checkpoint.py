@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from mcore_rl.checkpoint.megatron_io import megatron_sharded_state_dict
+from mcore_rl.checkpoint.megatron_io import load_chunk_states, megatron_sharded_state_dict
 
 
 def _model_sharded_state_dict(trainer) -> dict:
@@ -42,14 +42,7 @@ def load_role(trainer, ckpt_dir: Path, rank: int) -> None:
     model_sd = _model_sharded_state_dict(trainer)
     opt_sd = trainer.optimizer.sharded_state_dict(model_sd, is_loading=True)
     state = dist_checkpointing.load({"model": model_sd, "optimizer": opt_sd}, str(ckpt_dir))
-    model = state["model"]
-    chunks = trainer.unwrapped()
-    with torch.no_grad():
-        if len(chunks) == 1:
-            chunks[0].load_state_dict(model, strict=True)
-        else:
-            for v, chunk in enumerate(chunks):
-                chunk.load_state_dict(model[f"model{v}"], strict=True)
+    load_chunk_states(trainer.unwrapped(), state["model"])
     trainer.optimizer.load_state_dict(state["optimizer"])
     local = torch.load(ckpt_dir / f"rank{rank}.pt", weights_only=True)
     trainer.scheduler.load_state_dict(local["scheduler"])
