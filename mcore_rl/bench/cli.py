@@ -174,10 +174,13 @@ def run_sync(args) -> int:
     except (ValueError, KeyError) as err:
         print(f"mcore-rl bench sync: {err}", file=sys.stderr)
         return 2
-    _print_summary(report)
-    if args.out:
-        _write(args.out, "sync", report)
-    print(json.dumps(report, default=str))
+    from mcore_rl.launch.slurm import is_primary
+
+    if is_primary():  # under srun every task gets the report; one prints and writes it
+        _print_summary(report)
+        if args.out:
+            _write(args.out, "sync", report)
+        print(json.dumps(report, default=str))
     return 0 if report.get("check") in ("pass", "not run", None) else 1
 
 

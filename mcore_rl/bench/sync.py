@@ -93,20 +93,22 @@ def rank_main(rank: int, world_size: int, cfg: SyncBenchConfig) -> dict:
     dtype = DTYPES[cfg.dtype]
     weights = _weights(cfg, src)
     port = int(os.environ["MCORE_RL_STORE_PORT"])
+    # the rendezvous store: rank 0's (the local launcher's on one machine, srun's first node)
+    host = os.environ.get("MCORE_RL_STORE_HOST", "127.0.0.1")
     is_src = rank < plan.num_src
     local = (materialize_rank(src, rank, weights.__getitem__, dtype) if is_src else None)
     expected = (materialize_rank(dst, rank - plan.num_src, weights.__getitem__, dtype)
                 if cfg.check and not is_src else None)
     out: dict = {"rank": rank, "role": "train" if is_src else "infer",
                  "rss_bytes": psutil.Process().memory_info().rss}
-    group = join_sync_group(SyncGroupSpec("127.0.0.1", port, "ours/", world_size,
+    group = join_sync_group(SyncGroupSpec(host, port, "ours/", world_size,
                                           cfg.timeout_s), rank)
     verify_plan(plan, group, rank)
     out["ours"] = _repeat(cfg, group, lambda i: _ours_once(plan, group, rank, local, dtype,
                                                            cfg), expected)
     if cfg.baseline:
         out["baseline"] = _repeat(cfg, group, lambda i: _baseline_once(
-            plan, src, dst, rank, local, dtype, cfg, port, i), expected)
+            plan, src, dst, rank, local, dtype, cfg, host, port, i), expected)
     return out
 
 
@@ -135,19 +137,19 @@ def _ours_once(plan, group, rank, local, dtype, cfg):
     return stats, received
 
 
-def _baseline_once(plan, src, dst, rank, local, dtype, cfg, port, attempt):
+def _baseline_once(plan, src, dst, rank, local, dtype, cfg, host, port, attempt):
     """Gather every shard to training rank 0, assemble whole tensors, broadcast each whole
     tensor to the inference ranks, which cut their shards out of it."""
     stats = SyncStats()
     gathered = None
     if rank < plan.num_src:
-        gathered = _gather_to_rank0(src, rank, local, dtype, cfg, port, plan.num_src, stats,
-                                    attempt)
+        gathered = _gather_to_rank0(src, rank, local, dtype, cfg, host, port, plan.num_src,
+                                    stats, attempt)
         if rank != 0:
             return stats, None
     # rank 0 + inference ranks form the broadcast group
     bcast_rank = 0 if rank == 0 else rank - plan.num_src + 1
-    group = join_sync_group(SyncGroupSpec("127.0.0.1", port, f"bcast{attempt}/",
+    group = join_sync_group(SyncGroupSpec(host, port, f"bcast{attempt}/",
                                           plan.num_dst + 1, cfg.timeout_s), bcast_rank)
     received = None if rank == 0 else {}
     my_tensors = None if rank == 0 else dst.ranks[rank - plan.num_src]
@@ -172,10 +174,10 @@ def _baseline_once(plan, src, dst, rank, local, dtype, cfg, port, attempt):
     return stats, received
 
 
-def _gather_to_rank0(src, rank, local, dtype, cfg, port, num_src, stats, attempt):
+def _gather_to_rank0(src, rank, local, dtype, cfg, host, port, num_src, stats, attempt):
     """Training ranks of DP replica 0 send every local tensor to rank 0, which assembles
     whole HF tensors from the pieces (the whole model ends up on rank 0)."""
-    group = join_sync_group(SyncGroupSpec("127.0.0.1", port, f"gather{attempt}/", num_src,
+    group = join_sync_group(SyncGroupSpec(host, port, f"gather{attempt}/", num_src,
                                           cfg.timeout_s), rank)
     holders = [r for r in sorted(src.ranks) if cfg.train.coords_of(r)["dp"] == 0]
     if rank != 0:
@@ -253,12 +255,13 @@ def summarize(cfg: SyncBenchConfig, spec: ModelSpec, plan: Plan, per_rank: list[
 
 
 def run_sync_bench(cfg: SyncBenchConfig) -> dict:
-    """Launch T + D local processes, run the benchmark, return the report."""
-    from mcore_rl.launch.spawn import run_on_ranks
+    """Launch T + D local processes (or, under srun/torchrun, run this task's rank), run the
+    benchmark, return the report."""
+    from mcore_rl.launch.slurm import launch_ranks
 
     spec = resolve_model(cfg.model)
     _, _, plan = make_plan(cfg, spec)  # fail on bad input before any process starts
-    per_rank = run_on_ranks(rank_main, plan.world_size, cfg, init_default_group=False,
+    per_rank = launch_ranks(rank_main, plan.world_size, cfg, init_default_group=False,
                             timeout_s=cfg.timeout_s + 120)
     report = summarize(cfg, spec, plan, per_rank)
     report["config"] = {**asdict(cfg), "train": asdict(cfg.train)}

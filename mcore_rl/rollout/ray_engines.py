@@ -51,6 +51,10 @@ def init_local_ray(num_cpus: int | None = None, host_ip: str = "127.0.0.1") -> N
 
     if ray.is_initialized():
         return
+    from mcore_rl.launch.ray_cluster import connect_from_env
+
+    if connect_from_env():  # a cluster named by RAY_ADDRESS (e.g. started by the sbatch script)
+        return
     ray.init(num_cpus=num_cpus or os.cpu_count(), include_dashboard=False,
              _node_ip_address=host_ip)
     actual = ray.util.get_node_ip_address()

@@ -1,0 +1,135 @@
+"""The project's sbatch scripts on a real (one-node, CPU) SLURM cluster.
+
+The session fixture starts the cluster with scripts/ci_slurm.sh (installing slurm + munge when
+missing — CI runs as root) and stops it at the end unless it was already running or still
+has jobs (another session's). Each job is
+submitted with `sbatch --wait` under `timeout`; a job still running after its deadline is
+cancelled. Skipped only where the cluster cannot exist: not root and no `sbatch` installed
+(never in CI: CI=1 turns that into a failure).
+"""
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+CI_SLURM = ROOT / "scripts" / "ci_slurm.sh"
+SBATCH_DIR = ROOT / "scripts" / "slurm"
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+
+def _run(cmd, *, timeout, env=None):
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env,
+                          cwd=ROOT)
+
+
+@pytest.fixture(scope="session")
+def slurm(tmp_path_factory):
+    """SLURM_CONF of a running local cluster; the environment jobs are submitted with."""
+    if os.geteuid() != 0 and shutil.which("sbatch") is None:
+        if os.environ.get("CI"):
+            pytest.fail("CI must run as root: the SLURM tests install and start a cluster")
+        pytest.skip("no SLURM here and not root (scripts/ci_slurm.sh needs root)")
+    scratch = os.environ.get("SLURM_CI_DIR", "/tmp/mcore-rl-slurm")
+    env = {**os.environ, "SLURM_CI_DIR": scratch, "SLURM_CONF": f"{scratch}/slurm.conf"}
+    was_up = (Path(scratch, "slurm.conf").exists()
+              and _run(["bash", str(CI_SLURM), "status"], timeout=30, env=env).returncode == 0)
+    started = _run(["bash", str(CI_SLURM), "start"], timeout=900, env=env)
+    assert started.returncode == 0, f"ci_slurm.sh start failed:\n{started.stderr}"
+    cpus = _run(["sinfo", "-h", "-o", "%c"], timeout=30, env=env).stdout.split()
+    assert cpus and int(cpus[0]) >= 2, \
+        f"the test cluster's node has {cpus} CPUs; the jobs here need 2 (see {scratch}/slurm.conf)"
+    job_env = {**env, "MCORE_RL_ROOT": str(ROOT), "MCORE_RL_PYTHON": sys.executable}
+    yield job_env
+    queue = _run(["squeue", "-h"], timeout=30, env=env).stdout.strip()
+    if not was_up and not queue:  # leave a cluster that was up before, or is still in use
+        stopped = _run(["bash", str(CI_SLURM), "stop"], timeout=120, env=env)
+        assert stopped.returncode == 0, stopped.stderr
+
+
+def sbatch(env, script, *args, out: Path, options=(), timeout=300, extra_env=None):
+    """Submit and wait; returns (exit code, job id, job output)."""
+    cmd = ["timeout", str(timeout), "sbatch", "--wait", "--parsable", f"--output={out}",
+           *options, str(SBATCH_DIR / script), *map(str, args)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT,
+                          env={**env, **(extra_env or {})}, timeout=timeout + 30)
+    job = proc.stdout.split(";")[0].strip().splitlines()[0] if proc.stdout.strip() else ""
+    if proc.returncode == 124 and job:  # our deadline, not the job's exit code
+        subprocess.run(["scancel", job], env=env, timeout=30)
+    log = out.read_text() if out.exists() else ""
+    assert proc.returncode != 124, f"job {job} ({script}) missed its {timeout} s deadline:\n{log}"
+    assert job.isdigit(), f"sbatch did not submit {script}: {proc.stderr}"
+    return proc.returncode, job, log
+
+
+def _ray_processes_of(job: str) -> list[str]:
+    """Command lines of live processes that belong to the job's Ray (its temp dir or port)."""
+    found = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            text = cmdline.read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if f"/tmp/ray-{job}/" in text or f"/tmp/ray-{job} " in text:
+            found.append(text[:200])
+    return found
+
+
+@pytest.fixture(scope="session")
+def train_run(slurm, tmp_path_factory):
+    """The tiny config trained by train.sbatch (one node: Ray head + driver, 2 actor ranks)."""
+    tmp = tmp_path_factory.mktemp("slurm_train")
+    run_dir = tmp / "run"
+    code, job, log = sbatch(slurm, "train.sbatch", "configs/tiny_ci.yaml",
+                            out=tmp / "train.out", extra_env={"RUN_DIR": str(run_dir)})
+    return code, job, log, run_dir
+
+
+def test_train_job_runs_three_steps_and_stops_ray(train_run, slurm):
+    code, job, log, run_dir = train_run
+    assert code == 0, log[-4000:]
+    steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [s["step"] for s in steps] == [1, 2, 3]
+    assert all("reward_mean" in s and "timing_s/step" in s for s in steps)
+    assert re.search(r"ray cluster up: 1 node\(s\)", log) and "ray cluster stopped" in log
+    assert not _ray_processes_of(job)
+
+
+def test_failing_job_returns_its_exit_code(slurm, tmp_path):
+    code, job, log = sbatch(slurm, "train.sbatch", "configs/tiny_ci.yaml", "steps=-1",
+                            out=tmp_path / "fail.out", extra_env={"RUN_DIR": str(tmp_path)})
+    assert code == 2, log[-4000:]  # the config error's exit code, through Ray and sbatch
+    assert "config error: steps=-1" in log and "ray cluster stopped" in log
+    assert not _ray_processes_of(job)
+
+
+def test_bench_job_runs_one_rank_per_task(slurm, tmp_path):
+    code, _, log = sbatch(slurm, "bench.sbatch", "--model", "micro", "--train-tp", "1",
+                          "--infer-tp", "1", "--check", out=tmp_path / "bench.out",
+                          options=["--ntasks=2"], timeout=240)
+    assert code == 0, log[-4000:]
+    for rank in (0, 1):
+        assert f"srun rank {rank}/2" in log, \
+            "bench sync did not run one rank per srun task (mcore_rl/bench/sync.py must " \
+            "launch through mcore_rl.launch.slurm.launch_ranks):\n" + log[-3000:]
+    reports = [json.loads(line) for line in log.splitlines() if line.startswith("{")]
+    assert len(reports) == 1 and reports[0]["check"] == "pass"
+    assert set(reports[0]["bytes_received"]) == {"0", "1"}
+
+
+def test_convert_job_converts_on_two_ranks(train_run, slurm, tmp_path):
+    _, _, _, run_dir = train_run
+    dst = tmp_path / "mcore"
+    code, _, log = sbatch(slurm, "convert.sbatch", "hf-to-mcore", run_dir / "model", dst,
+                          out=tmp_path / "convert.out", timeout=240)
+    assert code == 0, log[-4000:]
+    report = json.loads([line for line in log.splitlines() if line.startswith("{")][-1])
+    assert report["ranks"] == 2 and report["tensors"] > 0
+    assert (dst / "metadata.json").is_file()
