@@ -9,6 +9,7 @@ Every group gets a fresh prefix so that a torn-down group can be re-formed after
 from __future__ import annotations
 
 import datetime
+import os
 from dataclasses import dataclass
 
 import torch
@@ -52,9 +53,11 @@ def join_sync_group(spec: SyncGroupSpec, rank: int,
     if spec.backend == "gloo":
         opts = dist.ProcessGroupGloo._Options()
         opts._timeout = timeout
-        # Bind gloo to the store's interface (loopback on one machine) rather than whatever
-        # the hostname resolves to.
-        opts._devices = [dist.ProcessGroupGloo.create_device(hostname=spec.host)]
+        # Bind gloo to this node's address (MCORE_RL_NODE_IP, set per node by the SLURM
+        # launcher) — on one machine the store's loopback — rather than whatever the hostname
+        # resolves to.
+        local = os.environ.get("MCORE_RL_NODE_IP", spec.host)
+        opts._devices = [dist.ProcessGroupGloo.create_device(hostname=local)]
         return dist.ProcessGroupGloo(prefixed, rank, spec.world_size, opts)
     if spec.backend == "nccl":  # pragma: no cover - GPU only
         opts = dist.ProcessGroupNCCL.Options()

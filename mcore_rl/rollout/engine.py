@@ -237,7 +237,8 @@ def _threads_bind(cfg: RolloutConfig) -> str:
 def configure_vllm_env(cfg: RolloutConfig, on_cpu: bool) -> None:
     """Set the environment vLLM reads (process-wide; call before creating the engine)."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    os.environ["VLLM_HOST_IP"] = cfg.host_ip
+    # a multi-node launcher sets each node's own address; one machine uses cfg.host_ip
+    os.environ["VLLM_HOST_IP"] = os.environ.get("MCORE_RL_NODE_IP") or cfg.host_ip
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # engines load local folders only
     if on_cpu:
         os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)  # would override kv_cache_memory_bytes

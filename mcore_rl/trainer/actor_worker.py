@@ -31,7 +31,8 @@ from mcore_rl.trainer.config import TrainConfig
 class ActorWorker:
     """One Megatron rank of the actor. Methods return plain, picklable values."""
 
-    def __init__(self, rank: int, world_size: int, master_port: int, spec: ModelSpec,
+    def __init__(self, rank: int, world_size: int, store_address: tuple[str, int],
+                 spec: ModelSpec,
                  parallel: ParallelConfig, train: TrainConfig, hf_dir: str,
                  timeout_s: float = 600.0, *, critic_train: TrainConfig | None = None,
                  reference: bool = False, stack_dir: str | None = None,
@@ -49,9 +50,11 @@ class ActorWorker:
 
         os.environ.setdefault("OMP_NUM_THREADS", "1")
         torch.set_num_threads(1)
-        dist.init_process_group(default_backend(), init_method=f"tcp://127.0.0.1:{master_port}",
-                                rank=rank, world_size=world_size,
-                                timeout=datetime.timedelta(seconds=timeout_s))
+        timeout = datetime.timedelta(seconds=timeout_s)
+        host, port = store_address  # hosted by the controller
+        store = dist.TCPStore(host, port, world_size + 1, is_master=False, timeout=timeout)
+        dist.init_process_group(default_backend(), store=store, rank=rank,
+                                world_size=world_size, timeout=timeout)
         self.rank, self.spec, self.parallel = rank, spec, parallel
         self.groups = init_training_groups(parallel, timeout_s=timeout_s)
         self.shards = megatron_shards(spec, parallel)

@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -42,10 +41,10 @@ def _first_line(err: BaseException) -> str:
     return lines[-1][:300] if lines else ""
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def driver_address() -> str:
+    """The address this controller's stores listen on: MCORE_RL_NODE_IP (set per node by the
+    SLURM launcher) or loopback — never all interfaces."""
+    return os.environ.get("MCORE_RL_NODE_IP", "127.0.0.1")
 
 
 @dataclass
@@ -136,13 +135,18 @@ class RLController:
         self.reward = load_reward_fn(cfg.reward_fn)
         init_local_ray(num_cpus=max(2, os.cpu_count() or 2))
         world = cfg.actor.world_size
-        port = _free_port()
+        # The actor world meets at a store the controller hosts (not on whichever node rank 0
+        # lands), so no worker needs to know another node's address.
+        self.host = driver_address()
+        self._actor_store = host_store(self.host, world_size=world + 1,
+                                       timeout_s=cfg.deadlines.startup_s)
         remote_cls = ray.remote(num_cpus=0)(ActorWorker)
         self.use_critic = cfg.algorithm.advantage_estimator == "gae"
         self.use_reference = cfg.algorithm.kl_coeff > 0
         self.stack_dir = self.run_dir / "stacks"
         self.workers = [remote_cls.remote(
-            rank, world, port, self.spec, cfg.actor, cfg.warmup.train, str(model_dir),
+            rank, world, (self.host, self._actor_store.port), self.spec, cfg.actor,
+            cfg.warmup.train, str(model_dir),
             cfg.deadlines.train_s, critic_train=cfg.critic_train if self.use_critic else None,
             reference=self.use_reference, stack_dir=str(self.stack_dir),
             inject_stall=cfg.inject_stall) for rank in range(world)]
@@ -182,8 +186,9 @@ class RLController:
 
     def _join_sync_group(self) -> None:
         world = self.cfg.actor.world_size + self.cfg.rollout.tp * self.cfg.rollout.engines
-        self._store = host_store(world_size=world, timeout_s=self.cfg.deadlines.startup_s)
-        spec = SyncGroupSpec("127.0.0.1", self._store.port, "sync/", world,
+        self._store = host_store(self.host, world_size=world,
+                                 timeout_s=self.cfg.deadlines.startup_s)
+        spec = SyncGroupSpec(self.host, self._store.port, "sync/", world,
                              self.cfg.deadlines.sync_s)
         self.engines.start_join_sync_group(spec, self.cfg.actor.world_size)
         self._actor("join_sync_group", spec, phase="sync-join")
