@@ -18,7 +18,7 @@ from typing import Callable, Iterable, Mapping
 import torch
 
 from mcore_rl.layouts.families import family_table
-from mcore_rl.layouts.layout import (Box, LocalTensor, Piece, Row, ShardMap, Side, box_slices)
+from mcore_rl.layouts.layout import LocalTensor, Piece, Row, ShardMap, Side, box_slices
 from mcore_rl.config import ConfigError
 from mcore_rl.models.spec import ModelSpec
 from mcore_rl.parallel.config import ParallelConfig

@@ -113,7 +113,7 @@ def check_seq_len(shape: RunShape, spec: ModelSpec) -> Iterable[Problem]:
 
 def _world_fixes(shape: RunShape, train_devices: int) -> str:
     """Ways to give the training grid exactly `train_devices` devices, or the devices it has."""
-    par, gpn = shape.train.parallel, shape.gpus_per_node
+    par = shape.train.parallel
     fixes = []
     if train_devices % (par.tp * par.pp) == 0 and train_devices:
         fixes.append(f"train.parallel.dp={train_devices // (par.tp * par.pp)}")

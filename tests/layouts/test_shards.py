@@ -4,7 +4,7 @@ shapes follow each side's rules, and impossible grids are refused with the reaso
 import pytest
 import torch
 
-from mcore_rl.layouts import (LayoutError, assemble_hf, hf_shards, materialize_rank,
+from mcore_rl.layouts import (assemble_hf, hf_shards, materialize_rank,
                               megatron_shards, vllm_shards)
 from mcore_rl.models.presets import get_preset
 from mcore_rl.parallel import ParallelConfig
