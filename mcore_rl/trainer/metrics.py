@@ -83,30 +83,34 @@ def plot_run(run_dir: str | Path) -> list[Path]:
         raise FileNotFoundError(f"{path}: no metrics.jsonl in the run directory")
     records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     steps = [r["step"] for r in records]
-    written = []
-    fig, ax = plt.subplots(figsize=(7, 4))
-    ax.plot(steps, [r["reward_mean"] for r in records], label="reward_mean")
-    ax.set_xlabel("step")
-    ax.set_ylabel("reward")
-    ax.set_title("reward")
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(run_dir / "reward.png")
-    written.append(run_dir / "reward.png")
-    phases = sorted({k for r in records for k in r if k.startswith("timing_s/")
-                     and k != "timing_s/step"})
-    fig, ax = plt.subplots(figsize=(7, 4))
-    bottom = [0.0] * len(records)
-    for phase in phases:
-        values = [r.get(phase, 0.0) for r in records]
-        ax.bar(steps, values, bottom=bottom, label=phase.removeprefix("timing_s/"))
-        bottom = [b + v for b, v in zip(bottom, values)]
-    ax.set_xlabel("step")
-    ax.set_ylabel("seconds")
-    ax.set_title("time per phase")
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(run_dir / "phases.png")
-    written.append(run_dir / "phases.png")
+
+    def reward(ax):
+        ax.plot(steps, [r["reward_mean"] for r in records], label="reward_mean")
+        ax.grid(alpha=0.3)
+
+    def phases(ax):
+        names = sorted({k for r in records for k in r if k.startswith("timing_s/")
+                        and k != "timing_s/step"})
+        bottom = [0.0] * len(records)
+        for phase in names:
+            values = [r.get(phase, 0.0) for r in records]
+            ax.bar(steps, values, bottom=bottom, label=phase.removeprefix("timing_s/"))
+            bottom = [b + v for b, v in zip(bottom, values)]
+        ax.legend(fontsize=7)
+
+    written = [_save_chart(plt, run_dir / "reward.png", "reward", "reward", reward),
+               _save_chart(plt, run_dir / "phases.png", "time per phase", "seconds", phases)]
     plt.close("all")
     return written
+
+
+def _save_chart(plt, path: Path, title: str, ylabel: str, draw) -> Path:
+    """One per-step chart: `draw(ax)` plots, this labels and saves it."""
+    fig, ax = plt.subplots(figsize=(7, 4))
+    draw(ax)
+    ax.set_xlabel("step")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    fig.tight_layout()
+    fig.savefig(path)
+    return path
