@@ -36,11 +36,13 @@ class ActorWorker:
                  parallel: ParallelConfig, train: TrainConfig, hf_dir: str,
                  timeout_s: float = 600.0, *, critic_train: TrainConfig | None = None,
                  reference: bool = False, stack_dir: str | None = None,
-                 inject_stall: str | None = None):
+                 inject_stall: str | None = None, device: int | None = None):
         """Roles colocated on this rank: the actor always; a critic (PPO) when
         `critic_train` is given; a frozen reference policy when `reference`.
         stack_dir: where this process dumps its stacks on SIGUSR1 (the watchdog).
-        inject_stall: fault injection for watchdog tests ("<phase>@rank<r>")."""
+        inject_stall: fault injection for watchdog tests ("<phase>@rank<r>").
+        device: this rank's device on its node (the run's placement plan); on GPU it becomes
+        the current CUDA device before anything is allocated."""
         if stack_dir:
             self._stack_file = arm_stack_dump(stack_dir, f"rank{rank}")
         self.inject_stall = inject_stall
@@ -50,6 +52,9 @@ class ActorWorker:
 
         os.environ.setdefault("OMP_NUM_THREADS", "1")
         torch.set_num_threads(1)
+        self.device = device
+        if device is not None and torch.cuda.is_available():
+            torch.cuda.set_device(device)
         timeout = datetime.timedelta(seconds=timeout_s)
         host, port = store_address  # hosted by the controller
         store = dist.TCPStore(host, port, world_size + 1, is_master=False, timeout=timeout)
@@ -92,15 +97,37 @@ class ActorWorker:
         per = n // dp
         return slice(dp_rank * per, (dp_rank + 1) * per)
 
-    def _micro(self, tensors: dict[str, torch.Tensor], cls):
+    def _micro(self, tensors: dict[str, torch.Tensor], cls, *, train: TrainConfig | None = None,
+               mask: str | None = None):
+        """This DP rank's rows as micro batches of `cls`, and the PackPlan: packed by
+        `train.max_tokens_per_micro_batch` if set (each row's valid length ends at the last
+        nonzero of `tensors[mask]`; mask None keeps rows whole), else None and fixed micro
+        batches of micro_batch_size rows."""
+        train = train or self.train_cfg
         rows = self._my_rows(next(iter(tensors.values())).shape[0])
         mine = {k: v[rows] for k, v in tensors.items()}
-        n = next(iter(mine.values())).shape[0]
-        mbs = self.train_cfg.micro_batch_size
+        n, s = mine["tokens"].shape
+        if train.max_tokens_per_micro_batch is not None:
+            from mcore_rl.trainer.packing import pack, plan_for_grid, valid_lengths
+
+            lengths = valid_lengths(mine[mask]) if mask else [s] * n
+            plan = plan_for_grid(lengths, train.max_tokens_per_micro_batch, seq_len=s,
+                                 parallel=self.parallel)
+            return [cls(**packed) for packed in pack(mine, plan)], plan
+        mbs = train.micro_batch_size
         if n % mbs:
             raise ValueError(f"{n} sequences per DP rank do not split into micro batches of "
                              f"micro_batch_size={mbs}")
-        return [cls(**{k: v[i:i + mbs] for k, v in mine.items()}) for i in range(0, n, mbs)]
+        return [cls(**{k: v[i:i + mbs] for k, v in mine.items()})
+                for i in range(0, n, mbs)], None
+
+    @staticmethod
+    def _packing_metrics(plan) -> dict:
+        """This DP rank's packing: real tokens / tokens run, and the same for padded rows."""
+        if plan is None:
+            return {}
+        return {"pack_efficiency": plan.efficiency,
+                "pad_efficiency": plan.padded_efficiency, "micro_batches": len(plan.bins)}
 
     # --- passes -----------------------------------------------------------------------------
 
@@ -108,56 +135,71 @@ class ActorWorker:
         maybe_stall("warmup", f"rank{self.rank}", self.inject_stall)
         from mcore_rl.trainer.megatron_train import MicroBatch, train_step
 
-        batches = self._micro({"tokens": tokens, "labels": labels, "loss_mask": loss_mask},
-                              MicroBatch)
+        batches, _ = self._micro({"tokens": tokens, "labels": labels, "loss_mask": loss_mask},
+                                 MicroBatch, mask="loss_mask")
         return asdict(train_step(self.trainer, batches))
 
-    def _forward_only(self, fn, model, tokens, labels) -> torch.Tensor | None:
+    def _forward_only(self, fn, model, tokens, labels, response_mask=None,
+                      train: TrainConfig | None = None) -> torch.Tensor | None:
         """Run a forward-only pass over this DP slice; the last stage's TP rank 0 returns the
-        [n, s] result (others return None: the controller takes one copy per DP slice)."""
+        [n, s] result (others return None: the controller takes one copy per DP slice).
+        Packed passes are unpacked back to [n, s] (zeros after each row's valid tokens);
+        `response_mask` bounds the valid tokens (without it rows are packed whole)."""
         from mcore_rl.trainer.megatron_train import MicroBatch
 
-        batches = self._micro({"tokens": tokens, "labels": labels,
-                               "loss_mask": torch.ones_like(labels)}, MicroBatch)
+        mask = torch.ones_like(labels) if response_mask is None else response_mask
+        batches, plan = self._micro({"tokens": tokens, "labels": labels, "loss_mask": mask},
+                                    MicroBatch, train=train,
+                                    mask=None if response_mask is None else "loss_mask")
         out = fn(model, batches)
         if out is None or self.groups.rank_in(Axis.TP) != 0:
             return None
+        if plan is not None:
+            from mcore_rl.trainer.packing import unpack
+
+            return unpack(out, plan)
         return torch.cat(out)
 
-    def logprobs(self, tokens, labels) -> torch.Tensor | None:
-        """The actor's log-probs of the labels (old log-probs)."""
+    def logprobs(self, tokens, labels, response_mask=None) -> torch.Tensor | None:
+        """The actor's log-probs of the labels (old log-probs). With `response_mask` packed
+        passes skip each row's padding (0 there)."""
         maybe_stall("old_logprob", f"rank{self.rank}", self.inject_stall)
         from mcore_rl.trainer.rl_step import compute_logprobs
 
-        return self._forward_only(compute_logprobs, self.trainer, tokens, labels)
+        return self._forward_only(compute_logprobs, self.trainer, tokens, labels, response_mask)
 
-    def ref_logprobs(self, tokens, labels) -> torch.Tensor | None:
+    def ref_logprobs(self, tokens, labels, response_mask=None) -> torch.Tensor | None:
         """The frozen reference policy's log-probs of the labels."""
         from mcore_rl.trainer.rl_step import compute_logprobs
 
         if self.reference is None:
             raise RuntimeError(f"actor rank {self.rank}: no reference model on this worker")
-        return self._forward_only(compute_logprobs, self.reference, tokens, labels)
+        return self._forward_only(compute_logprobs, self.reference, tokens, labels,
+                                  response_mask)
 
-    def values(self, tokens, labels) -> torch.Tensor | None:
+    def values(self, tokens, labels, response_mask=None) -> torch.Tensor | None:
         """The critic's values V(state before label t), [n, s]."""
         from mcore_rl.trainer.critic import compute_values
 
         if self.critic is None:
             raise RuntimeError(f"actor rank {self.rank}: no critic on this worker")
-        return self._forward_only(compute_values, self.critic, tokens, labels)
+        return self._forward_only(compute_values, self.critic, tokens, labels, response_mask,
+                                  train=self.critic.train)
 
     def update(self, batch: dict[str, torch.Tensor], algo: AlgorithmConfig) -> dict:
         maybe_stall("update_actor", f"rank{self.rank}", self.inject_stall)
         from mcore_rl.trainer.rl_step import PolicyBatch, policy_update
 
-        return policy_update(self.trainer, self._micro(batch, PolicyBatch), algo)
+        batches, plan = self._micro(batch, PolicyBatch, mask="response_mask")
+        return {**policy_update(self.trainer, batches, algo), **self._packing_metrics(plan)}
 
     def critic_update(self, batch: dict[str, torch.Tensor], algo: AlgorithmConfig) -> dict:
         maybe_stall("update_critic", f"rank{self.rank}", self.inject_stall)
         from mcore_rl.trainer.critic import ValueBatch, value_update
 
-        return value_update(self.critic, self._micro(batch, ValueBatch), algo)
+        batches, plan = self._micro(batch, ValueBatch, train=self.critic.train,
+                                    mask="response_mask")
+        return {**value_update(self.critic, batches, algo), **self._packing_metrics(plan)}
 
     def reset_optimizer(self, train: TrainConfig) -> bool:
         """A fresh optimizer and LR schedule (e.g. RL after the supervised warm-up)."""
@@ -244,6 +286,14 @@ class ActorWorker:
 
     def pid(self) -> int:
         return os.getpid()
+
+    def where(self) -> dict:
+        """Node, placement group and device of this rank (placement checks)."""
+        import ray
+
+        context = ray.get_runtime_context()
+        return {"node_id": context.get_node_id(), "device": self.device,
+                "placement_group": context.get_placement_group_id()}
 
     def shutdown(self) -> bool:
         from mcore_rl.parallel.groups import destroy_training_groups

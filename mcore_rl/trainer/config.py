@@ -64,6 +64,14 @@ class TrainConfig:
     The loss is the mean over all loss-masked tokens of the global batch.
     dtype: "fp32", or "bf16" (bf16 weights and activations, fp32 main weights, grads reduced
     in fp32). seed: weight init and megatron's RNG tracker.
+    recompute: activation recomputation — "none", "selective" (megatron's core-attention
+    recompute) or "full" (every layer's activations recomputed in backward, uniform, 1 layer
+    per unit); trades compute for memory, same loss and gradients.
+    max_tokens_per_micro_batch: None keeps fixed micro batches of micro_batch_size padded rows;
+    an int packs the actor/critic passes' rows (first-fit-decreasing on each row's valid length)
+    into micro batches of at most this many tokens, one [1, T] row each
+    (`mcore_rl.trainer.packing`); micro_batch_size is then unused. >= seq_len, so every row
+    fits; with sequence parallelism a multiple of tp.
     """
 
     micro_batch_size: int = 4
@@ -71,12 +79,20 @@ class TrainConfig:
     seq_len: int = 32
     dtype: Literal["fp32", "bf16"] = "fp32"
     seed: int = 1234
+    recompute: Literal["none", "selective", "full"] = "none"
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    max_tokens_per_micro_batch: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("micro_batch_size", "num_micro_batches", "seq_len"):
             if getattr(self, name) < 1:
                 raise ConfigError(name, getattr(self, name), "must be >= 1")
+        budget = self.max_tokens_per_micro_batch
+        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int)
+                                   or budget < self.seq_len):
+            raise ConfigError("max_tokens_per_micro_batch", budget,
+                              f"must be null or an int >= seq_len={self.seq_len} (a whole "
+                              "row must fit in one micro batch)")
 
 
 def check_model_fits_parallel(spec: ModelSpec, parallel: ParallelConfig,
@@ -97,6 +113,10 @@ def check_model_fits_parallel(spec: ModelSpec, parallel: ParallelConfig,
         return
     if parallel.sequence_parallel and train.seq_len % tp:
         raise ConfigError("train.seq_len", train.seq_len,
+                          f"sequence_parallel needs it divisible by parallel.tp={tp}")
+    budget = train.max_tokens_per_micro_batch
+    if parallel.sequence_parallel and budget is not None and budget % tp:
+        raise ConfigError("train.max_tokens_per_micro_batch", budget,
                           f"sequence_parallel needs it divisible by parallel.tp={tp}")
     if train.seq_len > spec.max_positions:
         raise ConfigError("train.seq_len", train.seq_len,

@@ -16,39 +16,44 @@ import torch
 from mcore_rl.algorithms import AlgorithmConfig, value_loss
 from mcore_rl.trainer.megatron_train import (MegatronTrainer, _run_schedule,
                                              global_report_sum, optimizer_step)
-from mcore_rl.trainer.rl_step import _positions
+from mcore_rl.trainer.packing import model_inputs
 
 
 class ValueHead(torch.nn.Module):
-    """Stands in for GPTModel.output_layer: [s, b, h] → ([s, b, 1], None)."""
+    """Stands in for GPTModel.output_layer: [s, b, h] → ([s, b, 1], None). Without `bias` it
+    is an HF sequence classifier's `score` head (reward models)."""
 
-    def __init__(self, hidden: int, dtype: torch.dtype):
+    def __init__(self, hidden: int, dtype: torch.dtype, *, bias: bool = True):
         super().__init__()
         # zero init: values start at 0 on every rank, identically
         self.weight = torch.nn.Parameter(torch.zeros(1, hidden, dtype=dtype))
-        self.bias = torch.nn.Parameter(torch.zeros(1, dtype=dtype))
+        self.bias = torch.nn.Parameter(torch.zeros(1, dtype=dtype)) if bias else None
 
     def forward(self, hidden_states, weight=None, runtime_gather_output=None):
         return torch.nn.functional.linear(hidden_states, self.weight, self.bias), None
 
 
-def attach_value_head(chunks: list[torch.nn.Module], hidden: int, is_last_stage: bool) -> None:
+def attach_value_head(chunks: list[torch.nn.Module], hidden: int, is_last_stage: bool, *,
+                      bias: bool = True) -> None:
     """Replace the last chunk's output layer (last pipeline stage only) by a value head."""
     if is_last_stage:
         last = chunks[-1]
         dtype = next(last.parameters()).dtype
-        last.output_layer = ValueHead(hidden, dtype)
+        last.output_layer = ValueHead(hidden, dtype, bias=bias)
 
 
 @dataclass(frozen=True)
 class ValueBatch:
-    """Critic update micro batch, [b, s] aligned with labels."""
+    """Critic update micro batch, [b, s] aligned with labels (packed: [1, T] and
+    segment_ids, see `packing.pack`). The value loss is a token mean: packing needs no
+    per-sequence view of it."""
 
     tokens: torch.Tensor
     labels: torch.Tensor
     response_mask: torch.Tensor
     old_values: torch.Tensor
     returns: torch.Tensor
+    segment_ids: torch.Tensor | None = None
 
     @property
     def loss_mask(self) -> torch.Tensor:
@@ -62,8 +67,7 @@ def compute_values(trainer: MegatronTrainer, micro_batches) -> list[torch.Tensor
         return values.squeeze(-1).float()
 
     def step(data_iterator, chunk):
-        batch = next(data_iterator)
-        return chunk(batch.tokens, _positions(batch.tokens), None), collect
+        return chunk(*model_inputs(next(data_iterator))), collect
 
     with torch.no_grad():
         out = _run_schedule(trainer.model, trainer.groups, micro_batches, forward_step=step,
@@ -87,7 +91,7 @@ def value_update(trainer: MegatronTrainer, micro_batches: list[ValueBatch],
     """One critic optimizer step on this DP rank's micro batches (token-mean value loss)."""
     def step(data_iterator, chunk):
         batch = next(data_iterator)
-        values = chunk(batch.tokens, _positions(batch.tokens), None)
+        values = chunk(*model_inputs(batch))
         return values, functools.partial(_value_loss, batch, algo)
 
     reports, grad_norm = optimizer_step(trainer, micro_batches, step, "critic update")

@@ -1,7 +1,10 @@
 """A training step through megatron-core: its schedules, DDP, finalize_model_grads, optimizer.
 
-Per step each data-parallel rank gets its own micro batches (tokens, labels, loss_mask), all of
-one shape [micro_batch_size, seq_len]. megatron's schedule runs them through this rank's model
+Per step each data-parallel rank gets its own micro batches (tokens, labels, loss_mask): fixed
+[micro_batch_size, seq_len] rows, or packed [1, T] rows (`mcore_rl.trainer.packing`; T may vary
+between micro batches without pipeline parallelism, and a DP rank may get more or fewer micro
+batches than another: the gradient reduce and the token-count all-reduce run once per step, in
+`finalize_model_grads`). megatron's schedule runs them through this rank's model
 chunks (no pipelining, 1F1B, or interleaved 1F1B with VPP); DDP reduces the gradients over DP
 (reduce-scatter with the distributed optimizer), `finalize_model_grads` adds the TP/PP
 reductions (SP norms, tied embeddings) and divides by the number of loss tokens of the global
@@ -35,8 +38,10 @@ from megatron.core.utils import get_model_config
 from mcore_rl.compat import apply_cpu_compat
 from mcore_rl.models.gpt import build_gpt_model, transformer_config_from_spec
 from mcore_rl.models.spec import ModelSpec
+from mcore_rl.parallel.config import ParallelConfig
 from mcore_rl.parallel.groups import Axis, ParallelGroups
 from mcore_rl.trainer.config import OptimizerConfig, TrainConfig, check_model_fits_parallel
+from mcore_rl.trainer.packing import model_inputs
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -44,11 +49,13 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 @dataclass(frozen=True)
 class MicroBatch:
     """One micro batch, [micro_batch_size, seq_len] each: input tokens, the next-token labels,
-    and loss_mask (1.0 where the label counts in the loss)."""
+    and loss_mask (1.0 where the label counts in the loss). Packed: [1, T] each, and
+    segment_ids [1, T] (which sequence each token belongs to; see `packing.pack`)."""
 
     tokens: torch.Tensor
     labels: torch.Tensor
     loss_mask: torch.Tensor
+    segment_ids: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -91,7 +98,8 @@ def setup_trainer(spec: ModelSpec, groups: ParallelGroups, train: TrainConfig,
     parallel = groups.config
     check_model_fits_parallel(spec, parallel, train)
     dtype = DTYPES[train.dtype]
-    config = transformer_config_from_spec(spec, parallel, params_dtype=dtype)
+    config = transformer_config_from_spec(spec, parallel, params_dtype=dtype,
+                                          recompute=train.recompute)
     chunks = build_gpt_model(spec, parallel, groups, params_dtype=dtype, seed=train.seed,
                              config=config)
     if load_weights is not None:
@@ -191,10 +199,7 @@ def _lm_loss(batch: MicroBatch, vocab: int, tp_rank: int, logits: torch.Tensor):
 
 def _forward_step(data_iterator: Iterator[MicroBatch], model, *, vocab: int, tp_rank: int):
     batch = next(data_iterator)
-    b, s = batch.tokens.shape
-    positions = torch.arange(s).unsqueeze(0).expand(b, s)
-    # attention_mask=None: the local attention builds the causal mask itself.
-    logits = model(batch.tokens, positions, None)
+    logits = model(*model_inputs(batch))
     return logits, functools.partial(_lm_loss, batch, vocab, tp_rank)
 
 
@@ -206,7 +211,7 @@ def _run_schedule(model: list[torch.nn.Module], groups: ParallelGroups,
                   collect_non_loss_data: bool = False):
     """megatron's forward-backward schedule for this grid over `micro_batches`."""
     parallel = groups.config
-    b, s = _check_micro_batches(micro_batches)
+    b, s = _check_micro_batches(micro_batches, parallel)
     config = get_model_config(model[0])
     data = [iter(micro_batches) for _ in model]
     schedule = get_forward_backward_func(pp_size=parallel.pp, vp_size=parallel.vpp)
@@ -220,17 +225,25 @@ def _run_schedule(model: list[torch.nn.Module], groups: ParallelGroups,
         p2p_communicator=p2p, pg_collection=groups.megatron)
 
 
-def _check_micro_batches(micro_batches: list[MicroBatch]) -> tuple[int, int]:
+def _check_micro_batches(micro_batches: list[MicroBatch],
+                         parallel: ParallelConfig) -> tuple[int, int]:
+    """(micro batch size, longest sequence length). Pipeline stages exchange fixed-shape
+    activations, so with pp > 1 all micro batches must have one shape; with sequence
+    parallelism the sequence splits over tp."""
     if not micro_batches:
         raise ValueError("micro_batches: need at least one micro batch")
-    shape = micro_batches[0].tokens.shape
+    first = micro_batches[0].tokens.shape
     for i, mb in enumerate(micro_batches):
+        shape = mb.tokens.shape if parallel.pp == 1 else first
         for name in ("tokens", "labels", "loss_mask"):
             if getattr(mb, name).shape != shape:
                 raise ValueError(f"micro_batches[{i}].{name}: shape "
                                  f"{tuple(getattr(mb, name).shape)} != {tuple(shape)} (the "
                                  "schedule sends fixed-shape activations between stages)")
-    return shape[0], shape[1]
+        if parallel.sequence_parallel and shape[1] % parallel.tp:
+            raise ValueError(f"micro_batches[{i}].tokens: length {shape[1]} not divisible by "
+                             f"tp={parallel.tp} (sequence parallel)")
+    return first[0], max(mb.tokens.shape[1] for mb in micro_batches)
 
 
 def optimizer_step(trainer: MegatronTrainer, micro_batches: list, forward_step,
@@ -287,10 +300,7 @@ def forward_logits(model: list[torch.nn.Module], micro_batches: list[MicroBatch]
         return full[..., :vocab].float()
 
     def step(data_iterator, chunk):
-        batch = next(data_iterator)
-        b, s = batch.tokens.shape
-        positions = torch.arange(s).unsqueeze(0).expand(b, s)
-        return chunk(batch.tokens, positions, None), collect
+        return chunk(*model_inputs(next(data_iterator))), collect
 
     with torch.no_grad():
         out = _run_schedule(model, groups, micro_batches, forward_step=step, forward_only=True,

@@ -4,9 +4,15 @@ both through megatron-core's pipeline schedules, computed vocab-parallel on TP-s
 
 Sequences are [b, s] token ids; position t predicts token t+1, so per-token tensors (labels,
 response mask, old log-probs, advantages) are aligned with the *labels* = tokens shifted left.
-The loss is a token mean over the global mini-batch: each micro batch returns its masked sum
-and token count, and megatron's `finalize_model_grads` divides by the global count
-(`calculate_per_token_loss`), exactly as one process over the whole mini-batch would.
+Micro batches are fixed [b, s] rows or packed [1, T] rows (`mcore_rl.trainer.packing`); the
+model inputs of either come from `packing.model_inputs`.
+
+Loss aggregation (`AlgorithmConfig.loss_agg`) is global over the mini-batch: each micro batch
+returns (its aggregate × its normaliser, the normaliser) — the token count for "token-mean",
+the number of sequences with a response token for the sequence means — and megatron's
+`finalize_model_grads` divides the gradients by the normaliser summed over micro batches and DP
+(`calculate_per_token_loss`), exactly as `aggregate_loss` in one process over the whole
+mini-batch would. The entropy bonus and KL loss terms aggregate the same way.
 """
 
 from __future__ import annotations
@@ -16,11 +22,12 @@ from dataclasses import dataclass
 
 import torch
 
-from mcore_rl.algorithms import AlgorithmConfig, kl_loss, policy_loss
+from mcore_rl.algorithms import AlgorithmConfig, aggregate_loss, kl_loss, policy_loss
 from mcore_rl.algorithms.vocab_parallel import vocab_parallel_log_probs_and_entropy
 from mcore_rl.parallel.groups import Axis
 from mcore_rl.trainer.megatron_train import (MegatronTrainer, MicroBatch, _run_schedule,
                                              global_report_sum, optimizer_step)
+from mcore_rl.trainer.packing import model_inputs, per_sequence
 
 # Megatron's padded vocab rows are not part of the model: their logits are pushed far below
 # any real logit (finite, so the entropy's p·logit stays 0·x = 0 rather than 0·inf = nan).
@@ -29,7 +36,8 @@ _PAD_LOGIT = -1e4
 
 @dataclass(frozen=True)
 class PolicyBatch:
-    """One micro batch of the policy update, all [b, s] aligned with `labels`."""
+    """One micro batch of the policy update, all [b, s] aligned with `labels` (packed: [1, T]
+    and segment_ids, see `packing.pack`)."""
 
     tokens: torch.Tensor
     labels: torch.Tensor
@@ -37,6 +45,7 @@ class PolicyBatch:
     old_logp: torch.Tensor
     advantages: torch.Tensor
     ref_logp: torch.Tensor | None = None  # with a KL loss term
+    segment_ids: torch.Tensor | None = None
 
     @property
     def loss_mask(self) -> torch.Tensor:  # what the schedule helper checks shapes of
@@ -62,11 +71,6 @@ def logp_and_entropy(trainer: MegatronTrainer, logits: torch.Tensor,
     return vocab_parallel_log_probs_and_entropy(masked, labels, tp_group=tp_group)
 
 
-def _positions(tokens: torch.Tensor) -> torch.Tensor:
-    b, s = tokens.shape
-    return torch.arange(s).unsqueeze(0).expand(b, s)
-
-
 def compute_logprobs(trainer: MegatronTrainer,
                      micro_batches: list[MicroBatch]) -> list[torch.Tensor] | None:
     """Log-probs of the labels per micro batch ([b, s], fp32) on the last pipeline stage;
@@ -79,8 +83,7 @@ def compute_logprobs(trainer: MegatronTrainer,
 
     def step(data_iterator, chunk):
         batch = next(data_iterator)
-        output = chunk(batch.tokens, _positions(batch.tokens), None)
-        return output, functools.partial(collect, batch.labels)
+        return chunk(*model_inputs(batch)), functools.partial(collect, batch.labels)
 
     with torch.no_grad():
         out = _run_schedule(trainer.model, trainer.groups, micro_batches, forward_step=step,
@@ -88,47 +91,60 @@ def compute_logprobs(trainer: MegatronTrainer,
     return out if trainer.groups.is_last_stage else None
 
 
+def _normaliser(mask: torch.Tensor, agg: str) -> torch.Tensor:
+    """What `aggregate_loss(·, mask, agg)` divides by: valid tokens, or sequences with one."""
+    if agg == "token-mean":
+        return mask.sum()
+    return (mask.sum(-1) > 0).float().sum()
+
+
 def _policy_loss(batch: PolicyBatch, algo: AlgorithmConfig, trainer: MegatronTrainer,
                  logits: torch.Tensor):
     logp, entropy = logp_and_entropy(trainer, logits, batch.labels)
-    mask = batch.response_mask.float()
-    pg_mean, metrics = policy_loss(logp, batch.old_logp, batch.advantages, mask,
-                                   clip_eps_low=algo.clip_eps_low,
-                                   clip_eps_high=algo.clip_eps_high, clip_c=algo.clip_c,
-                                   agg="token-mean")
-    num_tokens = mask.sum()
-    loss_sum = pg_mean * num_tokens
+    # one row per sequence (packed rows are split by segment) so that the library's
+    # aggregation sees sequences, then × the normaliser = this micro batch's share of the sum
+    rows = functools.partial(per_sequence, segment_ids=batch.segment_ids)
+    logp, entropy, mask = rows(logp), rows(entropy), rows(batch.response_mask.float())
+    agg = algo.loss_agg
+    pg, metrics = policy_loss(logp, rows(batch.old_logp), rows(batch.advantages), mask,
+                              clip_eps_low=algo.clip_eps_low, clip_eps_high=algo.clip_eps_high,
+                              clip_c=algo.clip_c, agg=agg)
+    weight, num_tokens = _normaliser(mask, agg), mask.sum()
+    loss = pg
     if algo.entropy_coeff:
-        loss_sum = loss_sum - algo.entropy_coeff * (entropy * mask).sum()
+        loss = loss - algo.entropy_coeff * aggregate_loss(entropy, mask, agg)
     kl_sum = torch.zeros(())
     if batch.ref_logp is not None and algo.kl_coeff and algo.kl_mode == "loss":
-        kl_mean, kl_metrics = kl_loss(logp, batch.ref_logp, mask, coeff=algo.kl_coeff,
-                                      estimator=algo.kl_estimator, agg="token-mean")
-        loss_sum = loss_sum + kl_mean * num_tokens
+        kl, kl_metrics = kl_loss(logp, rows(batch.ref_logp), mask, coeff=algo.kl_coeff,
+                                 estimator=algo.kl_estimator, agg=agg)
+        loss = loss + kl
         kl_sum = kl_metrics["kl"] * num_tokens
-    report = torch.stack([loss_sum.detach(), num_tokens,
+    report = torch.stack([pg.detach() * weight, weight, num_tokens,
                           metrics["pg_clipfrac"].detach() * num_tokens,
                           metrics["ppo_kl"].detach() * num_tokens,
-                          (entropy.detach() * mask).sum(), kl_sum.detach()])
-    return loss_sum, num_tokens.to(torch.int), {"policy": report}
+                          (entropy.detach() * mask).sum(), kl_sum.detach(),
+                          loss.detach() * weight])
+    return loss * weight, weight.to(torch.int), {"policy": report}
 
 
 def _policy_forward(data_iterator, model, *, algo: AlgorithmConfig, trainer: MegatronTrainer):
     batch = next(data_iterator)
-    logits = model(batch.tokens, _positions(batch.tokens), None)
+    logits = model(*model_inputs(batch))
     return logits, functools.partial(_policy_loss, batch, algo, trainer)
 
 
 def policy_update(trainer: MegatronTrainer, micro_batches: list[PolicyBatch],
                   algo: AlgorithmConfig) -> dict[str, float]:
     """One optimizer step over this DP rank's micro batches (one mini-batch). Returns global
-    metrics (identical on every rank): pg_loss, clip_frac, ppo_kl, entropy, grad_norm."""
+    metrics (identical on every rank): pg_loss (the policy term, aggregated by
+    `algo.loss_agg` over the mini-batch), loss (with the entropy and KL terms), clip_frac,
+    ppo_kl, entropy, kl_ref (token means), grad_norm, update_tokens."""
     reports, grad_norm = optimizer_step(
         trainer, micro_batches, functools.partial(_policy_forward, algo=algo, trainer=trainer),
         "policy update")
-    totals = global_report_sum([r["policy"] for r in reports], trainer.groups, 6)
-    tokens = max(float(totals[1]), 1.0)
-    return {"pg_loss": float(totals[0]) / tokens, "clip_frac": float(totals[2]) / tokens,
-            "ppo_kl": float(totals[3]) / tokens, "entropy": float(totals[4]) / tokens,
-            "kl_ref": float(totals[5]) / tokens,
-            "grad_norm": float(grad_norm), "update_tokens": tokens}
+    totals = global_report_sum([r["policy"] for r in reports], trainer.groups, 8)
+    weight, tokens = max(float(totals[1]), 1.0), max(float(totals[2]), 1.0)
+    return {"pg_loss": float(totals[0]) / weight, "loss": float(totals[7]) / weight,
+            "clip_frac": float(totals[3]) / tokens, "ppo_kl": float(totals[4]) / tokens,
+            "entropy": float(totals[5]) / tokens, "kl_ref": float(totals[6]) / tokens,
+            "grad_norm": float(grad_norm), "update_tokens": float(totals[2])}
