@@ -37,7 +37,8 @@ _MEGATRON_LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0,
 def transformer_config_from_spec(spec: ModelSpec, parallel: ParallelConfig, *,
                                  params_dtype: torch.dtype = torch.float32,
                                  init_method_std: float = 0.02,
-                                 calculate_per_token_loss: bool = True) -> TransformerConfig:
+                                 calculate_per_token_loss: bool = True,
+                                 recompute: str = "none") -> TransformerConfig:
     """The TransformerConfig that reproduces the HF model of `spec` on the grid `parallel`.
 
     Llama-family decoder: pre-RMSNorm, SwiGLU MLP, GQA (num_query_groups = kv heads), rotary
@@ -46,9 +47,13 @@ def transformer_config_from_spec(spec: ModelSpec, parallel: ParallelConfig, *,
     the weights. Fusions that need TE/apex kernels are off; on CPU weights are initialized on
     the host (`use_cpu_initialization`). `params_dtype` is fp32 or bf16 (bf16 turns on
     megatron's mixed precision: bf16 params, fp32 main params in the optimizer).
+    `recompute` (TrainConfig.recompute): "none"; "selective" recomputes core attention (the
+    s² softmax part); "full" recomputes every layer ("uniform", one layer per checkpoint).
     """
     if params_dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"params_dtype={params_dtype}: only torch.float32 and torch.bfloat16")
+    if recompute not in _RECOMPUTE:
+        raise ValueError(f"recompute={recompute!r}: one of {', '.join(_RECOMPUTE)}")
     on_cpu = not torch.cuda.is_available()
     return TransformerConfig(
         num_layers=spec.layers,
@@ -97,7 +102,17 @@ def transformer_config_from_spec(spec: ModelSpec, parallel: ParallelConfig, *,
         persist_layer_norm=False,
         gradient_accumulation_fusion=False,
         cross_entropy_loss_fusion=False,
+        **_RECOMPUTE[recompute],
     )
+
+
+# TrainConfig.recompute → megatron's recompute settings.
+_RECOMPUTE = {
+    "none": {},
+    "selective": {"recompute_granularity": "selective"},  # recompute_modules: core_attn
+    "full": {"recompute_granularity": "full", "recompute_method": "uniform",
+             "recompute_num_layers": 1},
+}
 
 
 def rope_kwargs(spec: ModelSpec) -> dict:

@@ -1,5 +1,7 @@
-"""`mcore-rl plan-memory CONFIG` and `mcore-rl preflight CONFIG`: both read a `RunShape` YAML
-(plus `a.b.c=value` overrides) and need no GPU, no weights and no megatron import."""
+"""`mcore-rl plan-memory CONFIG` and `mcore-rl preflight CONFIG`: both read the run's config
+(an `RLConfig` YAML, the file `mcore-rl train --config` reads, plus `a.b.c=value` overrides)
+and need no GPU, no weights and no megatron import: the cluster section says what to size
+for, `model.preset` stands in for a checkpoint that is not on this machine."""
 
 from __future__ import annotations
 
@@ -12,46 +14,54 @@ from mcore_rl.config import ConfigError
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     plan = sub.add_parser("plan-memory", help="per-device memory of an RL run, before launch")
-    plan.add_argument("config", help="RunShape YAML (e.g. configs/gpu/llama3-70b.yaml)")
+    plan.add_argument("config", help="run config YAML (e.g. configs/gpu/llama3-70b.yaml)")
     plan.add_argument("overrides", nargs="*", help="a.b.c=value overrides")
     plan.add_argument("--device-gib", type=float, default=None,
-                      help="memory per device (overrides device_gib in the config)")
+                      help="memory per device (sets cluster.device_gib)")
     plan.add_argument("--json", action="store_true", help="print the plan as JSON")
     plan.set_defaults(func=run_plan_memory)
 
     pre = sub.add_parser("preflight", help="check an RL run's config; lists every problem")
-    pre.add_argument("config", help="RunShape YAML")
+    pre.add_argument("config", help="run config YAML (e.g. configs/gpu/llama3-70b.yaml)")
     pre.add_argument("overrides", nargs="*", help="a.b.c=value overrides")
-    pre.add_argument("--device-gib", type=float, default=None)
+    pre.add_argument("--device-gib", type=float, default=None,
+                     help="memory per device (sets cluster.device_gib)")
     pre.set_defaults(func=run_preflight)
 
 
 def _overrides(args) -> list[str]:
-    extra = [f"device_gib={args.device_gib}"] if args.device_gib is not None else []
+    extra = [f"cluster.device_gib={args.device_gib}"] if args.device_gib is not None else []
     return list(args.overrides) + extra
 
 
 def run_plan_memory(args) -> int:
     """Exit 0 if the run fits, 1 if it does not, 2 if the config is invalid."""
     from mcore_rl.config import load_config
-    from mcore_rl.planning.memory import format_plan, plan_to_json, plan_with_suggestions
-    from mcore_rl.planning.run_shape import RunShape
+    from mcore_rl.planning.memory import (
+        format_plan,
+        plan_to_json,
+        plan_with_suggestions,
+    )
+    from mcore_rl.trainer.preflight import rl_field_names, run_shape_of
+    from mcore_rl.trainer.rl_config import RLConfig
 
     try:
-        shape = load_config(RunShape, args.config, _overrides(args))
-        plan = plan_with_suggestions(shape)
+        plan = plan_with_suggestions(run_shape_of(load_config(RLConfig, args.config,
+                                                              _overrides(args))))
     except (ConfigError, ValueError) as err:
-        print(f"error: {err}", file=sys.stderr)
+        print(f"error: {rl_field_names(str(err))}", file=sys.stderr)
         print("(run `mcore-rl preflight` for every problem of the config)", file=sys.stderr)
         return 2
-    print(json.dumps(plan_to_json(plan), indent=1) if args.json else format_plan(plan))
+    text = json.dumps(plan_to_json(plan), indent=1) if args.json else format_plan(plan)
+    print(rl_field_names(text))
     return 0 if plan.fits else 1
 
 
 def run_preflight(args) -> int:
     """Exit 0 when there is no error (warnings allowed), 1 otherwise."""
-    from mcore_rl.planning.preflight import format_problems, preflight_file
+    from mcore_rl.planning.preflight import format_problems
+    from mcore_rl.trainer.preflight import preflight_config
 
-    shape, problems = preflight_file(args.config, _overrides(args))
+    _, problems = preflight_config(args.config, _overrides(args))
     print(f"preflight {args.config}: " + format_problems(problems))
     return 1 if any(p.severity == "error" for p in problems) else 0

@@ -21,7 +21,6 @@ What is counted, per rank (tensors deduplicated by storage, so views count once)
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import torch
@@ -142,12 +141,8 @@ def _setup(spec, groups, train, recompute: str):
 
     apply_cpu_compat()
     dtype = DTYPES[train.dtype]
-    config = transformer_config_from_spec(spec, groups.config, params_dtype=dtype)
-    if recompute == "selective":
-        config = dataclasses.replace(config, recompute_granularity="selective")
-    elif recompute == "full":
-        config = dataclasses.replace(config, recompute_granularity="full",
-                                     recompute_method="uniform", recompute_num_layers=1)
+    config = transformer_config_from_spec(spec, groups.config, params_dtype=dtype,
+                                          recompute=recompute)
     chunks = build_gpt_model(spec, groups.config, groups, params_dtype=dtype, seed=train.seed,
                              config=config)
     model = wrap_ddp(chunks, config, groups)

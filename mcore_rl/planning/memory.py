@@ -704,7 +704,7 @@ def describe(shape: RunShape) -> str:
     grid = f"tp{par.tp} pp{par.pp}" + (f" vpp{par.vpp}" if par.vpp else "") + f" dp{par.dp}"
     flags = [f for f, on in (("SP", par.sequence_parallel),
                              ("dist-opt", par.use_distributed_optimizer)) if on]
-    return (f"{shape.model} · {shape.placement} · {shape.nodes}×{shape.gpus_per_node} "
+    return (f"{shape.model_name} · {shape.placement} · {shape.nodes}×{shape.gpus_per_node} "
             f"{shape.device} ({shape.device_gib:g} GiB) · actor {grid}"
             f"{' (' + ', '.join(flags) + ')' if flags else ''} · mb {t.micro_batch_size} × "
             f"seq {t.seq_len}, {t.dtype}, {t.recompute} recompute · rollout {r.engines}×tp{r.tp}")

@@ -1,4 +1,6 @@
-"""Preflight: check a `RunShape` against the model, the hardware and itself before launch, and
+"""Preflight: check a `RunShape` (built from the user's RLConfig by
+`mcore_rl.trainer.preflight`, which also renames the fields in the texts to the RLConfig's)
+against the model, the hardware and itself before launch, and
 list every problem at once, each with its fix.
 
 Each check is one row of `CHECKS` (a stable id and a function yielding `Problem`s); every check
@@ -13,11 +15,10 @@ on CPU; on GPU the sync backend is nccl, and an engine spans nodes only with the
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from pathlib import Path
+from dataclasses import dataclass, replace
 from typing import Callable, Iterable, Literal
 
-from mcore_rl.config import ConfigError, load_config
+from mcore_rl.config import ConfigError
 from mcore_rl.layouts.shards import LayoutError, validate_megatron_grid, vllm_shards
 from mcore_rl.models.spec import ModelSpec
 from mcore_rl.planning.memory import MemoryPlan, plan_memory, suggest
@@ -47,8 +48,9 @@ def _fmt(values: Iterable[int]) -> str:
 
 def check_train_tp(shape: RunShape, spec: ModelSpec) -> Iterable[Problem]:
     par = shape.train.parallel
-    try:
-        validate_megatron_grid(spec, par)
+    try:  # the tensor split only: the pipeline split is check_train_pp's
+        validate_megatron_grid(spec, replace(par, pp=1, vpp=None, first_stage_layers=None,
+                                             last_stage_layers=None))
     except LayoutError as err:
         good = _divisors(math.gcd(spec.heads, spec.kv_heads, spec.ffn), shape.gpus_per_node)
         yield Problem("train-tp", str(err), f"train.parallel.tp one of {_fmt(good)} (divides "
@@ -276,16 +278,6 @@ def preflight(shape: RunShape) -> list[Problem]:
     return problems
 
 
-def preflight_file(path: str | Path, overrides: list[str] | None = None
-                   ) -> tuple[RunShape | None, list[Problem]]:
-    """Load and check a RunShape YAML. A config that does not load is one problem."""
-    try:
-        shape = load_config(RunShape, path, overrides)
-    except ConfigError as err:
-        return None, [Problem("config", str(err), f"fix {err.field} in {path}")]
-    return shape, preflight(shape)
-
-
 def format_problems(problems: list[Problem]) -> str:
     errors = [p for p in problems if p.severity == "error"]
     lines = [f"{len(errors)} error(s), {len(problems) - len(errors)} warning(s)"]
@@ -296,4 +288,4 @@ def format_problems(problems: list[Problem]) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["CHECKS", "Problem", "format_problems", "preflight", "preflight_file"]
+__all__ = ["CHECKS", "Problem", "format_problems", "preflight"]

@@ -1,11 +1,13 @@
 """`RunShape`: the shape of a whole RL run — model, grids, batch, rollout engines, placement and
 hardware — as far as the memory planner and the preflight checks need it.
 
-It holds shapes only (no learning rates, no paths to data): one YAML, loaded with
-`mcore_rl.config.load_config(RunShape, path, overrides)`, is what `mcore-rl plan-memory` and
-`mcore-rl preflight` read. Field names follow the component configs they describe
-(`ParallelConfig` as is; `TrainShape` ~ `trainer.config.TrainConfig`; `RolloutShape` ~
-`rollout.engine.RolloutConfig`), so a future top-level run config can embed them.
+It holds shapes only (no learning rates, no paths to data). It is the planner's internal
+input: users write one run config (`mcore_rl.trainer.rl_config.RLConfig`), which
+`mcore_rl.trainer.preflight.run_shape_of` maps onto a RunShape for `mcore-rl plan-memory`,
+`mcore-rl preflight` and the automatic preflight of `mcore-rl train` (and which renames the
+fields in their messages back to the RLConfig's). Field names follow the component configs
+they describe (`ParallelConfig` as is; `TrainShape` ~ `trainer.config.TrainConfig`;
+`RolloutShape` ~ `rollout.engine.RolloutConfig`).
 
 Each dataclass checks its own fields (ranges, allowed values). Whether the fields agree with
 each other and with the hardware (TP vs heads, world sizes vs GPUs, backends) is for
@@ -117,7 +119,8 @@ class RolloutShape:
 class RunShape:
     """One RL run as the planner sees it.
 
-    model: a preset name (`mcore_rl.models.presets`) or an HF model directory (config.json).
+    model: a preset name (`mcore_rl.models.presets`), an HF model directory (config.json), or
+        the ModelSpec itself (e.g. the demo model before it is built).
     device: "gpu" or "cpu" (decides the known-good backends and the attention kernel).
     nodes, gpus_per_node: the allocation (on CPU: processes per node). device_gib: memory of
         one device. reserve_gib: per device, memory the estimate leaves for what it does not
@@ -127,7 +130,7 @@ class RunShape:
     sync_backend: the weight-sync transport's process-group backend ("nccl" / "gloo").
     """
 
-    model: str
+    model: str | ModelSpec
     device: Literal["gpu", "cpu"] = "gpu"
     nodes: int = 1
     gpus_per_node: int = 8
@@ -146,15 +149,26 @@ class RunShape:
             raise ConfigError("device_gib", self.device_gib, "must be > 0")
         if self.reserve_gib < 0:
             raise ConfigError("reserve_gib", self.reserve_gib, "must be >= 0")
+        if isinstance(self.model, ModelSpec):
+            return
         if self.model not in PRESETS and not (Path(self.model) / "config.json").is_file():
             raise ConfigError("model", self.model, "neither a preset "
                               f"({', '.join(sorted(PRESETS))}) nor a directory with config.json")
 
     def spec(self) -> ModelSpec:
         """The model's shapes (preset, or the HF directory's config.json)."""
+        if isinstance(self.model, ModelSpec):
+            return self.model
         if self.model in PRESETS:
             return PRESETS[self.model]
         return ModelSpec.from_hf_dir(self.model)
+
+    @property
+    def model_name(self) -> str:
+        if isinstance(self.model, ModelSpec):
+            m = self.model
+            return f"{m.architecture} (hidden {m.hidden}, {m.layers} layers)"
+        return self.model
 
     @property
     def total_devices(self) -> int:

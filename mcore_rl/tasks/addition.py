@@ -10,6 +10,10 @@ token ids with the end of sequence written as the literal `EOS_TEXT` (`"</s>"`, 
 exactly that from token ids (vLLM's own `.text` drops the EOS, so don't pass it). A response
 that stopped for length has no `EOS_TEXT` and gets 0.
 
+As a `mcore_rl.tasks.base.Task`: `train_examples(n, step=k, attempt=a, seed=s)` draws the
+prompts seeded `s·7919 + k + 1_000_003·a` (the seeds the controller has always used, so runs
+keep their numbers); each example's answer is the answer digits (no EOS).
+
 Held-out split: a pair `(a, b)` is held out iff a fixed hash of it falls under
 `heldout_fraction`; the training sampler never draws a held-out pair, whatever its seed.
 """
@@ -22,6 +26,7 @@ import re
 from dataclasses import dataclass
 
 from mcore_rl.config import ConfigError
+from mcore_rl.tasks.base import Example
 
 EOS_TEXT = "</s>"
 
@@ -83,6 +88,15 @@ class AdditionTask:
     def prompts(self, n: int, *, seed: int, split: str = "train") -> list[str]:
         return [self.prompt(a, b) for a, b in self.sample_pairs(n, seed=seed, split=split)]
 
+    def train_examples(self, n: int, *, step: int, attempt: int, seed: int) -> list[Example]:
+        """The Task API: `n` training prompts at data position `step` (draw `attempt`)."""
+        prompts = self.prompts(n, seed=seed * 7919 + step + 1_000_003 * attempt)
+        return [Example(p, expected_answer(p)) for p in prompts]
+
+    def heldout_examples(self, n: int, *, seed: int) -> list[Example]:
+        """The Task API: `heldout_prompts(n, seed=seed)` with their answers."""
+        return [Example(p, expected_answer(p)) for p in self.heldout_prompts(n, seed=seed)]
+
     def heldout_prompts(self, n: int = 256, *, seed: int = 0) -> list[str]:
         """`n` distinct held-out prompts (fixed for a given seed): the evaluation set."""
         total = round(self.heldout_fraction * 10 ** (2 * self.digits))
@@ -128,25 +142,31 @@ def expected_answer(prompt_text: str) -> str | None:
     return f"{int(m.group(1)) + int(m.group(2)):0{width}d}"
 
 
-def reward(prompt_text: str, response_text: str) -> float:
+def reward(prompt_text: str, response_text: str, answer: str | None = None) -> float:
     """1.0 iff `response_text` is exactly the answer digits followed by `EOS_TEXT`, else 0.0.
 
     `prompt_text` is the task prompt (`"37+05="`, no BOS text); `response_text` is the
     generated text with EOS spelled `EOS_TEXT` (see the module docstring). Missing EOS, any
-    extra character (also a space) or a wrong digit gives 0. Pluggable by import path
-    `mcore_rl.tasks.addition:reward`.
+    extra character (also a space) or a wrong digit gives 0. `answer` (the example's answer
+    digits) is optional: without it the answer is computed from the prompt. Pluggable by import
+    path `mcore_rl.tasks.addition:reward`.
     """
-    answer = expected_answer(prompt_text)
-    if answer is None:
-        raise ValueError(f"prompt {prompt_text!r} is not an addition prompt like '37+05='")
+    answer = _answer_of(prompt_text, answer)
     return 1.0 if response_text == answer + EOS_TEXT else 0.0
 
 
-def digit_reward(prompt_text: str, response_text: str) -> float:
+def digit_reward(prompt_text: str, response_text: str, answer: str | None = None) -> float:
     """Partial credit: the fraction of answer digits the response has right, position by
     position (EOS and extra text ignored). A shaped reward for runs that start from an
     untrained model. Import path `mcore_rl.tasks.addition:digit_reward`."""
-    answer = expected_answer(prompt_text)
-    if answer is None:
-        raise ValueError(f"prompt {prompt_text!r} is not an addition prompt like '37+05='")
+    answer = _answer_of(prompt_text, answer)
     return sum(a == b for a, b in zip(answer, response_text)) / len(answer)
+
+
+def _answer_of(prompt_text: str, answer: str | None) -> str:
+    if answer is not None:
+        return answer
+    expected = expected_answer(prompt_text)
+    if expected is None:
+        raise ValueError(f"prompt {prompt_text!r} is not an addition prompt like '37+05='")
+    return expected

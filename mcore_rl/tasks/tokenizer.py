@@ -99,9 +99,20 @@ def save_tokenizer(tokenizer_dir_or_obj, out_dir: str | Path):
     return tokenizer_dir_or_obj
 
 
-def encode_prompt(tokenizer, prompt_text: str) -> list[int]:
-    """Prompt ids as the engines see them: BOS + one id per character."""
-    return list(tokenizer(prompt_text, add_special_tokens=True)["input_ids"])
+def encode_prompt(tokenizer, prompt_text: str, *, chat_template: bool = False) -> list[int]:
+    """Prompt ids as the engines see them: the tokenizer's special tokens (BOS) + the text's
+    ids (addition: one id per character). With `chat_template` the prompt is one user turn in
+    the tokenizer's chat template, ending with the assistant's generation prompt."""
+    if not chat_template:
+        return list(tokenizer(prompt_text, add_special_tokens=True)["input_ids"])
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError(f"task.chat_template=true but the tokenizer "
+                         f"({type(tokenizer).__name__}, {tokenizer.name_or_path}) has no chat "
+                         "template")
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt_text}],
+                                        add_generation_prompt=True, tokenize=True,
+                                        return_dict=False)
+    return list(ids)
 
 
 def encode_answer(tokenizer, answer_text: str) -> list[int]:

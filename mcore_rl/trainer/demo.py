@@ -1,7 +1,9 @@
-"""`mcore-rl demo`: the end-to-end RL run on CPU with nothing downloaded.
+"""`mcore-rl demo` / `mcore-rl train`: an RL run from one config (`RLConfig`).
 
-A sentencepiece tokenizer trained on the addition task's own text and a small random Llama
-are built locally; the Megatron actor (TP2 by default) warms up on noisy answers, then GRPO
+The model follows `ModelConfig`'s rule: with `model.hf_dir` null (the demo's default) a
+sentencepiece tokenizer trained on the addition task's own text and a small random Llama are
+built locally, nothing downloaded; with `model.hf_dir` set the run loads that HF checkpoint
+directory. The Megatron actor (TP2 by default) warms up on noisy answers, then GRPO
 runs with vLLM rollouts and streamed weight sync. The run directory gets metrics.jsonl,
 TensorBoard logs, reward.png / phases.png and summary.json.
 """
@@ -17,18 +19,26 @@ from mcore_rl.config import ConfigError, load_config
 
 
 def build_demo_model(cfg, out: Path) -> Path:
-    """Tokenizer + random-weight HF Llama in out/model (vocab from the tokenizer)."""
+    """Tokenizer + random-weight HF Llama in out/model (shapes: `cfg.model.demo_spec()`)."""
     from mcore_rl.models.hf_factory import make_hf_model_dir
-    from mcore_rl.models.spec import ModelSpec
     from mcore_rl.tasks.addition import AdditionTask
     from mcore_rl.tasks.tokenizer import build_tokenizer_dir
 
-    m = cfg.model
-    tok_dir = build_tokenizer_dir(out / "tokenizer", AdditionTask(digits=cfg.digits))
-    spec = ModelSpec(family="llama", architecture="LlamaForCausalLM", hidden=m.hidden,
-                     ffn=m.ffn, heads=m.heads, kv_heads=m.kv_heads, head_dim=m.hidden // m.heads,
-                     layers=m.layers, vocab=16, max_positions=64)
-    return make_hf_model_dir(spec, out / "model", seed=m.seed, tokenizer_dir_or_obj=tok_dir)
+    tok_dir = build_tokenizer_dir(out / "tokenizer", AdditionTask(digits=cfg.task.digits))
+    return make_hf_model_dir(cfg.model.demo_spec(), out / "model", seed=cfg.model.seed,
+                             tokenizer_dir_or_obj=tok_dir)
+
+
+def model_dir_of(cfg, out: Path) -> Path:
+    """The model the run loads: model.hf_dir, or the demo model built into `out`."""
+    if cfg.model.hf_dir is None:
+        return build_demo_model(cfg, out)
+    hf_dir = Path(cfg.model.hf_dir)
+    missing = [name for name in ("config.json",) if not (hf_dir / name).is_file()]
+    if missing or not any(hf_dir.glob("*.safetensors")):
+        raise ConfigError("model.hf_dir", str(hf_dir), "expected an HF checkpoint directory "
+                          "(config.json, *.safetensors, tokenizer files)")
+    return hf_dir
 
 
 def run_demo(cfg, out: Path, resume: Path | None = None) -> dict:
@@ -38,9 +48,11 @@ def run_demo(cfg, out: Path, resume: Path | None = None) -> dict:
 
     start = time.perf_counter()
     out.mkdir(parents=True, exist_ok=True)
-    model_dir = build_demo_model(cfg, out)
-    for warning in check_run(cfg, model_dir):  # raises PreflightFailed before any worker
+    # Preflight sizes from the config alone (the demo spec, or hf_dir / preset), so a broken
+    # run stops before anything is built; it raises PreflightFailed listing every error.
+    for warning in check_run(cfg):
         print(f"preflight warning [{warning.check}] {warning.message} (fix: {warning.fix})")
+    model_dir = model_dir_of(cfg, out)
     controller = RLController(cfg, model_dir, out)
     try:
         accuracy, first_step = None, 1
@@ -82,7 +94,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     demo.add_argument("--config", type=Path, default=None, help="YAML (default: built-in)")
     demo.add_argument("overrides", nargs="*", help="a.b.c=value")
     demo.set_defaults(func=_run)
-    train = sub.add_parser("train", help="an RL run from a YAML config (addition task)")
+    train = sub.add_parser("train", help="an RL run from a YAML config (task, model, grids)")
     train.add_argument("--config", type=Path, required=True)
     train.add_argument("--out", type=Path, default=Path("runs/train"))
     train.add_argument("--resume", type=Path, default=None,
@@ -107,6 +119,9 @@ def _run(args) -> int:
 
     try:
         run_demo(cfg, args.out, getattr(args, "resume", None))
+    except ConfigError as err:  # e.g. model.hf_dir that is not a checkpoint
+        print(f"mcore-rl {args.command}: config error: {err}")
+        return 2
     except PreflightFailed as err:
         print(f"mcore-rl {args.command}: {err}")
         return 2

@@ -1,34 +1,46 @@
-"""Config of an RL run: the roles' grids and optimizers, rollout, algorithm, task, schedule."""
+"""Config of an RL run: the model, the task, the roles' grids and optimizers, rollout, algorithm,
+schedule, and the cluster it is sized for — one YAML that `mcore-rl train`, `mcore-rl preflight`
+and `mcore-rl plan-memory` all read."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Literal
 
 from mcore_rl.algorithms import AlgorithmConfig
 from mcore_rl.config import ConfigError
+from mcore_rl.models.presets import PRESETS
+from mcore_rl.models.spec import ModelSpec
 from mcore_rl.parallel import ParallelConfig
 from mcore_rl.rollout.engine import RolloutConfig
+from mcore_rl.tasks.base import load_reward_fn  # noqa: F401 — callers import it from here
+from mcore_rl.tasks.config import TaskConfig
 from mcore_rl.trainer.config import OptimizerConfig, TrainConfig
+from mcore_rl.trainer.reward_model import RewardModelConfig
 
-
-def load_reward_fn(path: str):
-    """"package.module:function" → the function (rule rewards are plain functions)."""
-    import importlib
-
-    module, sep, name = path.partition(":")
-    if not sep or not module or not name:
-        raise ValueError("expected 'package.module:function'")
-    fn = getattr(importlib.import_module(module), name)
-    if not callable(fn):
-        raise ValueError(f"{path} is not callable")
-    return fn
+# The demo tokenizer (mcore_rl.tasks.tokenizer, trained on the addition task) has 16 pieces.
+DEMO_VOCAB = 16
+DEMO_MAX_POSITIONS = 64
 
 
 @dataclass(frozen=True, kw_only=True)
-class DemoModelConfig:
-    """The locally built Llama the demo trains (no download): hidden, heads, kv_heads,
-    layers, ffn; head_dim = hidden / heads (vLLM's CPU attention needs >= 32)."""
+class ModelConfig:
+    """The model the run starts from. The rule:
 
+    - hf_dir null: the demo builds a small random Llama locally (no download) from hidden,
+      heads, kv_heads, layers, ffn, seed (head_dim = hidden / heads; vLLM's CPU attention
+      needs >= 32), with the addition task's tokenizer.
+    - hf_dir set: train from that HF checkpoint directory (config.json + safetensors +
+      tokenizer); the demo fields are ignored. Preflight sizes the run from hf_dir's
+      config.json when the directory is on this machine, else from `preset` (a planner preset
+      of the same shapes, `mcore_rl.models.presets`) — so a GPU config is checked on a CPU
+      machine without its weights. Preflight warns when both exist and disagree.
+    preset: only with hf_dir (see above).
+    """
+
+    hf_dir: str | None = None
+    preset: str | None = None
     hidden: int = 128
     heads: int = 4
     kv_heads: int = 2
@@ -37,9 +49,79 @@ class DemoModelConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
+        if self.preset is not None and self.preset not in PRESETS:
+            raise ConfigError("preset", self.preset,
+                              f"unknown preset; known: {', '.join(sorted(PRESETS))}")
+        if self.preset is not None and self.hf_dir is None:
+            raise ConfigError("preset", self.preset, "sizes preflight for an hf_dir checkpoint "
+                              "that is not on this machine: set hf_dir too")
+        if self.hf_dir is not None:
+            return
         if self.hidden % self.heads or self.hidden // self.heads < 32:
             raise ConfigError("hidden", self.hidden, f"hidden / heads must be a whole number "
                                                      f">= 32 (vLLM CPU attention), heads={self.heads}")
+        if self.heads % self.kv_heads:
+            raise ConfigError("kv_heads", self.kv_heads, f"must divide heads={self.heads}")
+
+    def demo_spec(self) -> ModelSpec:
+        """Shapes of the locally built demo model (hf_dir null)."""
+        return ModelSpec(family="llama", architecture="LlamaForCausalLM", hidden=self.hidden,
+                         ffn=self.ffn, heads=self.heads, kv_heads=self.kv_heads,
+                         head_dim=self.hidden // self.heads, layers=self.layers,
+                         vocab=DEMO_VOCAB, max_positions=DEMO_MAX_POSITIONS)
+
+    def planning_model(self) -> str | ModelSpec:
+        """What preflight sizes from: the demo spec, hf_dir when its config.json is here,
+        else the preset. Raises ConfigError when there is nothing to size from."""
+        if self.hf_dir is None:
+            return self.demo_spec()
+        if (Path(self.hf_dir) / "config.json").is_file():
+            return self.hf_dir
+        if self.preset is not None:
+            return self.preset
+        raise ConfigError("model.hf_dir", self.hf_dir, "has no config.json on this machine: set "
+                          "model.preset to the planner preset of the same shapes "
+                          f"({', '.join(sorted(PRESETS))}) to check the run without it")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ClusterConfig:
+    """The allocation the run is sized for (preflight and the memory planner read it; the
+    launcher, e.g. scripts/slurm/train.sbatch, must request the same).
+
+    device: "local" (size for this machine — CPU: one process per actor rank and engine TP
+        worker, the machine's memory; GPU: the visible GPUs — and leave the other fields at
+        their defaults), or "gpu" / "cpu" for the allocation the fields below describe.
+    nodes, gpus_per_node: the allocation (on CPU: processes per node).
+    device_gib: memory of one device. reserve_gib: per device, memory the plan leaves for what
+        it does not model (CUDA context, NCCL buffers, fragmentation).
+    placement: "disaggregated" (engines on their own devices: actor world + rollout.tp ·
+        rollout.engines devices) or "colocated" (every device holds one actor rank and one
+        engine rank; needs rollout.enable_sleep, so the engines free memory while training).
+    sync_backend: the weight-sync process-group backend ("nccl" on GPU, "gloo" on CPU).
+    """
+
+    device: Literal["local", "gpu", "cpu"] = "local"
+    nodes: int = 1
+    gpus_per_node: int = 8
+    device_gib: float = 80.0
+    reserve_gib: float = 3.0
+    placement: Literal["colocated", "disaggregated"] = "disaggregated"
+    sync_backend: Literal["nccl", "gloo"] = "nccl"
+
+    def __post_init__(self) -> None:
+        for name in ("nodes", "gpus_per_node"):
+            if getattr(self, name) < 1:
+                raise ConfigError(name, getattr(self, name), "must be >= 1")
+        if not self.device_gib > 0:
+            raise ConfigError("device_gib", self.device_gib, "must be > 0")
+        if self.reserve_gib < 0:
+            raise ConfigError("reserve_gib", self.reserve_gib, "must be >= 0")
+        changed = [f.name for f in fields(self)
+                   if f.name != "device" and getattr(self, f.name) != f.default]
+        if self.device == "local" and changed:
+            raise ConfigError("device", self.device, "sizes for this machine and ignores "
+                              f"{', '.join(changed)}: set device gpu or cpu to use them")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -94,8 +176,15 @@ class DeadlineConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class RLConfig:
-    """A GRPO-family run on the addition task.
+    """A GRPO-family RL run.
 
+    model: the starting model (HF checkpoint or the built demo model; see ModelConfig).
+    task: prompts, reference answers and the rule reward function (see TaskConfig).
+    reward_model: an optional HF sequence-classification reward model, scored on its own
+        Megatron worker group (reward = rule reward + reward_model.coeff * model score; for
+        the model alone, task.reward_fn "mcore_rl.tasks.base:no_reward"). It must share the
+        policy's tokenizer.
+    cluster: the allocation preflight sizes the run for (default: this machine).
     actor: the actor's Megatron grid. warmup: supervised warm-up (0 max_steps skips it).
     train: the RL optimizer (a fresh one after warm-up) and micro batch size.
     critic_train: the critic's optimizer and micro batch size (advantage_estimator "gae").
@@ -108,8 +197,10 @@ class RLConfig:
         in that phase, "gen@engine<i>" stalls engine i's generation. Leave null.
     save_every: write a checkpoint every this many RL steps (0: never).
     max_sampling_rounds: with algorithm.dynamic_sampling, generation rounds per step at most.
-    reward_fn: "module:function" taking (prompt_text, response_text) -> float.
-    digits: operand digits of the addition task. seed: prompts and sampling.
+    off_policy_steps: 0 (on-policy) or 1 (one-step off-policy: the engines generate step
+        n+1's batch, on the weights before step n's update, while the actor trains step n;
+        needs engines that stay awake, so not with rollout.enable_sleep).
+    seed: prompts and sampling.
     """
 
     actor: ParallelConfig = field(default_factory=lambda: ParallelConfig(tp=2))
@@ -124,7 +215,10 @@ class RLConfig:
         tp=1, engines=1, max_model_len=64))
     algorithm: AlgorithmConfig = field(default_factory=lambda: AlgorithmConfig(
         clip_eps_low=0.2, clip_eps_high=0.2, clip_c=None, grpo_eps=1e-4))
-    model: DemoModelConfig = field(default_factory=DemoModelConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    task: TaskConfig = field(default_factory=TaskConfig)
+    reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
     steps: int = 100
     prompts_per_step: int = 32
     samples_per_prompt: int = 8
@@ -136,8 +230,7 @@ class RLConfig:
     inject_stall: str | None = None
     save_every: int = 0
     max_sampling_rounds: int = 4
-    reward_fn: str = "mcore_rl.tasks.addition:reward"
-    digits: int = 2
+    off_policy_steps: int = 0
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -145,6 +238,12 @@ class RLConfig:
                      "max_new_tokens"):
             if getattr(self, name) < 1:
                 raise ConfigError(name, getattr(self, name), "must be >= 1")
+        if self.off_policy_steps not in (0, 1):
+            raise ConfigError("off_policy_steps", self.off_policy_steps, "must be 0 or 1")
+        if self.off_policy_steps and self.rollout.enable_sleep:
+            raise ConfigError("off_policy_steps", self.off_policy_steps,
+                              "overlaps generation with training, so the engines cannot sleep "
+                              "during training (rollout.enable_sleep=true): use one or the other")
         batch = self.prompts_per_step * self.samples_per_prompt
         if batch % self.updates_per_batch:
             raise ConfigError("updates_per_batch", self.updates_per_batch,
@@ -153,15 +252,22 @@ class RLConfig:
         if per_dp < 1:
             raise ConfigError("updates_per_batch", self.updates_per_batch,
                               f"leaves no sequences for each of actor.dp={self.actor.dp} ranks")
-        try:
-            load_reward_fn(self.reward_fn)
-        except (ImportError, AttributeError, ValueError) as err:
-            raise ConfigError("reward_fn", self.reward_fn, str(err)) from None
+        if self.warmup.max_steps and not self.task.has_targets:
+            raise ConfigError("warmup.max_steps", self.warmup.max_steps,
+                              f"task.kind={self.task.kind} has no supervised targets: set 0")
+        if self.model.hf_dir is None and self.task.kind != "addition":
+            raise ConfigError("model.hf_dir", None, "the built demo model has the addition "
+                              f"task's tokenizer; task.kind={self.task.kind} needs an HF "
+                              "checkpoint")
+        if self.cluster.placement == "colocated" and not self.rollout.enable_sleep:
+            raise ConfigError("rollout.enable_sleep", False, "cluster.placement=colocated "
+                              "shares every device with the trainer: the engines must sleep")
         roles = [("train", self.train)]
         if self.algorithm.advantage_estimator == "gae":
             roles.append(("critic_train", self.critic_train))
         for role, train in roles:
-            if per_dp % train.micro_batch_size:
+            # packed micro batches (max_tokens_per_micro_batch) take any number of rows
+            if train.max_tokens_per_micro_batch is None and per_dp % train.micro_batch_size:
                 raise ConfigError(f"{role}.micro_batch_size", train.micro_batch_size,
                                   f"must divide the {per_dp} sequences each DP rank gets per "
                                   "update")
@@ -169,7 +275,3 @@ class RLConfig:
                 self.algorithm.advantage_estimator in ("grpo", "rloo"):
             raise ConfigError("algorithm.kl_mode", "reward",
                               "group estimators (grpo, rloo) take the KL as a loss term")
-        if self.algorithm.loss_agg != "token-mean":
-            raise ConfigError("algorithm.loss_agg", self.algorithm.loss_agg,
-                              "the Megatron actor update supports token-mean (global token "
-                              "normalization through megatron's per-token loss)")

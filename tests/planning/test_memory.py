@@ -13,14 +13,30 @@ from mcore_rl.config import load_config
 from mcore_rl.models.presets import get_preset
 from mcore_rl.models.spec import ModelSpec
 from mcore_rl.parallel.config import ParallelConfig
-from mcore_rl.planning.memory import (ActivationModel, in_flight_layers, kv_bytes_per_token,
-                                      layer_activation_bytes, mcore_stage_params,
-                                      plan_memory, plan_with_suggestions, state_bytes_per_param,
-                                      training_rank, vllm_rank_params, with_overrides)
+from mcore_rl.planning.memory import (
+    ActivationModel,
+    in_flight_layers,
+    kv_bytes_per_token,
+    layer_activation_bytes,
+    mcore_stage_params,
+    plan_memory,
+    plan_with_suggestions,
+    state_bytes_per_param,
+    training_rank,
+    vllm_rank_params,
+    with_overrides,
+)
 from mcore_rl.planning.run_shape import GiB, RunShape, TrainShape
+from mcore_rl.trainer.preflight import run_shape_of
+from mcore_rl.trainer.rl_config import RLConfig
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs" / "gpu"
 LLAMA3_70B = get_preset("llama3-70b")
+
+
+def gpu_shape(name: str, overrides: list[str] | None = None) -> RunShape:
+    """The planner's view of a shipped GPU run config (RLConfig YAML)."""
+    return run_shape_of(load_config(RLConfig, CONFIGS / f"{name}.yaml", overrides))
 # GPT-3 175B, the paper's shape: a = 96 heads, h = 12288, ffn = 4h, s = 2048, L = 96.
 GPT3 = ModelSpec(family="llama", architecture="LlamaForCausalLM", hidden=12288, ffn=4 * 12288,
                  heads=96, kv_heads=96, head_dim=128, layers=96, vocab=51200)
@@ -114,7 +130,7 @@ def test_kv_cache_and_vllm_weights():
 
 @pytest.mark.parametrize("name", ["llama3-8b", "llama2-13b", "llama3-70b"])
 def test_gpu_configs_fit_80_gib(name):
-    shape = load_config(RunShape, CONFIGS / f"{name}.yaml")
+    shape = gpu_shape(name)
     assert shape.device_gib == 80
     plan = plan_memory(shape)
     assert plan.fits, plan.peak_bytes / GiB
@@ -122,9 +138,8 @@ def test_gpu_configs_fit_80_gib(name):
 
 
 def _too_big() -> RunShape:
-    return load_config(RunShape, CONFIGS / "llama3-70b.yaml",
-                       ["train.parallel.pp=2", "train.parallel.dp=2", "train.recompute=none",
-                        "train.parallel.sequence_parallel=false", "train.micro_batch_size=2"])
+    return gpu_shape("llama3-70b", ["actor.pp=2", "actor.dp=2", "train.recompute=none",
+                                    "actor.sequence_parallel=false", "train.micro_batch_size=2"])
 
 
 def test_suggestions_are_re_estimates_and_some_fit():
@@ -142,7 +157,7 @@ def test_suggestions_are_re_estimates_and_some_fit():
 
 
 def test_colocated_rollout_sleep_and_cpu():
-    base = load_config(RunShape, CONFIGS / "llama3-8b.yaml")
+    base = gpu_shape("llama3-8b")
     train_phase = {s: plan_memory(with_overrides(base, [f"rollout.sleep={s}"]))
                    .devices[0].phases[0].total for s in ("none", "kv", "all")}
     assert train_phase["all"] < train_phase["kv"] < train_phase["none"]
@@ -159,4 +174,4 @@ def test_cli_plan_memory(capsys):
     assert main(["plan-memory", cfg, "--device-gib", "48"]) == 1
     out = capsys.readouterr().out
     assert "DOES NOT FIT" in out and "knobs" in out
-    assert main(["plan-memory", cfg, "train.parallel.tp=3"]) == 2
+    assert main(["plan-memory", cfg, "actor.tp=3"]) == 2

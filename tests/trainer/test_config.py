@@ -69,3 +69,80 @@ def test_cross_check_does_not_import_megatron():
     code = ("import sys, mcore_rl.trainer.config, mcore_rl.trainer.lm; "
             "sys.exit('megatron' in sys.modules)")
     assert subprocess.run([sys.executable, "-c", code], timeout=120).returncode == 0
+
+
+# --- the RL run config ------------------------------------------------------------------------
+
+ROOT = Path(__file__).parents[2]
+RL_CONFIGS = sorted(p for p in [*ROOT.glob("configs/*.yaml"), *ROOT.glob("configs/gpu/*.yaml")]
+                    if p.name != "lm_micro.yaml")  # lm_micro is `mcore-rl train-lm`'s
+
+
+def test_every_shipped_rl_config_loads():
+    from mcore_rl.trainer.rl_config import RLConfig
+
+    assert {p.name for p in RL_CONFIGS} >= {"grpo_addition.yaml", "ppo_addition.yaml",
+                                            "tiny_ci.yaml", "llama3-8b.yaml", "llama2-13b.yaml",
+                                            "llama3-70b.yaml"}
+    for path in RL_CONFIGS:
+        cfg = load_config(RLConfig, path)
+        if path.parent.name == "gpu":  # checkpoint + preset, GSM8K, bf16, sized for GPUs
+            assert cfg.model.hf_dir and cfg.model.preset, path
+            assert (cfg.task.kind, cfg.task.reward_path) == (
+                "jsonl", "mcore_rl.tasks.math:answer_reward"), path
+            assert cfg.train.dtype == "bf16" and cfg.rollout.dtype == "bfloat16", path
+            assert cfg.cluster.device == "gpu", path
+        else:  # the demo: addition task, built model, this machine
+            assert cfg.model.hf_dir is None and cfg.task.kind == "addition", path
+            assert cfg.cluster.device == "local", path
+
+
+def test_demo_default_is_addition_on_the_built_model():
+    from mcore_rl.trainer.rl_config import RLConfig
+
+    cfg = load_config(RLConfig)
+    assert (cfg.task.kind, cfg.task.digits, cfg.task.reward_path) == (
+        "addition", 2, "mcore_rl.tasks.addition:reward")
+    assert cfg.model.hf_dir is None and cfg.model.planning_model().vocab == 16
+    assert cfg.train.recompute == "none"
+
+
+@pytest.mark.parametrize("overrides,field,problem", [
+    (["task.kind=csv"], "task.kind", "allowed values: addition, jsonl"),
+    (["task.digits=0"], "task.digits", "must be in [1, 18]"),
+    (["task.reward_fn=math:sqrt"], "task.reward_fn", "must accept (prompt, response, answer)"),
+    (["task.kind=jsonl"], "task.path", "needs a JSONL file"),
+    (["task.kind=jsonl", "task.path=/data/x.jsonl", "model.hf_dir=/m"], "warmup.max_steps",
+     "has no supervised targets"),
+    (["task.kind=jsonl", "task.path=/data/x.jsonl", "warmup.max_steps=0"], "model.hf_dir",
+     "needs an HF checkpoint"),
+    (["model.preset=gpt5", "model.hf_dir=/m"], "model.preset", "unknown preset"),
+    (["model.preset=llama3-8b"], "model.preset", "set hf_dir too"),
+    (["model.hidden=100"], "model.hidden", ">= 32 (vLLM CPU attention)"),
+    (["model.kv_heads=3"], "model.kv_heads", "must divide heads=4"),
+    (["cluster.nodes=0"], "cluster.nodes", "must be >= 1"),
+    (["cluster.nodes=2"], "cluster.device", "set device gpu or cpu"),
+    (["cluster.placement=hybrid"], "cluster.placement", "allowed values"),
+    (["cluster.device=gpu", "cluster.placement=colocated"], "rollout.enable_sleep",
+     "the engines must sleep"),
+    (["train.recompute=some"], "train.recompute", "allowed values: none, selective, full"),
+    (["digits=3"], "digits", "unknown field"),          # moved to task.digits
+    (["reward_fn=x:y"], "reward_fn", "unknown field"),  # moved to task.reward_fn
+])
+def test_bad_rl_config_names_the_field(overrides, field, problem):
+    from mcore_rl.trainer.rl_config import RLConfig
+
+    with pytest.raises(ConfigError) as err:
+        load_config(RLConfig, ROOT / "configs" / "grpo_addition.yaml", overrides)
+    assert err.value.field == field
+    assert problem in str(err.value)
+
+
+def test_gpu_config_without_weights_or_preset_names_the_fix():
+    from mcore_rl.trainer.rl_config import RLConfig
+
+    cfg = load_config(RLConfig, ROOT / "configs" / "gpu" / "llama3-8b.yaml", ["model.preset=null"])
+    with pytest.raises(ConfigError, match="set model.preset to the planner preset"):
+        cfg.model.planning_model()
+    assert load_config(RLConfig, ROOT / "configs" / "gpu" / "llama3-8b.yaml"
+                       ).model.planning_model() == "llama3-8b"

@@ -1,0 +1,93 @@
+"""`TaskConfig`: which prompts an RL run trains on and how its responses are scored."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from mcore_rl.config import ConfigError
+from mcore_rl.tasks.base import RewardFn, Task, load_reward_fn
+
+DEFAULT_REWARDS = {"addition": "mcore_rl.tasks.addition:reward",
+                   "jsonl": "mcore_rl.tasks.math:answer_reward"}
+
+
+@dataclass(frozen=True, kw_only=True)
+class TaskConfig:
+    """The task.
+
+    kind: "addition" (the built-in fixed-width addition task, `mcore_rl.tasks.addition`) or
+        "jsonl" (prompts and reference answers from JSONL files, `mcore_rl.tasks.jsonl`).
+    digits: addition only — digits per operand.
+    path: jsonl only — the training file (one JSON object per line). Read when the run
+        starts, not when the config loads (a GPU config is checked on machines without data).
+    heldout_path: jsonl only, optional — evaluation file (same keys).
+    prompt_key / answer_key: jsonl only — the keys holding the prompt and the reference
+        answer (GSM8K's "question" / "answer" by default).
+    chat_template: wrap each prompt as one user turn in the tokenizer's chat template (HF
+        tokenizers that have one; the addition task's sentencepiece tokenizer has none).
+    reward_fn: "module:function" taking (prompt, response, answer) -> float, resolved when
+        the config loads; null: the kind's default (addition: mcore_rl.tasks.addition:reward,
+        jsonl: mcore_rl.tasks.math:answer_reward).
+    """
+
+    kind: Literal["addition", "jsonl"] = "addition"
+    digits: int = 2
+    path: str | None = None
+    heldout_path: str | None = None
+    prompt_key: str = "question"
+    answer_key: str = "answer"
+    chat_template: bool = False
+    reward_fn: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind == "addition":
+            from mcore_rl.tasks.addition import AdditionTask
+
+            AdditionTask(digits=self.digits)  # raises ConfigError("digits", ...)
+            for name in ("path", "heldout_path"):
+                if getattr(self, name) is not None:
+                    raise ConfigError(name, getattr(self, name), 'only for kind "jsonl"')
+            if self.chat_template:
+                raise ConfigError("chat_template", True, "the addition task's sentencepiece "
+                                  "tokenizer has no chat template")
+        elif not self.path:
+            raise ConfigError("path", self.path, 'kind "jsonl" needs a JSONL file')
+        if not self.prompt_key or not self.answer_key or self.prompt_key == self.answer_key:
+            raise ConfigError("prompt_key", self.prompt_key,
+                              f"prompt_key and answer_key must be two different non-empty keys "
+                              f"(answer_key={self.answer_key!r})")
+        try:
+            load_reward_fn(self.reward_path)
+        except (ImportError, AttributeError, ValueError) as err:
+            raise ConfigError("reward_fn", self.reward_path, str(err)) from None
+
+    @property
+    def reward_path(self) -> str:
+        """reward_fn, or the kind's default."""
+        return self.reward_fn or DEFAULT_REWARDS[self.kind]
+
+    @property
+    def has_targets(self) -> bool:
+        """Whether the task has supervised warm-up targets."""
+        return self.kind == "addition"
+
+
+def build_task(cfg: TaskConfig) -> Task:
+    """The task of `cfg`; a jsonl task reads its files here (errors name file and line)."""
+    if cfg.kind == "addition":
+        from mcore_rl.tasks.addition import AdditionTask
+
+        return AdditionTask(digits=cfg.digits)
+    from mcore_rl.tasks.jsonl import JsonlTask
+
+    return JsonlTask(cfg.path, heldout_path=cfg.heldout_path, prompt_key=cfg.prompt_key,
+                     answer_key=cfg.answer_key)
+
+
+def build_reward(cfg: TaskConfig) -> RewardFn:
+    """The reward function: called as reward(prompt, response, answer)."""
+    return load_reward_fn(cfg.reward_path)
+
+
+__all__ = ["DEFAULT_REWARDS", "TaskConfig", "build_reward", "build_task"]

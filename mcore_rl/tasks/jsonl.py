@@ -1,0 +1,98 @@
+"""A prompt dataset from JSONL files (one JSON object per line), e.g. GSM8K.
+
+Data position: the training file is read once; its examples are visited in one shuffled order
+per epoch (epoch e's order is a permutation seeded by (seed, e)), as one stream. Step k (steps
+count from 1, as the controller's RL steps do) reads stream positions [(k-1)·n, k·n), wrapping
+into the next epoch at the end of the file: a run resumed at step k draws what an
+uninterrupted run would. An extra draw within a step (attempt a >= 1, dynamic sampling) takes
+n examples at random, seeded by (seed, step, a), so it never shifts the stream.
+
+Held-out examples come from `heldout_path` (a seeded sample of n distinct lines). The task has
+no supervised targets, so it has no warm-up data.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+from mcore_rl.tasks.base import Example
+
+
+class DatasetError(ValueError):
+    """A dataset file is missing or malformed; the message names the file and line."""
+
+
+def read_jsonl(path: str | Path, prompt_key: str, answer_key: str) -> list[Example]:
+    """Every line of `path` as an Example; errors name the file, the line and the key."""
+    path = Path(path)
+    if not path.is_file():
+        raise DatasetError(f"{path}: no such file (a JSONL dataset, one object per line)")
+    examples = []
+    with path.open(encoding="utf-8") as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise DatasetError(f"{path}:{lineno}: not valid JSON ({err.msg})") from None
+            if not isinstance(row, dict):
+                raise DatasetError(f"{path}:{lineno}: expected a JSON object, got "
+                                   f"{type(row).__name__}")
+            for key in (prompt_key, answer_key):
+                if key not in row:
+                    raise DatasetError(f"{path}:{lineno}: missing key {key!r} (has: "
+                                       f"{', '.join(sorted(row)) or 'no keys'})")
+            examples.append(Example(str(row[prompt_key]), str(row[answer_key])))
+    if not examples:
+        raise DatasetError(f"{path}: no examples (empty file)")
+    return examples
+
+
+class JsonlTask:
+    """Examples from `path` (training) and `heldout_path` (evaluation, optional)."""
+
+    def __init__(self, path: str | Path, *, heldout_path: str | Path | None = None,
+                 prompt_key: str = "question", answer_key: str = "answer"):
+        self.path, self.heldout_path = Path(path), heldout_path
+        self.train = read_jsonl(path, prompt_key, answer_key)
+        self.heldout = (read_jsonl(heldout_path, prompt_key, answer_key)
+                        if heldout_path is not None else None)
+        self._order: tuple[tuple[int, int], list[int]] | None = None  # last epoch's order
+
+    def _epoch_order(self, seed: int, epoch: int) -> list[int]:
+        if self._order is None or self._order[0] != (seed, epoch):
+            order = list(range(len(self.train)))
+            random.Random(f"jsonl:{seed}:epoch:{epoch}").shuffle(order)
+            self._order = ((seed, epoch), order)
+        return self._order[1]
+
+    def train_examples(self, n: int, *, step: int, attempt: int, seed: int) -> list[Example]:
+        if step < 1:
+            raise ValueError(f"step={step}: steps count from 1")
+        if attempt:
+            rng = random.Random(f"jsonl:{seed}:step:{step}:attempt:{attempt}")
+            return [self.train[rng.randrange(len(self.train))] for _ in range(n)]
+        size = len(self.train)
+        out = []
+        for pos in range((step - 1) * n, step * n):
+            epoch, i = divmod(pos, size)
+            out.append(self.train[self._epoch_order(seed, epoch)[i]])
+        return out
+
+    def heldout_examples(self, n: int, *, seed: int) -> list[Example]:
+        if self.heldout is None:
+            raise ValueError("the jsonl task has no held-out set: set task.heldout_path")
+        if n > len(self.heldout):
+            raise ValueError(f"{self.heldout_path}: asked for {n} held-out examples, the file "
+                             f"has {len(self.heldout)}")
+        return random.Random(f"jsonl:heldout:{seed}").sample(self.heldout, n)
+
+    def warmup_examples(self, n: int, *, seed: int, p: float) -> list[tuple[str, str]]:
+        raise ValueError(f"{self.path}: the jsonl task has no supervised warm-up targets; "
+                         "set warmup.max_steps=0")
+
+
+__all__ = ["DatasetError", "JsonlTask", "read_jsonl"]
