@@ -46,15 +46,21 @@ LLAMA: tuple[Row, ...] = (
     Row(hf=("model.norm.weight",), shapes=(("hidden",),), place="last",
         mcore=Side("decoder.final_layernorm.weight"),
         vllm=Side("model.norm.weight")),
-    Row(hf=("lm_head.weight",), shapes=(("vocab", "hidden"),), place="last", when=("untied",),
+    Row(hf=("lm_head.weight",), shapes=(("vocab", "hidden"),), place="last",
+        when=("untied", "lm_head"),
         mcore=Side("output_layer.weight", split_dim=0, pad_vocab="megatron"),
         vllm=Side("lm_head.weight", split_dim=0, pad_vocab="vllm")),
     # Tied embeddings with PP > 1: Megatron keeps a synchronized copy of the embedding as the
     # last stage's output layer. vLLM ties lm_head to embed_tokens: nothing more to send.
     Row(hf=("model.embed_tokens.weight",), shapes=(("vocab", "hidden"),), place="last",
-        when=("tied", "pp>1"),
+        when=("tied", "pp>1", "lm_head"),
         mcore=Side("output_layer.weight", split_dim=0, pad_vocab="megatron"),
         vllm=None),
+    # *ForSequenceClassification (reward models): a `score` head [num_labels, hidden], no bias,
+    # instead of the LM head. Megatron: the last stage's output layer is swapped for a head
+    # replicated on every TP rank (critic.ValueHead without bias); vLLM never serves it.
+    Row(hf=("score.weight",), shapes=(("labels", "hidden"),), place="last", when=("score_head",),
+        mcore=Side("output_layer.weight"), vllm=None),
 )
 
 # Qwen2 = Llama + q/k/v biases, laid out exactly like the q/k/v weights' rows.

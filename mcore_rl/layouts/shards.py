@@ -34,11 +34,13 @@ def dim_size(spec: ModelSpec, dim: str) -> tuple[int, int]:
     """(number of units, elements per unit) of a symbolic dim. Heads split whole."""
     return {"hidden": (spec.hidden, 1), "ffn": (spec.ffn, 1), "vocab": (spec.vocab, 1),
             "heads": (spec.heads, spec.head_dim),
-            "kv_heads": (spec.kv_heads, spec.head_dim)}[dim]
+            "kv_heads": (spec.kv_heads, spec.head_dim),
+            "labels": (spec.num_labels or 0, 1)}[dim]
 
 
 def conditions(spec: ModelSpec, pp: int = 1) -> set[str]:
-    out = {"tied" if spec.tied_embeddings else "untied"}
+    out = {"tied" if spec.tied_embeddings else "untied",
+           "lm_head" if spec.num_labels is None else "score_head"}
     if spec.qkv_bias:
         out.add("qkv_bias")
     if pp > 1:

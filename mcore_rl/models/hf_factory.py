@@ -15,13 +15,16 @@ from typing import Any
 
 import torch
 
-from mcore_rl.models.spec import ModelSpec, UnsupportedModelError
+from mcore_rl.models.spec import ARCHITECTURES, ModelSpec, UnsupportedModelError
 
 # architecture → (config class, model class) in `transformers`.
 _CLASSES = {
     "LlamaForCausalLM": ("LlamaConfig", "LlamaForCausalLM"),
     "MistralForCausalLM": ("MistralConfig", "MistralForCausalLM"),
     "Qwen2ForCausalLM": ("Qwen2Config", "Qwen2ForCausalLM"),
+    "LlamaForSequenceClassification": ("LlamaConfig", "LlamaForSequenceClassification"),
+    "MistralForSequenceClassification": ("MistralConfig", "MistralForSequenceClassification"),
+    "Qwen2ForSequenceClassification": ("Qwen2Config", "Qwen2ForSequenceClassification"),
 }
 
 
@@ -42,8 +45,7 @@ def hf_config_from_spec(spec: ModelSpec, *, bos_token_id: int | None = None,
     if spec.architecture not in _CLASSES:
         raise UnsupportedModelError(f"architecture={spec.architecture!r}: no HF writer; "
                                     f"supported: {', '.join(_CLASSES)}")
-    family = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama",
-              "Qwen2ForCausalLM": "qwen2"}[spec.architecture]
+    family = ARCHITECTURES[spec.architecture]
     if spec.family != family:
         raise UnsupportedModelError(f"family={spec.family!r} does not match "
                                     f"architecture={spec.architecture!r} ({family!r})")
@@ -71,9 +73,12 @@ def hf_config_from_spec(spec: ModelSpec, *, bos_token_id: int | None = None,
         bos_token_id=bos_token_id, eos_token_id=eos_token_id, pad_token_id=pad_token_id,
         dtype=dtype,
     )
-    if spec.architecture == "LlamaForCausalLM":
+    if spec.num_labels is not None:
+        fields.update(num_labels=spec.num_labels)
+    config_name = _CLASSES[spec.architecture][0]
+    if config_name == "LlamaConfig":
         fields.update(head_dim=spec.head_dim, attention_bias=False, mlp_bias=False)
-    elif spec.architecture == "MistralForCausalLM":
+    elif config_name == "MistralConfig":
         fields.update(head_dim=spec.head_dim, sliding_window=None)
     else:
         fields.update(use_sliding_window=False, sliding_window=None)
@@ -84,7 +89,8 @@ def hf_config_from_spec(spec: ModelSpec, *, bos_token_id: int | None = None,
 def make_hf_model_dir(spec: ModelSpec, out_dir: str | Path, *, seed: int,
                       tokenizer_dir_or_obj: Any = None, dtype: torch.dtype = torch.float32,
                       max_shard_bytes: int | None = None,
-                      randomize_norms_and_biases: bool = True) -> Path:
+                      randomize_norms_and_biases: bool = True,
+                      pad_token_id: int | None = None) -> Path:
     """Build a random-weight HF model for `spec` and save it to `out_dir`; returns the path.
 
     seed: seeds HF's own init (normal(0, 0.02)) in a forked RNG, so the same seed and spec
@@ -95,6 +101,8 @@ def make_hf_model_dir(spec: ModelSpec, out_dir: str | Path, *, seed: int,
     randomize_norms_and_biases: HF initializes RMSNorm weights to 1 and biases to 0, so a
         converter that swaps two norms or drops a bias would still pass an equality test;
         with this on (default) they become 1 + N(0, 0.1^2) and N(0, 0.02^2) (seeded too).
+    pad_token_id: written to config.json when no tokenizer is given (a tokenizer brings its
+        own); HF sequence classifiers need it to find each row's last token in a batch.
     """
     import transformers
 
@@ -102,7 +110,7 @@ def make_hf_model_dir(spec: ModelSpec, out_dir: str | Path, *, seed: int,
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    special: dict[str, int | None] = {}
+    special: dict[str, int | None] = {"pad_token_id": pad_token_id}
     if tokenizer_dir_or_obj is not None:
         tok = save_tokenizer(tokenizer_dir_or_obj, out)
         spec = spec.with_(vocab=len(tok))
@@ -125,6 +133,16 @@ def make_hf_model_dir(spec: ModelSpec, out_dir: str | Path, *, seed: int,
     if written != spec:
         raise RuntimeError(f"{out}/config.json reads back as {written}, not {spec}")
     return out
+
+
+def make_hf_reward_model_dir(spec: ModelSpec, out_dir: str | Path, *, seed: int,
+                             num_labels: int = 1, **kwargs: Any) -> Path:
+    """A random-weight HF reward model of `spec`'s decoder: `<Family>ForSequenceClassification`
+    (the decoder plus `score.weight` [num_labels, hidden], no bias, no LM head), saved by
+    `make_hf_model_dir` (same keyword arguments, e.g. `pad_token_id`, `tokenizer_dir_or_obj`)."""
+    arch = spec.architecture.replace("ForCausalLM", "ForSequenceClassification")
+    return make_hf_model_dir(spec.with_(architecture=arch, num_labels=num_labels,
+                                        tied_embeddings=False), out_dir, seed=seed, **kwargs)
 
 
 @torch.no_grad()

@@ -13,10 +13,15 @@ from pathlib import Path
 from typing import Any
 
 # HF architectures → layout family. Mistral uses Llama's tensor names and layouts.
+# *ForSequenceClassification: the same decoder with a `score` head [num_labels, hidden] (no
+# bias) in place of the LM head (reward models).
 ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
+    "LlamaForSequenceClassification": "llama",
+    "MistralForSequenceClassification": "llama",
+    "Qwen2ForSequenceClassification": "qwen2",
 }
 
 # Rope scaling types the Megatron builder reproduces exactly.
@@ -40,6 +45,8 @@ class ModelSpec:
     qkv_bias: q/k/v projections have biases (Qwen2).
     rope_theta, rope_scaling: rotary embedding base and optional llama3-style scaling dict.
     norm_eps: RMSNorm epsilon. max_positions: maximum sequence length.
+    num_labels: None for a causal LM; for a *ForSequenceClassification model the width of its
+        `score` head (which replaces the LM head; `tied_embeddings` is then False).
     """
 
     family: str
@@ -57,6 +64,7 @@ class ModelSpec:
     rope_scaling: dict | None = None
     norm_eps: float = 1e-5
     max_positions: int = 4096
+    num_labels: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("hidden", "ffn", "heads", "kv_heads", "head_dim", "layers", "vocab"):
@@ -86,7 +94,9 @@ class ModelSpec:
         attn += (self.q_dim + 2 * self.kv_dim) if self.qkv_bias else 0
         mlp = 3 * self.hidden * self.ffn
         per_layer = attn + mlp + 2 * self.hidden
-        embed = self.vocab * self.hidden * (1 if self.tied_embeddings else 2)
+        head = self.num_labels if self.num_labels is not None else (
+            0 if self.tied_embeddings else self.vocab)
+        embed = (self.vocab + head) * self.hidden
         return self.layers * per_layer + embed + self.hidden
 
     def with_(self, **changes: Any) -> "ModelSpec":
@@ -115,6 +125,7 @@ class ModelSpec:
         else:
             scaling = None
         heads = cfg["num_attention_heads"]
+        classifier = arch.endswith("ForSequenceClassification")
         return cls(
             family=ARCHITECTURES[arch],
             architecture=arch,
@@ -125,12 +136,16 @@ class ModelSpec:
             head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
             layers=cfg["num_hidden_layers"],
             vocab=cfg["vocab_size"],
-            tied_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            # a classifier has no LM head to tie
+            tied_embeddings=bool(cfg.get("tie_word_embeddings", False)) and not classifier,
             qkv_bias=ARCHITECTURES[arch] == "qwen2",
             rope_theta=float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))),
             rope_scaling=scaling,
             norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
             max_positions=int(cfg.get("max_position_embeddings", 4096)),
+            # config.json stores the labels as id2label; num_labels is derived from it
+            num_labels=(len(cfg["id2label"]) if cfg.get("id2label") else
+                        int(cfg.get("num_labels", 2))) if classifier else None,
         )
 
     @classmethod
