@@ -69,14 +69,27 @@ class EngineHost:
     """The Ray actor body: one RolloutEngine (Ray wraps this class with `ray.remote`)."""
 
     def __init__(self, model_dir: str, cfg: RolloutConfig, index: int,
-                 stack_dir: str | None = None, inject_stall: str | None = None):
+                 stack_dir: str | None = None, inject_stall: str | None = None,
+                 devices: list[int] | None = None):
+        """devices: this engine's TP devices (local indices on its node, from the run's
+        placement plan); CUDA_VISIBLE_DEVICES is narrowed to them before vLLM starts."""
         if stack_dir:  # the controller's watchdog asks for stacks with SIGUSR1
             self._stack_file = arm_stack_dump(stack_dir, f"engine{index}")
         self.inject_stall = inject_stall
+        self.devices = devices
+        if devices is not None:
+            from mcore_rl.launch.placement import restrict_visible_devices
+
+            restrict_visible_devices(devices)
         self.engine = RolloutEngine(model_dir, cfg, engine_index=index)
 
     def ready(self) -> dict[str, Any]:
-        return {"startup_s": self.engine.startup_s, "pid": os.getpid()}
+        import ray
+
+        context = ray.get_runtime_context()
+        return {"startup_s": self.engine.startup_s, "pid": os.getpid(),
+                "node_id": context.get_node_id(), "devices": self.devices,
+                "placement_group": context.get_placement_group_id()}
 
     def generate(self, prompts, sampling: SamplingConfig, first_index: int):
         maybe_stall("gen", f"engine{self.engine.index}", self.inject_stall)
@@ -94,9 +107,12 @@ class RayEngines:
     that failed. `startup_s[i]`: engine i's vLLM start-up time; `pids[i]`: its process."""
 
     def __init__(self, model_dir: str | Path, cfg: RolloutConfig, *,
-                 stack_dir: str | Path | None = None, inject_stall: str | None = None):
+                 stack_dir: str | Path | None = None, inject_stall: str | None = None,
+                 placement=None):
         """stack_dir: where engines dump their stacks on SIGUSR1 (watchdog).
-        inject_stall: fault injection for watchdog tests ("gen@engine<i>")."""
+        inject_stall: fault injection for watchdog tests ("gen@engine<i>").
+        placement: a `launch.placement.RayPlacement`: engine i goes into its node's bundle
+        and sees only its TP devices (default: anywhere Ray likes)."""
         import ray
 
         if not ray.is_initialized():
@@ -105,9 +121,15 @@ class RayEngines:
         self._sync_timeout = cfg.call_timeout_s
         actor = ray.remote(num_cpus=cfg.cpus_per_engine, max_restarts=0,
                            max_concurrency=1)(EngineHost)
-        self._actors = [actor.remote(str(model_dir), cfg, i,
-                                     str(stack_dir) if stack_dir else None, inject_stall)
-                        for i in range(cfg.engines)]
+        self._actors = []
+        for i in range(cfg.engines):
+            options, devices = {}, None
+            if placement is not None:
+                options = placement.options_for_node(placement.plan.engine_node(i))
+                devices = [slot.device for slot in placement.plan.engines[i]]
+            self._actors.append(actor.options(**options).remote(
+                str(model_dir), cfg, i, str(stack_dir) if stack_dir else None, inject_stall,
+                devices))
         try:
             info = self._gather("start-up", [(i, a.ready.remote())
                                              for i, a in enumerate(self._actors)],
@@ -117,6 +139,7 @@ class RayEngines:
             raise
         self.startup_s = [r["startup_s"] for r in info]
         self.pids = [r["pid"] for r in info]
+        self.where = info  # node, devices and placement group of each engine
 
     @property
     def num_engines(self) -> int:

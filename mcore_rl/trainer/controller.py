@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,15 +22,17 @@ import torch
 from mcore_rl.algorithms import (AlgorithmConfig, gae_advantages, grpo_advantages,
                                  kl_penalty_rewards, outcome_to_token_rewards, overlong_penalty,
                                  reinforce_pp_advantages, rloo_advantages)
+from mcore_rl.launch.placement import PlacementPlan, plan_placement
 from mcore_rl.launch.watchdog import WatchdogTimeout, dump_stacks
 from mcore_rl.layouts import megatron_shards, vllm_shards
 from mcore_rl.models.spec import ModelSpec
 from mcore_rl.resharding import SyncGroupSpec, build_plan, host_store
-from mcore_rl.rollout.engine import RolloutError, SamplingConfig
-from mcore_rl.tasks.addition import AdditionTask, reward
+from mcore_rl.rollout.engine import Completion, RolloutError, SamplingConfig
+from mcore_rl.tasks.base import Example, load_reward_fn
+from mcore_rl.tasks.config import DEFAULT_REWARDS, build_reward, build_task
 from mcore_rl.tasks.tokenizer import encode_answer, encode_prompt, load_tokenizer, response_text
 from mcore_rl.trainer.metrics import MetricsWriter, PhaseTimer
-from mcore_rl.trainer.rl_config import RLConfig, load_reward_fn
+from mcore_rl.trainer.rl_config import RLConfig
 
 
 class SyncFailed(RuntimeError):
@@ -45,6 +48,36 @@ def driver_address() -> str:
     """The address this controller's stores listen on: MCORE_RL_NODE_IP (set per node by the
     SLURM launcher) or loopback — never all interfaces."""
     return os.environ.get("MCORE_RL_NODE_IP", "127.0.0.1")
+
+
+@dataclass
+class Rollouts:
+    """One step's generated groups: per prompt its example, its samples and their rewards;
+    `stats` are the sampling statistics (dynamic sampling). Plain values, so an off-policy
+    batch in flight can be saved with a checkpoint (`to_state` / `from_state`)."""
+
+    step: int
+    examples: list[Example]
+    completions: list[list[Completion]]
+    scores: list[list[float]]
+    stats: dict[str, float]
+
+    def to_state(self) -> dict:
+        return {"step": self.step, "prompts": [e.prompt for e in self.examples],
+                "answers": [e.answer for e in self.examples], "scores": self.scores,
+                "stats": self.stats,
+                "completions": [[{"token_ids": list(c.token_ids), "logprobs": list(c.logprobs),
+                                  "finish_reason": c.finish_reason} for c in group]
+                                for group in self.completions]}
+
+    @classmethod
+    def from_state(cls, state: dict) -> "Rollouts":
+        completions = [[Completion(tuple(c["token_ids"]), tuple(c["logprobs"]),
+                                   c["finish_reason"]) for c in group]
+                       for group in state["completions"]]
+        examples = [Example(p, a) for p, a in zip(state["prompts"], state["answers"])]
+        return cls(step=state["step"], examples=examples, completions=completions,
+                   scores=state["scores"], stats=state["stats"])
 
 
 @dataclass
@@ -107,6 +140,20 @@ def compute_advantages(algo: AlgorithmConfig, scores: torch.Tensor, groups: torc
     return adv, returns, metrics
 
 
+_PACKING = ("pack_efficiency", "pad_efficiency", "micro_batches")
+
+
+def _packing_metrics(update: dict) -> dict[str, float]:
+    """The actor update's sequence packing (real tokens / tokens run), when it packs."""
+    return {key: update[key] for key in _PACKING if key in update}
+
+
+def _critic_metrics(critic_updates: list[dict]) -> dict[str, float]:
+    if not critic_updates:
+        return {}
+    return {k: v for k, v in critic_updates[-1].items() if k not in _PACKING}
+
+
 def _rollout_logprob_diff(completions, actor_logp: torch.Tensor, mask: torch.Tensor) -> float:
     """Max |vLLM log-prob − actor log-prob| over all sampled response tokens."""
     worst = 0.0
@@ -119,20 +166,42 @@ def _rollout_logprob_diff(completions, actor_logp: torch.Tensor, mask: torch.Ten
     return worst
 
 
+def _on_gpu(cfg: RLConfig) -> bool:
+    if cfg.cluster.device == "local":
+        return torch.cuda.is_available()
+    return cfg.cluster.device == "gpu"
+
+
+def placement_plan_of(cfg: RLConfig) -> PlacementPlan:
+    """The run's devices: as `cluster` describes them; for a "local" cluster, one node
+    holding the actor's ranks, then the engines' (disaggregated)."""
+    world, tp = cfg.actor.world_size, cfg.rollout.tp
+    if cfg.cluster.device != "local":
+        placement, per_node = cfg.cluster.placement, cfg.cluster.gpus_per_node
+    else:
+        placement = "disaggregated"
+        per_node = -(-world // tp) * tp + tp * cfg.rollout.engines
+    return plan_placement(actor_world=world, engine_tp=tp, engines=cfg.rollout.engines,
+                          devices_per_node=per_node, placement=placement)
+
+
 class RLController:
     """Owns the Ray workers (actor ranks, rollout engines), the sync plan and the loop."""
 
     def __init__(self, cfg: RLConfig, model_dir: Path, run_dir: Path):
         import ray
 
+        from mcore_rl.launch.placement import RayPlacement
         from mcore_rl.rollout.ray_engines import RayEngines, init_local_ray
         from mcore_rl.trainer.actor_worker import ActorWorker
 
         self.cfg, self.run_dir = cfg, Path(run_dir)
         self.spec = ModelSpec.from_hf_dir(model_dir)
         self.tokenizer = load_tokenizer(model_dir)
-        self.task = AdditionTask(digits=cfg.digits)
-        self.reward = load_reward_fn(cfg.reward_fn)
+        self.task = build_task(cfg.task)
+        self.reward = build_reward(cfg.task)
+        # held-out accuracy is the task's exact-match reward, whatever reward RL trains on
+        self.exact_match = load_reward_fn(DEFAULT_REWARDS[cfg.task.kind])
         init_local_ray(num_cpus=max(2, os.cpu_count() or 2))
         world = cfg.actor.world_size
         # The actor world meets at a store the controller hosts (not on whichever node rank 0
@@ -140,20 +209,29 @@ class RLController:
         self.host = driver_address()
         self._actor_store = host_store(self.host, world_size=world + 1,
                                        timeout_s=cfg.deadlines.startup_s)
+        self.placement = RayPlacement(placement_plan_of(cfg),
+                                      cpus_per_engine=cfg.rollout.cpus_per_engine,
+                                      gpu=_on_gpu(cfg), timeout_s=cfg.deadlines.startup_s)
+        actor_slots = self.placement.plan.actor
         remote_cls = ray.remote(num_cpus=0)(ActorWorker)
         self.use_critic = cfg.algorithm.advantage_estimator == "gae"
         self.use_reference = cfg.algorithm.kl_coeff > 0
         self.stack_dir = self.run_dir / "stacks"
-        self.workers = [remote_cls.remote(
+        self.workers = [remote_cls.options(
+            **self.placement.options_for_node(actor_slots[rank].node)).remote(
             rank, world, (self.host, self._actor_store.port), self.spec, cfg.actor,
             cfg.warmup.train, str(model_dir),
             cfg.deadlines.train_s, critic_train=cfg.critic_train if self.use_critic else None,
             reference=self.use_reference, stack_dir=str(self.stack_dir),
-            inject_stall=cfg.inject_stall) for rank in range(world)]
+            inject_stall=cfg.inject_stall, device=actor_slots[rank].device)
+            for rank in range(world)]
         self.worker_pids = self._actor("pid", phase="startup")
+        self.reward_model = self._start_reward_model()
         self.engines = RayEngines(model_dir, cfg.rollout, stack_dir=self.stack_dir,
-                                  inject_stall=cfg.inject_stall)
+                                  inject_stall=cfg.inject_stall, placement=self.placement)
         self._join_sync_group()
+        self._in_flight = None  # one-step off-policy: the next step's batch being generated
+        self._executor = None
         self.plan = build_plan(megatron_shards(self.spec, cfg.actor),
                                vllm_shards(self.spec, cfg.rollout.tp, cfg.rollout.engines),
                                bucket_bytes=int(cfg.sync_bucket_mb * (1 << 20)))
@@ -176,6 +254,8 @@ class RLController:
         """Every worker (actor ranks and engines) dumps its stacks; the error names the phase,
         the late workers and the dump files."""
         pids = {f"rank{i}": pid for i, pid in enumerate(getattr(self, "worker_pids", []))}
+        if getattr(self, "reward_model", None) is not None:
+            pids.update({f"reward_rank{i}": pid for i, pid in enumerate(self.reward_model.pids)})
         if hasattr(self, "engines"):
             pids.update({f"engine{i}": pid for i, pid in enumerate(self.engines.pids)})
         return WatchdogTimeout(phase, deadline, late, dump_stacks(pids, self.stack_dir),
@@ -196,6 +276,8 @@ class RLController:
 
     def sync_weights(self) -> dict[str, float]:
         """Stream the actor's shards into every engine; checks each engine got every name."""
+        if self._in_flight is not None:  # never change weights under a running generation
+            self._wait_in_flight(self._in_flight)
         self.engines.begin_sync(self.plan, timeout_s=self.cfg.deadlines.sync_s)
         return self._finish_sync()
 
@@ -218,8 +300,9 @@ class RLController:
         return {"sync_bytes": float(sum(s["bytes_sent"] for s in stats))}
 
     def _per_token(self, method: str, batch: Batch, phase: str) -> torch.Tensor:
-        """A forward-only pass on every worker; one [n, s] result, assembled over DP."""
-        outs = self._actor(method, batch.tokens, batch.labels, phase=phase)
+        """A forward-only pass on every worker; one [n, s] result, assembled over DP. The
+        response mask tells packed passes where each row's real tokens end."""
+        outs = self._actor(method, batch.tokens, batch.labels, batch.mask, phase=phase)
         slots = self._wait([w.dp_rank_of_output.remote() for w in self.workers], phase)
         by_dp = {dp: out for dp, out in zip(slots, outs) if dp is not None}
         return torch.cat([by_dp[d] for d in range(self.cfg.actor.dp)])
@@ -236,14 +319,18 @@ class RLController:
 
     # --- warm-up ----------------------------------------------------------------------------
 
+    def encode(self, prompt_text: str) -> list[int]:
+        return encode_prompt(self.tokenizer, prompt_text,
+                             chat_template=self.cfg.task.chat_template)
+
     def accuracy(self, n: int) -> float:
-        texts = self.task.heldout_prompts(n, seed=self.cfg.seed)
-        prompts = [encode_prompt(self.tokenizer, t) for t in texts]
+        """Greedy exact-match accuracy on n held-out examples."""
+        examples = self.task.heldout_examples(n, seed=self.cfg.seed)
         sampling = SamplingConfig(temperature=0.0, max_tokens=self.cfg.max_new_tokens,
                                   stop_token_ids=[self.tokenizer.eos_token_id])
-        outs = self._generate(prompts, sampling)
-        return sum(reward(t, response_text(o[0].token_ids, self.tokenizer))
-                   for t, o in zip(texts, outs)) / n
+        outs = self._generate([self.encode(e.prompt) for e in examples], sampling)
+        return sum(self.exact_match(e.prompt, response_text(o[0].token_ids, self.tokenizer),
+                                    e.answer) for e, o in zip(examples, outs)) / n
 
     def warmup(self, writer: MetricsWriter) -> float:
         """Supervised steps on noisy answers until held-out greedy accuracy is reached."""
@@ -253,7 +340,7 @@ class RLController:
             timer = PhaseTimer()
             examples = self.task.warmup_examples(w.batch_size, seed=self.cfg.seed * 100003 + step,
                                                  p=w.label_noise)
-            prompts = [encode_prompt(self.tokenizer, p) for p, _ in examples]
+            prompts = [self.encode(p) for p, _ in examples]
             answers = [encode_answer(self.tokenizer, a) for _, a in examples]
             batch = build_batch(prompts, answers, w.train.seq_len, self.tokenizer.pad_token_id)
             with timer("update_actor"):
@@ -278,16 +365,44 @@ class RLController:
 
     def _sample(self, step: int, attempt: int):
         """Generate samples_per_prompt responses for prompts_per_step fresh prompts (seeded by
-        step and attempt: the data position is the step); returns (texts, completions)."""
+        step and attempt: the data position is the step); returns (examples, completions)."""
         cfg = self.cfg
-        texts = self.task.prompts(cfg.prompts_per_step,
-                                  seed=cfg.seed * 7919 + step + 1_000_003 * attempt)
-        prompts = [encode_prompt(self.tokenizer, t) for t in texts]
+        examples = self.task.train_examples(cfg.prompts_per_step, step=step, attempt=attempt,
+                                            seed=cfg.seed)
+        prompts = [self.encode(e.prompt) for e in examples]
         sampling = SamplingConfig(temperature=cfg.temperature, max_tokens=cfg.max_new_tokens,
                                   n=cfg.samples_per_prompt,
                                   seed=cfg.seed * 1000 + step + 1_000_003 * attempt,
                                   stop_token_ids=[self.tokenizer.eos_token_id])
-        return texts, self._generate(prompts, sampling)
+        return examples, self._generate(prompts, sampling)
+
+    def score(self, examples: list[Example], outs: list[list[Completion]]) -> list[list[float]]:
+        """Each sample's reward: the rule function's (prompt, response, answer), plus
+        reward_model.coeff times the reward model's score of prompt + response."""
+        scores = [[float(self.reward(e.prompt, response_text(c.token_ids, self.tokenizer),
+                                     e.answer)) for c in o] for e, o in zip(examples, outs)]
+        if self.reward_model is None:
+            return scores
+        prompts = [self.encode(e.prompt) for e, o in zip(examples, outs) for _ in o]
+        responses = [list(c.token_ids) for o in outs for c in o]
+        model = self.reward_model.score(prompts, responses, self.tokenizer.pad_token_id).tolist()
+        coeff, flat = self.cfg.reward_model.coeff, iter(model)
+        return [[s + coeff * next(flat) for s in group] for group in scores]
+
+    def _start_reward_model(self):
+        """The reward model's worker group (None without one). It scores the policy's token
+        ids, so its vocabulary must cover the policy tokenizer's."""
+        rm = self.cfg.reward_model
+        if not rm.enabled:
+            return None
+        from mcore_rl.trainer.reward_model import RewardModelGroup, check_reward_model_dir
+
+        vocab = check_reward_model_dir(rm.hf_dir).vocab
+        if vocab < len(self.tokenizer):
+            raise ValueError(f"reward_model.hf_dir={rm.hf_dir}: vocabulary of {vocab} tokens "
+                             f"does not cover the policy tokenizer's {len(self.tokenizer)}; the "
+                             "reward model must share the policy's tokenizer")
+        return RewardModelGroup(rm, host=self.host, stack_dir=self.stack_dir)
 
     def _generate_groups(self, step: int, timer: PhaseTimer):
         """The step's groups. With DAPO dynamic sampling, groups whose rewards are all equal
@@ -298,12 +413,11 @@ class RLController:
         kept, dropped, rounds = [], [], 0
         while len(kept) < cfg.prompts_per_step and rounds < cfg.max_sampling_rounds:
             with timer("gen"):
-                texts, outs = self._sample(step, rounds)
+                examples, outs = self._sample(step, rounds)
             with timer("reward"):
-                scores = [[self.reward(t, response_text(c.token_ids, self.tokenizer))
-                           for c in o] for t, o in zip(texts, outs)]
+                scores = self.score(examples, outs)
             rounds += 1
-            for group in zip(texts, outs, scores):
+            for group in zip(examples, outs, scores):
                 informative = len(set(group[2])) > 1
                 (kept if informative or not cfg.algorithm.dynamic_sampling
                  else dropped).append(group)
@@ -314,18 +428,88 @@ class RLController:
                  / len(groups), "sampling_rounds": rounds}
         return groups, stats
 
+    def collect(self, step: int, timer: PhaseTimer) -> Rollouts:
+        """Generate and score the batch of `step` (phases gen and reward on `timer`)."""
+        groups, stats = self._generate_groups(step, timer)
+        return Rollouts(step=step, examples=[g[0] for g in groups],
+                        completions=[list(g[1]) for g in groups],
+                        scores=[list(g[2]) for g in groups], stats=stats)
+
+    def _rollouts_for(self, step: int, timer: PhaseTimer) -> tuple[Rollouts, dict[str, float]]:
+        """The batch step trains on, and the generation-side timings to report with it.
+
+        On-policy: generated now, on the weights synced at the end of the last step.
+        One-step off-policy: generated during the previous step's training (on the weights
+        before that step's update); this step starts generating the next batch before it
+        trains, and `timing_s/gen_wait` is what it spent blocked on generation."""
+        if not self.cfg.off_policy_steps:
+            return self.collect(step, timer), {}
+        if self._in_flight is None:  # first step, or just resumed without a saved batch
+            self._start_collect(step)
+        with timer("gen_wait"):
+            rollouts, gen_timing, _ = self._take_in_flight()
+        if rollouts.step != step:
+            raise RuntimeError(f"off-policy batch of step {rollouts.step} offered to step {step}")
+        if step < self.cfg.steps:
+            self._start_collect(step + 1)
+        return rollouts, gen_timing
+
+    def _start_collect(self, step: int) -> None:
+        import concurrent.futures
+
+        def run():
+            timer, start = PhaseTimer(), time.perf_counter()
+            rollouts = self.collect(step, timer)
+            timing = {k: v for k, v in timer.as_metrics().items() if k != "timing_s/step"}
+            return rollouts, timing, (start, time.perf_counter())
+
+        if self._executor is None:  # one thread: generation runs beside the actor's work
+            self._executor = concurrent.futures.ThreadPoolExecutor(1, "mcore-rl-gen")
+        self._in_flight = self._executor.submit(run)
+
+    def _take_in_flight(self):
+        """The in-flight generation's (rollouts, timings, wall window); its errors (e.g. a
+        WatchdogTimeout) re-raise here."""
+        future, self._in_flight = self._in_flight, None
+        return self._wait_in_flight(future)
+
+    def _wait_in_flight(self, future):
+        """future.result under a deadline beyond the generation's own (which names the late
+        engine): this one catches a wedged reward function."""
+        import concurrent.futures
+
+        deadline = self.cfg.deadlines.gen_s * self.cfg.max_sampling_rounds + 60.0
+        try:
+            return future.result(timeout=deadline)
+        except concurrent.futures.TimeoutError:
+            raise self._watchdog("gen", deadline, ["the off-policy generation thread"],
+                                 "generation + reward of the next batch did not finish") from None
+
+    def _quiesce_generation(self, timer: PhaseTimer, train_window: tuple[float, float]
+                            ) -> dict[str, float]:
+        """Weights must not change under a running generation: before a sync, wait for the
+        in-flight batch (it stays in flight for the next step to take). Returns how many
+        seconds of its generation ran while this step trained (`gen_overlap_s`)."""
+        if self._in_flight is None:
+            return {}
+        if not self._in_flight.done():
+            with timer("gen_wait"):
+                self._wait_in_flight(self._in_flight)
+        _, _, (gen_start, gen_end) = self._in_flight.result()
+        overlap = min(gen_end, train_window[1]) - max(gen_start, train_window[0])
+        return {"gen_overlap_s": max(overlap, 0.0)}
+
     def rl_step(self, step: int) -> dict[str, float]:
         cfg, timer = self.cfg, PhaseTimer()
-        groups, sampling_stats = self._generate_groups(step, timer)
+        rollouts, gen_timing = self._rollouts_for(step, timer)
         if cfg.rollout.enable_sleep:  # colocated on GPU: free the KV cache while training
             with timer("sleep"):
                 self.engines.sleep()
-        texts = [g[0] for g in groups]
-        prompts = [encode_prompt(self.tokenizer, t) for t in texts]
-        outs = [g[1] for g in groups]
+        prompts = [self.encode(e.prompt) for e in rollouts.examples]
+        outs = rollouts.completions
         flat_prompts = [p for p, o in zip(prompts, outs) for _ in o]
         completions = [c for o in outs for c in o]
-        scores = torch.tensor([s for g in groups for s in g[2]])
+        scores = torch.tensor([s for group in rollouts.scores for s in group])
         batch = build_batch(flat_prompts, [c.token_ids for c in completions],
                             cfg.train.seq_len, self.tokenizer.pad_token_id)
         lengths = batch.mask.sum(-1)
@@ -334,6 +518,7 @@ class RLController:
                 lengths, max_response_length=cfg.max_new_tokens,
                 overlong_buffer=cfg.algorithm.overlong_buffer,
                 penalty_factor=cfg.algorithm.overlong_penalty)
+        train_start = time.perf_counter()
         with timer("old_logprob"):
             old_logp = self._per_token("logprobs", batch, "old_logprob")
         rollout_diff = _rollout_logprob_diff(completions, old_logp, batch.mask)
@@ -365,6 +550,7 @@ class RLController:
                 for mini in _mini_batches(value, cfg.updates_per_batch):
                     critic_updates.append(self._actor("critic_update", mini, cfg.algorithm,
                                                       phase="update_critic")[0])
+        overlap = self._quiesce_generation(timer, (train_start, time.perf_counter()))
         if cfg.rollout.enable_sleep:
             with timer("wake"):
                 self.engines.wake_up()
@@ -379,10 +565,11 @@ class RLController:
             "grad_norm": updates[-1]["grad_norm"],
             # vLLM's log-probs of its samples vs the actor's on the same (synced) weights:
             # ~0 means the weight sync is exact; it grows if the engine serves stale weights
+            # (and off-policy it measures the one-step staleness)
             "rollout_logprob_max_diff": rollout_diff,
             "kl_ref": updates[-1]["kl_ref"], **adv_metrics,
-            **(critic_updates[-1] if critic_updates else {}),
-            **sync, **sampling_stats, **timer.as_metrics(),
+            **_critic_metrics(critic_updates), **_packing_metrics(updates[-1]),
+            **sync, **rollouts.stats, **timer.as_metrics(), **gen_timing, **overlap,
         }
         metrics["tokens_per_s"] = gen_tokens / max(metrics["timing_s/gen"], 1e-9)
         return metrics
@@ -398,6 +585,12 @@ class RLController:
         if tmp.exists():
             shutil.rmtree(tmp)
         self._actor("save_checkpoint", str(tmp), phase="save")
+        if self._in_flight is not None:
+            # off-policy: the next batch was generated on weights this checkpoint no longer
+            # holds; saved with it, a resumed run trains on exactly the same batch
+            rollouts, timing, _ = self._wait_in_flight(self._in_flight)
+            torch.save({"rollouts": rollouts.to_state(), "timing": timing},
+                       tmp / "next_rollouts.pt")
         (tmp / "controller.json").write_text(json.dumps({"step": step}))
         if final.exists():
             shutil.rmtree(final)
@@ -415,6 +608,14 @@ class RLController:
         if not meta.is_file():
             raise FileNotFoundError(f"{path}: not a checkpoint (no controller.json)")
         self._actor("load_checkpoint", str(path), phase="load")
+        self._in_flight = None
+        if self.cfg.off_policy_steps and (path / "next_rollouts.pt").is_file():
+            import concurrent.futures
+
+            saved = torch.load(path / "next_rollouts.pt", weights_only=True)
+            self._in_flight = concurrent.futures.Future()
+            self._in_flight.set_result((Rollouts.from_state(saved["rollouts"]),
+                                        saved["timing"], (0.0, 0.0)))
         return int(json.loads(meta.read_text())["step"])
 
     def weights_digests(self) -> list[str]:
@@ -424,9 +625,14 @@ class RLController:
         """Stop workers and engines; a worker stuck in a collective is killed with Ray."""
         import ray
 
+        if self._executor is not None:
+            self._executor.shutdown(wait=False, cancel_futures=True)
         try:
             ray.wait([w.shutdown.remote() for w in self.workers],
                      num_returns=len(self.workers), timeout=10.0)
             self.engines.shutdown()
+            if self.reward_model is not None:
+                self.reward_model.shutdown()
+            self.placement.remove()
         finally:
             ray.shutdown()

@@ -17,7 +17,7 @@ def test_resume_from_step_k_reproduces_step_k_plus_2(tmp_path):
         "updates_per_batch=2", "train.micro_batch_size=4", "actor.tp=2",
         "train.optimizer.lr=0.01",  # large steps: a resume that lost state would show
         # partial credit, so an untrained model gets non-zero advantages and really learns
-        "reward_fn=mcore_rl.tasks.addition:digit_reward"])
+        "task.reward_fn=mcore_rl.tasks.addition:digit_reward"])
     model_dir = build_demo_model(cfg, tmp_path / "model")
 
     def run(out, resume_from=None, steps=(1, 2, 3, 4), save_at=None):

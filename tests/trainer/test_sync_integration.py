@@ -18,7 +18,7 @@ from mcore_rl.trainer.rl_config import RLConfig
 
 BASE = ["warmup.max_steps=0", "steps=1", "prompts_per_step=4", "samples_per_prompt=4",
         "updates_per_batch=1", "train.micro_batch_size=8", "train.optimizer.lr=0.05",
-        "reward_fn=mcore_rl.tasks.addition:digit_reward"]
+        "task.reward_fn=mcore_rl.tasks.addition:digit_reward"]
 
 
 def hf_model_with(model_dir, state):

@@ -1,0 +1,43 @@
+"""Placement plans: which device holds every actor rank and engine TP rank."""
+
+import pytest
+
+from mcore_rl.config import ConfigError
+from mcore_rl.launch.placement import Slot, plan_placement
+
+
+@pytest.mark.parametrize("world,tp,engines,per_node,placement,actor,engine_slots", [
+    # colocated, one node: actor rank d and engine rank d share device d
+    (2, 2, 1, 2, "colocated", [(0, 0), (0, 1)], [[(0, 0), (0, 1)]]),
+    # colocated over two nodes, TP1 engines: one engine per device
+    (4, 1, 4, 2, "colocated", [(0, 0), (0, 1), (1, 0), (1, 1)],
+     [[(0, 0)], [(0, 1)], [(1, 0)], [(1, 1)]]),
+    # disaggregated: engines after the actor's devices
+    (2, 1, 2, 4, "disaggregated", [(0, 0), (0, 1)], [[(0, 2)], [(0, 3)]]),
+    # disaggregated, an odd actor world: the TP2 engine starts on an aligned device so it
+    # does not straddle the node boundary
+    (3, 2, 1, 4, "disaggregated", [(0, 0), (0, 1), (0, 2)], [[(1, 0), (1, 1)]]),
+    # 70B shape: TP8·PP4 actor on 4 nodes, 4 TP8 engines on the next 4
+    (32, 8, 4, 8, "disaggregated", [(r // 8, r % 8) for r in range(32)],
+     [[(4 + e, t) for t in range(8)] for e in range(4)]),
+])
+def test_plan_placement(world, tp, engines, per_node, placement, actor, engine_slots):
+    plan = plan_placement(actor_world=world, engine_tp=tp, engines=engines,
+                          devices_per_node=per_node, placement=placement)
+    assert plan.actor == tuple(Slot(*a) for a in actor)
+    assert plan.engines == tuple(tuple(Slot(*s) for s in e) for e in engine_slots)
+    shared = plan.shared_devices()
+    assert shared == (world if placement == "colocated" else 0)
+
+
+@pytest.mark.parametrize("kwargs,field", [
+    (dict(actor_world=4, engine_tp=1, engines=2, devices_per_node=4, placement="colocated"),
+     "rollout.engines"),  # colocated needs one engine rank per actor device
+    (dict(actor_world=4, engine_tp=3, engines=1, devices_per_node=4, placement="disaggregated"),
+     "rollout.tp"),  # an engine cannot span nodes
+    (dict(actor_world=4, engine_tp=1, engines=1, devices_per_node=4, placement="spread"),
+     "cluster.placement"),
+])
+def test_plan_placement_errors_name_the_field(kwargs, field):
+    with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
+        plan_placement(**kwargs)
