@@ -116,21 +116,19 @@ class RolloutShape:
 
 
 @dataclass(frozen=True, kw_only=True)
-class RunShape:
-    """One RL run as the planner sees it.
+class Allocation:
+    """The hardware a run is sized for.
 
-    model: a preset name (`mcore_rl.models.presets`), an HF model directory (config.json), or
-        the ModelSpec itself (e.g. the demo model before it is built).
     device: "gpu" or "cpu" (decides the known-good backends and the attention kernel).
     nodes, gpus_per_node: the allocation (on CPU: processes per node). device_gib: memory of
         one device. reserve_gib: per device, memory the estimate leaves for what it does not
         model (CUDA context, NCCL buffers, allocator fragmentation, transient workspaces).
-    placement: "colocated" (trainer and engines time-share every device; engines sleep during
-        training) or "disaggregated" (engines on their own devices).
+    placement: "colocated" (every device holds one actor rank and one engine rank; the
+        engines sleep during training) or "disaggregated" (engines on their own devices:
+        actor world + rollout.tp · rollout.engines devices).
     sync_backend: the weight-sync transport's process-group backend ("nccl" / "gloo").
     """
 
-    model: str | ModelSpec
     device: Literal["gpu", "cpu"] = "gpu"
     nodes: int = 1
     gpus_per_node: int = 8
@@ -138,8 +136,6 @@ class RunShape:
     reserve_gib: float = 3.0
     placement: Literal["colocated", "disaggregated"] = "disaggregated"
     sync_backend: Literal["nccl", "gloo"] = "nccl"
-    train: TrainShape = field(default_factory=TrainShape)
-    rollout: RolloutShape = field(default_factory=RolloutShape)
 
     def __post_init__(self) -> None:
         for name in ("nodes", "gpus_per_node"):
@@ -149,6 +145,23 @@ class RunShape:
             raise ConfigError("device_gib", self.device_gib, "must be > 0")
         if self.reserve_gib < 0:
             raise ConfigError("reserve_gib", self.reserve_gib, "must be >= 0")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunShape(Allocation):
+    """One RL run as the planner sees it: an `Allocation` plus
+
+    model: a preset name (`mcore_rl.models.presets`), an HF model directory (config.json), or
+        the ModelSpec itself (e.g. the demo model before it is built).
+    train / rollout: the training roles' and the engines' shapes.
+    """
+
+    model: str | ModelSpec
+    train: TrainShape = field(default_factory=TrainShape)
+    rollout: RolloutShape = field(default_factory=RolloutShape)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
         if isinstance(self.model, ModelSpec):
             return
         if self.model not in PRESETS and not (Path(self.model) / "config.json").is_file():

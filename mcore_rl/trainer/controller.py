@@ -402,7 +402,8 @@ class RLController:
             raise ValueError(f"reward_model.hf_dir={rm.hf_dir}: vocabulary of {vocab} tokens "
                              f"does not cover the policy tokenizer's {len(self.tokenizer)}; the "
                              "reward model must share the policy's tokenizer")
-        return RewardModelGroup(rm, host=self.host, stack_dir=self.stack_dir)
+        return RewardModelGroup(rm, host=self.host, stack_dir=self.stack_dir,
+                                placement=self.placement)
 
     def _generate_groups(self, step: int, timer: PhaseTimer):
         """The step's groups. With DAPO dynamic sampling, groups whose rewards are all equal

@@ -199,7 +199,7 @@ def _lm_loss(batch: MicroBatch, vocab: int, tp_rank: int, logits: torch.Tensor):
 
 def _forward_step(data_iterator: Iterator[MicroBatch], model, *, vocab: int, tp_rank: int):
     batch = next(data_iterator)
-    logits = model(*model_inputs(batch))
+    logits = model(**model_inputs(batch))
     return logits, functools.partial(_lm_loss, batch, vocab, tp_rank)
 
 
@@ -300,7 +300,7 @@ def forward_logits(model: list[torch.nn.Module], micro_batches: list[MicroBatch]
         return full[..., :vocab].float()
 
     def step(data_iterator, chunk):
-        return chunk(*model_inputs(next(data_iterator))), collect
+        return chunk(**model_inputs(next(data_iterator))), collect
 
     with torch.no_grad():
         out = _run_schedule(model, groups, micro_batches, forward_step=step, forward_only=True,

@@ -21,8 +21,9 @@ them (GPTModel applies RoPE over the packed row's positions 0..T-1), but attenti
 under RoPE depend only on relative positions, so with the block-diagonal mask the outputs equal
 the unpacked ones up to fp rounding. Measured on the `micro` preset (fp32, TP2 and PP2,
 tests/trainer/test_packing.py): packed vs padded log-probs differ by <= 4.8e-7.
-On GPU the right path is THD with `PackedSeqParams(cu_seqlens)` and the TE spec (RoPE restarts
-per sequence, no T×T mask); it is not implemented (`model_inputs` raises).
+On GPU (TE spec) `model_inputs` gives THD instead: `PackedSeqParams(cu_seqlens)`, no T×T mask,
+RoPE restarting per sequence (written, not yet run: no GPU here; its cu_seqlens are unit-tested,
+and the mask path above is its CPU twin).
 
 Pipeline parallelism sends fixed-shape activations [T, 1, hidden] between stages, so with
 pp > 1 every micro batch of one call is padded to the longest (`common_length`); with
@@ -202,24 +203,44 @@ def segment_positions(segment_ids: torch.Tensor) -> torch.Tensor:
     return (torch.arange(seg.shape[0]) - starts[seg]).unsqueeze(0)
 
 
-def model_inputs(batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """(input_ids, position_ids, attention_mask) for GPTModel.forward from a micro batch.
+def model_inputs(batch) -> dict:
+    """GPTModel.forward keyword arguments for a micro batch (`chunk(**model_inputs(batch))`).
 
-    Unpacked ([b, s], `segment_ids` None): positions 0..s-1 and no mask (the local attention
-    builds the causal one). Packed ([1, T]): per-sequence positions and the block-diagonal
-    causal mask. The one place every forward step takes its model inputs from.
+    Unpacked ([b, s], `segment_ids` None): positions 0..s-1 and no mask (the attention builds
+    the causal one). Packed ([1, T]) with the local spec (CPU): per-sequence positions and the
+    block-diagonal causal mask. Packed with the TransformerEngine spec (GPU): THD — no mask,
+    `PackedSeqParams` with the segments' cumulative lengths, so TE's attention and RoPE treat
+    each sequence on its own. The one place every forward step takes its model inputs from.
     """
     tokens = batch.tokens
     segment_ids = getattr(batch, "segment_ids", None)
     if segment_ids is None:
         b, s = tokens.shape
-        return tokens, torch.arange(s).unsqueeze(0).expand(b, s), None
-    if torch.cuda.is_available():
-        raise NotImplementedError(
-            "packed micro batches on GPU: pass PackedSeqParams(qkv_format='thd', cu_seqlens_q="
-            "cu_seqlens_kv=[0, cumsum of the segment lengths]) with the TransformerEngine spec "
-            "instead of a dense [T, T] mask (the TE attention does not take an arbitrary one)")
-    return tokens, segment_positions(segment_ids), block_causal_mask(segment_ids)
+        return {"input_ids": tokens, "position_ids": torch.arange(s).unsqueeze(0).expand(b, s),
+                "attention_mask": None}
+    positions = segment_positions(segment_ids)
+    if not torch.cuda.is_available():  # the local spec (models.gpt.layer_spec)
+        return {"input_ids": tokens, "position_ids": positions,
+                "attention_mask": block_causal_mask(segment_ids)}
+    return {"input_ids": tokens, "position_ids": positions, "attention_mask": None,
+            "packed_seq_params": thd_params(segment_ids)}
+
+
+def thd_params(segment_ids: torch.Tensor, device: torch.device | str | None = None):
+    """megatron's PackedSeqParams for one packed row: cu_seqlens = [0, cumsum of the segment
+    lengths] (int32, on `device`, default the current CUDA device), the padding tail counting
+    as one more segment.
+    Runs only on GPU (TE spec); its CPU twin is the block-diagonal mask path, tested against
+    padded micro batches."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    lengths = torch.bincount(segment_ids[0])
+    cu_seqlens = torch.zeros(len(lengths) + 1, dtype=torch.int32)
+    cu_seqlens[1:] = torch.cumsum(lengths, 0)
+    cu_seqlens = cu_seqlens.to(torch.cuda.current_device() if device is None else device)
+    longest = int(lengths.max())
+    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens,
+                           max_seqlen_q=longest, max_seqlen_kv=longest)
 
 
 def per_sequence(x: torch.Tensor, segment_ids: torch.Tensor | None) -> torch.Tensor:

@@ -269,7 +269,9 @@ class RewardWorker:
     """One Megatron rank of the reward model. Methods return plain, picklable values."""
 
     def __init__(self, rank: int, world_size: int, store_address: tuple[str, int],
-                 cfg: RewardModelConfig, stack_dir: str | None = None):
+                 cfg: RewardModelConfig, stack_dir: str | None = None,
+                 device: int | None = None):
+        """device: this rank's device on its node (on GPU, the current CUDA device)."""
         from mcore_rl.launch.watchdog import arm_stack_dump
         from mcore_rl.parallel.groups import default_backend, init_training_groups
 
@@ -277,6 +279,8 @@ class RewardWorker:
             self._stack_file = arm_stack_dump(stack_dir, f"reward_rank{rank}")
         os.environ.setdefault("OMP_NUM_THREADS", "1")
         torch.set_num_threads(1)
+        if device is not None and torch.cuda.is_available():
+            torch.cuda.set_device(device)
         timeout = datetime.timedelta(seconds=cfg.timeout_s)
         host, port = store_address  # hosted by the driver
         store = dist.TCPStore(host, port, world_size + 1, is_master=False, timeout=timeout)
@@ -310,7 +314,10 @@ class RewardModelGroup:
     """
 
     def __init__(self, cfg: RewardModelConfig, *, host: str = "127.0.0.1",
-                 stack_dir: str | Path | None = None):
+                 stack_dir: str | Path | None = None, placement=None):
+        """placement: the run's `launch.placement.RayPlacement`; reward rank r then shares
+        the device (and node) of actor rank r mod the actor's world, as the reference model
+        does. None: wherever Ray puts it."""
         import ray
 
         from mcore_rl.resharding import host_store
@@ -328,9 +335,15 @@ class RewardModelGroup:
         world = cfg.parallel.world_size
         self._store = host_store(host, world_size=world + 1, timeout_s=cfg.timeout_s)
         remote_cls = ray.remote(num_cpus=0)(RewardWorker)
-        self.workers = [remote_cls.remote(rank, world, (host, self._store.port), cfg,
-                                          str(stack_dir) if stack_dir else None)
-                        for rank in range(world)]
+        self.workers = []
+        for rank in range(world):
+            options, device = {}, None
+            if placement is not None:
+                slot = placement.plan.actor[rank % len(placement.plan.actor)]
+                options, device = placement.options_for_node(slot.node), slot.device
+            self.workers.append(remote_cls.options(**options).remote(
+                rank, world, (host, self._store.port), cfg,
+                str(stack_dir) if stack_dir else None, device))
         self.pids: list[int] = []
         self.pids = self._call("pid", phase="reward-startup")
 

@@ -13,6 +13,7 @@ from mcore_rl.config import ConfigError
 from mcore_rl.models.presets import PRESETS
 from mcore_rl.models.spec import ModelSpec
 from mcore_rl.parallel import ParallelConfig
+from mcore_rl.planning.run_shape import Allocation
 from mcore_rl.rollout.engine import RolloutConfig
 from mcore_rl.tasks.base import load_reward_fn  # noqa: F401 — callers import it from here
 from mcore_rl.tasks.config import TaskConfig
@@ -85,38 +86,21 @@ class ModelConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
-class ClusterConfig:
+class ClusterConfig(Allocation):
     """The allocation the run is sized for (preflight and the memory planner read it; the
-    launcher, e.g. scripts/slurm/train.sbatch, must request the same).
+    launcher, e.g. scripts/slurm/train.sbatch, must request the same): the fields of
+    `mcore_rl.planning.run_shape.Allocation`, where device may also be
 
-    device: "local" (size for this machine — CPU: one process per actor rank and engine TP
-        worker, the machine's memory; GPU: the visible GPUs — and leave the other fields at
-        their defaults), or "gpu" / "cpu" for the allocation the fields below describe.
-    nodes, gpus_per_node: the allocation (on CPU: processes per node).
-    device_gib: memory of one device. reserve_gib: per device, memory the plan leaves for what
-        it does not model (CUDA context, NCCL buffers, fragmentation).
-    placement: "disaggregated" (engines on their own devices: actor world + rollout.tp ·
-        rollout.engines devices) or "colocated" (every device holds one actor rank and one
-        engine rank; needs rollout.enable_sleep, so the engines free memory while training).
-    sync_backend: the weight-sync process-group backend ("nccl" on GPU, "gloo" on CPU).
+    "local" (the default): size for this machine — CPU: one process per actor rank and engine
+        TP worker, the machine's memory; GPU: the visible GPUs — leaving the other fields at
+        their defaults. "gpu" / "cpu": the allocation the other fields describe.
+    Colocated placement needs rollout.enable_sleep (the engines free memory while training).
     """
 
     device: Literal["local", "gpu", "cpu"] = "local"
-    nodes: int = 1
-    gpus_per_node: int = 8
-    device_gib: float = 80.0
-    reserve_gib: float = 3.0
-    placement: Literal["colocated", "disaggregated"] = "disaggregated"
-    sync_backend: Literal["nccl", "gloo"] = "nccl"
 
     def __post_init__(self) -> None:
-        for name in ("nodes", "gpus_per_node"):
-            if getattr(self, name) < 1:
-                raise ConfigError(name, getattr(self, name), "must be >= 1")
-        if not self.device_gib > 0:
-            raise ConfigError("device_gib", self.device_gib, "must be > 0")
-        if self.reserve_gib < 0:
-            raise ConfigError("reserve_gib", self.reserve_gib, "must be >= 0")
+        super().__post_init__()
         changed = [f.name for f in fields(self)
                    if f.name != "device" and getattr(self, f.name) != f.default]
         if self.device == "local" and changed:

@@ -71,6 +71,18 @@ def test_block_causal_mask_positions_and_per_sequence_rows():
     assert x.grad.tolist() == [[1.0] * 6]
 
 
+def test_thd_params_cumulative_lengths():
+    """The GPU (TE, THD) form of a packed row: cu_seqlens over the segments and the tail."""
+    from mcore_rl.trainer.packing import thd_params
+
+    seg = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 2]])  # two sequences and a 1-token padding tail
+    params = thd_params(seg, device="cpu")
+    assert params.qkv_format == "thd"
+    assert params.cu_seqlens_q.tolist() == [0, 3, 7, 8] and params.cu_seqlens_q.dtype == torch.int32
+    assert params.cu_seqlens_kv is params.cu_seqlens_q
+    assert params.max_seqlen_q == params.max_seqlen_kv == 4
+
+
 def test_valid_lengths_and_config():
     mask = torch.tensor([[0, 1, 1, 0, 0], [0, 0, 0, 0, 1], [0, 0, 0, 0, 0]])
     assert valid_lengths(mask).tolist() == [3, 5, 1]
@@ -169,6 +181,11 @@ def packed_vs_padded(rank, world_size, parallel):
         out[agg] = {"padded": m0, "packed": m1, "weight_diff": float((w0 - w1).abs().max()),
                     "weight_change": float((w0 - before).abs().max()),
                     "micro_batches": n_packed}
+    # padding removed at step 0 and nothing asked for torch.compile: nothing was compiled
+    # (a compiled entropy kernel is what hangs such runs elsewhere)
+    from torch._dynamo.utils import counters
+
+    out["compiled_frames"] = sum(counters["frames"].values())
     return out
 
 
@@ -202,6 +219,7 @@ def test_packed_passes_equal_padded(parallel):
         assert abs(packed["pg_loss"] - reference_pg(last, agg)) < 1e-5, agg
         assert 0 < packed["clip_frac"] < 1  # the ratios are not all 1: clipping is exercised
     assert len({r["token-mean"]["packed"]["pg_loss"] for r in results}) == 1  # ranks agree
+    assert all(r["compiled_frames"] == 0 for r in results)
     if parallel.dp == 2:
         assert sorted(r["token-mean"]["micro_batches"] for r in results) == [2, 3]
     if parallel.vpp:

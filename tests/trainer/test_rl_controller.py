@@ -99,3 +99,44 @@ def test_colocated_placement_sleeps_engines_and_packs(tmp_path):
         # 8 rows of <= 11 tokens per update: one packed micro batch (micro_batch_size 4
         # would run two)
         assert m["micro_batches"] == 1 and m["pack_efficiency"] > 0.5, m
+
+
+def test_reward_model_scores_rollouts_in_the_loop(tmp_path):
+    """A reward model (TP2 worker group) scores every sample in the reward phase: the
+    controller's rewards equal coeff · the HF classifier's score of prompt + response."""
+    import torch
+    from transformers import AutoModelForSequenceClassification
+
+    from mcore_rl.models.hf_factory import make_hf_reward_model_dir
+    from mcore_rl.models.spec import ModelSpec
+    from mcore_rl.tasks.tokenizer import load_tokenizer
+    from mcore_rl.trainer.controller import RLController
+    from mcore_rl.trainer.demo import build_demo_model
+    from mcore_rl.trainer.metrics import PhaseTimer
+
+    base = ["actor.tp=1", "task.reward_fn=mcore_rl.tasks.base:no_reward"]
+    model_dir = build_demo_model(small_config(*base), tmp_path)
+    pad = load_tokenizer(model_dir).pad_token_id
+    rm_dir = make_hf_reward_model_dir(ModelSpec.from_hf_dir(model_dir), tmp_path / "rm", seed=3,
+                                      pad_token_id=pad)
+    cfg = small_config(*base, "reward_model.enabled=true", f"reward_model.hf_dir={rm_dir}",
+                       "reward_model.parallel.tp=2", "reward_model.coeff=0.5")
+    controller = RLController(cfg, model_dir, tmp_path)
+    try:
+        controller.reset_optimizer()
+        controller.sync_weights()
+        rollouts = controller.collect(1, PhaseTimer())
+        metrics = controller.rl_step(2)
+        prompts = [controller.encode(e.prompt) for e in rollouts.examples]
+    finally:
+        controller.shutdown()
+    hf = AutoModelForSequenceClassification.from_pretrained(rm_dir, torch_dtype=torch.float32)
+    worst = 0.0
+    with torch.no_grad():
+        for prompt, group, scores in zip(prompts, rollouts.completions, rollouts.scores):
+            for completion, score in zip(group, scores):
+                ids = torch.tensor([prompt + list(completion.token_ids)])
+                worst = max(worst, abs(score - 0.5 * float(hf(ids).logits[0, 0])))
+    assert worst < 1e-5, worst
+    assert len({s for g in rollouts.scores for s in g}) > 1  # the model tells samples apart
+    assert metrics["reward_std"] > 0 and metrics["grad_norm"] > 0
