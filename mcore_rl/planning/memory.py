@@ -517,6 +517,25 @@ def rollout_rank(shape: RunShape, spec: ModelSpec) -> tuple[RankMemory, list[str
     return RankMemory("rollout", f"engine tp rank (tp={r.tp})", comps), notes
 
 
+def reward_rank(shape: RunShape) -> RankMemory:
+    """The reward model's worst rank: weights of its fullest pipeline stage (a [1, h] head
+    instead of the LM head) and, while it scores, one micro batch through one layer plus its
+    head input — forward only, nothing kept. Shares a training device (see RewardShape)."""
+    rm = shape.reward_model
+    spec, par = rm.spec(), rm.parallel
+    stage_params = [mcore_stage_params(spec, par, stage, "value") for stage in range(par.pp)]
+    n = max(stage_params)
+    width = DTYPE_BYTES[rm.dtype]
+    act = ActivationModel.for_kernels(shape.kernels, act_bytes=width, tp=par.tp,
+                                      sequence_parallel=False, recompute="none")
+    s, b = shape.train.seq_len, rm.micro_batch_size
+    forward = layer_activation_bytes(spec, s, b, act) + sum(
+        last_stage_terms(spec, s, b, act, "value").values())
+    return RankMemory("reward model", f"pp stage {stage_params.index(n)}/{par.pp}", (
+        Component("weights", n * width, f"{rm.dtype}, {_g(n)} params"),
+        Component("forward", forward, f"1 micro batch of {b}, 1 layer + head input", False)))
+
+
 def _sleep_mode(shape: RunShape) -> str:
     # vLLM's sleep()/wake_up() are accepted on CPU but do nothing (shared/FINDINGS.md).
     return "none" if shape.device == "cpu" else shape.rollout.sleep
@@ -537,11 +556,20 @@ def plan_memory(shape: RunShape) -> MemoryPlan:
         notes.append("rollout.sleep has no effect on CPU (vLLM sleep is a no-op): planned "
                      "as 'none'")
     asleep = {"none": rollout.total, "kv": rollout.components[0].bytes, "all": 0.0}[sleep]
+    reward = reward_rank(shape) if shape.reward_model is not None else None
     per_stage: list[tuple[dict[str, RankMemory], DeviceMemory]] = []
     for stage in range(par.pp):
         ranks = {role: training_rank(shape, spec, role, stage) for role in roles_on}
+        if reward is not None:
+            ranks["reward model"] = reward
         resident = tuple((f"{role} states", r.resident) for role, r in ranks.items())
         phases = []
+        if reward is not None:
+            # scoring runs before the engines sleep: a colocated engine is awake then
+            awake = (("rollout engine", rollout.total),) if shape.placement == "colocated" \
+                else ()
+            phases.append(Phase("reward scoring", resident + (
+                ("reward model forward", reward.transient),) + awake + (reserve,)))
         for role, name in (("actor", "actor train"), ("critic", "critic train"),
                            ("reference", "forward (reference / old log-probs)")):
             if role not in ranks:

@@ -204,6 +204,26 @@ def check_cpu_engine(shape: RunShape, spec: ModelSpec) -> Iterable[Problem]:
                       "heads)")
 
 
+def check_reward_model(shape: RunShape, spec: ModelSpec) -> Iterable[Problem]:
+    """The reward model's grid fits its model, and its ranks fit on the training devices
+    (one reward rank per actor device at most)."""
+    rm = shape.reward_model
+    if rm is None:
+        return
+    try:
+        rm.parallel.check_model(rm.spec())
+    except ConfigError as err:
+        yield Problem("reward-model-grid", str(err.under("reward_model.parallel")),
+                      "a reward_model.parallel grid that divides the reward model's heads, "
+                      "kv heads, FFN and layers")
+    train_world = shape.train.parallel.world_size
+    if rm.parallel.world_size > train_world:
+        yield Problem("reward-model-world", f"reward_model.parallel world "
+                      f"{rm.parallel.world_size} > the actor's {train_world} devices (reward "
+                      "ranks share the actor's devices, one each)",
+                      f"reward_model.parallel with tp·pp·dp <= {train_world}")
+
+
 def check_memory(shape: RunShape, spec: ModelSpec) -> Iterable[Problem]:
     try:
         plan = plan_memory(shape)
@@ -261,6 +281,7 @@ CHECKS: tuple[tuple[str, Callable[[RunShape, ModelSpec], Iterable[Problem]]], ..
     ("rollout-executor", check_executor),
     ("sync-backend", check_sync_backend),
     ("cpu-head-dim", check_cpu_engine),
+    ("reward-model", check_reward_model),
     ("memory", check_memory),
 )
 

@@ -115,6 +115,43 @@ class RolloutShape:
         return self.tp * self.engines
 
 
+def resolve_model(model: str | ModelSpec, field_name: str = "model") -> ModelSpec:
+    """A preset name, an HF directory (config.json) or a ModelSpec → the ModelSpec."""
+    if isinstance(model, ModelSpec):
+        return model
+    if model in PRESETS:
+        return PRESETS[model]
+    if not (Path(model) / "config.json").is_file():
+        raise ConfigError(field_name, model, "neither a preset "
+                          f"({', '.join(sorted(PRESETS))}) nor a directory with config.json")
+    return ModelSpec.from_hf_dir(model)
+
+
+@dataclass(frozen=True, kw_only=True)
+class RewardShape:
+    """A reward model (forward only). Its ranks share the training devices: reward rank r
+    sits on the device of actor rank r mod the actor's world (see launch/placement.py).
+
+    model: a preset, an HF sequence-classifier directory, or its ModelSpec.
+    parallel: its own grid. dtype: its weights and activations. micro_batch_size: sequences
+    per forward micro batch (of the run's train.seq_len tokens).
+    """
+
+    model: str | ModelSpec
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    dtype: Literal["fp32", "bf16"] = "bf16"
+    micro_batch_size: int = 1
+
+    def __post_init__(self) -> None:
+        if self.micro_batch_size < 1:
+            raise ConfigError("micro_batch_size", self.micro_batch_size, "must be >= 1")
+        if not isinstance(self.model, ModelSpec):
+            resolve_model(self.model)
+
+    def spec(self) -> ModelSpec:
+        return resolve_model(self.model)
+
+
 @dataclass(frozen=True, kw_only=True)
 class Allocation:
     """The hardware a run is sized for.
@@ -154,27 +191,22 @@ class RunShape(Allocation):
     model: a preset name (`mcore_rl.models.presets`), an HF model directory (config.json), or
         the ModelSpec itself (e.g. the demo model before it is built).
     train / rollout: the training roles' and the engines' shapes.
+    reward_model: a reward model on the training devices, or null.
     """
 
     model: str | ModelSpec
     train: TrainShape = field(default_factory=TrainShape)
     rollout: RolloutShape = field(default_factory=RolloutShape)
+    reward_model: RewardShape | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if isinstance(self.model, ModelSpec):
-            return
-        if self.model not in PRESETS and not (Path(self.model) / "config.json").is_file():
-            raise ConfigError("model", self.model, "neither a preset "
-                              f"({', '.join(sorted(PRESETS))}) nor a directory with config.json")
+        if not isinstance(self.model, ModelSpec):
+            resolve_model(self.model)
 
     def spec(self) -> ModelSpec:
         """The model's shapes (preset, or the HF directory's config.json)."""
-        if isinstance(self.model, ModelSpec):
-            return self.model
-        if self.model in PRESETS:
-            return PRESETS[self.model]
-        return ModelSpec.from_hf_dir(self.model)
+        return resolve_model(self.model)
 
     @property
     def model_name(self) -> str:
@@ -195,4 +227,5 @@ class RunShape(Allocation):
         return "te" if self.device == "gpu" else "local"
 
 
-__all__ = ["GiB", "RolloutShape", "RunShape", "TrainShape"]
+__all__ = ["Allocation", "GiB", "RewardShape", "RolloutShape", "RunShape", "TrainShape",
+           "resolve_model"]

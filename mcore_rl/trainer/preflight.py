@@ -18,7 +18,7 @@ import torch
 
 from mcore_rl.config import ConfigError, load_config
 from mcore_rl.planning.preflight import Problem, format_problems, preflight
-from mcore_rl.planning.run_shape import RolloutShape, RunShape, TrainShape
+from mcore_rl.planning.run_shape import RewardShape, RolloutShape, RunShape, TrainShape
 from mcore_rl.trainer.rl_config import RLConfig
 
 
@@ -102,7 +102,16 @@ def run_shape_of(cfg: RLConfig, model_dir: str | Path | None = None) -> RunShape
                              max_num_seqs=cfg.rollout.max_num_seqs or 256,
                              executor="uni" if cfg.rollout.tp == 1 else "mp",
                              sleep="all" if cfg.rollout.enable_sleep else "none"),
+        reward_model=_reward_shape(cfg),
     )
+
+
+def _reward_shape(cfg: RLConfig) -> RewardShape | None:
+    rm = cfg.reward_model
+    if not rm.enabled:
+        return None
+    return RewardShape(model=rm.planning_model(), parallel=rm.parallel, dtype=rm.dtype,
+                       micro_batch_size=rm.micro_batch_size)
 
 
 def _preset_mismatch(cfg: RLConfig) -> list[Problem]:

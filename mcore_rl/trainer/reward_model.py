@@ -60,6 +60,8 @@ class RewardModelConfig:
     coeff: weight of the model score in the reward: reward = rule reward + coeff * score.
     timeout_s: deadline of start-up and of each `score` call, and the workers' collective
         timeout.
+    preset: a planner preset of the model's shapes (`mcore_rl.models.presets`): preflight
+        sizes the reward model from it when hf_dir is not on this machine (as model.preset).
     """
 
     enabled: bool = False
@@ -69,6 +71,7 @@ class RewardModelConfig:
     dtype: Literal["fp32", "bf16"] = "fp32"
     coeff: float = 1.0
     timeout_s: float = 600.0
+    preset: str | None = None
 
     def __post_init__(self) -> None:
         if self.enabled and not self.hf_dir:
@@ -88,6 +91,21 @@ class RewardModelConfig:
         if self.parallel.vpp is not None:
             raise ConfigError("parallel.vpp", self.parallel.vpp, "not supported for the "
                               "forward-only reward model: use null")
+        from mcore_rl.models.presets import PRESETS
+
+        if self.preset is not None and self.preset not in PRESETS:
+            raise ConfigError("preset", self.preset,
+                              f"unknown preset; known: {', '.join(sorted(PRESETS))}")
+
+    def planning_model(self) -> str:
+        """What preflight sizes the reward model from: hf_dir when its config.json is here,
+        else the preset."""
+        if self.hf_dir and (Path(self.hf_dir) / "config.json").is_file():
+            return self.hf_dir
+        if self.preset is not None:
+            return self.preset
+        raise ConfigError("reward_model.hf_dir", self.hf_dir, "has no config.json on this "
+                          "machine: set reward_model.preset to size the run without it")
 
 
 # --- the checkpoint ---------------------------------------------------------------------------

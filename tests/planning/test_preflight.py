@@ -27,6 +27,10 @@ CPU = ["cluster.device=cpu", "cluster.placement=disaggregated", "cluster.nodes=1
        "cluster.gpus_per_node=4", "cluster.device_gib=8", "cluster.reserve_gib=1",
        "cluster.sync_backend=gloo", "actor.tp=2", "rollout.tp=2", "rollout.engines=1"]
 
+# a reward model the size of the policy (not on this machine: sized from its preset)
+RM = ["reward_model.enabled=true", "reward_model.hf_dir=/models/rm-8b",
+      "reward_model.preset=llama3-8b", "reward_model.dtype=bf16", "reward_model.parallel.tp=4"]
+
 BAD = [
     # id, base, overrides, expected problem
     ("tp-vs-heads", L70, ["actor.tp=3", "actor.pp=8", "cluster.nodes=7"],
@@ -58,6 +62,10 @@ BAD = [
     ("unknown-field", L70, ["train.learning_rate=1e-6"], "config"),
     ("bad-value", L70, ["cluster.placement=hybrid"], "config"),
     ("batch-vs-micro", L8, ["train.micro_batch_size=3"], "config"),  # 128 per DP rank % 3
+    ("reward-model-world", L8, RM + ["reward_model.parallel.tp=8", "reward_model.parallel.dp=2"],
+     "reward-model-world"),                        # 16 reward ranks on 8 actor devices
+    ("reward-model-grid", L8, RM + ["reward_model.parallel.tp=3"], "reward-model-grid"),
+    ("reward-model-unsized", L8, RM + ["reward_model.preset=null"], "model"),
 ]
 
 # Checks a run config cannot reach (its executor follows rollout.tp, its global batch is
@@ -109,6 +117,28 @@ def test_gpu_configs_are_sized_from_their_cluster_and_preset():
     coloc = run_shape_of(load_config(RLConfig, L8))
     assert (coloc.placement, coloc.rollout.sleep, coloc.rollout.executor) == (
         "colocated", "all", "mp")
+
+
+def test_reward_model_memory_is_planned_on_the_training_devices():
+    """A reward model's weights sit on the actor's devices for the whole run; while it scores
+    (before the engines sleep) a colocated engine is awake beside it."""
+    from mcore_rl.planning.memory import mcore_stage_params, plan_memory
+
+    base = plan_memory(run_shape_of(load_config(RLConfig, L8)))
+    with_rm = plan_memory(run_shape_of(load_config(RLConfig, L8, RM)))
+    rm = next(r for r in with_rm.roles if r.role == "reward model")
+    spec = load_config(RLConfig, L8, RM).reward_model.planning_model()
+    from mcore_rl.models.presets import PRESETS
+    from mcore_rl.parallel import ParallelConfig
+
+    par = ParallelConfig(tp=4)
+    stage_params = mcore_stage_params(PRESETS[spec], par, 0, "value")
+    assert rm.components[0].bytes == 2 * stage_params  # bf16, one stage, value head
+    for before, after in zip(base.devices, with_rm.devices):
+        gained = after.peak.total - before.peak.total
+        assert gained >= rm.resident  # resident in every phase of the shared device
+    scoring = next(p for p in with_rm.devices[0].phases if p.name == "reward scoring")
+    assert any(name == "rollout engine" for name, _ in scoring.parts)  # colocated: awake
 
 
 def test_fix_names_the_run_config_field():
