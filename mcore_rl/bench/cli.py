@@ -87,6 +87,9 @@ def _add_step(kinds) -> None:
     p.add_argument("--warmup-steps", type=int, default=1, help="unmeasured steps first")
     p.add_argument("--peak-tflops", type=float, default=0.2,
                    help="dense peak per device in TFLOP/s (e.g. 989 for H100 bf16)")
+    p.add_argument("--compare", action="append", default=[], metavar="A.B=VALUE",
+                   help="also run a variant with this override (repeatable), e.g. "
+                        "off_policy_steps=1; reports its speed-up over the baseline")
     p.add_argument("overrides", nargs="*", help="a.b.c=value")
     _add_common(p, "step", 2)
     p.set_defaults(func=run_step)
@@ -139,8 +142,9 @@ def run_step(args) -> int:
     def make(a):
         cfg = step.StepBenchConfig(config=a.config, overrides=tuple(a.overrides),
                                    repeats=a.repeats, warmup_steps=a.warmup_steps,
-                                   peak_tflops=a.peak_tflops)
+                                   peak_tflops=a.peak_tflops, compare=tuple(a.compare))
         cfg.rl_config()  # fail on a bad config before anything starts
+        cfg.variant().rl_config()
         return cfg
 
     return _run_bench(args, "step", make, step.run_step_bench, step)

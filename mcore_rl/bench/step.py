@@ -41,7 +41,9 @@ from mcore_rl.bench.report import Table, spread
 from mcore_rl.config import ConfigError
 from mcore_rl.models.spec import ModelSpec
 
-PHASES = ("gen", "reward", "old_logprob", "ref", "values", "adv", "update_actor",
+# gen_wait: one-step off-policy only — the time a step blocked on generation that ran beside
+# training (`gen` is then the generation's own time, overlapped).
+PHASES = ("gen", "gen_wait", "reward", "old_logprob", "ref", "values", "adv", "update_actor",
           "update_critic", "sync")
 INFERENCE = ("gen", "old_logprob", "ref", "values")
 TRAINING = ("update_actor", "update_critic")
@@ -126,13 +128,17 @@ class StepBenchConfig:
     """config: RLConfig YAML (None: built-in defaults); overrides: `a.b=value` strings.
     repeats: measured RL steps; warmup_steps: unmeasured steps before them (start-up costs).
     peak_tflops: dense peak per device, TFLOP/s, in the training dtype (e.g. 989 for H100
-    bf16); the CPU default is a placeholder for a couple of cores."""
+    bf16); the CPU default is a placeholder for a couple of cores.
+    compare: extra overrides of a variant (e.g. "off_policy_steps=1"): the same steps run
+        again with them in the same invocation, and the report gives the variant's timings
+        and its speed-up (baseline median step seconds / variant's)."""
 
     config: str | None = None
     overrides: tuple[str, ...] = ()
     repeats: int = 2
     warmup_steps: int = 1
     peak_tflops: float = 0.2
+    compare: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.repeats < 1:
@@ -147,6 +153,12 @@ class StepBenchConfig:
         from mcore_rl.trainer.rl_config import RLConfig
 
         return load_config(RLConfig, self.config, list(self.overrides))
+
+    def variant(self) -> "StepBenchConfig":
+        """This benchmark with the `compare` overrides applied (and no further variant)."""
+        return StepBenchConfig(config=self.config, overrides=self.overrides + self.compare,
+                               repeats=self.repeats, warmup_steps=self.warmup_steps,
+                               peak_tflops=self.peak_tflops)
 
 
 def _controller_cls():
@@ -166,6 +178,19 @@ def _controller_cls():
 
 
 def run_step_bench(cfg: StepBenchConfig) -> dict:
+    """The baseline's report; with `compare`, the variant's under "compare" with the
+    speed-up of the median step (both measured in this run)."""
+    report = _measure(cfg)
+    if cfg.compare:
+        variant = _measure(cfg.variant())
+        base_s, var_s = (r["timing_s"]["step"]["median"] for r in (report, variant))
+        report["compare"] = {"overrides": list(cfg.compare), "step_speedup": base_s / var_s,
+                             "timing_s": variant["timing_s"],
+                             "reward_mean": [s["reward_mean"] for s in variant["per_step"]]}
+    return report
+
+
+def _measure(cfg: StepBenchConfig) -> dict:
     """Start the controller on a locally built model, run warm-up + measured steps, return
     the report."""
     from mcore_rl.trainer.demo import build_demo_model
@@ -231,7 +256,7 @@ def build_report(cfg: StepBenchConfig, rl, spec: ModelSpec,
     report["per_step"] = per_step
     report["config"] = {"config": cfg.config, "overrides": list(cfg.overrides),
                         "repeats": cfg.repeats, "warmup_steps": cfg.warmup_steps,
-                        "peak_tflops": cfg.peak_tflops}
+                        "peak_tflops": cfg.peak_tflops, "compare": list(cfg.compare)}
     return report
 
 
@@ -289,4 +314,9 @@ def summary_lines(report: dict) -> list[str]:
                  f"{report['tokens_per_s_per_device']['median']:.1f} tokens/s per device, "
                  f"MFU {100 * report['mfu']['median']:.3f} % of "
                  f"{report['peak_tflops_per_device']} TFLOP/s x {report['devices']} devices")
+    if "compare" in report:
+        c = report["compare"]
+        lines.append(f"  variant {' '.join(c['overrides'])}: step "
+                     f"{c['timing_s']['step']['median']:.4f} s median, "
+                     f"{c['step_speedup']:.2f}x the baseline's speed")
     return lines
