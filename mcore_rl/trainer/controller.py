@@ -140,6 +140,7 @@ def compute_advantages(algo: AlgorithmConfig, scores: torch.Tensor, groups: torc
     return adv, returns, metrics
 
 
+_WIRE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 _PACKING = ("pack_efficiency", "pad_efficiency", "micro_batches")
 
 
@@ -234,7 +235,8 @@ class RLController:
         self._executor = None
         self.plan = build_plan(megatron_shards(self.spec, cfg.actor),
                                vllm_shards(self.spec, cfg.rollout.tp, cfg.rollout.engines),
-                               bucket_bytes=int(cfg.sync_bucket_mb * (1 << 20)))
+                               bucket_bytes=int(cfg.sync_bucket_mb * (1 << 20)),
+                               element_size=_WIRE_DTYPES[cfg.wire_dtype].itemsize)
 
     # --- plumbing ---------------------------------------------------------------------------
 
@@ -278,14 +280,16 @@ class RLController:
         """Stream the actor's shards into every engine; checks each engine got every name."""
         if self._in_flight is not None:  # never change weights under a running generation
             self._wait_in_flight(self._in_flight)
-        self.engines.begin_sync(self.plan, timeout_s=self.cfg.deadlines.sync_s)
+        self.engines.begin_sync(self.plan, dtype=_WIRE_DTYPES[self.cfg.wire_dtype],
+                                timeout_s=self.cfg.deadlines.sync_s)
         return self._finish_sync()
 
     def _finish_sync(self) -> dict[str, float]:
         """The trainer side of a started sync. A failure is blamed on the engines that died,
         by name, when there are any (a bare transport error only says a peer left)."""
         try:
-            stats = self._actor("send_weights", self.plan, "fp32", self.cfg.deadlines.sync_s,
+            stats = self._actor("send_weights", self.plan, self.cfg.wire_dtype,
+                                self.cfg.deadlines.sync_s,
                                 phase="sync")
             self.engines.finish_sync()
         except WatchdogTimeout:

@@ -176,6 +176,9 @@ class RLConfig:
     steps: RL steps. prompts_per_step x samples_per_prompt sequences per step.
     updates_per_batch: optimizer steps (mini-batches x epochs) per generated batch.
     temperature / max_new_tokens: sampling. sync_bucket_mb: weight-sync bucket.
+    sync_dtype: the weight sync's wire dtype — "auto" (bf16 when rollout.dtype is bfloat16,
+        else fp32), "fp32" or "bf16" (half the bytes; the engines install the rounded
+        weights into their own dtype).
     deadlines: per-phase deadlines of the watchdog.
     inject_stall: fault injection for watchdog tests: "<phase>@rank<r>" stalls actor rank r
         in that phase, "gen@engine<i>" stalls engine i's generation. Leave null.
@@ -210,12 +213,20 @@ class RLConfig:
     temperature: float = 1.0
     max_new_tokens: int = 5
     sync_bucket_mb: float = 16.0
+    sync_dtype: Literal["auto", "fp32", "bf16"] = "auto"
     deadlines: DeadlineConfig = field(default_factory=DeadlineConfig)
     inject_stall: str | None = None
     save_every: int = 0
     max_sampling_rounds: int = 4
     off_policy_steps: int = 0
     seed: int = 0
+
+    @property
+    def wire_dtype(self) -> str:
+        """The weight sync's dtype, "fp32" or "bf16" (sync_dtype resolved)."""
+        if self.sync_dtype != "auto":
+            return self.sync_dtype
+        return "bf16" if self.rollout.dtype == "bfloat16" else "fp32"
 
     def __post_init__(self) -> None:
         for name in ("steps", "prompts_per_step", "samples_per_prompt", "updates_per_batch",

@@ -140,3 +140,27 @@ def test_reward_model_scores_rollouts_in_the_loop(tmp_path):
     assert worst < 1e-5, worst
     assert len({s for g in rollouts.scores for s in g}) > 1  # the model tells samples apart
     assert metrics["reward_std"] > 0 and metrics["grad_norm"] > 0
+
+
+def test_bf16_wire_sync_halves_the_bytes(tmp_path):
+    """sync_dtype bf16: the actor's fp32 shards go over the wire as bf16 (half the bytes of
+    the plan's fp32 elements) and the fp32 engine installs the rounded weights — its
+    log-probs then differ from the actor's by rounding only."""
+    from mcore_rl.trainer.controller import RLController
+    from mcore_rl.trainer.demo import build_demo_model
+
+    cfg = small_config("actor.tp=2", "sync_dtype=bf16", *GRPO)
+    assert cfg.wire_dtype == "bf16"
+    model_dir = build_demo_model(cfg, tmp_path)
+    controller = RLController(cfg, model_dir, tmp_path)
+    try:
+        controller.reset_optimizer()
+        first = controller.sync_weights()
+        step = controller.rl_step(1)
+        elements = sum(t.numel for round_ in controller.plan.rounds for t in round_)
+    finally:
+        controller.shutdown()
+    assert controller.plan.element_size == 2
+    assert first["sync_bytes"] == step["sync_bytes"] == 2 * elements
+    # bf16 keeps 8 mantissa bits: the engine's weights are the actor's, rounded
+    assert 0 < step["rollout_logprob_max_diff"] < 0.1, step["rollout_logprob_max_diff"]
