@@ -6,13 +6,13 @@ log-probs of its samples then differ from the actor's), and a run resumed from a
 
 from mcore_rl.config import load_config
 from mcore_rl.trainer.rl_config import RLConfig
+from .rl_runs import DETERMINISTIC as BASE_DETERMINISTIC
+from .rl_runs import run_steps
 
-DETERMINISTIC = ("reward_mean", "pg_loss", "clip_frac", "ppo_kl", "entropy", "grad_norm",
-                 "response_length", "rollout_logprob_max_diff")
+DETERMINISTIC = BASE_DETERMINISTIC + ("rollout_logprob_max_diff",)
 
 
 def test_one_step_off_policy_overlaps_and_resumes_exactly(tmp_path):
-    from mcore_rl.trainer.controller import RLController
     from mcore_rl.trainer.demo import build_demo_model
 
     cfg = load_config(RLConfig, None, [
@@ -22,23 +22,8 @@ def test_one_step_off_policy_overlaps_and_resumes_exactly(tmp_path):
         "task.reward_fn=mcore_rl.tasks.addition:digit_reward"])
     model_dir = build_demo_model(cfg, tmp_path / "model")
 
-    def run(out, steps, resume_from=None, save_at=None):
-        controller = RLController(cfg, model_dir, out)
-        try:
-            controller.reset_optimizer()
-            if resume_from is not None:
-                assert controller.load_checkpoint(resume_from) == steps[0] - 1
-            controller.sync_weights()
-            metrics, checkpoint = {}, None
-            for step in steps:
-                metrics[step] = controller.rl_step(step)
-                if step == save_at:
-                    checkpoint = controller.save_checkpoint(step)
-            return metrics, controller.weights_digests(), checkpoint
-        finally:
-            controller.shutdown()
-
-    full, full_digest, checkpoint = run(tmp_path / "full", (1, 2, 3, 4), save_at=2)
+    full, full_digest, checkpoint = run_steps(cfg, model_dir, tmp_path / "full", (1, 2, 3, 4),
+                                              save_at=2)
     # overlap: the next batch was generating while this step trained (not on the last step)
     for step in (1, 2, 3):
         assert full[step]["gen_overlap_s"] > 0, (step, full[step])
@@ -52,7 +37,8 @@ def test_one_step_off_policy_overlaps_and_resumes_exactly(tmp_path):
 
     # the checkpoint after step 2 carries step 3's batch (generated on step 2's weights)
     assert (checkpoint / "next_rollouts.pt").is_file()
-    resumed, resumed_digest, _ = run(tmp_path / "resumed", (3, 4), resume_from=checkpoint)
+    resumed, resumed_digest, _ = run_steps(cfg, model_dir, tmp_path / "resumed", (3, 4),
+                                           resume_from=checkpoint)
     for step in (3, 4):
         for key in DETERMINISTIC:
             assert resumed[step][key] == full[step][key], (step, key)

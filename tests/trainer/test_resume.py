@@ -3,13 +3,10 @@ metrics and actor weights at step k+2 exactly (fp32, seeded sampling, determinis
 
 from mcore_rl.config import load_config
 from mcore_rl.trainer.rl_config import RLConfig
-
-DETERMINISTIC = ("reward_mean", "pg_loss", "clip_frac", "ppo_kl", "entropy", "grad_norm",
-                 "response_length")
+from .rl_runs import DETERMINISTIC, run_steps
 
 
 def test_resume_from_step_k_reproduces_step_k_plus_2(tmp_path):
-    from mcore_rl.trainer.controller import RLController
     from mcore_rl.trainer.demo import build_demo_model
 
     cfg = load_config(RLConfig, None, [
@@ -20,27 +17,12 @@ def test_resume_from_step_k_reproduces_step_k_plus_2(tmp_path):
         "task.reward_fn=mcore_rl.tasks.addition:digit_reward"])
     model_dir = build_demo_model(cfg, tmp_path / "model")
 
-    def run(out, resume_from=None, steps=(1, 2, 3, 4), save_at=None):
-        controller = RLController(cfg, model_dir, out)
-        try:
-            controller.reset_optimizer()
-            if resume_from is not None:
-                assert controller.load_checkpoint(resume_from) == steps[0] - 1
-            controller.sync_weights()
-            metrics = {}
-            for step in steps:
-                metrics[step] = controller.rl_step(step)
-                if step == save_at:
-                    checkpoint = controller.save_checkpoint(step)
-            return metrics, controller.weights_digests(), locals().get("checkpoint")
-        finally:
-            controller.shutdown()
-
-    full, full_digest, checkpoint = run(tmp_path / "full", save_at=2)
+    full, full_digest, checkpoint = run_steps(cfg, model_dir, tmp_path / "full", (1, 2, 3, 4),
+                                              save_at=2)
     assert checkpoint.name == "step_2" and (checkpoint / "actor").is_dir()
     assert not list(checkpoint.parent.glob(".step_*.tmp"))
-    resumed, resumed_digest, _ = run(tmp_path / "resumed", resume_from=checkpoint.parent,
-                                     steps=(3, 4))
+    resumed, resumed_digest, _ = run_steps(cfg, model_dir, tmp_path / "resumed", (3, 4),
+                                           resume_from=checkpoint.parent)
     for step in (3, 4):
         for key in DETERMINISTIC:
             assert resumed[step][key] == full[step][key], (step, key)
