@@ -32,6 +32,7 @@ import json
 import re
 import sys
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -82,6 +83,26 @@ class ConvertReport:
 # --- hf-to-mcore ------------------------------------------------------------------------------
 
 
+def _my_share(items: list, sizes: list[int], ranks: Ranks) -> list:
+    """This rank's items when `items` are spread over the ranks by size."""
+    owner = partition(sizes, ranks.world)
+    return [item for item, rank in zip(items, owner) if rank == ranks.rank]
+
+
+@contextmanager
+def _staging(ranks: Ranks, dst: Path, tmp_dir: Path | None):
+    """The hidden directory every rank writes into (rank 0 names it, beside `dst`, unless
+    `tmp_dir` is given); if anything fails rank 0 removes it, so no half-written output is
+    left. Committing it to `dst` is the caller's last step inside the block."""
+    tmp = ranks.broadcast(tmp_dir or (output.temp_dir_for(dst) if ranks.is_first else None))
+    try:
+        yield tmp
+    except BaseException:
+        if ranks.is_first:
+            output.remove(tmp)
+        raise
+
+
 def hf_to_mcore(src: str | Path, dst: str | Path, *, dtype: torch.dtype | None = None,
                 force: bool = False, progress: bool = True, ranks: Ranks | None = None,
                 tmp_dir: Path | None = None) -> ConvertReport:
@@ -101,11 +122,9 @@ def hf_to_mcore(src: str | Path, dst: str | Path, *, dtype: torch.dtype | None =
         return spec, layout, [_chunk(t, layout.tp1, weights, src_dtypes, dtype)
                               for t in layout.tensors]
     spec, layout, chunks = ranks.agree(preflight)       # every rank, or none, goes on
-    owner = partition([c.nbytes for c in chunks], ranks.world)
-    mine = [c for c, r in zip(chunks, owner) if r == ranks.rank]
-    tmp = ranks.broadcast(tmp_dir or (output.temp_dir_for(dst) if ranks.is_first else None))
+    mine = _my_share(chunks, [c.nbytes for c in chunks], ranks)
     stored = sorted({str(c.dtype).removeprefix("torch.") for c in chunks})
-    try:
+    with _staging(ranks, dst, tmp_dir) as tmp:
         def prepare():
             if ranks.is_first:
                 tmp.mkdir(parents=True)
@@ -124,10 +143,6 @@ def hf_to_mcore(src: str | Path, dst: str | Path, *, dtype: torch.dtype | None =
                 _write_metadata(tmp, src, spec, layout, stored, n, nbytes)
                 output.commit(tmp, dst, force=force)
         ranks.agree(finish)
-    except BaseException:
-        if ranks.is_first:
-            output.remove(tmp)
-        raise
     return ConvertReport("hf-to-mcore", str(src), str(dst), n, nbytes,
                          time.perf_counter() - t0, ranks.world, "/".join(stored))
 
@@ -230,11 +245,9 @@ def mcore_to_hf(src: str | Path, dst: str | Path, *, hf_config: str | Path | Non
     unit_of = {name: u for u in units for name in u.hf_names}
     order = sorted(shapes, key=_natural_key)
     plan = plan_shards([(n, shapes[n], unit_of[n].dtype) for n in order], max_shard_bytes)
-    owner = partition([u.nbytes for u in units], ranks.world)
-    mine = [u for u, r in zip(units, owner) if r == ranks.rank]
-    tmp = ranks.broadcast(tmp_dir or (output.temp_dir_for(dst) if ranks.is_first else None))
+    mine = _my_share(units, [u.nbytes for u in units], ranks)
     out_dtypes = sorted({str(u.dtype).removeprefix("torch.") for u in units})
-    try:
+    with _staging(ranks, dst, tmp_dir) as tmp:
         def prepare():
             if ranks.is_first:
                 tmp.mkdir(parents=True)
@@ -263,10 +276,6 @@ def mcore_to_hf(src: str | Path, dst: str | Path, *, hf_config: str | Path | Non
             if ranks.is_first:
                 output.commit(tmp, dst, force=force)
         ranks.agree(finish)
-    except BaseException:
-        if ranks.is_first:
-            output.remove(tmp)
-        raise
     return ConvertReport("mcore-to-hf", str(src), str(dst), n, nbytes,
                          time.perf_counter() - t0, ranks.world, "/".join(out_dtypes))
 
