@@ -51,10 +51,15 @@ class _VocabParallelLogProbEntropy(torch.autograd.Function):
                 tp_group: dist.ProcessGroup) -> tuple[Tensor, Tensor]:
         shard = logits.shape[-1]
         start = dist.get_rank(tp_group) * shard
-        z = logits.float()  # may alias `logits` (fp32): no in-place ops on z below
-        z_max = z.max(dim=-1).values
+        z_max = logits.max(dim=-1).values.float()
         dist.all_reduce(z_max, op=dist.ReduceOp.MAX, group=tp_group)
-        shifted = z - z_max.unsqueeze(-1)
+        # Two shard-sized fp32 buffers at most (shifted, exp): the fp32 copy of bf16 logits is
+        # shifted in place, fp32 logits (the caller's) get one new buffer, and the
+        # sum of exp·shifted is a dot product (no third buffer for the product).
+        if logits.dtype == torch.float32:
+            shifted = logits - z_max.unsqueeze(-1)
+        else:
+            shifted = logits.float().sub_(z_max.unsqueeze(-1))
         exp = torch.exp(shifted)
 
         local_target = target - start
@@ -63,12 +68,13 @@ class _VocabParallelLogProbEntropy(torch.autograd.Function):
         target_logit = shifted.gather(-1, local_target.unsqueeze(-1)).squeeze(-1)
         sums = torch.stack([exp.sum(-1),
                             torch.where(owned, target_logit, torch.zeros_like(target_logit)),
-                            (exp * shifted).sum(-1)])
+                            (exp.unsqueeze(-2) @ shifted.unsqueeze(-1)).squeeze(-1).squeeze(-1)])
         dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=tp_group)
         sum_exp, target_logit, sum_exp_logit = sums.unbind(0)
 
         log_z = torch.log(sum_exp)  # of the shifted logits
         mean_logit = sum_exp_logit / sum_exp  # E_p[shifted logit]
+        del exp
         ctx.save_for_backward(shifted, log_z, mean_logit, local_target, owned)
         ctx.input_dtype = logits.dtype
         ctx.set_materialize_grads(False)
