@@ -41,3 +41,22 @@ def test_plan_placement(world, tp, engines, per_node, placement, actor, engine_s
 def test_plan_placement_errors_name_the_field(kwargs, field):
     with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
         plan_placement(**kwargs)
+
+
+@pytest.mark.parametrize("name", ["llama3-8b", "llama2-13b", "llama3-70b"])
+def test_shipped_gpu_configs_place_on_their_nodes(name):
+    """Each GPU config's placement uses exactly the nodes its cluster section asks for."""
+    from pathlib import Path
+
+    from mcore_rl.config import load_config
+    from mcore_rl.trainer.controller import placement_plan_of
+    from mcore_rl.trainer.rl_config import RLConfig
+
+    cfg = load_config(RLConfig, Path(__file__).parents[2] / "configs" / "gpu" / f"{name}.yaml")
+    plan = placement_plan_of(cfg)
+    assert plan.nodes == cfg.cluster.nodes
+    devices = set(plan.actor) | {s for e in plan.engines for s in e}
+    assert all(s.device < cfg.cluster.gpus_per_node for s in devices)
+    expected = cfg.actor.world_size + (0 if cfg.cluster.placement == "colocated"
+                                       else cfg.rollout.tp * cfg.rollout.engines)
+    assert len(devices) == expected  # no device holds two ranks of one role
