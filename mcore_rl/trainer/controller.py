@@ -52,12 +52,14 @@ def driver_address() -> str:
 
 @dataclass
 class Rollouts:
-    """One step's generated groups: per prompt its example, its samples and their rewards;
-    `stats` are the sampling statistics (dynamic sampling). Plain values, so an off-policy
-    batch in flight can be saved with a checkpoint (`to_state` / `from_state`)."""
+    """One step's generated groups: per prompt its example, its token ids, its samples and
+    their rewards; `stats` are the sampling statistics (dynamic sampling). Plain values, so
+    an off-policy batch in flight can be saved with a checkpoint (`to_state` /
+    `from_state`)."""
 
     step: int
     examples: list[Example]
+    prompt_ids: list[list[int]]
     completions: list[list[Completion]]
     scores: list[list[float]]
     stats: dict[str, float]
@@ -65,6 +67,7 @@ class Rollouts:
     def to_state(self) -> dict:
         return {"step": self.step, "prompts": [e.prompt for e in self.examples],
                 "answers": [e.answer for e in self.examples], "scores": self.scores,
+                "prompt_ids": self.prompt_ids,
                 "stats": self.stats,
                 "completions": [[{"token_ids": list(c.token_ids), "logprobs": list(c.logprobs),
                                   "finish_reason": c.finish_reason} for c in group]
@@ -76,7 +79,8 @@ class Rollouts:
                                    c["finish_reason"]) for c in group]
                        for group in state["completions"]]
         examples = [Example(p, a) for p, a in zip(state["prompts"], state["answers"])]
-        return cls(step=state["step"], examples=examples, completions=completions,
+        return cls(step=state["step"], examples=examples, prompt_ids=state["prompt_ids"],
+                   completions=completions,
                    scores=state["scores"], stats=state["stats"])
 
 
@@ -369,7 +373,8 @@ class RLController:
 
     def _sample(self, step: int, attempt: int):
         """Generate samples_per_prompt responses for prompts_per_step fresh prompts (seeded by
-        step and attempt: the data position is the step); returns (examples, completions)."""
+        step and attempt: the data position is the step); returns (examples, their prompt
+        token ids, completions)."""
         cfg = self.cfg
         examples = self.task.train_examples(cfg.prompts_per_step, step=step, attempt=attempt,
                                             seed=cfg.seed)
@@ -378,16 +383,17 @@ class RLController:
                                   n=cfg.samples_per_prompt,
                                   seed=cfg.seed * 1000 + step + 1_000_003 * attempt,
                                   stop_token_ids=[self.tokenizer.eos_token_id])
-        return examples, self._generate(prompts, sampling)
+        return examples, prompts, self._generate(prompts, sampling)
 
-    def score(self, examples: list[Example], outs: list[list[Completion]]) -> list[list[float]]:
+    def score(self, examples: list[Example], prompt_ids: list[list[int]],
+              outs: list[list[Completion]]) -> list[list[float]]:
         """Each sample's reward: the rule function's (prompt, response, answer), plus
-        reward_model.coeff times the reward model's score of prompt + response."""
+        reward_model.coeff times the reward model's score of prompt + response ids."""
         scores = [[float(self.reward(e.prompt, response_text(c.token_ids, self.tokenizer),
                                      e.answer)) for c in o] for e, o in zip(examples, outs)]
         if self.reward_model is None:
             return scores
-        prompts = [self.encode(e.prompt) for e, o in zip(examples, outs) for _ in o]
+        prompts = [ids for ids, o in zip(prompt_ids, outs) for _ in o]
         responses = [list(c.token_ids) for o in outs for c in o]
         model = self.reward_model.score(prompts, responses, self.tokenizer.pad_token_id).tolist()
         coeff, flat = self.cfg.reward_model.coeff, iter(model)
@@ -418,18 +424,18 @@ class RLController:
         kept, dropped, rounds = [], [], 0
         while len(kept) < cfg.prompts_per_step and rounds < cfg.max_sampling_rounds:
             with timer("gen"):
-                examples, outs = self._sample(step, rounds)
+                examples, prompt_ids, outs = self._sample(step, rounds)
             with timer("reward"):
-                scores = self.score(examples, outs)
+                scores = self.score(examples, prompt_ids, outs)
             rounds += 1
-            for group in zip(examples, outs, scores):
-                informative = len(set(group[2])) > 1
+            for group in zip(examples, prompt_ids, outs, scores):
+                informative = len(set(group[3])) > 1
                 (kept if informative or not cfg.algorithm.dynamic_sampling
                  else dropped).append(group)
             if not cfg.algorithm.dynamic_sampling:
                 break
         groups = (kept + dropped)[:cfg.prompts_per_step]
-        stats = {"informative_groups_frac": sum(len(set(g[2])) > 1 for g in groups)
+        stats = {"informative_groups_frac": sum(len(set(g[3])) > 1 for g in groups)
                  / len(groups), "sampling_rounds": rounds}
         return groups, stats
 
@@ -437,8 +443,9 @@ class RLController:
         """Generate and score the batch of `step` (phases gen and reward on `timer`)."""
         groups, stats = self._generate_groups(step, timer)
         return Rollouts(step=step, examples=[g[0] for g in groups],
-                        completions=[list(g[1]) for g in groups],
-                        scores=[list(g[2]) for g in groups], stats=stats)
+                        prompt_ids=[list(g[1]) for g in groups],
+                        completions=[list(g[2]) for g in groups],
+                        scores=[list(g[3]) for g in groups], stats=stats)
 
     def _rollouts_for(self, step: int, timer: PhaseTimer) -> tuple[Rollouts, dict[str, float]]:
         """The batch step trains on, and the generation-side timings to report with it.
@@ -510,7 +517,7 @@ class RLController:
         if cfg.rollout.enable_sleep:  # colocated on GPU: free the KV cache while training
             with timer("sleep"):
                 self.engines.sleep()
-        prompts = [self.encode(e.prompt) for e in rollouts.examples]
+        prompts = rollouts.prompt_ids
         outs = rollouts.completions
         flat_prompts = [p for p, o in zip(prompts, outs) for _ in o]
         completions = [c for o in outs for c in o]

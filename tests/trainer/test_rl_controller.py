@@ -127,7 +127,8 @@ def test_reward_model_scores_rollouts_in_the_loop(tmp_path):
         controller.sync_weights()
         rollouts = controller.collect(1, PhaseTimer())
         metrics = controller.rl_step(2)
-        prompts = [controller.encode(e.prompt) for e in rollouts.examples]
+        prompts = rollouts.prompt_ids
+        assert prompts == [controller.encode(e.prompt) for e in rollouts.examples]
     finally:
         controller.shutdown()
     hf = AutoModelForSequenceClassification.from_pretrained(rm_dir, torch_dtype=torch.float32)
