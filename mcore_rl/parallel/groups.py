@@ -104,3 +104,31 @@ def destroy_training_groups() -> None:
 
     if mpu.model_parallel_is_initialized():
         mpu.destroy_model_parallel()
+
+
+def join_worker_world(rank: int, world_size: int, store_address: tuple[str, int],
+                      parallel: ParallelConfig, *, timeout_s: float,
+                      device: int | None = None) -> ParallelGroups:
+    """A role's Ray worker joins its role's world: one intra-op thread (the workers share the
+    machine's cores), its device made current on GPU (before anything is allocated), the
+    process group through the TCPStore the driver hosts at `store_address` (world_size + 1
+    members: the driver holds one), then megatron's groups for `parallel`."""
+    import os
+
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
+    if device is not None and torch.cuda.is_available():
+        torch.cuda.set_device(device)
+    timeout = datetime.timedelta(seconds=timeout_s)
+    host, port = store_address
+    store = dist.TCPStore(host, port, world_size + 1, is_master=False, timeout=timeout)
+    dist.init_process_group(default_backend(), store=store, rank=rank, world_size=world_size,
+                            timeout=timeout)
+    return init_training_groups(parallel, timeout_s=timeout_s)
+
+
+def leave_worker_world() -> None:
+    """Undo `join_worker_world` (megatron's groups, then the process group)."""
+    destroy_training_groups()
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -135,7 +135,8 @@ def _setup(spec, groups, train, recompute: str):
     """`trainer.megatron_train.setup_trainer` with megatron's recompute options set."""
     from mcore_rl.compat import apply_cpu_compat
     from mcore_rl.models.gpt import build_gpt_model, transformer_config_from_spec
-    from mcore_rl.trainer.megatron_train import (DTYPES, MegatronTrainer, build_optimizer,
+    from mcore_rl.trainer.config import DTYPES
+    from mcore_rl.trainer.megatron_train import (MegatronTrainer, build_optimizer,
                                                  build_scheduler, wrap_ddp)
     from megatron.core.distributed import finalize_model_grads
 

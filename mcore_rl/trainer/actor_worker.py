@@ -9,13 +9,11 @@ it into micro batches (the pipeline needs equal shapes).
 
 from __future__ import annotations
 
-import datetime
 import os
 from dataclasses import asdict
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from mcore_rl.algorithms import AlgorithmConfig
 from mcore_rl.launch.watchdog import arm_stack_dump, maybe_stall
@@ -23,9 +21,9 @@ from mcore_rl.layouts import materialize_rank, megatron_shards
 from mcore_rl.models.hf_weights import SafetensorsWeights
 from mcore_rl.models.spec import ModelSpec
 from mcore_rl.parallel import ParallelConfig
-from mcore_rl.parallel.groups import Axis, default_backend, init_training_groups
+from mcore_rl.parallel.groups import Axis, join_worker_world, leave_worker_world
 from mcore_rl.resharding import Plan, SyncGroupSpec, join_sync_group, send_shards, verify_plan
-from mcore_rl.trainer.config import TrainConfig
+from mcore_rl.trainer.config import DTYPES, TrainConfig
 
 
 class ActorWorker:
@@ -50,21 +48,13 @@ class ActorWorker:
         from mcore_rl.trainer.critic import FrozenModel, attach_value_head
         from mcore_rl.trainer.megatron_train import setup_trainer
 
-        os.environ.setdefault("OMP_NUM_THREADS", "1")
-        torch.set_num_threads(1)
         self.device = device
-        if device is not None and torch.cuda.is_available():
-            torch.cuda.set_device(device)
-        timeout = datetime.timedelta(seconds=timeout_s)
-        host, port = store_address  # hosted by the controller
-        store = dist.TCPStore(host, port, world_size + 1, is_master=False, timeout=timeout)
-        dist.init_process_group(default_backend(), store=store, rank=rank,
-                                world_size=world_size, timeout=timeout)
+        self.groups = join_worker_world(rank, world_size, store_address, parallel,
+                                        timeout_s=timeout_s, device=device)
         self.rank, self.spec, self.parallel = rank, spec, parallel
-        self.groups = init_training_groups(parallel, timeout_s=timeout_s)
         self.shards = megatron_shards(spec, parallel)
         weights = SafetensorsWeights(hf_dir)
-        dtype = torch.bfloat16 if train.dtype == "bf16" else torch.float32
+        dtype = DTYPES[train.dtype]
 
         def load(chunks):
             load_chunks(chunks, materialize_rank(self.shards, rank, weights.__getitem__, dtype),
@@ -206,7 +196,7 @@ class ActorWorker:
         from mcore_rl.trainer.megatron_train import (_configure_schedule, build_optimizer,
                                                      build_scheduler)
 
-        dtype = torch.bfloat16 if train.dtype == "bf16" else torch.float32
+        dtype = DTYPES[train.dtype]
         trainer = self.trainer
         trainer.optimizer = build_optimizer(trainer.model, train.optimizer, dtype, self.groups)
         trainer.scheduler = build_scheduler(trainer.optimizer, train.optimizer)
@@ -243,7 +233,7 @@ class ActorWorker:
         where). Returns this rank's transport stats."""
         if self.sync_group is None:
             raise RuntimeError(f"actor rank {self.rank}: join_sync_group was not called")
-        torch_dtype = torch.bfloat16 if dtype == "bf16" else torch.float32
+        torch_dtype = DTYPES[dtype]
         maybe_stall("sync", f"rank{self.rank}", self.inject_stall)
         verify_plan(plan, self.sync_group, self.rank)
         stats = send_shards(plan, self.sync_group, self.rank, self.local_tensors(),
@@ -296,9 +286,5 @@ class ActorWorker:
                 "placement_group": context.get_placement_group_id()}
 
     def shutdown(self) -> bool:
-        from mcore_rl.parallel.groups import destroy_training_groups
-
-        destroy_training_groups()
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        leave_worker_world()
         return True

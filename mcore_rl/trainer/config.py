@@ -10,9 +10,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+import torch
+
 from mcore_rl.config import ConfigError
 from mcore_rl.models.spec import ModelSpec
 from mcore_rl.parallel.config import ParallelConfig
+
+
+# The config spelling of a dtype → torch's (training dtypes, the weight sync's wire dtype).
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 @dataclass(frozen=True, kw_only=True)

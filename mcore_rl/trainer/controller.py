@@ -31,6 +31,7 @@ from mcore_rl.rollout.engine import Completion, RolloutError, SamplingConfig
 from mcore_rl.tasks.base import Example, load_reward_fn
 from mcore_rl.tasks.config import DEFAULT_REWARDS, build_reward, build_task
 from mcore_rl.tasks.tokenizer import encode_answer, encode_prompt, load_tokenizer, response_text
+from mcore_rl.trainer.config import DTYPES
 from mcore_rl.trainer.metrics import MetricsWriter, PhaseTimer
 from mcore_rl.trainer.rl_config import RLConfig
 
@@ -144,7 +145,6 @@ def compute_advantages(algo: AlgorithmConfig, scores: torch.Tensor, groups: torc
     return adv, returns, metrics
 
 
-_WIRE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 _PACKING = ("pack_efficiency", "pad_efficiency", "micro_batches")
 
 
@@ -240,7 +240,7 @@ class RLController:
         self.plan = build_plan(megatron_shards(self.spec, cfg.actor),
                                vllm_shards(self.spec, cfg.rollout.tp, cfg.rollout.engines),
                                bucket_bytes=int(cfg.sync_bucket_mb * (1 << 20)),
-                               element_size=_WIRE_DTYPES[cfg.wire_dtype].itemsize)
+                               element_size=DTYPES[cfg.wire_dtype].itemsize)
 
     # --- plumbing ---------------------------------------------------------------------------
 
@@ -284,7 +284,7 @@ class RLController:
         """Stream the actor's shards into every engine; checks each engine got every name."""
         if self._in_flight is not None:  # never change weights under a running generation
             self._wait_in_flight(self._in_flight)
-        self.engines.begin_sync(self.plan, dtype=_WIRE_DTYPES[self.cfg.wire_dtype],
+        self.engines.begin_sync(self.plan, dtype=DTYPES[self.cfg.wire_dtype],
                                 timeout_s=self.cfg.deadlines.sync_s)
         return self._finish_sync()
 

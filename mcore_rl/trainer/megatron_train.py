@@ -40,10 +40,10 @@ from mcore_rl.models.gpt import build_gpt_model, transformer_config_from_spec
 from mcore_rl.models.spec import ModelSpec
 from mcore_rl.parallel.config import ParallelConfig
 from mcore_rl.parallel.groups import Axis, ParallelGroups
-from mcore_rl.trainer.config import OptimizerConfig, TrainConfig, check_model_fits_parallel
+from mcore_rl.trainer.config import (DTYPES, OptimizerConfig, TrainConfig,
+                                     check_model_fits_parallel)
 from mcore_rl.trainer.packing import model_inputs
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 @dataclass(frozen=True)

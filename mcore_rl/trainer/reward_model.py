@@ -21,7 +21,6 @@ The controller combines it with the rule reward as `rule + coeff * score`
 
 from __future__ import annotations
 
-import datetime
 import functools
 import math
 import os
@@ -35,9 +34,9 @@ import torch.distributed as dist
 from mcore_rl.config import ConfigError
 from mcore_rl.models.spec import ModelSpec
 from mcore_rl.parallel import ParallelConfig
+from mcore_rl.trainer.config import DTYPES
 
 SCORE_TENSOR = "score.weight"  # HF's GenericForSequenceClassification.score (bias=False)
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 class RewardModelError(ValueError):
@@ -224,6 +223,7 @@ def score_batch(model: RewardModel, tokens: torch.Tensor,
     """
     from mcore_rl.parallel.groups import Axis
     from mcore_rl.trainer.megatron_train import _run_schedule
+    from mcore_rl.trainer.packing import model_inputs
 
     groups, mbs = model.groups, model.micro_batch_size
     check_score_inputs(tokens, lengths, model.spec.vocab)
@@ -242,10 +242,8 @@ def score_batch(model: RewardModel, tokens: torch.Tensor,
 
     def step(data_iterator, chunk):
         batch = next(data_iterator)
-        b, s = batch.tokens.shape
-        positions = torch.arange(s).unsqueeze(0).expand(b, s)
-        # attention_mask=None: causal; a right-padded row's real tokens never see its pads
-        return chunk(batch.tokens, positions, None), functools.partial(collect, batch.lengths)
+        # unpacked rows: causal attention, so a right-padded row's real tokens never see its pads
+        return chunk(**model_inputs(batch)), functools.partial(collect, batch.lengths)
 
     with torch.no_grad():
         out = _run_schedule(model.chunks, groups, batches, forward_step=step,
@@ -291,21 +289,13 @@ class RewardWorker:
                  device: int | None = None):
         """device: this rank's device on its node (on GPU, the current CUDA device)."""
         from mcore_rl.launch.watchdog import arm_stack_dump
-        from mcore_rl.parallel.groups import default_backend, init_training_groups
+        from mcore_rl.parallel.groups import join_worker_world
 
         if stack_dir:
             self._stack_file = arm_stack_dump(stack_dir, f"reward_rank{rank}")
-        os.environ.setdefault("OMP_NUM_THREADS", "1")
-        torch.set_num_threads(1)
-        if device is not None and torch.cuda.is_available():
-            torch.cuda.set_device(device)
-        timeout = datetime.timedelta(seconds=cfg.timeout_s)
-        host, port = store_address  # hosted by the driver
-        store = dist.TCPStore(host, port, world_size + 1, is_master=False, timeout=timeout)
-        dist.init_process_group(default_backend(), store=store, rank=rank,
-                                world_size=world_size, timeout=timeout)
         self.rank = rank
-        groups = init_training_groups(cfg.parallel, timeout_s=cfg.timeout_s)
+        groups = join_worker_world(rank, world_size, store_address, cfg.parallel,
+                                   timeout_s=cfg.timeout_s, device=device)
         self.model = load_reward_model(cfg, groups)
 
     def score(self, tokens: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor | None:
@@ -316,11 +306,9 @@ class RewardWorker:
         return os.getpid()
 
     def shutdown(self) -> bool:
-        from mcore_rl.parallel.groups import destroy_training_groups
+        from mcore_rl.parallel.groups import leave_worker_world
 
-        destroy_training_groups()
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        leave_worker_world()
         return True
 
 
