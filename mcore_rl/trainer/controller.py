@@ -22,10 +22,10 @@ import torch
 from mcore_rl.algorithms import (AlgorithmConfig, gae_advantages, grpo_advantages,
                                  kl_penalty_rewards, outcome_to_token_rewards, overlong_penalty,
                                  reinforce_pp_advantages, rloo_advantages)
-from mcore_rl.launch.placement import PlacementPlan, plan_placement
 from mcore_rl.launch.watchdog import WatchdogTimeout, dump_stacks
 from mcore_rl.layouts import megatron_shards, vllm_shards
 from mcore_rl.models.spec import ModelSpec
+from mcore_rl.planning.resolve import resolve_run
 from mcore_rl.resharding import SyncGroupSpec, build_plan, host_store
 from mcore_rl.rollout.engine import Completion, RolloutError, SamplingConfig
 from mcore_rl.tasks.base import Example, load_reward_fn
@@ -171,25 +171,6 @@ def _rollout_logprob_diff(completions, actor_logp: torch.Tensor, mask: torch.Ten
     return worst
 
 
-def _on_gpu(cfg: RLConfig) -> bool:
-    if cfg.cluster.device == "local":
-        return torch.cuda.is_available()
-    return cfg.cluster.device == "gpu"
-
-
-def placement_plan_of(cfg: RLConfig) -> PlacementPlan:
-    """The run's devices: as `cluster` describes them; for a "local" cluster, one node
-    holding the actor's ranks, then the engines' (disaggregated)."""
-    world, tp = cfg.actor.world_size, cfg.rollout.tp
-    if cfg.cluster.device != "local":
-        placement, per_node = cfg.cluster.placement, cfg.cluster.gpus_per_node
-    else:
-        placement = "disaggregated"
-        per_node = -(-world // tp) * tp + tp * cfg.rollout.engines
-    return plan_placement(actor_world=world, engine_tp=tp, engines=cfg.rollout.engines,
-                          devices_per_node=per_node, placement=placement)
-
-
 class RLController:
     """Owns the Ray workers (actor ranks, rollout engines), the sync plan and the loop."""
 
@@ -214,9 +195,12 @@ class RLController:
         self.host = driver_address()
         self._actor_store = host_store(self.host, world_size=world + 1,
                                        timeout_s=cfg.deadlines.startup_s)
-        self.placement = RayPlacement(placement_plan_of(cfg),
+        # every device, backend and transport choice of the run, decided once
+        self.run = resolve_run(cfg)
+        self.placement = RayPlacement(self.run.placement,
                                       cpus_per_engine=cfg.rollout.cpus_per_engine,
-                                      gpu=_on_gpu(cfg), timeout_s=cfg.deadlines.startup_s)
+                                      gpu=self.run.device == "cuda",
+                                      timeout_s=cfg.deadlines.startup_s)
         actor_slots = self.placement.plan.actor
         remote_cls = ray.remote(num_cpus=0)(ActorWorker)
         self.use_critic = cfg.algorithm.advantage_estimator == "gae"

@@ -1,0 +1,38 @@
+"""The resolved run: one pure decision of device, layer spec, sync backend and transports."""
+
+from pathlib import Path
+
+import pytest
+
+from mcore_rl.config import load_config
+from mcore_rl.planning.resolve import resolve_run
+from mcore_rl.trainer.rl_config import RLConfig
+
+CONFIGS = Path(__file__).parents[2] / "configs"
+
+
+def _load(path, *overrides):
+    return load_config(RLConfig, path, list(overrides))
+
+
+def test_cpu_config_resolves_to_gloo_local_p2p():
+    run = resolve_run(_load(CONFIGS / "tiny_ci.yaml"), cuda_available=False)
+    assert (run.device, run.layer_spec, run.sync_backend) == ("cpu", "local", "gloo")
+    assert set(run.transports) == {"p2p"}
+    assert set(run.actor_devices) == {"cpu"}
+
+
+def test_local_cluster_assumed_gpu_resolves_to_nccl_te():
+    run = resolve_run(_load(CONFIGS / "tiny_ci.yaml"), assume_gpu=True, cuda_available=False)
+    assert (run.device, run.layer_spec, run.sync_backend) == ("cuda", "te", "nccl")
+    # disaggregated on one node: every rank its own device
+    devices = list(run.actor_devices) + [d for e in run.engine_devices for d in e]
+    assert len(set(devices)) == len(devices)
+
+
+@pytest.mark.parametrize("name,transport", [("llama3-70b", "p2p"), ("llama3-8b", "ipc")])
+def test_gpu_configs_resolve_their_transports(name, transport):
+    run = resolve_run(_load(CONFIGS / "gpu" / f"{name}.yaml"), cuda_available=False)
+    assert (run.device, run.layer_spec, run.sync_backend) == ("cuda", "te", "nccl")
+    assert set(run.transports) == {transport}
+    assert run.summary()["transports"] == [transport] * len(run.engine_devices)
