@@ -12,7 +12,6 @@ import datetime
 import os
 from dataclasses import dataclass
 
-import torch
 import torch.distributed as dist
 
 
@@ -66,5 +65,10 @@ def join_sync_group(spec: SyncGroupSpec, rank: int,
     raise ValueError(f"sync backend {spec.backend!r}: expected 'gloo' (CPU) or 'nccl' (GPU)")
 
 
-def default_sync_backend() -> str:
-    return "nccl" if torch.cuda.is_available() else "gloo"
+def sync_group_spec(run, *, host: str, port: int, prefix: str,
+                    timeout_s: float) -> SyncGroupSpec:
+    """The sync group of a resolved run (`mcore_rl.planning.resolve.ResolvedRun`): its world
+    is the run's actor ranks plus every engine's TP ranks, its backend the run's
+    `sync_backend` — never re-derived here."""
+    world = len(run.actor_devices) + sum(len(e) for e in run.engine_devices)
+    return SyncGroupSpec(host, port, prefix, world, timeout_s, backend=run.sync_backend)

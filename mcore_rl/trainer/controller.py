@@ -26,7 +26,7 @@ from mcore_rl.launch.watchdog import WatchdogTimeout, dump_stacks
 from mcore_rl.layouts import megatron_shards, vllm_shards
 from mcore_rl.models.spec import ModelSpec
 from mcore_rl.planning.resolve import resolve_run
-from mcore_rl.resharding import SyncGroupSpec, build_plan, host_store
+from mcore_rl.resharding import build_plan, host_store, sync_group_spec
 from mcore_rl.rollout.engine import Completion, RolloutError, SamplingConfig
 from mcore_rl.tasks.base import Example, load_reward_fn
 from mcore_rl.tasks.config import DEFAULT_REWARDS, build_reward, build_task
@@ -258,8 +258,8 @@ class RLController:
         world = self.cfg.actor.world_size + self.cfg.rollout.tp * self.cfg.rollout.engines
         self._store = host_store(self.host, world_size=world,
                                  timeout_s=self.cfg.deadlines.startup_s)
-        spec = SyncGroupSpec(self.host, self._store.port, "sync/", world,
-                             self.cfg.deadlines.sync_s)
+        spec = sync_group_spec(self.run, host=self.host, port=self._store.port,
+                               prefix="sync/", timeout_s=self.cfg.deadlines.sync_s)
         self.engines.start_join_sync_group(spec, self.cfg.actor.world_size)
         self._actor("join_sync_group", spec, phase="sync-join")
         self.engines.finish_join_sync_group()
