@@ -1,7 +1,8 @@
 """`mcore-rl plan-memory CONFIG` and `mcore-rl preflight CONFIG`: both read the run's config
 (an `RLConfig` YAML, the file `mcore-rl train --config` reads, plus `a.b.c=value` overrides)
 and need no GPU, no weights and no megatron import: the cluster section says what to size
-for, `model.preset` stands in for a checkpoint that is not on this machine."""
+for, `model.preset` stands in for a checkpoint that is not on this machine, and
+`--assume-gpu` sizes a "local" cluster as a GPU machine even on a CPU-only one."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     plan.add_argument("--device-gib", type=float, default=None,
                       help="memory per device (sets cluster.device_gib)")
     plan.add_argument("--json", action="store_true", help="print the plan as JSON")
+    add_assume_gpu(plan)
     plan.set_defaults(func=run_plan_memory)
 
     pre = sub.add_parser("preflight", help="check an RL run's config; lists every problem")
@@ -26,7 +28,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     pre.add_argument("overrides", nargs="*", help="a.b.c=value overrides")
     pre.add_argument("--device-gib", type=float, default=None,
                      help="memory per device (sets cluster.device_gib)")
+    add_assume_gpu(pre)
     pre.set_defaults(func=run_preflight)
+
+
+def add_assume_gpu(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--assume-gpu", action="store_true",
+                        help="resolve the run as on a CUDA machine (TE layer spec, nccl) even "
+                             "where there is none")
 
 
 def _overrides(args) -> list[str]:
@@ -37,23 +46,19 @@ def _overrides(args) -> list[str]:
 def run_plan_memory(args) -> int:
     """Exit 0 if the run fits, 1 if it does not, 2 if the config is invalid."""
     from mcore_rl.config import load_config
-    from mcore_rl.planning.memory import (
-        format_plan,
-        plan_to_json,
-        plan_with_suggestions,
-    )
-    from mcore_rl.trainer.preflight import rl_field_names, run_shape_of
+    from mcore_rl.planning.knobs import plan_with_suggestions
+    from mcore_rl.planning.report import format_plan, plan_to_json
+    from mcore_rl.planning.sized import sized_run
     from mcore_rl.trainer.rl_config import RLConfig
 
     try:
-        plan = plan_with_suggestions(run_shape_of(load_config(RLConfig, args.config,
-                                                              _overrides(args))))
+        cfg = load_config(RLConfig, args.config, _overrides(args))
+        plan = plan_with_suggestions(sized_run(cfg, assume_gpu=args.assume_gpu))
     except (ConfigError, ValueError) as err:
-        print(f"error: {rl_field_names(str(err))}", file=sys.stderr)
+        print(f"error: {err}", file=sys.stderr)
         print("(run `mcore-rl preflight` for every problem of the config)", file=sys.stderr)
         return 2
-    text = json.dumps(plan_to_json(plan), indent=1) if args.json else format_plan(plan)
-    print(rl_field_names(text))
+    print(json.dumps(plan_to_json(plan), indent=1) if args.json else format_plan(plan))
     return 0 if plan.fits else 1
 
 
@@ -62,6 +67,6 @@ def run_preflight(args) -> int:
     from mcore_rl.planning.preflight import format_problems
     from mcore_rl.trainer.preflight import preflight_config
 
-    _, problems = preflight_config(args.config, _overrides(args))
+    _, problems = preflight_config(args.config, _overrides(args), assume_gpu=args.assume_gpu)
     print(f"preflight {args.config}: " + format_problems(problems))
     return 1 if any(p.severity == "error" for p in problems) else 0

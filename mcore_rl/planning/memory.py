@@ -1,4 +1,5 @@
-"""Per-device memory of an RL run, estimated from its `RunShape` before anything is launched.
+"""Per-device memory of an RL run, estimated from its run config (as a `SizedRun`: the
+`RLConfig`, its resolved device and allocation, the model's shapes) before anything is launched.
 
 Roles and what each rank holds (P = parameters on the rank, see `mcore_stage_params`):
   actor, critic  weights, grads, (bf16) fp32 main params and main-grad copies, Adam m and v,
@@ -9,8 +10,9 @@ Devices and phases: a training device holds all training roles of one (pp stage,
 rank) at once; its peak is over the phases "actor train", "critic train" and "forward"
 (reference / old log-probs). Disaggregated rollout devices hold one engine rank. Colocated,
 every device also holds one engine rank: all of it during "rollout", and during the training
-phases what `rollout.sleep` keeps ("none": weights + KV, "kv": weights, "all": nothing).
-Every device also keeps `reserve_gib` for what is not modelled (CUDA context, NCCL buffers,
+phases nothing when `rollout.enable_sleep` (vLLM sleep frees weights and KV cache; GPU
+only — on CPU sleep is a no-op, so the engine stays whole). The trainer reduces gradients in
+fp32 (`TRAINER_GRAD_DTYPE`). Every device also keeps `cluster.reserve_gib` for what is not modelled (CUDA context, NCCL buffers,
 allocator fragmentation, transient workspaces) — except a disaggregated engine sized by
 gpu_memory_utilization, whose budget already covers its own.
 
@@ -54,13 +56,16 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Literal
 
-from mcore_rl.config import ConfigError, from_dict, parse_overrides, to_dict
-from mcore_rl.layouts.shards import VLLM_VOCAB_PADDING, validate_megatron_grid
+from mcore_rl.config import ConfigError
+from mcore_rl.layouts.shards import VLLM_VOCAB_PADDING
 from mcore_rl.models.spec import ModelSpec
 from mcore_rl.parallel.config import ParallelConfig
-from mcore_rl.planning.run_shape import GiB, RunShape
+from mcore_rl.planning.sized import GiB, TRAINER_GRAD_DTYPE, SizedRun
+
+if TYPE_CHECKING:
+    from mcore_rl.trainer.config import TrainConfig
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -367,7 +372,7 @@ class Suggestion:
 
 @dataclass(frozen=True)
 class MemoryPlan:
-    shape: RunShape
+    run: SizedRun
     roles: tuple[RankMemory, ...]
     devices: tuple[DeviceMemory, ...]
     notes: tuple[str, ...] = ()
@@ -375,7 +380,7 @@ class MemoryPlan:
 
     @property
     def device_bytes(self) -> float:
-        return self.shape.device_gib * GiB
+        return self.run.cluster.device_gib * GiB
 
     @property
     def worst(self) -> DeviceMemory:
@@ -402,12 +407,11 @@ def _g(n: float) -> str:
     return f"{n / 1e9:.3g}e9" if n >= 1e7 else f"{n:,.0f}"
 
 
-def activation_model(shape: RunShape) -> ActivationModel:
-    t = shape.train
-    return ActivationModel.for_kernels(shape.kernels, act_bytes=DTYPE_BYTES[t.dtype],
-                                       tp=t.parallel.tp,
-                                       sequence_parallel=t.parallel.sequence_parallel,
-                                       recompute=t.recompute)
+def activation_model(run: SizedRun, train: TrainConfig) -> ActivationModel:
+    par = run.cfg.actor
+    return ActivationModel.for_kernels(run.kernels, act_bytes=DTYPE_BYTES[train.dtype],
+                                       tp=par.tp, sequence_parallel=par.sequence_parallel,
+                                       recompute=train.recompute)
 
 
 def last_stage_terms(spec: ModelSpec, seq: int, micro_batch: int, model: ActivationModel,
@@ -428,19 +432,24 @@ def last_stage_terms(spec: ModelSpec, seq: int, micro_batch: int, model: Activat
     return terms
 
 
-def training_rank(shape: RunShape, spec: ModelSpec, role: str, stage: int) -> RankMemory:
+def role_train(run: SizedRun, role: str) -> TrainConfig:
+    """The TrainConfig a training role runs with: the critic its own, the actor and the
+    reference the run's `train`."""
+    return run.cfg.critic_train if role == "critic" else run.cfg.train
+
+
+def training_rank(run: SizedRun, spec: ModelSpec, role: str, stage: int) -> RankMemory:
     """One TP rank of pipeline stage `stage` of a training role ("actor", "critic",
-    "reference")."""
-    t = shape.train
-    par = t.parallel
+    "reference"), all on the actor's grid."""
+    t, par = role_train(run, role), run.cfg.actor
     head = "value" if role == "critic" else "lm"
     n = mcore_stage_params(spec, par, stage, head)
     where = f"pp stage {stage}/{par.pp}"
-    states = state_bytes_per_param(t.dtype, t.grad_dtype, par.use_distributed_optimizer,
+    states = state_bytes_per_param(t.dtype, TRAINER_GRAD_DTYPE, par.use_distributed_optimizer,
                                    par.dp)
     comps = [Component("weights", n * states.weights, f"{t.dtype}, {_g(n)} params")]
     s, b = t.seq_len, t.micro_batch_size
-    act = activation_model(shape)
+    act = activation_model(run, t)
     last = stage == par.pp - 1
     tail = last_stage_terms(spec, s, b, act, head) if last else {}
     if role == "reference":  # forward only: nothing kept; one micro batch's logits at a time
@@ -450,19 +459,20 @@ def training_rank(shape: RunShape, spec: ModelSpec, role: str, stage: int) -> Ra
                                                      "+ fp32", False))
         return RankMemory(role, where, tuple(comps))
     shard = f", sharded over dp={par.dp}" if par.use_distributed_optimizer and par.dp > 1 else ""
-    comps.append(Component("grads", n * states.grads, f"{t.grad_dtype} DDP grad buffer"))
+    comps.append(Component("grads", n * states.grads,
+                           f"{TRAINER_GRAD_DTYPE} DDP grad buffer"))
     if states.main_params:
         comps.append(Component("main params", n * states.main_params, f"fp32{shard}"))
     if states.main_grads:
         comps.append(Component("main grads", n * states.main_grads, f"fp32 copy{shard}"))
     comps.append(Component("adam m, v", n * states.adam, f"2 × fp32{shard}"))
     per_layer = layer_activation_bytes(spec, s, b, act)
-    m = int(t.num_micro_batches) or 1
+    m = int(run.num_micro_batches(t)) or 1
     layers = in_flight_layers(par, spec.layers, stage, m)
     comps.append(Component(
         "activations", layers * per_layer,
         f"{layers} layer-micro-batches × {_mib(per_layer)} ({t.recompute} recompute, "
-        f"{shape.kernels} kernels{', SP' if par.sequence_parallel else ''})", False))
+        f"{run.kernels} kernels{', SP' if par.sequence_parallel else ''})", False))
     if last:
         for name, value in tail.items():
             comps.append(Component(name, value, "last stage, 1 micro batch", False))
@@ -476,40 +486,42 @@ def training_rank(shape: RunShape, spec: ModelSpec, role: str, stage: int) -> Ra
     return RankMemory(role, where, tuple(comps))
 
 
-def rollout_rank(shape: RunShape, spec: ModelSpec) -> tuple[RankMemory, list[str]]:
-    """One vLLM TP rank: weights, activation peak of one step, KV cache — sized by
-    gpu_memory_utilization (what is left of util · device) or by max_num_seqs · seq_len."""
-    r = shape.rollout
+def rollout_rank(run: SizedRun, spec: ModelSpec) -> tuple[RankMemory, list[str]]:
+    """One vLLM TP rank: weights, activation peak of one step, KV cache — on GPU what is left
+    of gpu_memory_utilization · device, on CPU rollout.kv_cache_gib (what the engine is
+    given); a sequence is rollout.max_model_len tokens."""
+    r = run.cfg.rollout
     notes = []
     B = DTYPE_BYTES[r.dtype]
     n = vllm_rank_params(spec, r.tp)
     weights = n * B
-    tok = r.max_num_batched_tokens
+    tok, seqs, seq_len = run.max_num_batched_tokens, run.max_num_seqs, r.max_model_len
     vocab = -(-spec.vocab // VLLM_VOCAB_PADDING) * VLLM_VOCAB_PADDING
     # Coarse: hidden states, qkv, MLP intermediates of one step's tokens, plus the sampler's
     # fp32 logits and probabilities of max_num_seqs rows over the whole (gathered) vocab.
     act = tok * (4 * spec.hidden + (spec.q_dim + 2 * spec.kv_dim + 3 * spec.ffn) // r.tp) * B
-    act += 2 * 4 * min(r.max_num_seqs, tok) * vocab
+    act += 2 * 4 * min(seqs, tok) * vocab
     per_tok = kv_bytes_per_token(spec, r.tp, B)
-    want_tokens = r.max_num_seqs * shape.train.seq_len
-    if r.gpu_memory_utilization is None:
-        kv = want_tokens * per_tok
-        kv_detail = f"{r.max_num_seqs} seqs × {shape.train.seq_len} tokens × {per_tok:,} B"
+    want_tokens = seqs * seq_len
+    util = run.gpu_memory_utilization
+    if util is None:
+        kv = r.kv_cache_gib * GiB
+        what = f"rollout.kv_cache_gib={r.kv_cache_gib:g}"
     else:
-        kv = r.gpu_memory_utilization * shape.device_gib * GiB - weights - act
-        tokens = max(kv, 0) // per_tok
-        kv_detail = (f"rest of {r.gpu_memory_utilization:g} × {shape.device_gib:g} GiB: "
-                     f"{tokens:,.0f} tokens × {per_tok:,} B")
-        if kv <= 0:
-            notes.append(f"rollout: gpu_memory_utilization={r.gpu_memory_utilization:g} leaves "
-                         f"no KV cache ({_gib(kv)}) after weights {_gib(weights)}")
-        elif tokens < shape.train.seq_len:
-            notes.append(f"rollout: the KV cache holds {tokens:,.0f} tokens, less than one "
-                         f"sequence of seq_len={shape.train.seq_len}: vLLM refuses to start")
-        elif tokens < want_tokens:
-            notes.append(f"rollout: the KV cache holds {tokens / shape.train.seq_len:.1f} full "
-                         f"sequences < max_num_seqs={r.max_num_seqs} (vLLM preempts; slower)")
-        kv = max(kv, 0)
+        kv = util * run.cluster.device_gib * GiB - weights - act
+        what = f"rest of {util:g} × {run.cluster.device_gib:g} GiB"
+    tokens = max(kv, 0) // per_tok
+    kv_detail = f"{what}: {tokens:,.0f} tokens × {per_tok:,} B"
+    if kv <= 0:
+        notes.append(f"rollout: gpu_memory_utilization={util:g} leaves no KV cache "
+                     f"({_gib(kv)}) after weights {_gib(weights)}")
+    elif tokens < seq_len:
+        notes.append(f"rollout: the KV cache holds {tokens:,.0f} tokens, less than one "
+                     f"sequence of rollout.max_model_len={seq_len}: vLLM refuses to start")
+    elif tokens < want_tokens:
+        notes.append(f"rollout: the KV cache holds {tokens / seq_len:.1f} full sequences < "
+                     f"rollout.max_num_seqs={seqs} (vLLM preempts; slower)")
+    kv = max(kv, 0)
     comps = (Component("weights", weights, f"{r.dtype}, {_g(n)} params (1/{r.tp} of the model)"),
              Component("activations", act, f"one step of {tok} tokens + sampler logits "
                                            "(estimate)"),
@@ -517,18 +529,19 @@ def rollout_rank(shape: RunShape, spec: ModelSpec) -> tuple[RankMemory, list[str
     return RankMemory("rollout", f"engine tp rank (tp={r.tp})", comps), notes
 
 
-def reward_rank(shape: RunShape) -> RankMemory:
+def reward_rank(run: SizedRun) -> RankMemory:
     """The reward model's worst rank: weights of its fullest pipeline stage (a [1, h] head
-    instead of the LM head) and, while it scores, one micro batch through one layer plus its
-    head input — forward only, nothing kept. Shares a training device (see RewardShape)."""
-    rm = shape.reward_model
-    spec, par = rm.spec(), rm.parallel
+    instead of the LM head) and, while it scores, one micro batch of train.seq_len tokens
+    through one layer plus its head input — forward only, nothing kept. Its ranks share the
+    training devices (reward rank r on the device of actor rank r mod the actor's world)."""
+    rm, spec = run.cfg.reward_model, run.reward_spec
+    par = rm.parallel
     stage_params = [mcore_stage_params(spec, par, stage, "value") for stage in range(par.pp)]
     n = max(stage_params)
     width = DTYPE_BYTES[rm.dtype]
-    act = ActivationModel.for_kernels(shape.kernels, act_bytes=width, tp=par.tp,
+    act = ActivationModel.for_kernels(run.kernels, act_bytes=width, tp=par.tp,
                                       sequence_parallel=False, recompute="none")
-    s, b = shape.train.seq_len, rm.micro_batch_size
+    s, b = run.cfg.train.seq_len, rm.micro_batch_size
     forward = layer_activation_bytes(spec, s, b, act) + sum(
         last_stage_terms(spec, s, b, act, "value").values())
     return RankMemory("reward model", f"pp stage {stage_params.index(n)}/{par.pp}", (
@@ -536,38 +549,34 @@ def reward_rank(shape: RunShape) -> RankMemory:
         Component("forward", forward, f"1 micro batch of {b}, 1 layer + head input", False)))
 
 
-def _sleep_mode(shape: RunShape) -> str:
-    # vLLM's sleep()/wake_up() are accepted on CPU but do nothing (shared/FINDINGS.md).
-    return "none" if shape.device == "cpu" else shape.rollout.sleep
-
-
-def plan_memory(shape: RunShape) -> MemoryPlan:
+def plan_memory(run: SizedRun) -> MemoryPlan:
     """Every role's per-rank memory and every device's phases (worst pipeline stage)."""
-    spec = shape.spec()
-    t = shape.train
-    par = t.parallel
-    validate_megatron_grid(spec, par)  # LayoutError / ConfigError naming the field
-    roles_on = ["actor"] + (["critic"] if t.critic else []) + (["reference"] if t.reference
-                                                                else [])
-    reserve = ("reserve", shape.reserve_gib * GiB)
-    rollout, notes = rollout_rank(shape, spec)
-    sleep = _sleep_mode(shape)
-    if shape.device == "cpu" and shape.rollout.sleep != "none" and shape.placement == "colocated":
-        notes.append("rollout.sleep has no effect on CPU (vLLM sleep is a no-op): planned "
-                     "as 'none'")
-    asleep = {"none": rollout.total, "kv": rollout.components[0].bytes, "all": 0.0}[sleep]
-    reward = reward_rank(shape) if shape.reward_model is not None else None
+    spec = run.spec
+    par = run.cfg.actor
+    colocated = run.cluster.placement == "colocated"
+    try:
+        par.check_model(spec)
+    except ConfigError as err:  # named as the run config names the grid
+        raise err.under("actor") from None
+    roles_on = ["actor"] + (["critic"] if run.critic else []) + (["reference"] if run.reference
+                                                                 else [])
+    reserve = ("reserve", run.cluster.reserve_gib * GiB)
+    rollout, notes = rollout_rank(run, spec)
+    if run.device == "cpu" and run.cfg.rollout.enable_sleep and colocated:
+        notes.append("rollout.enable_sleep has no effect on CPU (vLLM sleep is a no-op): "
+                     "planned as awake")
+    asleep = 0.0 if run.engine_sleeps else rollout.total
+    reward = reward_rank(run) if run.reward_spec is not None else None
     per_stage: list[tuple[dict[str, RankMemory], DeviceMemory]] = []
     for stage in range(par.pp):
-        ranks = {role: training_rank(shape, spec, role, stage) for role in roles_on}
+        ranks = {role: training_rank(run, spec, role, stage) for role in roles_on}
         if reward is not None:
             ranks["reward model"] = reward
         resident = tuple((f"{role} states", r.resident) for role, r in ranks.items())
         phases = []
         if reward is not None:
             # scoring runs before the engines sleep: a colocated engine is awake then
-            awake = (("rollout engine", rollout.total),) if shape.placement == "colocated" \
-                else ()
+            awake = (("rollout engine", rollout.total),) if colocated else ()
             phases.append(Phase("reward scoring", resident + (
                 ("reward model forward", reward.transient),) + awake + (reserve,)))
         for role, name in (("actor", "actor train"), ("critic", "critic train"),
@@ -575,219 +584,29 @@ def plan_memory(shape: RunShape) -> MemoryPlan:
             if role not in ranks:
                 continue
             parts = resident + ((f"{role} activations", ranks[role].transient),)
-            if shape.placement == "colocated":
+            if colocated:
                 parts += (("rollout asleep", asleep),)
             phases.append(Phase(name, parts + (reserve,)))
-        if shape.placement == "colocated":
+        if colocated:
             phases.append(Phase("rollout", resident + (("rollout engine", rollout.total),
                                                        reserve)))
-        label = "shared device" if shape.placement == "colocated" else "training device"
+        label = "shared device" if colocated else "training device"
         per_stage.append((ranks, DeviceMemory(f"{label}, pp stage {stage}/{par.pp}",
                                               tuple(phases))))
     worst_ranks, worst_dev = max(per_stage, key=lambda x: x[1].peak.total)
     devices = [worst_dev]
-    if shape.placement == "disaggregated":
+    if not colocated:
         # With gpu_memory_utilization vLLM's own budget covers its CUDA context and
         # non-torch memory; a fixed-size KV cache does not.
         parts = (("rollout engine", rollout.total),) + (
-            (reserve,) if shape.rollout.gpu_memory_utilization is None else ())
+            (reserve,) if run.gpu_memory_utilization is None else ())
         devices.append(DeviceMemory("rollout device", (Phase("rollout", parts),)))
-    return MemoryPlan(shape=shape, roles=tuple(worst_ranks.values()) + (rollout,),
+    return MemoryPlan(run=run, roles=tuple(worst_ranks.values()) + (rollout,),
                       devices=tuple(devices), notes=tuple(notes))
 
 
-# --- suggestions ------------------------------------------------------------------------------
-
-
-def with_overrides(shape: RunShape, overrides: list[str] | tuple[str, ...]) -> RunShape:
-    """`shape` with `a.b.c=value` overrides applied (validated like a loaded config)."""
-    data = to_dict(shape)
-
-    def merge(base: dict, extra: dict) -> dict:
-        out = dict(base)
-        for k, v in extra.items():
-            out[k] = merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k),
-                                                                             dict) else v
-        return out
-
-    return from_dict(RunShape, merge(data, parse_overrides(list(overrides))))
-
-
-def _candidates(shape: RunShape, spec: ModelSpec) -> list[tuple[str, list[str], str]]:
-    """(knob, overrides, note) — each changes one thing, keeping the number of devices where
-    the knob allows it."""
-    t, par, r = shape.train, shape.train.parallel, shape.rollout
-    out: list[tuple[str, list[str], str]] = []
-    mb = t.micro_batch_size
-    while mb > 1:
-        mb //= 2
-        out.append((f"micro batch {mb}", [f"train.micro_batch_size={mb}"], ""))
-    order = ["none", "selective", "full"]
-    for level in order[order.index(t.recompute) + 1:]:
-        out.append((f"{level} recompute", [f"train.recompute={level}"], ""))
-    if par.dp > 1 and not par.use_distributed_optimizer:
-        out.append(("distributed optimizer", ["train.parallel.use_distributed_optimizer=true"],
-                    ""))
-    if t.dtype == "bf16" and t.grad_dtype == "fp32":
-        out.append(("bf16 grads", ["train.grad_dtype=bf16"],
-                    "trainer.megatron_train reduces grads in fp32 today"))
-    if par.tp > 1 and not par.sequence_parallel:
-        out.append(("sequence parallel", ["train.parallel.sequence_parallel=true"], ""))
-    tp2 = par.tp * 2
-    if (spec.heads % tp2 == 0 and spec.kv_heads % tp2 == 0 and spec.ffn % tp2 == 0
-            and tp2 <= shape.gpus_per_node):
-        dp = par.dp // 2 if par.dp % 2 == 0 else par.dp
-        note = "same devices" if dp != par.dp else f"needs {tp2 * par.pp * dp} training devices"
-        out.append((f"actor tp {tp2}", [f"train.parallel.tp={tp2}", f"train.parallel.dp={dp}"],
-                    note))
-    pp2 = par.pp * 2
-    if par.first_stage_layers is None and par.last_stage_layers is None and \
-            spec.layers % (pp2 * (par.vpp or 1)) == 0:
-        dp = par.dp // 2 if par.dp % 2 == 0 else par.dp
-        note = "same devices" if dp != par.dp else f"needs {par.tp * pp2 * dp} training devices"
-        out.append((f"actor pp {pp2}", [f"train.parallel.pp={pp2}", f"train.parallel.dp={dp}"],
-                    note))
-    if shape.placement == "colocated":
-        if _sleep_mode(shape) != "all" and shape.device == "gpu":
-            out.append(("rollout sleep all", ["rollout.sleep=all"], ""))
-        util = r.gpu_memory_utilization
-        if util is not None and util > 0.1:
-            for new in (round(util - 0.1 * k, 2) for k in range(1, 9)):
-                if new >= 0.1:
-                    out.append((f"gpu_memory_utilization {new:g}",
-                                [f"rollout.gpu_memory_utilization={new:g}"], ""))
-    if r.gpu_memory_utilization is None and r.max_num_seqs > 1:
-        out.append((f"max_num_seqs {r.max_num_seqs // 2}",
-                    [f"rollout.max_num_seqs={r.max_num_seqs // 2}"], ""))
-    rtp = r.tp * 2
-    if spec.heads % rtp == 0 and rtp <= shape.gpus_per_node and (
-            spec.kv_heads % rtp == 0 or rtp % spec.kv_heads == 0):
-        engines = r.engines // 2 if r.engines % 2 == 0 else r.engines
-        out.append((f"rollout tp {rtp}", [f"rollout.tp={rtp}", f"rollout.engines={engines}"],
-                    "same devices" if engines != r.engines else "more devices"))
-    return out
-
-
-def _try(shape: RunShape, overrides: list[str]) -> MemoryPlan | None:
-    try:
-        return plan_memory(with_overrides(shape, overrides))
-    except (ConfigError, ValueError):
-        return None
-
-
-def suggest(plan: MemoryPlan, *, max_steps: int = 6) -> tuple[Suggestion, ...]:
-    """For a plan that does not fit: each knob alone (re-estimated with the knob changed; for
-    stepwise knobs the mildest setting that fits, else the strongest), then a greedy
-    combination (repeatedly the single knob that lowers the peak most) until it fits."""
-    shape = plan.shape
-    spec = shape.spec()
-    singles: dict[str, Suggestion] = {}
-    for knob, overrides, note in _candidates(shape, spec):
-        family = knob.rsplit(" ", 1)[0] if knob.startswith(("micro batch", "gpu_memory")) \
-            else knob
-        if family in singles and singles[family].fits:
-            continue  # a milder step of this knob already fits
-        trial = _try(shape, overrides)
-        if trial is None or trial.peak_bytes >= plan.peak_bytes:
-            continue
-        singles[family] = Suggestion(knob, tuple(overrides), trial.peak_bytes, trial.fits, note)
-    out = sorted(singles.values(), key=lambda s: (not s.fits, s.peak_bytes))
-    if not any(s.fits for s in out):
-        combo: list[str] = []
-        current, knobs, notes = plan, [], []
-        for _ in range(max_steps):
-            best = None
-            for knob, overrides, note in _candidates(current.shape, spec):
-                trial = _try(current.shape, overrides)
-                if trial is not None and trial.peak_bytes < current.peak_bytes and (
-                        best is None or trial.peak_bytes < best[1].peak_bytes):
-                    best = (knob, trial, overrides, note)
-            if best is None:
-                break
-            knobs.append(best[0])
-            combo += best[2]
-            current = best[1]
-            if best[3] and best[3] != "same devices":
-                notes.append(best[3])
-            if current.fits:
-                break
-        if knobs:
-            out.append(Suggestion(" + ".join(knobs), tuple(combo), current.peak_bytes,
-                                  current.fits, "; ".join(["combined"] + notes)))
-    return tuple(out)
-
-
-def plan_with_suggestions(shape: RunShape) -> MemoryPlan:
-    plan = plan_memory(shape)
-    if plan.fits:
-        return plan
-    return dataclasses.replace(plan, suggestions=suggest(plan))
-
-
-# --- report -----------------------------------------------------------------------------------
-
-
-def describe(shape: RunShape) -> str:
-    t, par, r = shape.train, shape.train.parallel, shape.rollout
-    grid = f"tp{par.tp} pp{par.pp}" + (f" vpp{par.vpp}" if par.vpp else "") + f" dp{par.dp}"
-    flags = [f for f, on in (("SP", par.sequence_parallel),
-                             ("dist-opt", par.use_distributed_optimizer)) if on]
-    return (f"{shape.model_name} · {shape.placement} · {shape.nodes}×{shape.gpus_per_node} "
-            f"{shape.device} ({shape.device_gib:g} GiB) · actor {grid}"
-            f"{' (' + ', '.join(flags) + ')' if flags else ''} · mb {t.micro_batch_size} × "
-            f"seq {t.seq_len}, {t.dtype}, {t.recompute} recompute · rollout {r.engines}×tp{r.tp}")
-
-
-def format_plan(plan: MemoryPlan) -> str:
-    lines = [describe(plan.shape), ""]
-    for rank in plan.roles:
-        lines.append(f"{rank.role} ({rank.where})")
-        for c in rank.components:
-            lines.append(f"  {c.name:<22}{_gib(c.bytes):>13}  {c.detail}")
-        lines.append(f"  {'total':<22}{_gib(rank.total):>13}")
-        lines.append("")
-    limit = plan.device_bytes
-    for dev in plan.devices:
-        lines.append(f"{dev.device}")
-        for phase in dev.phases:
-            ok = "fits" if phase.total <= limit else "DOES NOT FIT"
-            parts = " + ".join(f"{what} {b / GiB:.2f}" for what, b in phase.parts)
-            lines.append(f"  {phase.name:<36}{_gib(phase.total):>13}  {ok}   ({parts})")
-        lines.append("")
-    for note in plan.notes:
-        lines.append(f"note: {note}")
-    verdict = "FITS" if plan.fits else "DOES NOT FIT"
-    lines.append(f"peak {_gib(plan.peak_bytes)} of {plan.shape.device_gib:g} GiB "
-                 f"({plan.worst.device}, {plan.worst.peak.name}): {verdict}")
-    if plan.suggestions:
-        lines.append("knobs (peak of the worst device with the change):")
-        for s in plan.suggestions:
-            tag = "fits" if s.fits else "still too big"
-            note = f"  [{s.note}]" if s.note else ""
-            lines.append(f"  {s.knob:<34}{_gib(s.peak_bytes):>13}  {tag}   "
-                         f"{' '.join(s.overrides)}{note}")
-    return "\n".join(lines)
-
-
-def plan_to_json(plan: MemoryPlan) -> dict[str, Any]:
-    return {
-        "shape": to_dict(plan.shape),
-        "roles": [{"role": r.role, "where": r.where, "total_bytes": r.total,
-                   "components": [{"name": c.name, "bytes": c.bytes, "detail": c.detail,
-                                   "resident": c.resident} for c in r.components]}
-                  for r in plan.roles],
-        "devices": [{"device": d.device, "phases": [
-            {"name": p.name, "total_bytes": p.total, "parts": dict(p.parts)} for p in d.phases]}
-            for d in plan.devices],
-        "peak_bytes": plan.peak_bytes, "device_bytes": plan.device_bytes, "fits": plan.fits,
-        "notes": list(plan.notes),
-        "suggestions": [dataclasses.asdict(s) for s in plan.suggestions],
-    }
-
-
-__all__ = ["ActivationModel", "Component", "DeviceMemory", "MemoryPlan", "Phase", "RankMemory",
-           "StateBytes", "Suggestion", "format_plan", "in_flight_layers", "kv_bytes_per_token",
+__all__ = ["ActivationModel", "Component", "DTYPE_BYTES", "DeviceMemory", "MemoryPlan", "Phase",
+           "RankMemory", "StateBytes", "Suggestion", "in_flight_layers", "kv_bytes_per_token",
            "last_stage_terms", "layer_activation_bytes", "layer_activation_terms",
-           "mcore_layer_params", "mcore_stage_params", "plan_memory", "plan_to_json",
-           "plan_with_suggestions", "recompute_workspace", "state_bytes_per_param", "suggest",
-           "vllm_rank_params", "with_overrides"]
+           "mcore_layer_params", "mcore_stage_params", "plan_memory", "recompute_workspace",
+           "role_train", "state_bytes_per_param", "vllm_rank_params"]

@@ -12,8 +12,12 @@ Rules (shared/FINDINGS.md, ../shared/STYLE.md "Resolve once, then obey"):
 - device: "cuda" when the cluster section says gpu, or says local and CUDA is there (or
   `assume_gpu`); else "cpu".
 - layer_spec: "te" (TransformerEngine) on cuda, "local" (megatron's pure-PyTorch spec) on cpu.
-- sync_backend: `cluster.sync_backend` as configured on a gpu cluster; on a local cluster the
-  device's own (nccl on cuda, gloo on cpu).
+- sync_backend: `cluster.sync_backend` as configured; when null, the device's own (nccl on
+  cuda, gloo on cpu). A configured backend the device cannot run (nccl on cpu) is kept here
+  and refused by preflight (`mcore_rl.planning.preflight.check_sync_backend`).
+- cluster: the allocation the run is sized for, with a "local" cluster resolved to this
+  machine (its memory; the devices the placement uses) or, with `assume_gpu` and no GPU
+  here, to the cluster section's own GPU defaults.
 - transports: per engine, "ipc" when any of its TP ranks shares a device with a trainer rank
   (colocated: NCCL refuses two ranks of one group on one device, so the bytes go through a
   shared staging buffer — CUDA IPC on GPU, shared memory on CPU), else "p2p" over the sync
@@ -25,6 +29,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Literal
 
+from mcore_rl.launch.cluster import ClusterConfig
 from mcore_rl.launch.placement import PlacementPlan, plan_placement
 
 if TYPE_CHECKING:  # the run config imports the planner; the planner only reads it
@@ -47,6 +52,7 @@ class ResolvedRun:
     param_dtype: the actor's parameters ("fp32"/"bf16"); rollout_dtype: the engines' model
     dtype ("float32"/"bfloat16"/"float16"); wire_dtype: the weight sync's ("fp32"/"bf16").
     placement: the device plan the devices above come from.
+    cluster: the allocation as sized (device "gpu" or "cpu"; a "local" cluster resolved).
     """
 
     device: Device
@@ -59,11 +65,13 @@ class ResolvedRun:
     rollout_dtype: str
     wire_dtype: str
     placement: PlacementPlan
+    cluster: ClusterConfig
 
     def summary(self) -> dict:
         """The JSON-able view `mcore-rl explain` prints as its last line."""
         out = asdict(self)
         out["placement"] = self.placement.placement
+        out["nodes"] = self.placement.nodes
         out["transports"] = list(self.transports)
         out["actor_devices"] = list(self.actor_devices)
         out["engine_devices"] = [list(e) for e in self.engine_devices]
@@ -90,6 +98,52 @@ def run_device(cfg: "RLConfig", *, assume_gpu: bool = False,
     return "cuda" if present else "cpu"
 
 
+def layer_spec_of(device: Device) -> Literal["local", "te"]:
+    """TransformerEngine on cuda, megatron's pure-PyTorch local spec on cpu."""
+    return "te" if device == "cuda" else "local"
+
+
+def sync_backend_of(cfg: "RLConfig", device: Device) -> Literal["gloo", "nccl"]:
+    """`cluster.sync_backend` as configured, else the device's own."""
+    if cfg.cluster.sync_backend is not None:
+        return cfg.cluster.sync_backend
+    return "nccl" if device == "cuda" else "gloo"
+
+
+def local_devices(cfg: "RLConfig") -> int:
+    """Devices of a "local" cluster: the actor's ranks (rounded up to whole engines, so no
+    engine straddles), then the engines' TP ranks."""
+    world, tp = cfg.actor.world_size, cfg.rollout.tp
+    return -(-world // tp) * tp + tp * cfg.rollout.engines
+
+
+def resolved_cluster(cfg: "RLConfig", device: Device, *,
+                     cuda_available: bool | None = None) -> ClusterConfig:
+    """The allocation the run is sized for: `cfg.cluster` as written, or for a "local"
+    cluster this machine — one node of the devices the run uses, each with this machine's
+    memory (CPU: the host's, no reserve; GPU: device 0's) — or, when a GPU is only assumed,
+    the cluster section's own GPU memory and reserve."""
+    c = cfg.cluster
+    backend = sync_backend_of(cfg, device)
+    if c.device != "local":
+        return ClusterConfig(device=c.device, nodes=c.nodes, gpus_per_node=c.gpus_per_node,
+                             device_gib=c.device_gib, reserve_gib=c.reserve_gib,
+                             placement=c.placement, sync_backend=backend)
+    memory_gib, reserve_gib = c.device_gib, c.reserve_gib
+    if device == "cpu":
+        import psutil
+
+        memory_gib, reserve_gib = psutil.virtual_memory().total / 2**30, 0.0
+    elif cuda_present() if cuda_available is None else cuda_available:
+        import torch
+
+        memory_gib = torch.cuda.get_device_properties(0).total_memory / 2**30
+    return ClusterConfig(device="gpu" if device == "cuda" else "cpu", nodes=1,
+                         gpus_per_node=local_devices(cfg), device_gib=memory_gib,
+                         reserve_gib=reserve_gib, placement="disaggregated",
+                         sync_backend=backend)
+
+
 def placement_plan_of(cfg: "RLConfig") -> PlacementPlan:
     """The run's devices: as `cluster` describes them; for a "local" cluster, one node
     holding the actor's ranks, then the engines' (disaggregated)."""
@@ -97,8 +151,7 @@ def placement_plan_of(cfg: "RLConfig") -> PlacementPlan:
     if cfg.cluster.device != "local":
         placement, per_node = cfg.cluster.placement, cfg.cluster.gpus_per_node
     else:
-        placement = "disaggregated"
-        per_node = -(-world // tp) * tp + tp * cfg.rollout.engines
+        placement, per_node = "disaggregated", local_devices(cfg)
     return plan_placement(actor_world=world, engine_tp=tp, engines=cfg.rollout.engines,
                           devices_per_node=per_node, placement=placement)
 
@@ -108,10 +161,6 @@ def resolve_run(cfg: "RLConfig", *, assume_gpu: bool = False,
     """The one resolution of `cfg` on this machine (or on an assumed GPU machine)."""
     device = run_device(cfg, assume_gpu=assume_gpu, cuda_available=cuda_available)
     plan = placement_plan_of(cfg)
-    if cfg.cluster.device == "gpu":
-        backend = cfg.cluster.sync_backend
-    else:
-        backend = "nccl" if device == "cuda" else "gloo"
     actor_slots = set(plan.actor)
     transports = tuple("ipc" if any(s in actor_slots for s in slots) else "p2p"
                        for slots in plan.engines)
@@ -121,8 +170,8 @@ def resolve_run(cfg: "RLConfig", *, assume_gpu: bool = False,
 
     return ResolvedRun(
         device=device,
-        layer_spec="te" if device == "cuda" else "local",
-        sync_backend=backend,
+        layer_spec=layer_spec_of(device),
+        sync_backend=sync_backend_of(cfg, device),
         transports=transports,
         actor_devices=tuple(where(s) for s in plan.actor),
         engine_devices=tuple(tuple(where(s) for s in slots) for slots in plan.engines),
@@ -130,7 +179,9 @@ def resolve_run(cfg: "RLConfig", *, assume_gpu: bool = False,
         rollout_dtype=cfg.rollout.dtype,
         wire_dtype=cfg.wire_dtype,
         placement=plan,
+        cluster=resolved_cluster(cfg, device, cuda_available=cuda_available),
     )
 
 
-__all__ = ["ResolvedRun", "cuda_present", "placement_plan_of", "resolve_run", "run_device"]
+__all__ = ["ResolvedRun", "cuda_present", "layer_spec_of", "placement_plan_of", "resolve_run",
+           "local_devices", "resolved_cluster", "run_device", "sync_backend_of"]

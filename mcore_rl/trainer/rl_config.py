@@ -4,16 +4,16 @@ and `mcore-rl plan-memory` all read."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
 from mcore_rl.algorithms import AlgorithmConfig
 from mcore_rl.config import ConfigError
+from mcore_rl.launch.cluster import ClusterConfig
 from mcore_rl.models.presets import PRESETS
 from mcore_rl.models.spec import ModelSpec
 from mcore_rl.parallel import ParallelConfig
-from mcore_rl.planning.run_shape import Allocation
 from mcore_rl.rollout.engine import RolloutConfig
 from mcore_rl.tasks.base import load_reward_fn  # noqa: F401 — callers import it from here
 from mcore_rl.tasks.config import TaskConfig
@@ -83,29 +83,6 @@ class ModelConfig:
         raise ConfigError("model.hf_dir", self.hf_dir, "has no config.json on this machine: set "
                           "model.preset to the planner preset of the same shapes "
                           f"({', '.join(sorted(PRESETS))}) to check the run without it")
-
-
-@dataclass(frozen=True, kw_only=True)
-class ClusterConfig(Allocation):
-    """The allocation the run is sized for (preflight and the memory planner read it; the
-    launcher, e.g. scripts/slurm/train.sbatch, must request the same): the fields of
-    `mcore_rl.planning.run_shape.Allocation`, where device may also be
-
-    "local" (the default): size for this machine — CPU: one process per actor rank and engine
-        TP worker, the machine's memory; GPU: the visible GPUs — leaving the other fields at
-        their defaults. "gpu" / "cpu": the allocation the other fields describe.
-    Colocated placement needs rollout.enable_sleep (the engines free memory while training).
-    """
-
-    device: Literal["local", "gpu", "cpu"] = "local"
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        changed = [f.name for f in fields(self)
-                   if f.name != "device" and getattr(self, f.name) != f.default]
-        if self.device == "local" and changed:
-            raise ConfigError("device", self.device, "sizes for this machine and ignores "
-                              f"{', '.join(changed)}: set device gpu or cpu to use them")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -13,6 +13,7 @@ from mcore_rl.config import load_config
 from mcore_rl.models.presets import get_preset
 from mcore_rl.models.spec import ModelSpec
 from mcore_rl.parallel.config import ParallelConfig
+from mcore_rl.planning.knobs import plan_with_suggestions
 from mcore_rl.planning.memory import (
     ActivationModel,
     in_flight_layers,
@@ -20,23 +21,23 @@ from mcore_rl.planning.memory import (
     layer_activation_bytes,
     mcore_stage_params,
     plan_memory,
-    plan_with_suggestions,
     state_bytes_per_param,
     training_rank,
     vllm_rank_params,
-    with_overrides,
 )
-from mcore_rl.planning.run_shape import GiB, RunShape, TrainShape
-from mcore_rl.trainer.preflight import run_shape_of
+from mcore_rl.planning.sized import TRAINER_GRAD_DTYPE, GiB, SizedRun, sized_run, with_overrides
 from mcore_rl.trainer.rl_config import RLConfig
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs" / "gpu"
 LLAMA3_70B = get_preset("llama3-70b")
 
 
-def gpu_shape(name: str, overrides: list[str] | None = None) -> RunShape:
+def gpu_shape(name: str, overrides: list[str] | None = None) -> SizedRun:
     """The planner's view of a shipped GPU run config (RLConfig YAML)."""
-    return run_shape_of(load_config(RLConfig, CONFIGS / f"{name}.yaml", overrides))
+    return sized_run(load_config(RLConfig, CONFIGS / f"{name}.yaml", overrides),
+                     cuda_available=False)
+
+
 # GPT-3 175B, the paper's shape: a = 96 heads, h = 12288, ffn = 4h, s = 2048, L = 96.
 GPT3 = ModelSpec(family="llama", architecture="LlamaForCausalLM", hidden=12288, ffn=4 * 12288,
                  heads=96, kv_heads=96, head_dim=128, layers=96, vocab=51200)
@@ -62,15 +63,15 @@ def test_llama3_70b_training_states_match_megatron_table(dtype, grad_dtype, dist
     """Every pipeline stage of a 70B grid holds exactly `published` bytes per local param."""
     assert state_bytes_per_param(dtype, grad_dtype, dist_opt, dp).total == pytest.approx(
         published)
-    shape = RunShape(model="llama3-70b", nodes=8, train=TrainShape(
-        parallel=ParallelConfig(tp=8, pp=4, dp=dp, use_distributed_optimizer=dist_opt),
-        dtype=dtype, grad_dtype=grad_dtype))
+    run = gpu_shape("llama3-70b", [f"actor.dp={dp}", f"actor.use_distributed_optimizer={dist_opt}",
+                                   f"train.dtype={dtype}"])
     total_params = 0
     for stage in range(4):
-        rank = training_rank(shape, LLAMA3_70B, "actor", stage)
-        states = sum(c.bytes for c in rank.components if c.name in STATE_NAMES)
-        params = mcore_stage_params(LLAMA3_70B, shape.train.parallel, stage)
-        assert states / params == pytest.approx(published, rel=1e-12)
+        params = mcore_stage_params(LLAMA3_70B, run.cfg.actor, stage)
+        if grad_dtype == TRAINER_GRAD_DTYPE:  # the trainer's grads: what the planner sizes
+            rank = training_rank(run, LLAMA3_70B, "actor", stage)
+            states = sum(c.bytes for c in rank.components if c.name in STATE_NAMES)
+            assert states / params == pytest.approx(published, rel=1e-12)
         total_params += params * 8  # 8 TP ranks
     # Rank shards add up to the model, plus megatron's vocab padding (to 128 · tp rows) and
     # the norms every TP rank keeps whole.
@@ -130,14 +131,14 @@ def test_kv_cache_and_vllm_weights():
 
 @pytest.mark.parametrize("name", ["llama3-8b", "llama2-13b", "llama3-70b"])
 def test_gpu_configs_fit_80_gib(name):
-    shape = gpu_shape(name)
-    assert shape.device_gib == 80
-    plan = plan_memory(shape)
+    run = gpu_shape(name)
+    assert run.cluster.device_gib == 80
+    plan = plan_memory(run)
     assert plan.fits, plan.peak_bytes / GiB
     assert plan.peak_bytes > 0.5 * plan.device_bytes  # and they use the devices
 
 
-def _too_big() -> RunShape:
+def _too_big() -> SizedRun:
     return gpu_shape("llama3-70b", ["actor.pp=2", "actor.dp=2", "train.recompute=none",
                                     "actor.sequence_parallel=false", "train.micro_batch_size=2"])
 
@@ -147,7 +148,7 @@ def test_suggestions_are_re_estimates_and_some_fit():
     assert not plan.fits
     assert plan.suggestions and any(s.fits for s in plan.suggestions)
     for s in plan.suggestions:
-        again = plan_memory(with_overrides(plan.shape, s.overrides))
+        again = plan_memory(with_overrides(plan.run, s.overrides))
         assert again.peak_bytes == pytest.approx(s.peak_bytes)
         assert again.fits == s.fits
         assert s.peak_bytes < plan.peak_bytes
@@ -157,13 +158,20 @@ def test_suggestions_are_re_estimates_and_some_fit():
 
 
 def test_colocated_rollout_sleep_and_cpu():
+    """Colocated on GPU the engines sleep (rollout.enable_sleep, which colocation requires):
+    the training phases hold none of the engine; the rollout phase holds all of it."""
     base = gpu_shape("llama3-8b")
-    train_phase = {s: plan_memory(with_overrides(base, [f"rollout.sleep={s}"]))
-                   .devices[0].phases[0].total for s in ("none", "kv", "all")}
-    assert train_phase["all"] < train_phase["kv"] < train_phase["none"]
-    # On CPU vLLM's sleep is a no-op: planned as "none", and said so.
-    cpu = plan_memory(with_overrides(base, ["device=cpu", "sync_backend=gloo"]))
+    gpu = plan_memory(base)
+    engine = next(r for r in gpu.roles if r.role == "rollout").total
+    asleep = dict(gpu.devices[0].phases[0].parts)["rollout asleep"]
+    rollout_phase = next(p for p in gpu.devices[0].phases if p.name == "rollout")
+    assert asleep == 0 < engine == dict(rollout_phase.parts)["rollout engine"]
+    # On CPU vLLM's sleep is a no-op: planned awake, and said so.
+    cpu = plan_memory(with_overrides(base, ["cluster.device=cpu", "cluster.sync_backend=gloo"]))
     assert any("no effect on CPU" in n for n in cpu.notes)
+    cpu_engine = next(r for r in cpu.roles if r.role == "rollout").total
+    assert dict(cpu.devices[0].phases[0].parts)["rollout asleep"] == cpu_engine > 0
+    assert cpu.devices[0].phases[0].total > gpu.devices[0].phases[0].total - engine
 
 
 def test_cli_plan_memory(capsys):
@@ -175,3 +183,10 @@ def test_cli_plan_memory(capsys):
     out = capsys.readouterr().out
     assert "DOES NOT FIT" in out and "knobs" in out
     assert main(["plan-memory", cfg, "actor.tp=3"]) == 2
+    # a local (CPU) config sized as on a GPU machine: TE kernels, the GPU's memory
+    tiny = str(CONFIGS.parent / "tiny_ci.yaml")
+    assert main(["plan-memory", tiny, "--assume-gpu"]) == 0
+    out = capsys.readouterr().out
+    assert "te kernels" in out and "1×3 gpu (80 GiB)" in out
+    assert main(["plan-memory", tiny]) == 0
+    assert "local kernels" in capsys.readouterr().out

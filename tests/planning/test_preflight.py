@@ -1,25 +1,27 @@
 """Preflight: every bad config yields its named problem (with a fix naming the run config's
 own fields), all problems of a config come out at once, and the shipped configs pass — on this
-CPU machine, without their weights (model.preset sizes them)."""
+CPU machine, without their weights (model.preset sizes them). Every case is an RLConfig YAML
+plus overrides: the checks read the run config itself."""
 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
 
 from mcore_rl.cli import main
-from mcore_rl.config import load_config
-from mcore_rl.planning.memory import with_overrides
-from mcore_rl.planning.preflight import preflight
-from mcore_rl.trainer.preflight import preflight_config, rl_field_names, run_shape_of
+from mcore_rl.config import ConfigError, load_config
+from mcore_rl.planning.sized import sized_run
+from mcore_rl.trainer.preflight import preflight_config
 from mcore_rl.trainer.rl_config import RLConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = ROOT / "configs" / "gpu"
 L70, L8, L13 = (CONFIGS / f"{n}.yaml" for n in ("llama3-70b", "llama3-8b", "llama2-13b"))
 GRPO = ROOT / "configs" / "grpo_addition.yaml"
+TINY = ROOT / "configs" / "tiny_ci.yaml"
 
 # A CPU run of the kind the project runs on its 2-core machines: the demo model, 2 training
 # ranks, one vLLM engine at tp 2 (mp executor), gloo sync, disaggregated on 4 processes.
@@ -66,35 +68,37 @@ BAD = [
      "reward-model-world"),                        # 16 reward ranks on 8 actor devices
     ("reward-model-grid", L8, RM + ["reward_model.parallel.tp=3"], "reward-model-grid"),
     ("reward-model-unsized", L8, RM + ["reward_model.preset=null"], "model"),
-]
-
-# Checks a run config cannot reach (its executor follows rollout.tp, its global batch is
-# whole), kept for the planner's own input: RunShape overrides on a shipped config's shape.
-PLANNER_ONLY = [
-    ("uni-tp8", L70, ["rollout.executor=uni"], "rollout-executor"),
-    ("cpu-ray", GRPO, ["rollout.executor=ray"], "rollout-executor"),       # refused on CPU
-    ("batch-vs-dp", L8, ["train.global_batch_size=255"], "train-batch"),   # 255 % (1·2)
+    ("batch-vs-dp", L8, ["prompts_per_step=255", "samples_per_prompt=1"],
+     "train-batch"),                               # 255 sequences per update % (mb 1 · dp 2)
+    # issue #12: bad placement / backend for the devices, refused before any worker starts
+    ("coloc-engine-ranks", L8, ["rollout.engines=8"], "placement"),  # 16 engine ranks, 8 GPUs
+    ("local-nccl-on-cpu", TINY, ["cluster.sync_backend=nccl"], "sync-backend"),  # no CUDA here
+    ("cpu-device-nccl", TINY, ["cluster.device=cpu", "cluster.gpus_per_node=3",
+                               "cluster.sync_backend=nccl"], "sync-backend"),
 ]
 
 
 @pytest.mark.parametrize("row_id,base,overrides,expected", BAD, ids=[r[0] for r in BAD])
 def test_bad_config_names_its_problem(row_id, base, overrides, expected):
-    _, problems = preflight_config(base, overrides)
+    _, problems = preflight_config(base, overrides, cuda_available=False)
     errors = [p for p in problems if p.severity == "error"]
     assert expected in {p.check for p in errors}, problems
     for p in problems:
         assert p.message and p.fix
-        # texts speak the run config's language, never the planner's internal field names
+        # texts speak the run config's language: no planner-internal field names
         assert "train.parallel" not in p.message + p.fix, p
         assert "train.global_batch_size" not in p.fix, p
+        if p.check != "config":  # a config that does not load echoes the user's input
+            for name in re.findall(r"\b([a-z_]+(?:\.[a-z_]+)+)=", p.message + " " + p.fix):
+                _assert_is_run_config_field(name)
 
 
-@pytest.mark.parametrize("row_id,base,overrides,expected", PLANNER_ONLY,
-                         ids=[r[0] for r in PLANNER_ONLY])
-def test_planner_only_checks(row_id, base, overrides, expected):
-    cfg = load_config(RLConfig, base, CPU if base == GRPO else [])
-    problems = preflight(with_overrides(run_shape_of(cfg), overrides))
-    assert expected in {p.check for p in problems if p.severity == "error"}, problems
+def _assert_is_run_config_field(dotted: str) -> None:
+    """`dotted` names a field of RLConfig (its value may be wrong, its name may not be)."""
+    try:
+        load_config(RLConfig, None, [f"{dotted}=0"])
+    except ConfigError as err:
+        assert "unknown field" not in err.problem, (dotted, err)
 
 
 @pytest.mark.parametrize("base,overrides", [(L70, []), (L8, []), (L13, []), (GRPO, CPU)],
@@ -107,16 +111,32 @@ def test_good_configs_pass(base, overrides):
 
 def test_gpu_configs_are_sized_from_their_cluster_and_preset():
     """On this CPU machine the GPU configs are sized for their GPUs, from the preset."""
-    shape = run_shape_of(load_config(RLConfig, L70))
+    run = sized_run(load_config(RLConfig, L70), cuda_available=False)
     assert not Path("/models/Meta-Llama-3-70B-Instruct/config.json").exists()
-    assert (shape.model, shape.device, shape.nodes, shape.device_gib) == (
+    assert (run.model, run.cluster.device, run.cluster.nodes, run.cluster.device_gib) == (
         "llama3-70b", "gpu", 8, 80.0)
-    assert shape.train.parallel.pp == 4 and shape.train.recompute == "selective"
-    assert shape.train.reference and not shape.train.critic
-    assert run_shape_of(load_config(RLConfig, L13)).train.critic  # PPO: gae
-    coloc = run_shape_of(load_config(RLConfig, L8))
-    assert (coloc.placement, coloc.rollout.sleep, coloc.rollout.executor) == (
-        "colocated", "all", "mp")
+    assert (run.device, run.kernels, run.sync_backend) == ("cuda", "te", "nccl")
+    assert run.cfg.actor.pp == 4 and run.cfg.train.recompute == "selective"
+    assert run.reference and not run.critic
+    assert sized_run(load_config(RLConfig, L13)).critic  # PPO: gae
+    coloc = sized_run(load_config(RLConfig, L8))
+    assert (coloc.cluster.placement, coloc.engine_sleeps, coloc.max_num_seqs) == (
+        "colocated", True, 96)
+
+
+def test_local_cluster_is_sized_as_resolved():
+    """A "local" config: this CPU machine (gloo, local kernels, the host's memory), or with
+    assume_gpu a GPU machine of the cluster section's GPU memory (nccl, TE kernels)."""
+    cfg = load_config(RLConfig, TINY)
+    cpu = sized_run(cfg, cuda_available=False)
+    assert (cpu.device, cpu.kernels, cpu.sync_backend, cpu.cluster.device) == (
+        "cpu", "local", "gloo", "cpu")
+    assert cpu.gpu_memory_utilization is None  # the KV cache is rollout.kv_cache_gib
+    gpu = sized_run(cfg, assume_gpu=True, cuda_available=False)
+    assert (gpu.device, gpu.kernels, gpu.sync_backend, gpu.cluster.device) == (
+        "cuda", "te", "nccl", "gpu")
+    assert gpu.cluster.device_gib == cfg.cluster.device_gib
+    assert gpu.gpu_memory_utilization == cfg.rollout.gpu_memory_utilization
 
 
 def test_reward_model_memory_is_planned_on_the_training_devices():
@@ -124,8 +144,8 @@ def test_reward_model_memory_is_planned_on_the_training_devices():
     (before the engines sleep) a colocated engine is awake beside it."""
     from mcore_rl.planning.memory import mcore_stage_params, plan_memory
 
-    base = plan_memory(run_shape_of(load_config(RLConfig, L8)))
-    with_rm = plan_memory(run_shape_of(load_config(RLConfig, L8, RM)))
+    base = plan_memory(sized_run(load_config(RLConfig, L8)))
+    with_rm = plan_memory(sized_run(load_config(RLConfig, L8, RM)))
     rm = next(r for r in with_rm.roles if r.role == "reward model")
     spec = load_config(RLConfig, L8, RM).reward_model.planning_model()
     from mcore_rl.models.presets import PRESETS
@@ -155,15 +175,6 @@ def test_every_problem_at_once():
                                         "cluster.sync_backend=gloo", "train.seq_len=9000"])
     checks = {p.check for p in problems if p.severity == "error"}
     assert {"train-tp", "world-size", "world-size-rollout", "sync-backend", "seq-len"} <= checks
-
-
-def test_field_renames():
-    assert rl_field_names("train.parallel.dp=2 or nodes=3") == "actor.dp=2 or cluster.nodes=3"
-    assert rl_field_names("spans nodes (gpus_per_node=8)") == \
-        "spans nodes (cluster.gpus_per_node=8)"
-    assert rl_field_names("rollout.sleep=all; rollout.tp=2") == \
-        "rollout.enable_sleep=true; rollout.tp=2"
-    assert rl_field_names("parallel.tp=4: does not divide") == "actor.tp=4: does not divide"
 
 
 def _hf_dir(path: Path, head_dim: int) -> Path:

@@ -146,3 +146,17 @@ def test_gpu_config_without_weights_or_preset_names_the_fix():
         cfg.model.planning_model()
     assert load_config(RLConfig, ROOT / "configs" / "gpu" / "llama3-8b.yaml"
                        ).model.planning_model() == "llama3-8b"
+
+
+def test_cluster_sync_backend_defaults_to_the_devices_own():
+    """cluster.sync_backend null: the resolved device's own; set, it is checked against the
+    device (preflight), also on a "local" cluster, where it is not ignored."""
+    from mcore_rl.planning.resolve import resolve_run
+    from mcore_rl.trainer.rl_config import RLConfig
+
+    grpo = ROOT / "configs" / "grpo_addition.yaml"
+    assert load_config(RLConfig, grpo).cluster.sync_backend is None
+    cfg = load_config(RLConfig, grpo, ["cluster.sync_backend=gloo"])
+    assert resolve_run(cfg, assume_gpu=True, cuda_available=False).sync_backend == "gloo"
+    with pytest.raises(ConfigError, match="allowed values: nccl, gloo"):
+        load_config(RLConfig, grpo, ["cluster.sync_backend=mpi"])

@@ -25,6 +25,22 @@ def test_preflight_stops_a_bad_run_before_any_worker(tmp_path):
     assert not (tmp_path / "model").exists()  # refused before the demo model is built
 
 
+def test_train_refuses_devices_that_cannot_run_it(tmp_path):
+    """Issue #12: nccl on a run that resolves to CPU, and a colocated placement with more
+    engine ranks than devices — each named, exit 2, before any worker or model exists."""
+    proc, _ = run_train(tmp_path, "cluster.device=cpu", "cluster.gpus_per_node=3",
+                        "cluster.sync_backend=nccl", config="configs/tiny_ci.yaml")
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "[sync-backend] cluster.sync_backend=nccl, but the run resolves to cpu" in proc.stdout
+    proc, _ = run_train(tmp_path, "cluster.device=cpu", "cluster.placement=colocated",
+                        "cluster.gpus_per_node=2", "rollout.enable_sleep=true",
+                        "rollout.engines=3", config="configs/tiny_ci.yaml")
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "[placement] cluster.placement=colocated: rollout.engines=3" in proc.stdout
+    assert "fix: rollout.engines=2" in proc.stdout
+    assert not (tmp_path / "stacks").exists() and not (tmp_path / "model").exists()
+
+
 def test_bad_value_names_the_field(tmp_path):
     proc, _ = run_train(tmp_path, "updates_per_batch=3")
     assert proc.returncode == 2

@@ -1,0 +1,63 @@
+"""`ClusterConfig`: the allocation an RL run is sized for (the run config's `cluster` section).
+
+Preflight, the memory planner and the run's resolution (`mcore_rl.planning.resolve`) read it;
+the launcher (e.g. scripts/slurm/train.sbatch) must request the same. A "local" cluster is
+resolved to this machine by `mcore_rl.planning.resolve.resolved_cluster`, which returns a
+ClusterConfig with device "gpu" or "cpu" describing what the run will use.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Literal
+
+
+from mcore_rl.config import ConfigError
+
+
+@dataclass(frozen=True, kw_only=True)
+class ClusterConfig:
+    """The hardware a run is sized for.
+
+    device: "local" (the default): this machine — CPU: one process per actor rank and engine
+        TP worker, the machine's memory; GPU: the visible GPUs — leaving nodes,
+        gpus_per_node, device_gib, reserve_gib and placement at their defaults.
+        "gpu" / "cpu": the allocation the other fields describe.
+    nodes, gpus_per_node: the allocation (on CPU: processes per node). device_gib: memory of
+        one device. reserve_gib: per device, memory the estimate leaves for what it does not
+        model (CUDA context, NCCL buffers, allocator fragmentation, transient workspaces).
+    placement: "colocated" (every device holds one actor rank and one engine rank; the
+        engines sleep during training, so rollout.enable_sleep) or "disaggregated" (engines on
+        their own devices: actor world + rollout.tp · rollout.engines devices).
+    sync_backend: the weight-sync group's process-group backend, "nccl" (GPU) or "gloo"
+        (CPU); null: the resolved device's own. nccl on a run that resolves to CPU is refused.
+    """
+
+    device: Literal["local", "gpu", "cpu"] = "local"
+    nodes: int = 1
+    gpus_per_node: int = 8
+    device_gib: float = 80.0
+    reserve_gib: float = 3.0
+    placement: Literal["colocated", "disaggregated"] = "disaggregated"
+    sync_backend: Literal["nccl", "gloo"] | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("nodes", "gpus_per_node"):
+            if getattr(self, name) < 1:
+                raise ConfigError(name, getattr(self, name), "must be >= 1")
+        if not self.device_gib > 0:
+            raise ConfigError("device_gib", self.device_gib, "must be > 0")
+        if self.reserve_gib < 0:
+            raise ConfigError("reserve_gib", self.reserve_gib, "must be >= 0")
+        changed = [f.name for f in fields(self) if f.name not in ("device", "sync_backend")
+                   and getattr(self, f.name) != f.default]
+        if self.device == "local" and changed:
+            raise ConfigError("device", self.device, "sizes for this machine and ignores "
+                              f"{', '.join(changed)}: set device gpu or cpu to use them")
+
+    @property
+    def total_devices(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+
+__all__ = ["ClusterConfig"]

@@ -1,0 +1,183 @@
+"""`SizedRun`: what the memory planner and preflight size — the run config (`RLConfig`, the
+file `mcore-rl train` reads), the device it resolves to, the allocation (`ClusterConfig`, a
+"local" cluster resolved to this machine) and the model's shapes.
+
+It adds no fields of its own: every number the planner uses is an RLConfig field or derived
+from one here, the way the runtime derives it (the global batch, the trainer's fp32 grads,
+vLLM's batch defaults, what a sleeping engine frees). The device facts (layer spec, sync
+backend, the allocation) come from `mcore_rl.planning.resolve`, the rules the controller uses.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from mcore_rl.config import ConfigError, from_dict, parse_overrides, to_dict
+from mcore_rl.launch.cluster import ClusterConfig
+from mcore_rl.models.presets import PRESETS
+from mcore_rl.models.spec import ModelSpec
+from mcore_rl.planning.resolve import (Device, layer_spec_of, local_devices, resolved_cluster,
+                                       run_device, sync_backend_of)
+
+if TYPE_CHECKING:
+    from mcore_rl.trainer.config import TrainConfig
+    from mcore_rl.trainer.rl_config import RLConfig
+
+GiB = 1 << 30
+
+# `trainer.megatron_train` reduces gradients in fp32 (megatron's grad_reduce_in_fp32) whatever
+# train.dtype is; the planner sizes the DDP grad buffer the same way.
+TRAINER_GRAD_DTYPE = "fp32"
+
+
+def resolve_model(model: str | ModelSpec, field_name: str = "model") -> ModelSpec:
+    """A preset name, an HF directory (config.json) or a ModelSpec → the ModelSpec."""
+    if isinstance(model, ModelSpec):
+        return model
+    if model in PRESETS:
+        return PRESETS[model]
+    if not (Path(model) / "config.json").is_file():
+        raise ConfigError(field_name, model, "neither a preset "
+                          f"({', '.join(sorted(PRESETS))}) nor a directory with config.json")
+    return ModelSpec.from_hf_dir(model)
+
+
+def model_name(model: str | ModelSpec) -> str:
+    if isinstance(model, ModelSpec):
+        return f"{model.architecture} (hidden {model.hidden}, {model.layers} layers)"
+    return model
+
+
+def vllm_batch_defaults(device: Device, device_gib: float, tp: int) -> tuple[int, int]:
+    """(max_num_batched_tokens, max_num_seqs) vLLM 0.32 picks for an offline `LLM` when they
+    are not set (`EngineArgs.get_batch_defaults`, LLM_CLASS): CPU 4096·tp and 256·tp; GPUs of
+    >= 70 GiB 16384 and 1024 (A100s excepted, which vLLM names and we cannot); else 8192, 256."""
+    if device == "cpu":
+        return 4096 * tp, 256 * tp
+    if device_gib >= 70:
+        return 16384, 1024
+    return 8192, 256
+
+
+@dataclass(frozen=True)
+class SizedRun:
+    """An RL run as the planner sizes it (see the module docstring).
+
+    cfg: the run config. device: what it resolves to ("cpu"/"cuda"). cluster: the allocation
+    (device "gpu"/"cpu"). spec: the policy's shapes; reward_spec: the reward model's (None
+    when it is off). model: what the shapes were read from (a preset, a directory, or the
+    demo spec). assume_gpu: whether the device was assumed (kept for re-sizing variants).
+    """
+
+    cfg: "RLConfig"
+    device: Device
+    cluster: ClusterConfig
+    spec: ModelSpec
+    reward_spec: ModelSpec | None
+    model: str | ModelSpec
+    assume_gpu: bool = False
+
+    @property
+    def model_name(self) -> str:
+        return model_name(self.model)
+
+    @property
+    def kernels(self) -> str:
+        """The layer kernels the activation estimate assumes: the resolved layer spec."""
+        return layer_spec_of(self.device)
+
+    @property
+    def sync_backend(self) -> str:
+        return sync_backend_of(self.cfg, self.device)
+
+    @property
+    def critic(self) -> bool:
+        return self.cfg.algorithm.advantage_estimator == "gae"
+
+    @property
+    def reference(self) -> bool:
+        return self.cfg.algorithm.kl_coeff > 0
+
+    @property
+    def global_batch(self) -> int:
+        """Sequences per optimizer step over all DP ranks, as the controller splits a step."""
+        c = self.cfg
+        return c.prompts_per_step * c.samples_per_prompt // c.updates_per_batch
+
+    def num_micro_batches(self, train: "TrainConfig") -> float:
+        """Micro batches per optimizer step and DP rank (not whole when the batch does not
+        split; preflight reports that)."""
+        return self.global_batch / (train.micro_batch_size * self.cfg.actor.dp)
+
+    @property
+    def engine_sleeps(self) -> bool:
+        """A colocated engine frees its weights and KV cache while the trainer runs (vLLM
+        sleep level 1 offloads the weights, 2 discards them) — on GPU; on CPU vLLM's sleep
+        is a no-op."""
+        return self.cfg.rollout.enable_sleep and self.device == "cuda"
+
+    @property
+    def gpu_memory_utilization(self) -> float | None:
+        """The fraction of a GPU vLLM takes; None on CPU, where the KV cache is
+        rollout.kv_cache_gib."""
+        return self.cfg.rollout.gpu_memory_utilization if self.device == "cuda" else None
+
+    @property
+    def max_num_batched_tokens(self) -> int:
+        r = self.cfg.rollout
+        if r.max_num_batched_tokens is not None:
+            return r.max_num_batched_tokens
+        return vllm_batch_defaults(self.device, self.cluster.device_gib, r.tp)[0]
+
+    @property
+    def max_num_seqs(self) -> int:
+        r = self.cfg.rollout
+        if r.max_num_seqs is not None:
+            return r.max_num_seqs
+        return vllm_batch_defaults(self.device, self.cluster.device_gib, r.tp)[1]
+
+
+def sized_run(cfg: "RLConfig", *, assume_gpu: bool = False, cuda_available: bool | None = None,
+              model_dir: str | Path | None = None) -> SizedRun:
+    """Size `cfg` on this machine (or an assumed GPU machine). `model_dir`: the directory the
+    run will load (the built demo model); None sizes from `cfg.model.planning_model()`.
+    Raises ConfigError naming the field when there is nothing to size a model from."""
+    device = run_device(cfg, assume_gpu=assume_gpu, cuda_available=cuda_available)
+    model = str(model_dir) if model_dir is not None else cfg.model.planning_model()
+    spec = resolve_model(model, "model.hf_dir")
+    reward_spec = None
+    if cfg.reward_model.enabled:
+        reward_spec = resolve_model(cfg.reward_model.planning_model(), "reward_model.hf_dir")
+    cluster = resolved_cluster(cfg, device, cuda_available=cuda_available)
+    return SizedRun(cfg=cfg, device=device, cluster=cluster, spec=spec,
+                    reward_spec=reward_spec, model=model, assume_gpu=assume_gpu)
+
+
+def with_overrides(run: SizedRun, overrides: list[str] | tuple[str, ...]) -> SizedRun:
+    """`run` with RLConfig overrides (`a.b.c=value`) applied, validated like a loaded config
+    and re-sized on the same device; the model's shapes are kept."""
+    from mcore_rl.trainer.rl_config import RLConfig
+
+    def merge(base: dict, extra: dict) -> dict:
+        out = dict(base)
+        for k, v in extra.items():
+            out[k] = merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k),
+                                                                             dict) else v
+        return out
+
+    cfg = from_dict(RLConfig, merge(to_dict(run.cfg), parse_overrides(list(overrides))))
+    on_gpu = run.device == "cuda"
+    device = run_device(cfg, assume_gpu=on_gpu, cuda_available=on_gpu)
+    if cfg.cluster.device == "local" and device == run.device:  # this machine, measured once
+        cluster = replace(run.cluster, gpus_per_node=local_devices(cfg),
+                          sync_backend=sync_backend_of(cfg, device))
+    else:
+        cluster = resolved_cluster(cfg, device, cuda_available=on_gpu)
+    return SizedRun(cfg=cfg, device=device, cluster=cluster, spec=run.spec,
+                    reward_spec=run.reward_spec, model=run.model, assume_gpu=run.assume_gpu)
+
+
+__all__ = ["GiB", "SizedRun", "TRAINER_GRAD_DTYPE", "model_name", "resolve_model", "sized_run",
+           "vllm_batch_defaults", "with_overrides"]
