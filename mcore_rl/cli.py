@@ -13,6 +13,7 @@ import sys
 COMMANDS: dict[str, str] = {
     "bench": "mcore_rl.bench.cli",
     "convert": "tools.checkpoint_convert.cli",
+    "explain": "mcore_rl.planning.explain",
     "plan-memory": "mcore_rl.planning.cli",
     "preflight": "mcore_rl.planning.cli",
     "demo": "mcore_rl.trainer.demo",

@@ -204,3 +204,16 @@ def test_cli_preflight(capsys):
     out = capsys.readouterr().out
     assert "[world-size]" in out and "[train-tp]" in out and "fix: actor.tp one of" in out
     assert "train.parallel" not in out
+
+
+def test_cli_preflight_assume_gpu(capsys, monkeypatch):
+    """`--assume-gpu` checks a local run as on a GPU machine: nccl is then right."""
+    import mcore_rl.planning.resolve as resolve
+
+    monkeypatch.setattr(resolve, "cuda_present", lambda: False)  # a CPU-only machine
+    tiny = str(TINY)
+    assert main(["preflight", tiny, "cluster.sync_backend=nccl"]) == 1
+    assert "[sync-backend] cluster.sync_backend=nccl" in capsys.readouterr().out
+    assert main(["preflight", tiny, "cluster.sync_backend=nccl", "--assume-gpu"]) == 0
+    assert main(["preflight", tiny, "cluster.sync_backend=gloo", "--assume-gpu"]) == 1
+    assert "cluster.sync_backend=gloo on gpu" in capsys.readouterr().out

@@ -1,0 +1,60 @@
+"""`mcore-rl explain`: the resolved run as tables, and as the last line one JSON object with
+the layer spec, the sync backend and one transport per engine — for the shipped GPU configs
+(as on their GPUs) and the CPU configs (on this machine, where no CUDA device is seen)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+import mcore_rl.planning.resolve as resolve
+from mcore_rl.cli import main
+
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+
+CASES = [
+    # config, --assume-gpu, layer spec, sync backend, transports (one per engine)
+    ("gpu/llama3-70b.yaml", True, "te", "nccl", ["p2p"] * 4),   # disaggregated, 8 nodes
+    ("gpu/llama3-8b.yaml", True, "te", "nccl", ["ipc"] * 4),    # colocated: shared devices
+    ("gpu/llama2-13b.yaml", False, "te", "nccl", ["p2p"] * 4),  # cluster.device gpu decides
+    ("tiny_ci.yaml", False, "local", "gloo", ["p2p"]),
+    ("grpo_addition.yaml", False, "local", "gloo", ["p2p"]),
+    ("tiny_ci.yaml", True, "te", "nccl", ["p2p"]),              # a local run, planned for GPUs
+]
+
+
+@pytest.fixture
+def no_cuda(monkeypatch):
+    """This machine as a CPU-only one, whatever it has."""
+    monkeypatch.setattr(resolve, "cuda_present", lambda: False)
+
+
+@pytest.mark.parametrize("name,assume_gpu,layer_spec,backend,transports", CASES,
+                         ids=[f"{c[0]}{'+gpu' if c[1] else ''}" for c in CASES])
+def test_explain_prints_the_resolved_run(no_cuda, capsys, name, assume_gpu, layer_spec,
+                                         backend, transports):
+    argv = ["explain", str(CONFIGS / name)] + (["--assume-gpu"] if assume_gpu else [])
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    summary = json.loads(out.strip().splitlines()[-1])
+    assert (summary["layer_spec"], summary["sync_backend"], summary["transports"]) == (
+        layer_spec, backend, transports)
+    device = "cuda" if layer_spec == "te" else "cpu"
+    assert summary["device"] == device
+    assert all(d.startswith(device) for d in summary["actor_devices"])
+    # the table says the same
+    assert f"sync backend │ {backend}" in out and f"layer spec   │ {layer_spec}" in out
+    assert out.count(f"│ {transports[0]} (") == len(transports)
+
+
+def test_explain_overrides_and_bad_input(no_cuda, capsys):
+    l8 = str(CONFIGS / "gpu" / "llama3-8b.yaml")
+    # disaggregated on two nodes: the engines get their own devices, so p2p
+    assert main(["explain", l8, "cluster.placement=disaggregated", "cluster.nodes=2",
+                 "rollout.enable_sleep=false"]) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert summary["transports"] == ["p2p"] * 4 and summary["nodes"] == 2
+    assert main(["explain", l8, "rollout.engines=8"]) == 2  # 16 engine ranks on 8 devices
+    assert "rollout.engines=8: colocated placement" in capsys.readouterr().err
