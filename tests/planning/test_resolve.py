@@ -36,3 +36,23 @@ def test_gpu_configs_resolve_their_transports(name, transport):
     assert (run.device, run.layer_spec, run.sync_backend) == ("cuda", "te", "nccl")
     assert set(run.transports) == {transport}
     assert run.summary()["transports"] == [transport] * len(run.engine_devices)
+
+
+def test_resolved_cluster_is_the_allocation_as_sized():
+    """A gpu/cpu cluster as written (its sync backend resolved); a local one as this machine:
+    one node of exactly the devices the placement uses."""
+    gpu = resolve_run(_load(CONFIGS / "gpu" / "llama3-70b.yaml"), cuda_available=False)
+    assert (gpu.cluster.device, gpu.cluster.nodes, gpu.cluster.gpus_per_node) == ("gpu", 8, 8)
+    assert gpu.placement.nodes == gpu.cluster.nodes and gpu.summary()["nodes"] == 8
+    local = resolve_run(_load(CONFIGS / "tiny_ci.yaml"), cuda_available=False)
+    used = len(local.actor_devices) + sum(len(e) for e in local.engine_devices)
+    assert (local.cluster.device, local.cluster.nodes, local.cluster.gpus_per_node) == (
+        "cpu", 1, used)
+    assert local.cluster.sync_backend == local.sync_backend == "gloo"
+
+
+def test_configured_backend_is_kept_for_preflight_to_judge():
+    """nccl asked for on a CPU run stays nccl here; preflight refuses it, naming the field."""
+    run = resolve_run(_load(CONFIGS / "tiny_ci.yaml", "cluster.sync_backend=nccl"),
+                      cuda_available=False)
+    assert (run.device, run.sync_backend) == ("cpu", "nccl")
