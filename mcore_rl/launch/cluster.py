@@ -11,7 +11,6 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Literal
 
-
 from mcore_rl.config import ConfigError
 
 
