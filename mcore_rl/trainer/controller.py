@@ -19,9 +19,9 @@ from pathlib import Path
 
 import torch
 
-from mcore_rl.algorithms import (AlgorithmConfig, gae_advantages, grpo_advantages,
-                                 kl_penalty_rewards, outcome_to_token_rewards, overlong_penalty,
-                                 reinforce_pp_advantages, rloo_advantages)
+from mcore_rl.algorithms import (AlgorithmConfig, correction_weights, gae_advantages,
+                                 grpo_advantages, kl_penalty_rewards, outcome_to_token_rewards,
+                                 overlong_penalty, reinforce_pp_advantages, rloo_advantages)
 from mcore_rl.launch.watchdog import WatchdogTimeout, dump_stacks
 from mcore_rl.layouts import megatron_shards, vllm_shards
 from mcore_rl.models.spec import ModelSpec
@@ -109,6 +109,19 @@ def build_batch(prompts: list[list[int]], responses: list[list[int]], length: in
     full = torch.tensor(rows, dtype=torch.long)
     return Batch(full[:, :-1].contiguous(), full[:, 1:].contiguous(),
                  torch.tensor(masks, dtype=torch.float32))
+
+
+def engine_logprobs(completions: list[Completion], mask: torch.Tensor) -> torch.Tensor:
+    """The engine's log-prob of each sampled token, [n, s] aligned with `build_batch`'s
+    response mask (0 elsewhere): π_rollout of the rollout correction and of `bypass`."""
+    out = torch.zeros_like(mask, dtype=torch.float32)
+    for row, completion in enumerate(completions):
+        positions = mask[row].nonzero().flatten()
+        if len(completion.logprobs) < len(positions):
+            raise ValueError(f"sample {row}: the engine returned {len(completion.logprobs)} "
+                             f"log-probs for {len(positions)} response tokens")
+        out[row, positions] = torch.tensor(completion.logprobs[:len(positions)])
+    return out
 
 
 def _mini_batches(batch: dict[str, torch.Tensor], count: int):
@@ -515,9 +528,22 @@ class RLController:
                 overlong_buffer=cfg.algorithm.overlong_buffer,
                 penalty_factor=cfg.algorithm.overlong_penalty)
         train_start = time.perf_counter()
-        with timer("old_logprob"):
-            old_logp = self._per_token("logprobs", batch, "old_logprob")
-        rollout_diff = _rollout_logprob_diff(completions, old_logp, batch.mask)
+        correction = cfg.algorithm.rollout_correction
+        rollout_logp = engine_logprobs(completions, batch.mask)
+        mismatch: dict[str, float] = {}
+        if correction.mode == "bypass":  # the engine's log-probs are the old policy
+            old_logp, is_weights = rollout_logp, None
+        else:
+            with timer("old_logprob"):
+                old_logp = self._per_token("logprobs", batch, "old_logprob")
+            # vLLM's log-probs of its samples vs the actor's on the same (synced) weights:
+            # ~0 means the weight sync is exact; it grows if the engine serves stale weights
+            # (and off-policy it measures the staleness)
+            mismatch["rollout_logprob_max_diff"] = _rollout_logprob_diff(
+                completions, old_logp, batch.mask)
+            is_weights, correction_metrics = correction_weights(correction, old_logp,
+                                                                rollout_logp, batch.mask)
+            mismatch.update(correction_metrics)
         extra: dict[str, torch.Tensor] = {}
         if self.use_reference:
             with timer("ref"):
@@ -533,6 +559,8 @@ class RLController:
                   "old_logp": old_logp, "advantages": adv}
         if self.use_reference and cfg.algorithm.kl_mode == "loss":
             policy["ref_logp"] = extra["ref_logp"]
+        if is_weights is not None:
+            policy["is_weights"] = is_weights
         updates, critic_updates = [], []
         with timer("update_actor"):
             for mini in _mini_batches(policy, cfg.updates_per_batch):
@@ -558,11 +586,7 @@ class RLController:
             "response_length": gen_tokens / len(completions),
             "pg_loss": updates[-1]["pg_loss"], "clip_frac": updates[-1]["clip_frac"],
             "ppo_kl": updates[-1]["ppo_kl"], "entropy": updates[0]["entropy"],
-            "grad_norm": updates[-1]["grad_norm"],
-            # vLLM's log-probs of its samples vs the actor's on the same (synced) weights:
-            # ~0 means the weight sync is exact; it grows if the engine serves stale weights
-            # (and off-policy it measures the one-step staleness)
-            "rollout_logprob_max_diff": rollout_diff,
+            "grad_norm": updates[-1]["grad_norm"], **mismatch,
             "kl_ref": updates[-1]["kl_ref"], **adv_metrics,
             **_critic_metrics(critic_updates), **_packing_metrics(updates[-1]),
             **sync, **rollouts.stats, **timer.as_metrics(), **gen_timing, **overlap,
