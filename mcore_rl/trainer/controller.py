@@ -232,8 +232,13 @@ class RLController:
         self.engines = RayEngines(model_dir, cfg.rollout, stack_dir=self.stack_dir,
                                   inject_stall=cfg.inject_stall, placement=self.placement)
         self._join_sync_group()
-        self._in_flight = None  # one-step off-policy: the next step's batch being generated
-        self._executor = None
+        self.pipeline = None  # one_step / async: the batches generated ahead of training
+        if cfg.rollout.mode != "sync":
+            from mcore_rl.trainer.async_rollout import RolloutPipeline
+
+            self.pipeline = RolloutPipeline(self.collect,
+                                            max_staleness=cfg.rollout.staleness_bound,
+                                            last_step=cfg.steps, wait=self._wait_in_flight)
         self.plan = build_plan(megatron_shards(self.spec, cfg.actor),
                                vllm_shards(self.spec, cfg.rollout.tp, cfg.rollout.engines),
                                bucket_bytes=int(cfg.sync_bucket_mb * (1 << 20)),
@@ -279,8 +284,8 @@ class RLController:
 
     def sync_weights(self) -> dict[str, float]:
         """Stream the actor's shards into every engine; checks each engine got every name."""
-        if self._in_flight is not None:  # never change weights under a running generation
-            self._wait_in_flight(self._in_flight)
+        if self.pipeline is not None:  # never change weights under a running generation
+            self.pipeline.quiesce()
         self.engines.begin_sync(self.plan, dtype=DTYPES[self.cfg.wire_dtype],
                                 timeout_s=self.cfg.deadlines.sync_s)
         return self._finish_sync()
@@ -445,42 +450,15 @@ class RLController:
                         scores=[list(g[3]) for g in groups], stats=stats)
 
     def _rollouts_for(self, step: int, timer: PhaseTimer) -> tuple[Rollouts, dict[str, float]]:
-        """The batch step trains on, and the generation-side timings to report with it.
+        """The batch step trains on, and the generation-side metrics to report with it.
 
-        On-policy: generated now, on the weights synced at the end of the last step.
-        One-step off-policy: generated during the previous step's training (on the weights
-        before that step's update); this step starts generating the next batch before it
-        trains, and `timing_s/gen_wait` is what it spent blocked on generation."""
-        if not self.cfg.off_policy_steps:
+        sync: generated now, on the weights synced at the end of the last step. one_step /
+        async: generated ahead by the rollout pipeline (`trainer.async_rollout`) on weights
+        at most `rollout.staleness_bound` updates old; `timing_s/gen_wait` is what the step
+        spent blocked on generation."""
+        if self.pipeline is None:
             return self.collect(step, timer), {}
-        if self._in_flight is None:  # first step, or just resumed without a saved batch
-            self._start_collect(step)
-        with timer("gen_wait"):
-            rollouts, gen_timing, _ = self._take_in_flight()
-        if rollouts.step != step:
-            raise RuntimeError(f"off-policy batch of step {rollouts.step} offered to step {step}")
-        if step < self.cfg.steps:
-            self._start_collect(step + 1)
-        return rollouts, gen_timing
-
-    def _start_collect(self, step: int) -> None:
-        import concurrent.futures
-
-        def run():
-            timer, start = PhaseTimer(), time.perf_counter()
-            rollouts = self.collect(step, timer)
-            timing = {k: v for k, v in timer.as_metrics().items() if k != "timing_s/step"}
-            return rollouts, timing, (start, time.perf_counter())
-
-        if self._executor is None:  # one thread: generation runs beside the actor's work
-            self._executor = concurrent.futures.ThreadPoolExecutor(1, "mcore-rl-gen")
-        self._in_flight = self._executor.submit(run)
-
-    def _take_in_flight(self):
-        """The in-flight generation's (rollouts, timings, wall window); its errors (e.g. a
-        WatchdogTimeout) re-raise here."""
-        future, self._in_flight = self._in_flight, None
-        return self._wait_in_flight(future)
+        return self.pipeline.take(step, timer)
 
     def _wait_in_flight(self, future):
         """future.result under a deadline beyond the generation's own (which names the late
@@ -491,22 +469,8 @@ class RLController:
         try:
             return future.result(timeout=deadline)
         except concurrent.futures.TimeoutError:
-            raise self._watchdog("gen", deadline, ["the off-policy generation thread"],
-                                 "generation + reward of the next batch did not finish") from None
-
-    def _quiesce_generation(self, timer: PhaseTimer, train_window: tuple[float, float]
-                            ) -> dict[str, float]:
-        """Weights must not change under a running generation: before a sync, wait for the
-        in-flight batch (it stays in flight for the next step to take). Returns how many
-        seconds of its generation ran while this step trained (`gen_overlap_s`)."""
-        if self._in_flight is None:
-            return {}
-        if not self._in_flight.done():
-            with timer("gen_wait"):
-                self._wait_in_flight(self._in_flight)
-        _, _, (gen_start, gen_end) = self._in_flight.result()
-        overlap = min(gen_end, train_window[1]) - max(gen_start, train_window[0])
-        return {"gen_overlap_s": max(overlap, 0.0)}
+            raise self._watchdog("gen", deadline, ["the rollout pipeline's generation thread"],
+                                 "generation + reward of a batch ahead did not finish") from None
 
     def rl_step(self, step: int) -> dict[str, float]:
         cfg, timer = self.cfg, PhaseTimer()
@@ -574,7 +538,9 @@ class RLController:
                 for mini in _mini_batches(value, cfg.updates_per_batch):
                     critic_updates.append(self._actor("critic_update", mini, cfg.algorithm,
                                                       phase="update_critic")[0])
-        overlap = self._quiesce_generation(timer, (train_start, time.perf_counter()))
+        # weights must not change under a running generation: wait for the batches ahead
+        overlap = ({} if self.pipeline is None else
+                   self.pipeline.quiesce(timer, (train_start, time.perf_counter())))
         if cfg.rollout.enable_sleep:
             with timer("wake"):
                 self.engines.wake_up()
@@ -605,12 +571,10 @@ class RLController:
         if tmp.exists():
             shutil.rmtree(tmp)
         self._actor("save_checkpoint", str(tmp), phase="save")
-        if self._in_flight is not None:
-            # off-policy: the next batch was generated on weights this checkpoint no longer
-            # holds; saved with it, a resumed run trains on exactly the same batch
-            rollouts, timing, _ = self._wait_in_flight(self._in_flight)
-            torch.save({"rollouts": rollouts.to_state(), "timing": timing},
-                       tmp / "next_rollouts.pt")
+        if self.pipeline is not None:
+            # the batches ahead were generated on weights this checkpoint no longer holds;
+            # saved with it (and their versions), a resumed run trains on exactly them
+            torch.save(self.pipeline.state(), tmp / "rollout_buffer.pt")
         (tmp / "controller.json").write_text(json.dumps({"step": step}))
         if final.exists():
             shutil.rmtree(final)
@@ -628,14 +592,9 @@ class RLController:
         if not meta.is_file():
             raise FileNotFoundError(f"{path}: not a checkpoint (no controller.json)")
         self._actor("load_checkpoint", str(path), phase="load")
-        self._in_flight = None
-        if self.cfg.off_policy_steps and (path / "next_rollouts.pt").is_file():
-            import concurrent.futures
-
-            saved = torch.load(path / "next_rollouts.pt", weights_only=True)
-            self._in_flight = concurrent.futures.Future()
-            self._in_flight.set_result((Rollouts.from_state(saved["rollouts"]),
-                                        saved["timing"], (0.0, 0.0)))
+        if self.pipeline is not None and (path / "rollout_buffer.pt").is_file():
+            self.pipeline.load_state(torch.load(path / "rollout_buffer.pt", weights_only=True),
+                                     Rollouts.from_state)
         return int(json.loads(meta.read_text())["step"])
 
     def weights_digests(self) -> list[str]:
@@ -645,8 +604,8 @@ class RLController:
         """Stop workers and engines; a worker stuck in a collective is killed with Ray."""
         import ray
 
-        if self._executor is not None:
-            self._executor.shutdown(wait=False, cancel_futures=True)
+        if self.pipeline is not None:
+            self.pipeline.shutdown()
         try:
             ray.wait([w.shutdown.remote() for w in self.workers],
                      num_returns=len(self.workers), timeout=10.0)
