@@ -32,6 +32,12 @@ from mcore_rl.algorithms.losses import (
     policy_loss,
     value_loss,
 )
+from mcore_rl.algorithms.rollout_correction import (
+    RolloutCorrectionConfig,
+    correction_weights,
+    mis_mask,
+    tis_weights,
+)
 from mcore_rl.algorithms.vocab_parallel import (
     log_probs_and_entropy,
     vocab_parallel_log_probs_and_entropy,
@@ -44,5 +50,5 @@ __all__ = [
     "kl_divergence", "kl_loss", "kl_penalty_rewards", "last_token_index",
     "log_probs_and_entropy", "masked_mean", "masked_whiten", "outcome_to_token_rewards",
     "overlong_penalty", "policy_loss", "reinforce_pp_advantages", "rloo_advantages",
-    "value_loss", "vocab_parallel_log_probs_and_entropy",
+    "RolloutCorrectionConfig", "correction_weights", "mis_mask", "tis_weights", "value_loss", "vocab_parallel_log_probs_and_entropy",
 ]

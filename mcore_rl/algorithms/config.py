@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 from mcore_rl.algorithms.losses import KL_ESTIMATORS, LOSS_AGGS
+from mcore_rl.algorithms.rollout_correction import RolloutCorrectionConfig
 from mcore_rl.config import ConfigError
 
 ADVANTAGE_ESTIMATORS: tuple[str, ...] = ("gae", "grpo", "rloo", "reinforce_pp")
@@ -35,6 +36,8 @@ class AlgorithmConfig:
     overlong_buffer: tokens before the max response length over which the overlong penalty
         ramps from 0 to -overlong_penalty (>= 0; 0 turns it off).
     overlong_penalty: size of the full overlong penalty (>= 0).
+    rollout_correction: train–inference mismatch correction (tis / mis / bypass), see
+        `RolloutCorrectionConfig`.
     """
 
     advantage_estimator: Literal["gae", "grpo", "rloo", "reinforce_pp"] = "grpo"
@@ -54,6 +57,8 @@ class AlgorithmConfig:
     dynamic_sampling: bool = False
     overlong_buffer: int = 0
     overlong_penalty: float = 1.0
+    rollout_correction: RolloutCorrectionConfig = field(
+        default_factory=RolloutCorrectionConfig)
 
     def __post_init__(self) -> None:
         for name, allowed in (("advantage_estimator", ADVANTAGE_ESTIMATORS),

@@ -53,15 +53,17 @@ def aggregate_loss(loss: Tensor, response_mask: Tensor, agg: LossAgg) -> Tensor:
 
 def policy_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, response_mask: Tensor, *,
                 clip_eps_low: float = 0.2, clip_eps_high: float = 0.2,
-                clip_c: float | None = None,
-                agg: LossAgg = "token-mean") -> tuple[Tensor, dict[str, Tensor]]:
+                clip_c: float | None = None, agg: LossAgg = "token-mean",
+                is_weights: Tensor | None = None) -> tuple[Tensor, dict[str, Tensor]]:
     """PPO clipped surrogate with asymmetric clip (DAPO clip-higher) and optional dual-clip.
 
     logp (with grad), old_logp (behaviour policy), advantages, response_mask: [B, T].
     With r = exp(logp - old_logp) and A the advantage, per token:
         L = max(-A * r, -A * clip(r, 1 - clip_eps_low, 1 + clip_eps_high))
         if clip_c is set and A < 0:  L = min(L, -A * clip_c)    (dual-clip, clip_c > 1)
-    then aggregated with `agg`. Metrics: "pg_clipfrac" (tokens where the clipped term is
+    then multiplied by `is_weights` [B, T] when given (detached per-token weights of the
+    train–inference mismatch correction, `rollout_correction`) and aggregated with `agg`
+    (the normaliser stays the response mask's). Metrics: "pg_clipfrac" (tokens where the clipped term is
     active), "pg_clipfrac_lower" (tokens where dual-clip is active), "ppo_kl" (mean of
     old_logp - logp, the k1 estimate of KL(old || new)).
     """
@@ -81,6 +83,8 @@ def policy_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, response_mas
         loss = torch.where(negative, torch.minimum(loss, dual), loss)
     else:
         metrics["pg_clipfrac_lower"] = torch.zeros(())
+    if is_weights is not None:
+        loss = loss * is_weights.detach().to(loss.dtype)
     return aggregate_loss(loss, mask, agg), metrics
 
 

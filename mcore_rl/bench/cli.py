@@ -89,7 +89,7 @@ def _add_step(kinds) -> None:
                    help="dense peak per device in TFLOP/s (e.g. 989 for H100 bf16)")
     p.add_argument("--compare", action="append", default=[], metavar="A.B=VALUE",
                    help="also run a variant with this override (repeatable), e.g. "
-                        "off_policy_steps=1; reports its speed-up over the baseline")
+                        "rollout.mode=async; reports its speed-up over the baseline")
     p.add_argument("overrides", nargs="*", help="a.b.c=value")
     _add_common(p, "step", 2)
     p.set_defaults(func=run_step)

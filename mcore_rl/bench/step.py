@@ -129,7 +129,7 @@ class StepBenchConfig:
     repeats: measured RL steps; warmup_steps: unmeasured steps before them (start-up costs).
     peak_tflops: dense peak per device, TFLOP/s, in the training dtype (e.g. 989 for H100
     bf16); the CPU default is a placeholder for a couple of cores.
-    compare: extra overrides of a variant (e.g. "off_policy_steps=1"): the same steps run
+    compare: extra overrides of a variant (e.g. "rollout.mode=async"): the same steps run
         again with them in the same invocation, and the report gives the variant's timings
         and its speed-up (baseline median step seconds / variant's)."""
 

@@ -92,6 +92,13 @@ class RolloutConfig:
         rank 1 on core 1); "" splits this process's allowed cores evenly over the TP ranks.
     cpus_per_engine: Ray CPUs reserved per engine actor.
     host_ip: address vLLM and Ray bind to (`VLLM_HOST_IP`); loopback for one machine.
+    mode: when the engines generate relative to training (`mcore_rl.trainer.async_rollout`):
+        "sync" (on-policy: each step generates its batch on the weights just synced),
+        "one_step" (step n+1's batch is generated while step n trains: staleness 1) or
+        "async" (batches are generated up to max_staleness steps ahead). one_step and async
+        keep the engines awake during training, so not with enable_sleep.
+    max_staleness: async only — k: a batch generated on weight version v trains at a version
+        <= v + k (>= 0; one_step is 1, sync 0).
     """
 
     tp: int = 1
@@ -113,6 +120,13 @@ class RolloutConfig:
     cpu_threads_bind: str = ""
     cpus_per_engine: float = 1.0
     host_ip: str = "127.0.0.1"
+    mode: Literal["sync", "one_step", "async"] = "sync"
+    max_staleness: int = 2
+
+    @property
+    def staleness_bound(self) -> int:
+        """How many updates older than the trainer a batch may be (sync 0, one_step 1)."""
+        return {"sync": 0, "one_step": 1}.get(self.mode, self.max_staleness)
 
     def __post_init__(self) -> None:
         for name in ("tp", "engines", "max_model_len"):
@@ -142,6 +156,14 @@ class RolloutConfig:
             raise ConfigError("seed", self.seed, "must be >= 0")
         if self.cpus_per_engine < 0:
             raise ConfigError("cpus_per_engine", self.cpus_per_engine, "must be >= 0")
+        if self.mode not in ("sync", "one_step", "async"):
+            raise ConfigError("mode", self.mode, "allowed values: sync, one_step, async")
+        if self.max_staleness < 0:
+            raise ConfigError("max_staleness", self.max_staleness, "must be >= 0")
+        if self.mode != "sync" and self.enable_sleep:
+            raise ConfigError("mode", self.mode, "overlaps generation with training, so the "
+                              "engines cannot sleep during training (enable_sleep=true): use "
+                              "one or the other")
         if self.cpu_threads_bind and self.cpu_threads_bind not in ("auto", "nobind") \
                 and len(self.cpu_threads_bind.split("|")) != self.tp:
             raise ConfigError("cpu_threads_bind", self.cpu_threads_bind,

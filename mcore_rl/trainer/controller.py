@@ -19,9 +19,9 @@ from pathlib import Path
 
 import torch
 
-from mcore_rl.algorithms import (AlgorithmConfig, gae_advantages, grpo_advantages,
-                                 kl_penalty_rewards, outcome_to_token_rewards, overlong_penalty,
-                                 reinforce_pp_advantages, rloo_advantages)
+from mcore_rl.algorithms import (AlgorithmConfig, correction_weights, gae_advantages,
+                                 grpo_advantages, kl_penalty_rewards, outcome_to_token_rewards,
+                                 overlong_penalty, reinforce_pp_advantages, rloo_advantages)
 from mcore_rl.launch.watchdog import WatchdogTimeout, dump_stacks
 from mcore_rl.layouts import megatron_shards, vllm_shards
 from mcore_rl.models.spec import ModelSpec
@@ -109,6 +109,19 @@ def build_batch(prompts: list[list[int]], responses: list[list[int]], length: in
     full = torch.tensor(rows, dtype=torch.long)
     return Batch(full[:, :-1].contiguous(), full[:, 1:].contiguous(),
                  torch.tensor(masks, dtype=torch.float32))
+
+
+def engine_logprobs(completions: list[Completion], mask: torch.Tensor) -> torch.Tensor:
+    """The engine's log-prob of each sampled token, [n, s] aligned with `build_batch`'s
+    response mask (0 elsewhere): π_rollout of the rollout correction and of `bypass`."""
+    out = torch.zeros_like(mask, dtype=torch.float32)
+    for row, completion in enumerate(completions):
+        positions = mask[row].nonzero().flatten()
+        if len(completion.logprobs) < len(positions):
+            raise ValueError(f"sample {row}: the engine returned {len(completion.logprobs)} "
+                             f"log-probs for {len(positions)} response tokens")
+        out[row, positions] = torch.tensor(completion.logprobs[:len(positions)])
+    return out
 
 
 def _mini_batches(batch: dict[str, torch.Tensor], count: int):
@@ -219,8 +232,13 @@ class RLController:
         self.engines = RayEngines(model_dir, cfg.rollout, stack_dir=self.stack_dir,
                                   inject_stall=cfg.inject_stall, placement=self.placement)
         self._join_sync_group()
-        self._in_flight = None  # one-step off-policy: the next step's batch being generated
-        self._executor = None
+        self.pipeline = None  # one_step / async: the batches generated ahead of training
+        if cfg.rollout.mode != "sync":
+            from mcore_rl.trainer.async_rollout import RolloutPipeline
+
+            self.pipeline = RolloutPipeline(self.collect,
+                                            max_staleness=cfg.rollout.staleness_bound,
+                                            last_step=cfg.steps, wait=self._wait_in_flight)
         self.plan = build_plan(megatron_shards(self.spec, cfg.actor),
                                vllm_shards(self.spec, cfg.rollout.tp, cfg.rollout.engines),
                                bucket_bytes=int(cfg.sync_bucket_mb * (1 << 20)),
@@ -266,8 +284,8 @@ class RLController:
 
     def sync_weights(self) -> dict[str, float]:
         """Stream the actor's shards into every engine; checks each engine got every name."""
-        if self._in_flight is not None:  # never change weights under a running generation
-            self._wait_in_flight(self._in_flight)
+        if self.pipeline is not None:  # never change weights under a running generation
+            self.pipeline.quiesce()
         self.engines.begin_sync(self.plan, dtype=DTYPES[self.cfg.wire_dtype],
                                 timeout_s=self.cfg.deadlines.sync_s)
         return self._finish_sync()
@@ -432,42 +450,15 @@ class RLController:
                         scores=[list(g[3]) for g in groups], stats=stats)
 
     def _rollouts_for(self, step: int, timer: PhaseTimer) -> tuple[Rollouts, dict[str, float]]:
-        """The batch step trains on, and the generation-side timings to report with it.
+        """The batch step trains on, and the generation-side metrics to report with it.
 
-        On-policy: generated now, on the weights synced at the end of the last step.
-        One-step off-policy: generated during the previous step's training (on the weights
-        before that step's update); this step starts generating the next batch before it
-        trains, and `timing_s/gen_wait` is what it spent blocked on generation."""
-        if not self.cfg.off_policy_steps:
+        sync: generated now, on the weights synced at the end of the last step. one_step /
+        async: generated ahead by the rollout pipeline (`trainer.async_rollout`) on weights
+        at most `rollout.staleness_bound` updates old; `timing_s/gen_wait` is what the step
+        spent blocked on generation."""
+        if self.pipeline is None:
             return self.collect(step, timer), {}
-        if self._in_flight is None:  # first step, or just resumed without a saved batch
-            self._start_collect(step)
-        with timer("gen_wait"):
-            rollouts, gen_timing, _ = self._take_in_flight()
-        if rollouts.step != step:
-            raise RuntimeError(f"off-policy batch of step {rollouts.step} offered to step {step}")
-        if step < self.cfg.steps:
-            self._start_collect(step + 1)
-        return rollouts, gen_timing
-
-    def _start_collect(self, step: int) -> None:
-        import concurrent.futures
-
-        def run():
-            timer, start = PhaseTimer(), time.perf_counter()
-            rollouts = self.collect(step, timer)
-            timing = {k: v for k, v in timer.as_metrics().items() if k != "timing_s/step"}
-            return rollouts, timing, (start, time.perf_counter())
-
-        if self._executor is None:  # one thread: generation runs beside the actor's work
-            self._executor = concurrent.futures.ThreadPoolExecutor(1, "mcore-rl-gen")
-        self._in_flight = self._executor.submit(run)
-
-    def _take_in_flight(self):
-        """The in-flight generation's (rollouts, timings, wall window); its errors (e.g. a
-        WatchdogTimeout) re-raise here."""
-        future, self._in_flight = self._in_flight, None
-        return self._wait_in_flight(future)
+        return self.pipeline.take(step, timer)
 
     def _wait_in_flight(self, future):
         """future.result under a deadline beyond the generation's own (which names the late
@@ -478,22 +469,8 @@ class RLController:
         try:
             return future.result(timeout=deadline)
         except concurrent.futures.TimeoutError:
-            raise self._watchdog("gen", deadline, ["the off-policy generation thread"],
-                                 "generation + reward of the next batch did not finish") from None
-
-    def _quiesce_generation(self, timer: PhaseTimer, train_window: tuple[float, float]
-                            ) -> dict[str, float]:
-        """Weights must not change under a running generation: before a sync, wait for the
-        in-flight batch (it stays in flight for the next step to take). Returns how many
-        seconds of its generation ran while this step trained (`gen_overlap_s`)."""
-        if self._in_flight is None:
-            return {}
-        if not self._in_flight.done():
-            with timer("gen_wait"):
-                self._wait_in_flight(self._in_flight)
-        _, _, (gen_start, gen_end) = self._in_flight.result()
-        overlap = min(gen_end, train_window[1]) - max(gen_start, train_window[0])
-        return {"gen_overlap_s": max(overlap, 0.0)}
+            raise self._watchdog("gen", deadline, ["the rollout pipeline's generation thread"],
+                                 "generation + reward of a batch ahead did not finish") from None
 
     def rl_step(self, step: int) -> dict[str, float]:
         cfg, timer = self.cfg, PhaseTimer()
@@ -515,9 +492,22 @@ class RLController:
                 overlong_buffer=cfg.algorithm.overlong_buffer,
                 penalty_factor=cfg.algorithm.overlong_penalty)
         train_start = time.perf_counter()
-        with timer("old_logprob"):
-            old_logp = self._per_token("logprobs", batch, "old_logprob")
-        rollout_diff = _rollout_logprob_diff(completions, old_logp, batch.mask)
+        correction = cfg.algorithm.rollout_correction
+        rollout_logp = engine_logprobs(completions, batch.mask)
+        mismatch: dict[str, float] = {}
+        if correction.mode == "bypass":  # the engine's log-probs are the old policy
+            old_logp, is_weights = rollout_logp, None
+        else:
+            with timer("old_logprob"):
+                old_logp = self._per_token("logprobs", batch, "old_logprob")
+            # vLLM's log-probs of its samples vs the actor's on the same (synced) weights:
+            # ~0 means the weight sync is exact; it grows if the engine serves stale weights
+            # (and off-policy it measures the staleness)
+            mismatch["rollout_logprob_max_diff"] = _rollout_logprob_diff(
+                completions, old_logp, batch.mask)
+            is_weights, correction_metrics = correction_weights(correction, old_logp,
+                                                                rollout_logp, batch.mask)
+            mismatch.update(correction_metrics)
         extra: dict[str, torch.Tensor] = {}
         if self.use_reference:
             with timer("ref"):
@@ -533,6 +523,8 @@ class RLController:
                   "old_logp": old_logp, "advantages": adv}
         if self.use_reference and cfg.algorithm.kl_mode == "loss":
             policy["ref_logp"] = extra["ref_logp"]
+        if is_weights is not None:
+            policy["is_weights"] = is_weights
         updates, critic_updates = [], []
         with timer("update_actor"):
             for mini in _mini_batches(policy, cfg.updates_per_batch):
@@ -546,7 +538,9 @@ class RLController:
                 for mini in _mini_batches(value, cfg.updates_per_batch):
                     critic_updates.append(self._actor("critic_update", mini, cfg.algorithm,
                                                       phase="update_critic")[0])
-        overlap = self._quiesce_generation(timer, (train_start, time.perf_counter()))
+        # weights must not change under a running generation: wait for the batches ahead
+        overlap = ({} if self.pipeline is None else
+                   self.pipeline.quiesce(timer, (train_start, time.perf_counter())))
         if cfg.rollout.enable_sleep:
             with timer("wake"):
                 self.engines.wake_up()
@@ -558,11 +552,7 @@ class RLController:
             "response_length": gen_tokens / len(completions),
             "pg_loss": updates[-1]["pg_loss"], "clip_frac": updates[-1]["clip_frac"],
             "ppo_kl": updates[-1]["ppo_kl"], "entropy": updates[0]["entropy"],
-            "grad_norm": updates[-1]["grad_norm"],
-            # vLLM's log-probs of its samples vs the actor's on the same (synced) weights:
-            # ~0 means the weight sync is exact; it grows if the engine serves stale weights
-            # (and off-policy it measures the one-step staleness)
-            "rollout_logprob_max_diff": rollout_diff,
+            "grad_norm": updates[-1]["grad_norm"], **mismatch,
             "kl_ref": updates[-1]["kl_ref"], **adv_metrics,
             **_critic_metrics(critic_updates), **_packing_metrics(updates[-1]),
             **sync, **rollouts.stats, **timer.as_metrics(), **gen_timing, **overlap,
@@ -581,12 +571,10 @@ class RLController:
         if tmp.exists():
             shutil.rmtree(tmp)
         self._actor("save_checkpoint", str(tmp), phase="save")
-        if self._in_flight is not None:
-            # off-policy: the next batch was generated on weights this checkpoint no longer
-            # holds; saved with it, a resumed run trains on exactly the same batch
-            rollouts, timing, _ = self._wait_in_flight(self._in_flight)
-            torch.save({"rollouts": rollouts.to_state(), "timing": timing},
-                       tmp / "next_rollouts.pt")
+        if self.pipeline is not None:
+            # the batches ahead were generated on weights this checkpoint no longer holds;
+            # saved with it (and their versions), a resumed run trains on exactly them
+            torch.save(self.pipeline.state(), tmp / "rollout_buffer.pt")
         (tmp / "controller.json").write_text(json.dumps({"step": step}))
         if final.exists():
             shutil.rmtree(final)
@@ -604,14 +592,9 @@ class RLController:
         if not meta.is_file():
             raise FileNotFoundError(f"{path}: not a checkpoint (no controller.json)")
         self._actor("load_checkpoint", str(path), phase="load")
-        self._in_flight = None
-        if self.cfg.off_policy_steps and (path / "next_rollouts.pt").is_file():
-            import concurrent.futures
-
-            saved = torch.load(path / "next_rollouts.pt", weights_only=True)
-            self._in_flight = concurrent.futures.Future()
-            self._in_flight.set_result((Rollouts.from_state(saved["rollouts"]),
-                                        saved["timing"], (0.0, 0.0)))
+        if self.pipeline is not None and (path / "rollout_buffer.pt").is_file():
+            self.pipeline.load_state(torch.load(path / "rollout_buffer.pt", weights_only=True),
+                                     Rollouts.from_state)
         return int(json.loads(meta.read_text())["step"])
 
     def weights_digests(self) -> list[str]:
@@ -621,8 +604,8 @@ class RLController:
         """Stop workers and engines; a worker stuck in a collective is killed with Ray."""
         import ray
 
-        if self._executor is not None:
-            self._executor.shutdown(wait=False, cancel_futures=True)
+        if self.pipeline is not None:
+            self.pipeline.shutdown()
         try:
             ray.wait([w.shutdown.remote() for w in self.workers],
                      num_returns=len(self.workers), timeout=10.0)

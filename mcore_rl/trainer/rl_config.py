@@ -161,9 +161,7 @@ class RLConfig:
         in that phase, "gen@engine<i>" stalls engine i's generation. Leave null.
     save_every: write a checkpoint every this many RL steps (0: never).
     max_sampling_rounds: with algorithm.dynamic_sampling, generation rounds per step at most.
-    off_policy_steps: 0 (on-policy) or 1 (one-step off-policy: the engines generate step
-        n+1's batch, on the weights before step n's update, while the actor trains step n;
-        needs engines that stay awake, so not with rollout.enable_sleep).
+    off_policy_steps: deprecated alias of rollout.mode (0: sync, 1: one_step); leave null.
     seed: prompts and sampling.
     """
 
@@ -195,8 +193,30 @@ class RLConfig:
     inject_stall: str | None = None
     save_every: int = 0
     max_sampling_rounds: int = 4
-    off_policy_steps: int = 0
+    off_policy_steps: int | None = None
     seed: int = 0
+
+    def _map_off_policy_steps(self) -> None:
+        """The deprecated `off_policy_steps` becomes rollout.mode (and is then cleared)."""
+        import dataclasses
+        import warnings
+
+        modes = {0: "sync", 1: "one_step"}
+        if self.off_policy_steps not in modes:
+            raise ConfigError("off_policy_steps", self.off_policy_steps,
+                              "must be 0 or 1 (deprecated: use rollout.mode)")
+        mode = modes[self.off_policy_steps]
+        if self.rollout.mode not in ("sync", mode):
+            raise ConfigError("off_policy_steps", self.off_policy_steps,
+                              f"contradicts rollout.mode={self.rollout.mode}: drop it")
+        warnings.warn(f"off_policy_steps={self.off_policy_steps} is deprecated: use "
+                      f"rollout.mode={mode}", DeprecationWarning, stacklevel=3)
+        try:
+            rollout = dataclasses.replace(self.rollout, mode=mode)
+        except ConfigError as err:
+            raise ConfigError("off_policy_steps", self.off_policy_steps, str(err)) from None
+        object.__setattr__(self, "rollout", rollout)
+        object.__setattr__(self, "off_policy_steps", None)
 
     @property
     def wire_dtype(self) -> str:
@@ -210,12 +230,8 @@ class RLConfig:
                      "max_new_tokens"):
             if getattr(self, name) < 1:
                 raise ConfigError(name, getattr(self, name), "must be >= 1")
-        if self.off_policy_steps not in (0, 1):
-            raise ConfigError("off_policy_steps", self.off_policy_steps, "must be 0 or 1")
-        if self.off_policy_steps and self.rollout.enable_sleep:
-            raise ConfigError("off_policy_steps", self.off_policy_steps,
-                              "overlaps generation with training, so the engines cannot sleep "
-                              "during training (rollout.enable_sleep=true): use one or the other")
+        if self.off_policy_steps is not None:
+            self._map_off_policy_steps()
         batch = self.prompts_per_step * self.samples_per_prompt
         if batch % self.updates_per_batch:
             raise ConfigError("updates_per_batch", self.updates_per_batch,

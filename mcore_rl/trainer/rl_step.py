@@ -45,6 +45,7 @@ class PolicyBatch:
     old_logp: torch.Tensor
     advantages: torch.Tensor
     ref_logp: torch.Tensor | None = None  # with a KL loss term
+    is_weights: torch.Tensor | None = None  # rollout correction (tis / mis), detached
     segment_ids: torch.Tensor | None = None
 
     @property
@@ -108,7 +109,9 @@ def _policy_loss(batch: PolicyBatch, algo: AlgorithmConfig, trainer: MegatronTra
     agg = algo.loss_agg
     pg, metrics = policy_loss(logp, rows(batch.old_logp), rows(batch.advantages), mask,
                               clip_eps_low=algo.clip_eps_low, clip_eps_high=algo.clip_eps_high,
-                              clip_c=algo.clip_c, agg=agg)
+                              clip_c=algo.clip_c, agg=agg,
+                              is_weights=None if batch.is_weights is None
+                              else rows(batch.is_weights))
     weight, num_tokens = _normaliser(mask, agg), mask.sum()
     loss = pg
     if algo.entropy_coeff:

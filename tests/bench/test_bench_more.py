@@ -127,7 +127,7 @@ def test_rollout_bench(tmp_path):
 def test_step_bench(tmp_path):
     report, stdout = run_cli_subprocess(
         "bench", "step", "--repeats", "2", "--warmup-steps", "1", "--peak-tflops", "0.5",
-        "--out", str(tmp_path), "--compare", "off_policy_steps=1", "actor.tp=1",
+        "--out", str(tmp_path), "--compare", "rollout.mode=async", "actor.tp=1",
         "prompts_per_step=2", "samples_per_prompt=4", "updates_per_batch=1",
         "train.micro_batch_size=4", "warmup.max_steps=0")
     for phase in ("gen", "reward", "old_logprob", "adv", "update_actor", "sync", "step"):
@@ -143,14 +143,14 @@ def test_step_bench(tmp_path):
         sum(first["flops"].values()) / (first["timings"]["step"] * 2 * 0.5e12))
     assert first["flops"]["update_actor"] == pytest.approx(3 * first["flops"]["old_logprob"])
     assert "sync share" in stdout
-    # the off-policy variant ran in the same invocation: its steps waited on generation that
+    # the async variant ran in the same invocation: its steps waited on generation that
     # ran beside training, and the speed-up is the ratio of the two median steps
     variant = report["compare"]
-    assert variant["overrides"] == ["off_policy_steps=1"] and "gen_wait" in variant["timing_s"]
+    assert variant["overrides"] == ["rollout.mode=async"] and "gen_wait" in variant["timing_s"]
     assert "gen_wait" not in report["timing_s"]
     assert variant["step_speedup"] == pytest.approx(
         report["timing_s"]["step"]["median"] / variant["timing_s"]["step"]["median"])
-    assert "variant off_policy_steps=1" in stdout
+    assert "variant rollout.mode=async" in stdout
     assert_files(tmp_path, "step")
 
 

@@ -112,6 +112,14 @@ def ragged_batch(spec, seed=0):
     return tokens, labels, mask, adv.contiguous(), torch.randn(n, S, generator=g) * 0.3
 
 
+def correction_weights_of(mask):
+    """Rollout-correction weights (as TIS / MIS give them: >= 0, some 0) that must travel
+    with their tokens through packing."""
+    g = torch.Generator().manual_seed(7)
+    return (torch.rand(mask.shape, generator=g) * 2 * (torch.rand(mask.shape, generator=g) > 0.2)
+            * mask)
+
+
 def _batches(tensors, rows, cls, packed, parallel, mbs=2):
     from mcore_rl.trainer.packing import pack, plan_for_grid, valid_lengths
 
@@ -167,7 +175,8 @@ def packed_vs_padded(rank, world_size, parallel):
     logp = torch.tensor(out["logp"]) if "logp" in out else torch.zeros(len(LENGTHS), S)
     # old log-probs off the current policy so ratios differ from 1 and some clip
     policy = {"tokens": tokens, "labels": labels, "response_mask": mask,
-              "old_logp": (logp + noise) * mask, "advantages": adv}
+              "old_logp": (logp + noise) * mask, "advantages": adv,
+              "is_weights": correction_weights_of(mask)}
     for agg in AGGS:
         algo = AlgorithmConfig(clip_c=None, loss_agg=agg, entropy_coeff=0.01)
         runs = {}
@@ -195,7 +204,8 @@ def reference_pg(result, agg):
     tokens, labels, mask, adv, noise = ragged_batch(spec)
     logp = torch.tensor(result["logp"])
     pg, _ = policy_loss(logp, (logp + noise) * mask, adv, mask, clip_eps_low=0.2,
-                        clip_eps_high=0.2, clip_c=None, agg=agg)
+                        clip_eps_high=0.2, clip_c=None, agg=agg,
+                        is_weights=correction_weights_of(mask))
     return float(pg)
 
 

@@ -56,7 +56,17 @@ def updates_on_fixed_batch(rank, world_size):
           for _ in range(3)]
     values = torch.cat(compute_values(critic, [MicroBatch(tokens[r], labels[r], mask[r])
                                                for r in mbs]))
-    return {"pg": [m["pg_loss"] for m in pg], "delta": delta.tolist(),
+    # rollout correction: per-token weights scale the policy-gradient term; at the first
+    # update of a batch (ratio 1) the token-mean loss is sum(-A * w) / tokens
+    weights = torch.rand(8, 12, generator=torch.Generator().manual_seed(1)) * 2 * mask
+    old_logp = torch.cat(compute_logprobs(actor, [MicroBatch(tokens[r], labels[r], mask[r])
+                                                  for r in mbs]))
+    weighted = policy_update(actor, [PolicyBatch(tokens[r], labels[r], mask[r], old_logp[r],
+                                                 adv[r], is_weights=weights[r]) for r in mbs],
+                             algo)
+    return {"weighted_pg": weighted["pg_loss"],
+            "weighted_expected": float((-adv * weights * mask).sum() / mask.sum()),
+            "pg": [m["pg_loss"] for m in pg], "delta": delta.tolist(),
             "vf": [m["vf_loss"] for m in vf], "values_mean": float(values.mean())}
 
 
@@ -67,3 +77,4 @@ def test_policy_and_value_losses_decrease_on_a_fixed_batch():
     assert pg[0] > pg[1] > pg[2], pg
     assert all(d > 0 for d in delta[0::2]) and all(d < 0 for d in delta[1::2]), delta
     assert vf[0] > vf[1] > vf[2], vf
+    assert abs(results[0]["weighted_pg"] - results[0]["weighted_expected"]) < 1e-5, results[0]
