@@ -52,6 +52,11 @@ def run_demo(cfg, out: Path, resume: Path | None = None) -> dict:
     # run stops before anything is built; it raises PreflightFailed listing every error.
     for warning in check_run(cfg):
         print(f"preflight warning [{warning.check}] {warning.message} (fix: {warning.fix})")
+    if resume is not None:  # a checkpoint of the other layer spec fails here, not in a worker
+        from mcore_rl.planning.resolve import resolve_run
+        from mcore_rl.trainer.checkpoint import check_resume
+
+        check_resume(resume, resolve_run(cfg).layer_spec)
     model_dir = model_dir_of(cfg, out)
     controller = RLController(cfg, model_dir, out)
     try:

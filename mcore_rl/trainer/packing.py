@@ -191,7 +191,7 @@ def block_causal_mask(segment_ids: torch.Tensor) -> torch.Tensor:
     another sequence): megatron's attention_mask convention."""
     seg = segment_ids[0]
     t = seg.shape[0]
-    future = torch.ones(t, t, dtype=torch.bool).triu(diagonal=1)
+    future = torch.ones(t, t, dtype=torch.bool, device=seg.device).triu(diagonal=1)
     return (future | (seg.unsqueeze(1) != seg.unsqueeze(0)))[None, None]
 
 
@@ -200,7 +200,7 @@ def segment_positions(segment_ids: torch.Tensor) -> torch.Tensor:
     seg = segment_ids[0]
     counts = torch.bincount(seg)
     starts = torch.cumsum(counts, 0) - counts
-    return (torch.arange(seg.shape[0]) - starts[seg]).unsqueeze(0)
+    return (torch.arange(seg.shape[0], device=seg.device) - starts[seg]).unsqueeze(0)
 
 
 def model_inputs(batch) -> dict:
@@ -216,7 +216,8 @@ def model_inputs(batch) -> dict:
     segment_ids = getattr(batch, "segment_ids", None)
     if segment_ids is None:
         b, s = tokens.shape
-        return {"input_ids": tokens, "position_ids": torch.arange(s).unsqueeze(0).expand(b, s),
+        return {"input_ids": tokens,
+                "position_ids": torch.arange(s, device=tokens.device).unsqueeze(0).expand(b, s),
                 "attention_mask": None}
     positions = segment_positions(segment_ids)
     if not torch.cuda.is_available():  # the local spec (models.gpt.layer_spec)
