@@ -9,8 +9,8 @@
 # TransformerEngine and Ray are neither carried nor needed: the GPU checks never import them.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PIP=${PIP:-pip}
+PIP=${PIP:-"python3 -m pip"}  # any pip works: it only downloads
 mkdir -p .whl
-"$PIP" download --no-deps --only-binary=:all: --python-version 3.12 \
+$PIP download --no-deps --only-binary=:all: --python-version 3.12 \
     --platform manylinux_2_28_x86_64 --dest .whl megatron-core==0.16.1
 ls -l .whl
