@@ -39,7 +39,8 @@ def transformer_config_from_spec(spec: ModelSpec, parallel: ParallelConfig, *,
                                  params_dtype: torch.dtype = torch.float32,
                                  init_method_std: float = 0.02,
                                  calculate_per_token_loss: bool = True,
-                                 recompute: str = "none") -> TransformerConfig:
+                                 recompute: str = "none",
+                                 layer_spec: LayerSpec = "local") -> TransformerConfig:
     """The TransformerConfig that reproduces the HF model of `spec` on the grid `parallel`.
 
     Llama-family decoder: pre-RMSNorm, SwiGLU MLP, GQA (num_query_groups = kv heads), rotary
@@ -50,6 +51,8 @@ def transformer_config_from_spec(spec: ModelSpec, parallel: ParallelConfig, *,
     megatron's mixed precision: bf16 params, fp32 main params in the optimizer).
     `recompute` (TrainConfig.recompute): "none"; "selective" recomputes core attention (the
     s² softmax part); "full" recomputes every layer ("uniform", one layer per checkpoint).
+    `layer_spec` is recorded as megatron's own `transformer_impl`, so whatever runs a chunk
+    (packing.model_inputs) reads the spec from `chunk.config`, not from the hardware.
     """
     if params_dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"params_dtype={params_dtype}: only torch.float32 and torch.bfloat16")
@@ -57,6 +60,7 @@ def transformer_config_from_spec(spec: ModelSpec, parallel: ParallelConfig, *,
         raise ValueError(f"recompute={recompute!r}: one of {', '.join(_RECOMPUTE)}")
     on_cpu = not torch.cuda.is_available()
     return TransformerConfig(
+        transformer_impl=TRANSFORMER_IMPL[layer_spec],
         num_layers=spec.layers,
         hidden_size=spec.hidden,
         ffn_hidden_size=spec.ffn,
@@ -106,6 +110,9 @@ def transformer_config_from_spec(spec: ModelSpec, parallel: ParallelConfig, *,
         **_RECOMPUTE[recompute],
     )
 
+
+# Our layer spec name → TransformerConfig.transformer_impl (megatron-core 0.16.1's names).
+TRANSFORMER_IMPL = {"local": "local", "te": "transformer_engine"}
 
 # TrainConfig.recompute → megatron's recompute settings.
 _RECOMPUTE = {
@@ -196,7 +203,12 @@ def build_gpt_model(spec: ModelSpec, parallel: ParallelConfig, groups: ParallelG
     transformer_layer_spec = _layer_spec(layer_spec)  # fails clearly before anything is built
     apply_cpu_compat()
     seed_rngs(seed, groups)
-    config = config or transformer_config_from_spec(spec, parallel, params_dtype=params_dtype)
+    config = config or transformer_config_from_spec(spec, parallel, params_dtype=params_dtype,
+                                                    layer_spec=layer_spec)
+    if config.transformer_impl != TRANSFORMER_IMPL[layer_spec]:
+        raise LayerSpecError(f"layer_spec={layer_spec!r} but the given config was made for "
+                             f"transformer_impl={config.transformer_impl!r} "
+                             "(transformer_config_from_spec(..., layer_spec=...))")
     pp_rank, last_pp = groups.rank_in(Axis.PP), parallel.pp - 1
     num_chunks = parallel.vpp or 1
     chunks = []

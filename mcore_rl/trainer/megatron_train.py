@@ -100,7 +100,7 @@ def setup_trainer(spec: ModelSpec, groups: ParallelGroups, train: TrainConfig,
     check_model_fits_parallel(spec, parallel, train)
     dtype = DTYPES[train.dtype]
     config = transformer_config_from_spec(spec, parallel, params_dtype=dtype,
-                                          recompute=train.recompute)
+                                          recompute=train.recompute, layer_spec=layer_spec)
     chunks = build_gpt_model(spec, parallel, groups, params_dtype=dtype, seed=train.seed,
                              config=config, layer_spec=layer_spec)
     if load_weights is not None:
@@ -200,7 +200,7 @@ def _lm_loss(batch: MicroBatch, vocab: int, tp_rank: int, logits: torch.Tensor):
 
 def _forward_step(data_iterator: Iterator[MicroBatch], model, *, vocab: int, tp_rank: int):
     batch = next(data_iterator)
-    logits = model(**model_inputs(batch))
+    logits = model(**model_inputs(batch, model.config))
     return logits, functools.partial(_lm_loss, batch, vocab, tp_rank)
 
 
@@ -304,7 +304,7 @@ def forward_logits(model: list[torch.nn.Module], micro_batches: list[MicroBatch]
         return full[..., :vocab].float()
 
     def step(data_iterator, chunk):
-        return chunk(**model_inputs(next(data_iterator))), collect
+        return chunk(**model_inputs(next(data_iterator), chunk.config)), collect
 
     with torch.no_grad():
         out = _run_schedule(model, groups, micro_batches, forward_step=step, forward_only=True,

@@ -203,12 +203,14 @@ def segment_positions(segment_ids: torch.Tensor) -> torch.Tensor:
     return (torch.arange(seg.shape[0], device=seg.device) - starts[seg]).unsqueeze(0)
 
 
-def model_inputs(batch) -> dict:
-    """GPTModel.forward keyword arguments for a micro batch (`chunk(**model_inputs(batch))`).
+def model_inputs(batch, config) -> dict:
+    """GPTModel.forward keyword arguments for a micro batch
+    (`chunk(**model_inputs(batch, chunk.config))`; `config` is the chunk's TransformerConfig,
+    whose `transformer_impl` says which layer spec built it — models.gpt).
 
     Unpacked ([b, s], `segment_ids` None): positions 0..s-1 and no mask (the attention builds
-    the causal one). Packed ([1, T]) with the local spec (CPU): per-sequence positions and the
-    block-diagonal causal mask. Packed with the TransformerEngine spec (GPU): THD — no mask,
+    the causal one). Packed ([1, T]) with the local spec: per-sequence positions and the
+    block-diagonal causal mask. Packed with the TransformerEngine spec: THD — no mask,
     `PackedSeqParams` with the segments' cumulative lengths, so TE's attention and RoPE treat
     each sequence on its own. The one place every forward step takes its model inputs from.
     """
@@ -220,11 +222,11 @@ def model_inputs(batch) -> dict:
                 "position_ids": torch.arange(s, device=tokens.device).unsqueeze(0).expand(b, s),
                 "attention_mask": None}
     positions = segment_positions(segment_ids)
-    if not torch.cuda.is_available():  # the local spec (models.gpt.layer_spec)
+    if config.transformer_impl != "transformer_engine":  # the local spec
         return {"input_ids": tokens, "position_ids": positions,
                 "attention_mask": block_causal_mask(segment_ids)}
     return {"input_ids": tokens, "position_ids": positions, "attention_mask": None,
-            "packed_seq_params": thd_params(segment_ids)}
+            "packed_seq_params": thd_params(segment_ids, tokens.device)}
 
 
 def thd_params(segment_ids: torch.Tensor, device: torch.device | str | None = None):

@@ -243,7 +243,8 @@ def score_batch(model: RewardModel, tokens: torch.Tensor,
     def step(data_iterator, chunk):
         batch = next(data_iterator)
         # unpacked rows: causal attention, so a right-padded row's real tokens never see its pads
-        return chunk(**model_inputs(batch)), functools.partial(collect, batch.lengths)
+        out = chunk(**model_inputs(batch, chunk.config))
+        return out, functools.partial(collect, batch.lengths)
 
     with torch.no_grad():
         out = _run_schedule(model.chunks, groups, batches, forward_step=step,

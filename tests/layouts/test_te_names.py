@@ -17,8 +17,8 @@ How the golden list is obtained (`te_golden_keys`):
    where megatron-core passes bias=True (`SelfAttention`: linear_qkv has a bias iff
    add_bias_linear or add_qkv_bias; the others iff add_bias_linear, False here).
 3. The model level (`GPTModel`): `embedding.word_embeddings.weight`, the block's
-   `final_layernorm` (TENorm → TE RMSNorm: `weight`), `output_layer.weight` (untied) — megatron's
-   own VocabParallelEmbedding / ColumnParallelLinear under both specs.
+   `final_layernorm` (TENorm → TE RMSNorm: `weight`), `output_layer.weight` (untied) —
+   megatron's own VocabParallelEmbedding / ColumnParallelLinear under both specs.
 Independently, megatron-core's local spec declares its TE spelling for checkpoints
 (`sharded_state_dict_keys_map`); applied to the local names it must give the same TE names.
 The check against a model megatron-core builds with TE is tests/models/test_gpu_layer_spec.py
