@@ -1,5 +1,6 @@
-"""A checkpoint of one layer spec is refused by a run of the other before any worker starts,
-naming `--resume`, both layer specs and the file that says so."""
+"""Layer-spec checks before any worker starts: a checkpoint of one layer spec is refused by a
+run of the other (naming `--resume`, both layer specs and the file that says so), and a run
+that resolves the TE spec where TransformerEngine does not import is refused naming the field."""
 
 import json
 import subprocess
@@ -66,3 +67,24 @@ def test_train_cli_refuses_before_any_worker(tmp_path):
     assert "config error: --resume=" in proc.stdout
     assert "layer_spec='te'" in proc.stdout and "layer_spec='local'" in proc.stdout
     assert not (out / "stacks").exists() and not (out / "model").exists()
+
+
+def test_te_run_without_transformer_engine_is_refused_before_workers(monkeypatch):
+    """On a CUDA machine without TransformerEngine (like the GPU check machine) a local run
+    resolves layer_spec 'te': refused with the field, not an ImportError in a worker."""
+    import mcore_rl.models.gpt as gpt
+    import mcore_rl.planning.resolve as resolve
+    from mcore_rl.config import load_config
+    from mcore_rl.trainer.demo import check_layer_spec_here
+    from mcore_rl.trainer.rl_config import RLConfig
+
+    cfg = load_config(RLConfig, "configs/grpo_addition.yaml", [])
+    check_layer_spec_here(cfg)  # this CPU machine: layer_spec 'local', nothing to refuse
+    monkeypatch.setattr(resolve, "cuda_present", lambda: True)
+    monkeypatch.setattr(gpt, "te_importable", lambda: False)
+    with pytest.raises(ConfigError, match="cluster.device='local': runs on this machine's "
+                                          "CUDA, so the resolved layer_spec is 'te', but "
+                                          "TransformerEngine"):
+        check_layer_spec_here(cfg)
+    monkeypatch.setattr(gpt, "te_importable", lambda: True)
+    check_layer_spec_here(cfg)
