@@ -5,8 +5,8 @@ A dist checkpoint stores *global* tensors keyed by `ShardedTensor.key`; what meg
 0.16.1's `GPTModel.sharded_state_dict()` (default metadata) asks for at load time does not
 depend on the grid that saved them:
 
-  decoder layer tensors  key 'decoder.layers.<name inside the layer>', in TE spelling (the local
-                         spec maps `input_layernorm.weight` to
+  decoder layer tensors  key 'decoder.layers.<name inside the layer>', in TE spelling under
+                         *both* layer specs (the local spec maps `input_layernorm.weight` to
                          `self_attention.linear_qkv.layer_norm_weight`, gpt_layer_specs.py
                          sharded_state_dict_keys_map), with one layer axis prepended:
                          global [num_layers, *tp1_shape], layer l at offset l
@@ -24,10 +24,13 @@ depend on the grid that saved them:
   tied embeddings        no 'output_layer.weight' (the last stage saves its copy under the
                          embedding's key, as a replica).
   '<linear>._extra_state' one ShardedObject per layer for every TP-parallel linear (data [None]
-                         for the local spec), unique key '<key>/shard_<l>_<num_layers>'.
+                         for the local spec), unique key '<key>/shard_<l>_<num_layers>'
+                         (`layouts.extra_state_modules`).
 
-So the grid-independent form is the TP1·PP1 Megatron layout with the layers stacked:
-`megatron_shards(spec, ParallelConfig(), te_names=True)` names every tensor and its HF pieces.
+So the grid- and spec-independent form is the TP1·PP1 Megatron layout with the layers stacked,
+named as the layout tables name the TE spec: `megatron_shards(spec, ParallelConfig(),
+layer_spec="te")` names every tensor and its HF pieces. The layout tables are the only place
+that knows the TE names.
 """
 
 from __future__ import annotations
@@ -35,10 +38,12 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from mcore_rl.layouts import LocalTensor, ShardMap, family_table, megatron_shards
-from mcore_rl.layouts.shards import conditions
+from mcore_rl.layouts import LocalTensor, ShardMap, extra_state_modules, megatron_shards
 from mcore_rl.models.spec import ModelSpec
 from mcore_rl.parallel.config import ParallelConfig
+
+# Dist-checkpoint keys are TE-spelled whatever layer spec saved them (module docstring).
+CHECKPOINT_SPELLING = "te"
 
 # TransformerBlock.sharded_state_dict: state-dict prefix f'{prefix}layers.{i}.' ↔ sharded key
 # prefix f'{prefix}layers.' plus the layer axis (transformer_block.py, megatron-core 0.16.1).
@@ -121,7 +126,7 @@ class CkptLayout:
 def checkpoint_layout(spec: ModelSpec) -> CkptLayout:
     from megatron.core.dist_checkpointing.mapping import ShardedObject
 
-    tp1 = megatron_shards(spec, ParallelConfig(), te_names=True)
+    tp1 = megatron_shards(spec, ParallelConfig(), layer_spec=CHECKPOINT_SPELLING)
     tensors = []
     for local_key, local in tp1.ranks[0].items():
         m = _LAYER_KEY.match(local_key)
@@ -135,18 +140,9 @@ def checkpoint_layout(spec: ModelSpec) -> CkptLayout:
 
 
 def _extra_state_keys(spec: ModelSpec) -> list[str]:
-    """'decoder.layers.<module>._extra_state' for every TP-parallel linear of a layer: the
-    modules of the layer rows whose Megatron side is split over TP (Column/RowParallelLinear
-    register an `_extra_state`; norms do not)."""
-    active = conditions(spec)
+    """'decoder.layers.<module>._extra_state' (stacked key) for every TP-parallel linear."""
     keys = []
-    for row in family_table(spec.family):
-        if row.place != "layer" or row.mcore is None or row.mcore.split_dim is None:
-            continue
-        if not set(row.when) <= active:
-            continue
-        name = row.mcore.te_name or row.mcore.name
-        module = name.format(layer=0).rsplit(".", 1)[0]
-        m = _LAYER_KEY.match(module)
+    for module in extra_state_modules(spec, CHECKPOINT_SPELLING):
+        m = _LAYER_KEY.match(module.format(layer=0))
         keys.append(f"{m['head']}{m['rest']}._extra_state")
-    return list(dict.fromkeys(keys))
+    return keys

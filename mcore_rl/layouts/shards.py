@@ -18,7 +18,8 @@ from typing import Callable, Iterable, Mapping
 import torch
 
 from mcore_rl.layouts.families import family_table
-from mcore_rl.layouts.layout import LocalTensor, Piece, Row, ShardMap, Side, box_slices
+from mcore_rl.layouts.layout import (LayerSpec, LocalTensor, Piece, Row, ShardMap, Side,
+                                     box_slices, check_layer_spec)
 from mcore_rl.config import ConfigError
 from mcore_rl.models.spec import ModelSpec
 from mcore_rl.parallel.config import ParallelConfig
@@ -133,14 +134,22 @@ def _split_runs(spec: ModelSpec, row: Row, side: Side, name: str, tp: int,
 
 
 def megatron_shards(spec: ModelSpec, parallel: ParallelConfig, *,
-                    te_names: bool = False) -> ShardMap:
+                    layer_spec: LayerSpec = "local") -> ShardMap:
     """Every training rank's Megatron parameters as pieces of HF tensors.
 
-    Keys are `GPTModel` state-dict names with the layer index local to the pipeline chunk,
-    prefixed `model{v}.` per VPP chunk when `parallel.vpp` is set. DP replicas hold the same
-    pieces. Embedding on stage 0 chunk 0; final norm and output layer on the last stage's last
-    chunk.
+    Keys are `GPTModel` state-dict names under megatron-core's `layer_spec` ("local" or "te",
+    `Side.megatron_name`) with the layer index local to the pipeline chunk, prefixed `model{v}.`
+    per VPP chunk when `parallel.vpp` is set. DP replicas hold the same pieces. Embedding on
+    stage 0 chunk 0; final norm and output layer on the last stage's last chunk.
+
+    Parameters only: the `_extra_state` entries a module's state dict also has (see
+    `extra_state_modules`) hold no weights — loading takes them from the module itself
+    (`models.gpt.load_chunks`) and the weight sync never sends them.
     """
+    try:
+        check_layer_spec(layer_spec)
+    except ValueError as err:
+        raise LayoutError(str(err)) from None
     validate_megatron_grid(spec, parallel)
     rows = _rows(spec, parallel.pp)
     layer_ranges = parallel.layer_ranges(spec.layers)
@@ -161,7 +170,7 @@ def megatron_shards(spec: ModelSpec, parallel: ParallelConfig, *,
                     side = row.mcore
                     if side is None or not _on_chunk(row, pp, chunk, parallel, last_chunk):
                         continue
-                    name = side.te_name if te_names and side.te_name else side.name
+                    name = side.megatron_name(layer_spec)
                     for layer in (layers if row.place == "layer" else [None]):
                         local_name = prefix + name.format(layer=layer - layers.start
                                                           if layer is not None else None)
@@ -171,6 +180,21 @@ def megatron_shards(spec: ModelSpec, parallel: ParallelConfig, *,
             per_tp[key] = tensors
         smap.ranks[rank] = per_tp[key]
     return smap
+
+
+def extra_state_modules(spec: ModelSpec, layer_spec: LayerSpec = "local") -> list[str]:
+    """The decoder-layer modules ('decoder.layers.{layer}.<module>') whose `_extra_state` a dist
+    checkpoint stores as a ShardedObject under either layer spec: the modules of the layer rows
+    that are split over TP — megatron's Column/RowParallelLinear (local spec; state None) and
+    TE's linears (TE spec; fp8 metadata). Norms and attention store none there. (A TE model's
+    plain `state_dict()` has more `_extra_state` entries — core attention, and norms in newer
+    TE — which loading takes from the module itself.)"""
+    check_layer_spec(layer_spec)
+    modules = []
+    for row in _rows(spec, 1):
+        if row.place == "layer" and row.mcore is not None and row.mcore.split_dim is not None:
+            modules.append(row.mcore.megatron_name(layer_spec).rsplit(".", 1)[0])
+    return list(dict.fromkeys(modules))
 
 
 def _on_chunk(row: Row, pp: int, chunk: int, parallel: ParallelConfig, last_chunk: int) -> bool:

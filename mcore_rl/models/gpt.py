@@ -24,6 +24,7 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer import TransformerConfig
 
 from mcore_rl.compat import apply_cpu_compat
+from mcore_rl.layouts.layout import LayerSpec, check_layer_spec
 from mcore_rl.models.spec import ModelSpec, UnsupportedModelError
 from mcore_rl.parallel.config import ParallelConfig
 from mcore_rl.parallel.groups import Axis, ParallelGroups
@@ -38,7 +39,8 @@ def transformer_config_from_spec(spec: ModelSpec, parallel: ParallelConfig, *,
                                  params_dtype: torch.dtype = torch.float32,
                                  init_method_std: float = 0.02,
                                  calculate_per_token_loss: bool = True,
-                                 recompute: str = "none") -> TransformerConfig:
+                                 recompute: str = "none",
+                                 layer_spec: LayerSpec = "local") -> TransformerConfig:
     """The TransformerConfig that reproduces the HF model of `spec` on the grid `parallel`.
 
     Llama-family decoder: pre-RMSNorm, SwiGLU MLP, GQA (num_query_groups = kv heads), rotary
@@ -49,6 +51,8 @@ def transformer_config_from_spec(spec: ModelSpec, parallel: ParallelConfig, *,
     megatron's mixed precision: bf16 params, fp32 main params in the optimizer).
     `recompute` (TrainConfig.recompute): "none"; "selective" recomputes core attention (the
     s² softmax part); "full" recomputes every layer ("uniform", one layer per checkpoint).
+    `layer_spec` is recorded as megatron's own `transformer_impl`, so whatever runs a chunk
+    (packing.model_inputs) reads the spec from `chunk.config`, not from the hardware.
     """
     if params_dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"params_dtype={params_dtype}: only torch.float32 and torch.bfloat16")
@@ -56,6 +60,7 @@ def transformer_config_from_spec(spec: ModelSpec, parallel: ParallelConfig, *,
         raise ValueError(f"recompute={recompute!r}: one of {', '.join(_RECOMPUTE)}")
     on_cpu = not torch.cuda.is_available()
     return TransformerConfig(
+        transformer_impl=TRANSFORMER_IMPL[layer_spec],
         num_layers=spec.layers,
         hidden_size=spec.hidden,
         ffn_hidden_size=spec.ffn,
@@ -106,6 +111,9 @@ def transformer_config_from_spec(spec: ModelSpec, parallel: ParallelConfig, *,
     )
 
 
+# Our layer spec name → TransformerConfig.transformer_impl (megatron-core 0.16.1's names).
+TRANSFORMER_IMPL = {"local": "local", "te": "transformer_engine"}
+
 # TrainConfig.recompute → megatron's recompute settings.
 _RECOMPUTE = {
     "none": {},
@@ -129,16 +137,42 @@ def rope_kwargs(spec: ModelSpec) -> dict:
     return {**kwargs, "rope_scaling": True, "rope_scaling_factor": float(scaling["factor"])}
 
 
-def layer_spec():
-    """Megatron's local (pure PyTorch) layer spec on CPU; TransformerEngine's on GPU."""
-    if not torch.cuda.is_available():
-        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+class LayerSpecError(ValueError):
+    """A layer spec that cannot be built here (names the `layer_spec` and what is missing)."""
 
-        return get_gpt_layer_local_spec(normalization="RMSNorm")
-    from megatron.core.models.gpt.gpt_layer_specs import (
-        get_gpt_layer_with_transformer_engine_spec)
 
-    return get_gpt_layer_with_transformer_engine_spec()
+def layer_spec(name: LayerSpec):
+    """megatron-core's layer spec called `name`, as the resolved run chose it (`run.layer_spec`):
+    "local" (pure PyTorch; runs anywhere) or "te" (TransformerEngine; needs TE, so CUDA).
+
+    The two build the same tensors under partly different names (`layouts.Side.megatron_name`);
+    every load and the weight sync name tensors by the same `name`.
+    """
+    from megatron.core.models.gpt import gpt_layer_specs
+
+    check_layer_spec(name)
+    if name == "local":
+        return gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm")
+    if not te_importable():
+        raise LayerSpecError(
+            "layer_spec='te' needs TransformerEngine (`import transformer_engine.pytorch`), "
+            "which is not importable here; the resolved run picks 'te' on CUDA "
+            "(planning.resolve) — install it (`pip install .[gpu]`) or run on CPU, where "
+            "layer_spec='local'")
+    return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()
+
+
+_layer_spec = layer_spec  # build_gpt_model's `layer_spec` argument shadows the function
+
+
+def te_importable() -> bool:
+    """Whether TransformerEngine's PyTorch modules import (the bare `transformer-engine`
+    meta-package imports but has no `pytorch`; megatron-core then stubs TE with mocks)."""
+    try:
+        import transformer_engine.pytorch  # noqa: F401
+    except Exception:  # ImportError, or TE's own errors when its CUDA libraries are missing
+        return False
+    return True
 
 
 def seed_rngs(seed: int, groups: ParallelGroups) -> None:
@@ -151,8 +185,11 @@ def seed_rngs(seed: int, groups: ParallelGroups) -> None:
 
 def build_gpt_model(spec: ModelSpec, parallel: ParallelConfig, groups: ParallelGroups, *,
                     params_dtype: torch.dtype = torch.float32, seed: int = 1234,
-                    config: TransformerConfig | None = None) -> list[GPTModel]:
-    """This rank's model chunks: one GPTModel per VPP chunk (one without VPP).
+                    config: TransformerConfig | None = None,
+                    layer_spec: LayerSpec = "local") -> list[GPTModel]:
+    """This rank's model chunks: one GPTModel per VPP chunk (one without VPP), built with
+    megatron-core's `layer_spec` ("local" or "te": the run's `ResolvedRun.layer_spec`; its
+    parameter names are `layouts.megatron_shards(..., layer_spec=layer_spec)`'s).
 
     Chunk v of stage p holds the layers `parallel.layer_ranges(spec.layers)[(p, v)]`; the
     embedding lives on stage 0 chunk 0, the final norm and output layer on the last stage's
@@ -163,16 +200,22 @@ def build_gpt_model(spec: ModelSpec, parallel: ParallelConfig, groups: ParallelG
     `seed` seeds the weight init (same on every rank, so replicas start equal) and megatron's
     RNG tracker (which attention enters on every forward).
     """
+    transformer_layer_spec = _layer_spec(layer_spec)  # fails clearly before anything is built
     apply_cpu_compat()
     seed_rngs(seed, groups)
-    config = config or transformer_config_from_spec(spec, parallel, params_dtype=params_dtype)
+    config = config or transformer_config_from_spec(spec, parallel, params_dtype=params_dtype,
+                                                    layer_spec=layer_spec)
+    if config.transformer_impl != TRANSFORMER_IMPL[layer_spec]:
+        raise LayerSpecError(f"layer_spec={layer_spec!r} but the given config was made for "
+                             f"transformer_impl={config.transformer_impl!r} "
+                             "(transformer_config_from_spec(..., layer_spec=...))")
     pp_rank, last_pp = groups.rank_in(Axis.PP), parallel.pp - 1
     num_chunks = parallel.vpp or 1
     chunks = []
     for v in range(num_chunks):
         model = GPTModel(
             config=config,
-            transformer_layer_spec=layer_spec(),
+            transformer_layer_spec=transformer_layer_spec,
             vocab_size=spec.mcore_padded_vocab(parallel.tp),
             max_sequence_length=spec.max_positions,
             pre_process=pp_rank == 0 and v == 0,
@@ -191,16 +234,25 @@ def build_gpt_model(spec: ModelSpec, parallel: ParallelConfig, groups: ParallelG
 
 def load_chunks(chunks: list[torch.nn.Module], tensors: dict[str, torch.Tensor],
                 vpp: int | None) -> None:
-    """Load this rank's megatron tensors (keys as `mcore_rl.layouts.megatron_shards` names them:
-    prefixed `model{v}.` per chunk when `vpp` is set) into its chunks, strictly: a missing or
-    unexpected key is an error naming it."""
+    """Load this rank's megatron tensors (keys as `mcore_rl.layouts.megatron_shards` names them
+    for the chunks' layer spec: prefixed `model{v}.` per chunk when `vpp` is set) into its
+    chunks, strictly: a missing or unexpected key is an error naming it.
+
+    `_extra_state` entries hold no weights (megatron's local linears: None; TE modules: fp8
+    scaling state, which a model loaded from plain weights starts afresh): each chunk keeps its
+    own, so strict loading checks exactly the parameters under either spec."""
     per_chunk: list[dict[str, torch.Tensor]] = [{} for _ in chunks]
     for key, tensor in tensors.items():
         v, name = _split_chunk_prefix(key, vpp, len(chunks))
         per_chunk[v][name] = tensor
     for v, (chunk, state) in enumerate(zip(chunks, per_chunk)):
         with torch.no_grad():
-            chunk.load_state_dict(state, strict=True)
+            chunk.load_state_dict({**own_extra_state(chunk), **state}, strict=True)
+
+
+def own_extra_state(module: torch.nn.Module) -> dict[str, object]:
+    """The module's `_extra_state` entries of its state dict, as they are now."""
+    return {k: v for k, v in module.state_dict().items() if k.endswith("_extra_state")}
 
 
 def _split_chunk_prefix(key: str, vpp: int | None, num_chunks: int) -> tuple[int, str]:

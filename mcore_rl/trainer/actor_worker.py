@@ -34,9 +34,12 @@ class ActorWorker:
                  parallel: ParallelConfig, train: TrainConfig, hf_dir: str,
                  timeout_s: float = 600.0, *, critic_train: TrainConfig | None = None,
                  reference: bool = False, stack_dir: str | None = None,
-                 inject_stall: str | None = None, device: int | None = None):
+                 inject_stall: str | None = None, device: int | None = None,
+                 layer_spec: str = "local"):
         """Roles colocated on this rank: the actor always; a critic (PPO) when
         `critic_train` is given; a frozen reference policy when `reference`.
+        layer_spec: megatron's layer spec of every model here, as the run resolved it
+        (`ResolvedRun.layer_spec`: "local" or "te"); it also names the tensors loaded and sent.
         stack_dir: where this process dumps its stacks on SIGUSR1 (the watchdog).
         inject_stall: fault injection for watchdog tests ("<phase>@rank<r>").
         device: this rank's device on its node (the run's placement plan); on GPU it becomes
@@ -52,7 +55,8 @@ class ActorWorker:
         self.groups = join_worker_world(rank, world_size, store_address, parallel,
                                         timeout_s=timeout_s, device=device)
         self.rank, self.spec, self.parallel = rank, spec, parallel
-        self.shards = megatron_shards(spec, parallel)
+        self.layer_spec = layer_spec
+        self.shards = megatron_shards(spec, parallel, layer_spec=layer_spec)
         weights = SafetensorsWeights(hf_dir)
         dtype = DTYPES[train.dtype]
 
@@ -64,14 +68,16 @@ class ActorWorker:
             load(chunks)
             attach_value_head(chunks, spec.hidden, self.groups.is_last_stage)
 
-        self.trainer = setup_trainer(spec, self.groups, train, load_weights=load)
+        self.trainer = setup_trainer(spec, self.groups, train, load_weights=load,
+                                     layer_spec=layer_spec)
         self.train_cfg = train
-        self.critic = (setup_trainer(spec, self.groups, critic_train, load_weights=load_critic)
+        self.critic = (setup_trainer(spec, self.groups, critic_train, load_weights=load_critic,
+                                     layer_spec=layer_spec)
                        if critic_train is not None else None)
         self.reference = None
         if reference:
             chunks = build_gpt_model(spec, parallel, self.groups, params_dtype=dtype,
-                                     seed=train.seed)
+                                     seed=train.seed, layer_spec=layer_spec)
             load(chunks)
             for chunk in chunks:
                 chunk.eval().requires_grad_(False)
@@ -218,7 +224,8 @@ class ActorWorker:
         return True
 
     def local_tensors(self) -> dict[str, torch.Tensor]:
-        """This rank's parameters keyed as `megatron_shards` names them."""
+        """This rank's parameters keyed as `megatron_shards` names them (the run's layer spec);
+        `_extra_state` entries are not weights and are never synced."""
         out = {}
         prefix_chunks = self.parallel.vpp is not None
         for v, chunk in enumerate(self.trainer.unwrapped()):

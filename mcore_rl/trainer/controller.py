@@ -225,7 +225,8 @@ class RLController:
             cfg.warmup.train, str(model_dir),
             cfg.deadlines.train_s, critic_train=cfg.critic_train if self.use_critic else None,
             reference=self.use_reference, stack_dir=str(self.stack_dir),
-            inject_stall=cfg.inject_stall, device=actor_slots[rank].device)
+            inject_stall=cfg.inject_stall, device=actor_slots[rank].device,
+            layer_spec=self.run.layer_spec)
             for rank in range(world)]
         self.worker_pids = self._actor("pid", phase="startup")
         self.reward_model = self._start_reward_model()
@@ -239,7 +240,8 @@ class RLController:
             self.pipeline = RolloutPipeline(self.collect,
                                             max_staleness=cfg.rollout.staleness_bound,
                                             last_step=cfg.steps, wait=self._wait_in_flight)
-        self.plan = build_plan(megatron_shards(self.spec, cfg.actor),
+        self.plan = build_plan(megatron_shards(self.spec, cfg.actor,
+                                               layer_spec=self.run.layer_spec),
                                vllm_shards(self.spec, cfg.rollout.tp, cfg.rollout.engines),
                                bucket_bytes=int(cfg.sync_bucket_mb * (1 << 20)),
                                element_size=DTYPES[cfg.wire_dtype].itemsize)
@@ -415,7 +417,7 @@ class RLController:
                              f"does not cover the policy tokenizer's {len(self.tokenizer)}; the "
                              "reward model must share the policy's tokenizer")
         return RewardModelGroup(rm, host=self.host, stack_dir=self.stack_dir,
-                                placement=self.placement)
+                                placement=self.placement, layer_spec=self.run.layer_spec)
 
     def _generate_groups(self, step: int, timer: PhaseTimer):
         """The step's groups. With DAPO dynamic sampling, groups whose rewards are all equal
@@ -575,7 +577,8 @@ class RLController:
             # the batches ahead were generated on weights this checkpoint no longer holds;
             # saved with it (and their versions), a resumed run trains on exactly them
             torch.save(self.pipeline.state(), tmp / "rollout_buffer.pt")
-        (tmp / "controller.json").write_text(json.dumps({"step": step}))
+        (tmp / "controller.json").write_text(json.dumps({"step": step,
+                                                         "layer_spec": self.run.layer_spec}))
         if final.exists():
             shutil.rmtree(final)
         tmp.rename(final)
@@ -585,9 +588,9 @@ class RLController:
     def load_checkpoint(self, path: Path) -> int:
         """Restore every role from a checkpoint; returns the step it was taken after. The
         data position is the step: prompts and sampling seeds derive from it."""
-        path = Path(path)
-        if path.name == "checkpoints" or (path / "latest").is_file():
-            path = path / (path / "latest").read_text().strip()
+        from mcore_rl.trainer.checkpoint import checkpoint_dir
+
+        path = checkpoint_dir(path)
         meta = path / "controller.json"
         if not meta.is_file():
             raise FileNotFoundError(f"{path}: not a checkpoint (no controller.json)")

@@ -67,7 +67,7 @@ def compute_values(trainer: MegatronTrainer, micro_batches) -> list[torch.Tensor
         return values.squeeze(-1).float()
 
     def step(data_iterator, chunk):
-        return chunk(**model_inputs(next(data_iterator))), collect
+        return chunk(**model_inputs(next(data_iterator), chunk.config)), collect
 
     with torch.no_grad():
         out = _run_schedule(trainer.model, trainer.groups, micro_batches, forward_step=step,
@@ -91,7 +91,7 @@ def value_update(trainer: MegatronTrainer, micro_batches: list[ValueBatch],
     """One critic optimizer step on this DP rank's micro batches (token-mean value loss)."""
     def step(data_iterator, chunk):
         batch = next(data_iterator)
-        values = chunk(**model_inputs(batch))
+        values = chunk(**model_inputs(batch, chunk.config))
         return values, functools.partial(_value_loss, batch, algo)
 
     reports, grad_norm = optimizer_step(trainer, micro_batches, step, "critic update")

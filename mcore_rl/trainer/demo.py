@@ -41,6 +41,27 @@ def model_dir_of(cfg, out: Path) -> Path:
     return hf_dir
 
 
+def check_layer_spec_here(cfg, resume: Path | None = None) -> None:
+    """Before any worker starts: the resolved layer spec can be built here (a run on this
+    machine that resolves "te" needs TransformerEngine), and a resumed checkpoint was saved
+    under the same spec (`trainer.checkpoint.check_resume`). Raises ConfigError."""
+    from mcore_rl.planning.resolve import resolve_run
+
+    run = resolve_run(cfg)
+    if cfg.cluster.device == "local" and run.layer_spec == "te":
+        from mcore_rl.models.gpt import te_importable
+
+        if not te_importable():
+            raise ConfigError("cluster.device", cfg.cluster.device, (
+                "runs on this machine's CUDA, so the resolved layer_spec is 'te', but "
+                "TransformerEngine (transformer_engine.pytorch) is not importable: install it "
+                "(pip install .[gpu]), or set cluster.device=cpu for the local layer spec"))
+    if resume is not None:  # a checkpoint of the other layer spec fails here, not in a worker
+        from mcore_rl.trainer.checkpoint import check_resume
+
+        check_resume(resume, run.layer_spec)
+
+
 def run_demo(cfg, out: Path, resume: Path | None = None) -> dict:
     from mcore_rl.trainer.controller import RLController
     from mcore_rl.trainer.metrics import MetricsWriter, plot_run
@@ -52,6 +73,7 @@ def run_demo(cfg, out: Path, resume: Path | None = None) -> dict:
     # run stops before anything is built; it raises PreflightFailed listing every error.
     for warning in check_run(cfg):
         print(f"preflight warning [{warning.check}] {warning.message} (fix: {warning.fix})")
+    check_layer_spec_here(cfg, resume)
     model_dir = model_dir_of(cfg, out)
     controller = RLController(cfg, model_dir, out)
     try:

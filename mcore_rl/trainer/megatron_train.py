@@ -90,18 +90,19 @@ class MegatronTrainer:
 
 
 def setup_trainer(spec: ModelSpec, groups: ParallelGroups, train: TrainConfig,
-                  load_weights: Callable[[list[torch.nn.Module]], None] | None = None
-                  ) -> MegatronTrainer:
-    """Build model chunks, load weights (`load_weights(chunks)`, before the optimizer copies
-    them into its fp32 main params), wrap them in DDP and build the optimizer."""
+                  load_weights: Callable[[list[torch.nn.Module]], None] | None = None, *,
+                  layer_spec: str = "local") -> MegatronTrainer:
+    """Build model chunks with megatron's `layer_spec` (the run's `ResolvedRun.layer_spec`),
+    load weights (`load_weights(chunks)`, before the optimizer copies them into its fp32 main
+    params), wrap them in DDP and build the optimizer."""
     apply_cpu_compat()
     parallel = groups.config
     check_model_fits_parallel(spec, parallel, train)
     dtype = DTYPES[train.dtype]
     config = transformer_config_from_spec(spec, parallel, params_dtype=dtype,
-                                          recompute=train.recompute)
+                                          recompute=train.recompute, layer_spec=layer_spec)
     chunks = build_gpt_model(spec, parallel, groups, params_dtype=dtype, seed=train.seed,
-                             config=config)
+                             config=config, layer_spec=layer_spec)
     if load_weights is not None:
         load_weights(chunks)
     model = wrap_ddp(chunks, config, groups)
@@ -199,7 +200,7 @@ def _lm_loss(batch: MicroBatch, vocab: int, tp_rank: int, logits: torch.Tensor):
 
 def _forward_step(data_iterator: Iterator[MicroBatch], model, *, vocab: int, tp_rank: int):
     batch = next(data_iterator)
-    logits = model(**model_inputs(batch))
+    logits = model(**model_inputs(batch, model.config))
     return logits, functools.partial(_lm_loss, batch, vocab, tp_rank)
 
 
@@ -278,10 +279,13 @@ def train_step(trainer: MegatronTrainer, micro_batches: list[MicroBatch]) -> Ste
 def global_report_sum(reports: list[torch.Tensor], groups: ParallelGroups,
                       size: int) -> torch.Tensor:
     """Sum per-micro-batch report vectors (length `size`) over micro batches and DP ranks,
-    then share the total over PP (only the last stage has reports). Float64."""
-    total = torch.zeros(size, dtype=torch.float64)
+    then share the total over PP (only the last stage has reports). Float64, on the device
+    the DP group's backend reduces on (NCCL: the current CUDA device; gloo: the host)."""
+    on_gpu = dist.get_backend(groups.group(Axis.DP)) == "nccl"
+    device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
+    total = torch.zeros(size, dtype=torch.float64, device=device)
     for report in reports:  # empty except on the last stage
-        total += report.double()
+        total += report.double().to(device)
     dist.all_reduce(total, group=groups.group(Axis.DP))
     pp_group = groups.group(Axis.PP)
     dist.broadcast(total, src=dist.get_global_rank(pp_group, groups.config.pp - 1),
@@ -300,7 +304,7 @@ def forward_logits(model: list[torch.nn.Module], micro_batches: list[MicroBatch]
         return full[..., :vocab].float()
 
     def step(data_iterator, chunk):
-        return chunk(**model_inputs(next(data_iterator))), collect
+        return chunk(**model_inputs(next(data_iterator), chunk.config)), collect
 
     with torch.no_grad():
         out = _run_schedule(model, groups, micro_batches, forward_step=step, forward_only=True,

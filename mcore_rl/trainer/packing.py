@@ -191,7 +191,7 @@ def block_causal_mask(segment_ids: torch.Tensor) -> torch.Tensor:
     another sequence): megatron's attention_mask convention."""
     seg = segment_ids[0]
     t = seg.shape[0]
-    future = torch.ones(t, t, dtype=torch.bool).triu(diagonal=1)
+    future = torch.ones(t, t, dtype=torch.bool, device=seg.device).triu(diagonal=1)
     return (future | (seg.unsqueeze(1) != seg.unsqueeze(0)))[None, None]
 
 
@@ -200,15 +200,17 @@ def segment_positions(segment_ids: torch.Tensor) -> torch.Tensor:
     seg = segment_ids[0]
     counts = torch.bincount(seg)
     starts = torch.cumsum(counts, 0) - counts
-    return (torch.arange(seg.shape[0]) - starts[seg]).unsqueeze(0)
+    return (torch.arange(seg.shape[0], device=seg.device) - starts[seg]).unsqueeze(0)
 
 
-def model_inputs(batch) -> dict:
-    """GPTModel.forward keyword arguments for a micro batch (`chunk(**model_inputs(batch))`).
+def model_inputs(batch, config) -> dict:
+    """GPTModel.forward keyword arguments for a micro batch
+    (`chunk(**model_inputs(batch, chunk.config))`; `config` is the chunk's TransformerConfig,
+    whose `transformer_impl` says which layer spec built it — models.gpt).
 
     Unpacked ([b, s], `segment_ids` None): positions 0..s-1 and no mask (the attention builds
-    the causal one). Packed ([1, T]) with the local spec (CPU): per-sequence positions and the
-    block-diagonal causal mask. Packed with the TransformerEngine spec (GPU): THD — no mask,
+    the causal one). Packed ([1, T]) with the local spec: per-sequence positions and the
+    block-diagonal causal mask. Packed with the TransformerEngine spec: THD — no mask,
     `PackedSeqParams` with the segments' cumulative lengths, so TE's attention and RoPE treat
     each sequence on its own. The one place every forward step takes its model inputs from.
     """
@@ -216,14 +218,15 @@ def model_inputs(batch) -> dict:
     segment_ids = getattr(batch, "segment_ids", None)
     if segment_ids is None:
         b, s = tokens.shape
-        return {"input_ids": tokens, "position_ids": torch.arange(s).unsqueeze(0).expand(b, s),
+        return {"input_ids": tokens,
+                "position_ids": torch.arange(s, device=tokens.device).unsqueeze(0).expand(b, s),
                 "attention_mask": None}
     positions = segment_positions(segment_ids)
-    if not torch.cuda.is_available():  # the local spec (models.gpt.layer_spec)
+    if config.transformer_impl != "transformer_engine":  # the local spec
         return {"input_ids": tokens, "position_ids": positions,
                 "attention_mask": block_causal_mask(segment_ids)}
     return {"input_ids": tokens, "position_ids": positions, "attention_mask": None,
-            "packed_seq_params": thd_params(segment_ids)}
+            "packed_seq_params": thd_params(segment_ids, tokens.device)}
 
 
 def thd_params(segment_ids: torch.Tensor, device: torch.device | str | None = None):

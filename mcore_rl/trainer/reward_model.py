@@ -172,11 +172,11 @@ class RewardModel:
     micro_batch_size: int
 
 
-def load_reward_model(cfg: RewardModelConfig, groups, spec: ModelSpec | None = None
-                      ) -> RewardModel:
-    """Build this rank's chunks for `groups`' grid and stream its slices of the checkpoint
-    (embedding on stage 0, decoder layers of its stage, final norm and score head on the last
-    stage; TP-split as the actor's)."""
+def load_reward_model(cfg: RewardModelConfig, groups, spec: ModelSpec | None = None, *,
+                      layer_spec: str = "local") -> RewardModel:
+    """Build this rank's chunks for `groups`' grid with megatron's `layer_spec` (the run's) and
+    stream its slices of the checkpoint (embedding on stage 0, decoder layers of its stage,
+    final norm and score head on the last stage; TP-split and named as the actor's)."""
     from mcore_rl.layouts import materialize_rank, megatron_shards
     from mcore_rl.models.gpt import build_gpt_model, load_chunks
     from mcore_rl.models.hf_weights import SafetensorsWeights
@@ -184,11 +184,11 @@ def load_reward_model(cfg: RewardModelConfig, groups, spec: ModelSpec | None = N
 
     spec = spec or check_reward_model_dir(cfg.hf_dir)
     parallel, dtype = groups.config, DTYPES[cfg.dtype]
-    chunks = build_gpt_model(spec, parallel, groups, params_dtype=dtype)
+    chunks = build_gpt_model(spec, parallel, groups, params_dtype=dtype, layer_spec=layer_spec)
     # HF's score head has no bias; strict loading then checks every tensor arrived
     attach_value_head(chunks, spec.hidden, groups.is_last_stage, bias=False)
     weights = SafetensorsWeights(cfg.hf_dir)
-    shards = megatron_shards(spec, parallel)
+    shards = megatron_shards(spec, parallel, layer_spec=layer_spec)
     load_chunks(chunks, materialize_rank(shards, groups.rank, weights.__getitem__, dtype),
                 parallel.vpp)
     for chunk in chunks:
@@ -243,7 +243,8 @@ def score_batch(model: RewardModel, tokens: torch.Tensor,
     def step(data_iterator, chunk):
         batch = next(data_iterator)
         # unpacked rows: causal attention, so a right-padded row's real tokens never see its pads
-        return chunk(**model_inputs(batch)), functools.partial(collect, batch.lengths)
+        out = chunk(**model_inputs(batch, chunk.config))
+        return out, functools.partial(collect, batch.lengths)
 
     with torch.no_grad():
         out = _run_schedule(model.chunks, groups, batches, forward_step=step,
@@ -286,8 +287,9 @@ class RewardWorker:
 
     def __init__(self, rank: int, world_size: int, store_address: tuple[str, int],
                  cfg: RewardModelConfig, stack_dir: str | None = None,
-                 device: int | None = None):
-        """device: this rank's device on its node (on GPU, the current CUDA device)."""
+                 device: int | None = None, layer_spec: str = "local"):
+        """device: this rank's device on its node (on GPU, the current CUDA device).
+        layer_spec: megatron's layer spec, as the run resolved it (`ResolvedRun.layer_spec`)."""
         from mcore_rl.launch.watchdog import arm_stack_dump
         from mcore_rl.parallel.groups import join_worker_world
 
@@ -296,7 +298,7 @@ class RewardWorker:
         self.rank = rank
         groups = join_worker_world(rank, world_size, store_address, cfg.parallel,
                                    timeout_s=cfg.timeout_s, device=device)
-        self.model = load_reward_model(cfg, groups)
+        self.model = load_reward_model(cfg, groups, layer_spec=layer_spec)
 
     def score(self, tokens: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor | None:
         """Scores [n] on one rank (tp 0, last stage, dp 0); None on the others."""
@@ -320,10 +322,11 @@ class RewardModelGroup:
     """
 
     def __init__(self, cfg: RewardModelConfig, *, host: str = "127.0.0.1",
-                 stack_dir: str | Path | None = None, placement=None):
+                 stack_dir: str | Path | None = None, placement=None,
+                 layer_spec: str = "local"):
         """placement: the run's `launch.placement.RayPlacement`; reward rank r then shares
         the device (and node) of actor rank r mod the actor's world, as the reference model
-        does. None: wherever Ray puts it."""
+        does. None: wherever Ray puts it. layer_spec: the run's (`ResolvedRun.layer_spec`)."""
         import ray
 
         from mcore_rl.resharding import host_store
@@ -349,7 +352,7 @@ class RewardModelGroup:
                 options, device = placement.options_for_node(slot.node), slot.device
             self.workers.append(remote_cls.options(**options).remote(
                 rank, world, (host, self._store.port), cfg,
-                str(stack_dir) if stack_dir else None, device))
+                str(stack_dir) if stack_dir else None, device, layer_spec))
         self.pids: list[int] = []
         self.pids = self._call("pid", phase="reward-startup")
 

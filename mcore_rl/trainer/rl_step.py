@@ -84,7 +84,7 @@ def compute_logprobs(trainer: MegatronTrainer,
 
     def step(data_iterator, chunk):
         batch = next(data_iterator)
-        return chunk(**model_inputs(batch)), functools.partial(collect, batch.labels)
+        return chunk(**model_inputs(batch, chunk.config)), functools.partial(collect, batch.labels)
 
     with torch.no_grad():
         out = _run_schedule(trainer.model, trainer.groups, micro_batches, forward_step=step,
@@ -132,7 +132,7 @@ def _policy_loss(batch: PolicyBatch, algo: AlgorithmConfig, trainer: MegatronTra
 
 def _policy_forward(data_iterator, model, *, algo: AlgorithmConfig, trainer: MegatronTrainer):
     batch = next(data_iterator)
-    logits = model(**model_inputs(batch))
+    logits = model(**model_inputs(batch, model.config))
     return logits, functools.partial(_policy_loss, batch, algo, trainer)
 
 

@@ -1,10 +1,15 @@
 """Vocab-parallel log-probs and entropy: hand-computed TP=1 case, and TP2 on real gloo ranks
-against the gathered reference (values and gradients)."""
+against the gathered fp32 CPU reference (values and gradients) — with the shards on the CPU,
+and as a GPU check with both ranks' shards on cuda:0 (gloo all-reduces CUDA tensors; NCCL
+would refuse two ranks on one device)."""
 
+import functools
 import math
 
+import pytest
 import torch
 import torch.distributed as dist
+from gpu_twins import device_params, join_world, spawn_env
 
 from mcore_rl.algorithms import log_probs_and_entropy, vocab_parallel_log_probs_and_entropy
 from mcore_rl.launch.spawn import run_on_ranks
@@ -30,18 +35,22 @@ def test_reference_is_accurate_for_large_logits():
     assert (ent - (-(exact.exp() * exact).sum(-1))).abs().max() <= TOL
 
 
-def _case(rank, tp_group, full, target, use_entropy=True, dtype=torch.float32):
-    """Errors of one TP rank's outputs and logits-shard gradient vs the gathered reference."""
+def _case(rank, tp_group, full, target, use_entropy=True, dtype=torch.float32, device="cpu"):
+    """Errors of one TP rank's outputs and logits-shard gradient (computed on `device`) vs the
+    gathered reference (fp32, CPU)."""
     vocab_shard = full.shape[-1] // dist.get_world_size(tp_group)
-    shard = full[..., rank * vocab_shard:(rank + 1) * vocab_shard].to(dtype).clone()
+    shard = full[..., rank * vocab_shard:(rank + 1) * vocab_shard].to(dtype).to(device)
     untouched = shard.clone()
     shard.requires_grad_()
     gen = torch.Generator().manual_seed(1)
     w_logp, w_ent = torch.randn(target.shape, generator=gen), torch.randn(target.shape,
                                                                           generator=gen)
-    logp, ent = vocab_parallel_log_probs_and_entropy(shard, target, tp_group=tp_group)
-    loss = (w_logp * logp + (w_ent * ent if use_entropy else 0)).sum()
+    logp, ent = vocab_parallel_log_probs_and_entropy(shard, target.to(device),
+                                                     tp_group=tp_group)
+    on_device = str(logp.device)
+    loss = (w_logp.to(device) * logp + (w_ent.to(device) * ent if use_entropy else 0)).sum()
     loss.backward()
+    logp, ent = logp.detach().cpu(), ent.detach().cpu()
 
     ref_in = full.to(dtype).float().clone().requires_grad_()
     ref_logp, ref_ent = log_probs_and_entropy(ref_in, target)
@@ -49,34 +58,41 @@ def _case(rank, tp_group, full, target, use_entropy=True, dtype=torch.float32):
     ref_grad = ref_in.grad[..., rank * vocab_shard:(rank + 1) * vocab_shard]
     return {"logp": (logp - ref_logp).abs().max().item(),
             "ent": (ent - ref_ent).abs().max().item(),
-            "grad": (shard.grad.float() - ref_grad).abs().max().item(),
+            "grad": (shard.grad.float().cpu() - ref_grad).abs().max().item(),
             "grad_dtype": str(shard.grad.dtype),
             "input_untouched": bool(torch.equal(shard.detach(), untouched)),
-            "logp_values": logp.detach().tolist()}
+            "logp_values": logp.tolist(), "device": on_device}
 
 
-def _tp2_checks(rank, world_size):
+def _tp2_checks(rank, world_size, device="cpu"):
+    join_world(rank, world_size, device)
+    case = functools.partial(_case, device=device)
     tp_group = dist.new_group(list(range(world_size)))
     gen = torch.Generator().manual_seed(0)
     full = 3 * torch.randn(2, 5, 12, generator=gen)  # [B, T, V], V/tp = 6
     target = torch.randint(0, 12, (2, 5), generator=gen)
     target[0, :2] = torch.tensor([0, 11])  # first id of rank 0's slice, last of rank 1's
     results = {
-        "both_outputs": _case(rank, tp_group, full, target),
-        "logp_only": _case(rank, tp_group, full, target, use_entropy=False),
+        "both_outputs": case(rank, tp_group, full, target),
+        "logp_only": case(rank, tp_group, full, target, use_entropy=False),
         # exp() of unshifted logits would overflow: needs the all-reduced max shift
-        "large_logits": _case(rank, tp_group, full + 1e3, target),
+        "large_logits": case(rank, tp_group, full + 1e3, target),
         # one rank holds every row's max; the other's exp() terms are ~e^-60
-        "max_on_rank1": _case(rank, tp_group, full + 60.0 * (torch.arange(12) >= 6), target),
-        "bf16_input": _case(rank, tp_group, full, target, dtype=torch.bfloat16),
+        "max_on_rank1": case(rank, tp_group, full + 60.0 * (torch.arange(12) >= 6), target),
+        "bf16_input": case(rank, tp_group, full, target, dtype=torch.bfloat16),
     }
+    dist.destroy_process_group()
     return results
 
 
-def test_tp2_matches_gathered_reference():
-    per_rank = run_on_ranks(_tp2_checks, 2)
+@pytest.mark.parametrize("device", device_params(
+    "tests/algorithms/test_vocab_parallel.py::test_tp2_matches_gathered_reference[cpu]"))
+def test_tp2_matches_gathered_reference(device):
+    per_rank = run_on_ranks(_tp2_checks, 2, device, init_default_group=False,
+                            env=spawn_env(device))
     for rank, results in enumerate(per_rank):
         for name, r in results.items():
+            assert r["device"] == ("cuda:0" if device == "cuda" else "cpu"), (rank, name)
             tol = 1e-2 if name == "bf16_input" else TOL  # bf16 grad is rounded on the way out
             assert r["logp"] <= TOL and r["ent"] <= TOL, (rank, name, r)
             assert r["grad"] <= tol, (rank, name, r)

@@ -111,7 +111,7 @@ def test_tied_embeddings_keep_megatron_output_copy_only_with_pp():
 
 
 def test_te_spec_names_fuse_norms_into_linears():
-    smap = megatron_shards(MICRO, ParallelConfig(), te_names=True)
+    smap = megatron_shards(MICRO, ParallelConfig(), layer_spec="te")
     keys = smap.ranks[0]
     assert "decoder.layers.0.self_attention.linear_qkv.layer_norm_weight" in keys
     assert "decoder.layers.0.mlp.linear_fc1.layer_norm_weight" in keys

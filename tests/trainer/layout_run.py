@@ -40,7 +40,8 @@ def to_numpy(obj):
     """Tensors → numpy for the trip back to the parent (torch tensors cross process borders
     as shared-memory handles that die with the child)."""
     if isinstance(obj, torch.Tensor):
-        return obj.detach().float().numpy() if obj.is_floating_point() else obj.numpy()
+        obj = obj.detach().cpu()
+        return obj.float().numpy() if obj.is_floating_point() else obj.numpy()
     if isinstance(obj, dict):
         return {k: to_numpy(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
@@ -59,35 +60,46 @@ def from_numpy(obj):
 _RESULTS: dict[tuple, list[dict]] = {}
 
 
-def layout_results(parallel_kw: dict, dtype: str = "fp32") -> list[dict]:
+def layout_results(parallel_kw: dict, dtype: str = "fp32", device: str = "cpu",
+                   layer_spec: str = "local") -> list[dict]:
     """Per-rank `run_layout` results, launched once per pytest session and layout (the layout
-    table and the group-placement test read the same launch)."""
+    table and the group-placement test read the same launch). device "cpu": CUDA hidden from
+    the ranks (megatron on CPU with its compat shims, even on a GPU machine); "cuda": one rank
+    on cuda:0 over NCCL (tests/gpu_twins.py)."""
+    from gpu_twins import spawn_env
+
     from mcore_rl.launch.spawn import run_on_ranks
     from mcore_rl.parallel.config import ParallelConfig
 
-    key = (tuple(sorted(parallel_kw.items())), dtype)
+    key = (tuple(sorted(parallel_kw.items())), dtype, device, layer_spec)
     if key not in _RESULTS:
         parallel = ParallelConfig(**parallel_kw)
         _RESULTS[key] = run_on_ranks(run_layout, parallel.world_size, parallel_kw, dtype,
-                                     p2p_control=parallel.vpp is not None, timeout_s=240)
+                                     p2p_control=parallel.vpp is not None, device=device,
+                                     layer_spec=layer_spec, timeout_s=240,
+                                     init_default_group=False, env=spawn_env(device))
     return _RESULTS[key]
 
 
 def run_layout(rank: int, world: int, parallel_kw: dict, dtype: str = "fp32",
-               p2p_control: bool = False) -> dict:
+               p2p_control: bool = False, device: str = "cpu", layer_spec: str = "local") -> dict:
     """Load `hf_init` into the layout, return (numpy) this rank's logits of its micro batches,
-    per-step (loss, grad norm) and its megatron tensors after STEPS Adam steps."""
+    per-step (loss, grad norm) and its megatron tensors after STEPS Adam steps. The model and
+    batches live on `device`; tensors are named by `layer_spec`."""
     from mcore_rl.layouts import materialize_rank, megatron_shards
     from mcore_rl.models.gpt import load_chunks
     from mcore_rl.parallel.config import ParallelConfig
-    from mcore_rl.parallel.groups import Axis, init_training_groups
+    from mcore_rl.parallel.groups import Axis, init_training_groups, leave_worker_world
     from mcore_rl.trainer.config import OptimizerConfig, TrainConfig
     from mcore_rl.trainer.megatron_train import (MicroBatch, forward_logits, setup_trainer,
                                                  train_step)
 
+    from gpu_twins import join_world
+
+    on = join_world(rank, world, device)
     parallel = ParallelConfig(**parallel_kw)
     groups = init_training_groups(parallel)
-    shard_map = megatron_shards(SPEC, parallel)
+    shard_map = megatron_shards(SPEC, parallel, layer_spec=layer_spec)
     hf = hf_init(SPEC)
     initial = materialize_rank(shard_map, rank, hf.__getitem__)
     per_dp = GLOBAL_MICRO_BATCHES // parallel.dp
@@ -98,22 +110,24 @@ def run_layout(rank: int, world: int, parallel_kw: dict, dtype: str = "fp32",
                         dtype=dtype, optimizer=OptimizerConfig(lr=1e-3, adam_eps=1e-6,
                                                                weight_decay=0.01))
     trainer = setup_trainer(SPEC, groups, train, load_weights=lambda chunks: load_chunks(
-        chunks, initial, parallel.vpp))
+        chunks, initial, parallel.vpp), layer_spec=layer_spec)
     loaded = _local_tensors(trainer, parallel.vpp)
-    load_error = max(float((loaded[k].float() - initial[k].to(loaded[k].dtype).float())
+    load_error = max(float((loaded[k].float().cpu() - initial[k].to(loaded[k].dtype).float())
                            .abs().max()) for k in initial)
     dp = groups.rank_in(Axis.DP)
-    mine = [MicroBatch(**mb) for mb in global_batch(SPEC)[dp * per_dp:(dp + 1) * per_dp]]
+    mine = [MicroBatch(**{k: v.to(on) for k, v in mb.items()})
+            for mb in global_batch(SPEC)[dp * per_dp:(dp + 1) * per_dp]]
     logits = forward_logits(trainer.model, mine, vocab=SPEC.vocab, groups=groups)
     steps = [train_step(trainer, mine) for _ in range(STEPS)]
     control = None
     if p2p_control:  # a fresh model's first step with megatron's default batched p2p exchange
         fresh = setup_trainer(SPEC, groups, train, load_weights=lambda chunks: load_chunks(
-            chunks, initial, parallel.vpp))
+            chunks, initial, parallel.vpp), layer_spec=layer_spec)
         fresh.config.batch_p2p_comm = True
         step = train_step(fresh, mine)
         control = (step.loss, step.grad_norm)
-    return to_numpy({
+    result = to_numpy({
+        "device": str(next(trainer.unwrapped()[0].parameters()).device),
         "coords": groups.coords, "group_members": _group_members(groups),
         "keys": sorted(loaded) == sorted(initial),
         "load_error": load_error,
@@ -123,6 +137,8 @@ def run_layout(rank: int, world: int, parallel_kw: dict, dtype: str = "fp32",
                                 for p in c.parameters()}),
         "loss": [s.loss for s in steps], "grad_norm": [s.grad_norm for s in steps],
         "params": _local_tensors(trainer, parallel.vpp)})
+    leave_worker_world()
+    return result
 
 
 def _local_tensors(trainer, vpp) -> dict[str, torch.Tensor]:

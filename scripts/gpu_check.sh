@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# The GPU check suite in one command, for a bare machine with one GPU, Python 3.12 and torch
+# (CUDA) but no network, vLLM, TransformerEngine or Ray (shared/FINDINGS.md, "The GPU machine
+# we can sometimes check on"):
+#   bash scripts/gpu_wheels.sh      # once, on a machine with network: fills .whl/
+#   bash scripts/gpu_check.sh       # on the GPU machine, from the checkout carrying .whl/
+# It installs megatron-core from .whl/ when missing (nothing outside the repo is created besides
+# that pip install into $PYTHON's environment), prints the environment, runs `pytest -m gpu -rs`
+# and exits non-zero on any failure. PYTHON picks the interpreter (default python3); on a CPU
+# machine `PYTHON=.venv/bin/python bash scripts/gpu_check.sh` shows every GPU check skipping with
+# the name of its CPU twin.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
+
+if ! "$PYTHON" -c "import megatron.core" 2>/dev/null; then
+    if ! ls .whl/megatron_core-*.whl >/dev/null 2>&1; then
+        echo "gpu_check: megatron-core is not installed and .whl/ has no wheel of it;" \
+             "run scripts/gpu_wheels.sh on a machine with network and carry .whl/" >&2
+        exit 2
+    fi
+    "$PYTHON" -m pip install --no-index --find-links .whl megatron-core
+fi
+
+"$PYTHON" - <<'PY'
+import platform
+
+import torch
+
+print(f"python {platform.python_version()}  torch {torch.__version__}  "
+      f"cuda {torch.version.cuda}  cuda available: {torch.cuda.is_available()}")
+for i in range(torch.cuda.device_count()):
+    print(f"gpu {i}: {torch.cuda.get_device_name(i)}")
+import megatron.core
+
+print(f"megatron-core {megatron.core.__version__}")
+for name in ("transformer_engine", "vllm", "ray"):
+    try:
+        __import__(name)
+        print(f"{name}: importable")
+    except Exception:
+        print(f"{name}: not importable")
+PY
+
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+exec "$PYTHON" -m pytest -m gpu -rs -p no:cacheprovider "$@"
