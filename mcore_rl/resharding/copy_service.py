@@ -25,7 +25,7 @@ from __future__ import annotations
 import datetime
 import time
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, Iterator, Sequence
+from typing import TYPE_CHECKING, Collection, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -52,8 +52,11 @@ class CopyService(ABC):
     """
 
     def start(self, plan: "Plan", sync_rank: int, *, sending: bool, dtype: torch.dtype,
-              timeout_s: float | None, stats: "SyncStats") -> None:
-        self.plan, self.sync_rank, self.dtype = plan, sync_rank, dtype
+              timeout_s: float | None, stats: "SyncStats",
+              peers: Collection[int] | None = None) -> None:
+        """peers: the only ranks this sync exchanges messages with through this service
+        (None: every peer the plan names)."""
+        self.plan, self.sync_rank, self.dtype, self.peers = plan, sync_rank, dtype, peers
         self.timeout_s, self.stats = timeout_s, stats
 
     @abstractmethod
@@ -87,10 +90,6 @@ def wait_work(work, what: str, timeout_s: float | None) -> None:
     except Exception as err:  # gloo/NCCL raise RuntimeError subclasses with terse text
         raise SyncError(f"weight sync failed at {what} after "
                         f"{time.perf_counter() - start:.1f} s: {err}") from err
-
-
-def nbytes_of(views: Sequence[torch.Tensor]) -> int:
-    return sum(v.numel() * v.element_size() for v in views)
 
 
 class P2PCopy(CopyService):
@@ -170,4 +169,4 @@ def _unpack(buf: torch.Tensor, views: Sequence[torch.Tensor]) -> None:
         offset += view.numel()
 
 
-__all__ = ["CopyService", "Message", "P2PCopy", "SyncError", "nbytes_of", "wait_work"]
+__all__ = ["CopyService", "Message", "P2PCopy", "SyncError", "wait_work"]

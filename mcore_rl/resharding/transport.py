@@ -95,7 +95,8 @@ def send_shards(plan: Plan, group: dist.ProcessGroup, sync_rank: int,
     _check_dtype(plan, dtype)
     copy = copy if copy is not None else P2PCopy(group)
     stats, start = SyncStats(), time.perf_counter()
-    copy.start(plan, sync_rank, sending=True, dtype=dtype, timeout_s=timeout_s, stats=stats)
+    copy.start(plan, sync_rank, sending=True, dtype=dtype, timeout_s=timeout_s, stats=stats,
+               peers=peers)
     try:
         for k, msgs in enumerate(_schedule(plan, sync_rank, sending=True, peers=peers)):
             copy.send_round(k, [(dst, _source_views(transfers, tensors, plan, sync_rank))
