@@ -47,6 +47,7 @@ class SharedStaging:
         self.device = torch.device(device)
         self.nbytes = nbytes
         self.path: str | None = None
+        self._handle: bytes | None = None
         if self.device.type == "cpu":
             self.tensor = self._create_file(nbytes, owner_rank)
         elif self.device.type == "cuda":  # pragma: no cover - GPU only
@@ -69,10 +70,15 @@ class SharedStaging:
             raise
 
     def handle(self) -> bytes:
-        """What a receiver needs to map this buffer, as JSON bytes."""
-        if self.device.type == "cpu":
-            return json.dumps({"kind": "shm", "path": self.path, "nbytes": self.nbytes}).encode()
-        return _cuda_handle(self.tensor)  # pragma: no cover - GPU only
+        """What a receiver needs to map this buffer, as JSON bytes — computed once, so every
+        sync hands out the same bytes and receivers keep their mapping (`HandleCache`)."""
+        if self._handle is None:
+            if self.device.type == "cpu":
+                self._handle = json.dumps({"kind": "shm", "path": self.path,
+                                           "nbytes": self.nbytes}).encode()
+            else:  # pragma: no cover - GPU only
+                self._handle = _cuda_handle(self.tensor)
+        return self._handle
 
     def unlink(self) -> None:
         """Remove the shared-memory file's name (every receiver has mapped it): the mappings

@@ -1,7 +1,12 @@
 """The IPC copy service (colocated refit) on real processes: same plan, same checks, same
 receiver API as point to point, with the bytes going through one shared staging buffer per
-training rank (shared memory here; CUDA IPC on GPU — `test_gpu_transport.py` runs the same
-cases there).
+training rank (shared memory on CPU, CUDA IPC on GPU).
+
+GPU checks (marker `gpu`, at the end): the same table with device "cuda" on the one GPU —
+(a) planner + transport moving CUDA tensors between processes (p2p rows: gloo carries them
+through host bounce buffers; NCCL refuses two ranks on one GPU), (b) the CUDA-IPC refit,
+bit-exact, staging ≤ one bucket. Only torch and our resharding code (no vLLM/Ray/TE on the
+GPU machine). Their CPU twin is `test_ipc_refit_is_exact_with_one_bucket_of_staging`.
 
 All rows run in ONE launch: each row forms its own sync group (a fresh prefix) over the first
 T + D processes; the others sit that row out.
@@ -36,6 +41,9 @@ CASES = {
     "tp2 -> tp1 x2 ipc+p2p": (ParallelConfig(tp=2), 1, 2, ("ipc", "p2p"), torch.float32),
     # bf16 on the wire from fp32 parameters: converted while written into the staging buffer
     "tp2 -> tp2 ipc bf16": (ParallelConfig(tp=2), 2, 1, ("ipc",), torch.bfloat16),
+    # point to point through the same channels (on GPU: CUDA tensors over gloo, bounced
+    # through host buffers — NCCL refuses two ranks on the one GPU)
+    "tp2 -> tp1 x2 p2p": (ParallelConfig(tp=2), 1, 2, ("p2p", "p2p"), torch.float32),
 }
 MAX_RANKS = max(p.world_size + tp * e for p, tp, e, _, _ in CASES.values())
 
@@ -64,6 +72,8 @@ def run_case(rank, case_index, parallel, infer_tp, engines, transports, dtype, *
                          f"{prefix}{case_index}/", plan.world_size, timeout_s=timeout_s,
                          transports=transports)
     here = colocated_device(device, rank, plan.num_src)
+    if here != "cpu":
+        torch.cuda.set_device(here)
     channels = SyncChannels.join(spec, rank, here)
     out = {"role": "src" if rank < plan.num_src else "dst", "syncs": []}
     try:
@@ -78,7 +88,7 @@ def run_case(rank, case_index, parallel, infer_tp, engines, transports, dtype, *
                 staging = ipc._staging if ipc is not None else None
                 out["syncs"].append({
                     "stats": stats, "staging_bytes": staging.nbytes if staging else 0,
-                    "staging_path": staging.path if staging else None,
+                    "staging_handle": staging.handle() if staging else None,
                     "staging_file_left": bool(staging and staging.path
                                               and os.path.exists(staging.path))})
                 continue
@@ -130,15 +140,18 @@ def check_case(results, case_id, device="cpu"):
         first, second = r["syncs"]
         for sync in r["syncs"]:
             stats = sync["stats"]
+            assert stats["bytes_sent"] == sum(stats.get(f"bytes_sent_{t}", 0)
+                                              for t in set(transports)) > 0
+            assert all(stats.get(f"bytes_sent_{t}", 0) > 0 for t in transports)
+            if "ipc" not in transports:
+                assert sync["staging_bytes"] == 0 and stats["peak_extra_bytes"] <= BUCKET
+                continue
             # one staging buffer of at most one bucket: the largest round this rank sends
             assert 0 < sync["staging_bytes"] == r["expected_staging"] <= BUCKET
             assert stats["peak_extra_bytes"] <= (2 if "p2p" in transports else 1) * BUCKET
             assert not sync["staging_file_left"]  # unlinked once the receivers mapped it
-            if "p2p" not in transports:
-                assert stats["bytes_sent_ipc"] == stats["bytes_sent"] > 0
-            else:
-                assert stats["bytes_sent_ipc"] > 0 and stats["bytes_sent_p2p"] > 0
-        assert first["staging_path"] == second["staging_path"]  # made once, reused
+        # the staging buffer is made once and reused (on CUDA: the same handle)
+        assert first["staging_handle"] == second["staging_handle"]
 
 
 @pytest.fixture(scope="module")
@@ -221,3 +234,33 @@ def test_a_stalled_ipc_sender_is_named_within_the_deadline(table):
     for rank in (2, 3):  # both inference ranks name the training rank that stopped writing
         assert "SyncError" in errors[rank], errors
         assert "receive from training rank 1 (tp1 pp0 dp0)" in errors[rank], errors
+
+
+# ------------------------------------------------------------------------------ GPU checks
+
+CPU_TWIN = "tests/resharding/test_ipc_copy.py::test_ipc_refit_is_exact_with_one_bucket_of_staging"
+
+
+def gpu_only(test):
+    """Local stand-in for the shared GPU-twin helper (marker `gpu`; without CUDA, skip with a
+    reason naming the CPU twin that runs the same code)."""
+    skip = pytest.mark.skipif(not torch.cuda.is_available(),
+                              reason=f"needs CUDA; its CPU twin {CPU_TWIN} runs here")
+    return pytest.mark.gpu(skip(test))
+
+
+@pytest.fixture(scope="module")
+def cuda_table():
+    return run_on_ranks(run_table, MAX_RANKS, "cuda", timeout_s=300, init_default_group=False)
+
+
+@gpu_only
+@pytest.mark.parametrize("case_id", [c for c, v in CASES.items() if "ipc" not in v[3]])
+def test_gpu_transport_moves_cuda_tensors_between_processes(cuda_table, case_id):
+    check_case([r[case_id] for r in cuda_table], case_id, device="cuda")
+
+
+@gpu_only
+@pytest.mark.parametrize("case_id", [c for c, v in CASES.items() if "ipc" in v[3]])
+def test_gpu_cuda_ipc_refit_is_exact_with_one_bucket_of_staging(cuda_table, case_id):
+    check_case([r[case_id] for r in cuda_table], case_id, device="cuda")
