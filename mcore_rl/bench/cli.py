@@ -32,6 +32,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                       help="compare every received shard bit for bit with the reference")
     sync.add_argument("--repeats", type=int, default=1)
     sync.add_argument("--timeout-s", type=float, default=300.0)
+    sync.add_argument("--transport", choices=("p2p", "ipc"), default="p2p",
+                      help="p2p: sends on the sync group; ipc: colocated ranks (inference rank d "
+                           "on training rank d's device) copy out of shared staging buffers")
+    sync.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                      help="where the ranks' tensors live (cuda: NCCL for p2p and baseline)")
     sync.add_argument("--plan-only", action="store_true",
                       help="plan from shapes only (any size) and project times; moves no data")
     sync.add_argument("--gpus-per-node", type=int, default=8)
@@ -157,7 +162,8 @@ def _config(args):
     return SyncBenchConfig(model=args.model, train=train, infer_tp=args.infer_tp,
                            engines=args.engines, bucket_mb=args.bucket_mb, dtype=args.dtype,
                            baseline=args.baseline == "gather", check=args.check,
-                           repeats=args.repeats, timeout_s=args.timeout_s)
+                           repeats=args.repeats, timeout_s=args.timeout_s,
+                           transport=args.transport, device=args.device)
 
 
 def run_sync(args) -> int:
@@ -200,8 +206,9 @@ def _print_summary(report: dict) -> None:
               f"{report['baseline_projected_s'] / report['projected_s']:.1f}x; busiest "
               f"inference rank receives {report['max_rank_bytes_received'] / gib:.2f} GiB")
         return
-    print(f"ours: {report['wall_s']:.3f} s, check {report['check']}, max staging "
-          f"{report['max_peak_extra_bytes'] / (1 << 20):.1f} MiB")
+    print(f"ours ({report['transport']}): {report['wall_s']:.3f} s, check {report['check']}, "
+          f"max staging {report['max_peak_extra_bytes'] / (1 << 20):.1f} MiB (training ranks "
+          f"{report['max_train_peak_extra_bytes'] / (1 << 20):.1f} MiB)")
     if "baseline" in report:
         print(f"baseline (gather to rank 0 + broadcast): {report['baseline']['wall_s']:.3f} s, "
               f"max staging {report['baseline_max_peak_extra_bytes'] / (1 << 20):.1f} MiB; "

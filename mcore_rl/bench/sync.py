@@ -4,6 +4,10 @@ baseline, on the same model, ranks and buckets, in one launch.
 Ranks: training ranks 0..T-1 (Megatron layout of the chosen grid), inference ranks T..T+D-1
 (vLLM layout, `engines` engines of `infer_tp` ranks). Weights come from an HF directory (read
 lazily, each rank only its own slices) or are made on the fly from a preset's shapes.
+`transport`: "p2p" (sends on the sync group) or "ipc" (colocated: inference rank d shares
+training rank d's device and copies out of its shared staging buffer). `device`: "cpu", or
+"cuda" (rank devices as a colocated / disaggregated placement would give them; NCCL for p2p
+and the baseline).
 
 The baseline does what the seed trainers do, and lives only here: every training shard is
 gathered onto training rank 0, which assembles whole HF tensors (the whole model in one rank's
@@ -28,8 +32,8 @@ from mcore_rl.models.hf_weights import RandomWeights, SafetensorsWeights
 from mcore_rl.models.presets import PRESETS, get_preset
 from mcore_rl.models.spec import ModelSpec
 from mcore_rl.parallel import ParallelConfig
-from mcore_rl.resharding import (Plan, SyncGroupSpec, SyncStats, build_plan, join_sync_group,
-                                 receive_shards, send_shards, verify_plan)
+from mcore_rl.resharding import Plan, SyncGroupSpec, SyncStats, build_plan, join_sync_group
+from mcore_rl.resharding.channels import SyncChannels
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -52,6 +56,31 @@ class SyncBenchConfig:
     repeats: int = 1
     timeout_s: float = 300.0
     seed: int = 0
+    transport: str = "p2p"
+    device: str = "cpu"
+
+    def __post_init__(self):
+        if self.transport not in ("p2p", "ipc"):
+            raise ValueError(f"--transport {self.transport!r}: expected p2p or ipc")
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"--device {self.device!r}: expected cpu or cuda")
+        inference_ranks = self.infer_tp * self.engines
+        if self.transport == "ipc" and inference_ranks > self.train.world_size:
+            raise ValueError(f"--transport ipc is colocated (inference rank d on training rank "
+                             f"d's device): {inference_ranks} inference ranks need at most "
+                             f"{self.train.world_size} training ranks' devices")
+
+    @property
+    def backend(self) -> str:
+        return "nccl" if self.device == "cuda" else "gloo"
+
+    def rank_device(self, rank: int) -> str:
+        """Sync rank `rank`'s device: colocated for ipc, one device per rank for p2p."""
+        if self.device == "cpu":
+            return "cpu"
+        train = self.train.world_size
+        slot = rank - train if self.transport == "ipc" and rank >= train else rank
+        return f"cuda:{slot % torch.cuda.device_count()}"
 
     @property
     def bucket_bytes(self) -> int:
@@ -82,8 +111,8 @@ def _weights(cfg: SyncBenchConfig, src: ShardMap):
     return RandomWeights(src.hf_shapes, seed=cfg.seed)
 
 
-def _barrier(group: dist.ProcessGroup) -> None:
-    group.allreduce([torch.zeros(1)]).wait()
+def _barrier(group: dist.ProcessGroup, device: str = "cpu") -> None:
+    group.allreduce([torch.zeros(1, device=device)]).wait()
 
 
 def rank_main(rank: int, world_size: int, cfg: SyncBenchConfig) -> dict:
@@ -96,51 +125,66 @@ def rank_main(rank: int, world_size: int, cfg: SyncBenchConfig) -> dict:
     # the rendezvous store: rank 0's (the local launcher's on one machine, srun's first node)
     host = os.environ.get("MCORE_RL_STORE_HOST", "127.0.0.1")
     is_src = rank < plan.num_src
-    local = (materialize_rank(src, rank, weights.__getitem__, dtype) if is_src else None)
+    device = cfg.rank_device(rank)
+    if device.startswith("cuda"):
+        torch.cuda.set_device(device)
+    local = (_to(materialize_rank(src, rank, weights.__getitem__, dtype), device)
+             if is_src else None)
     expected = (materialize_rank(dst, rank - plan.num_src, weights.__getitem__, dtype)
                 if cfg.check and not is_src else None)
     out: dict = {"rank": rank, "role": "train" if is_src else "infer",
                  "rss_bytes": psutil.Process().memory_info().rss}
-    group = join_sync_group(SyncGroupSpec(host, port, "ours/", world_size,
-                                          cfg.timeout_s), rank)
-    verify_plan(plan, group, rank)
-    out["ours"] = _repeat(cfg, group, lambda i: _ours_once(plan, group, rank, local, dtype,
-                                                           cfg), expected)
-    if cfg.baseline:
-        out["baseline"] = _repeat(cfg, group, lambda i: _baseline_once(
-            plan, src, dst, rank, local, dtype, cfg, host, port, i), expected)
+    spec = SyncGroupSpec(host, port, "ours/", world_size, cfg.timeout_s, backend=cfg.backend,
+                         transports=(cfg.transport,) * cfg.engines)
+    channels = SyncChannels.join(spec, rank, device)
+    channels.verify(plan)
+    gloo_control = channels.control is not channels.bulk or channels.spec.backend == "gloo"
+    barrier = (channels.control, "cpu") if gloo_control else (channels.bulk, device)
+    try:
+        out["ours"] = _repeat(cfg, barrier, lambda i: _ours_once(plan, channels, local, dtype,
+                                                                 cfg), expected)
+        if cfg.baseline:
+            out["baseline"] = _repeat(cfg, barrier, lambda i: _baseline_once(
+                plan, src, dst, rank, local, dtype, cfg, host, port, i), expected)
+    finally:
+        channels.close()
     return out
 
 
-def _repeat(cfg, group, once, expected) -> dict:
+def _to(tensors: dict[str, torch.Tensor], device: str) -> dict[str, torch.Tensor]:
+    return tensors if device == "cpu" else {k: v.to(device) for k, v in tensors.items()}
+
+
+def _repeat(cfg, barrier, once, expected) -> dict:
     walls, stats, received = [], None, None
     for i in range(cfg.repeats):
-        _barrier(group)
+        _barrier(*barrier)
         start = time.perf_counter()
         stats, received = once(i)
         walls.append(time.perf_counter() - start)
-    result = {"wall_s": walls, **stats.as_dict()}
+    result = {"wall_s": walls, **(stats if isinstance(stats, dict) else stats.as_dict())}
     if expected is not None:
         bad = sorted(k for k in expected if k not in received
-                     or not torch.equal(expected[k], received[k]))
+                     or not torch.equal(expected[k], received[k].cpu()))
         bad += sorted(set(received) - set(expected))
         result["check_failures"] = bad
     return result
 
 
-def _ours_once(plan, group, rank, local, dtype, cfg):
+def _ours_once(plan, channels, local, dtype, cfg):
     if local is not None:
-        return send_shards(plan, group, rank, local, dtype=dtype, timeout_s=cfg.timeout_s), None
+        return channels.send(plan, local, dtype=dtype, timeout_s=cfg.timeout_s), None
     stats = SyncStats()
-    received = dict(receive_shards(plan, group, rank, dtype=dtype, timeout_s=cfg.timeout_s,
-                                   stats=stats))
+    received = dict(channels.receive(plan, cfg.transport, dtype=dtype,
+                                     timeout_s=cfg.timeout_s, stats=stats))
     return stats, received
 
 
 def _baseline_once(plan, src, dst, rank, local, dtype, cfg, host, port, attempt):
     """Gather every shard to training rank 0, assemble whole tensors, broadcast each whole
-    tensor to the inference ranks, which cut their shards out of it."""
-    stats = SyncStats()
+    tensor to the inference ranks, which cut their shards out of it. Tensors live on each rank's
+    device (NCCL carries them with --device cuda)."""
+    stats, device = SyncStats(), cfg.rank_device(rank)
     gathered = None
     if rank < plan.num_src:
         gathered = _gather_to_rank0(src, rank, local, dtype, cfg, host, port, plan.num_src,
@@ -149,8 +193,8 @@ def _baseline_once(plan, src, dst, rank, local, dtype, cfg, host, port, attempt)
             return stats, None
     # rank 0 + inference ranks form the broadcast group
     bcast_rank = 0 if rank == 0 else rank - plan.num_src + 1
-    group = join_sync_group(SyncGroupSpec(host, port, f"bcast{attempt}/",
-                                          plan.num_dst + 1, cfg.timeout_s), bcast_rank)
+    group = join_sync_group(SyncGroupSpec(host, port, f"bcast{attempt}/", plan.num_dst + 1,
+                                          cfg.timeout_s, backend=cfg.backend), bcast_rank)
     received = None if rank == 0 else {}
     my_tensors = None if rank == 0 else dst.ranks[rank - plan.num_src]
     for name in sorted(src.hf_shapes):
@@ -159,7 +203,7 @@ def _baseline_once(plan, src, dst, rank, local, dtype, cfg, host, port, attempt)
         if rank == 0:
             full = gathered[name]
         else:
-            full = torch.empty(src.hf_shapes[name], dtype=dtype)
+            full = torch.empty(src.hf_shapes[name], dtype=dtype, device=device)
             stats.hold(full.numel() * full.element_size())
         opts = dist.BroadcastOptions()
         opts.rootRank = 0
@@ -169,7 +213,7 @@ def _baseline_once(plan, src, dst, rank, local, dtype, cfg, host, port, attempt)
             stats.bytes_sent += nbytes * plan.num_dst
         else:
             stats.bytes_received += nbytes
-            _cut_shards(my_tensors, name, full, received, dtype)
+            _cut_shards(my_tensors, name, full, received, dtype, device)
             stats.release(nbytes)
     return stats, received
 
@@ -177,8 +221,9 @@ def _baseline_once(plan, src, dst, rank, local, dtype, cfg, host, port, attempt)
 def _gather_to_rank0(src, rank, local, dtype, cfg, host, port, num_src, stats, attempt):
     """Training ranks of DP replica 0 send every local tensor to rank 0, which assembles
     whole HF tensors from the pieces (the whole model ends up on rank 0)."""
+    device = cfg.rank_device(rank)
     group = join_sync_group(SyncGroupSpec(host, port, f"gather{attempt}/", num_src,
-                                          cfg.timeout_s), rank)
+                                          cfg.timeout_s, backend=cfg.backend), rank)
     holders = [r for r in sorted(src.ranks) if cfg.train.coords_of(r)["dp"] == 0]
     if rank != 0:
         if rank in holders:
@@ -187,13 +232,14 @@ def _gather_to_rank0(src, rank, local, dtype, cfg, host, port, num_src, stats, a
                 group.send([tensor], 0, 0).wait()
                 stats.bytes_sent += tensor.numel() * tensor.element_size()
         return None
-    full = {name: torch.zeros(shape, dtype=dtype) for name, shape in src.hf_shapes.items()}
+    full = {name: torch.zeros(shape, dtype=dtype, device=device)
+            for name, shape in src.hf_shapes.items()}
     stats.hold(sum(t.numel() * t.element_size() for t in full.values()))
     for holder in holders:
         tensors = local if holder == 0 else {}
         for key in sorted(src.ranks[holder]):
             if holder != 0:
-                buf = torch.empty(src.ranks[holder][key].shape, dtype=dtype)
+                buf = torch.empty(src.ranks[holder][key].shape, dtype=dtype, device=device)
                 stats.hold(buf.numel() * buf.element_size())
                 group.recv([buf], holder, 0).wait()
                 stats.bytes_received += buf.numel() * buf.element_size()
@@ -206,16 +252,16 @@ def _gather_to_rank0(src, rank, local, dtype, cfg, host, port, num_src, stats, a
     return full
 
 
-def _cut_shards(my_tensors, name, full, received, dtype):
+def _cut_shards(my_tensors, name, full, received, dtype, device="cpu"):
     for key, local in my_tensors.items():
         for piece in local.pieces:
             if piece.hf_name == name:
                 if key not in received:
-                    received[key] = torch.zeros(local.shape, dtype=dtype)
+                    received[key] = torch.zeros(local.shape, dtype=dtype, device=device)
                 received[key][box_slices(piece.local_box)] = full[box_slices(piece.hf_box)]
     for key, local in my_tensors.items():  # all-padding shards
         if not local.pieces and key not in received:
-            received[key] = torch.zeros(local.shape, dtype=dtype)
+            received[key] = torch.zeros(local.shape, dtype=dtype, device=device)
 
 
 def summarize(cfg: SyncBenchConfig, spec: ModelSpec, plan: Plan, per_rank: list[dict]) -> dict:
@@ -235,7 +281,10 @@ def summarize(cfg: SyncBenchConfig, spec: ModelSpec, plan: Plan, per_rank: list[
         }
 
     ours = fold("ours")
+    train_peaks = [v for r, v in ours["peak_extra_bytes"].items() if r < plan.num_src]
     report = {
+        "transport": cfg.transport, "device": cfg.device,
+        "max_train_peak_extra_bytes": max(train_peaks),
         "model": cfg.model, "params": spec.num_params(),
         "model_bytes": spec.num_params() * plan.element_size,
         "train": f"tp{cfg.train.tp} pp{cfg.train.pp} vpp{cfg.train.vpp or 1} dp{cfg.train.dp}",

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import datetime
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch.distributed as dist
 
@@ -22,6 +22,11 @@ class SyncGroupSpec:
     host/port: the TCPStore hosted by sync rank 0 (binds 127.0.0.1 unless configured).
     prefix: unique per group incarnation (re-forming after a failure uses a new prefix).
     world_size: trainer ranks + inference ranks. timeout_s: every send/recv deadline.
+    backend: the group's ("gloo" on CPU, "nccl" on GPU; the resolved run's `sync_backend`).
+    transports: per engine, how it receives — "p2p" (sends on this group) or "ipc" (shared
+    staging buffers, colocated ranks; the resolved run's `transports`); empty: all p2p. With
+    any "ipc" on a non-gloo group every rank also joins a gloo control group
+    (`join_control_group`).
     """
 
     host: str
@@ -30,6 +35,18 @@ class SyncGroupSpec:
     world_size: int
     timeout_s: float = 120.0
     backend: str = "gloo"
+    transports: tuple[str, ...] = ()
+
+    def __post_init__(self):
+        bad = [t for t in self.transports if t not in ("p2p", "ipc")]
+        if bad:
+            raise ValueError(f"SyncGroupSpec.transports: {bad} — expected 'p2p' or 'ipc' per "
+                             "engine")
+
+    @property
+    def needs_control_group(self) -> bool:
+        """IPC signals and handles need a gloo group; the group itself is one when gloo."""
+        return self.backend != "gloo" and "ipc" in self.transports
 
 
 def host_store(host: str = "127.0.0.1", port: int = 0, world_size: int = 1,
@@ -71,4 +88,18 @@ def sync_group_spec(run, *, host: str, port: int, prefix: str,
     is the run's actor ranks plus every engine's TP ranks, its backend the run's
     `sync_backend` — never re-derived here."""
     world = len(run.actor_devices) + sum(len(e) for e in run.engine_devices)
-    return SyncGroupSpec(host, port, prefix, world, timeout_s, backend=run.sync_backend)
+    return SyncGroupSpec(host, port, prefix, world, timeout_s, backend=run.sync_backend,
+                         transports=tuple(run.transports))
+
+
+def join_control_group(spec: SyncGroupSpec, rank: int, bulk: dist.ProcessGroup,
+                       store: dist.Store | None = None) -> dist.ProcessGroup:
+    """The gloo group that carries IPC handles and round signals (and the plan fingerprints,
+    when the bulk group is NCCL over colocated ranks and so unusable): `bulk` itself when that
+    is gloo or no engine uses IPC; else a gloo group over the same ranks (prefix + "ctl/").
+    Every rank of the sync world calls it, right after `join_sync_group`."""
+    if not spec.needs_control_group:
+        return bulk
+    return join_sync_group(replace(spec, backend="gloo", prefix=spec.prefix + "ctl/"), rank,
+                           store)
+

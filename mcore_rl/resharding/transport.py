@@ -1,10 +1,14 @@
-"""Execute a resharding plan over point-to-point sends in the sync group (gloo on CPU, NCCL on
-GPU), round by round.
+"""Execute a resharding plan round by round: this module resolves every message to tensor
+views and does the checking (fingerprints, completeness, names); a copy service
+(`copy_service.py`) moves each round's bytes — point-to-point on the sync group (gloo on CPU,
+NCCL on GPU) or through a shared staging buffer for colocated ranks (`ipc_copy.py`).
 
-Per round, a sending rank packs one message per destination (a slice that is already a
-contiguous view of its parameter goes out as is), posts it non-blocking, and packs the next
-while the first is on the wire; a receiving rank posts one receive per source — straight into
-its destination tensor when the region is contiguous there — and unpacks as messages land.
+Point-to-point: per round, a sending rank packs one message per destination (a slice that is
+already a contiguous view of its parameter, on the wire's device, goes out as is), posts it
+non-blocking, and packs the next while the first is on the wire; a receiving rank posts one
+receive per source — straight into its destination tensor when the region is contiguous
+there — and unpacks as messages land. Staging buffers live on the device of the tensors they
+carry; receivers assemble shards on the `device` they are given (the resolved run's).
 Staging memory on any rank is at most one bucket (the planner bounds each rank's bytes per
 round). Every wait has a deadline; a peer that dies or stalls turns into a `SyncError` that
 names it, the round and the direction.
@@ -12,20 +16,16 @@ names it, the round and the direction.
 
 from __future__ import annotations
 
-import datetime
 import time
 from dataclasses import dataclass, field
-from typing import Iterator, Mapping
+from typing import Collection, Iterator, Mapping
 
 import torch
 import torch.distributed as dist
 
 from mcore_rl.layouts.layout import box_slices
+from mcore_rl.resharding.copy_service import CopyService, P2PCopy, SyncError, wait_work
 from mcore_rl.resharding.planner import Plan, Transfer
-
-
-class SyncError(RuntimeError):
-    """Weight sync failed; the message names the peer rank, round and direction."""
 
 
 @dataclass
@@ -52,12 +52,14 @@ class SyncStats:
         return {k: v for k, v in self.__dict__.items() if not k.startswith("_")}
 
 
-def verify_plan(plan: Plan, group: dist.ProcessGroup, sync_rank: int) -> None:
+def verify_plan(plan: Plan, group: dist.ProcessGroup, sync_rank: int, *,
+                device: str | torch.device = "cpu") -> None:
     """All ranks compare plan fingerprints before any byte moves; a mismatch (ranks built from
-    different configs) is named instead of corrupting weights."""
-    mine = torch.frombuffer(bytearray(plan.fingerprint()), dtype=torch.uint8)
+    different configs) is named instead of corrupting weights. device: where `group` carries
+    tensors ("cpu" for gloo, this rank's CUDA device for NCCL)."""
+    mine = torch.frombuffer(bytearray(plan.fingerprint()), dtype=torch.uint8).to(device)
     gathered = [[torch.empty_like(mine) for _ in range(plan.world_size)]]
-    _wait(group.allgather(gathered, [mine]), "fingerprint exchange", plan, None)
+    wait_work(group.allgather(gathered, [mine]), "fingerprint exchange", None)
     differing = [r for r, fp in enumerate(gathered[0]) if not torch.equal(fp, mine)]
     if differing:
         raise SyncError(f"sync rank {sync_rank}: the resharding plan differs on "
@@ -65,13 +67,15 @@ def verify_plan(plan: Plan, group: dist.ProcessGroup, sync_rank: int) -> None:
                         "given different model/parallel/bucket settings")
 
 
-def _schedule(plan: Plan, sync_rank: int, sending: bool) -> list[list[tuple[int, list[Transfer]]]]:
-    """Per round: [(peer, transfers)] for this rank, in plan order."""
+def _schedule(plan: Plan, sync_rank: int, sending: bool,
+              peers: Collection[int] | None = None) -> list[list[tuple[int, list[Transfer]]]]:
+    """Per round: [(peer, transfers)] for this rank, in plan order (only `peers`, if given)."""
     out = []
     for k in range(len(plan.rounds)):
         msgs = []
         for (src, dst), transfers in plan.messages(k).items():
-            if (src if sending else dst) == sync_rank:
+            if (src if sending else dst) == sync_rank and \
+                    (peers is None or (dst if sending else src) in peers):
                 msgs.append((dst if sending else src, transfers))
         out.append(msgs)
     return out
@@ -79,52 +83,54 @@ def _schedule(plan: Plan, sync_rank: int, sending: bool) -> list[list[tuple[int,
 
 def send_shards(plan: Plan, group: dist.ProcessGroup, sync_rank: int,
                 tensors: Mapping[str, torch.Tensor], *, dtype: torch.dtype,
-                timeout_s: float = 120.0) -> SyncStats:
+                timeout_s: float = 120.0, copy: CopyService | None = None,
+                peers: Collection[int] | None = None) -> SyncStats:
     """Send this training rank's share of the plan from its local `tensors` (keyed as in the
-    source shard map). Returns what was moved."""
+    source shard map). Returns what was moved.
+
+    copy: how bytes move (default: point-to-point on `group`, which must then accept the
+    tensors' device: gloo for CPU, NCCL for CUDA). peers: only the messages to these
+    destination sync ranks (a rank that serves some engines by IPC and others by p2p calls
+    once per copy service)."""
     _check_dtype(plan, dtype)
+    copy = copy if copy is not None else P2PCopy(group)
     stats, start = SyncStats(), time.perf_counter()
-    for k, msgs in enumerate(_schedule(plan, sync_rank, sending=True)):
-        posted = []
-        for dst, transfers in msgs:
-            buf, staged = _pack(transfers, tensors, dtype, plan, sync_rank)
-            stats.hold(staged)
-            posted.append((dst, group.send([buf], dst, k), buf, staged))
-            stats.messages += 1
-            stats.zero_copy_messages += staged == 0
-            stats.bytes_sent += buf.numel() * buf.element_size()
-        for dst, work, _buf, staged in posted:
-            _wait(work, f"round {k}: send to {plan.label(dst)}", plan, timeout_s)
-            stats.release(staged)
+    copy.start(plan, sync_rank, sending=True, dtype=dtype, timeout_s=timeout_s, stats=stats,
+               peers=peers)
+    try:
+        for k, msgs in enumerate(_schedule(plan, sync_rank, sending=True, peers=peers)):
+            copy.send_round(k, [(dst, _source_views(transfers, tensors, plan, sync_rank))
+                                for dst, transfers in msgs])
+    finally:
+        copy.finish()
     stats.seconds = time.perf_counter() - start
     return stats
 
 
-def _pack(transfers: list[Transfer], tensors: Mapping[str, torch.Tensor], dtype: torch.dtype,
-          plan: Plan, sync_rank: int) -> tuple[torch.Tensor, int]:
+def _source_views(transfers: list[Transfer], tensors: Mapping[str, torch.Tensor], plan: Plan,
+                  sync_rank: int) -> list[torch.Tensor]:
     views = []
     for t in transfers:
         if t.src_key not in tensors:
             raise SyncError(f"{plan.label(sync_rank)} has no tensor {t.src_key!r} that the "
                             "plan sends from it")
         views.append(tensors[t.src_key][box_slices(t.src_box)])
-    if len(views) == 1 and views[0].is_contiguous() and views[0].dtype == dtype:
-        return views[0].detach(), 0
-    buf = torch.empty(sum(v.numel() for v in views), dtype=dtype)
-    offset = 0
-    for view in views:
-        buf[offset:offset + view.numel()].view(view.shape).copy_(view)
-        offset += view.numel()
-    return buf, buf.numel() * buf.element_size()
+    return views
 
 
 def receive_shards(plan: Plan, group: dist.ProcessGroup, sync_rank: int, *,
                    dtype: torch.dtype, timeout_s: float = 120.0,
-                   stats: SyncStats | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+                   stats: SyncStats | None = None, device: str | torch.device = "cpu",
+                   copy: CopyService | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """Receive this inference rank's shards; yield `(name, tensor)` as each tensor completes
-    (padding rows are zeros). Raises SyncError if anything expected never arrives."""
+    (padding rows are zeros). Raises SyncError if anything expected never arrives.
+
+    device: where the shards are assembled — this inference rank's device from the resolved
+    run (`ResolvedRun.engine_devices`). copy: how bytes move (default: point-to-point on
+    `group`)."""
     _check_dtype(plan, dtype)
     stats = stats if stats is not None else SyncStats()
+    copy = copy if copy is not None else P2PCopy(group)
     start = time.perf_counter()
     shapes = plan.dst_shapes.get(sync_rank, {})
     remaining: dict[str, int] = {key: 0 for key in shapes}
@@ -134,32 +140,29 @@ def receive_shards(plan: Plan, group: dist.ProcessGroup, sync_rank: int, *,
                 remaining[t.dst_key] += t.numel
     tensors: dict[str, torch.Tensor] = {}
     yielded: set[str] = set()
-    for k, msgs in enumerate(_schedule(plan, sync_rank, sending=False)):
-        posted = []
-        for src, transfers in msgs:
-            for t in transfers:
-                if t.dst_key not in tensors:
-                    tensors[t.dst_key] = torch.zeros(shapes[t.dst_key], dtype=dtype)
-            buf, staged = _recv_buffer(transfers, tensors, dtype)
-            stats.hold(staged)
-            posted.append((src, transfers, buf, staged, group.recv([buf], src, k)))
-            stats.messages += 1
-            stats.zero_copy_messages += staged == 0
-        for src, transfers, buf, staged, work in posted:
-            _wait(work, f"round {k}: receive from {plan.label(src)}", plan, timeout_s)
-            stats.bytes_received += buf.numel() * buf.element_size()
-            if staged:
-                _unpack(buf, transfers, tensors)
-            stats.release(staged)
-            for t in transfers:
-                remaining[t.dst_key] -= t.numel
-                if remaining[t.dst_key] == 0:
-                    stats.seconds = time.perf_counter() - start
-                    yielded.add(t.dst_key)
-                    yield t.dst_key, tensors.pop(t.dst_key)
+    copy.start(plan, sync_rank, sending=False, dtype=dtype, timeout_s=timeout_s, stats=stats)
+    try:
+        for k, msgs in enumerate(_schedule(plan, sync_rank, sending=False)):
+            for _src, transfers in msgs:
+                for t in transfers:
+                    if t.dst_key not in tensors:
+                        tensors[t.dst_key] = torch.zeros(shapes[t.dst_key], dtype=dtype,
+                                                         device=device)
+            views = [(src, [tensors[t.dst_key][box_slices(t.dst_box)] for t in transfers])
+                     for src, transfers in msgs]
+            for i in copy.recv_round(k, views):
+                for t in msgs[i][1]:
+                    remaining[t.dst_key] -= t.numel
+                    if remaining[t.dst_key] == 0:
+                        stats.seconds = time.perf_counter() - start
+                        yielded.add(t.dst_key)
+                        yield t.dst_key, tensors.pop(t.dst_key)
+    finally:
+        copy.finish()
     for key, left in remaining.items():
         if left == 0 and key not in tensors and key not in yielded:
-            yield key, torch.zeros(shapes[key], dtype=dtype)  # all padding: nothing to receive
+            # all padding: nothing to receive
+            yield key, torch.zeros(shapes[key], dtype=dtype, device=device)
     missing = sorted(key for key, left in remaining.items() if left)
     if missing:
         raise SyncError(f"{plan.label(sync_rank)}: plan ended with {len(missing)} tensors "
@@ -167,40 +170,8 @@ def receive_shards(plan: Plan, group: dist.ProcessGroup, sync_rank: int, *,
     stats.seconds = time.perf_counter() - start
 
 
-def _recv_buffer(transfers: list[Transfer], tensors: dict[str, torch.Tensor],
-                 dtype: torch.dtype) -> tuple[torch.Tensor, int]:
-    if len(transfers) == 1:
-        t = transfers[0]
-        view = tensors[t.dst_key][box_slices(t.dst_box)]
-        if view.is_contiguous():
-            return view, 0
-    buf = torch.empty(sum(t.numel for t in transfers), dtype=dtype)
-    return buf, buf.numel() * buf.element_size()
-
-
-def _unpack(buf: torch.Tensor, transfers: list[Transfer],
-            tensors: dict[str, torch.Tensor]) -> None:
-    offset = 0
-    for t in transfers:
-        view = tensors[t.dst_key][box_slices(t.dst_box)]
-        view.copy_(buf[offset:offset + t.numel].view(view.shape))
-        offset += t.numel
-
-
 def _check_dtype(plan: Plan, dtype: torch.dtype) -> None:
     size = torch.empty((), dtype=dtype).element_size()
     if size != plan.element_size:
         raise SyncError(f"dtype {dtype} has {size}-byte elements but the plan was built for "
                         f"{plan.element_size}-byte elements")
-
-
-def _wait(work, what: str, plan: Plan, timeout_s: float | None) -> None:
-    start = time.perf_counter()
-    try:
-        if timeout_s is None:
-            work.wait()
-        else:
-            work.wait(datetime.timedelta(seconds=timeout_s))
-    except Exception as err:  # gloo/NCCL raise RuntimeError subclasses with terse text
-        raise SyncError(f"weight sync failed at {what} after "
-                        f"{time.perf_counter() - start:.1f} s: {err}") from err

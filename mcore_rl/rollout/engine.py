@@ -430,11 +430,14 @@ class RolloutEngine:
 
     # ---------------------------------------------------------------- weight sync
 
-    def start_join_sync_group(self, spec, first_sync_rank: int) -> None:
+    def start_join_sync_group(self, spec, first_sync_rank: int,
+                              devices: tuple[str, ...] | None = None) -> None:
         """Every worker starts joining the sync group `spec` (a `SyncGroupSpec`) as sync rank
         `first_sync_rank + tp_rank` in a background thread; returns at once. The trainer then
-        joins (rank 0 blocks until everyone is in) and calls `finish_join_sync_group`."""
-        self.call_workers("start_join_sync_group", spec, first_sync_rank, phase="sync")
+        joins (rank 0 blocks until everyone is in) and calls `finish_join_sync_group`.
+        devices: per TP rank, its device (the resolved run's `engine_devices[e]`)."""
+        self.call_workers("start_join_sync_group", spec, first_sync_rank, devices,
+                          phase="sync")
         self._first_sync_rank = first_sync_rank
 
     def finish_join_sync_group(self, timeout_s: float | None = None) -> None:

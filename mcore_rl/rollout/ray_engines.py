@@ -204,12 +204,15 @@ class RayEngines:
             ([plan.dst_shapes.get(first_sync_rank + i * tp + r, {}) for r in range(tp)],)
             for i in range(self.num_engines)])
 
-    def start_join_sync_group(self, spec, first_sync_rank: int) -> None:
+    def start_join_sync_group(self, spec, first_sync_rank: int,
+                              devices: Sequence[tuple[str, ...]] | None = None) -> None:
         """Every engine's workers start joining the sync group (returns at once); the trainer
-        then joins and calls `finish_join_sync_group`."""
+        then joins and calls `finish_join_sync_group`. devices[i]: engine i's per-TP-rank
+        devices (the resolved run's `engine_devices`)."""
         tp = self.cfg.tp
         self._call_all("sync", "start_join_sync_group", spec, per_engine_args=[
-            (first_sync_rank + i * tp,) for i in range(self.num_engines)])
+            (first_sync_rank + i * tp, devices[i] if devices else None)
+            for i in range(self.num_engines)])
 
     def finish_join_sync_group(self, timeout_s: float | None = None) -> None:
         timeout = self._timeout(timeout_s)

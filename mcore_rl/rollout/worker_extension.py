@@ -153,19 +153,23 @@ class WorkerExtension:
         return self.model_runner.get_model()
 
     @never_raise
-    def start_join_sync_group(self, spec, first_sync_rank: int) -> dict:
+    def start_join_sync_group(self, spec, first_sync_rank: int,
+                              devices: tuple[str, ...] | None = None) -> dict:
         """Start joining the sync group as sync rank `first_sync_rank + self.rank` in a
-        background thread (it blocks until every rank has joined); return at once."""
-        from mcore_rl.resharding.sync_group import join_sync_group
+        background thread (it blocks until every rank has joined); return at once.
+        devices: this engine's per-TP-rank devices (the resolved run's `engine_devices[e]`;
+        None: "cpu") — where shards are assembled and IPC buffers mapped."""
+        from mcore_rl.resharding.channels import SyncChannels
 
         if getattr(self, "_mrl_sync", None) is not None:
             raise RuntimeError("already in a sync group (leave_sync_group first)")
         state: dict[str, Any] = {"sync_rank": first_sync_rank + self.rank, "group": None,
                                  "error": None}
+        device = devices[self.rank] if devices else "cpu"
 
         def join() -> None:
             try:
-                state["group"] = join_sync_group(spec, state["sync_rank"])
+                state["group"] = SyncChannels.join(spec, state["sync_rank"], device)
             except BaseException:  # noqa: BLE001 — reported by finish_join_sync_group
                 state["error"] = traceback.format_exc(limit=4)
 
@@ -194,7 +198,7 @@ class WorkerExtension:
     def leave_sync_group(self) -> dict:
         state, self._mrl_sync = getattr(self, "_mrl_sync", None), None
         if state is not None and state.get("group") is not None:
-            state["group"].shutdown()
+            state["group"].close()
         return {}
 
     @never_raise
@@ -205,10 +209,12 @@ class WorkerExtension:
     @never_raise
     def install_shards(self, plan, *, dtype: str = "float32", timeout_s: float = 120.0,
                        verify: bool = True) -> dict:
-        """Receive this rank's shards of `plan` over the sync group and install each as it
-        lands. Checks up front that the plan's tensors and shapes for this rank are this
-        model's; `verify`: take part in `verify_plan` first (the trainer ranks do too)."""
-        from mcore_rl.resharding.transport import SyncStats, receive_shards, verify_plan
+        """Receive this rank's shards of `plan` by this engine's transport (the sync group
+        spec's: p2p sends, or the colocated trainer ranks' shared staging buffers) and install
+        each as it lands. Checks up front that the plan's tensors and shapes for this rank are
+        this model's; `verify`: take part in `verify_plan` first (the trainer ranks do too)."""
+        from mcore_rl.resharding.channels import engine_transport
+        from mcore_rl.resharding.transport import SyncStats
 
         state = getattr(self, "_mrl_sync", None)
         if state is None or state.get("group") is None:
@@ -226,16 +232,17 @@ class WorkerExtension:
                              f"parameters: {wrong[:5]}")
         start = time.perf_counter()
         if verify:
-            verify_plan(plan, group, sync_rank)
+            group.verify(plan)
         stats, waiting = SyncStats(), [time.perf_counter() - start]  # not installing
-        items = receive_shards(plan, group, sync_rank, dtype=_dtype(dtype),
-                               timeout_s=timeout_s, stats=stats)
+        transport = engine_transport(group.spec, plan, sync_rank)
+        items = group.receive(plan, transport, dtype=_dtype(dtype), timeout_s=timeout_s,
+                              stats=stats)
         names = install_from_iterator(model, _timed(items, waiting))
         seconds = time.perf_counter() - start
         return {"sync_rank": sync_rank, "names": names, "seconds": seconds,
                 "install_seconds": seconds - waiting[0],
                 "bytes_received": stats.bytes_received,
-                "peak_extra_bytes": stats.peak_extra_bytes}
+                "peak_extra_bytes": stats.peak_extra_bytes, "transport": transport}
 
     @never_raise
     def install_tensors(self, items: list[tuple[str, torch.Tensor]]) -> dict:

@@ -22,7 +22,7 @@ from mcore_rl.models.hf_weights import SafetensorsWeights
 from mcore_rl.models.spec import ModelSpec
 from mcore_rl.parallel import ParallelConfig
 from mcore_rl.parallel.groups import Axis, join_worker_world, leave_worker_world
-from mcore_rl.resharding import Plan, SyncGroupSpec, join_sync_group, send_shards, verify_plan
+from mcore_rl.resharding import Plan, SyncGroupSpec
 from mcore_rl.trainer.config import DTYPES, TrainConfig
 
 
@@ -219,8 +219,12 @@ class ActorWorker:
 
     # --- weight sync ------------------------------------------------------------------------
 
-    def join_sync_group(self, spec: SyncGroupSpec) -> bool:
-        self.sync_group = join_sync_group(spec, self.rank)
+    def join_sync_group(self, spec: SyncGroupSpec, device: str = "cpu") -> bool:
+        """Join the weight-sync world. device: this rank's device from the resolved run
+        (`actor_devices[rank]`): where IPC staging lives for colocated engines."""
+        from mcore_rl.resharding.channels import SyncChannels
+
+        self.sync_group = SyncChannels.join(spec, self.rank, device)
         return True
 
     def local_tensors(self) -> dict[str, torch.Tensor]:
@@ -237,15 +241,15 @@ class ActorWorker:
 
     def send_weights(self, plan: Plan, dtype: str = "fp32", timeout_s: float = 120.0) -> dict:
         """Stream this rank's shards to the inference ranks (the plan says which bytes go
-        where). Returns this rank's transport stats."""
+        where), to each engine by its transport. Returns this rank's transport stats
+        (`bytes_sent_ipc` / `bytes_sent_p2p`: bytes by transport)."""
         if self.sync_group is None:
             raise RuntimeError(f"actor rank {self.rank}: join_sync_group was not called")
         torch_dtype = DTYPES[dtype]
         maybe_stall("sync", f"rank{self.rank}", self.inject_stall)
-        verify_plan(plan, self.sync_group, self.rank)
-        stats = send_shards(plan, self.sync_group, self.rank, self.local_tensors(),
-                            dtype=torch_dtype, timeout_s=timeout_s)
-        return stats.as_dict()
+        self.sync_group.verify(plan)
+        return self.sync_group.send(plan, self.local_tensors(), dtype=torch_dtype,
+                                    timeout_s=timeout_s)
 
     # --- checkpoints --------------------------------------------------------------------------
 

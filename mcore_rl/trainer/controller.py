@@ -280,8 +280,10 @@ class RLController:
                                  timeout_s=self.cfg.deadlines.startup_s)
         spec = sync_group_spec(self.run, host=self.host, port=self._store.port,
                                prefix="sync/", timeout_s=self.cfg.deadlines.sync_s)
-        self.engines.start_join_sync_group(spec, self.cfg.actor.world_size)
-        self._actor("join_sync_group", spec, phase="sync-join")
+        self.engines.start_join_sync_group(spec, self.cfg.actor.world_size,
+                                           devices=self.run.engine_devices)
+        self._wait([w.join_sync_group.remote(spec, self.run.actor_devices[rank])
+                    for rank, w in enumerate(self.workers)], "sync-join")
         self.engines.finish_join_sync_group()
 
     def sync_weights(self) -> dict[str, float]:
@@ -309,7 +311,8 @@ class RLController:
                                  f"answering during the sync ({type(err).__name__}: "
                                  f"{_first_line(err)})") from err
             raise
-        return {"sync_bytes": float(sum(s["bytes_sent"] for s in stats))}
+        return {"sync_bytes": float(sum(s["bytes_sent"] for s in stats)),
+                "sync_bytes_ipc": float(sum(s.get("bytes_sent_ipc", 0) for s in stats))}
 
     def _per_token(self, method: str, batch: Batch, phase: str) -> torch.Tensor:
         """A forward-only pass on every worker; one [n, s] result, assembled over DP. The

@@ -46,8 +46,24 @@ def test_plan_only_projects_70b_against_the_baseline(capsys):
     (["--train-tp", "3"], "parallel.tp=3: does not divide num_attention_heads=4"),
     (["--infer-tp", "3"], "vLLM tp=3 does not divide num_attention_heads=4"),
     (["--model", "no-such-model"], "neither a preset"),
+    (["--transport", "ipc", "--infer-tp", "2"], "--transport ipc is colocated"),
 ])
 def test_bad_input_fails_before_any_rank_starts(capsys, argv, message):
     code = main(["bench", "sync", "--model", "micro", *argv])  # a later --model wins
     assert code == 2
     assert message in capsys.readouterr().err
+
+
+def test_ipc_transport_is_exact_with_one_bucket_of_staging(capsys):
+    """Colocated ranks (inference rank d on training rank d's device): the refit goes through
+    one shared staging buffer per training rank, bit-exact."""
+    code, report, _ = run_cli(capsys, "bench", "sync", "--model", "micro", "--train-tp", "2",
+                              "--infer-tp", "2", "--bucket-mb", "0.0625", "--transport", "ipc",
+                              "--check")
+    assert code == 0
+    assert report["transport"] == "ipc" and report["check"] == "pass"
+    bucket = 0.0625 * (1 << 20)
+    assert 0 < report["max_train_peak_extra_bytes"] <= bucket
+    assert report["max_peak_extra_bytes"] == report["max_train_peak_extra_bytes"]  # receivers: 0
+    for rank in ("2", "3"):
+        assert 0.45 < report["bytes_received"][rank] / report["model_bytes"] < 0.56

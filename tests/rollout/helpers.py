@@ -45,9 +45,11 @@ def prompts(count: int, length: int, seed: int = 0) -> list[list[int]]:
 class Trainer:
     """The training side of a weight sync, reduced to one rank that holds the full HF tensors
     (`hf_shards` as the source layout) — enough to drive the engines' real receive path.
-    `engines` is a RolloutEngine or RayEngines (same sync methods)."""
+    `engines` is a RolloutEngine or RayEngines (same sync methods). transport: "p2p" (sends on
+    the sync group) or "ipc" (the trainer's shared staging buffer, as for colocated engines)."""
 
-    def __init__(self, tp: int, engines: int = 1, timeout_s: float = 60.0):
+    def __init__(self, tp: int, engines: int = 1, timeout_s: float = 60.0,
+                 transport: str = "p2p"):
         from mcore_rl.layouts import hf_shards
         from mcore_rl.resharding import build_plan, host_store
 
@@ -56,22 +58,35 @@ class Trainer:
         self.timeout_s = timeout_s
         self.group = None
         self.incarnation = 0
+        self.transport, self.num_engines = transport, engines
+        self.channels = None
 
     def connect(self, engines, timeout_s: float | None = None) -> None:
         """Form a fresh sync group (new prefix) with the engines' workers."""
         from mcore_rl.resharding import SyncGroupSpec, join_sync_group
 
         self.incarnation += 1
+        from mcore_rl.resharding.channels import SyncChannels
+
+        transports = () if self.transport == "p2p" else (self.transport,) * self.num_engines
         spec = SyncGroupSpec("127.0.0.1", self.store.port, f"test-sync-{self.incarnation}",
-                             self.plan.world_size, timeout_s=timeout_s or self.timeout_s)
+                             self.plan.world_size, timeout_s=timeout_s or self.timeout_s,
+                             transports=transports)
         engines.start_join_sync_group(spec, self.plan.num_src)
-        self.group = join_sync_group(spec, 0, store=self.store)
+        if self.transport == "p2p":
+            self.group = join_sync_group(spec, 0, store=self.store)
+        else:
+            self.channels = SyncChannels.join(spec, 0, store=self.store)
         engines.finish_join_sync_group()
 
     def disconnect(self, engines) -> None:
         engines.leave_sync_group()
-        self.group.shutdown()
-        self.group = None
+        if self.channels is not None:
+            self.channels.close()
+            self.channels = None
+        else:
+            self.group.shutdown()
+            self.group = None
 
     def sync(self, engines, state: dict[str, torch.Tensor]):
         """Stream `state` into the engines; returns (engine report(s), trainer SyncStats)."""
@@ -79,6 +94,11 @@ class Trainer:
 
         engines.begin_sync(self.plan)
         try:
+            if self.channels is not None:
+                self.channels.verify(self.plan)
+                stats = self.channels.send(self.plan, state, dtype=torch.float32,
+                                           timeout_s=self.timeout_s)
+                return engines.finish_sync(), stats
             verify_plan(self.plan, self.group, 0)
             stats = send_shards(self.plan, self.group, 0, state, dtype=torch.float32,
                                 timeout_s=self.timeout_s)

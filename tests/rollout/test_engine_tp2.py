@@ -95,3 +95,24 @@ def test_failures_are_named_and_the_group_can_be_re_formed(engine, micro_dir):
     trainer.sync(engine, w1)
     assert greedy_tokens(engine, ps) == hf_greedy(micro_dir, w1, ps)
     trainer.disconnect(engine)
+
+
+def test_tp2_ipc_refit_installs_exactly(engine, micro_dir):
+    """The colocated path: each worker maps the trainer's shared staging buffer and copies
+    its shard out of it, round by round; the install is the same code as for p2p."""
+    ps = prompts(3, 20, seed=8)
+    w2 = perturbed(hf_state(micro_dir), seed=9)
+    trainer = Trainer(tp=2, transport="ipc")
+    trainer.connect(engine)
+    try:
+        report, stats = trainer.sync(engine, w2)
+        assert stats["bytes_sent_ipc"] == stats["bytes_sent"] > 0
+        assert 0 < stats["peak_extra_bytes"] <= trainer.plan.bucket_bytes  # one buffer
+        for rank in report.ranks:
+            assert set(rank.names) == trainer.plan.expected_names(rank.sync_rank)
+            assert rank.peak_extra_bytes == 0  # copied straight into the shards
+        assert greedy_tokens(engine, ps) == hf_greedy(micro_dir, w2, ps)
+        trainer.sync(engine, hf_state(micro_dir))  # the staging buffer is reused
+        assert greedy_tokens(engine, ps) == hf_greedy(micro_dir, hf_state(micro_dir), ps)
+    finally:
+        trainer.disconnect(engine)

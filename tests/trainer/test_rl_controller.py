@@ -96,6 +96,10 @@ def test_colocated_placement_sleeps_engines_and_packs(tmp_path):
     for m in steps:
         assert m["timing_s/sleep"] >= 0 and m["timing_s/wake"] >= 0
         assert m["rollout_logprob_max_diff"] < 1e-4  # woken engines got the exact weights
+        # colocated engines are refit through the trainer ranks' shared staging buffers (IPC),
+        # not sends on the sync group
+        assert controller.run.transports == ("ipc", "ipc")
+        assert m["sync_bytes_ipc"] == m["sync_bytes"] > 0, m
         # 8 rows of <= 11 tokens per update: one packed micro batch (micro_batch_size 4
         # would run two)
         assert m["micro_batches"] == 1 and m["pack_efficiency"] > 0.5, m

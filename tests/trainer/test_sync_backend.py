@@ -24,12 +24,25 @@ CASES = [
 ]
 
 
+class _Worker:
+    """An actor rank's join call, recorded (stands in for the Ray handle's .remote)."""
+
+    def __init__(self, calls: list):
+        self.join_sync_group = self
+        self.calls = calls
+
+    def remote(self, spec, device):
+        self.calls.append((spec, device))
+        return spec
+
+
 class _Engines:
     def __init__(self):
         self.specs: list[SyncGroupSpec] = []
 
-    def start_join_sync_group(self, spec, first_rank):
+    def start_join_sync_group(self, spec, first_rank, devices=None):
         self.specs.append(spec)
+        self.devices = devices
 
     def finish_join_sync_group(self):
         pass
@@ -42,11 +55,15 @@ def test_controller_builds_the_sync_group_of_the_resolved_run(name, assume_gpu, 
     controller = object.__new__(RLController)  # its join step only; no workers
     controller.cfg, controller.run, controller.host = cfg, run, "127.0.0.1"
     controller.engines = _Engines()
-    to_actors = []
-    controller._actor = lambda method, spec, phase: to_actors.append(spec)
+    to_actors: list = []
+    controller.workers = [_Worker(to_actors) for _ in range(cfg.actor.world_size)]
+    controller._wait = lambda refs, phase: refs
     controller._join_sync_group()
     (spec,) = controller.engines.specs
-    assert to_actors == [spec]  # actor ranks and engines join the same group
+    # actor ranks and engines join the same group, each rank on its resolved device
+    assert to_actors == [(spec, device) for device in run.actor_devices]
+    assert controller.engines.devices == run.engine_devices
+    assert spec.transports == run.transports
     assert spec.backend == backend == run.sync_backend
     assert spec.world_size == cfg.actor.world_size + cfg.rollout.tp * cfg.rollout.engines
     assert spec.timeout_s == cfg.deadlines.sync_s
@@ -55,6 +72,7 @@ def test_controller_builds_the_sync_group_of_the_resolved_run(name, assume_gpu, 
 
 def test_sync_group_spec_reads_only_the_resolved_run():
     cfg = load_config(RLConfig, CONFIGS / "gpu" / "llama3-70b.yaml")
-    spec = sync_group_spec(resolve_run(cfg, cuda_available=False), host="10.0.0.1", port=5,
-                           prefix="sync/", timeout_s=9.0)
-    assert spec == SyncGroupSpec("10.0.0.1", 5, "sync/", 64, 9.0, backend="nccl")
+    run = resolve_run(cfg, cuda_available=False)
+    spec = sync_group_spec(run, host="10.0.0.1", port=5, prefix="sync/", timeout_s=9.0)
+    assert spec == SyncGroupSpec("10.0.0.1", 5, "sync/", 64, 9.0, backend="nccl",
+                                 transports=run.transports)

@@ -46,6 +46,8 @@ def test_megatron_tp2pp2_to_vllm_tp2_matches_hf(tmp_path):
         controller.sync_weights()
         step = controller.rl_step(1)  # updates the actor, then syncs
         assert step["grad_norm"] > 0
+        # disaggregated: every byte goes point to point over the sync group
+        assert controller.run.transports == ("p2p",) and step["sync_bytes_ipc"] == 0
         shards = controller._actor("export_weights", phase="save")
         texts = controller.task.heldout_prompts(8, seed=3)
         prompts = [encode_prompt(controller.tokenizer, t) for t in texts]
