@@ -23,10 +23,12 @@ import importlib
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from mcore_rl.config import ConfigError
-from mcore_rl.tasks.base import Example, RewardFn
+
+if TYPE_CHECKING:  # tasks.config imports this module: no import of tasks at load time
+    from mcore_rl.tasks.base import Example, RewardFn
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -77,12 +79,14 @@ class Environment(Protocol):
         """React to one model turn (decoded; EOS written as EOS_TEXT)."""
 
 
-EnvFactory = Callable[[Example, RewardFn], Environment]
+EnvFactory = Callable[["Example", "RewardFn"], Environment]
 
 
 def load_env_factory(path: str) -> EnvFactory:
     """"package.module:function" → the factory; it must accept (example, reward_fn). Raises
     ValueError / ImportError / AttributeError naming what is wrong."""
+    from mcore_rl.tasks.base import Example
+
     module, sep, name = path.partition(":")
     if not sep or not module or not name:
         raise ValueError("expected 'package.module:function'")

@@ -228,6 +228,15 @@ class RLConfig:
             return self.sync_dtype
         return "bf16" if self.rollout.dtype == "bfloat16" else "fp32"
 
+    def _check_episode_fits(self) -> None:
+        """A whole episode must fit the trainer's rows and the engines' context."""
+        total = self.task.episode.max_total_tokens
+        for name, limit in (("train.seq_len + 1", self.train.seq_len + 1),
+                            ("rollout.max_model_len", self.rollout.max_model_len)):
+            if total > limit:
+                raise ConfigError("task.episode.max_total_tokens", total,
+                                  f"an episode must fit {name}={limit}")
+
     def __post_init__(self) -> None:
         for name in ("steps", "prompts_per_step", "samples_per_prompt", "updates_per_batch",
                      "max_new_tokens"):
@@ -250,10 +259,12 @@ class RLConfig:
         if self.warmup.max_steps and not self.task.has_targets:
             raise ConfigError("warmup.max_steps", self.warmup.max_steps,
                               f"task.kind={self.task.kind} has no supervised targets: set 0")
-        if self.model.hf_dir is None and self.task.kind != "addition":
-            raise ConfigError("model.hf_dir", None, "the built demo model has the addition "
+        if self.model.hf_dir is None and self.task.kind not in ("addition", "tool_calc"):
+            raise ConfigError("model.hf_dir", None, "the built demo model has a synthetic "
                               f"task's tokenizer; task.kind={self.task.kind} needs an HF "
                               "checkpoint")
+        if self.task.multi_turn:
+            self._check_episode_fits()
         if self.cluster.placement == "colocated" and not self.rollout.enable_sleep:
             raise ConfigError("rollout.enable_sleep", False, "cluster.placement=colocated "
                               "shares every device with the trainer: the engines must sleep")
