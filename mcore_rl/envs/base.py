@@ -1,8 +1,10 @@
 """The environment API of multi-turn rollouts.
 
 An environment is made per episode (one sampled response to one example) by a factory that the
-task names by import path, as it names its reward function: `factory(example, reward_fn) ->
-Environment`, e.g. `mcore_rl.envs.tool_env:calculator_env`. The rollout
+task names by import path, as it names its reward function: `factory(example, reward_fn,
+tool_format) -> Environment`, e.g. `mcore_rl.envs.tool_env:calculator_env` (`tool_format`: how
+tool calls and results look for this tokenizer, `envs.tool_format`; environments without tools
+ignore it). The rollout
 (`mcore_rl.rollout.multi_turn`) then alternates:
 
     text = env.reset()                  the first observation: the prompt the model sees
@@ -79,11 +81,12 @@ class Environment(Protocol):
         """React to one model turn (decoded; EOS written as EOS_TEXT)."""
 
 
-EnvFactory = Callable[["Example", "RewardFn"], Environment]
+EnvFactory = Callable[["Example", "RewardFn", object], Environment]
 
 
 def load_env_factory(path: str) -> EnvFactory:
-    """"package.module:function" → the factory; it must accept (example, reward_fn). Raises
+    """"package.module:function" → the factory; it must accept (example, reward_fn,
+    tool_format). Raises
     ValueError / ImportError / AttributeError naming what is wrong."""
     from mcore_rl.tasks.base import Example
 
@@ -94,9 +97,9 @@ def load_env_factory(path: str) -> EnvFactory:
     if not callable(fn):
         raise ValueError(f"{path} is not callable")
     try:
-        inspect.signature(fn).bind(Example("p", "a"), lambda p, r, a: 0.0)
+        inspect.signature(fn).bind(Example("p", "a"), lambda p, r, a: 0.0, None)
     except TypeError:
-        raise ValueError(f"{path} must accept (example, reward_fn)") from None
+        raise ValueError(f"{path} must accept (example, reward_fn, tool_format)") from None
     return fn
 
 

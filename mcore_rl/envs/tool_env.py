@@ -26,7 +26,7 @@ class ToolEnv:
     concatenated (what the model's context holds after the prompt)."""
 
     def __init__(self, example: Example, reward_fn: RewardFn, tools: Mapping[str, ToolFn], *,
-                 fmt: TagFormat = TagFormat(), max_result_chars: int = MAX_RESULT_CHARS):
+                 fmt=TagFormat(), max_result_chars: int = MAX_RESULT_CHARS):
         self.example, self.reward_fn, self.tools, self.fmt = example, reward_fn, tools, fmt
         self.max_result_chars = max_result_chars
         self.transcript = ""
@@ -65,14 +65,15 @@ class ToolEnv:
         return result, False
 
 
-def calculator_env(example: Example, reward_fn: RewardFn) -> ToolEnv:
-    """The calculator (`calc`) only."""
-    return ToolEnv(example, reward_fn, {"calc": BUILTIN_TOOLS["calc"]})
+def calculator_env(example: Example, reward_fn: RewardFn, tool_format=None) -> ToolEnv:
+    """The calculator (`calc`) only; tool_format None: the tag format."""
+    return ToolEnv(example, reward_fn, {"calc": BUILTIN_TOOLS["calc"]},
+                   fmt=tool_format or TagFormat())
 
 
-def tools_env(example: Example, reward_fn: RewardFn) -> ToolEnv:
-    """Every built-in tool: `calc` and `lookup`."""
-    return ToolEnv(example, reward_fn, BUILTIN_TOOLS)
+def tools_env(example: Example, reward_fn: RewardFn, tool_format=None) -> ToolEnv:
+    """Every built-in tool: `calc` and `lookup`; tool_format None: the tag format."""
+    return ToolEnv(example, reward_fn, BUILTIN_TOOLS, fmt=tool_format or TagFormat())
 
 
 __all__ = ["MAX_RESULT_CHARS", "ToolEnv", "calculator_env", "tools_env"]

@@ -1,5 +1,8 @@
 """How tool calls look in a model turn, and how their results come back.
 
+`tool_format(tokenizer, chat_template)` picks one: the chat template's format when the task
+uses the tokenizer's chat template (`ChatToolFormat`), else the tag format (`TagFormat`).
+
 `TagFormat` (for tokenizers without a chat template, e.g. the demo's sentencepiece): a turn
 calls a tool with `<call>NAME: ARGUMENT</call>`; the result comes back as the observation
 `<result>TEXT</result>`, an error as `<result>error: MESSAGE</result>`. The tags should be
@@ -96,4 +99,70 @@ class TagFormat:
         return len(ids)
 
 
-__all__ = ["MalformedCall", "TagFormat", "ToolCall"]
+class ChatToolFormat:
+    """The tool-call format of chat templates in the Hermes style (Qwen2.5/3, Hermes, many
+    others): a turn calls a tool with `<tool_call>{"name": ..., "arguments": ...}</tool_call>`
+    and ends with the template's end of turn (EOS); the result comes back as a `tool`
+    message rendered by the tokenizer's own chat template, followed by its generation prompt
+    — the text between the conversation before the tool message and the one after it.
+
+    `arguments` may be a string, or an object whose values are joined (our tools take one
+    string, e.g. {"expression": "37*45"}). Turns end at EOS (no stop token of its own)."""
+
+    call_open, call_close = "<tool_call>", "</tool_call>"
+
+    def __init__(self, tokenizer):
+        if not getattr(tokenizer, "chat_template", None):
+            raise ValueError(f"{type(tokenizer).__name__} has no chat template: use TagFormat")
+        self.tokenizer = tokenizer
+
+    def parse(self, turn: str) -> ToolCall | MalformedCall | None:
+        import json
+
+        start = turn.find(self.call_open)
+        if start < 0:
+            return None
+        end = turn.find(self.call_close, start)
+        if end < 0:
+            return MalformedCall(f"{self.call_open} without {self.call_close}")
+        try:
+            call = json.loads(turn[start + len(self.call_open):end])
+        except json.JSONDecodeError:
+            return MalformedCall("the call is not JSON")
+        if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+            return MalformedCall('expected {"name": ..., "arguments": ...}')
+        args = call.get("arguments", "")
+        if isinstance(args, dict):
+            args = " ".join(str(v) for v in args.values())
+        if not call["name"].isidentifier():
+            return MalformedCall("bad tool name")
+        return ToolCall(call["name"], str(args).strip())
+
+    def result(self, text: str) -> str:
+        """The tool message as the template renders it, and the next assistant header."""
+        before = [{"role": "user", "content": "."}]
+        after = before + [{"role": "tool", "content": text}]
+        head = self.tokenizer.apply_chat_template(before, tokenize=False)
+        full = self.tokenizer.apply_chat_template(after, tokenize=False,
+                                                  add_generation_prompt=True)
+        if not full.startswith(head):
+            raise ValueError("the chat template renders a conversation differently once a "
+                             "tool message follows: cannot take the tool turn's text")
+        return full[len(head):]
+
+    def error(self, message: str) -> str:
+        return self.result(f"error: {message}")
+
+    def stop_token_ids(self, tokenizer) -> list[int]:
+        return []
+
+    def cut_after_call(self, ids: list[int], tokenizer) -> int:
+        return len(ids)
+
+
+def tool_format(tokenizer, chat_template: bool):
+    """The chat template's tool format for chat-template tasks, else the tag format."""
+    return ChatToolFormat(tokenizer) if chat_template else TagFormat()
+
+
+__all__ = ["ChatToolFormat", "MalformedCall", "TagFormat", "ToolCall", "tool_format"]

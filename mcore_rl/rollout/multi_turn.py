@@ -94,10 +94,11 @@ class _Running:
 
 class MultiTurnRollout:
     """Runs episodes of one task: its environment factory and reward, the episode bounds, the
-    tool format (its stop token and call cut), and the tokenizer (observations, turn text)."""
+    tool format (its stop token and call cut; given to each environment), and the tokenizer
+    (observations, turn text)."""
 
     def __init__(self, env_factory, reward_fn, episode: EpisodeConfig, tokenizer, *,
-                 fmt: TagFormat = TagFormat()):
+                 fmt=TagFormat()):
         self.env_factory, self.reward_fn, self.episode = env_factory, reward_fn, episode
         self.tokenizer, self.fmt = tokenizer, fmt
         self.stop_ids = tuple(fmt.stop_token_ids(tokenizer))
@@ -110,7 +111,7 @@ class MultiTurnRollout:
         runs = []
         for example in examples:
             for _ in range(sampling.n):
-                env = self.env_factory(example, self.reward_fn)
+                env = self.env_factory(example, self.reward_fn, self.fmt)
                 runs.append(_Running(env, list(encode(env.reset()))))
         self._run(generate, runs, sampling)
         episodes = [r.frozen() for r in runs]
@@ -199,8 +200,10 @@ def build_multi_turn(task_cfg, tokenizer, reward_fn) -> MultiTurnRollout | None:
         return None
     from mcore_rl.envs.base import load_env_factory
 
+    from mcore_rl.envs.tool_format import tool_format
+
     return MultiTurnRollout(load_env_factory(task_cfg.env_path), reward_fn, task_cfg.episode,
-                            tokenizer)
+                            tokenizer, fmt=tool_format(tokenizer, task_cfg.chat_template))
 
 
 def loss_masks(completions: Sequence[Completion]) -> list[tuple[int, ...]] | None:

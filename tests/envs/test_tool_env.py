@@ -82,7 +82,7 @@ def test_lookup_env_and_factories_by_path():
     assert load_env_factory("mcore_rl.envs.tool_env:calculator_env") is calculator_env
     with pytest.raises(ValueError, match="module:function"):
         load_env_factory("mcore_rl.envs.tool_env")
-    with pytest.raises(ValueError, match="must accept"):
+    with pytest.raises(ValueError, match=r"must accept \(example, reward_fn, tool_format\)"):
         load_env_factory("mcore_rl.envs.tools:lookup")
     with pytest.raises(AttributeError):
         load_env_factory("mcore_rl.envs.tool_env:nope")
@@ -100,3 +100,55 @@ def test_observation_spans():
     text = "<call>calc: 1+1</call><result>2</result>2</s><result>x"
     spans = FMT.observation_spans(text)
     assert [text[a:b] for a, b in spans] == ["<result>2</result>", "<result>x"]
+
+
+HERMES = ("{% for m in messages %}{% if m.role == 'tool' %}<|im_start|>user\n<tool_response>\n"
+          "{{ m.content }}\n</tool_response><|im_end|>\n{% else %}<|im_start|>{{ m.role }}\n"
+          "{{ m.content }}<|im_end|>\n{% endif %}{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def chat_tok(tmp_path_factory):
+    from mcore_rl.tasks import tokenizer as tk
+
+    tok = tk.load_tokenizer(tk.build_tokenizer_dir(tmp_path_factory.mktemp("tok")))
+    tok.chat_template = HERMES
+    return tok
+
+
+def test_chat_template_tool_format(chat_tok):
+    from mcore_rl.envs.tool_format import ChatToolFormat, tool_format
+
+    fmt = tool_format(chat_tok, True)
+    assert isinstance(fmt, ChatToolFormat) and isinstance(tool_format(chat_tok, False), TagFormat)
+    call = '<tool_call>\n{"name": "calc", "arguments": {"expression": "37*45"}}\n</tool_call></s>'
+    assert fmt.parse(call) == ToolCall("calc", "37*45")
+    assert fmt.parse('<tool_call>{"name": "lookup", "arguments": "gold"}</tool_call>') == \
+        ToolCall("lookup", "gold")
+    assert fmt.parse("1665</s>") is None
+    assert fmt.parse("<tool_call>{name: calc}</tool_call>") == MalformedCall("the call is not JSON")
+    assert fmt.parse('<tool_call>["calc"]</tool_call>') == \
+        MalformedCall('expected {"name": ..., "arguments": ...}')
+    assert fmt.parse('<tool_call>{"name": "calc"') == \
+        MalformedCall("<tool_call> without </tool_call>")
+    assert fmt.stop_token_ids(chat_tok) == [] and fmt.cut_after_call([5, 6], chat_tok) == 2
+    env = calculator_env(Example("37*45=", "1665"), exact, fmt)
+    env.reset()
+    step = env.step(call)
+    assert step.observation == ("<|im_start|>user\n<tool_response>\n1665\n</tool_response>"
+                                "<|im_end|>\n<|im_start|>assistant\n")
+    bad = env.step('<tool_call>{"name": "calc", "arguments": "1/0"}</tool_call></s>')
+    assert "<tool_response>\nerror: division by zero\n</tool_response>" in bad.observation
+    assert env.step("1665</s>").reward == 1.0
+
+
+def test_chat_format_needs_a_template(chat_tok):
+    from mcore_rl.envs.tool_format import tool_format
+
+    template, chat_tok.chat_template = chat_tok.chat_template, None
+    try:
+        with pytest.raises(ValueError, match="no chat template"):
+            tool_format(chat_tok, True)
+    finally:
+        chat_tok.chat_template = template

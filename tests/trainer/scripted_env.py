@@ -8,7 +8,7 @@ OBSERVATION = "<result>4321</result>"
 
 
 class ThreeTurns:
-    def __init__(self, example, reward_fn):
+    def __init__(self, example, reward_fn, tool_format):
         self.example, self.turns = example, 0
 
     def reset(self):
@@ -21,5 +21,5 @@ class ThreeTurns:
         return Step(None, float(len(turn) % 2), True)
 
 
-def three_turn_env(example, reward_fn):
-    return ThreeTurns(example, reward_fn)
+def three_turn_env(example, reward_fn, tool_format):
+    return ThreeTurns(example, reward_fn, tool_format)
