@@ -194,6 +194,23 @@ class MultiTurnRollout:
         return ids, mask
 
 
+def completion_state(c: Completion) -> dict:
+    """A completion (or episode) as plain values (checkpoints of an off-policy batch)."""
+    state = {"token_ids": list(c.token_ids), "logprobs": list(c.logprobs),
+             "finish_reason": c.finish_reason}
+    if isinstance(c, Episode):
+        state.update(loss_mask=list(c.loss_mask), prompt_ids=list(c.prompt_ids),
+                     reward=c.reward, turns=c.turns, tool_calls=c.tool_calls,
+                     tool_errors=c.tool_errors)
+    return state
+
+
+def completion_from_state(state: dict) -> Completion:
+    """The inverse of `completion_state`."""
+    fields = {k: tuple(v) if isinstance(v, list) else v for k, v in state.items()}
+    return Episode(**fields) if "loss_mask" in state else Completion(**fields)
+
+
 def build_multi_turn(task_cfg, tokenizer, reward_fn) -> MultiTurnRollout | None:
     """The task's multi-turn rollout (None for a single-turn task)."""
     if not task_cfg.multi_turn:
@@ -228,5 +245,5 @@ def episode_metrics(completions: Sequence[Completion]) -> dict[str, float]:
             "tokens/observed": float(sum(e.observed_tokens for e in episodes))}
 
 
-__all__ = ["Episode", "Generate", "MultiTurnRollout", "build_multi_turn", "episode_metrics",
-           "loss_masks"]
+__all__ = ["Episode", "Generate", "MultiTurnRollout", "build_multi_turn", "completion_from_state",
+           "completion_state", "episode_metrics", "loss_masks"]

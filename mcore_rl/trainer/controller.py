@@ -28,7 +28,8 @@ from mcore_rl.models.spec import ModelSpec
 from mcore_rl.planning.resolve import resolve_run
 from mcore_rl.resharding import SyncGroupSpec, build_plan, host_store
 from mcore_rl.rollout.engine import Completion, RolloutError, SamplingConfig
-from mcore_rl.rollout.multi_turn import Episode, build_multi_turn, episode_metrics, loss_masks
+from mcore_rl.rollout.multi_turn import (Episode, build_multi_turn, completion_from_state,
+                                         completion_state, episode_metrics, loss_masks)
 from mcore_rl.tasks.base import Example, load_reward_fn
 from mcore_rl.tasks.config import DEFAULT_REWARDS, build_reward, build_task
 from mcore_rl.tasks.tokenizer import encode_answer, encode_prompt, load_tokenizer, response_text
@@ -71,14 +72,12 @@ class Rollouts:
                 "answers": [e.answer for e in self.examples], "scores": self.scores,
                 "prompt_ids": self.prompt_ids,
                 "stats": self.stats,
-                "completions": [[{"token_ids": list(c.token_ids), "logprobs": list(c.logprobs),
-                                  "finish_reason": c.finish_reason} for c in group]
+                "completions": [[completion_state(c) for c in group]
                                 for group in self.completions]}
 
     @classmethod
     def from_state(cls, state: dict) -> "Rollouts":
-        completions = [[Completion(tuple(c["token_ids"]), tuple(c["logprobs"]),
-                                   c["finish_reason"]) for c in group]
+        completions = [[completion_from_state(c) for c in group]
                        for group in state["completions"]]
         examples = [Example(p, a) for p, a in zip(state["prompts"], state["answers"])]
         return cls(step=state["step"], examples=examples, prompt_ids=state["prompt_ids"],
@@ -330,12 +329,14 @@ class RLController:
         return prompts, self._generate(prompts, sampling)
 
     def accuracy(self, n: int) -> float:
-        """Greedy exact-match accuracy on n held-out examples."""
+        """Greedy exact-match accuracy on n held-out examples (multi-turn: the greedy
+        episodes' mean reward, scored by the task's reward function)."""
         examples = self.task.heldout_examples(n, seed=self.cfg.seed)
         sampling = SamplingConfig(temperature=0.0, max_tokens=self.cfg.max_new_tokens,
                                   stop_token_ids=[self.tokenizer.eos_token_id])
         _, outs = self._rollout(examples, sampling)
-        return sum(self.exact_match(e.prompt, response_text(o[0].token_ids, self.tokenizer),
+        return sum(o[0].reward if isinstance(o[0], Episode) else
+                   self.exact_match(e.prompt, response_text(o[0].token_ids, self.tokenizer),
                                     e.answer) for e, o in zip(examples, outs)) / n
 
     def warmup(self, writer: MetricsWriter) -> float:

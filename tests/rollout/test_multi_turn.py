@@ -177,3 +177,14 @@ def test_loss_masks_only_for_episodes():
     assert loss_masks(plain) is None and episode_metrics(plain) == {}
     ep = Episode((1, 2, 3), (-0.1, -0.3), "done", loss_mask=(1, 0, 1))
     assert loss_masks([ep]) == [(1, 0, 1)] and ep.token_logprobs() == [-0.1, 0.0, -0.3]
+
+
+def test_episodes_round_trip_through_checkpoint_state():
+    from mcore_rl.rollout.multi_turn import completion_from_state, completion_state
+
+    ep = Episode((1, 2, 3), (-0.1, -0.3), "done", loss_mask=(1, 0, 1), prompt_ids=(1, 9),
+                 reward=1.0, turns=2, tool_calls=1, tool_errors=0)
+    plain = Completion((4,), (-0.5,), "length")
+    for c in (ep, plain):
+        assert completion_from_state(completion_state(c)) == c
+        assert type(completion_from_state(completion_state(c))) is type(c)
