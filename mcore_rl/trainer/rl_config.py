@@ -236,6 +236,14 @@ class RLConfig:
             if total > limit:
                 raise ConfigError("task.episode.max_total_tokens", total,
                                   f"an episode must fit {name}={limit}")
+        # later turns send whole contexts: their prefill must not be split over engine steps
+        per_call = -(-self.prompts_per_step * self.samples_per_prompt // self.rollout.engines)
+        budget = self.rollout.max_num_batched_tokens
+        if budget is None or budget < per_call * total:
+            raise ConfigError("rollout.max_num_batched_tokens", budget,
+                              f"a multi-turn turn sends each engine up to {per_call} contexts "
+                              f"of up to {total} tokens: set >= {per_call * total} (vLLM 0.32 "
+                              "on CPU fails a seeded prefill split over steps)")
 
     def __post_init__(self) -> None:
         for name in ("steps", "prompts_per_step", "samples_per_prompt", "updates_per_batch",

@@ -54,7 +54,8 @@ def _run(rank, world_size):
     padded_cfg = TrainConfig(micro_batch_size=2, num_micro_batches=2, seq_len=S, optimizer=opt)
     batch, obs = multi_turn_batch(spec.vocab)
     g = torch.Generator().manual_seed(1)
-    adv = (torch.randn(len(ROWS), 1, generator=g) * batch.mask).contiguous()
+    # one advantage per row, on whatever tokens the loss mask of a run counts
+    adv = torch.randn(len(ROWS), 1, generator=g).expand(len(ROWS), S)
     noise = torch.randn(len(ROWS), S, generator=g) * 0.3
     trainer = setup_trainer(spec, groups, padded_cfg)
     fwd = {"tokens": batch.tokens, "labels": batch.labels, "loss_mask": batch.mask}
@@ -69,7 +70,7 @@ def _run(rank, world_size):
             max_tokens_per_micro_batch=S + 8)
         t = setup_trainer(spec, groups, train)  # same seed: the same initial weights
         policy = {"tokens": tokens, "labels": labels, "response_mask": mask,
-                  "old_logp": (logp + noise) * mask, "advantages": adv * (mask > 0)}
+                  "old_logp": (logp + noise) * mask, "advantages": (adv * (mask > 0)).contiguous()}
         if packed:
             plan = plan_for_grid(valid_lengths(mask), S + 8, seq_len=S, parallel=parallel)
             micro = [PolicyBatch(**p) for p in pack(policy, plan)]

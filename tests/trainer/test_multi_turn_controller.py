@@ -13,13 +13,16 @@ MULTI_TURN = ["task.kind=tool_calc", "task.env=tests.trainer.scripted_env:three_
               "train.seq_len=40", "max_new_tokens=6", "warmup.max_steps=0", "steps=2",
               "prompts_per_step=4", "samples_per_prompt=4", "updates_per_batch=2",
               "train.micro_batch_size=4", "train.max_tokens_per_micro_batch=80",
-              "deadlines.train_s=240", "actor.tp=2"]
+              "deadlines.train_s=240", "actor.tp=2", "rollout.max_num_batched_tokens=640"]
 
 
-def test_episode_must_fit_the_rows():
+def test_episode_must_fit_the_rows_and_one_engine_step():
     with pytest.raises(ConfigError, match=r"task.episode.max_total_tokens=40: an episode must "
                                           r"fit train.seq_len \+ 1=33"):
         load_config(RLConfig, None, [*MULTI_TURN, "train.seq_len=32"])
+    with pytest.raises(ConfigError, match=r"rollout.max_num_batched_tokens=320: .* up to 16 "
+                                          r"contexts of up to 40 tokens: set >= 640"):
+        load_config(RLConfig, None, [*MULTI_TURN, "rollout.max_num_batched_tokens=320"])
 
 
 def test_multi_turn_steps_through_the_controller(tmp_path):
