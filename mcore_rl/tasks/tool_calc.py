@@ -34,8 +34,9 @@ from mcore_rl.tasks.base import Example
 _PROMPT_RE = re.compile(r"([1-9][0-9]*)\*([1-9][0-9]*)=")
 FORMAT = TagFormat()
 # error observations the tokenizer should spell (the env's messages; see envs.tool_env)
-_ERROR_TURNS = ("<call>calc: 1/0</call>", "<call>calc 1</call>", "<call>calc: 1", "<call>x: 1</call>",
-                "<call>calc: a</call>", "<call>calc: 9**99</call>", "<call>calc: " + "1" * 201 + "</call>")
+_ERROR_TURNS = ("<call>calc: 1/0</call>", "<call>calc 1</call>", "<call>calc: 1",
+                "<call>x: 1</call>", "<call>calc: a</call>", "<call>calc: 9**99</call>",
+                "<call>calc: " + "1" * 201 + "</call>")
 
 
 @dataclass(frozen=True, kw_only=True)
