@@ -1,7 +1,9 @@
 """The controller on a multi-turn task, end to end (Megatron actor TP2 on Ray, vLLM, streamed
-sync, packed micro batches): the engine's log-probs of every model token — also those that come
-after observations — equal the actor's on the synced weights, observation tokens are in the
-sequences but out of the loss, and the episode metrics are reported."""
+sync, packed micro batches; PPO, so the critic and the reference run on the multi-turn
+sequences too): the engine's log-probs of every model token — also those that come after
+observations — equal the actor's on the synced weights, observation tokens are in the
+sequences but out of the loss, and the episode metrics are reported. (GRPO on multi-turn
+episodes is what `mcore-rl demo --task tool_calc` runs.)"""
 
 import pytest
 
@@ -14,6 +16,9 @@ MULTI_TURN = ["task.kind=tool_calc", "task.env=tests.trainer.scripted_env:three_
               "prompts_per_step=4", "samples_per_prompt=4", "updates_per_batch=2",
               "train.micro_batch_size=4", "train.max_tokens_per_micro_batch=80",
               "deadlines.train_s=240", "actor.tp=2", "rollout.max_num_batched_tokens=640"]
+# PPO: critic (GAE over model tokens only) and a frozen reference with a KL loss term
+PPO = ["algorithm.advantage_estimator=gae", "algorithm.kl_coeff=0.05",
+       "critic_train.seq_len=40", "critic_train.max_tokens_per_micro_batch=80"]
 
 
 def test_episode_must_fit_the_rows_and_one_engine_step():
@@ -31,7 +36,7 @@ def test_multi_turn_steps_through_the_controller(tmp_path):
     from mcore_rl.trainer.metrics import PhaseTimer
     from tests.trainer.scripted_env import OBSERVATION
 
-    cfg = load_config(RLConfig, None, MULTI_TURN)
+    cfg = load_config(RLConfig, None, [*MULTI_TURN, *PPO])
     model_dir = build_demo_model(cfg, tmp_path)
     controller = RLController(cfg, model_dir, tmp_path)
     try:
@@ -62,3 +67,5 @@ def test_multi_turn_steps_through_the_controller(tmp_path):
         # the loss counted model tokens only
         assert m["response_length"] == m["tokens/generated"] / 16
         assert m["micro_batches"] >= 1 and m["grad_norm"] > 0
+        assert m["kl_ref"] >= 0 and m["vf_loss"] > 0 and m["critic_grad_norm"] > 0
+        assert all(f"timing_s/{p}" in m for p in ("ref", "values", "update_critic"))
