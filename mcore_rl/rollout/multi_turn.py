@@ -160,14 +160,15 @@ class MultiTurnRollout:
         if r.turns >= self.episode.max_turns:
             r.finish = "max_turns"
             return
-        obs = self._observation_ids(step.observation)
+        obs = self._token_ids(step.observation)
         if r.length + len(obs) + 1 > self.episode.max_total_tokens:
             r.finish = "max_total_tokens"
             return
         r.ids += obs
         r.mask += [0] * len(obs)
 
-    def _observation_ids(self, observation: str | list[int] | None) -> list[int]:
+    def _token_ids(self, observation: str | list[int] | None) -> list[int]:
+        """Text (tokenized without special tokens) or ids → ids."""
         if not observation:
             return []
         if isinstance(observation, str):
@@ -186,7 +187,7 @@ class MultiTurnRollout:
         ids: list[int] = []
         mask: list[int] = []
         for text, is_model in pieces:
-            part = self._observation_ids(text) if text else []
+            part = self._token_ids(text) if text else []
             ids += part
             mask += [is_model] * len(part)
         ids.append(self.tokenizer.eos_token_id)
