@@ -72,9 +72,11 @@ class RolloutConfig:
     engines: data-parallel engines (each in its own Ray actor, see ray_engines.py).
     max_model_len: prompt + response tokens per sequence.
     max_num_seqs: sequences batched per step (vLLM's default when None).
-    max_num_batched_tokens: tokens per engine step, which sizes vLLM's activation peak
+    max_num_batched_tokens: tokens scheduled per engine step, which sizes vLLM's activation peak
         (vLLM's default when None: it depends on the device, see
-        `mcore_rl.planning.sized.vllm_batch_defaults`).
+        `mcore_rl.planning.sized.vllm_batch_defaults`; CPU: 4096). On CPU keep it >= the prompt
+        tokens of one generate call: vLLM 0.32 fails a seeded request whose prefill is split
+        over steps ("CPU Generator does not use offset").
     block_size: KV-cache block (tokens); prefix caching reuses whole blocks. vLLM's default
         when None (128 on CPU).
     dtype: model dtype ("float32" on CPU; GPUs usually "bfloat16").
@@ -134,9 +136,10 @@ class RolloutConfig:
                 raise ConfigError(name, getattr(self, name), "must be >= 1")
         if self.max_num_seqs is not None and self.max_num_seqs < 1:
             raise ConfigError("max_num_seqs", self.max_num_seqs, "must be >= 1 (or null)")
-        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
+        if self.max_num_batched_tokens is not None and \
+                self.max_num_batched_tokens < self.max_model_len:
             raise ConfigError("max_num_batched_tokens", self.max_num_batched_tokens,
-                              "must be >= 1 (or null)")
+                              f"must be >= max_model_len={self.max_model_len} (or null)")
         if self.block_size is not None and (self.block_size < 16 or self.block_size % 16):
             raise ConfigError("block_size", self.block_size,
                               "must be a multiple of 16 (CPU prefers multiples of 32)")

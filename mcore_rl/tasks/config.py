@@ -2,23 +2,29 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 from mcore_rl.config import ConfigError
+from mcore_rl.envs.base import EpisodeConfig, load_env_factory
 from mcore_rl.tasks.base import RewardFn, Task, load_reward_fn
 
 DEFAULT_REWARDS = {"addition": "mcore_rl.tasks.addition:reward",
-                   "jsonl": "mcore_rl.tasks.math:answer_reward"}
+                   "jsonl": "mcore_rl.tasks.math:answer_reward",
+                   "tool_calc": "mcore_rl.tasks.tool_calc:reward"}
+# kinds that are multi-turn by default, and their environment
+DEFAULT_ENVS = {"tool_calc": "mcore_rl.envs.tool_env:calculator_env"}
 
 
 @dataclass(frozen=True, kw_only=True)
 class TaskConfig:
     """The task.
 
-    kind: "addition" (the built-in fixed-width addition task, `mcore_rl.tasks.addition`) or
-        "jsonl" (prompts and reference answers from JSONL files, `mcore_rl.tasks.jsonl`).
-    digits: addition only — digits per operand.
+    kind: "addition" (the built-in fixed-width addition task, `mcore_rl.tasks.addition`),
+        "jsonl" (prompts and reference answers from JSONL files, `mcore_rl.tasks.jsonl`) or
+        "tool_calc" (multiplication with a calculator tool, multi-turn,
+        `mcore_rl.tasks.tool_calc`).
+    digits: addition and tool_calc — digits per operand.
     path: jsonl only — the training file (one JSON object per line). Read when the run
         starts, not when the config loads (a GPU config is checked on machines without data).
     heldout_path: jsonl only, optional — evaluation file (same keys).
@@ -28,10 +34,16 @@ class TaskConfig:
         tokenizers that have one; the addition task's sentencepiece tokenizer has none).
     reward_fn: "module:function" taking (prompt, response, answer) -> float, resolved when
         the config loads; null: the kind's default (addition: mcore_rl.tasks.addition:reward,
-        jsonl: mcore_rl.tasks.math:answer_reward).
+        jsonl: mcore_rl.tasks.math:answer_reward, tool_calc: mcore_rl.tasks.tool_calc:reward).
+        In a multi-turn task the environment calls it on the whole transcript after the prompt.
+    env: "module:factory" of the environment that makes the task multi-turn
+        (`mcore_rl.envs.base`: factory(example, reward_fn) -> Environment), e.g.
+        mcore_rl.envs.tool_env:calculator_env; null: the kind's default (tool_calc: that
+        calculator environment; addition and jsonl: single-turn).
+    episode: bounds of a multi-turn episode (turns, total tokens; see EpisodeConfig).
     """
 
-    kind: Literal["addition", "jsonl"] = "addition"
+    kind: Literal["addition", "jsonl", "tool_calc"] = "addition"
     digits: int = 2
     path: str | None = None
     heldout_path: str | None = None
@@ -39,18 +51,25 @@ class TaskConfig:
     answer_key: str = "answer"
     chat_template: bool = False
     reward_fn: str | None = None
+    env: str | None = None
+    episode: EpisodeConfig = field(default_factory=EpisodeConfig)
 
     def __post_init__(self) -> None:
-        if self.kind == "addition":
-            from mcore_rl.tasks.addition import AdditionTask
+        if self.kind in ("addition", "tool_calc"):
+            if self.kind == "addition":
+                from mcore_rl.tasks.addition import AdditionTask
 
-            AdditionTask(digits=self.digits)  # raises ConfigError("digits", ...)
+                AdditionTask(digits=self.digits)  # raises ConfigError("digits", ...)
+            else:
+                from mcore_rl.tasks.tool_calc import ToolCalcTask
+
+                ToolCalcTask(digits=self.digits)
             for name in ("path", "heldout_path"):
                 if getattr(self, name) is not None:
                     raise ConfigError(name, getattr(self, name), 'only for kind "jsonl"')
             if self.chat_template:
-                raise ConfigError("chat_template", True, "the addition task's sentencepiece "
-                                  "tokenizer has no chat template")
+                raise ConfigError("chat_template", True, f"the {self.kind} task's "
+                                  "sentencepiece tokenizer has no chat template")
         elif not self.path:
             raise ConfigError("path", self.path, 'kind "jsonl" needs a JSONL file')
         if not self.prompt_key or not self.answer_key or self.prompt_key == self.answer_key:
@@ -61,6 +80,20 @@ class TaskConfig:
             load_reward_fn(self.reward_path)
         except (ImportError, AttributeError, ValueError) as err:
             raise ConfigError("reward_fn", self.reward_path, str(err)) from None
+        if self.env_path is not None:
+            try:
+                load_env_factory(self.env_path)
+            except (ImportError, AttributeError, ValueError) as err:
+                raise ConfigError("env", self.env_path, str(err)) from None
+
+    @property
+    def env_path(self) -> str | None:
+        """env, or the kind's default environment (None: single-turn)."""
+        return self.env or DEFAULT_ENVS.get(self.kind)
+
+    @property
+    def multi_turn(self) -> bool:
+        return self.env_path is not None
 
     @property
     def reward_path(self) -> str:
@@ -70,7 +103,7 @@ class TaskConfig:
     @property
     def has_targets(self) -> bool:
         """Whether the task has supervised warm-up targets."""
-        return self.kind == "addition"
+        return self.kind in ("addition", "tool_calc")
 
 
 def build_task(cfg: TaskConfig) -> Task:
@@ -79,6 +112,10 @@ def build_task(cfg: TaskConfig) -> Task:
         from mcore_rl.tasks.addition import AdditionTask
 
         return AdditionTask(digits=cfg.digits)
+    if cfg.kind == "tool_calc":
+        from mcore_rl.tasks.tool_calc import ToolCalcTask
+
+        return ToolCalcTask(digits=cfg.digits)
     from mcore_rl.tasks.jsonl import JsonlTask
 
     return JsonlTask(cfg.path, heldout_path=cfg.heldout_path, prompt_key=cfg.prompt_key,

@@ -32,16 +32,20 @@ SPM_FILE = "tokenizer.model"
 
 def train_sentencepiece(task: AdditionTask | None = None, *, vocab_size: int = 16,
                         corpus_lines: int = 2000, seed: int = 0) -> bytes:
-    """Train a BPE sentencepiece model on `task.corpus(corpus_lines, seed=seed)`; returns
+    """Train a BPE sentencepiece model on `task.corpus(corpus_lines, seed=seed)` (any task
+    with a `corpus`; its `user_symbols`, if any, become single pieces); returns
     the serialized `tokenizer.model`. `vocab_size` is a soft limit (`hard_vocab_limit=False`):
     the model never has fewer pieces than the corpus's characters + 4 specials."""
-    lines = (task or AdditionTask()).corpus(corpus_lines, seed=seed)
+    task = task or AdditionTask()
+    lines = task.corpus(corpus_lines, seed=seed)
     out = io.BytesIO()
     spm.SentencePieceTrainer.train(
         sentence_iterator=iter(lines), model_writer=out, model_type="bpe",
         vocab_size=vocab_size, hard_vocab_limit=False, split_digits=True,
         add_dummy_prefix=False, character_coverage=1.0, byte_fallback=False,
         normalization_rule_name="identity", remove_extra_whitespaces=False,
+        # e.g. the tool task's tags: always one piece each
+        user_defined_symbols=list(getattr(task, "user_symbols", ())),
         num_threads=1, input_sentence_size=0, minloglevel=2,
         unk_id=UNK_ID, bos_id=BOS_ID, eos_id=EOS_ID, pad_id=PAD_ID,
         unk_piece=UNK, bos_piece=BOS, eos_piece=EOS, pad_piece=PAD)

@@ -28,6 +28,8 @@ from mcore_rl.models.spec import ModelSpec
 from mcore_rl.planning.resolve import resolve_run
 from mcore_rl.resharding import build_plan, host_store, sync_group_spec
 from mcore_rl.rollout.engine import Completion, RolloutError, SamplingConfig
+from mcore_rl.rollout.multi_turn import (Episode, build_multi_turn, completion_from_state,
+                                         completion_state, episode_metrics, loss_masks)
 from mcore_rl.tasks.base import Example, load_reward_fn
 from mcore_rl.tasks.config import DEFAULT_REWARDS, build_reward, build_task
 from mcore_rl.tasks.tokenizer import encode_answer, encode_prompt, load_tokenizer, response_text
@@ -70,14 +72,12 @@ class Rollouts:
                 "answers": [e.answer for e in self.examples], "scores": self.scores,
                 "prompt_ids": self.prompt_ids,
                 "stats": self.stats,
-                "completions": [[{"token_ids": list(c.token_ids), "logprobs": list(c.logprobs),
-                                  "finish_reason": c.finish_reason} for c in group]
+                "completions": [[completion_state(c) for c in group]
                                 for group in self.completions]}
 
     @classmethod
     def from_state(cls, state: dict) -> "Rollouts":
-        completions = [[Completion(tuple(c["token_ids"]), tuple(c["logprobs"]),
-                                   c["finish_reason"]) for c in group]
+        completions = [[completion_from_state(c) for c in group]
                        for group in state["completions"]]
         examples = [Example(p, a) for p, a in zip(state["prompts"], state["answers"])]
         return cls(step=state["step"], examples=examples, prompt_ids=state["prompt_ids"],
@@ -96,15 +96,18 @@ class Batch:
 
 
 def build_batch(prompts: list[list[int]], responses: list[list[int]], length: int,
-                pad_id: int) -> Batch:
+                pad_id: int, response_masks: list[list[int]] | None = None) -> Batch:
     """Concatenate prompt + response ids, pad to `length` + 1 tokens, shift into
-    (tokens, labels); the mask marks the labels that are response tokens."""
+    (tokens, labels); the mask marks the labels that are response tokens — of those, with
+    `response_masks` (one per response, per token: multi-turn episodes), only the ones it
+    marks 1 (model tokens; observation tokens stay 0)."""
     rows, masks = [], []
-    for prompt, response in zip(prompts, responses):
+    for i, (prompt, response) in enumerate(zip(prompts, responses)):
         seq = (list(prompt) + list(response))[:length + 1]
         pad = length + 1 - len(seq)
         rows.append(seq + [pad_id] * pad)
-        mask = [0] * (len(prompt) - 1) + [1] * (len(seq) - len(prompt)) + [0] * pad
+        kept = [1] * len(response) if response_masks is None else list(response_masks[i])
+        mask = [0] * (len(prompt) - 1) + kept[:len(seq) - len(prompt)] + [0] * pad
         masks.append(mask[:length])
     full = torch.tensor(rows, dtype=torch.long)
     return Batch(full[:, :-1].contiguous(), full[:, 1:].contiguous(),
@@ -201,6 +204,8 @@ class RLController:
         self.reward = build_reward(cfg.task)
         # held-out accuracy is the task's exact-match reward, whatever reward RL trains on
         self.exact_match = load_reward_fn(DEFAULT_REWARDS[cfg.task.kind])
+        # multi-turn tasks: episodes with an environment between turns (None: single-turn)
+        self.multi_turn = build_multi_turn(cfg.task, self.tokenizer, self.reward)
         init_local_ray(num_cpus=max(2, os.cpu_count() or 2))
         world = cfg.actor.world_size
         # The actor world meets at a store the controller hosts (not on whichever node rank 0
@@ -338,13 +343,23 @@ class RLController:
         return encode_prompt(self.tokenizer, prompt_text,
                              chat_template=self.cfg.task.chat_template)
 
+    def _rollout(self, examples: list[Example], sampling: SamplingConfig):
+        """(prompt ids, completions per prompt): one generation call, or the episodes of a
+        multi-turn task (one batched call per turn, environments between turns)."""
+        if self.multi_turn is not None:
+            return self.multi_turn.rollout(self._generate, examples, self.encode, sampling)
+        prompts = [self.encode(e.prompt) for e in examples]
+        return prompts, self._generate(prompts, sampling)
+
     def accuracy(self, n: int) -> float:
-        """Greedy exact-match accuracy on n held-out examples."""
+        """Greedy exact-match accuracy on n held-out examples (multi-turn: the greedy
+        episodes' mean reward, scored by the task's reward function)."""
         examples = self.task.heldout_examples(n, seed=self.cfg.seed)
         sampling = SamplingConfig(temperature=0.0, max_tokens=self.cfg.max_new_tokens,
                                   stop_token_ids=[self.tokenizer.eos_token_id])
-        outs = self._generate([self.encode(e.prompt) for e in examples], sampling)
-        return sum(self.exact_match(e.prompt, response_text(o[0].token_ids, self.tokenizer),
+        _, outs = self._rollout(examples, sampling)
+        return sum(o[0].reward if isinstance(o[0], Episode) else
+                   self.exact_match(e.prompt, response_text(o[0].token_ids, self.tokenizer),
                                     e.answer) for e, o in zip(examples, outs)) / n
 
     def warmup(self, writer: MetricsWriter) -> float:
@@ -356,8 +371,12 @@ class RLController:
             examples = self.task.warmup_examples(w.batch_size, seed=self.cfg.seed * 100003 + step,
                                                  p=w.label_noise)
             prompts = [self.encode(p) for p, _ in examples]
-            answers = [encode_answer(self.tokenizer, a) for _, a in examples]
-            batch = build_batch(prompts, answers, w.train.seq_len, self.tokenizer.pad_token_id)
+            if self.multi_turn is None:
+                answers, masks = [encode_answer(self.tokenizer, a) for _, a in examples], None
+            else:  # whole traces; their observations are masked out of the loss
+                answers, masks = zip(*(self.multi_turn.encode_trace(a) for _, a in examples))
+            batch = build_batch(prompts, answers, w.train.seq_len, self.tokenizer.pad_token_id,
+                                masks)
             with timer("update_actor"):
                 result = self._actor("sft_step", batch.tokens, batch.labels, batch.mask,
                                      phase="warmup")[0]
@@ -385,18 +404,18 @@ class RLController:
         cfg = self.cfg
         examples = self.task.train_examples(cfg.prompts_per_step, step=step, attempt=attempt,
                                             seed=cfg.seed)
-        prompts = [self.encode(e.prompt) for e in examples]
         sampling = SamplingConfig(temperature=cfg.temperature, max_tokens=cfg.max_new_tokens,
                                   n=cfg.samples_per_prompt,
                                   seed=cfg.seed * 1000 + step + 1_000_003 * attempt,
                                   stop_token_ids=[self.tokenizer.eos_token_id])
-        return examples, prompts, self._generate(prompts, sampling)
+        return examples, *self._rollout(examples, sampling)
 
     def score(self, examples: list[Example], prompt_ids: list[list[int]],
               outs: list[list[Completion]]) -> list[list[float]]:
         """Each sample's reward: the rule function's (prompt, response, answer), plus
         reward_model.coeff times the reward model's score of prompt + response ids."""
-        scores = [[float(self.reward(e.prompt, response_text(c.token_ids, self.tokenizer),
+        scores = [[c.reward if isinstance(c, Episode) else  # the environment scored it
+                   float(self.reward(e.prompt, response_text(c.token_ids, self.tokenizer),
                                      e.answer)) for c in o] for e, o in zip(examples, outs)]
         if self.reward_model is None:
             return scores
@@ -489,7 +508,8 @@ class RLController:
         completions = [c for o in outs for c in o]
         scores = torch.tensor([s for group in rollouts.scores for s in group])
         batch = build_batch(flat_prompts, [c.token_ids for c in completions],
-                            cfg.train.seq_len, self.tokenizer.pad_token_id)
+                            cfg.train.seq_len, self.tokenizer.pad_token_id,
+                            loss_masks(completions))
         lengths = batch.mask.sum(-1)
         if cfg.algorithm.overlong_buffer:
             scores = scores + overlong_penalty(
@@ -561,6 +581,7 @@ class RLController:
             "kl_ref": updates[-1]["kl_ref"], **adv_metrics,
             **_critic_metrics(critic_updates), **_packing_metrics(updates[-1]),
             **sync, **rollouts.stats, **timer.as_metrics(), **gen_timing, **overlap,
+            **episode_metrics(completions),
         }
         metrics["tokens_per_s"] = gen_tokens / max(metrics["timing_s/gen"], 1e-9)
         return metrics

@@ -18,13 +18,21 @@ from pathlib import Path
 from mcore_rl.config import ConfigError, load_config
 
 
+# sentencepiece vocabulary (a soft limit) of the demo tokenizer per task kind: addition needs
+# 16 pieces; the tool task's traces and error messages need 52 characters, and 64 lets BPE
+# merge its tool name ("calc") into one piece
+DEMO_TOKENIZER_VOCAB = {"addition": 16, "tool_calc": 64}
+
+
 def build_demo_model(cfg, out: Path) -> Path:
-    """Tokenizer + random-weight HF Llama in out/model (shapes: `cfg.model.demo_spec()`)."""
+    """Tokenizer trained on the task's own text + random-weight HF Llama in out/model (shapes:
+    `cfg.model.demo_spec()`; the vocabulary is the tokenizer's)."""
     from mcore_rl.models.hf_factory import make_hf_model_dir
-    from mcore_rl.tasks.addition import AdditionTask
+    from mcore_rl.tasks.config import build_task
     from mcore_rl.tasks.tokenizer import build_tokenizer_dir
 
-    tok_dir = build_tokenizer_dir(out / "tokenizer", AdditionTask(digits=cfg.task.digits))
+    tok_dir = build_tokenizer_dir(out / "tokenizer", build_task(cfg.task),
+                                  vocab_size=DEMO_TOKENIZER_VOCAB[cfg.task.kind])
     return make_hf_model_dir(cfg.model.demo_spec(), out / "model", seed=cfg.model.seed,
                              tokenizer_dir_or_obj=tok_dir)
 
@@ -88,10 +96,11 @@ def run_demo(cfg, out: Path, resume: Path | None = None) -> dict:
             first_step = controller.load_checkpoint(resume) + 1
         controller.sync_weights()
         writer = MetricsWriter(out)
-        rewards = []
+        rewards, tool_calls = [], []
         for step in range(first_step, cfg.steps + 1):
             metrics = controller.rl_step(step)
             rewards.append(metrics["reward_mean"])
+            tool_calls.append(metrics.get("tool_calls/mean"))
             writer.write(step, metrics)
             if cfg.save_every and step % cfg.save_every == 0:
                 controller.save_checkpoint(step)
@@ -103,6 +112,9 @@ def run_demo(cfg, out: Path, resume: Path | None = None) -> dict:
     summary = {"warmup_accuracy": accuracy, "reward_first5": sum(rewards[:k]) / k,
                "reward_last5": sum(rewards[-k:]) / k, "steps": len(rewards),
                "wall_s": time.perf_counter() - start}
+    if cfg.task.multi_turn:
+        summary["tool_calls_first5"] = sum(tool_calls[:k]) / k
+        summary["tool_calls_last5"] = sum(tool_calls[-k:]) / k
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     print(f"demo done in {summary['wall_s']:.0f} s: reward {summary['reward_first5']:.3f} "
           f"(mean of first {k} steps) -> {summary['reward_last5']:.3f} (last {k}); "
@@ -114,6 +126,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     demo = sub.add_parser("demo", help="end-to-end GRPO on CPU (addition task, tiny Llama)")
     demo.add_argument("--out", type=Path, default=Path("runs/demo"))
     demo.add_argument("--config", type=Path, default=None, help="YAML (default: built-in)")
+    demo.add_argument("--task", choices=sorted(DEMO_TASKS), default=None,
+                      help="a built-in demo task's config (tool_calc: multi-turn tool use); "
+                           "default: the addition demo")
     demo.add_argument("overrides", nargs="*", help="a.b.c=value")
     demo.set_defaults(func=_run)
     train = sub.add_parser("train", help="an RL run from a YAML config (task, model, grids)")
@@ -128,11 +143,23 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     plot.set_defaults(func=_plot)
 
 
+# `mcore-rl demo --task NAME`: the config each built-in demo task runs with
+DEMO_TASKS = {"addition": None, "tool_calc": "tool_calc.yaml"}
+CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
+
+
+def _config_path(args) -> Path | None:
+    task = getattr(args, "task", None)
+    if task is None or args.config is not None:
+        return args.config
+    return None if DEMO_TASKS[task] is None else CONFIG_DIR / DEMO_TASKS[task]
+
+
 def _run(args) -> int:
     from mcore_rl.trainer.rl_config import RLConfig
 
     try:
-        cfg = load_config(RLConfig, args.config, args.overrides)
+        cfg = load_config(RLConfig, _config_path(args), args.overrides)
     except ConfigError as err:
         print(f"mcore-rl {args.command}: config error: {err}")
         return 2

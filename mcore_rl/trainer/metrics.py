@@ -70,8 +70,12 @@ class MetricsWriter:
         self.tb.close()
 
 
+TOOL_CURVES = ("tool_calls/mean", "tool_errors/frac", "turns/mean")
+
+
 def plot_run(run_dir: str | Path) -> list[Path]:
-    """reward.png (reward per step) and phases.png (seconds per phase per step)."""
+    """reward.png (reward per step) and phases.png (seconds per phase per step); for
+    multi-turn runs also tools.png (reward, tool calls and errors, turns per step)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -98,8 +102,17 @@ def plot_run(run_dir: str | Path) -> list[Path]:
             bottom = [b + v for b, v in zip(bottom, values)]
         ax.legend(fontsize=7)
 
+    def tools(ax):  # multi-turn runs: reward beside the tool use
+        for key in ("reward_mean", *TOOL_CURVES):
+            ax.plot(steps, [r.get(key, float("nan")) for r in records], label=key)
+        ax.legend(fontsize=7)
+        ax.grid(alpha=0.3)
+
     written = [_save_chart(plt, run_dir / "reward.png", "reward", "reward", reward),
                _save_chart(plt, run_dir / "phases.png", "time per phase", "seconds", phases)]
+    if any(TOOL_CURVES[0] in r for r in records):
+        written.append(_save_chart(plt, run_dir / "tools.png", "reward and tool use",
+                                   "per episode", tools))
     plt.close("all")
     return written
 

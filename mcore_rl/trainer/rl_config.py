@@ -225,6 +225,23 @@ class RLConfig:
             return self.sync_dtype
         return "bf16" if self.rollout.dtype == "bfloat16" else "fp32"
 
+    def _check_episode_fits(self) -> None:
+        """A whole episode must fit the trainer's rows and the engines' context."""
+        total = self.task.episode.max_total_tokens
+        for name, limit in (("train.seq_len + 1", self.train.seq_len + 1),
+                            ("rollout.max_model_len", self.rollout.max_model_len)):
+            if total > limit:
+                raise ConfigError("task.episode.max_total_tokens", total,
+                                  f"an episode must fit {name}={limit}")
+        # later turns send whole contexts: their prefill must not be split over engine steps
+        per_call = -(-self.prompts_per_step * self.samples_per_prompt // self.rollout.engines)
+        budget = self.rollout.max_num_batched_tokens
+        if budget is None or budget < per_call * total:
+            raise ConfigError("rollout.max_num_batched_tokens", budget,
+                              f"a multi-turn turn sends each engine up to {per_call} contexts "
+                              f"of up to {total} tokens: set >= {per_call * total} (vLLM 0.32 "
+                              "on CPU fails a seeded prefill split over steps)")
+
     def __post_init__(self) -> None:
         for name in ("steps", "prompts_per_step", "samples_per_prompt", "updates_per_batch",
                      "max_new_tokens"):
@@ -243,10 +260,12 @@ class RLConfig:
         if self.warmup.max_steps and not self.task.has_targets:
             raise ConfigError("warmup.max_steps", self.warmup.max_steps,
                               f"task.kind={self.task.kind} has no supervised targets: set 0")
-        if self.model.hf_dir is None and self.task.kind != "addition":
-            raise ConfigError("model.hf_dir", None, "the built demo model has the addition "
+        if self.model.hf_dir is None and self.task.kind not in ("addition", "tool_calc"):
+            raise ConfigError("model.hf_dir", None, "the built demo model has a synthetic "
                               f"task's tokenizer; task.kind={self.task.kind} needs an HF "
                               "checkpoint")
+        if self.task.multi_turn:
+            self._check_episode_fits()
         if self.cluster.placement == "colocated" and not self.rollout.enable_sleep:
             raise ConfigError("rollout.enable_sleep", False, "cluster.placement=colocated "
                               "shares every device with the trainer: the engines must sleep")

@@ -136,7 +136,7 @@ def test_addition_task_api_matches_the_controllers_old_draws():
 
 
 @pytest.mark.parametrize("overrides,field,problem", [
-    (["kind=csv"], "kind", "allowed values: addition, jsonl"),
+    (["kind=csv"], "kind", "allowed values: addition, jsonl, tool_calc"),
     (["kind=jsonl"], "path", "needs a JSONL file"),
     (["path=/data/x.jsonl"], "path", 'only for kind "jsonl"'),
     (["digits=0"], "digits", "must be in [1, 18]"),

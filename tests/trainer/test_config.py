@@ -83,7 +83,7 @@ def test_every_shipped_rl_config_loads():
 
     assert {p.name for p in RL_CONFIGS} >= {"grpo_addition.yaml", "ppo_addition.yaml",
                                             "tiny_ci.yaml", "llama3-8b.yaml", "llama2-13b.yaml",
-                                            "llama3-70b.yaml"}
+                                            "llama3-70b.yaml", "tool_calc.yaml"}
     for path in RL_CONFIGS:
         cfg = load_config(RLConfig, path)
         if path.parent.name == "gpu":  # checkpoint + preset, GSM8K, bf16, sized for GPUs
@@ -93,7 +93,8 @@ def test_every_shipped_rl_config_loads():
             assert cfg.train.dtype == "bf16" and cfg.rollout.dtype == "bfloat16", path
             assert cfg.cluster.device == "gpu", path
         else:  # the demo: addition task, built model, this machine
-            assert cfg.model.hf_dir is None and cfg.task.kind == "addition", path
+            assert cfg.model.hf_dir is None, path
+            assert cfg.task.kind in ("addition", "tool_calc"), path
             assert cfg.cluster.device == "local", path
 
 
@@ -108,7 +109,7 @@ def test_demo_default_is_addition_on_the_built_model():
 
 
 @pytest.mark.parametrize("overrides,field,problem", [
-    (["task.kind=csv"], "task.kind", "allowed values: addition, jsonl"),
+    (["task.kind=csv"], "task.kind", "allowed values: addition, jsonl, tool_calc"),
     (["task.digits=0"], "task.digits", "must be in [1, 18]"),
     (["task.reward_fn=math:sqrt"], "task.reward_fn", "must accept (prompt, response, answer)"),
     (["task.kind=jsonl"], "task.path", "needs a JSONL file"),
