@@ -17,6 +17,8 @@ with V_pad = spec.mcore_padded_vocab(tp); layers split over stages as ParallelCo
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from megatron.core import tensor_parallel
@@ -38,7 +40,8 @@ def transformer_config_from_spec(spec: ModelSpec, parallel: ParallelConfig, *,
                                  params_dtype: torch.dtype = torch.float32,
                                  init_method_std: float = 0.02,
                                  calculate_per_token_loss: bool = True,
-                                 recompute: str = "none") -> TransformerConfig:
+                                 recompute: str = "none",
+                                 moe: "MoEOptions | None" = None) -> TransformerConfig:
     """The TransformerConfig that reproduces the HF model of `spec` on the grid `parallel`.
 
     Llama-family decoder: pre-RMSNorm, SwiGLU MLP, GQA (num_query_groups = kv heads), rotary
@@ -49,6 +52,8 @@ def transformer_config_from_spec(spec: ModelSpec, parallel: ParallelConfig, *,
     megatron's mixed precision: bf16 params, fp32 main params in the optimizer).
     `recompute` (TrainConfig.recompute): "none"; "selective" recomputes core attention (the
     s² softmax part); "full" recomputes every layer ("uniform", one layer per checkpoint).
+    Qwen3: per-head q/k RMSNorm (`qk_layernorm`), kv_channels = head_dim. Mixture of experts
+    (Qwen3-MoE, Mixtral): see `moe_config_fields`; `moe` picks the dispatcher and aux loss.
     """
     if params_dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"params_dtype={params_dtype}: only torch.float32 and torch.bfloat16")
@@ -102,7 +107,56 @@ def transformer_config_from_spec(spec: ModelSpec, parallel: ParallelConfig, *,
         persist_layer_norm=False,
         gradient_accumulation_fusion=False,
         cross_entropy_loss_fusion=False,
+        qk_layernorm=spec.qk_norm,
         **_RECOMPUTE[recompute],
+        **moe_config_fields(spec, parallel, moe or MoEOptions()),
+    )
+
+
+@dataclass(frozen=True)
+class MoEOptions:
+    """Training choices for mixture-of-experts layers (the architecture itself is the spec's).
+
+    dispatcher: megatron's token dispatcher, "allgather" or "alltoall" (both run on CPU with
+        mcore_rl.compat's shims).
+    aux_loss_coeff: load-balancing aux loss weight; 0 (default) turns it off, so the loss is
+        exactly the LM loss (RL log-probs and HF comparisons need nothing extra).
+    """
+
+    dispatcher: str = "allgather"
+    aux_loss_coeff: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.dispatcher not in ("allgather", "alltoall"):
+            raise ValueError(f"moe dispatcher={self.dispatcher!r}: allgather or alltoall")
+        if self.aux_loss_coeff < 0:
+            raise ValueError(f"moe aux_loss_coeff={self.aux_loss_coeff}: must be >= 0")
+
+
+def moe_config_fields(spec: ModelSpec, parallel: ParallelConfig, moe: MoEOptions) -> dict:
+    """TransformerConfig fields of a MoE spec ({} for a dense one).
+
+    Routing as HF computes it: logits = router(x); with `norm_topk_prob` (Mixtral, Qwen3-MoE
+    when set) the weights are the softmax over the top-k logits — megatron's default order
+    (top-k, then softmax) gives exactly that; without it (Qwen3-MoE norm_topk_prob=false) the
+    softmax over all experts taken at the top k — `moe_router_pre_softmax`. Experts run as
+    SequentialMLP (one local MLP per expert, `moe_grouped_gemm=False`), no capacity limit,
+    no shared experts.
+    """
+    if not spec.is_moe:
+        return {}
+    return dict(
+        num_moe_experts=spec.num_experts,
+        moe_router_topk=spec.experts_per_token,
+        moe_ffn_hidden_size=spec.moe_ffn,
+        moe_router_pre_softmax=not spec.norm_topk_prob,
+        moe_router_score_function="softmax",
+        moe_router_load_balancing_type="aux_loss" if moe.aux_loss_coeff > 0 else "none",
+        moe_aux_loss_coeff=moe.aux_loss_coeff,
+        moe_token_dispatcher_type=moe.dispatcher,
+        moe_grouped_gemm=False,
+        expert_model_parallel_size=parallel.ep,
+        expert_tensor_parallel_size=parallel.expert_tp,
     )
 
 
@@ -129,16 +183,19 @@ def rope_kwargs(spec: ModelSpec) -> dict:
     return {**kwargs, "rope_scaling": True, "rope_scaling_factor": float(scaling["factor"])}
 
 
-def layer_spec():
-    """Megatron's local (pure PyTorch) layer spec on CPU; TransformerEngine's on GPU."""
+def layer_spec(spec: ModelSpec | None = None):
+    """Megatron's local (pure PyTorch) layer spec on CPU; TransformerEngine's on GPU. `spec`
+    adds Qwen3's q/k norms and MoE layers (SequentialMLP experts)."""
+    arch = {} if spec is None else dict(num_experts=spec.num_experts, moe_grouped_gemm=False,
+                                        qk_layernorm=spec.qk_norm)
     if not torch.cuda.is_available():
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-        return get_gpt_layer_local_spec(normalization="RMSNorm")
+        return get_gpt_layer_local_spec(normalization="RMSNorm", **arch)
     from megatron.core.models.gpt.gpt_layer_specs import (
         get_gpt_layer_with_transformer_engine_spec)
 
-    return get_gpt_layer_with_transformer_engine_spec()
+    return get_gpt_layer_with_transformer_engine_spec(**arch)
 
 
 def seed_rngs(seed: int, groups: ParallelGroups) -> None:
@@ -146,7 +203,8 @@ def seed_rngs(seed: int, groups: ParallelGroups) -> None:
     model-parallel regions (dropout there; none in our configs)."""
     torch.manual_seed(seed)
     tensor_parallel.model_parallel_cuda_manual_seed(seed, tp_rank=groups.rank_in(Axis.TP),
-                                                    ep_rank=0, etp_rank=0)
+                                                    ep_rank=groups.expert_coords["ep"],
+                                                    etp_rank=groups.expert_coords["etp"])
 
 
 def build_gpt_model(spec: ModelSpec, parallel: ParallelConfig, groups: ParallelGroups, *,
@@ -172,7 +230,7 @@ def build_gpt_model(spec: ModelSpec, parallel: ParallelConfig, groups: ParallelG
     for v in range(num_chunks):
         model = GPTModel(
             config=config,
-            transformer_layer_spec=layer_spec(),
+            transformer_layer_spec=layer_spec(spec),
             vocab_size=spec.mcore_padded_vocab(parallel.tp),
             max_sequence_length=spec.max_positions,
             pre_process=pp_rank == 0 and v == 0,
