@@ -207,10 +207,17 @@ def _alltoall_init(original: Callable) -> Callable:
 def _alltoall_dtoh_and_synchronize(original: Callable) -> Callable:
     """MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize (0.16.1) moves the split sizes to
     the host on a side stream (`torch.cuda.current_stream()`, `torch.cuda.stream`, an event)
-    and synchronizes later. On CPU they are host tensors already: nothing to move or wait for
-    (upstream's maybe_move_tensor_to_cpu leaves CPU tensors as they are too)."""
+    and synchronizes later. On CPU there is nothing to move or wait for; what remains is the
+    conversion upstream does on the way: the three split-size tensors become numpy arrays
+    (all_to_all_single takes sequences of ints, not tensors). Upstream's
+    maybe_move_tensor_to_cpu skips CPU tensors entirely, numpy conversion included."""
 
     def dtoh(self, point: str, tokens_per_expert: torch.Tensor | None = None):
+        if not self.drop_and_pad and point == self.cuda_dtoh_point:
+            for name in ("input_splits", "output_splits", "output_splits_tp"):
+                value = getattr(self, name)
+                if torch.is_tensor(value):
+                    setattr(self, name, value.numpy())
         return tokens_per_expert
 
     return _mark(dtoh)

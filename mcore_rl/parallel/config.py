@@ -24,7 +24,8 @@ class ParallelConfig:
         laid over the same ranks as the dense tp · dp ranks of a stage: etp · ep must divide
         tp · dp (EP2 with tp=1 needs dp=2; TP2·EP2 fits on 2 ranks with etp=1).
     etp: expert tensor-parallel size: each expert's MLP is split over etp ranks; None = tp
-        (megatron-core's default).
+        (megatron-core's default). Training a MoE model at tp > 1 needs sequence_parallel
+        (megatron-core 0.16.1's MoELayer refuses to train without it; forward-only runs).
     """
 
     tp: int = 1
@@ -88,10 +89,7 @@ class ParallelConfig:
         if spec.moe_ffn % self.expert_tp:
             raise ConfigError("etp", self.expert_tp,
                               f"does not divide moe_intermediate_size={spec.moe_ffn}")
-        if self.tp > 1 and not self.sequence_parallel:
-            # megatron-core 0.16.1 MoELayer.forward raises in training otherwise
-            raise ConfigError("sequence_parallel", False, "a mixture-of-experts model with "
-                              "tp > 1 needs sequence_parallel=true")
+
 
     @property
     def expert_tp(self) -> int:
