@@ -17,6 +17,10 @@ PRESETS: dict[str, ModelSpec] = {
     # Tests: GQA, head dim 32 (vLLM CPU attention needs >= 32), vocab not a multiple of 64.
     "micro": ModelSpec(**_LLAMA, hidden=128, ffn=256, heads=4, kv_heads=2, head_dim=32,
                        layers=4, vocab=250, max_positions=256),
+    # Tests and CPU sync checks of experts: Qwen3-MoE shapes at micro size (4 experts, top 2).
+    "micro-moe": ModelSpec(**{**_QWEN3_MOE, "max_positions": 256}, hidden=128, ffn=256, heads=4,
+                           kv_heads=2, head_dim=32, layers=4, vocab=250, num_experts=4,
+                           moe_ffn=64, experts_per_token=2),
     # ~450 MB in fp32: big enough that gather-vs-stream differences show on CPU.
     "tiny": ModelSpec(**_LLAMA, hidden=1024, ffn=2816, heads=8, kv_heads=4, head_dim=128,
                       layers=4, vocab=32000, max_positions=2048),
