@@ -12,6 +12,10 @@ Sharding of what it builds, per rank (tp rank t, pp stage p, VPP chunk v):
   linear_fc2.weight                  [hidden, ffn / tp]
   norms                              [hidden], replicated
   output_layer.weight                [V_pad / tp, hidden]   last stage, last chunk (untied)
+  q_layernorm / k_layernorm          [head_dim], replicated (Qwen3)
+  mlp.router.weight                  [experts, hidden], replicated (MoE)
+  mlp.experts.local_experts.{j}      expert ep_rank · experts/ep + j: linear_fc1 [2 ffn / etp,
+                                     hidden] = [gate_t; up_t], linear_fc2 [hidden, ffn / etp]
 with V_pad = spec.mcore_padded_vocab(tp); layers split over stages as ParallelConfig.layer_ranges.
 """
 
