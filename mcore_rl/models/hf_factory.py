@@ -25,6 +25,9 @@ _CLASSES = {
     "LlamaForSequenceClassification": ("LlamaConfig", "LlamaForSequenceClassification"),
     "MistralForSequenceClassification": ("MistralConfig", "MistralForSequenceClassification"),
     "Qwen2ForSequenceClassification": ("Qwen2Config", "Qwen2ForSequenceClassification"),
+    "Qwen3ForCausalLM": ("Qwen3Config", "Qwen3ForCausalLM"),
+    "Qwen3MoeForCausalLM": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
+    "MixtralForCausalLM": ("MixtralConfig", "MixtralForCausalLM"),
 }
 
 
@@ -39,6 +42,8 @@ def hf_config_from_spec(spec: ModelSpec, *, bos_token_id: int | None = None,
       spec (and Megatron's `add_qkv_bias`) does not have.
     - qwen2 without `qkv_bias` (Qwen2 always has it), or with `head_dim != hidden // heads`
       (Qwen2Config has no `head_dim`; vLLM's Qwen2 derives it from hidden / heads).
+    - qwen3 / qwen3_moe without `qk_norm`, or any other family with it (only Qwen3 has q/k
+      norms); mixtral with `ffn != moe_ffn` (its one `intermediate_size` is the experts').
     """
     import transformers
 
@@ -58,6 +63,11 @@ def hf_config_from_spec(spec: ModelSpec, *, bos_token_id: int | None = None,
         if spec.head_dim * spec.heads != spec.hidden:
             raise UnsupportedModelError(f"head_dim={spec.head_dim}: Qwen2 needs head_dim == "
                                         f"hidden // heads = {spec.hidden // spec.heads}")
+    if spec.qk_norm != (family in ("qwen3", "qwen3_moe")):
+        raise UnsupportedModelError(f"qk_norm={spec.qk_norm}: q/k norms are exactly Qwen3's")
+    if family == "mixtral" and spec.ffn != spec.moe_ffn:
+        raise UnsupportedModelError(f"ffn={spec.ffn} != moe_ffn={spec.moe_ffn}: Mixtral has one "
+                                    "intermediate_size, the experts'")
     rope: dict[str, Any] = {"rope_type": "default"}
     if spec.rope_scaling:
         rope = {k: v for k, v in spec.rope_scaling.items() if k != "rope_theta"}
@@ -80,6 +90,21 @@ def hf_config_from_spec(spec: ModelSpec, *, bos_token_id: int | None = None,
         fields.update(head_dim=spec.head_dim, attention_bias=False, mlp_bias=False)
     elif config_name == "MistralConfig":
         fields.update(head_dim=spec.head_dim, sliding_window=None)
+    elif config_name == "Qwen3Config":
+        fields.update(head_dim=spec.head_dim, attention_bias=False, use_sliding_window=False,
+                      sliding_window=None)
+    elif config_name == "Qwen3MoeConfig":
+        fields.update(head_dim=spec.head_dim, attention_bias=False, use_sliding_window=False,
+                      sliding_window=None, num_experts=spec.num_experts,
+                      moe_intermediate_size=spec.moe_ffn,
+                      num_experts_per_tok=spec.experts_per_token,
+                      norm_topk_prob=spec.norm_topk_prob, decoder_sparse_step=1,
+                      mlp_only_layers=[], output_router_logits=False)
+    elif config_name == "MixtralConfig":
+        fields.update(head_dim=spec.head_dim, sliding_window=None,
+                      num_local_experts=spec.num_experts,
+                      num_experts_per_tok=spec.experts_per_token, router_jitter_noise=0.0,
+                      output_router_logits=False)
     else:
         fields.update(use_sliding_window=False, sliding_window=None)
     config_cls = getattr(transformers, _CLASSES[spec.architecture][0])

@@ -10,11 +10,17 @@ from __future__ import annotations
 from mcore_rl.models.spec import ModelSpec
 
 _LLAMA = dict(family="llama", architecture="LlamaForCausalLM")
+_QWEN3_MOE = dict(family="qwen3_moe", architecture="Qwen3MoeForCausalLM", qk_norm=True,
+                  norm_topk_prob=True, rope_theta=1000000.0, norm_eps=1e-6, max_positions=40960)
 
 PRESETS: dict[str, ModelSpec] = {
     # Tests: GQA, head dim 32 (vLLM CPU attention needs >= 32), vocab not a multiple of 64.
     "micro": ModelSpec(**_LLAMA, hidden=128, ffn=256, heads=4, kv_heads=2, head_dim=32,
                        layers=4, vocab=250, max_positions=256),
+    # Tests and CPU sync checks of experts: Qwen3-MoE shapes at micro size (4 experts, top 2).
+    "micro-moe": ModelSpec(**{**_QWEN3_MOE, "max_positions": 256}, hidden=128, ffn=256, heads=4,
+                           kv_heads=2, head_dim=32, layers=4, vocab=250, num_experts=4,
+                           moe_ffn=64, experts_per_token=2),
     # ~450 MB in fp32: big enough that gather-vs-stream differences show on CPU.
     "tiny": ModelSpec(**_LLAMA, hidden=1024, ffn=2816, heads=8, kv_heads=4, head_dim=128,
                       layers=4, vocab=32000, max_positions=2048),
@@ -31,6 +37,14 @@ PRESETS: dict[str, ModelSpec] = {
                           ffn=18944, heads=28, kv_heads=4, head_dim=128, layers=28,
                           vocab=152064, qkv_bias=True, rope_theta=1000000.0,
                           norm_eps=1e-6, max_positions=32768),
+    # Qwen3-MoE (HF config.json of Qwen/Qwen3-30B-A3B and Qwen/Qwen3-235B-A22B): every layer
+    # routes each token to 8 of 128 experts; head_dim 128 != hidden / heads.
+    "qwen3-30b-a3b": ModelSpec(**_QWEN3_MOE, hidden=2048, ffn=6144, heads=32, kv_heads=4,
+                               head_dim=128, layers=48, vocab=151936, num_experts=128,
+                               moe_ffn=768, experts_per_token=8),
+    "qwen3-235b-a22b": ModelSpec(**_QWEN3_MOE, hidden=4096, ffn=12288, heads=64, kv_heads=4,
+                                 head_dim=128, layers=94, vocab=151936, num_experts=128,
+                                 moe_ffn=1536, experts_per_token=8),
 }
 
 

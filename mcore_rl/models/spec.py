@@ -22,7 +22,13 @@ ARCHITECTURES = {
     "LlamaForSequenceClassification": "llama",
     "MistralForSequenceClassification": "llama",
     "Qwen2ForSequenceClassification": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "MixtralForCausalLM": "mixtral",
 }
+
+# Families whose decoder layers hold a routed mixture of experts instead of one MLP.
+MOE_FAMILIES = ("qwen3_moe", "mixtral")
 
 # Rope scaling types the Megatron builder reproduces exactly.
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
@@ -34,9 +40,11 @@ class UnsupportedModelError(ValueError):
 
 @dataclass(frozen=True, kw_only=True)
 class ModelSpec:
-    """Architecture of a Llama-family decoder (Llama 2/3, Mistral, Qwen2).
+    """Architecture of a Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3) or of its
+    mixture-of-experts kin (Qwen3-MoE, Mixtral).
 
-    family: layout family ("llama" or "qwen2"), from the HF architecture.
+    family: layout family ("llama", "qwen2", "qwen3", "qwen3_moe", "mixtral"), from the HF
+        architecture.
     architecture: the HF architecture name (kept for exporting config.json).
     hidden / ffn: hidden size and MLP intermediate size.
     heads / kv_heads / head_dim: attention heads, key-value heads (GQA), per-head size.
@@ -47,6 +55,12 @@ class ModelSpec:
     norm_eps: RMSNorm epsilon. max_positions: maximum sequence length.
     num_labels: None for a causal LM; for a *ForSequenceClassification model the width of its
         `score` head (which replaces the LM head; `tied_embeddings` is then False).
+    qk_norm: per-head RMSNorm of q and k (weights of size head_dim) before rope (Qwen3).
+    num_experts: routed experts per layer (every layer is a mixture of experts), or None for a
+        dense MLP. moe_ffn: each expert's intermediate size (HF `moe_intermediate_size`;
+        Mixtral's `intermediate_size`). experts_per_token: top-k experts per token.
+    norm_topk_prob: the top-k routing weights are renormalized to sum to 1 (Mixtral always;
+        Qwen3-MoE's `norm_topk_prob`); False = the softmax over all experts, taken at the top k.
     """
 
     family: str
@@ -65,14 +79,35 @@ class ModelSpec:
     norm_eps: float = 1e-5
     max_positions: int = 4096
     num_labels: int | None = None
+    qk_norm: bool = False
+    num_experts: int | None = None
+    moe_ffn: int | None = None
+    experts_per_token: int | None = None
+    norm_topk_prob: bool = True
 
     def __post_init__(self) -> None:
         for name in ("hidden", "ffn", "heads", "kv_heads", "head_dim", "layers", "vocab"):
             if getattr(self, name) < 1:
                 raise UnsupportedModelError(f"{name}={getattr(self, name)}: must be >= 1")
+        if (self.family in MOE_FAMILIES) != (self.num_experts is not None):
+            raise UnsupportedModelError(f"family={self.family!r} with num_experts="
+                                        f"{self.num_experts}: experts are for "
+                                        f"{', '.join(MOE_FAMILIES)} only, and required there")
+        if self.num_experts is not None:
+            for name in ("num_experts", "moe_ffn", "experts_per_token"):
+                if (getattr(self, name) or 0) < 1:
+                    raise UnsupportedModelError(f"{name}={getattr(self, name)}: must be >= 1 "
+                                                "for a mixture-of-experts model")
+            if self.experts_per_token > self.num_experts:
+                raise UnsupportedModelError(f"experts_per_token={self.experts_per_token} > "
+                                            f"num_experts={self.num_experts}")
         if self.heads % self.kv_heads:
             raise UnsupportedModelError(f"num_attention_heads={self.heads} is not a multiple "
                                         f"of num_key_value_heads={self.kv_heads}")
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts is not None
 
     @property
     def q_dim(self) -> int:
@@ -92,7 +127,11 @@ class ModelSpec:
         """Parameter count (unpadded vocab)."""
         attn = self.hidden * (self.q_dim + 2 * self.kv_dim) + self.q_dim * self.hidden
         attn += (self.q_dim + 2 * self.kv_dim) if self.qkv_bias else 0
-        mlp = 3 * self.hidden * self.ffn
+        attn += 2 * self.head_dim if self.qk_norm else 0
+        if self.is_moe:  # router + experts
+            mlp = self.num_experts * (self.hidden + 3 * self.hidden * self.moe_ffn)
+        else:
+            mlp = 3 * self.hidden * self.ffn
         per_layer = attn + mlp + 2 * self.hidden
         head = self.num_labels if self.num_labels is not None else (
             0 if self.tied_embeddings else self.vocab)
@@ -126,8 +165,9 @@ class ModelSpec:
             scaling = None
         heads = cfg["num_attention_heads"]
         classifier = arch.endswith("ForSequenceClassification")
+        family = ARCHITECTURES[arch]
         return cls(
-            family=ARCHITECTURES[arch],
+            family=family,
             architecture=arch,
             hidden=cfg["hidden_size"],
             ffn=cfg["intermediate_size"],
@@ -138,7 +178,7 @@ class ModelSpec:
             vocab=cfg["vocab_size"],
             # a classifier has no LM head to tie
             tied_embeddings=bool(cfg.get("tie_word_embeddings", False)) and not classifier,
-            qkv_bias=ARCHITECTURES[arch] == "qwen2",
+            qkv_bias=family == "qwen2",
             rope_theta=float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))),
             rope_scaling=scaling,
             norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
@@ -146,6 +186,8 @@ class ModelSpec:
             # config.json stores the labels as id2label; num_labels is derived from it
             num_labels=(len(cfg["id2label"]) if cfg.get("id2label") else
                         int(cfg.get("num_labels", 2))) if classifier else None,
+            qk_norm=family in ("qwen3", "qwen3_moe"),
+            **_moe_fields(family, cfg),
         )
 
     @classmethod
@@ -154,6 +196,21 @@ class ModelSpec:
         if not config_file.is_file():
             raise FileNotFoundError(f"{config_file}: no config.json in the model directory")
         return cls.from_hf_config(json.loads(config_file.read_text()))
+
+
+def _moe_fields(family: str, cfg: dict) -> dict:
+    """The expert fields of a MoE config (transformers 5 writes `num_local_experts` for
+    Qwen3-MoE; released checkpoints say `num_experts`)."""
+    if family not in MOE_FAMILIES:
+        return {}
+    experts = cfg.get("num_experts") or cfg.get("num_local_experts")
+    if not experts:
+        raise UnsupportedModelError(f"{family}: config has no num_experts / num_local_experts")
+    return dict(num_experts=int(experts), experts_per_token=int(cfg["num_experts_per_tok"]),
+                moe_ffn=int(cfg["moe_intermediate_size"] if family == "qwen3_moe"
+                            else cfg["intermediate_size"]),
+                norm_topk_prob=bool(cfg.get("norm_topk_prob", True))
+                if family == "qwen3_moe" else True)
 
 
 def _reject_unsupported(cfg: dict) -> None:
@@ -165,7 +222,7 @@ def _reject_unsupported(cfg: dict) -> None:
                         "supported through its own architecture)")
     if cfg.get("mlp_bias"):
         problems.append("mlp_bias=true (MLP biases)")
-    if cfg.get("use_sliding_window") or (cfg.get("model_type") == "mistral"
+    if cfg.get("use_sliding_window") or (cfg.get("model_type") in ("mistral", "mixtral")
                                          and cfg.get("sliding_window")):
         problems.append(f"sliding_window={cfg.get('sliding_window')} (sliding-window attention)")
     if (cfg.get("model_type") == "qwen2" and cfg.get("head_dim")
@@ -173,6 +230,14 @@ def _reject_unsupported(cfg: dict) -> None:
         # vLLM's Qwen2 always uses hidden_size // num_attention_heads.
         problems.append(f"head_dim={cfg['head_dim']} != hidden_size // num_attention_heads "
                         "for qwen2")
+    if cfg.get("model_type") == "qwen3_moe" and (cfg.get("mlp_only_layers")
+                                                 or cfg.get("decoder_sparse_step", 1) != 1):
+        problems.append(f"mlp_only_layers={cfg.get('mlp_only_layers')}, decoder_sparse_step="
+                        f"{cfg.get('decoder_sparse_step')} (dense layers among MoE layers)")
+    if cfg.get("model_type") == "qwen3_moe" and cfg.get("shared_expert_intermediate_size"):
+        problems.append("shared_expert_intermediate_size (shared experts)")
+    if cfg.get("model_type") == "mixtral" and cfg.get("router_jitter_noise"):
+        problems.append(f"router_jitter_noise={cfg['router_jitter_noise']} (random routing)")
     if cfg.get("pretraining_tp", 1) not in (1, None):
         problems.append(f"pretraining_tp={cfg['pretraining_tp']}")
     if problems:

@@ -19,6 +19,13 @@ class ParallelConfig:
     use_distributed_optimizer: shard optimizer state over DP (ZeRO-1 as in Megatron).
     first_stage_layers / last_stage_layers: uneven PP — layers on the first / last stage;
         the rest are spread evenly over the middle stages.
+    ep: expert-parallel size (mixture-of-experts models): each EP rank holds experts/ep of
+        every layer's experts. As in megatron-core, the expert grid (etp · ep · expert-DP) is
+        laid over the same ranks as the dense tp · dp ranks of a stage: etp · ep must divide
+        tp · dp (EP2 with tp=1 needs dp=2; TP2·EP2 fits on 2 ranks with etp=1).
+    etp: expert tensor-parallel size: each expert's MLP is split over etp ranks; None = tp
+        (megatron-core's default). Training a MoE model at tp > 1 needs sequence_parallel
+        (megatron-core 0.16.1's MoELayer refuses to train without it; forward-only runs).
     """
 
     tp: int = 1
@@ -29,14 +36,22 @@ class ParallelConfig:
     use_distributed_optimizer: bool = False
     first_stage_layers: int | None = None
     last_stage_layers: int | None = None
+    ep: int = 1
+    etp: int | None = None
 
     def __post_init__(self) -> None:
-        for name in ("tp", "pp", "dp"):
+        for name in ("tp", "pp", "dp", "ep"):
             if getattr(self, name) < 1:
                 raise ConfigError(name, getattr(self, name), "must be >= 1")
         if self.vpp is not None and (self.vpp < 2 or self.pp < 2):
             raise ConfigError("vpp", self.vpp, "virtual pipeline needs vpp >= 2 and pp >= 2 "
                                                "(use null to turn it off)")
+        if self.etp is not None and self.etp < 1:
+            raise ConfigError("etp", self.etp, "must be >= 1 (or null: the same as tp)")
+        if (self.tp * self.dp) % (self.expert_tp * self.ep):
+            raise ConfigError("ep", self.ep, f"etp * ep = {self.expert_tp}*{self.ep} must divide "
+                                             f"tp * dp = {self.tp}*{self.dp} (the expert grid "
+                                             "lies on the ranks of one pipeline stage)")
         if self.sequence_parallel and self.tp == 1:
             raise ConfigError("sequence_parallel", True, "needs tp > 1")
         uneven = (self.first_stage_layers, self.last_stage_layers)
@@ -57,9 +72,34 @@ class ParallelConfig:
         for what, count in (("num_attention_heads", spec.heads),
                             ("num_key_value_heads", spec.kv_heads),
                             ("intermediate_size", spec.ffn)):
-            if count % self.tp:
+            if count % self.tp and not (what == "intermediate_size" and spec.is_moe):
                 raise ConfigError("tp", self.tp, f"does not divide {what}={count}")
+        self._check_experts(spec)
         self.stage_layer_counts(spec.layers)
+
+    def _check_experts(self, spec) -> None:
+        """EP must split the experts evenly and expert-TP each expert's MLP; EP needs experts."""
+        if not spec.is_moe:
+            if self.ep > 1:
+                raise ConfigError("ep", self.ep, f"needs a mixture-of-experts model "
+                                                 f"({spec.architecture} has no experts)")
+            return
+        if spec.num_experts % self.ep:
+            raise ConfigError("ep", self.ep, f"does not divide num_experts={spec.num_experts}")
+        if spec.moe_ffn % self.expert_tp:
+            raise ConfigError("etp", self.expert_tp,
+                              f"does not divide moe_intermediate_size={spec.moe_ffn}")
+
+
+    @property
+    def expert_tp(self) -> int:
+        """Expert tensor-parallel size (etp, defaulting to tp)."""
+        return self.tp if self.etp is None else self.etp
+
+    @property
+    def expert_dp(self) -> int:
+        """Expert data-parallel size: replicas of each expert within a stage."""
+        return self.tp * self.dp // (self.expert_tp * self.ep)
 
     @property
     def world_size(self) -> int:
@@ -109,3 +149,10 @@ class ParallelConfig:
         """Inverse of `rank_of`: {"tp": ..., "pp": ..., "dp": ...}."""
         return {"tp": rank % self.tp, "dp": (rank // self.tp) % self.dp,
                 "pp": rank // (self.tp * self.dp)}
+
+    def expert_coords_of(self, rank: int) -> dict[str, int]:
+        """A rank's place on the expert grid, in megatron-core's expert order tp-ep-dp-pp (over
+        the same ranks of a stage as the dense tp-dp order): {"etp", "ep", "edp", "pp"}."""
+        within = rank % (self.tp * self.dp)
+        return {"etp": within % self.expert_tp, "ep": (within // self.expert_tp) % self.ep,
+                "edp": within // (self.expert_tp * self.ep), "pp": rank // (self.tp * self.dp)}

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import datetime
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -23,6 +23,9 @@ class Axis(str, enum.Enum):
     TP = "tp"
     PP = "pp"
     DP = "dp"
+    EP = "ep"     # expert parallel: splits a layer's experts
+    ETP = "etp"   # expert tensor parallel: splits each expert's MLP
+    EDP = "edp"   # expert data parallel: replicas of an expert (tp·dp / (etp·ep) per stage)
 
 
 def default_backend() -> str:
@@ -35,7 +38,8 @@ class ParallelGroups:
     """The training grid: its config, this rank's coordinates and the group of each axis.
 
     `megatron` is megatron-core's `ProcessGroupCollection` for the same groups, for the
-    megatron modules that take a `pg_collection` argument.
+    megatron modules that take a `pg_collection` argument. `expert_coords`: this rank's place
+    on the expert grid ({"etp", "ep", "edp", "pp"}, see ParallelConfig.expert_coords_of).
     """
 
     config: ParallelConfig
@@ -43,15 +47,19 @@ class ParallelGroups:
     coords: dict
     groups: dict
     megatron: object
+    expert_coords: dict = field(default_factory=lambda: {"etp": 0, "ep": 0, "edp": 0})
 
     def group(self, axis: Axis) -> dist.ProcessGroup:
         return self.groups[Axis(axis)]
 
     def rank_in(self, axis: Axis) -> int:
-        return self.coords[Axis(axis).value]
+        axis = Axis(axis)
+        return self.coords[axis.value] if axis.value in self.coords else \
+            self.expert_coords[axis.value]
 
     def size_of(self, axis: Axis) -> int:
-        return getattr(self.config, Axis(axis).value)
+        return {Axis.ETP: self.config.expert_tp, Axis.EDP: self.config.expert_dp}.get(
+            Axis(axis)) or getattr(self.config, Axis(axis).value)
 
     @property
     def is_first_stage(self) -> bool:
@@ -83,6 +91,8 @@ def init_training_groups(config: ParallelConfig, *, timeout_s: float = 600.0) ->
         tensor_model_parallel_size=config.tp,
         pipeline_model_parallel_size=config.pp,
         virtual_pipeline_model_parallel_size=config.vpp,
+        expert_model_parallel_size=config.ep,
+        expert_tensor_parallel_size=config.expert_tp,
         distributed_timeout_minutes=max(1, int(timeout_s // 60)),
     )
     rank = dist.get_rank()
@@ -92,11 +102,21 @@ def init_training_groups(config: ParallelConfig, *, timeout_s: float = 600.0) ->
     if coords != config.coords_of(rank):
         raise RuntimeError(f"megatron-core placed rank {rank} at {coords}, but mcore-rl's grid "
                            f"order expects {config.coords_of(rank)}")
+    expert_coords = {"etp": mpu.get_expert_tensor_parallel_rank(),
+                     "ep": mpu.get_expert_model_parallel_rank(),
+                     "edp": mpu.get_expert_data_parallel_rank(), "pp": coords["pp"]}
+    if expert_coords != config.expert_coords_of(rank):
+        raise RuntimeError(f"megatron-core placed rank {rank} at {expert_coords} on the expert "
+                           f"grid, but mcore-rl expects {config.expert_coords_of(rank)}")
     groups = {Axis.TP: mpu.get_tensor_model_parallel_group(),
               Axis.PP: mpu.get_pipeline_model_parallel_group(),
-              Axis.DP: mpu.get_data_parallel_group()}
+              Axis.DP: mpu.get_data_parallel_group(),
+              Axis.EP: mpu.get_expert_model_parallel_group(),
+              Axis.ETP: mpu.get_expert_tensor_parallel_group(),
+              Axis.EDP: mpu.get_expert_data_parallel_group()}
     return ParallelGroups(config=config, rank=rank, coords=coords, groups=groups,
-                          megatron=ProcessGroupCollection.use_mpu_process_groups())
+                          megatron=ProcessGroupCollection.use_mpu_process_groups(),
+                          expert_coords=expert_coords)
 
 
 def destroy_training_groups() -> None:

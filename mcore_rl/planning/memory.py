@@ -72,12 +72,19 @@ DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "float32": 4, "bfloat16": 2, "fl
 # --- parameters per rank ----------------------------------------------------------------------
 
 
-def mcore_layer_params(spec: ModelSpec, tp: int) -> int:
+def mcore_layer_params(spec: ModelSpec, tp: int, ep: int = 1, etp: int | None = None) -> int:
     """Parameters of one decoder layer on one Megatron TP rank: qkv [(q + 2kv)/tp, h] (+ bias),
-    proj [h, q/tp], fc1 [2·ffn/tp, h], fc2 [h, ffn/tp], two norms [h] (replicated)."""
+    proj [h, q/tp], fc1 [2·ffn/tp, h], fc2 [h, ffn/tp], two norms [h] (replicated), q/k norms
+    [head_dim] (Qwen3). A MoE layer instead of fc1/fc2: the router [experts, h] (replicated)
+    and this EP rank's experts/ep experts, each split over expert-TP `etp` (default tp)."""
     qkv_out = spec.q_dim + 2 * spec.kv_dim
     qkv = spec.hidden * qkv_out + (qkv_out if spec.qkv_bias else 0)
-    return (qkv + spec.q_dim * spec.hidden + 3 * spec.ffn * spec.hidden) // tp + 2 * spec.hidden
+    norms = 2 * spec.hidden + (2 * spec.head_dim if spec.qk_norm else 0)
+    if spec.is_moe:
+        experts = spec.num_experts // ep * 3 * spec.moe_ffn * spec.hidden // (etp or tp)
+        return ((qkv + spec.q_dim * spec.hidden) // tp + experts
+                + spec.num_experts * spec.hidden + norms)
+    return (qkv + spec.q_dim * spec.hidden + 3 * spec.ffn * spec.hidden) // tp + norms
 
 
 def mcore_stage_params(spec: ModelSpec, parallel: ParallelConfig, stage: int,
@@ -89,7 +96,7 @@ def mcore_stage_params(spec: ModelSpec, parallel: ParallelConfig, stage: int,
     tp = parallel.tp
     counts = parallel.stage_layer_counts(spec.layers)
     vocab_rows = spec.mcore_padded_vocab(tp) // tp
-    n = counts[stage] * mcore_layer_params(spec, tp)
+    n = counts[stage] * mcore_layer_params(spec, tp, parallel.ep, parallel.expert_tp)
     if stage == 0:
         n += vocab_rows * spec.hidden
     if stage == parallel.pp - 1:
@@ -112,7 +119,11 @@ def vllm_rank_params(spec: ModelSpec, tp: int) -> int:
     q = spec.q_dim // tp
     kv = vllm_kv_heads_per_rank(spec, tp) * spec.head_dim
     qkv = spec.hidden * (q + 2 * kv) + ((q + 2 * kv) if spec.qkv_bias else 0)
-    layer = qkv + q * spec.hidden + 3 * spec.ffn * spec.hidden // tp + 2 * spec.hidden
+    layer = qkv + q * spec.hidden + 2 * spec.hidden + (2 * spec.head_dim if spec.qk_norm else 0)
+    if spec.is_moe:  # vLLM: every expert on every rank, each split over TP; router replicated
+        layer += spec.num_experts * (3 * spec.moe_ffn * spec.hidden // tp + spec.hidden)
+    else:
+        layer += 3 * spec.ffn * spec.hidden // tp
     vocab_rows = -(-spec.vocab // VLLM_VOCAB_PADDING) * VLLM_VOCAB_PADDING // tp
     heads = 1 if spec.tied_embeddings else 2
     return spec.layers * layer + heads * vocab_rows * spec.hidden + spec.hidden

@@ -186,21 +186,25 @@ def _overlapping(boxes: list[Box]) -> bool:
 
 def _split_to_fit(transfers: list[Transfer], bucket_bytes: int,
                   element_size: int) -> list[Transfer]:
-    """Cut transfers larger than a bucket along their leading dim (at least one row each)."""
+    """Cut transfers larger than a bucket along the HF tensor's leading dim (at least one row
+    each). A stacked expert box carries an extra leading extent-1 dim: it is kept whole."""
     out = []
     for t in transfers:
         nbytes = t.numel * element_size
         if nbytes <= bucket_bytes:
             out.append(t)
             continue
-        (s0, s1), *rest = t.src_box
-        (d0, _), *drest = t.dst_box
+        common = min(len(t.src_box), len(t.dst_box))
+        s_lead, d_lead = len(t.src_box) - common, len(t.dst_box) - common
+        (s0, s1), *rest = t.src_box[s_lead:]
+        (d0, _), *drest = t.dst_box[d_lead:]
         row_bytes = max(1, nbytes // (s1 - s0))
         step = max(1, bucket_bytes // row_bytes)
         for start in range(0, s1 - s0, step):
             stop = min(start + step, s1 - s0)
-            out.append(Transfer(t.src_rank, t.src_key, ((s0 + start, s0 + stop), *rest),
-                                t.dst_rank, t.dst_key, ((d0 + start, d0 + stop), *drest)))
+            out.append(Transfer(
+                t.src_rank, t.src_key, (*t.src_box[:s_lead], (s0 + start, s0 + stop), *rest),
+                t.dst_rank, t.dst_key, (*t.dst_box[:d_lead], (d0 + start, d0 + stop), *drest)))
     return out
 
 

@@ -78,6 +78,8 @@ class TrainConfig:
     into micro batches of at most this many tokens, one [1, T] row each
     (`mcore_rl.trainer.packing`); micro_batch_size is then unused. >= seq_len, so every row
     fits; with sequence parallelism a multiple of tp.
+    moe_dispatcher: mixture-of-experts token dispatcher, "allgather" or "alltoall".
+    moe_aux_loss_coeff: MoE load-balancing aux loss weight; 0 = off (the loss is the LM loss).
     """
 
     micro_batch_size: int = 4
@@ -88,8 +90,14 @@ class TrainConfig:
     recompute: Literal["none", "selective", "full"] = "none"
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     max_tokens_per_micro_batch: int | None = None
+    moe_dispatcher: Literal["allgather", "alltoall"] = "allgather"
+    moe_aux_loss_coeff: float = 0.0
 
     def __post_init__(self) -> None:
+        if self.moe_dispatcher not in ("allgather", "alltoall"):
+            raise ConfigError("moe_dispatcher", self.moe_dispatcher, "allgather or alltoall")
+        if self.moe_aux_loss_coeff < 0:
+            raise ConfigError("moe_aux_loss_coeff", self.moe_aux_loss_coeff, "must be >= 0")
         for name in ("micro_batch_size", "num_micro_batches", "seq_len"):
             if getattr(self, name) < 1:
                 raise ConfigError(name, getattr(self, name), "must be >= 1")
@@ -117,6 +125,9 @@ def check_model_fits_parallel(spec: ModelSpec, parallel: ParallelConfig,
         raise err.under("parallel") from None
     if train is None:
         return
+    if spec.is_moe and tp > 1 and not parallel.sequence_parallel:
+        raise ConfigError("parallel.sequence_parallel", False, "training a mixture-of-experts "
+                          "model at tp > 1 needs it (megatron-core's MoELayer refuses otherwise)")
     if parallel.sequence_parallel and train.seq_len % tp:
         raise ConfigError("train.seq_len", train.seq_len,
                           f"sequence_parallel needs it divisible by parallel.tp={tp}")

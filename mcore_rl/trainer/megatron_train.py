@@ -36,7 +36,7 @@ from megatron.core.transformer.module import Float16Module
 from megatron.core.utils import get_model_config
 
 from mcore_rl.compat import apply_cpu_compat
-from mcore_rl.models.gpt import build_gpt_model, transformer_config_from_spec
+from mcore_rl.models.gpt import MoEOptions, build_gpt_model, transformer_config_from_spec
 from mcore_rl.models.spec import ModelSpec
 from mcore_rl.parallel.config import ParallelConfig
 from mcore_rl.parallel.groups import Axis, ParallelGroups
@@ -100,7 +100,9 @@ def setup_trainer(spec: ModelSpec, groups: ParallelGroups, train: TrainConfig,
     check_model_fits_parallel(spec, parallel, train)
     dtype = DTYPES[train.dtype]
     config = transformer_config_from_spec(spec, parallel, params_dtype=dtype,
-                                          recompute=train.recompute, layer_spec=layer_spec)
+                                          recompute=train.recompute, layer_spec=layer_spec,
+                                          moe=MoEOptions(train.moe_dispatcher,
+                                                         train.moe_aux_loss_coeff))
     chunks = build_gpt_model(spec, parallel, groups, params_dtype=dtype, seed=train.seed,
                              config=config, layer_spec=layer_spec)
     if load_weights is not None:

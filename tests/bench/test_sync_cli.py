@@ -42,7 +42,33 @@ def test_plan_only_projects_70b_against_the_baseline(capsys):
     assert "GB/s" in out.out
 
 
+def test_moe_sync_tp2ep2_is_bit_exact_and_each_rank_gets_only_its_shards(capsys):
+    # TP2·EP2 (experts whole on each EP rank) → vLLM TP2: stacked w13/w2 per inference rank
+    code, report, _ = run_cli(capsys, "bench", "sync", "--model", "micro-moe", "--train-tp",
+                              "2", "--train-ep", "2", "--train-etp", "1", "--infer-tp", "2",
+                              "--bucket-mb", "0.0625", "--check")
+    assert code == 0 and report["check"] == "pass"
+    assert report["train"] == "tp2 pp1 vpp1 dp1 ep2 etp1"
+    assert report["received_over_ideal"] == 1.0
+
+
+def test_plan_only_projects_qwen3_30b_a3b_with_expert_parallel(capsys):
+    code, report, out = run_cli(capsys, "bench", "sync", "--plan-only", "--model",
+                                "qwen3-30b-a3b", "--train-tp", "4", "--train-dp", "2",
+                                "--train-ep", "8", "--train-etp", "1", "--infer-tp", "8",
+                                "--dtype", "bf16", "--bucket-mb", "512")
+    assert code == 0
+    assert report["baseline_projected_s"] > report["projected_s"] > 0
+    # every inference rank receives exactly its own shards: 1/8 of the ~61 GB, nothing more
+    assert report["received_over_ideal"] == 1.0
+    assert report["max_rank_bytes_received"] < report["model_bytes"] / 7.5
+    assert "its own shards" in out.out
+
+
 @pytest.mark.parametrize("argv, message", [
+    (["--model", "micro-moe", "--train-dp", "3", "--train-ep", "3"],
+     "parallel.ep=3: does not divide num_experts=4"),
+    (["--train-dp", "2", "--train-ep", "2"], "parallel.ep=2: needs a mixture-of-experts model"),
     (["--train-tp", "3"], "parallel.tp=3: does not divide num_attention_heads=4"),
     (["--infer-tp", "3"], "vLLM tp=3 does not divide num_attention_heads=4"),
     (["--model", "no-such-model"], "neither a preset"),

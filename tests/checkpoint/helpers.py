@@ -20,6 +20,9 @@ FAMILIES = {
     "qwen2_tied_bias": MICRO.with_(family="qwen2", architecture="Qwen2ForCausalLM",
                                    qkv_bias=True, tied_embeddings=True, rope_theta=1e6,
                                    norm_eps=1e-6),
+    # Qwen3: q/k norms ([head_dim] per layer, stacked like every layer tensor), head_dim 48.
+    "qwen3": MICRO.with_(family="qwen3", architecture="Qwen3ForCausalLM", qk_norm=True,
+                         head_dim=48, rope_theta=1e6, norm_eps=1e-6),
 }
 
 

@@ -72,7 +72,11 @@ def _del(name):
      "model.layers.0.mlp.extra.weight"),
     (lambda t: t.update({"model.layers.1.self_attn.k_proj.weight": torch.zeros(32, 128)}), None,
      "tensor model.layers.1.self_attn.k_proj.weight has shape (32, 128), expected (64, 128)"),
-], ids=["unknown_architecture", "missing_tensor", "extra_tensor", "wrong_shape"])
+    # mixture of experts: trained and synced, not converted yet — refused before any byte moves
+    (None, lambda c: c.update(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe",
+                              num_experts=4, moe_intermediate_size=64, num_experts_per_tok=2),
+     "Qwen3MoeForCausalLM (4 experts): mixture-of-experts checkpoints are not converted yet"),
+], ids=["unknown_architecture", "missing_tensor", "extra_tensor", "wrong_shape", "moe"])
 def test_bad_hf_source_is_refused(src, tmp_path, capsys, mutate, config, expected):
     bad = _copy_with(src, tmp_path / "bad", mutate, config)
     dst = tmp_path / "out"

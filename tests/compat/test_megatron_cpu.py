@@ -18,7 +18,7 @@ from mcore_rl.launch.spawn import run_on_ranks
 SHIMS = ("cuda_to_cpu_mode", "current_device", "default_causal_mask", "rng_get_state",
          "rng_set_state", "rng_tracker_add", "fp16_optimizer_type_check",
          "distrib_optimizer_type_check", "clip_grad_type_check", "torch_norm_sequence_parallel",
-         "checkpoint_preload_sync")
+         "checkpoint_preload_sync", "moe_router_gemm", "moe_alltoall_streams")
 
 
 # --- probes: each exercises the upstream code one shim is for and returns what it observed ----
@@ -157,6 +157,41 @@ def _checkpoint_preload():
     return tensors[0][1].tolist()
 
 
+def _moe_router_gemm():
+    # the router's linear (RouterGatingLinearFunction) reads moe_utils.te_general_gemm
+    from megatron.core.transformer.moe import moe_utils
+
+    inp = torch.arange(6.0).reshape(2, 3)
+    weight = torch.arange(12.0).reshape(4, 3) / 10
+    return torch.equal(moe_utils.router_gating_linear(inp, weight, None, torch.float32),
+                       inp @ weight.t())
+
+
+def _moe_alltoall_dispatcher():
+    """Build the alltoall dispatcher (one-rank groups) and run its host-copy step: the split
+    sizes must come out as the numpy arrays all_to_all_single takes, the token counts as given."""
+    import torch.distributed as dist
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    world = dist.group.WORLD
+    config = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=2,
+                               num_moe_experts=2, moe_token_dispatcher_type="alltoall",
+                               use_cpu_initialization=True)
+    dispatcher = MoEAlltoAllTokenDispatcher(
+        2, [0, 1], config=config,
+        pg_collection=ProcessGroupCollection(ep=world, expt_tp=world, tp_ep=world))
+    splits = ("input_splits", "output_splits", "output_splits_tp")
+    for name in splits:
+        setattr(dispatcher, name, torch.tensor([3]))
+    tokens = torch.tensor([1, 2])
+    out = dispatcher._maybe_dtoh_and_synchronize(dispatcher.cuda_dtoh_point, tokens)
+    return out is tokens, [type(getattr(dispatcher, n)).__name__ for n in splits]
+
+
 # shim → (probe, its value with the shim, the upstream failure it fixes: error regex, or None
 # when upstream silently does the wrong thing).
 PROBES = {
@@ -181,6 +216,9 @@ PROBES = {
     "torch_norm_sequence_parallel": (_torch_norm_sp, ("RMSNorm", True, False),
                                      "sequence parallel not supported by torch LayerNorm"),
     "checkpoint_preload_sync": (_checkpoint_preload, [0.0, 1.0, 2.0], "not compiled with CUDA"),
+    "moe_router_gemm": (_moe_router_gemm, True, "NameError: name 'te_general_gemm'"),
+    "moe_alltoall_streams": (_moe_alltoall_dispatcher, (True, ["ndarray"] * 3),
+                             "torch.cuda.Stream requires CUDA"),
 }
 
 

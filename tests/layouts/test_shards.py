@@ -16,7 +16,15 @@ FAMILIES = {
     "mistral": MICRO.with_(architecture="MistralForCausalLM", heads=8, kv_heads=2, head_dim=32),
     "qwen2-tied-bias": MICRO.with_(family="qwen2", architecture="Qwen2ForCausalLM",
                                    qkv_bias=True, tied_embeddings=True),
+    # q/k norms of size head_dim, head_dim 48 != hidden / heads
+    "qwen3": MICRO.with_(family="qwen3", architecture="Qwen3ForCausalLM", qk_norm=True,
+                         head_dim=48),
 }
+QWEN3_MOE = MICRO.with_(family="qwen3_moe", architecture="Qwen3MoeForCausalLM", qk_norm=True,
+                        num_experts=4, moe_ffn=64, experts_per_token=2)
+MIXTRAL = MICRO.with_(family="mixtral", architecture="MixtralForCausalLM", num_experts=4,
+                      moe_ffn=256, experts_per_token=2)
+MOE = {"qwen3-moe": QWEN3_MOE, "mixtral": MIXTRAL}
 
 
 def random_hf_state(spec, seed=0):
@@ -139,4 +147,96 @@ def test_vpp_chunks_get_interleaved_global_layers():
 ])
 def test_impossible_grids_are_refused_with_the_reason(make, message):
     with pytest.raises(Exception, match=message.replace("·", ".")):
+        make()
+
+
+@pytest.mark.parametrize("family", MOE)
+@pytest.mark.parametrize("parallel", [
+    ParallelConfig(),                                   # one process: all experts local
+    ParallelConfig(dp=2, ep=2),                         # EP2: 2 experts per rank
+    ParallelConfig(tp=2, ep=2, etp=1),                  # TP2·EP2 on 2 ranks, experts whole
+    ParallelConfig(tp=2, dp=2, ep=2),                   # expert-TP 2 (etp = tp) and EP2
+    ParallelConfig(pp=2, vpp=2, tp=2, dp=2, ep=4, etp=1),  # VPP chunks, EP4 over TP2·DP2
+], ids=["tp1", "ep2", "tp2ep2", "etp2ep2", "pp2vpp2ep4"])
+def test_moe_hf_megatron_hf_round_trip_is_bit_exact(family, parallel):
+    spec = MOE[family]
+    state = random_hf_state(spec)
+    smap = megatron_shards(spec, parallel)
+    local = {r: materialize_rank(smap, r, state.__getitem__) for r in smap.ranks}
+    back = assemble_hf(smap, local)
+    assert back.keys() == state.keys()
+    assert all(torch.equal(back[n], state[n]) for n in state)
+
+
+@pytest.mark.parametrize("family", MOE)
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_moe_hf_vllm_hf_round_trip_is_bit_exact(family, tp):
+    spec = MOE[family]
+    state = random_hf_state(spec)
+    smap = vllm_shards(spec, tp)
+    back = assemble_hf(smap, {r: materialize_rank(smap, r, state.__getitem__)
+                              for r in smap.ranks})
+    assert all(torch.equal(back[n], state[n]) for n in state)
+
+
+def test_megatron_experts_are_local_per_ep_rank_with_gate_then_up_per_etp_rank():
+    # 4 experts over EP2: rank with ep1 holds global experts 2, 3 as local 0, 1; etp=2 splits
+    # each expert's [gate; up] into [gate_r; up_r].
+    spec, parallel = QWEN3_MOE, ParallelConfig(tp=2, dp=2, ep=2)
+    state = random_hf_state(spec)
+    rank = next(r for r in range(4) if parallel.expert_coords_of(r) == {
+        "etp": 1, "ep": 1, "edp": 0, "pp": 0})
+    local = materialize_rank(megatron_shards(spec, parallel), rank, state.__getitem__)
+    half = spec.moe_ffn // 2
+    for j, expert in enumerate((2, 3)):
+        e = f"model.layers.1.mlp.experts.{expert}"
+        fc1 = local[f"decoder.layers.1.mlp.experts.local_experts.{j}.linear_fc1.weight"]
+        assert torch.equal(fc1, torch.cat([state[f"{e}.gate_proj.weight"][half:],
+                                           state[f"{e}.up_proj.weight"][half:]]))
+        fc2 = local[f"decoder.layers.1.mlp.experts.local_experts.{j}.linear_fc2.weight"]
+        assert torch.equal(fc2, state[f"{e}.down_proj.weight"][:, half:])
+    assert "decoder.layers.1.mlp.experts.local_experts.2.linear_fc1.weight" not in local
+    assert torch.equal(local["decoder.layers.1.mlp.router.weight"],
+                       state["model.layers.1.mlp.gate.weight"])
+
+
+def test_vllm_fused_moe_stacks_every_expert_with_gate_then_up_per_tp_rank():
+    # vLLM FusedMoE w13_weight [E, 2·I/tp, H], w2_weight [E, H, I/tp] (routed_experts.py).
+    spec = MIXTRAL
+    state = random_hf_state(spec)
+    local = materialize_rank(vllm_shards(spec, 2), 1, state.__getitem__)
+    w13 = local["model.layers.0.block_sparse_moe.experts.w13_weight"]
+    w2 = local["model.layers.0.block_sparse_moe.experts.w2_weight"]
+    half = spec.moe_ffn // 2
+    assert w13.shape == (4, spec.moe_ffn, spec.hidden) and w2.shape == (4, spec.hidden, half)
+    for e in range(4):
+        p = f"model.layers.0.block_sparse_moe.experts.{e}"
+        assert torch.equal(w13[e], torch.cat([state[f"{p}.w1.weight"][half:],
+                                              state[f"{p}.w3.weight"][half:]]))
+        assert torch.equal(w2[e], state[f"{p}.w2.weight"][:, half:])
+    assert torch.equal(local["model.layers.0.block_sparse_moe.gate.weight"],
+                       state["model.layers.0.block_sparse_moe.gate.weight"])
+
+
+def test_qwen3_qk_norms_are_whole_on_every_rank():
+    spec = FAMILIES["qwen3"]
+    for smap in (megatron_shards(spec, ParallelConfig(tp=2)), vllm_shards(spec, 4)):
+        for tensors in smap.ranks.values():
+            key = next(k for k in tensors if k.endswith(("q_layernorm.weight", "q_norm.weight")))
+            assert tensors[key].shape == (spec.head_dim,)
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda: megatron_shards(QWEN3_MOE, ParallelConfig(dp=3, ep=3)),
+     "parallel.ep=3: does not divide num_experts=4"),
+    (lambda: megatron_shards(QWEN3_MOE, ParallelConfig(tp=2, dp=2, ep=2, etp=4)),
+     "etp \\* ep = 4\\*2 must divide tp \\* dp"),
+    (lambda: megatron_shards(MICRO, ParallelConfig(dp=2, ep=2)),
+     "parallel.ep=2: needs a mixture-of-experts model"),
+    (lambda: megatron_shards(QWEN3_MOE, ParallelConfig(tp=2, dp=3, ep=3, etp=2)),
+     "does not divide num_experts=4"),
+    (lambda: vllm_shards(QWEN3_MOE.with_(moe_ffn=66), 4), "expert_ffn|units are not divisible"),
+])
+def test_impossible_expert_grids_are_refused_with_the_reason(make, message):
+    with pytest.raises(Exception, match=message):
         make()

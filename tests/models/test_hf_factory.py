@@ -52,6 +52,10 @@ def qwen2_dir(tmp_path_factory, tok_dir):
     MICRO.with_(head_dim=64),                                   # head_dim != hidden / heads
     MICRO.with_(architecture="MistralForCausalLM"),            # Mistral is llama-family
     PRESETS["llama3-8b"].with_(rope_scaling=LLAMA3_SCALING, max_positions=131072),
+    MICRO.with_(family="qwen3", architecture="Qwen3ForCausalLM", qk_norm=True, head_dim=48),
+    PRESETS["micro-moe"].with_(norm_topk_prob=False),
+    MICRO.with_(family="mixtral", architecture="MixtralForCausalLM", num_experts=4,
+                moe_ffn=256, experts_per_token=2),
 ], ids=lambda s: f"{s.architecture}-h{s.hidden}-L{s.layers}")
 def test_config_round_trip(spec):
     config = hf_config_from_spec(spec)
@@ -192,3 +196,20 @@ def test_vllm_loads_dir_and_matches_hf_greedy(micro_dir, qwen2_dir):
         assert got[name]["ids"] == hf_out, name
         assert got[name]["text_prompt_ids"] == prompt_ids, name
         assert got[name]["text_ids"] == hf_out, name
+
+
+def test_released_qwen3_moe_config_reads_num_experts_and_rejects_dense_layers():
+    # Qwen/Qwen3-30B-A3B config.json fields (released checkpoints say num_experts)
+    cfg = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
+           "hidden_size": 2048, "intermediate_size": 6144, "moe_intermediate_size": 768,
+           "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
+           "num_hidden_layers": 48, "vocab_size": 151936, "num_experts": 128,
+           "num_experts_per_tok": 8, "norm_topk_prob": True, "decoder_sparse_step": 1,
+           "mlp_only_layers": [], "rope_theta": 1000000.0, "rms_norm_eps": 1e-06,
+           "max_position_embeddings": 40960, "tie_word_embeddings": False,
+           "attention_bias": False, "use_sliding_window": False, "hidden_act": "silu"}
+    assert ModelSpec.from_hf_config(cfg) == PRESETS["qwen3-30b-a3b"]
+    assert abs(PRESETS["qwen3-30b-a3b"].num_params() / 1e9 - 30.53) < 0.01   # "30.5B"
+    assert abs(PRESETS["qwen3-235b-a22b"].num_params() / 1e9 - 235.09) < 0.01
+    with pytest.raises(UnsupportedModelError, match="mlp_only_layers=\\[0\\]"):
+        ModelSpec.from_hf_config({**cfg, "mlp_only_layers": [0]})

@@ -190,3 +190,28 @@ def test_cli_plan_memory(capsys):
     assert "te kernels" in out and "1×3 gpu (80 GiB)" in out
     assert main(["plan-memory", tiny]) == 0
     assert "local kernels" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("spec_name, parallel_kw", [
+    ("micro-moe", dict(dp=2, ep=2)),                     # EP2: half the experts per rank
+    ("micro-moe", dict(tp=2, ep=2, etp=1)),              # TP2·EP2: attention halves, experts whole
+    ("micro-moe", dict(tp=2, dp=2, ep=2, pp=2)),         # expert-TP2 (etp = tp) · EP2 · PP2
+    ("micro", dict(tp=2, pp=2)),                         # dense: unchanged
+])
+def test_stage_params_count_exactly_each_ranks_shards(spec_name, parallel_kw):
+    """The memory planner's per-rank parameter count equals the elements of the rank's shards in
+    the layout tables (expert parameters per EP rank included), on both sides."""
+    from mcore_rl.layouts import megatron_shards, vllm_shards
+    from mcore_rl.layouts.layout import box_numel
+    from mcore_rl.models.presets import get_preset
+    from mcore_rl.planning.memory import mcore_stage_params
+
+    spec, parallel = get_preset(spec_name), ParallelConfig(**parallel_kw)
+    smap = megatron_shards(spec, parallel)
+    for rank, tensors in smap.ranks.items():
+        held = sum(box_numel(tuple((0, n) for n in t.shape)) for t in tensors.values())
+        assert mcore_stage_params(spec, parallel, parallel.coords_of(rank)["pp"]) == held
+    for tp in (1, 2):
+        held = sum(box_numel(tuple((0, n) for n in t.shape))
+                   for t in vllm_shards(spec, tp).ranks[0].values())
+        assert vllm_rank_params(spec, tp) == held

@@ -22,6 +22,12 @@ MICRO = get_preset("micro")  # 4 heads, 2 kv heads, head_dim 32, 4 layers, vocab
 WIDE = MICRO.with_(heads=8, kv_heads=4, head_dim=16, hidden=128)
 QWEN_TIED = MICRO.with_(family="qwen2", architecture="Qwen2ForCausalLM", qkv_bias=True,
                         tied_embeddings=True, vocab=251)
+QWEN3 = MICRO.with_(family="qwen3", architecture="Qwen3ForCausalLM", qk_norm=True, head_dim=48,
+                    vocab=251)
+QWEN3_MOE = QWEN3.with_(family="qwen3_moe", architecture="Qwen3MoeForCausalLM", head_dim=32,
+                        num_experts=4, moe_ffn=64, experts_per_token=2)
+MIXTRAL = MICRO.with_(family="mixtral", architecture="MixtralForCausalLM", num_experts=4,
+                      moe_ffn=256, ffn=256, experts_per_token=2)
 BUCKET = 64 << 10
 
 # id: (model, training grid, vLLM TP, engines)
@@ -40,6 +46,16 @@ CASES = {
     "qwen2 tied pp2 uneven -> tp2": (QWEN_TIED, ParallelConfig(pp=2, first_stage_layers=1), 2, 1),
     # tied embeddings at TP down-sizing 2→1 with an odd vocabulary
     "qwen2 tied tp2 -> tp1": (QWEN_TIED, ParallelConfig(tp=2), 1, 1),
+    # q/k norms, head_dim 48, odd vocabulary, kv heads replicated over vLLM TP4
+    "qwen3 tp2 -> tp4 (kv replicated)": (QWEN3, ParallelConfig(tp=2), 4, 1),
+    # experts: EP2 (each training rank holds 2 of 4 experts) into vLLM's stacked w13/w2 at TP2
+    "qwen3-moe ep2 -> tp2": (QWEN3_MOE, ParallelConfig(dp=2, ep=2), 2, 1),
+    # TP2·EP2 on 2 ranks (experts whole, etp=1) down to vLLM TP1
+    "mixtral tp2ep2 -> tp1": (MIXTRAL, ParallelConfig(tp=2, ep=2, etp=1), 1, 1),
+    # PP2 stages of TP2·EP2, two engines at TP2
+    "mixtral pp2 tp2ep2 -> tp2 x2": (MIXTRAL, ParallelConfig(tp=2, ep=2, etp=1, pp=2), 2, 2),
+    # expert-TP2 (each expert's [gate; up] split like vLLM's) and EP2 over TP2·DP2 → TP2
+    "qwen3-moe etp2ep2 -> tp2": (QWEN3_MOE, ParallelConfig(tp=2, dp=2, ep=2), 2, 1),
 }
 MAX_RANKS = max(p.world_size + tp * e for _, p, tp, e in CASES.values())
 

@@ -15,7 +15,8 @@ import torch
 from mcore_rl.layouts import assemble_hf, megatron_shards
 from mcore_rl.parallel.config import ParallelConfig
 
-from .layout_run import SPEC, STEPS, from_numpy, global_batch, hf_init, layout_results
+from .layout_run import (MOE_PARTNERS, MOE_SPEC, SPEC, STEPS, from_numpy, global_batch, hf_init,
+                         layout_results, moe_layout_results)
 
 DTYPE_NAMES = {"fp32": "torch.float32", "bf16": "torch.bfloat16"}
 FP32 = dict(logits=1e-5, loss=1e-5, params=1e-5)
@@ -47,8 +48,8 @@ def reference():
     return {**out, "hf_params": _as_hf(ParallelConfig(), [out])}
 
 
-def _as_hf(parallel: ParallelConfig, ranks: list[dict]) -> dict[str, torch.Tensor]:
-    shard_map = megatron_shards(SPEC, parallel)
+def _as_hf(parallel: ParallelConfig, ranks: list[dict], spec=SPEC) -> dict[str, torch.Tensor]:
+    shard_map = megatron_shards(spec, parallel)
     return assemble_hf(shard_map, {r: from_numpy(out["params"]) for r, out in enumerate(ranks)})
 
 
@@ -124,3 +125,71 @@ def test_reference_learns_and_matches_hf(reference):
     init = hf_init(SPEC)
     moved = max(float((reference["hf_params"][k] - init[k]).abs().max()) for k in init)
     assert moved > 2e-3  # the 1e-5 parameter tolerance above is far below one step's update
+
+
+# Qwen3-MoE layouts, each trained in the launch of a dense layout of the same world size
+# (layout_run.MOE_PARTNERS), against the one-process MoE model.
+MOE_LAYOUTS = [
+    ("ep2_alltoall", dict(dp=2, ep=2)),                           # 2 of 4 experts per rank
+    ("tp2ep2_sp_alltoall", dict(tp=2, ep=2, etp=1, sequence_parallel=True)),  # etp=1 on TP2
+    ("pp2ep2", dict(pp=2, dp=2, ep=2)),                           # EP inside both stages
+    ("etp2ep2_sp", dict(tp=2, dp=2, ep=2, sequence_parallel=True)),  # expert-TP2 (allgather)
+]
+
+
+@pytest.fixture(scope="module")
+def moe_reference():
+    out = moe_layout_results({})[0]
+    return {**out, "hf_params": _as_hf(ParallelConfig(), [out], MOE_SPEC)}
+
+
+@pytest.mark.parametrize("layout_id,parallel_kw", MOE_LAYOUTS, ids=[r[0] for r in MOE_LAYOUTS])
+def test_moe_layout_matches_one_process_model(moe_reference, layout_id, parallel_kw):
+    parallel = ParallelConfig(**parallel_kw)
+    ranks = moe_layout_results(parallel_kw)
+    for out in ranks:
+        assert out["keys"] and out["load_error"] == 0.0
+    logits = _logits_by_micro_batch(parallel, ranks)
+    assert len(logits) == len(moe_reference["logits"])
+    for got, want in zip(logits, moe_reference["logits"]):
+        np.testing.assert_allclose(got, want, rtol=0, atol=FP32["logits"])
+    for out in ranks:
+        np.testing.assert_allclose(out["loss"], moe_reference["loss"], rtol=0, atol=FP32["loss"])
+        np.testing.assert_allclose(out["grad_norm"], moe_reference["grad_norm"],
+                                   rtol=10 * FP32["loss"])
+    got = _as_hf(parallel, ranks, MOE_SPEC)
+    assert got.keys() == moe_reference["hf_params"].keys()
+    worst, name = max((float((got[k] - moe_reference["hf_params"][k]).abs().max()), k)
+                      for k in got)
+    assert worst <= FP32["params"], \
+        f"max parameter difference after {STEPS} steps: {worst:.3g} ({name})"
+
+
+def test_moe_layouts_ride_in_dense_launches():
+    assert sorted(tuple(sorted(kw.items())) for _, kw in MOE_LAYOUTS) == sorted(
+        m for m, _ in MOE_PARTNERS.values() if m)
+
+
+def test_moe_reference_learns_and_matches_hf(moe_reference, tmp_path):
+    """The MoE reference's first loss is HF transformers' (Qwen3-MoE, same weights), its expert
+    weights move, and 3 steps lower the loss."""
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    from mcore_rl.models.hf_factory import hf_config_from_spec
+
+    hf_config_from_spec(MOE_SPEC).save_pretrained(tmp_path)
+    save_file(hf_init(MOE_SPEC), str(tmp_path / "model.safetensors"))
+    model = AutoModelForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float32).eval()
+    total, count = 0.0, 0.0
+    with torch.no_grad():
+        for mb in global_batch(MOE_SPEC):
+            logp = torch.log_softmax(model(mb["tokens"]).logits.float(), dim=-1)
+            token = logp.gather(-1, mb["labels"].unsqueeze(-1)).squeeze(-1)
+            total += float(-(token * mb["loss_mask"]).sum())
+            count += float(mb["loss_mask"].sum())
+    assert abs(moe_reference["loss"][0] - total / count) < 1e-5
+    assert moe_reference["loss"][-1] < moe_reference["loss"][0] - 0.1
+    init = hf_init(MOE_SPEC)
+    expert = "model.layers.0.mlp.experts.3.down_proj.weight"
+    assert float((moe_reference["hf_params"][expert] - init[expert]).abs().max()) > 2e-3
