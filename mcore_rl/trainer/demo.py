@@ -41,7 +41,7 @@ def model_dir_of(cfg, out: Path) -> Path:
     return hf_dir
 
 
-def run_demo(cfg, out: Path, resume: Path | None = None) -> dict:
+def run_demo(cfg, out: Path, resume: Path | None = None, command: str = "demo") -> dict:
     from mcore_rl.trainer.controller import RLController
     from mcore_rl.trainer.metrics import MetricsWriter, plot_run
     from mcore_rl.trainer.preflight import check_run
@@ -82,7 +82,7 @@ def run_demo(cfg, out: Path, resume: Path | None = None) -> dict:
                "reward_last5": sum(rewards[-k:]) / k, "steps": len(rewards),
                "wall_s": time.perf_counter() - start}
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
-    print(f"demo done in {summary['wall_s']:.0f} s: reward {summary['reward_first5']:.3f} "
+    print(f"{command} done in {summary['wall_s']:.0f} s: reward {summary['reward_first5']:.3f} "
           f"(mean of first {k} steps) -> {summary['reward_last5']:.3f} (last {k}); "
           f"run dir {out}")
     return summary
@@ -118,7 +118,7 @@ def _run(args) -> int:
     from mcore_rl.trainer.preflight import PreflightFailed
 
     try:
-        run_demo(cfg, args.out, getattr(args, "resume", None))
+        run_demo(cfg, args.out, getattr(args, "resume", None), command=args.command)
     except ConfigError as err:  # e.g. model.hf_dir that is not a checkpoint
         print(f"mcore-rl {args.command}: config error: {err}")
         return 2

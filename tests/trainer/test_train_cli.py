@@ -87,6 +87,7 @@ def test_train_on_a_jsonl_dataset_with_an_hf_checkpoint(tmp_path):
         "prompts_per_step=4", "samples_per_prompt=4", "updates_per_batch=1",
         "train.micro_batch_size=8", "train.max_tokens_per_micro_batch=64")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "train done in " in proc.stdout and "demo done" not in proc.stdout
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").open()]
     assert [r["step"] for r in rows] == [1, 2]
     for row in rows:
