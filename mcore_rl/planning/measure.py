@@ -131,60 +131,6 @@ def _all_storages(trainer) -> set[int]:
     return out
 
 
-def _setup(spec, groups, train, recompute: str):
-    """`trainer.megatron_train.setup_trainer` with megatron's recompute options set."""
-    from mcore_rl.compat import apply_cpu_compat
-    from mcore_rl.models.gpt import build_gpt_model, transformer_config_from_spec
-    from mcore_rl.trainer.config import DTYPES
-    from mcore_rl.trainer.megatron_train import (MegatronTrainer, build_optimizer,
-                                                 build_scheduler, wrap_ddp)
-    from megatron.core.distributed import finalize_model_grads
-
-    apply_cpu_compat()
-    dtype = DTYPES[train.dtype]
-    config = transformer_config_from_spec(spec, groups.config, params_dtype=dtype,
-                                          recompute=recompute)
-    chunks = build_gpt_model(spec, groups.config, groups, params_dtype=dtype, seed=train.seed,
-                             config=config)
-    model = wrap_ddp(chunks, config, groups)
-    optimizer = build_optimizer(model, train.optimizer, dtype, groups)
-    scheduler = build_scheduler(optimizer, train.optimizer)
-    # The schedule's hooks, as trainer.megatron_train sets them.
-    config.no_sync_func = [c.no_sync for c in model] if len(model) > 1 else model[0].no_sync
-    config.finalize_model_grads_func = finalize_model_grads
-    config.grad_scale_func = optimizer.scale_loss
-    return MegatronTrainer(spec=spec, config=config, model=model, optimizer=optimizer,
-                           scheduler=scheduler, groups=groups, train=train)
-
-
-def _train_step_with_mask(trainer, batches) -> None:
-    """`train_step` with an explicit causal mask. megatron's default mask is built with
-    device="cuda", which the CPU compat redirects only outside backward passes, and recompute
-    builds it again inside the backward pass (mcore_rl.compat gap, megatron-core 0.16.1)."""
-    import functools
-
-    from mcore_rl.parallel.groups import Axis
-    from mcore_rl.trainer.megatron_train import _lm_loss, _run_schedule
-
-    s = batches[0].tokens.shape[1]
-    mask = torch.triu(torch.ones(s, s, dtype=torch.bool), diagonal=1)[None, None]
-    vocab, tp_rank = trainer.spec.vocab, trainer.groups.rank_in(Axis.TP)
-
-    def forward_step(data_iterator, model):
-        batch = next(data_iterator)
-        b, s = batch.tokens.shape
-        positions = torch.arange(s).unsqueeze(0).expand(b, s)
-        return (model(batch.tokens, positions, mask),
-                functools.partial(_lm_loss, batch, vocab, tp_rank))
-
-    for chunk in trainer.model:
-        chunk.zero_grad_buffer()
-    trainer.optimizer.zero_grad()
-    _run_schedule(trainer.model, trainer.groups, batches, forward_step=forward_step,
-                  forward_only=False)
-    trainer.optimizer.step()
-
-
 def predict_case(spec_name: str, parallel_kw: dict, coords: dict, *, dtype: str = "fp32",
                  micro_batch_size: int = 2, num_micro_batches: int = 4, seq_len: int = 64,
                  recompute: str = "none") -> dict[str, float]:
@@ -226,14 +172,14 @@ def measure_case(spec_name: str, parallel_kw: dict, *, dtype: str = "fp32",
     from mcore_rl.parallel.config import ParallelConfig
     from mcore_rl.parallel.groups import init_training_groups
     from mcore_rl.trainer.config import TrainConfig
-    from mcore_rl.trainer.megatron_train import MicroBatch, train_step
+    from mcore_rl.trainer.megatron_train import MicroBatch, setup_trainer, train_step
 
     spec = get_preset(spec_name)
     parallel = ParallelConfig(**parallel_kw)
     groups = init_training_groups(parallel)
     train = TrainConfig(micro_batch_size=micro_batch_size, num_micro_batches=num_micro_batches,
-                        seq_len=seq_len, dtype=dtype)
-    trainer = _setup(spec, groups, train, recompute)
+                        seq_len=seq_len, dtype=dtype, recompute=recompute)
+    trainer = setup_trainer(spec, groups, train)  # the trainer the RL roles train with
     gen = torch.Generator().manual_seed(0)
     batches = []
     for _ in range(num_micro_batches):
@@ -242,10 +188,7 @@ def measure_case(spec_name: str, parallel_kw: dict, *, dtype: str = "fp32",
                                   loss_mask=torch.ones(micro_batch_size, seq_len)))
     tracker = SavedTensorTracker(_all_storages(trainer))
     with torch.autograd.graph.saved_tensors_hooks(tracker.pack, tracker.unpack):
-        if recompute == "none":
-            train_step(trainer, batches)
-        else:
-            _train_step_with_mask(trainer, batches)
+        train_step(trainer, batches)
     out = {"coords": dict(groups.coords), **static_bytes(trainer),
            "activations": tracker.peak, "left_live": tracker.bytes}
     del trainer

@@ -21,7 +21,12 @@ from mcore_rl.tasks.base import Example
 
 
 class DatasetError(ValueError):
-    """A dataset file is missing or malformed; the message names the file and line."""
+    """A dataset file is missing or malformed; the message names the file and line. `key`:
+    the missing key, when that is what is wrong (so a caller can name its config field)."""
+
+    def __init__(self, message: str, *, key: str | None = None):
+        super().__init__(message)
+        self.key = key
 
 
 def read_jsonl(path: str | Path, prompt_key: str, answer_key: str) -> list[Example]:
@@ -44,7 +49,7 @@ def read_jsonl(path: str | Path, prompt_key: str, answer_key: str) -> list[Examp
             for key in (prompt_key, answer_key):
                 if key not in row:
                     raise DatasetError(f"{path}:{lineno}: missing key {key!r} (has: "
-                                       f"{', '.join(sorted(row)) or 'no keys'})")
+                                       f"{', '.join(sorted(row)) or 'no keys'})", key=key)
             examples.append(Example(str(row[prompt_key]), str(row[answer_key])))
     if not examples:
         raise DatasetError(f"{path}: no examples (empty file)")

@@ -70,7 +70,7 @@ def check_layer_spec_here(cfg, resume: Path | None = None) -> None:
         check_resume(resume, run.layer_spec)
 
 
-def run_demo(cfg, out: Path, resume: Path | None = None) -> dict:
+def run_demo(cfg, out: Path, resume: Path | None = None, command: str = "demo") -> dict:
     from mcore_rl.trainer.controller import RLController
     from mcore_rl.trainer.metrics import MetricsWriter, plot_run
     from mcore_rl.trainer.preflight import check_run
@@ -116,7 +116,7 @@ def run_demo(cfg, out: Path, resume: Path | None = None) -> dict:
         summary["tool_calls_first5"] = sum(tool_calls[:k]) / k
         summary["tool_calls_last5"] = sum(tool_calls[-k:]) / k
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
-    print(f"demo done in {summary['wall_s']:.0f} s: reward {summary['reward_first5']:.3f} "
+    print(f"{command} done in {summary['wall_s']:.0f} s: reward {summary['reward_first5']:.3f} "
           f"(mean of first {k} steps) -> {summary['reward_last5']:.3f} (last {k}); "
           f"run dir {out}")
     return summary
@@ -167,7 +167,7 @@ def _run(args) -> int:
     from mcore_rl.trainer.preflight import PreflightFailed
 
     try:
-        run_demo(cfg, args.out, getattr(args, "resume", None))
+        run_demo(cfg, args.out, getattr(args, "resume", None), command=args.command)
     except ConfigError as err:  # e.g. model.hf_dir that is not a checkpoint
         print(f"mcore-rl {args.command}: config error: {err}")
         return 2

@@ -217,3 +217,30 @@ def test_cli_preflight_assume_gpu(capsys, monkeypatch):
     assert main(["preflight", tiny, "cluster.sync_backend=nccl", "--assume-gpu"]) == 0
     assert main(["preflight", tiny, "cluster.sync_backend=gloo", "--assume-gpu"]) == 1
     assert "cluster.sync_backend=gloo on gpu" in capsys.readouterr().out
+
+
+def test_dataset_files_are_read_as_the_run_reads_them(tmp_path):
+    """A jsonl task's files: read (errors name the field, file and line) when they are here;
+    a file that is not on this machine is only a warning for a config checked here, and an
+    error for a run starting here (`check_run`, what `mcore-rl train` calls)."""
+    from mcore_rl.trainer.preflight import dataset_problems
+
+    _, problems = preflight_config(L8)  # /data/gsm8k is not on this machine
+    data = [p for p in problems if p.check == "dataset"]
+    assert [(p.severity, p.message.split(":")[0]) for p in data] == [
+        ("warning", "task.path=/data/gsm8k/train.jsonl"),
+        ("warning", "task.heldout_path=/data/gsm8k/test.jsonl")]
+    cfg = load_config(RLConfig, L8)
+    assert [p.severity for p in dataset_problems(cfg, starts_here=True)] == ["error", "error"]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"question": "q", "answer": "a"}\n{"question": "q"}\nnot json\n')
+    _, problems = preflight_config(L8, [f"task.path={bad}", "task.heldout_path=null"])
+    data = [p for p in problems if p.check == "dataset"]
+    assert len(data) == 1 and data[0].severity == "error"
+    assert data[0].message == (f"task.answer_key='answer' (task.path): {bad}:2: missing key "
+                               "'answer' (has: question)")
+    assert data[0].fix.startswith("task.answer_key naming a key")
+    bad.write_text('{"question": "q", "answer": "a"}\nnot json\n')
+    _, problems = preflight_config(L8, [f"task.path={bad}", "task.heldout_path=null"])
+    assert [p.message for p in problems if p.check == "dataset"] == [
+        f"task.path: {bad}:2: not valid JSON (Expecting value)"]

@@ -48,8 +48,17 @@ def test_bad_value_names_the_field(tmp_path):
         in proc.stdout
 
 
+def _jsonl(path, rows):
+    import json
+
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
 def test_gpu_config_passes_preflight_then_needs_its_checkpoint(tmp_path):
-    proc, _ = run_train(tmp_path, config="configs/gpu/llama3-8b.yaml")
+    data = _jsonl(tmp_path / "gsm8k.jsonl", [{"question": "1+1?", "answer": "#### 2"}])
+    proc, _ = run_train(tmp_path / "run", f"task.path={data}", f"task.heldout_path={data}",
+                        config="configs/gpu/llama3-8b.yaml")
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert "preflight" not in proc.stdout  # sized for its 8 GPUs: no problem, no warning
     assert "model.hf_dir='/models/Meta-Llama-3-8B-Instruct': expected an HF checkpoint " \
@@ -78,8 +87,45 @@ def test_train_on_a_jsonl_dataset_with_an_hf_checkpoint(tmp_path):
         "prompts_per_step=4", "samples_per_prompt=4", "updates_per_batch=1",
         "train.micro_batch_size=8", "train.max_tokens_per_micro_batch=64")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "train done in " in proc.stdout and "demo done" not in proc.stdout
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").open()]
     assert [r["step"] for r in rows] == [1, 2]
     for row in rows:
         assert 0 <= row["reward_mean"] <= 1 and row["micro_batches"] >= 1
     assert not (tmp_path / "run" / "model").exists()  # trained the given checkpoint
+
+
+def _model_config_only(path):
+    """An HF model directory with only config.json: enough for preflight to size the run
+    (the weights are looked for after it)."""
+    import json
+
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps(
+        {"architectures": ["LlamaForCausalLM"], "hidden_size": 128, "intermediate_size": 256,
+         "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 2,
+         "vocab_size": 300, "max_position_embeddings": 512}))
+    return path
+
+
+def test_dataset_problems_stop_train_before_any_worker(tmp_path):
+    """Issue #18: a missing JSONL file or key is a preflight problem naming the task field
+    (exit 2, the file and line in the message), not a traceback from a worker."""
+    model = _model_config_only(tmp_path / "m")
+    jsonl = [f"model.hf_dir={model}", "task.kind=jsonl", "warmup.max_steps=0"]
+    missing = tmp_path / "nope.jsonl"
+    proc, _ = run_train(tmp_path / "run", *jsonl, f"task.path={missing}")
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert f"ERROR [dataset] task.path: {missing}: no such file" in proc.stdout
+    assert "Traceback" not in proc.stdout + proc.stderr
+    data = _jsonl(tmp_path / "d.jsonl", [{"question": "1+1?", "answer": "2"},
+                                          {"prompt": "2+2?", "answer": "4"}])
+    proc, _ = run_train(tmp_path / "run", *jsonl, f"task.path={data}",
+                        f"task.heldout_path={missing}")
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert (f"ERROR [dataset] task.prompt_key='question' (task.path): {data}:2: missing key "
+            "'question' (has: answer, prompt)") in proc.stdout
+    assert f"ERROR [dataset] task.heldout_path: {missing}: no such file" in proc.stdout
+    assert "Traceback" not in proc.stdout + proc.stderr
+    assert not (tmp_path / "run" / "stacks").exists()
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
