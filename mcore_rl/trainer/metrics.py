@@ -123,7 +123,8 @@ def plot_compare(run_dir: str | Path, other_dir: str | Path, window: int = 10) -
         ax.legend(fontsize=8)
         ax.grid(alpha=0.3)
 
-    path = _save_chart(plt, run_dir / "reward_compare.png", "reward", "reward", rewards)
+    title = f"reward: {runs[0][0]} vs {runs[1][0]}"
+    path = _save_chart(plt, run_dir / "reward_compare.png", title, "reward", rewards)
     plt.close("all")
     return path
 
