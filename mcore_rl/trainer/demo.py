@@ -140,6 +140,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     train.set_defaults(func=_run)
     plot = sub.add_parser("plot", help="reward.png and phases.png from RUN_DIR/metrics.jsonl")
     plot.add_argument("run_dir", type=Path)
+    plot.add_argument("--compare", type=Path, default=None, metavar="OTHER_RUN_DIR",
+                      help="also RUN_DIR/reward_compare.png: both runs' rewards overlaid")
     plot.set_defaults(func=_plot)
 
 
@@ -181,8 +183,10 @@ def _run(args) -> int:
 
 
 def _plot(args) -> int:
-    from mcore_rl.trainer.metrics import plot_run
+    from mcore_rl.trainer.metrics import plot_compare, plot_run
 
     for path in plot_run(args.run_dir):
         print(path)
+    if args.compare is not None:
+        print(plot_compare(args.run_dir, args.compare))
     return 0

@@ -1,5 +1,6 @@
 """Per-step metrics: phase timers, and one writer for console (rich), JSONL and TensorBoard;
-`plot_run` turns a run's metrics.jsonl into PNG charts (`mcore-rl plot RUN_DIR`)."""
+`plot_run` turns a run's metrics.jsonl into PNG charts (`mcore-rl plot RUN_DIR`), `plot_compare`
+overlays two runs' rewards (`mcore-rl plot RUN_DIR --compare OTHER_RUN_DIR`)."""
 
 from __future__ import annotations
 
@@ -82,10 +83,7 @@ def plot_run(run_dir: str | Path) -> list[Path]:
     import matplotlib.pyplot as plt
 
     run_dir = Path(run_dir)
-    path = run_dir / "metrics.jsonl"
-    if not path.is_file():
-        raise FileNotFoundError(f"{path}: no metrics.jsonl in the run directory")
-    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    records = _read_metrics(run_dir)
     steps = [r["step"] for r in records]
 
     def reward(ax):
@@ -115,6 +113,49 @@ def plot_run(run_dir: str | Path) -> list[Path]:
                                    "per episode", tools))
     plt.close("all")
     return written
+
+
+def plot_compare(run_dir: str | Path, other_dir: str | Path, window: int = 10) -> Path:
+    """RUN_DIR/reward_compare.png: both runs' reward per step (thin) and its trailing
+    `window`-step mean (thick), labelled by run directory name."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    run_dir = Path(run_dir)
+    runs = [(Path(d).name, _read_metrics(d)) for d in (run_dir, other_dir)]
+
+    def rewards(ax):
+        for (name, records), color in zip(runs, ("tab:blue", "tab:orange")):
+            steps = [r["step"] for r in records]
+            values = [r["reward_mean"] for r in records]
+            ax.plot(steps, values, color=color, alpha=0.3, linewidth=1)
+            ax.plot(steps, trailing_mean(values, window), color=color, linewidth=2,
+                    label=f"{name} ({window}-step mean)")
+        ax.legend(fontsize=8)
+        ax.grid(alpha=0.3)
+
+    title = f"reward: {runs[0][0]} vs {runs[1][0]}"
+    path = _save_chart(plt, run_dir / "reward_compare.png", title, "reward", rewards)
+    plt.close("all")
+    return path
+
+
+def trailing_mean(values: list[float], window: int) -> list[float]:
+    """Mean of the last `window` values at each index (fewer at the start)."""
+    return [sum(values[max(0, i + 1 - window):i + 1]) / (i + 1 - max(0, i + 1 - window))
+            for i in range(len(values))]
+
+
+def _read_metrics(run_dir: str | Path) -> list[dict]:
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no metrics.jsonl in the run directory")
+    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    if not records:
+        raise ValueError(f"{path}: no steps recorded")
+    return records
 
 
 def _save_chart(plt, path: Path, title: str, ylabel: str, draw) -> Path:
