@@ -22,6 +22,7 @@ from typing import Any, Sequence
 
 import torch
 
+from mcore_rl.launch.logs import configure_process_logs, verbose
 from mcore_rl.launch.watchdog import arm_stack_dump, maybe_stall
 from mcore_rl.rollout.engine import (Completion, RolloutConfig, RolloutEngine, RolloutError,
                                      SamplingConfig, SyncReport)
@@ -55,8 +56,9 @@ def init_local_ray(num_cpus: int | None = None, host_ip: str = "127.0.0.1") -> N
 
     if connect_from_env():  # a cluster named by RAY_ADDRESS (e.g. started by the sbatch script)
         return
+    # library INFO lines of every worker stay in their RUN_DIR/logs files unless --verbose
     ray.init(num_cpus=num_cpus or os.cpu_count(), include_dashboard=False,
-             _node_ip_address=host_ip)
+             _node_ip_address=host_ip, log_to_driver=verbose())
     actual = ray.util.get_node_ip_address()
     if loopback and actual != host_ip:
         ray.shutdown()
@@ -74,6 +76,7 @@ class EngineHost:
         """devices: this engine's TP devices (local indices on its node, from the run's
         placement plan); CUDA_VISIBLE_DEVICES is narrowed to them before vLLM starts."""
         if stack_dir:  # the controller's watchdog asks for stacks with SIGUSR1
+            configure_process_logs(Path(stack_dir).parent, f"engine{index}")
             self._stack_file = arm_stack_dump(stack_dir, f"engine{index}")
         self.inject_stall = inject_stall
         self.devices = devices

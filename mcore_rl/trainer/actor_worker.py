@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from mcore_rl.algorithms import AlgorithmConfig
+from mcore_rl.launch.logs import configure_process_logs
 from mcore_rl.launch.watchdog import arm_stack_dump, maybe_stall
 from mcore_rl.layouts import materialize_rank, megatron_shards
 from mcore_rl.models.hf_weights import SafetensorsWeights
@@ -44,7 +45,8 @@ class ActorWorker:
         inject_stall: fault injection for watchdog tests ("<phase>@rank<r>").
         device: this rank's device on its node (the run's placement plan); on GPU it becomes
         the current CUDA device before anything is allocated."""
-        if stack_dir:
+        if stack_dir:  # the run directory: stacks for the watchdog, library logs (quiet console)
+            configure_process_logs(Path(stack_dir).parent, f"rank{rank}")
             self._stack_file = arm_stack_dump(stack_dir, f"rank{rank}")
         self.inject_stall = inject_stall
         from mcore_rl.models.gpt import build_gpt_model, load_chunks

@@ -293,7 +293,10 @@ class RewardWorker:
         from mcore_rl.launch.watchdog import arm_stack_dump
         from mcore_rl.parallel.groups import join_worker_world
 
-        if stack_dir:
+        if stack_dir:  # the run directory: stacks for the watchdog, library logs (quiet console)
+            from mcore_rl.launch.logs import configure_process_logs
+
+            configure_process_logs(Path(stack_dir).parent, f"reward{rank}")
             self._stack_file = arm_stack_dump(stack_dir, f"reward_rank{rank}")
         self.rank = rank
         groups = join_worker_world(rank, world_size, store_address, cfg.parallel,
