@@ -31,6 +31,7 @@ from mcore_rl.rollout.engine import Completion, RolloutError, SamplingConfig
 from mcore_rl.tasks.base import Example, load_reward_fn
 from mcore_rl.tasks.config import DEFAULT_REWARDS, build_reward, build_task
 from mcore_rl.tasks.tokenizer import encode_answer, encode_prompt, load_tokenizer, response_text
+from mcore_rl.trainer import checkpoint_store
 from mcore_rl.trainer.config import DTYPES
 from mcore_rl.trainer.metrics import MetricsWriter, PhaseTimer
 from mcore_rl.trainer.rl_config import RLConfig
@@ -574,32 +575,29 @@ class RLController:
 
     def save_checkpoint(self, step: int) -> Path:
         """RUN_DIR/checkpoints/step_<k>: every rank writes into a temporary directory, which is
-        renamed when all are done (a crash leaves no half checkpoint under the final name)."""
+        renamed when all are done and only then marked complete (trainer/checkpoint_store.py);
+        a save that cannot write raises CheckpointWriteError naming the path."""
         root = self.run_dir / "checkpoints"
         final = root / f"step_{step}"
         tmp = root / f".step_{step}.tmp"
         if tmp.exists():
             shutil.rmtree(tmp)
-        self._actor("save_checkpoint", str(tmp), phase="save")
-        if self._in_flight is not None:
-            # off-policy: the next batch was generated on weights this checkpoint no longer
-            # holds; saved with it, a resumed run trains on exactly the same batch
-            rollouts, timing, _ = self._wait_in_flight(self._in_flight)
-            torch.save({"rollouts": rollouts.to_state(), "timing": timing},
-                       tmp / "next_rollouts.pt")
-        (tmp / "controller.json").write_text(json.dumps({"step": step}))
-        if final.exists():
-            shutil.rmtree(final)
-        tmp.rename(final)
-        (root / "latest").write_text(final.name)
-        return final
+        with checkpoint_store.writing(root, tmp, step, self.cfg.checkpoint.inject_error):
+            self._actor("save_checkpoint", str(tmp), phase="save")
+            if self._in_flight is not None:
+                # off-policy: the next batch was generated on weights this checkpoint no longer
+                # holds; saved with it, a resumed run trains on exactly the same batch
+                rollouts, timing, _ = self._wait_in_flight(self._in_flight)
+                torch.save({"rollouts": rollouts.to_state(), "timing": timing},
+                           tmp / "next_rollouts.pt")
+            (tmp / "controller.json").write_text(json.dumps({"step": step}))
+        return checkpoint_store.publish(tmp, final, step)
 
     def load_checkpoint(self, path: Path) -> int:
-        """Restore every role from a checkpoint; returns the step it was taken after. The
-        data position is the step: prompts and sampling seeds derive from it."""
-        path = Path(path)
-        if path.name == "checkpoints" or (path / "latest").is_file():
-            path = path / (path / "latest").read_text().strip()
+        """Restore every role from a checkpoint (a complete one: `path` or, for a run's
+        checkpoints root, its newest); returns the step it was taken after. The data position
+        is the step: prompts and sampling seeds derive from it."""
+        path = checkpoint_store.resolve_checkpoint(Path(path))
         meta = path / "controller.json"
         if not meta.is_file():
             raise FileNotFoundError(f"{path}: not a checkpoint (no controller.json)")

@@ -18,6 +18,7 @@ from mcore_rl.rollout.engine import RolloutConfig
 from mcore_rl.tasks.base import load_reward_fn  # noqa: F401 — callers import it from here
 from mcore_rl.tasks.config import TaskConfig
 from mcore_rl.trainer.config import OptimizerConfig, TrainConfig
+from mcore_rl.trainer.checkpoint_store import CheckpointConfig
 from mcore_rl.trainer.reward_model import RewardModelConfig
 
 # The demo tokenizer (mcore_rl.tasks.tokenizer, trained on the addition task) has 16 pieces.
@@ -182,7 +183,7 @@ class RLConfig:
     deadlines: per-phase deadlines of the watchdog.
     inject_stall: fault injection for watchdog tests: "<phase>@rank<r>" stalls actor rank r
         in that phase, "gen@engine<i>" stalls engine i's generation. Leave null.
-    save_every: write a checkpoint every this many RL steps (0: never).
+    checkpoint: when checkpoints are written and how many are kept (see CheckpointConfig).
     max_sampling_rounds: with algorithm.dynamic_sampling, generation rounds per step at most.
     off_policy_steps: 0 (on-policy) or 1 (one-step off-policy: the engines generate step
         n+1's batch, on the weights before step n's update, while the actor trains step n;
@@ -216,7 +217,7 @@ class RLConfig:
     sync_dtype: Literal["auto", "fp32", "bf16"] = "auto"
     deadlines: DeadlineConfig = field(default_factory=DeadlineConfig)
     inject_stall: str | None = None
-    save_every: int = 0
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     max_sampling_rounds: int = 4
     off_policy_steps: int = 0
     seed: int = 0
