@@ -67,7 +67,11 @@ def listening_store(host: str | None = None, port: int = 0, world_size: int = 1,
 
 
 def is_loopback(address: str) -> bool:
+    """127.0.0.0/8, ::1, and IPv4-mapped loopback (::ffff:127.0.0.1: Ray's gRPC servers
+    listen on an IPv6 socket bound to that)."""
     try:
-        return ipaddress.ip_address(address.split("%")[0]).is_loopback
+        ip = ipaddress.ip_address(address.split("%")[0])
     except ValueError:
         return False
+    mapped = getattr(ip, "ipv4_mapped", None)
+    return (mapped or ip).is_loopback

@@ -60,6 +60,9 @@ class CheckpointConfig:
 class CheckpointWriteError(OSError):
     """A checkpoint could not be written; names the path. The previous one is intact."""
 
+    def __str__(self) -> str:  # the message alone, without OSError's "[Errno N]" prefix
+        return str(self.strerror)
+
 
 class CheckpointNotFound(FileNotFoundError):
     """A path given to resume from holds no complete checkpoint."""

@@ -50,7 +50,7 @@ def run_demo(cfg, out: Path, resume: str | Path = "auto") -> dict:
     from mcore_rl.trainer.controller import RLController
     from mcore_rl.trainer.metrics import MetricsWriter, plot_run
     from mcore_rl.trainer.preflight import check_run
-    from mcore_rl.trainer.run_control import RunStopped, StopControl
+    from mcore_rl.trainer.run_control import RunStopped, StopControl, start_local_ray
 
     start = time.perf_counter()
     out.mkdir(parents=True, exist_ok=True)
@@ -65,6 +65,7 @@ def run_demo(cfg, out: Path, resume: str | Path = "auto") -> dict:
         return {"already_complete": True, "checkpoint": str(checkpoint)}
     stop = StopControl(cfg.checkpoint.stop_grace_s).install()
     model_dir = model_dir_of(cfg, out)
+    start_local_ray()  # before the controller's init_local_ray (then a no-op)
     controller = RLController(cfg, model_dir, out)
     stop.install()  # again: Ray's driver installed its own (aborting) SIGTERM handler
     try:

@@ -9,12 +9,20 @@ reached within `grace_s` of the signal (a step wedged beyond its own deadlines),
 exits with `STOP_TIMEOUT_EXIT_CODE` without a checkpoint rather than hang until SIGKILL.
 
 Ray's driver installs its own SIGTERM handler (a native crash handler that aborts, exit 134),
-so `install()` must run after Ray is up; it is called again then. Only the driver gets the
-signal this way: Ray's worker processes run in their own sessions and keep computing.
+so `install()` must run after Ray is up; it is called again then.
+
+Who else gets the signal: `kill PID` reaches the driver only. A shell's or batch system's
+signal to the process group also reaches the local Ray's gcs_server, raylet and helper
+processes, which ray.init starts in the driver's group (its actor workers get their own
+groups) — the GCS then dies at once and the run cannot even checkpoint (measured, Ray 2.60).
+`start_local_ray` therefore starts them with SIGTERM blocked (inherited through fork/exec, as
+Ray itself does for SIGINT): they live until the run shuts them down. Under SLURM, Ray runs as
+`ray start --block` and the batch script forwards only to the driver (train.sbatch).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
@@ -87,3 +95,24 @@ class StopControl:
 
     def seconds_since_signal(self) -> float:
         return 0.0 if self.signalled_at is None else time.monotonic() - self.signalled_at
+
+
+@contextlib.contextmanager
+def signals_blocked_in_children(signals=(signal.SIGTERM,)):
+    """Processes started inside inherit `signals` blocked (the mask survives fork and exec);
+    a signal arriving here meanwhile is delivered to this process when the block ends.
+    SIGUSR1 stays open: the watchdog's stack dumps use it in the workers."""
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, signals)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
+def start_local_ray() -> None:
+    """The driver's Ray (a local instance, or the cluster named by RAY_ADDRESS), its local
+    processes shielded from the group's SIGTERM (see the module doc)."""
+    from mcore_rl.rollout.ray_engines import init_local_ray
+
+    with signals_blocked_in_children():
+        init_local_ray(num_cpus=max(2, os.cpu_count() or 2))

@@ -54,4 +54,5 @@ def test_wildcards_are_refused_and_the_default_is_loopback(monkeypatch):
     assert listen_address() == "127.0.0.1"
     monkeypatch.setenv("MCORE_RL_NODE_IP", "10.1.2.3")
     assert listen_address() == "10.1.2.3"
-    assert is_loopback("::1") and is_loopback("127.0.0.1") and not is_loopback("10.1.2.3")
+    assert is_loopback("::1") and is_loopback("127.0.0.1") and is_loopback("::ffff:127.0.0.1")
+    assert not is_loopback("10.1.2.3") and not is_loopback("::ffff:10.1.2.3")

@@ -14,6 +14,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -133,3 +134,42 @@ def test_convert_job_converts_on_two_ranks(train_run, slurm, tmp_path):
     report = json.loads([line for line in log.splitlines() if line.startswith("{")][-1])
     assert report["ranks"] == 2 and report["tensors"] > 0
     assert (dst / "metadata.json").is_file()
+
+
+def test_train_job_signalled_before_its_time_limit_requeues_and_resumes(slurm, tmp_path):
+    """The time-limit path: SLURM's `--signal=B:USR1@N` (here sent at once with
+    `scancel --batch --signal=USR1`, what the time limit sends) reaches the batch script, which
+    forwards it; the run checkpoints after its current step and exits 75; the script requeues
+    the job, and the requeued run (same job id, same RUN_DIR) resumes by itself and finishes
+    the remaining steps, each logged once."""
+    run_dir, out = tmp_path / "run", tmp_path / "requeue.out"
+    steps = 8
+    cmd = ["timeout", "300", "sbatch", "--wait", "--parsable", f"--output={out}",
+           str(SBATCH_DIR / "train.sbatch"), "configs/tiny_ci.yaml", f"steps={steps}"]
+    started = time.monotonic()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            cwd=ROOT, env={**slurm, "RUN_DIR": str(run_dir)})
+    job = proc.stdout.readline().strip().split(";")[0]
+    assert job.isdigit(), proc.stderr.read()
+    metrics = run_dir / "metrics.jsonl"
+    while not (metrics.is_file() and metrics.read_text().strip()):
+        assert proc.poll() is None, out.read_text()[-4000:]
+        assert time.monotonic() - started < 240, "no step logged within 240 s"
+        time.sleep(0.2)
+    signalled = time.monotonic()
+    subprocess.run(["scancel", "--batch", "--signal=USR1", job], env=slurm, check=True,
+                   timeout=30)
+    try:
+        code = proc.wait(timeout=330)
+    finally:
+        if proc.poll() is None:
+            subprocess.run(["scancel", job], env=slurm, timeout=30)
+    log = out.read_text()
+    assert code == 0, log[-4000:]
+    assert "train.sbatch: USR1: forwarding to the training" in log
+    assert "stopped on SIGUSR1 after step" in log and "requeueing job" in log, log[-4000:]
+    assert "run 1 (requeues so far)" in log and "resumed from" in log, log[-4000:]
+    rows = [json.loads(line)["step"] for line in metrics.read_text().splitlines()]
+    assert rows == list(range(1, steps + 1)), rows
+    print(f"job {job}: USR1 after {signalled - started:.0f} s; both runs done "
+          f"{time.monotonic() - signalled:.0f} s later")
