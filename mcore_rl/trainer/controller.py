@@ -22,7 +22,7 @@ import torch
 from mcore_rl.algorithms import (AlgorithmConfig, gae_advantages, grpo_advantages,
                                  kl_penalty_rewards, outcome_to_token_rewards, overlong_penalty,
                                  reinforce_pp_advantages, rloo_advantages)
-from mcore_rl.launch.watchdog import WatchdogTimeout, dump_stacks
+from mcore_rl.launch.watchdog import WatchdogTimeout, collect_or_name_dead, dump_stacks
 from mcore_rl.layouts import megatron_shards, vllm_shards
 from mcore_rl.models.spec import ModelSpec
 from mcore_rl.planning.resolve import resolve_run
@@ -234,11 +234,14 @@ class RLController:
         import ray
 
         deadline = self.cfg.deadlines.for_phase(phase)
-        _, pending = ray.wait(refs, num_returns=len(refs), timeout=deadline)
-        if pending:
-            late = [f"actor rank {i}" for i, r in enumerate(refs) if r in pending]
+        # results as they arrive: a rank that died fails the phase at once, by name, rather
+        # than after its peers' collective timeout
+        values = collect_or_name_dead(refs, deadline, phase,
+                                      getattr(self, "worker_pids", None))
+        if len(values) < len(refs):
+            late = [f"actor rank {i}" for i in range(len(refs)) if i not in values]
             raise self._watchdog(phase, deadline, late)
-        return ray.get(refs)
+        return [values[i] for i in range(len(refs))]
 
     def _watchdog(self, phase: str, deadline: float, late: list[str],
                   detail: str = "") -> WatchdogTimeout:

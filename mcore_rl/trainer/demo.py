@@ -161,7 +161,7 @@ def _run(args) -> int:
     except ConfigError as err:
         print(f"mcore-rl {args.command}: config error: {err}")
         return 2
-    from mcore_rl.launch.watchdog import WatchdogTimeout
+    from mcore_rl.launch.watchdog import WatchdogTimeout, WorkerDied
     from mcore_rl.trainer.preflight import PreflightFailed
 
     from mcore_rl.trainer.checkpoint_store import CheckpointNotFound, CheckpointWriteError
@@ -184,7 +184,7 @@ def _run(args) -> int:
     except PreflightFailed as err:
         print(f"mcore-rl {args.command}: {err}")
         return 2
-    except WatchdogTimeout as err:  # a hang, diagnosed: exit non-zero with the diagnosis
+    except (WatchdogTimeout, WorkerDied) as err:  # a hang or a dead worker, named
         print(f"mcore-rl {args.command}: {err}")
         return 3
     return 0

@@ -163,3 +163,28 @@ def test_sigterm_checkpoints_and_the_same_command_resumes_exactly(reference, tmp
     assert f".step_{STEPS + 1}.tmp" in log and "No space left on device" in log
     assert checkpoint_store.newest_complete(out / "checkpoints").name == f"step_{STEPS}"
     assert not list((out / "checkpoints").glob(".step_*"))
+
+
+def test_a_dead_actor_rank_stops_the_step_naming_it(tmp_path):
+    """SIGKILL of actor rank 1 before a step: the step fails at once (not after its TP peer's
+    collective timeout) with an error naming the rank, its pid and the phase."""
+    from mcore_rl.config import load_config
+    from mcore_rl.launch.watchdog import WorkerDied
+    from mcore_rl.trainer.controller import RLController
+    from mcore_rl.trainer.demo import build_demo_model
+    from mcore_rl.trainer.rl_config import RLConfig
+
+    cfg = load_config(RLConfig, None, [*OVERRIDES, "deadlines.train_s=120"])
+    controller = RLController(cfg, build_demo_model(cfg, tmp_path), tmp_path)
+    try:
+        controller.reset_optimizer()
+        pid = controller.worker_pids[1]
+        os.kill(pid, signal.SIGKILL)
+        start = time.monotonic()
+        with pytest.raises(WorkerDied) as info:
+            controller.rl_step(1)
+        elapsed = time.monotonic() - start
+    finally:
+        controller.shutdown()
+    assert f"actor rank 1 (pid {pid}) died during phase 'old_logprob'" in str(info.value)
+    assert elapsed < 60, elapsed  # not the 120 s collective deadline
