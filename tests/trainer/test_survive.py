@@ -5,9 +5,8 @@ whole process tree — driver, Ray, actor ranks, vLLM — is checked to be on lo
 run of the same command gets SIGTERM (to its whole process group, as a shell or SLURM would
 send it) at a random step: it finishes that step, checkpoints and exits 75; the same command
 again resumes by itself and ends with the reference's metrics (every step once) and final
-actor weights, bit for bit. The finished run re-run reports "already complete" at once; one
-more step with a save that cannot write fails naming the path and leaves the previous
-checkpoint complete.
+actor weights, bit for bit. The finished run re-run reports "already complete" at once.
+In-process: a full disk at save time and a dead actor rank are named.
 """
 
 import json
@@ -154,37 +153,44 @@ def test_sigterm_checkpoints_and_the_same_command_resumes_exactly(reference, tmp
     assert code == 0 and "run already complete" in log, log[-2000:]
     assert time.monotonic() - started < 60  # no Ray, no workers
 
-    # one more step whose save finds the disk full: a clear error naming the path, and the
-    # previous checkpoint still complete (and what `--resume auto` would load)
-    code, log = _finish(_train(out, f"steps={STEPS + 1}",
-                               f"checkpoint.inject_error=save@step{STEPS + 1}"), out)
-    assert code == 4, log[-4000:]
-    assert f"checkpoint error: checkpoint after step {STEPS + 1} not written" in log
-    assert f".step_{STEPS + 1}.tmp" in log and "No space left on device" in log
-    assert checkpoint_store.newest_complete(out / "checkpoints").name == f"step_{STEPS}"
-    assert not list((out / "checkpoints").glob(".step_*"))
 
-
-def test_a_dead_actor_rank_stops_the_step_naming_it(tmp_path):
-    """SIGKILL of actor rank 1 before a step: the step fails at once (not after its TP peer's
+def test_a_full_disk_and_a_dead_actor_rank_are_named(tmp_path):
+    """One controller: a save that finds the disk full (injected after the ranks wrote their
+    shards) fails naming the path and leaves the previous checkpoint complete and loadable;
+    then SIGKILL of actor rank 1: the next step fails at once (not after its TP peer's
     collective timeout) with an error naming the rank, its pid and the phase."""
     from mcore_rl.config import load_config
     from mcore_rl.launch.watchdog import WorkerDied
+    from mcore_rl.trainer.checkpoint_store import CheckpointWriteError
     from mcore_rl.trainer.controller import RLController
     from mcore_rl.trainer.demo import build_demo_model
     from mcore_rl.trainer.rl_config import RLConfig
 
-    cfg = load_config(RLConfig, None, [*OVERRIDES, "deadlines.train_s=120"])
-    controller = RLController(cfg, build_demo_model(cfg, tmp_path), tmp_path)
+    cfg = load_config(RLConfig, None, [*OVERRIDES, "deadlines.train_s=120",
+                                       "checkpoint.inject_error=save@step2"])
+    controller = RLController(cfg, build_demo_model(cfg, tmp_path / "model"), tmp_path)
+    root = tmp_path / "checkpoints"
     try:
         controller.reset_optimizer()
+        controller.sync_weights()
+        controller.rl_step(1)
+        first = controller.save_checkpoint(1)
+        controller.rl_step(2)
+        with pytest.raises(CheckpointWriteError) as full_disk:
+            controller.save_checkpoint(2)
+        assert controller.load_checkpoint(root) == 1  # the previous one, still loadable
         pid = controller.worker_pids[1]
         os.kill(pid, signal.SIGKILL)
         start = time.monotonic()
-        with pytest.raises(WorkerDied) as info:
-            controller.rl_step(1)
+        with pytest.raises(WorkerDied) as died:
+            controller.rl_step(2)
         elapsed = time.monotonic() - start
     finally:
         controller.shutdown()
-    assert f"actor rank 1 (pid {pid}) died during phase 'old_logprob'" in str(info.value)
+    message = str(full_disk.value)
+    assert f"checkpoint after step 2 not written: {root / '.step_2.tmp'}" in message
+    assert "No space left on device" in message and f"{root} is intact" in message
+    assert checkpoint_store.newest_complete(root) == first
+    assert not list(root.glob(".step_*")) and not (root / "step_2").exists()
+    assert f"actor rank 1 (pid {pid}) died during phase 'old_logprob'" in str(died.value)
     assert elapsed < 60, elapsed  # not the 120 s collective deadline
