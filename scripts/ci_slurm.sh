@@ -23,7 +23,8 @@
 #   SLURM_CI_START_TIMEOUT=60           seconds to wait for the node to become idle
 #
 # Settings follow shared/FINDINGS.md ("SLURM"): root, no systemd, no cgroups
-# (proctrack/linuxproc, task/none); MinJobAge=6 so that `sbatch --wait` returns promptly.
+# (proctrack/linuxproc, task/none); MinJobAge=6 so that `sbatch --wait` returns promptly;
+# cred_expire=10 and sched_interval=2 so that a requeued job starts again within seconds.
 set -euo pipefail
 
 DIR="${SLURM_CI_DIR:-/tmp/mcore-rl-slurm}"
@@ -104,6 +105,10 @@ ReturnToService=2
 MailProg=/bin/true
 MinJobAge=6
 KillWait=10
+# a requeued job may start again once its credential expired (default 120 s) and the
+# scheduler next runs (default every 60 s): short, so a requeue test takes seconds
+AuthInfo=cred_expire=10
+SchedulerParameters=sched_interval=2
 StateSaveLocation=$DIR/state
 SlurmdSpoolDir=$DIR/spool/slurmd-%n
 SlurmctldPidFile=$DIR/run/slurmctld.pid

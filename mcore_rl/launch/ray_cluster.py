@@ -313,26 +313,39 @@ def _terminate(proc: subprocess.Popen | None, timeout_s: float, *,
 
 
 class Terminated(Exception):
-    """SIGTERM (scancel, the job's time limit) reached the launcher."""
+    """SIGTERM (scancel) or SIGUSR1 (the time limit's `--signal=B:USR1@N`, forwarded by
+    train.sbatch) reached the launcher outside the training's own handlers (which stop at a
+    safe point with a checkpoint: trainer/run_control.py)."""
+
+    def __init__(self, signum: int):
+        super().__init__(f"signal {signum}")
+        self.signum = signum
 
 
 def _raise_terminated(signum, frame):
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM must not cut the clean-up
-    raise Terminated(f"signal {signum}")
+    signal.signal(signum, signal.SIG_IGN)  # a second signal must not cut the clean-up
+    raise Terminated(signum)
+
+
+def _stop_handlers() -> None:
+    for sig in (signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(sig, _raise_terminated)
 
 
 def run_with_cluster(cfg: RayClusterConfig, argv: Sequence[str]) -> int:
     """Bring the cluster up, run `mcore-rl ARGV` in this process as its driver (its
     `init_local_ray` finds Ray initialized and keeps it), stop the cluster. Returns the
-    command's exit code (128 + 15 on SIGTERM, 3 if the cluster did not come up); an exception
+    command's exit code (128 + 15 on SIGTERM outside the training, 75 on SIGUSR1 before it
+    started, 3 if the cluster did not come up); an exception
     from the command propagates after the cluster is stopped."""
     from mcore_rl.cli import main as cli_main
 
-    previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGUSR1)}
+    _stop_handlers()
     try:
         with SlurmRayCluster.from_env(cfg):
             # ray.init installed its own (aborting) SIGTERM handler in this process: ours again
-            signal.signal(signal.SIGTERM, _raise_terminated)
+            _stop_handlers()
             print(f"running: mcore-rl {' '.join(argv)}", flush=True)
             try:
                 return int(cli_main(list(argv)) or 0)
@@ -342,11 +355,20 @@ def run_with_cluster(cfg: RayClusterConfig, argv: Sequence[str]) -> int:
     except RayClusterError as err:
         print(f"mcore-rl ray-run: {err}", file=sys.stderr, flush=True)
         return 3
-    except Terminated:
-        print("mcore-rl ray-run: terminated (SIGTERM); Ray stopped", file=sys.stderr, flush=True)
-        return 128 + signal.SIGTERM
+    except Terminated as stop:
+        name = signal.Signals(stop.signum).name
+        if stop.signum == signal.SIGUSR1:  # before training started: nothing to save, requeue
+            from mcore_rl.trainer.run_control import STOP_EXIT_CODE
+
+            print(f"mcore-rl ray-run: {name} before the run started; Ray stopped (exit "
+                  f"{STOP_EXIT_CODE}: requeue)", file=sys.stderr, flush=True)
+            return STOP_EXIT_CODE
+        print(f"mcore-rl ray-run: terminated ({name}); Ray stopped", file=sys.stderr,
+              flush=True)
+        return 128 + stop.signum
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
 
 
 __all__ = ["RayClusterConfig", "RayClusterError", "SlurmRayCluster", "connect_from_env",

@@ -34,6 +34,7 @@ from typing import Any, Callable, Mapping
 
 import torch.distributed as dist
 
+from mcore_rl.launch.listen import listening_store
 from mcore_rl.launch.spawn import DistributedRunError, RankResult, run_on_ranks
 
 _KEY = "mcore_rl_launch/"
@@ -209,8 +210,8 @@ def run_this_rank(fn: Callable[..., Any], job: JobRanks, *args: Any, timeout_s: 
           f"rendezvous {job.master_addr}:{job.master_port}",
           file=sys.stderr, flush=True)
     if job.hosts_store:
-        store = dist.TCPStore(job.master_addr, job.master_port, job.world_size,
-                              is_master=True, wait_for_workers=False, timeout=timeout)
+        store = listening_store(job.master_addr, job.master_port, job.world_size,
+                                timeout_s=timeout.total_seconds())
     else:
         store = dist.TCPStore(job.master_addr, job.master_port, job.world_size,
                               is_master=False, timeout=timeout)

@@ -1,7 +1,8 @@
 """Run a function on N gloo ranks in spawned processes — used by the CLI to launch local jobs
 and by every distributed test (through tests/conftest.py).
 
-The parent owns a `TCPStore` on an OS-chosen loopback port (no free-port race) and every child
+The parent owns a `TCPStore` on an OS-chosen loopback port (no free-port race; listening on
+loopback only, `launch.listen`) and every child
 joins the default process group through it. Each rank's return value (or its traceback) comes
 back over a queue. A per-call deadline ends stragglers: their Python stacks are dumped
 (faulthandler on SIGUSR1) before they are killed, and the error names the ranks that hung.
@@ -21,6 +22,8 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch.distributed as dist
+
+from mcore_rl.launch.listen import listening_store
 
 
 class DistributedRunError(RuntimeError):
@@ -69,8 +72,7 @@ def run_on_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s:
     whatever groups they need themselves (e.g. a trainer world plus a separate sync group).
     """
     ctx = mp.get_context("spawn")
-    store = dist.TCPStore("127.0.0.1", 0, world_size + 1, is_master=True,
-                          wait_for_workers=False, timeout=datetime.timedelta(seconds=60))
+    store = listening_store("127.0.0.1", 0, world_size + 1, timeout_s=60)
     child_env = {"OMP_NUM_THREADS": "1", "MCORE_RL_STORE_PORT": str(store.port),
                  "MASTER_ADDR": "127.0.0.1", **(env or {})}
     results = ctx.Queue()

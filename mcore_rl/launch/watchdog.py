@@ -32,6 +32,37 @@ class WatchdogTimeout(RuntimeError):
                          f"{'; ' + detail if detail else ''}{where}")
 
 
+class WorkerDied(RuntimeError):
+    """A worker process died during a phase; names it (role, rank, pid) and the phase."""
+
+
+def collect_or_name_dead(refs: list, deadline_s: float, phase: str,
+                         pids: list[int] | None = None, role: str = "actor rank") -> dict:
+    """ray.get of every ref within `deadline_s`, taking results as they arrive: index ->
+    value for those that finished in time. A worker whose process died raises WorkerDied
+    naming it at once; another error of a worker is re-raised as Ray gives it."""
+    import ray
+    from ray.exceptions import RayActorError
+
+    index = {ref: i for i, ref in enumerate(refs)}
+    values, pending = {}, list(refs)
+    end = time.monotonic() + deadline_s
+    while pending:
+        ready, pending = ray.wait(pending, num_returns=1,
+                                  timeout=max(0.0, end - time.monotonic()))
+        if not ready:
+            break
+        for ref in ready:
+            i = index[ref]
+            try:
+                values[i] = ray.get(ref)
+            except RayActorError as err:
+                pid = f" (pid {pids[i]})" if pids and i < len(pids) else ""
+                raise WorkerDied(f"{role} {i}{pid} died during phase {phase!r}: "
+                                 f"{str(err).splitlines()[0][:300]}") from err
+    return values
+
+
 def stack_file(stack_dir: str | Path, name: str) -> Path:
     return Path(stack_dir) / f"{name}.stack.txt"
 

@@ -85,6 +85,14 @@ def cuda_present() -> bool:
     return torch.cuda.is_available()
 
 
+def cuda_device_gib() -> float:
+    """Memory of this machine's CUDA device 0, GiB (with `cuda_present`, what resolution asks
+    torch about this machine)."""
+    import torch
+
+    return torch.cuda.get_device_properties(0).total_memory / 2**30
+
+
 def run_device(cfg: "RLConfig", *, assume_gpu: bool = False,
                cuda_available: bool | None = None) -> Device:
     """The compute device of the run (see the module docstring)."""
@@ -135,9 +143,7 @@ def resolved_cluster(cfg: "RLConfig", device: Device, *,
 
         memory_gib, reserve_gib = psutil.virtual_memory().total / 2**30, 0.0
     elif cuda_present() if cuda_available is None else cuda_available:
-        import torch
-
-        memory_gib = torch.cuda.get_device_properties(0).total_memory / 2**30
+        memory_gib = cuda_device_gib()
     return ClusterConfig(device="gpu" if device == "cuda" else "cpu", nodes=1,
                          gpus_per_node=local_devices(cfg), device_gib=memory_gib,
                          reserve_gib=reserve_gib, placement="disaggregated",

@@ -51,10 +51,12 @@ class SyncGroupSpec:
 
 def host_store(host: str = "127.0.0.1", port: int = 0, world_size: int = 1,
                timeout_s: float = 120.0) -> dist.TCPStore:
-    """Start the TCPStore the sync group rendezvouses on (call on sync rank 0 only).
-    `port=0` lets the OS choose; read the chosen one from `.port`."""
-    return dist.TCPStore(host, port, world_size, is_master=True, wait_for_workers=False,
-                         timeout=datetime.timedelta(seconds=timeout_s))
+    """Start the TCPStore the sync group rendezvouses on (call on sync rank 0 only). It
+    listens on `host` only (`launch.listen`). `port=0` lets the OS choose; read the chosen
+    one from `.port`."""
+    from mcore_rl.launch.listen import listening_store
+
+    return listening_store(host, port, world_size, timeout_s=timeout_s)
 
 
 def join_sync_group(spec: SyncGroupSpec, rank: int,

@@ -61,10 +61,14 @@ def load_role(trainer, ckpt_dir: Path, rank: int) -> None:
 
 
 def checkpoint_dir(path: str | Path) -> Path:
-    """A step directory, or RUN_DIR/checkpoints (or a dir with `latest`) → its latest step."""
+    """A step directory as given; a run directory or its checkpoints root → its newest complete
+    step (`trainer.checkpoint_store`), or the path itself when it holds none."""
+    from mcore_rl.trainer import checkpoint_store
+
     path = Path(path)
-    if path.name == "checkpoints" or (path / "latest").is_file():
-        path = path / (path / "latest").read_text().strip()
+    root = path / "checkpoints" if (path / "checkpoints").is_dir() else path
+    if checkpoint_store.step_of(path) is None and root.name == "checkpoints":
+        return checkpoint_store.newest_complete(root) or path
     return path
 
 

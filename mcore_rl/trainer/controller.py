@@ -22,7 +22,7 @@ import torch
 from mcore_rl.algorithms import (AlgorithmConfig, correction_weights, gae_advantages,
                                  grpo_advantages, kl_penalty_rewards, outcome_to_token_rewards,
                                  overlong_penalty, reinforce_pp_advantages, rloo_advantages)
-from mcore_rl.launch.watchdog import WatchdogTimeout, dump_stacks
+from mcore_rl.launch.watchdog import WatchdogTimeout, collect_or_name_dead, dump_stacks
 from mcore_rl.layouts import megatron_shards, vllm_shards
 from mcore_rl.models.spec import ModelSpec
 from mcore_rl.planning.resolve import resolve_run
@@ -33,6 +33,7 @@ from mcore_rl.rollout.multi_turn import (Episode, build_multi_turn, completion_f
 from mcore_rl.tasks.base import Example, load_reward_fn
 from mcore_rl.tasks.config import DEFAULT_REWARDS, build_reward, build_task
 from mcore_rl.tasks.tokenizer import encode_answer, encode_prompt, load_tokenizer, response_text
+from mcore_rl.trainer import checkpoint_store
 from mcore_rl.trainer.config import DTYPES
 from mcore_rl.trainer.metrics import MetricsWriter, PhaseTimer
 from mcore_rl.trainer.rl_config import RLConfig
@@ -258,11 +259,14 @@ class RLController:
         import ray
 
         deadline = self.cfg.deadlines.for_phase(phase)
-        _, pending = ray.wait(refs, num_returns=len(refs), timeout=deadline)
-        if pending:
-            late = [f"actor rank {i}" for i, r in enumerate(refs) if r in pending]
+        # results as they arrive: a rank that died fails the phase at once, by name, rather
+        # than after its peers' collective timeout
+        values = collect_or_name_dead(refs, deadline, phase,
+                                      getattr(self, "worker_pids", None))
+        if len(values) < len(refs):
+            late = [f"actor rank {i}" for i in range(len(refs)) if i not in values]
             raise self._watchdog(phase, deadline, late)
-        return ray.get(refs)
+        return [values[i] for i in range(len(refs))]
 
     def _watchdog(self, phase: str, deadline: float, late: list[str],
                   detail: str = "") -> WatchdogTimeout:
@@ -590,31 +594,28 @@ class RLController:
 
     def save_checkpoint(self, step: int) -> Path:
         """RUN_DIR/checkpoints/step_<k>: every rank writes into a temporary directory, which is
-        renamed when all are done (a crash leaves no half checkpoint under the final name)."""
+        renamed when all are done and only then marked complete (trainer/checkpoint_store.py);
+        a save that cannot write raises CheckpointWriteError naming the path."""
         root = self.run_dir / "checkpoints"
         final = root / f"step_{step}"
         tmp = root / f".step_{step}.tmp"
         if tmp.exists():
             shutil.rmtree(tmp)
-        self._actor("save_checkpoint", str(tmp), phase="save")
-        if self.pipeline is not None:
-            # the batches ahead were generated on weights this checkpoint no longer holds;
-            # saved with it (and their versions), a resumed run trains on exactly them
-            torch.save(self.pipeline.state(), tmp / "rollout_buffer.pt")
-        (tmp / "controller.json").write_text(json.dumps({"step": step,
-                                                         "layer_spec": self.run.layer_spec}))
-        if final.exists():
-            shutil.rmtree(final)
-        tmp.rename(final)
-        (root / "latest").write_text(final.name)
-        return final
+        with checkpoint_store.writing(root, tmp, step, self.cfg.checkpoint.inject_error):
+            self._actor("save_checkpoint", str(tmp), phase="save")
+            if self.pipeline is not None:
+                # the batches ahead were generated on weights this checkpoint no longer holds;
+                # saved with it (and their versions), a resumed run trains on exactly them
+                torch.save(self.pipeline.state(), tmp / "rollout_buffer.pt")
+            (tmp / "controller.json").write_text(json.dumps({"step": step,
+                                                             "layer_spec": self.run.layer_spec}))
+        return checkpoint_store.publish(tmp, final, step)
 
     def load_checkpoint(self, path: Path) -> int:
-        """Restore every role from a checkpoint; returns the step it was taken after. The
-        data position is the step: prompts and sampling seeds derive from it."""
-        from mcore_rl.trainer.checkpoint import checkpoint_dir
-
-        path = checkpoint_dir(path)
+        """Restore every role from a checkpoint (a complete one: `path` or, for a run's
+        checkpoints root, its newest); returns the step it was taken after. The data position
+        is the step: prompts and sampling seeds derive from it."""
+        path = checkpoint_store.resolve_checkpoint(Path(path))
         meta = path / "controller.json"
         if not meta.is_file():
             raise FileNotFoundError(f"{path}: not a checkpoint (no controller.json)")

@@ -12,10 +12,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import time
 from pathlib import Path
 
 from mcore_rl.config import ConfigError, load_config
+from mcore_rl.launch.logs import add_verbose_argument, set_verbose
+from mcore_rl.trainer import checkpoint_store
 
 
 # sentencepiece vocabulary (a soft limit) of the demo tokenizer per task kind: addition needs
@@ -70,56 +73,105 @@ def check_layer_spec_here(cfg, resume: Path | None = None) -> None:
         check_resume(resume, run.layer_spec)
 
 
-def run_demo(cfg, out: Path, resume: Path | None = None, command: str = "demo") -> dict:
+def run_demo(cfg, out: Path, resume: str | Path = "auto", command: str = "demo") -> dict:
+    """The run; `resume`: "auto" (the newest complete checkpoint in OUT/checkpoints, if any),
+    "never" (start over: OUT's checkpoints and metrics are removed) or a checkpoint path.
+    SIGTERM/SIGUSR1 stop it at the next safe point with a checkpoint (raises RunStopped)."""
     from mcore_rl.trainer.controller import RLController
     from mcore_rl.trainer.metrics import MetricsWriter, plot_run
     from mcore_rl.trainer.preflight import check_run
+    from mcore_rl.launch.logs import configure_process_logs
+    from mcore_rl.trainer.run_control import RunStopped, StopControl, start_local_ray
 
     start = time.perf_counter()
     out.mkdir(parents=True, exist_ok=True)
+    configure_process_logs(out, "driver")  # library logs to OUT/logs unless --verbose
     # Preflight sizes from the config alone (the demo spec, or hf_dir / preset), so a broken
     # run stops before anything is built; it raises PreflightFailed listing every error.
     for warning in check_run(cfg):
         print(f"preflight warning [{warning.check}] {warning.message} (fix: {warning.fix})")
-    check_layer_spec_here(cfg, resume)
+    # an explicit --resume is checked (layer spec, converted checkpoint) before anything moves
+    explicit = None if str(resume) in ("auto", "never") else Path(resume)
+    check_layer_spec_here(cfg, explicit)
+    checkpoint = start_point(out, resume)
+    if checkpoint is not None and checkpoint_store.step_of(checkpoint) >= cfg.steps:
+        print(f"run already complete: {checkpoint} is after step {cfg.steps} of {cfg.steps}; "
+              f"nothing to do (run dir {out})")
+        return {"already_complete": True, "checkpoint": str(checkpoint)}
+    if explicit is None and checkpoint is not None:  # auto: the found checkpoint's spec too
+        check_layer_spec_here(cfg, checkpoint)
+    stop = StopControl(cfg.checkpoint.stop_grace_s).install()
     model_dir = model_dir_of(cfg, out)
+    start_local_ray()  # before the controller's init_local_ray (then a no-op)
     controller = RLController(cfg, model_dir, out)
+    stop.install()  # again: Ray's driver installed its own (aborting) SIGTERM handler
     try:
         accuracy, first_step = None, 1
-        if resume is None:
+        if checkpoint is None:
+            checkpoint_store.truncate_metrics(out, 0)
             warm = MetricsWriter(out, phase="warmup")
             accuracy = controller.warmup(warm) if cfg.warmup.max_steps else None
             warm.close()
             controller.reset_optimizer()
         else:
             controller.reset_optimizer()
-            first_step = controller.load_checkpoint(resume) + 1
+            first_step = controller.load_checkpoint(checkpoint) + 1
+            checkpoint_store.truncate_metrics(out, first_step - 1)
+            print(f"resumed from {checkpoint} (step {first_step - 1})")
+        if stop.requested:  # during start-up or warm-up: nothing to save yet
+            raise RunStopped(first_step - 1, stop.signal_name, checkpoint)
         controller.sync_weights()
         writer = MetricsWriter(out)
-        rewards, tool_calls = [], []
         for step in range(first_step, cfg.steps + 1):
-            metrics = controller.rl_step(step)
-            rewards.append(metrics["reward_mean"])
-            tool_calls.append(metrics.get("tool_calls/mean"))
-            writer.write(step, metrics)
-            if cfg.save_every and step % cfg.save_every == 0:
-                controller.save_checkpoint(step)
+            writer.write(step, controller.rl_step(step))
+            if cfg.checkpoint.due(step, cfg.steps) or stop.requested:
+                saved = controller.save_checkpoint(step)
+                checkpoint_store.prune(saved.parent, cfg.checkpoint.keep_last)
+            if stop.requested:
+                print(f"checkpoint {saved} written {stop.seconds_since_signal():.1f} s after "
+                      f"{stop.signal_name}")
+                raise RunStopped(step, stop.signal_name, saved)
         writer.close()
+        digests = controller.weights_digests()
     finally:
         controller.shutdown()
+        stop.restore()
     plot_run(out)
+    rewards = [row["reward_mean"] for row in _metrics_rows(out)]
     k = min(5, len(rewards))
-    summary = {"warmup_accuracy": accuracy, "reward_first5": sum(rewards[:k]) / k,
-               "reward_last5": sum(rewards[-k:]) / k, "steps": len(rewards),
-               "wall_s": time.perf_counter() - start}
+    summary = {"warmup_accuracy": accuracy, "reward_first5": sum(rewards[:k]) / max(k, 1),
+               "reward_last5": sum(rewards[-k:]) / max(k, 1), "steps": len(rewards),
+               "resumed_from_step": first_step - 1, "wall_s": time.perf_counter() - start,
+               "weights_digests": digests}
     if cfg.task.multi_turn:
-        summary["tool_calls_first5"] = sum(tool_calls[:k]) / k
-        summary["tool_calls_last5"] = sum(tool_calls[-k:]) / k
+        tool_calls = [row.get("tool_calls/mean", 0.0) for row in _metrics_rows(out)]
+        summary["tool_calls_first5"] = sum(tool_calls[:k]) / max(k, 1)
+        summary["tool_calls_last5"] = sum(tool_calls[-k:]) / max(k, 1)
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     print(f"{command} done in {summary['wall_s']:.0f} s: reward {summary['reward_first5']:.3f} "
           f"(mean of first {k} steps) -> {summary['reward_last5']:.3f} (last {k}); "
           f"run dir {out}")
     return summary
+
+
+def start_point(out: Path, resume: str | Path) -> Path | None:
+    """The checkpoint a run in `out` starts from (None: from scratch). Saves that never
+    completed are removed first; "never" removes OUT/checkpoints altogether."""
+    root = checkpoint_store.checkpoint_root(out)
+    if str(resume) == "never":
+        if root.exists():
+            print(f"--resume never: removing the earlier run's checkpoints in {root}")
+            shutil.rmtree(root)
+        return None
+    checkpoint_store.clean_incomplete(root)
+    if str(resume) == "auto":
+        return checkpoint_store.newest_complete(root)
+    return checkpoint_store.resolve_checkpoint(Path(resume))
+
+
+def _metrics_rows(out: Path) -> list[dict]:
+    path = out / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -130,13 +182,17 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                       help="a built-in demo task's config (tool_calc: multi-turn tool use); "
                            "default: the addition demo")
     demo.add_argument("overrides", nargs="*", help="a.b.c=value")
+    add_verbose_argument(demo)
     demo.set_defaults(func=_run)
     train = sub.add_parser("train", help="an RL run from a YAML config (task, model, grids)")
     train.add_argument("--config", type=Path, required=True)
     train.add_argument("--out", type=Path, default=Path("runs/train"))
-    train.add_argument("--resume", type=Path, default=None,
-                       help="a checkpoint dir (or RUN_DIR/checkpoints for the latest)")
+    train.add_argument("--resume", default="auto",
+                       help="auto (default: the newest complete checkpoint in --out, if any), "
+                            "never (start over), or a checkpoint dir (or a run's checkpoints "
+                            "dir: its newest)")
     train.add_argument("overrides", nargs="*", help="a.b.c=value")
+    add_verbose_argument(train)
     train.set_defaults(func=_run)
     plot = sub.add_parser("plot", help="reward.png and phases.png from RUN_DIR/metrics.jsonl")
     plot.add_argument("run_dir", type=Path)
@@ -160,23 +216,38 @@ def _config_path(args) -> Path | None:
 def _run(args) -> int:
     from mcore_rl.trainer.rl_config import RLConfig
 
+    if args.verbose:  # before Ray starts: workers inherit it (as they do MCORE_RL_VERBOSE=1)
+        set_verbose(True)
+
     try:
         cfg = load_config(RLConfig, _config_path(args), args.overrides)
     except ConfigError as err:
         print(f"mcore-rl {args.command}: config error: {err}")
         return 2
-    from mcore_rl.launch.watchdog import WatchdogTimeout
+    from mcore_rl.launch.watchdog import WatchdogTimeout, WorkerDied
     from mcore_rl.trainer.preflight import PreflightFailed
 
+    from mcore_rl.trainer.checkpoint_store import CheckpointNotFound, CheckpointWriteError
+    from mcore_rl.trainer.run_control import STOP_EXIT_CODE, RunStopped
+
     try:
-        run_demo(cfg, args.out, getattr(args, "resume", None), command=args.command)
+        run_demo(cfg, args.out, getattr(args, "resume", "auto"), command=args.command)
+    except RunStopped as stopped:  # SIGTERM/SIGUSR1: checkpointed, "requeue me"
+        print(f"mcore-rl {args.command}: {stopped}", flush=True)
+        return STOP_EXIT_CODE
+    except CheckpointNotFound as err:
+        print(f"mcore-rl {args.command}: --resume: {err}")
+        return 2
+    except CheckpointWriteError as err:
+        print(f"mcore-rl {args.command}: checkpoint error: {err}")
+        return 4
     except ConfigError as err:  # e.g. model.hf_dir that is not a checkpoint
         print(f"mcore-rl {args.command}: config error: {err}")
         return 2
     except PreflightFailed as err:
         print(f"mcore-rl {args.command}: {err}")
         return 2
-    except WatchdogTimeout as err:  # a hang, diagnosed: exit non-zero with the diagnosis
+    except (WatchdogTimeout, WorkerDied) as err:  # a hang or a dead worker, named
         print(f"mcore-rl {args.command}: {err}")
         return 3
     return 0

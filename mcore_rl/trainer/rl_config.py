@@ -18,6 +18,7 @@ from mcore_rl.rollout.engine import RolloutConfig
 from mcore_rl.tasks.base import load_reward_fn  # noqa: F401 — callers import it from here
 from mcore_rl.tasks.config import TaskConfig
 from mcore_rl.trainer.config import OptimizerConfig, TrainConfig
+from mcore_rl.trainer.checkpoint_store import CheckpointConfig
 from mcore_rl.trainer.reward_model import RewardModelConfig
 
 # The demo tokenizer (mcore_rl.tasks.tokenizer, trained on the addition task) has 16 pieces.
@@ -159,7 +160,7 @@ class RLConfig:
     deadlines: per-phase deadlines of the watchdog.
     inject_stall: fault injection for watchdog tests: "<phase>@rank<r>" stalls actor rank r
         in that phase, "gen@engine<i>" stalls engine i's generation. Leave null.
-    save_every: write a checkpoint every this many RL steps (0: never).
+    checkpoint: when checkpoints are written and how many are kept (see CheckpointConfig).
     max_sampling_rounds: with algorithm.dynamic_sampling, generation rounds per step at most.
     off_policy_steps: deprecated alias of rollout.mode (0: sync, 1: one_step); leave null.
     seed: prompts and sampling.
@@ -191,7 +192,7 @@ class RLConfig:
     sync_dtype: Literal["auto", "fp32", "bf16"] = "auto"
     deadlines: DeadlineConfig = field(default_factory=DeadlineConfig)
     inject_stall: str | None = None
-    save_every: int = 0
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     max_sampling_rounds: int = 4
     off_policy_steps: int | None = None
     seed: int = 0

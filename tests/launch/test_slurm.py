@@ -14,6 +14,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -82,24 +83,65 @@ def _ray_processes_of(job: str) -> list[str]:
     return found
 
 
+TRAIN_STEPS = 4
+
+
 @pytest.fixture(scope="session")
 def train_run(slurm, tmp_path_factory):
-    """The tiny config trained by train.sbatch (one node: Ray head + driver, 2 actor ranks)."""
+    """The tiny config trained by train.sbatch (one node: Ray head + driver, 2 actor ranks),
+    stopped once by the time-limit path: SLURM's `--signal=B:USR1@N` (here sent as soon as
+    step 1 is logged with `scancel --batch --signal=USR1`, exactly what the time limit sends)
+    reaches the batch script, which forwards it; the run checkpoints after its current step
+    and exits 75; the script requeues the job, and the requeued run (same job id, same
+    RUN_DIR) resumes by itself. Returns (exit code, job, log, run dir, seconds from the signal
+    to the end of both runs)."""
     tmp = tmp_path_factory.mktemp("slurm_train")
-    run_dir = tmp / "run"
-    code, job, log = sbatch(slurm, "train.sbatch", "configs/tiny_ci.yaml",
-                            out=tmp / "train.out", extra_env={"RUN_DIR": str(run_dir)})
-    return code, job, log, run_dir
+    run_dir, out = tmp / "run", tmp / "train.out"
+    cmd = ["timeout", "300", "sbatch", "--wait", "--parsable", f"--output={out}",
+           str(SBATCH_DIR / "train.sbatch"), "configs/tiny_ci.yaml", f"steps={TRAIN_STEPS}"]
+    started = time.monotonic()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            cwd=ROOT, env={**slurm, "RUN_DIR": str(run_dir)})
+    job = proc.stdout.readline().strip().split(";")[0]
+    assert job.isdigit(), proc.stderr.read()
+    metrics = run_dir / "metrics.jsonl"
+    try:
+        while not (metrics.is_file() and metrics.read_text().strip()):
+            assert proc.poll() is None, out.read_text()[-4000:]
+            assert time.monotonic() - started < 240, "no step logged within 240 s"
+            time.sleep(0.1)
+        signalled = time.monotonic()
+        subprocess.run(["scancel", "--batch", "--signal=USR1", job], env=slurm, check=True,
+                       timeout=30)
+        code = proc.wait(timeout=330)
+    finally:
+        if proc.poll() is None:
+            subprocess.run(["scancel", job], env=slurm, timeout=30)
+            proc.kill()
+    return code, job, out.read_text(), run_dir, time.monotonic() - signalled
 
 
-def test_train_job_runs_three_steps_and_stops_ray(train_run, slurm):
-    code, job, log, run_dir = train_run
+def test_train_job_runs_its_steps_and_stops_ray(train_run, slurm):
+    code, job, log, run_dir, _ = train_run
     assert code == 0, log[-4000:]
     steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [s["step"] for s in steps] == [1, 2, 3]
+    assert [s["step"] for s in steps] == list(range(1, TRAIN_STEPS + 1))  # each once
     assert all("reward_mean" in s and "timing_s/step" in s for s in steps)
     assert re.search(r"ray cluster up: 1 node\(s\)", log) and "ray cluster stopped" in log
     assert not _ray_processes_of(job)
+
+
+def test_train_job_signalled_before_its_time_limit_requeues_and_resumes(train_run):
+    code, job, log, run_dir, after_signal_s = train_run
+    assert code == 0, log[-4000:]
+    assert "train.sbatch: USR1: forwarding to the training" in log
+    stopped = re.search(r"stopped on SIGUSR1 after step (\d+); checkpoint (\S+);", log)
+    assert stopped and "requeueing job" in log, log[-4000:]
+    assert int(stopped[1]) < TRAIN_STEPS
+    assert "run 1 (requeues so far)" in log, log[-4000:]
+    assert f"resumed from {stopped[2]} (step {stopped[1]})" in log, log[-4000:]
+    print(f"job {job}: stopped after step {stopped[1]}; both runs done {after_signal_s:.0f} s "
+          "after USR1")
 
 
 def test_failing_job_returns_its_exit_code(slurm, tmp_path):
@@ -125,7 +167,7 @@ def test_bench_job_runs_one_rank_per_task(slurm, tmp_path):
 
 
 def test_convert_job_converts_on_two_ranks(train_run, slurm, tmp_path):
-    _, _, _, run_dir = train_run
+    run_dir = train_run[3]
     dst = tmp_path / "mcore"
     code, _, log = sbatch(slurm, "convert.sbatch", "hf-to-mcore", run_dir / "model", dst,
                           out=tmp_path / "convert.out", timeout=240)
@@ -133,3 +175,4 @@ def test_convert_job_converts_on_two_ranks(train_run, slurm, tmp_path):
     report = json.loads([line for line in log.splitlines() if line.startswith("{")][-1])
     assert report["ranks"] == 2 and report["tensors"] > 0
     assert (dst / "metadata.json").is_file()
+

@@ -114,11 +114,14 @@ def run_layout(rank: int, world: int, parallel_kw: dict, dtype: str = "fp32",
     dispatcher), of the MoE model on that layout in the same processes, under "moe"."""
     from gpu_twins import join_world
 
+    from mcore_rl.parallel.groups import leave_worker_world
+
     on = join_world(rank, world, device)
     out = train_layout(rank, SPEC, parallel_kw, dtype, p2p_control, on, layer_spec)
     if moe is not None:
         out["moe"] = train_layout(rank, MOE_SPEC, moe[0], "fp32", False, on, layer_spec,
                                   dispatcher=moe[1])
+    leave_worker_world()
     return out
 
 
@@ -131,7 +134,7 @@ def train_layout(rank: int, spec: ModelSpec, parallel_kw: dict, dtype: str = "fp
     from mcore_rl.layouts import materialize_rank, megatron_shards
     from mcore_rl.models.gpt import load_chunks
     from mcore_rl.parallel.config import ParallelConfig
-    from mcore_rl.parallel.groups import Axis, init_training_groups, leave_worker_world
+    from mcore_rl.parallel.groups import Axis, init_training_groups
     from mcore_rl.trainer.config import OptimizerConfig, TrainConfig
     from mcore_rl.trainer.megatron_train import (MicroBatch, forward_logits, setup_trainer,
                                                  train_step)
@@ -181,7 +184,6 @@ def train_layout(rank: int, spec: ModelSpec, parallel_kw: dict, dtype: str = "fp
                                 for p in c.parameters()}),
         "loss": [s.loss for s in steps], "grad_norm": [s.grad_norm for s in steps],
         "params": _local_tensors(trainer, parallel.vpp)})
-    leave_worker_world()
     return result
 
 

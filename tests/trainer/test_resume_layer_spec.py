@@ -10,15 +10,17 @@ import pytest
 
 from mcore_rl.config import ConfigError
 from mcore_rl.trainer.checkpoint import check_resume
+from mcore_rl.trainer.checkpoint_store import MARKER
 
 
 def fake_checkpoint(root, layer_spec=None, step=3):
-    """What RLController.save_checkpoint writes (controller.json; the shards do not matter)."""
+    """What RLController.save_checkpoint writes (controller.json and, last, the completion
+    marker; the shards do not matter)."""
     step_dir = root / "checkpoints" / f"step_{step}"
     step_dir.mkdir(parents=True)
     meta = {"step": step} if layer_spec is None else {"step": step, "layer_spec": layer_spec}
     (step_dir / "controller.json").write_text(json.dumps(meta))
-    (root / "checkpoints" / "latest").write_text(step_dir.name)
+    (step_dir / MARKER).write_text(json.dumps({"step": step}))
     return step_dir
 
 
@@ -81,6 +83,7 @@ def test_te_run_without_transformer_engine_is_refused_before_workers(monkeypatch
     cfg = load_config(RLConfig, "configs/grpo_addition.yaml", [])
     check_layer_spec_here(cfg)  # this CPU machine: layer_spec 'local', nothing to refuse
     monkeypatch.setattr(resolve, "cuda_present", lambda: True)
+    monkeypatch.setattr(resolve, "cuda_device_gib", lambda: 80.0)  # an H100, as it were
     monkeypatch.setattr(gpt, "te_importable", lambda: False)
     with pytest.raises(ConfigError, match="cluster.device='local': runs on this machine's "
                                           "CUDA, so the resolved layer_spec is 'te', but "
