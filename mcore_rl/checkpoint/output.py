@@ -45,7 +45,7 @@ def temp_dir_for(dst: Path) -> Path:
 def commit(tmp: Path, dst: Path, *, force: bool) -> None:
     """Move the finished `tmp` to `dst`, replacing an existing `dst` only with `force`."""
     dst = dst.resolve()
-    _fsync_tree(tmp)
+    fsync_tree(tmp)
     old = None
     if dst.exists() or dst.is_symlink():
         if not force:
@@ -60,7 +60,7 @@ def commit(tmp: Path, dst: Path, *, force: bool) -> None:
         raise
     if old is not None:
         remove(old)
-    _fsync_dir(dst.parent)
+    fsync_dir(dst.parent)
 
 
 def remove(path: Path) -> None:
@@ -70,17 +70,21 @@ def remove(path: Path) -> None:
         path.unlink()
 
 
-def _fsync_tree(root: Path) -> None:
-    """Flush every file (already-synced ones are cheap) and directory before the rename."""
-    for path in [*sorted(p for p in root.rglob("*") if p.is_file()), root]:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+def fsync_tree(root: Path) -> None:
+    """Flush every file and every directory under `root` (already-synced ones are cheap), so
+    a rename that follows publishes data that is on disk."""
+    for dirpath, _, files in os.walk(root):
+        for name in files:
+            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        fsync_dir(Path(dirpath))
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
+    """Flush a directory's entries (a rename or a new file in it)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)

@@ -21,8 +21,6 @@ block for long (tools bound their own work, see `mcore_rl.envs.tools`).
 
 from __future__ import annotations
 
-import importlib
-import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
@@ -86,21 +84,11 @@ EnvFactory = Callable[["Example", "RewardFn", object], Environment]
 
 def load_env_factory(path: str) -> EnvFactory:
     """"package.module:function" → the factory; it must accept (example, reward_fn,
-    tool_format). Raises
-    ValueError / ImportError / AttributeError naming what is wrong."""
-    from mcore_rl.tasks.base import Example
+    tool_format). Raises ValueError / ImportError / AttributeError naming what is wrong."""
+    from mcore_rl.tasks.base import Example, load_by_path
 
-    module, sep, name = path.partition(":")
-    if not sep or not module or not name:
-        raise ValueError("expected 'package.module:function'")
-    fn = getattr(importlib.import_module(module), name)
-    if not callable(fn):
-        raise ValueError(f"{path} is not callable")
-    try:
-        inspect.signature(fn).bind(Example("p", "a"), lambda p, r, a: 0.0, None)
-    except TypeError:
-        raise ValueError(f"{path} must accept (example, reward_fn, tool_format)") from None
-    return fn
+    return load_by_path(path, (Example("p", "a"), lambda p, r, a: 0.0, None),
+                        "(example, reward_fn, tool_format)")
 
 
 __all__ = ["EnvFactory", "Environment", "EpisodeConfig", "Step", "load_env_factory"]

@@ -39,9 +39,10 @@ class Task(Protocol):
         raise ValueError."""
 
 
-def load_reward_fn(path: str) -> RewardFn:
-    """"package.module:function" → the function. It must accept (prompt, response, answer);
-    raises ValueError / ImportError / AttributeError naming what is wrong."""
+def load_by_path(path: str, probe_args: tuple, accepts: str):
+    """"package.module:function" → the function, checked to accept `probe_args` (`accepts`
+    says how, for the message). Raises ValueError / ImportError / AttributeError naming what
+    is wrong. Rewards and environments are named by import path this one way."""
     module, sep, name = path.partition(":")
     if not sep or not module or not name:
         raise ValueError("expected 'package.module:function'")
@@ -49,12 +50,18 @@ def load_reward_fn(path: str) -> RewardFn:
     if not callable(fn):
         raise ValueError(f"{path} is not callable")
     try:
-        inspect.signature(fn).bind("prompt", "response", "answer")
+        inspect.signature(fn).bind(*probe_args)
     except TypeError:
-        raise ValueError(f"{path} must accept (prompt, response, answer)") from None
+        raise ValueError(f"{path} must accept {accepts}") from None
     except ValueError:  # builtins without a signature: let the call decide
         pass
     return fn
+
+
+def load_reward_fn(path: str) -> RewardFn:
+    """"package.module:function" → the reward function; it must accept (prompt, response,
+    answer)."""
+    return load_by_path(path, ("prompt", "response", "answer"), "(prompt, response, answer)")
 
 
 def no_reward(prompt: str, response: str, answer: str) -> float:
@@ -62,4 +69,4 @@ def no_reward(prompt: str, response: str, answer: str) -> float:
     return 0.0
 
 
-__all__ = ["Example", "RewardFn", "Task", "load_reward_fn", "no_reward"]
+__all__ = ["Example", "RewardFn", "Task", "load_by_path", "load_reward_fn", "no_reward"]

@@ -20,6 +20,7 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
+from mcore_rl.checkpoint.output import fsync_dir, fsync_tree
 from mcore_rl.config import ConfigError
 
 MARKER = "complete.json"
@@ -177,38 +178,19 @@ def writing(root: Path, tmp: Path, step: int, inject: str | None = None):
                                    f"checkpoint in {root} is intact") from err
 
 
-def _fsync_tree(path: Path) -> None:
-    for dirpath, _, files in os.walk(path):
-        for name in files:
-            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        _fsync_dir(Path(dirpath))
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def publish(tmp: Path, final: Path, step: int) -> Path:
     """Make the fully written `tmp` the checkpoint `final`: flush it, rename it, then write
     the completion marker (last), and point `latest` at it."""
-    _fsync_tree(tmp)
+    fsync_tree(tmp)
     if final.exists():
         shutil.rmtree(final)
     tmp.rename(final)
     marker_tmp = final / f".{MARKER}.tmp"
     marker_tmp.write_text(json.dumps({"step": step}))
     os.replace(marker_tmp, final / MARKER)
-    _fsync_dir(final)
+    fsync_dir(final)
     (final.parent / "latest").write_text(final.name)
-    _fsync_dir(final.parent)
+    fsync_dir(final.parent)
     return final
 
 
