@@ -103,7 +103,9 @@ class ActorWorker:
         batches of micro_batch_size rows."""
         train = train or self.train_cfg
         rows = self._my_rows(next(iter(tensors.values())).shape[0])
-        mine = {k: v[rows] for k, v in tensors.items()}
+        # batches arrive from the controller on the host; the model's device is where they run
+        on = self._model_device()
+        mine = {k: v[rows].to(on) for k, v in tensors.items()}
         n, s = mine["tokens"].shape
         if train.max_tokens_per_micro_batch is not None:
             from mcore_rl.trainer.packing import pack, plan_for_grid, valid_lengths
@@ -118,6 +120,10 @@ class ActorWorker:
                              f"micro_batch_size={mbs}")
         return [cls(**{k: v[i:i + mbs] for k, v in mine.items()})
                 for i in range(0, n, mbs)], None
+
+    def _model_device(self) -> torch.device:
+        """Where this rank's actor parameters live (its placed CUDA device, or the CPU)."""
+        return next(self.trainer.unwrapped()[0].parameters()).device
 
     @staticmethod
     def _packing_metrics(plan) -> dict:
@@ -155,8 +161,8 @@ class ActorWorker:
         if plan is not None:
             from mcore_rl.trainer.packing import unpack
 
-            return unpack(out, plan)
-        return torch.cat(out)
+            return unpack(out, plan).cpu()  # to the controller as a host tensor
+        return torch.cat(out).cpu()
 
     def logprobs(self, tokens, labels, response_mask=None) -> torch.Tensor | None:
         """The actor's log-probs of the labels (old log-probs). With `response_mask` packed
