@@ -255,9 +255,8 @@ class RLController:
     # --- plumbing ---------------------------------------------------------------------------
 
     def _wait(self, refs: list, phase: str) -> list:
-        """ray.get under the phase's deadline; past it, the watchdog names who is late."""
-        import ray
-
+        """The workers' results under the phase's deadline; past it, the watchdog names who is
+        late (a worker that died is named at once)."""
         deadline = self.cfg.deadlines.for_phase(phase)
         # results as they arrive: a rank that died fails the phase at once, by name, rather
         # than after its peers' collective timeout
