@@ -13,10 +13,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from hf_weights import random_hf_weights
 from gpu_twins import gpu_marks, join_world, spawn_env
 
 from mcore_rl.launch.spawn import run_on_ranks
-from mcore_rl.layouts import hf_shards
 from mcore_rl.models.gpt import te_importable
 from mcore_rl.models.presets import get_preset
 
@@ -35,12 +35,6 @@ CASES = [
             "check machine has none): our TE names are checked without it against "
             "megatron-core's TE spec tree in tests/layouts/test_te_names.py")]),
 ]
-
-
-def _hf_weights(spec, seed=0) -> dict[str, torch.Tensor]:
-    gen = torch.Generator().manual_seed(seed)
-    return {n: (1.0 + 0.1 * torch.randn(s, generator=gen)) if n.endswith("norm.weight")
-            else 0.05 * torch.randn(s, generator=gen) for n, s in hf_shards(spec).hf_shapes.items()}
 
 
 def _hf_logits(spec, weights) -> np.ndarray:
@@ -74,7 +68,7 @@ def _names_on_device(rank, world, device, layer_spec_name):
         (chunk,) = build_gpt_model(spec, parallel, groups, layer_spec=layer_spec_name)
         state = chunk.state_dict()
         tensors = materialize_rank(megatron_shards(spec, parallel, layer_spec=layer_spec_name),
-                                   0, _hf_weights(spec).__getitem__)
+                                   0, random_hf_weights(spec).__getitem__)
         load_chunks([chunk], tensors, None)
         after = chunk.state_dict()
         sharded = chunk.sharded_state_dict()
@@ -112,5 +106,5 @@ def test_layer_spec_names_on_device(device, layer_spec_name):
         # dist checkpoints: TE-spelled keys under both specs, as the converter writes them
         assert got["ckpt_tensors"] == got["layout_tensors"], name
         assert got["ckpt_objects"] == got["layout_objects"], name
-        np.testing.assert_allclose(got["logits"], _hf_logits(spec, _hf_weights(spec)),
+        np.testing.assert_allclose(got["logits"], _hf_logits(spec, random_hf_weights(spec)),
                                    rtol=0, atol=1e-4, err_msg=name)

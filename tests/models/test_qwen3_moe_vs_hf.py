@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 import torch
 
+from hf_weights import random_hf_weights
 from mcore_rl.launch.spawn import run_on_ranks
-from mcore_rl.layouts import hf_shards
 from mcore_rl.models.presets import get_preset
 from mcore_rl.models.spec import ModelSpec
 
@@ -40,13 +40,6 @@ CASES = {
     "mixtral_pp2_ep2": (MIXTRAL, dict(pp=2, ep=1), "alltoall"),
 }
 TOKENS = torch.randint(0, MICRO.vocab, (2, 24), generator=torch.Generator().manual_seed(3))
-
-
-def _random_hf_weights(spec: ModelSpec, seed: int) -> dict[str, torch.Tensor]:
-    gen = torch.Generator().manual_seed(seed)
-    return {name: (1.0 + 0.1 * torch.randn(shape, generator=gen)) if name.endswith("norm.weight")
-            else 0.05 * torch.randn(shape, generator=gen)
-            for name, shape in hf_shards(spec).hf_shapes.items()}
 
 
 def _hf_reference(spec: ModelSpec, weights: dict[str, torch.Tensor], tmp) -> np.ndarray:
@@ -91,7 +84,7 @@ def _megatron_logits(rank, world, cases):
 
 @pytest.fixture(scope="module")
 def compared(tmp_path_factory):
-    weights = {name: _random_hf_weights(spec, seed=i)
+    weights = {name: random_hf_weights(spec, seed=i)
                for i, (name, (spec, _, _)) in enumerate(CASES.items())}
     cases = {name: (spec, kw, disp, {k: v.numpy() for k, v in weights[name].items()})
              for name, (spec, kw, disp) in CASES.items()}

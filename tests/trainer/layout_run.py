@@ -6,7 +6,6 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from mcore_rl.layouts import hf_shards
 from mcore_rl.models.presets import get_preset
 from mcore_rl.models.spec import ModelSpec
 
@@ -34,12 +33,9 @@ STEPS = 3
 
 def hf_init(spec: ModelSpec, seed: int = 0) -> dict[str, torch.Tensor]:
     """Random HF-named weights: every layout loads exactly these (via mcore_rl.layouts)."""
-    gen = torch.Generator().manual_seed(seed)
-    out = {}
-    for name, shape in hf_shards(spec).hf_shapes.items():
-        noise = torch.randn(shape, generator=gen)
-        out[name] = 1.0 + 0.1 * noise if name.endswith("norm.weight") else 0.05 * noise
-    return out
+    from hf_weights import random_hf_weights
+
+    return random_hf_weights(spec, seed)
 
 
 def global_batch(spec: ModelSpec, seed: int = 1) -> list[dict[str, torch.Tensor]]:
