@@ -91,6 +91,19 @@ def init_from_env(timeout_s: float = 7200.0) -> Ranks:
     return current_ranks()
 
 
+def leave(*, wait_for_all: bool) -> None:
+    """Leave the job's process group before the interpreter exits. Left to interpreter
+    teardown, gloo's worker threads can be destroyed while still joinable, and the process
+    aborts ("terminate called without an active exception") after a conversion that
+    succeeded. `wait_for_all`: meet the other ranks first (only when every rank got this far;
+    after an error a rank may be gone, and a barrier would wait out the whole timeout)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    if wait_for_all:
+        dist.barrier()
+    dist.destroy_process_group()
+
+
 def partition(sizes: Sequence[int], world: int) -> list[int]:
     """Owner rank of each item: largest first onto the least-loaded rank (deterministic)."""
     load = [0] * world

@@ -120,11 +120,24 @@ def _large_allocations_unmapped(threshold: int = 1 << 20) -> None:
 
 
 def run(args) -> int:
-    from mcore_rl.checkpoint.ranks import RankFailed, Ranks, init_from_env
+    from mcore_rl.checkpoint.ranks import current_ranks, leave
 
     _large_allocations_unmapped()
     if args.workers < 1:
         return _error(args, ValueError(f"--workers={args.workers}: must be >= 1"))
+    if current_ranks().distributed:          # a caller's group: convert in it, leave it be
+        return _convert_on_ranks(args, joined_here=False)
+    try:
+        return _convert_on_ranks(args, joined_here=True)
+    finally:
+        leave(wait_for_all=False)            # after an error; a no-op once left below
+
+
+def _convert_on_ranks(args, joined_here: bool) -> int:
+    """Join the job's ranks, convert this rank's share, leave the group together (if this
+    command joined it), and report (first rank)."""
+    from mcore_rl.checkpoint.ranks import RankFailed, Ranks, init_from_env, leave
+
     ranks = Ranks()
     try:
         ranks = init_from_env()
@@ -147,16 +160,14 @@ def run(args) -> int:
         if ranks.is_first:
             _error(args, err, ranks)
         return 2
+    if joined_here:
+        leave(wait_for_all=True)             # every rank converted; the check spawns its own
     if not ranks.is_first:
         return 0
     print(report.summary())
     summary = report.as_dict()
     code = 0
     if grid is not None:
-        if ranks.distributed:
-            import torch.distributed as dist
-
-            dist.destroy_process_group()     # the check spawns its own ranks
         code, summary["verify"] = _run_verify(args, grid)
     print(json.dumps(summary))
     return code
