@@ -434,7 +434,7 @@ class RLController:
         rm = self.cfg.reward_model
         if not rm.enabled:
             return None
-        from mcore_rl.trainer.reward_model import RewardModelGroup, check_reward_model_dir
+        from mcore_rl.reward_model import RewardModelGroup, check_reward_model_dir
 
         vocab = check_reward_model_dir(rm.hf_dir).vocab
         if vocab < len(self.tokenizer):

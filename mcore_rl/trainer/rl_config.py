@@ -19,7 +19,7 @@ from mcore_rl.tasks.base import load_reward_fn  # noqa: F401 — callers import 
 from mcore_rl.tasks.config import TaskConfig
 from mcore_rl.trainer.config import OptimizerConfig, TrainConfig
 from mcore_rl.trainer.checkpoint_store import CheckpointConfig
-from mcore_rl.trainer.reward_model import RewardModelConfig
+from mcore_rl.reward_model import RewardModelConfig
 
 # The demo tokenizer (mcore_rl.tasks.tokenizer, trained on the addition task) has 16 pieces.
 DEMO_VOCAB = 16

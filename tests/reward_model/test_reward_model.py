@@ -18,7 +18,7 @@ from mcore_rl.launch.spawn import run_on_ranks
 from mcore_rl.models.hf_factory import make_hf_model_dir, make_hf_reward_model_dir
 from mcore_rl.models.presets import get_preset
 from mcore_rl.parallel import ParallelConfig
-from mcore_rl.trainer.reward_model import (RewardModelConfig, RewardModelError,
+from mcore_rl.reward_model import (RewardModelConfig, RewardModelError,
                                            RewardModelGroup, check_reward_model_dir,
                                            pad_sequences)
 
@@ -74,7 +74,7 @@ GRIDS = {
 def _score_on_grids(rank, world, dirs):
     """Per grid: the scores from the rank that returns them (None on the others)."""
     from mcore_rl.parallel.groups import init_training_groups
-    from mcore_rl.trainer.reward_model import load_reward_model, score_batch
+    from mcore_rl.reward_model import load_reward_model, score_batch
 
     tokens, lengths = pad_sequences(PROMPTS, RESPONSES, PAD)
     out = {}
@@ -215,7 +215,7 @@ def test_grid_that_does_not_fit_the_model_names_the_field(rm_dirs):
 
 
 def test_bad_batches_are_refused():
-    from mcore_rl.trainer.reward_model import check_score_inputs
+    from mcore_rl.reward_model import check_score_inputs
 
     with pytest.raises(RewardModelError, match="prompts: 2 rows but responses: 1"):
         pad_sequences([[1], [2]], [[3]], PAD)

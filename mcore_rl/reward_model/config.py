@@ -1,0 +1,80 @@
+"""The reward model's config: which checkpoint, its grid, its dtype, its weight in the reward."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+from mcore_rl.config import ConfigError
+from mcore_rl.parallel import ParallelConfig
+from mcore_rl.trainer.config import DTYPES
+
+
+class RewardModelError(ValueError):
+    """The reward-model checkpoint or a scoring batch is not what the role can use."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class RewardModelConfig:
+    """The optional reward model and its Megatron grid.
+
+    enabled: score rollouts with the model (False: rule rewards only; the other fields are
+        then unused).
+    hf_dir: HF `*ForSequenceClassification` checkpoint directory with num_labels=1
+        (config.json + safetensors holding `score.weight` [1, hidden]).
+    parallel: the reward workers' grid (tp, pp, dp; world size tp * pp * dp). No sequence
+        parallelism (the head reads complete hidden states) and no vpp.
+    micro_batch_size: sequences per forward micro batch on each DP rank (a batch is padded
+        with dummy rows to a multiple of dp * micro_batch_size).
+    dtype: "fp32" or "bf16" weights and activations (scores are returned in fp32).
+    coeff: weight of the model score in the reward: reward = rule reward + coeff * score.
+    timeout_s: deadline of start-up and of each `score` call, and the workers' collective
+        timeout.
+    preset: a planner preset of the model's shapes (`mcore_rl.models.presets`): preflight
+        sizes the reward model from it when hf_dir is not on this machine (as model.preset).
+    """
+
+    enabled: bool = False
+    hf_dir: str | None = None
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    micro_batch_size: int = 4
+    dtype: Literal["fp32", "bf16"] = "fp32"
+    coeff: float = 1.0
+    timeout_s: float = 600.0
+    preset: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.enabled and not self.hf_dir:
+            raise ConfigError("hf_dir", self.hf_dir, "the reward model is enabled: set the HF "
+                                                     "*ForSequenceClassification directory")
+        if self.micro_batch_size < 1:
+            raise ConfigError("micro_batch_size", self.micro_batch_size, "must be >= 1")
+        if self.dtype not in DTYPES:
+            raise ConfigError("dtype", self.dtype, f"must be one of {', '.join(DTYPES)}")
+        if not math.isfinite(self.coeff):
+            raise ConfigError("coeff", self.coeff, "must be a finite number")
+        if not self.timeout_s > 0:
+            raise ConfigError("timeout_s", self.timeout_s, "must be > 0")
+        if self.parallel.sequence_parallel:
+            raise ConfigError("parallel.sequence_parallel", True, "the score head reads "
+                              "complete hidden states on each TP rank: turn it off")
+        if self.parallel.vpp is not None:
+            raise ConfigError("parallel.vpp", self.parallel.vpp, "not supported for the "
+                              "forward-only reward model: use null")
+        from mcore_rl.models.presets import PRESETS
+
+        if self.preset is not None and self.preset not in PRESETS:
+            raise ConfigError("preset", self.preset,
+                              f"unknown preset; known: {', '.join(sorted(PRESETS))}")
+
+    def planning_model(self) -> str:
+        """What preflight sizes the reward model from: hf_dir when its config.json is here,
+        else the preset."""
+        if self.hf_dir and (Path(self.hf_dir) / "config.json").is_file():
+            return self.hf_dir
+        if self.preset is not None:
+            return self.preset
+        raise ConfigError("reward_model.hf_dir", self.hf_dir, "has no config.json on this "
+                          "machine: set reward_model.preset to size the run without it")

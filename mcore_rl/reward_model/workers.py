@@ -1,0 +1,136 @@
+"""The reward model's Ray workers (one Megatron rank each) and the driver-side group that
+starts them, scores under a deadline, and names late ranks."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from mcore_rl.config import ConfigError
+from mcore_rl.reward_model.checkpoint import check_reward_model_dir
+from mcore_rl.reward_model.config import RewardModelConfig, RewardModelError
+from mcore_rl.reward_model.scoring import (check_score_inputs, load_reward_model, pad_sequences,
+                                           score_batch)
+
+
+class RewardWorker:
+    """One Megatron rank of the reward model. Methods return plain, picklable values."""
+
+    def __init__(self, rank: int, world_size: int, store_address: tuple[str, int],
+                 cfg: RewardModelConfig, stack_dir: str | None = None,
+                 device: int | None = None, layer_spec: str = "local"):
+        """device: this rank's device on its node (on GPU, the current CUDA device).
+        layer_spec: megatron's layer spec, as the run resolved it (`ResolvedRun.layer_spec`)."""
+        from mcore_rl.launch.watchdog import arm_stack_dump
+        from mcore_rl.parallel.groups import join_worker_world
+
+        if stack_dir:  # the run directory: stacks for the watchdog, library logs (quiet console)
+            from mcore_rl.launch.logs import configure_process_logs
+
+            configure_process_logs(Path(stack_dir).parent, f"reward{rank}")
+            self._stack_file = arm_stack_dump(stack_dir, f"reward_rank{rank}")
+        self.rank = rank
+        groups = join_worker_world(rank, world_size, store_address, cfg.parallel,
+                                   timeout_s=cfg.timeout_s, device=device)
+        self.model = load_reward_model(cfg, groups, layer_spec=layer_spec)
+
+    def score(self, tokens: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor | None:
+        """Scores [n] on one rank (tp 0, last stage, dp 0); None on the others."""
+        return score_batch(self.model, tokens, lengths)
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def shutdown(self) -> bool:
+        from mcore_rl.parallel.groups import leave_worker_world
+
+        leave_worker_world()
+        return True
+
+
+class RewardModelGroup:
+    """The reward workers, started and driven from the controller process.
+
+    The checkpoint and grid are checked here first (a bad directory fails before any worker
+    starts). The workers' gloo world meets at a TCPStore on `host` (the driver's address).
+    """
+
+    def __init__(self, cfg: RewardModelConfig, *, host: str = "127.0.0.1",
+                 stack_dir: str | Path | None = None, placement=None,
+                 layer_spec: str = "local"):
+        """placement: the run's `launch.placement.RayPlacement`; reward rank r then shares
+        the device (and node) of actor rank r mod the actor's world, as the reference model
+        does. None: wherever Ray puts it. layer_spec: the run's (`ResolvedRun.layer_spec`)."""
+        import ray
+
+        from mcore_rl.resharding import host_store
+        from mcore_rl.rollout.ray_engines import init_local_ray
+
+        if not cfg.enabled:
+            raise ConfigError("enabled", False, "RewardModelGroup needs an enabled reward model")
+        self.cfg, self.stack_dir = cfg, stack_dir
+        self.spec = check_reward_model_dir(cfg.hf_dir)
+        try:
+            cfg.parallel.check_model(self.spec)
+        except ConfigError as err:
+            raise err.under("parallel") from None
+        init_local_ray(num_cpus=max(2, os.cpu_count() or 2))
+        world = cfg.parallel.world_size
+        self._store = host_store(host, world_size=world + 1, timeout_s=cfg.timeout_s)
+        remote_cls = ray.remote(num_cpus=0)(RewardWorker)
+        self.workers = []
+        for rank in range(world):
+            options, device = {}, None
+            if placement is not None:
+                slot = placement.plan.actor[rank % len(placement.plan.actor)]
+                options, device = placement.options_for_node(slot.node), slot.device
+            self.workers.append(remote_cls.options(**options).remote(
+                rank, world, (host, self._store.port), cfg,
+                str(stack_dir) if stack_dir else None, device, layer_spec))
+        self.pids: list[int] = []
+        self.pids = self._call("pid", phase="reward-startup")
+
+    def _call(self, method: str, *args, phase: str, timeout_s: float | None = None) -> list:
+        """`method` on every worker under a deadline; past it, the error names the late ranks
+        (and the workers' stack dumps when `stack_dir` is set)."""
+        import ray
+
+        from mcore_rl.launch.watchdog import WatchdogTimeout, dump_stacks
+
+        deadline = self.cfg.timeout_s if timeout_s is None else timeout_s
+        refs = [getattr(w, method).remote(*args) for w in self.workers]
+        _, pending = ray.wait(refs, num_returns=len(refs), timeout=deadline)
+        if pending:
+            late = [f"reward rank {i}" for i, ref in enumerate(refs) if ref in pending]
+            stacks = (dump_stacks({f"reward_rank{i}": pid for i, pid in enumerate(self.pids)},
+                                  self.stack_dir) if self.stack_dir and self.pids else [])
+            raise WatchdogTimeout(phase, deadline, late, stacks)
+        return ray.get(refs)
+
+    def score(self, prompts: list[list[int]], responses: list[list[int]], pad_id: int, *,
+              timeout_s: float | None = None) -> torch.Tensor:
+        """Reward-model score [n] (fp32) of each prompt + response (token ids)."""
+        tokens, lengths = pad_sequences(prompts, responses, pad_id)
+        if tokens.shape[0] == 0:
+            return torch.zeros(0)
+        if tokens.shape[1] > self.spec.max_positions:
+            raise RewardModelError(f"prompts + responses: longest row has {tokens.shape[1]} "
+                                   f"tokens, the reward model's max_position_embeddings is "
+                                   f"{self.spec.max_positions}")
+        check_score_inputs(tokens, lengths, self.spec.vocab)  # on the driver: clear, early
+        outs = self._call("score", tokens, lengths, phase="reward-score", timeout_s=timeout_s)
+        return next(out for out in outs if out is not None)
+
+    def shutdown(self) -> None:
+        """Stop the workers (their groups, then the processes); Ray itself stays up."""
+        import ray
+
+        try:
+            ray.wait([w.shutdown.remote() for w in self.workers],
+                     num_returns=len(self.workers), timeout=10.0)
+        finally:
+            for worker in self.workers:
+                ray.kill(worker)
+            self.workers = []
