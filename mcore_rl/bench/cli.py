@@ -69,7 +69,8 @@ def _add_logprob(kinds) -> None:
     p.add_argument("--tokens", type=int, default=4096, help="b*s positions")
     p.add_argument("--vocab", type=int, default=32000)
     p.add_argument("--tp", type=int, default=2, help="gloo ranks (vocab shards)")
-    p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "fp32", "bf16"),
+                   default="float32")
     p.add_argument("--backward", action="store_true", help="also the backward to the shard")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout-s", type=float, default=300.0)

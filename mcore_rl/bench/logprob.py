@@ -36,22 +36,22 @@ from mcore_rl.algorithms.vocab_parallel import (log_probs_and_entropy,
                                                 vocab_parallel_log_probs_and_entropy)
 from mcore_rl.bench.report import Table, bar_with_spread, spread
 from mcore_rl.config import ConfigError
+from mcore_rl.config.dtypes import normalize_dtype_fields, torch_dtype
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 PATHS = ("ours", "baseline")
 
 
 @dataclass(frozen=True, kw_only=True)
 class LogprobBenchConfig:
     """tokens: b*s positions. vocab: full vocabulary (divisible by tp). tp: ranks (gloo).
-    dtype: logits dtype (fp32 | bf16; maths in fp32 either way). backward: also time the
+    dtype: logits dtype (float32 | bfloat16; maths in fp32 either way). backward: also time the
     backward to the shard. repeats: timed calls per path. logit_scale: std of the random
     logits. seed: logits and targets. timeout_s: deadline of the whole launch."""
 
     tokens: int = 4096
     vocab: int = 32000
     tp: int = 2
-    dtype: str = "fp32"
+    dtype: str = "float32"
     backward: bool = False
     repeats: int = 3
     logit_scale: float = 3.0
@@ -66,12 +66,11 @@ class LogprobBenchConfig:
             raise ConfigError("tp", self.tp, "must be >= 2 (vocab-parallel needs a split)")
         if self.vocab % self.tp:
             raise ConfigError("vocab", self.vocab, f"must be divisible by tp={self.tp}")
-        if self.dtype not in DTYPES:
-            raise ConfigError("dtype", self.dtype, f"allowed values: {', '.join(DTYPES)}")
+        normalize_dtype_fields(self, "dtype", allowed=("float32", "bfloat16"))
 
     @property
     def shard_bytes(self) -> int:
-        return self.tokens * (self.vocab // self.tp) * DTYPES[self.dtype].itemsize
+        return self.tokens * (self.vocab // self.tp) * torch_dtype(self.dtype).itemsize
 
 
 def peak_allocated_bytes(fn) -> tuple[object, int]:
@@ -95,7 +94,7 @@ def _inputs(cfg: LogprobBenchConfig, rank: int) -> tuple[torch.Tensor, torch.Ten
     shard = torch.randn(cfg.tokens, cfg.vocab // cfg.tp, generator=gen) * cfg.logit_scale
     target = torch.randint(0, cfg.vocab, (cfg.tokens,),
                            generator=torch.Generator().manual_seed(cfg.seed))
-    return shard.to(DTYPES[cfg.dtype]), target
+    return shard.to(torch_dtype(cfg.dtype)), target
 
 
 def ours(shard: torch.Tensor, target: torch.Tensor, group, backward: bool):

@@ -131,14 +131,15 @@ def _all_storages(trainer) -> set[int]:
     return out
 
 
-def predict_case(spec_name: str, parallel_kw: dict, coords: dict, *, dtype: str = "fp32",
+def predict_case(spec_name: str, parallel_kw: dict, coords: dict, *, dtype: str = "float32",
                  micro_batch_size: int = 2, num_micro_batches: int = 4, seq_len: int = 64,
                  recompute: str = "none") -> dict[str, float]:
     """The planner's figures for the rank at `coords` of a `measure_case` case (local kernels,
     fp32 grads as the trainer uses), in the same categories."""
+    from mcore_rl.config.dtypes import dtype_bytes
     from mcore_rl.models.presets import get_preset
     from mcore_rl.parallel.config import ParallelConfig
-    from mcore_rl.planning.memory import (DTYPE_BYTES, ActivationModel, in_flight_layers,
+    from mcore_rl.planning.memory import (ActivationModel, in_flight_layers,
                                           last_stage_terms, layer_activation_bytes,
                                           mcore_stage_params, recompute_workspace,
                                           state_bytes_per_param)
@@ -147,8 +148,8 @@ def predict_case(spec_name: str, parallel_kw: dict, coords: dict, *, dtype: str 
     par = ParallelConfig(**parallel_kw)
     stage = coords["pp"]
     n = mcore_stage_params(spec, par, stage)
-    states = state_bytes_per_param(dtype, "fp32", par.use_distributed_optimizer, par.dp)
-    model = ActivationModel.for_kernels("local", act_bytes=DTYPE_BYTES[dtype], tp=par.tp,
+    states = state_bytes_per_param(dtype, "float32", par.use_distributed_optimizer, par.dp)
+    model = ActivationModel.for_kernels("local", act_bytes=dtype_bytes(dtype), tp=par.tp,
                                         sequence_parallel=par.sequence_parallel,
                                         recompute=recompute)
     per_layer = layer_activation_bytes(spec, seq_len, micro_batch_size, model)
@@ -163,7 +164,7 @@ def predict_case(spec_name: str, parallel_kw: dict, coords: dict, *, dtype: str 
             "adam": n * states.adam, "activations": act}
 
 
-def measure_case(spec_name: str, parallel_kw: dict, *, dtype: str = "fp32",
+def measure_case(spec_name: str, parallel_kw: dict, *, dtype: str = "float32",
                  micro_batch_size: int = 2, num_micro_batches: int = 4, seq_len: int = 64,
                  recompute: str = "none") -> dict[str, Any]:
     """Build the grid, run one training step under the saved-tensor tracker, return this
@@ -213,15 +214,15 @@ __all__ = ["SavedTensorTracker", "measure_case", "measure_grids", "predict_case"
 # `python -m mcore_rl.planning.measure`: the validation table (~2 min on 2 cores).
 VALIDATION: dict[int, list[dict]] = {
     1: [dict(spec_name="micro", parallel_kw={}, dtype=d, recompute=r)
-        for d in ("fp32", "bf16") for r in ("none", "selective", "full")],
+        for d in ("float32", "bfloat16") for r in ("none", "selective", "full")],
     2: [dict(spec_name="micro", parallel_kw=dict(tp=2)),
-        dict(spec_name="micro", parallel_kw=dict(tp=2, sequence_parallel=True), dtype="bf16"),
+        dict(spec_name="micro", parallel_kw=dict(tp=2, sequence_parallel=True), dtype="bfloat16"),
         dict(spec_name="micro", parallel_kw=dict(pp=2)),
         dict(spec_name="micro", parallel_kw=dict(pp=2, vpp=2)),
         dict(spec_name="micro", parallel_kw=dict(dp=2, use_distributed_optimizer=True),
-             dtype="bf16")],
+             dtype="bfloat16")],
     4: [dict(spec_name="micro", parallel_kw=dict(tp=2, pp=2, sequence_parallel=True),
-             dtype="bf16"),
+             dtype="bfloat16"),
         dict(spec_name="micro", parallel_kw=dict(pp=2, dp=2, use_distributed_optimizer=True)),
         dict(spec_name="micro", parallel_kw=dict(pp=4), num_micro_batches=2)],
 }
@@ -237,7 +238,7 @@ def _validation_table() -> str:
         results = run_on_ranks(measure_grids, world, cases, timeout_s=600)
         for i, case in enumerate(cases):
             label = (",".join(f"{k}={v}" for k, v in case["parallel_kw"].items()) or "1 rank") \
-                + f" {case.get('dtype', 'fp32')} {case.get('recompute', 'none')}"
+                + f" {case.get('dtype', 'float32')} {case.get('recompute', 'none')}"
             seen = set()
             for per_rank in results:
                 got = per_rank[i]

@@ -12,9 +12,9 @@ rank) at once; its peak is over the phases "actor train", "critic train" and "fo
 every device also holds one engine rank: all of it during "rollout", and during the training
 phases nothing when `rollout.enable_sleep` (vLLM sleep frees weights and KV cache; GPU
 only — on CPU sleep is a no-op, so the engine stays whole). The trainer reduces gradients in
-fp32 (`TRAINER_GRAD_DTYPE`). Every device also keeps `cluster.reserve_gib` for what is not modelled (CUDA context, NCCL buffers,
-allocator fragmentation, transient workspaces) — except a disaggregated engine sized by
-gpu_memory_utilization, whose budget already covers its own.
+fp32 (`TRAINER_GRAD_DTYPE`). Every device also keeps `cluster.reserve_gib` for what is not
+modelled (CUDA context, NCCL buffers, allocator fragmentation, transient workspaces) — except
+a disaggregated engine sized by gpu_memory_utilization, whose budget already covers its own.
 
 Bytes per parameter of the training states (`state_bytes_per_param`) reproduce the table of
 Megatron-Core's distributed-optimizer guide (docs.nvidia.com/megatron-core/developer-guide,
@@ -25,22 +25,7 @@ Megatron-Core's distributed-optimizer guide (docs.nvidia.com/megatron-core/devel
     fp32 / fp32                 16            8 + 8/d
 (tests/planning/test_memory.py checks every stage of a llama3-70b grid against these.)
 
-Activations follow Korthikanti et al. 2022, "Reducing Activation Recomputation in Large
-Transformer Models" (arXiv 2205.05198), Table 2, per layer and micro batch (16-bit
-activations, GeLU MLP with ffn = 4h, dropout, a heads):
-    no parallelism                   s·b·h·(34 + 5·a·s/h)
-    TP t                             s·b·h·(10 + 24/t + 5·a·s/(h·t))
-    TP t + sequence parallelism      s·b·h/t·(34 + 5·a·s/h)
-    ... + selective recomputation    34·s·b·h/t
-    full recomputation               2·s·b·h
-The first pipeline stage holds p micro batches in flight (1F1B), i.e. L layers' worth;
-interleaving with v chunks multiplies that by 1 + (p - 1)/(p·v). Megatron-LM's
-`megatron/training/theoretical_memory_usage.py` uses the same Table 2 formulas.
-`layer_activation_terms` counts the same saved tensors term by term for a Llama-family layer
-(SwiGLU, GQA, RMSNorm, rotary, no dropout; TE or megatron-local kernels) and reduces exactly
-to the rows above for the paper's GPT layer (`ActivationModel.paper`, tested). In-flight micro
-batches per stage follow megatron's own warm-up rule (`in_flight_layers`), which gives the
-paper's figures when a step has at least p micro batches.
+Activations: `mcore_rl.planning.activations` (Korthikanti et al. 2022, Table 2, term by term).
 
 Validated on CPU (megatron-core 0.16.1 over gloo, micro model, local kernels;
 tests/planning/test_measured.py and `python -m mcore_rl.planning.measure`): weights + grads +
@@ -54,20 +39,22 @@ activation peak (a coarse estimate), workspaces and fragmentation (in the reserv
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
 from mcore_rl.config import ConfigError
+from mcore_rl.config.dtypes import dtype_bytes
 from mcore_rl.layouts.shards import VLLM_VOCAB_PADDING
 from mcore_rl.models.spec import ModelSpec
 from mcore_rl.parallel.config import ParallelConfig
+from mcore_rl.planning.activations import (ActivationModel, in_flight_layers,
+                                           layer_activation_bytes, layer_activation_terms,
+                                           recompute_workspace)
 from mcore_rl.planning.sized import GiB, TRAINER_GRAD_DTYPE, SizedRun
 
 if TYPE_CHECKING:
     from mcore_rl.trainer.config import TrainConfig
 
-DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "float32": 4, "bfloat16": 2, "float16": 2}
 
 # --- parameters per rank ----------------------------------------------------------------------
 
@@ -162,155 +149,13 @@ def state_bytes_per_param(dtype: str, grad_dtype: str, distributed_optimizer: bo
     main params' grads (`main_param.grad = main_grad.float()`); Adam keeps m and v in fp32.
     The distributed optimizer shards the fp32 states over the dp ranks (ZeRO-1).
     """
-    p, g = DTYPE_BYTES[dtype], DTYPE_BYTES[grad_dtype]
+    p, g = dtype_bytes(dtype), dtype_bytes(grad_dtype)
     if g < p:
         raise ValueError(f"grad_dtype={grad_dtype} narrower than dtype={dtype}")
     share = 1 / dp if distributed_optimizer else 1.0
     mixed = p < 4
     return StateBytes(weights=p, grads=g, main_params=4 * share if mixed else 0.0,
                       main_grads=4 * share if mixed and g < 4 else 0.0, adam=8 * share)
-
-
-# --- activations ------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, kw_only=True)
-class ActivationModel:
-    """What a decoder layer saves for backward: the kernels and the layer's make-up.
-
-    norm: "fused" (TransformerEngine: keeps the norm input, in act dtype) or "composite"
-        (torch's CPU RMSNorm: keeps the input upcast to fp32 and the fp32 normalized tensor).
-    attention: "flash" (keeps q, k, v and fp32 softmax statistics) or "unfused" (megatron's
-        local DotProductAttention: GQA keys/values expanded to all heads, the softmax output,
-        a bool causal mask per layer).
-    mlp: "swiglu" (megatron's unfused glu: [gate; up], silu(gate), up + offset, product) or
-        "gelu" (GeLU input, fc2 input). dropout: dropout masks (1 byte per element) are kept.
-    softmax_fp32: the softmax runs (and is kept) in fp32, plus an act-dtype copy for the bmm.
-    rope: unfused rotary embedding keeps cos and sin for q and k.
-    causal_mask: unfused attention keeps a bool [s, s] causal mask per layer (megatron builds
-        its default mask per call when none is passed).
-    The paper's GPT layer is `ActivationModel.paper(...)`; ours come from `for_kernels`.
-    """
-
-    act_bytes: int
-    tp: int = 1
-    sequence_parallel: bool = False
-    recompute: Literal["none", "selective", "full"] = "none"
-    norm: Literal["fused", "composite"] = "fused"
-    attention: Literal["flash", "unfused"] = "flash"
-    mlp: Literal["swiglu", "gelu"] = "swiglu"
-    dropout: bool = False
-    softmax_fp32: bool = True
-    rope: bool = True
-    causal_mask: bool = True
-
-    @classmethod
-    def for_kernels(cls, kernels: str, **kw) -> "ActivationModel":
-        """"te": TransformerEngine layers (GPU); "local": megatron's local spec (CPU)."""
-        if kernels == "te":
-            return cls(norm="fused", attention="flash", **kw)
-        if kernels == "local":
-            return cls(norm="composite", attention="unfused", **kw)
-        raise ValueError(f"kernels={kernels!r}: te or local")
-
-    @classmethod
-    def paper(cls, **kw) -> "ActivationModel":
-        """Korthikanti et al.'s GPT layer: LayerNorm, unfused MHA with dropout, GeLU MLP,
-        16-bit softmax, no rotary embedding."""
-        return cls(norm="fused", attention="unfused", mlp="gelu", dropout=True,
-                   softmax_fp32=False, rope=False, causal_mask=False, **kw)
-
-
-def layer_activation_terms(spec: ModelSpec, seq: int, micro_batch: int,
-                           model: ActivationModel) -> dict[str, float]:
-    """Bytes one decoder layer saves for backward, per micro batch, on one TP rank, by group.
-
-    Sequence-parallel regions (divided by tp only with SP): the two norms, the inputs of the
-    qkv and fc1 linears, the dropout masks. Tensor-parallel regions (divided by tp): q, k, v,
-    attention scores and output (proj input), MLP intermediates. Replicated: rotary cos/sin,
-    the causal mask. With "selective" recompute core attention keeps only its inputs
-    (unexpanded q, k, v); with "full" recompute the layer keeps only its input.
-    """
-    s, b, B, t = seq, micro_batch, model.act_bytes, model.tp
-    h, q, kv, f, a = spec.hidden, spec.q_dim, spec.kv_dim, spec.ffn, spec.heads
-    sp = t if model.sequence_parallel else 1
-    if model.recompute == "full":
-        return {"layer input": B * s * b * h / sp}
-    norm = (8 * s * b * h + 4 * s * b) if model.norm == "composite" else B * s * b * h
-    terms = {"norms": 2 * norm / sp, "qkv, fc1 inputs": 2 * B * s * b * h / sp}
-    if model.dropout:
-        terms["dropout masks"] = 2 * s * b * h / sp
-    if model.rope:
-        terms["rotary cos, sin"] = 4 * B * s * spec.head_dim
-    core = model.recompute != "selective"
-    unfused = model.attention == "unfused"
-    if unfused and core and spec.kv_heads < spec.heads:
-        qkv = 3 * q  # q and the GQA-expanded k, v that the bmm's keep
-    elif model.dropout:  # the paper's count: q, k, v
-        qkv = q + 2 * kv
-    else:
-        # q and k are new tensors (rotary), v is a view of the fused qkv output, which it
-        # keeps alive whole (measured for megatron's local attention; assumed for TE)
-        qkv = q + kv + (q + 2 * kv)
-    terms["q, k, v"] = B * s * b * qkv / t
-    terms["attention output"] = B * s * b * q / t
-    if core and unfused:
-        scores = a * s * s * b / t
-        if model.softmax_fp32:
-            per = 4 + (B if B != 4 else 0)
-        else:
-            per = B
-        if model.dropout:
-            per += 1 + B  # mask, dropped-out probabilities
-        terms["attention scores"] = scores * per
-        if model.causal_mask:
-            terms["causal mask"] = s * s
-    elif core:
-        terms["attention lse"] = 4 * a * s * b / t
-    if model.mlp == "gelu":
-        terms["mlp"] = 2 * B * s * b * f / t
-    else:
-        terms["mlp"] = 5 * B * s * b * f / t
-    return terms
-
-
-def recompute_workspace(spec: ModelSpec, seq: int, micro_batch: int,
-                        model: ActivationModel) -> float:
-    """Bytes rematerialized at once during backward: one whole layer ("full"), one layer's
-    core attention ("selective": scores, expanded k and v), nothing ("none")."""
-    if model.recompute == "full":
-        return layer_activation_bytes(spec, seq, micro_batch,
-                                      dataclasses.replace(model, recompute="none"))
-    if model.recompute == "selective":
-        full = layer_activation_terms(spec, seq, micro_batch,
-                                      dataclasses.replace(model, recompute="none"))
-        kept = layer_activation_terms(spec, seq, micro_batch, model)
-        return sum(full.values()) - sum(kept.values())
-    return 0.0
-
-
-def layer_activation_bytes(spec: ModelSpec, seq: int, micro_batch: int,
-                           model: ActivationModel) -> float:
-    return sum(layer_activation_terms(spec, seq, micro_batch, model).values())
-
-
-def in_flight_layers(parallel: ParallelConfig, num_layers: int, stage: int,
-                     num_micro_batches: int) -> int:
-    """Layers' worth of one micro batch's activations that stage `stage` holds at its peak,
-    from megatron's schedules: no PP — 1 micro batch; 1F1B — min(pp - stage, m) micro batches
-    of the stage's layers; interleaved — min(warm-up + 1, m·v) chunk micro batches, warm-up
-    = 2·(pp - stage - 1) + (v - 1)·pp, of L/(pp·v) layers each."""
-    counts = parallel.stage_layer_counts(num_layers)
-    m = max(num_micro_batches, 1)
-    if parallel.pp == 1:
-        return counts[0]
-    if parallel.vpp is None:
-        return counts[stage] * min(parallel.pp - stage, m)
-    v, pp = parallel.vpp, parallel.pp
-    total = m * v
-    warmup = 2 * (pp - stage - 1) + (v - 1) * pp
-    chunks = total if warmup >= total else warmup + 1
-    return chunks * num_layers // (pp * v)
 
 
 # --- the plan ---------------------------------------------------------------------------------
@@ -420,7 +265,7 @@ def _g(n: float) -> str:
 
 def activation_model(run: SizedRun, train: TrainConfig) -> ActivationModel:
     par = run.cfg.actor
-    return ActivationModel.for_kernels(run.kernels, act_bytes=DTYPE_BYTES[train.dtype],
+    return ActivationModel.for_kernels(run.kernels, act_bytes=dtype_bytes(train.dtype),
                                        tp=par.tp, sequence_parallel=par.sequence_parallel,
                                        recompute=train.recompute)
 
@@ -503,7 +348,7 @@ def rollout_rank(run: SizedRun, spec: ModelSpec) -> tuple[RankMemory, list[str]]
     given); a sequence is rollout.max_model_len tokens."""
     r = run.cfg.rollout
     notes = []
-    B = DTYPE_BYTES[r.dtype]
+    B = dtype_bytes(r.dtype)
     n = vllm_rank_params(spec, r.tp)
     weights = n * B
     tok, seqs, seq_len = run.max_num_batched_tokens, run.max_num_seqs, r.max_model_len
@@ -549,7 +394,7 @@ def reward_rank(run: SizedRun) -> RankMemory:
     par = rm.parallel
     stage_params = [mcore_stage_params(spec, par, stage, "value") for stage in range(par.pp)]
     n = max(stage_params)
-    width = DTYPE_BYTES[rm.dtype]
+    width = dtype_bytes(rm.dtype)
     act = ActivationModel.for_kernels(run.kernels, act_bytes=width, tp=par.tp,
                                       sequence_parallel=False, recompute="none")
     s, b = run.cfg.train.seq_len, rm.micro_batch_size
@@ -616,7 +461,7 @@ def plan_memory(run: SizedRun) -> MemoryPlan:
                       devices=tuple(devices), notes=tuple(notes))
 
 
-__all__ = ["ActivationModel", "Component", "DTYPE_BYTES", "DeviceMemory", "MemoryPlan", "Phase",
+__all__ = ["ActivationModel", "Component", "DeviceMemory", "MemoryPlan", "Phase",
            "RankMemory", "StateBytes", "Suggestion", "in_flight_layers", "kv_bytes_per_token",
            "last_stage_terms", "layer_activation_bytes", "layer_activation_terms",
            "mcore_layer_params", "mcore_stage_params", "plan_memory", "recompute_workspace",

@@ -49,8 +49,8 @@ class ResolvedRun:
     transports[e]: how engine e receives weights ("p2p" or "ipc").
     actor_devices[r]: torch device of actor rank r ("cpu", or "cuda:<local index>").
     engine_devices[e][t]: the same for engine e's TP rank t.
-    param_dtype: the actor's parameters ("fp32"/"bf16"); rollout_dtype: the engines' model
-    dtype ("float32"/"bfloat16"/"float16"); wire_dtype: the weight sync's ("fp32"/"bf16").
+    param_dtype: the actor's parameters; rollout_dtype: the engines' model dtype; wire_dtype:
+    the weight sync's (canonical names, `mcore_rl.config.dtypes`: "float32", "bfloat16", ...).
     placement: the device plan the devices above come from.
     cluster: the allocation as sized (device "gpu" or "cpu"; a "local" cluster resolved).
     """

@@ -29,7 +29,7 @@ GiB = 1 << 30
 
 # `trainer.megatron_train` reduces gradients in fp32 (megatron's grad_reduce_in_fp32) whatever
 # train.dtype is; the planner sizes the DDP grad buffer the same way.
-TRAINER_GRAD_DTYPE = "fp32"
+TRAINER_GRAD_DTYPE = "float32"
 
 
 def resolve_model(model: str | ModelSpec, field_name: str = "model") -> ModelSpec:

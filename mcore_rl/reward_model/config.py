@@ -5,11 +5,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
 
 from mcore_rl.config import ConfigError
+from mcore_rl.config.dtypes import DtypeName, normalize_dtype_fields
 from mcore_rl.parallel import ParallelConfig
-from mcore_rl.trainer.config import DTYPES
 
 
 class RewardModelError(ValueError):
@@ -28,7 +27,7 @@ class RewardModelConfig:
         parallelism (the head reads complete hidden states) and no vpp.
     micro_batch_size: sequences per forward micro batch on each DP rank (a batch is padded
         with dummy rows to a multiple of dp * micro_batch_size).
-    dtype: "fp32" or "bf16" weights and activations (scores are returned in fp32).
+    dtype: "float32" or "bfloat16" weights and activations (scores are returned in fp32).
     coeff: weight of the model score in the reward: reward = rule reward + coeff * score.
     timeout_s: deadline of start-up and of each `score` call, and the workers' collective
         timeout.
@@ -40,7 +39,7 @@ class RewardModelConfig:
     hf_dir: str | None = None
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     micro_batch_size: int = 4
-    dtype: Literal["fp32", "bf16"] = "fp32"
+    dtype: DtypeName = "float32"
     coeff: float = 1.0
     timeout_s: float = 600.0
     preset: str | None = None
@@ -51,8 +50,7 @@ class RewardModelConfig:
                                                      "*ForSequenceClassification directory")
         if self.micro_batch_size < 1:
             raise ConfigError("micro_batch_size", self.micro_batch_size, "must be >= 1")
-        if self.dtype not in DTYPES:
-            raise ConfigError("dtype", self.dtype, f"must be one of {', '.join(DTYPES)}")
+        normalize_dtype_fields(self, "dtype", allowed=("float32", "bfloat16"))
         if not math.isfinite(self.coeff):
             raise ConfigError("coeff", self.coeff, "must be a finite number")
         if not self.timeout_s > 0:

@@ -10,10 +10,10 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from mcore_rl.config.dtypes import torch_dtype
 from mcore_rl.models.spec import ModelSpec
 from mcore_rl.reward_model.checkpoint import check_reward_model_dir
 from mcore_rl.reward_model.config import RewardModelConfig, RewardModelError
-from mcore_rl.trainer.config import DTYPES
 
 
 @dataclass(frozen=True)
@@ -54,7 +54,7 @@ def load_reward_model(cfg: RewardModelConfig, groups, spec: ModelSpec | None = N
     from mcore_rl.trainer.critic import attach_value_head
 
     spec = spec or check_reward_model_dir(cfg.hf_dir)
-    parallel, dtype = groups.config, DTYPES[cfg.dtype]
+    parallel, dtype = groups.config, torch_dtype(cfg.dtype)
     chunks = build_gpt_model(spec, parallel, groups, params_dtype=dtype, layer_spec=layer_spec)
     # HF's score head has no bias; strict loading then checks every tensor arrived
     attach_value_head(chunks, spec.hidden, groups.is_last_stage, bias=False)

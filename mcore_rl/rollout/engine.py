@@ -46,6 +46,7 @@ from typing import Any, Iterable, Literal, Mapping, Sequence
 import torch
 
 from mcore_rl.config import ConfigError
+from mcore_rl.config.dtypes import DtypeName, normalize_dtype_fields
 
 WORKER_EXTENSION = "mcore_rl.rollout.worker_extension.WorkerExtension"
 GiB = 1 << 30
@@ -79,7 +80,8 @@ class RolloutConfig:
         over steps ("CPU Generator does not use offset").
     block_size: KV-cache block (tokens); prefix caching reuses whole blocks. vLLM's default
         when None (128 on CPU).
-    dtype: model dtype ("float32" on CPU; GPUs usually "bfloat16").
+    dtype: model dtype ("float32" on CPU; GPUs usually "bfloat16"; "fp32"/"bf16"/"fp16"
+        accepted).
     gpu_memory_utilization: GPU only — fraction of GPU memory vLLM may take.
     kv_cache_gib: CPU only — KV cache size per worker.
     enforce_eager: no CUDA graphs / torch.compile (required on CPU).
@@ -109,7 +111,7 @@ class RolloutConfig:
     max_num_seqs: int | None = None
     max_num_batched_tokens: int | None = None
     block_size: int | None = None
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    dtype: DtypeName = "float32"
     gpu_memory_utilization: float = 0.5
     kv_cache_gib: float = 1.0
     enforce_eager: bool = True
@@ -143,8 +145,7 @@ class RolloutConfig:
         if self.block_size is not None and (self.block_size < 16 or self.block_size % 16):
             raise ConfigError("block_size", self.block_size,
                               "must be a multiple of 16 (CPU prefers multiples of 32)")
-        if self.dtype not in ("float32", "bfloat16", "float16"):
-            raise ConfigError("dtype", self.dtype, "allowed values: float32, bfloat16, float16")
+        normalize_dtype_fields(self, "dtype")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ConfigError("gpu_memory_utilization", self.gpu_memory_utilization,
                               "must be in (0, 1]")

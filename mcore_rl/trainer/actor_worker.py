@@ -24,7 +24,8 @@ from mcore_rl.models.spec import ModelSpec
 from mcore_rl.parallel import ParallelConfig
 from mcore_rl.parallel.groups import Axis, join_worker_world, leave_worker_world
 from mcore_rl.resharding import Plan, SyncGroupSpec
-from mcore_rl.trainer.config import DTYPES, TrainConfig
+from mcore_rl.config.dtypes import torch_dtype
+from mcore_rl.trainer.config import TrainConfig
 
 
 class ActorWorker:
@@ -60,7 +61,7 @@ class ActorWorker:
         self.layer_spec = layer_spec
         self.shards = megatron_shards(spec, parallel, layer_spec=layer_spec)
         weights = SafetensorsWeights(hf_dir)
-        dtype = DTYPES[train.dtype]
+        dtype = torch_dtype(train.dtype)
 
         def load(chunks):
             load_chunks(chunks, materialize_rank(self.shards, rank, weights.__getitem__, dtype),
@@ -210,7 +211,7 @@ class ActorWorker:
         from mcore_rl.trainer.megatron_train import (_configure_schedule, build_optimizer,
                                                      build_scheduler)
 
-        dtype = DTYPES[train.dtype]
+        dtype = torch_dtype(train.dtype)
         trainer = self.trainer
         trainer.optimizer = build_optimizer(trainer.model, train.optimizer, dtype, self.groups)
         trainer.scheduler = build_scheduler(trainer.optimizer, train.optimizer)
@@ -247,16 +248,16 @@ class ActorWorker:
                 out[f"model{v}.{name}" if prefix_chunks else name] = tensor.detach()
         return out
 
-    def send_weights(self, plan: Plan, dtype: str = "fp32", timeout_s: float = 120.0) -> dict:
+    def send_weights(self, plan: Plan, dtype: str = "float32", timeout_s: float = 120.0) -> dict:
         """Stream this rank's shards to the inference ranks (the plan says which bytes go
         where), to each engine by its transport. Returns this rank's transport stats
         (`bytes_sent_ipc` / `bytes_sent_p2p`: bytes by transport)."""
         if self.sync_group is None:
             raise RuntimeError(f"actor rank {self.rank}: join_sync_group was not called")
-        torch_dtype = DTYPES[dtype]
+        wire = torch_dtype(dtype)
         maybe_stall("sync", f"rank{self.rank}", self.inject_stall)
         self.sync_group.verify(plan)
-        return self.sync_group.send(plan, self.local_tensors(), dtype=torch_dtype,
+        return self.sync_group.send(plan, self.local_tensors(), dtype=wire,
                                     timeout_s=timeout_s)
 
     # --- checkpoints --------------------------------------------------------------------------

@@ -10,15 +10,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-import torch
-
 from mcore_rl.config import ConfigError
+from mcore_rl.config.dtypes import DtypeName, normalize_dtype_fields
 from mcore_rl.models.spec import ModelSpec
 from mcore_rl.parallel.config import ParallelConfig
-
-
-# The config spelling of a dtype → torch's (training dtypes, the weight sync's wire dtype).
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -68,8 +63,9 @@ class TrainConfig:
     Per step and data-parallel rank: num_micro_batches micro batches of micro_batch_size
     sequences of seq_len tokens (global batch = dp * num_micro_batches * micro_batch_size).
     The loss is the mean over all loss-masked tokens of the global batch.
-    dtype: "fp32", or "bf16" (bf16 weights and activations, fp32 main weights, grads reduced
-    in fp32). seed: weight init and megatron's RNG tracker.
+    dtype: "float32", or "bfloat16" (bf16 weights and activations, fp32 main weights, grads
+    reduced in fp32); "fp32"/"bf16" are accepted (`mcore_rl.config.dtypes`).
+    seed: weight init and megatron's RNG tracker.
     recompute: activation recomputation — "none", "selective" (megatron's core-attention
     recompute) or "full" (every layer's activations recomputed in backward, uniform, 1 layer
     per unit); trades compute for memory, same loss and gradients.
@@ -85,7 +81,7 @@ class TrainConfig:
     micro_batch_size: int = 4
     num_micro_batches: int = 2
     seq_len: int = 32
-    dtype: Literal["fp32", "bf16"] = "fp32"
+    dtype: DtypeName = "float32"
     seed: int = 1234
     recompute: Literal["none", "selective", "full"] = "none"
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
@@ -94,6 +90,7 @@ class TrainConfig:
     moe_aux_loss_coeff: float = 0.0
 
     def __post_init__(self) -> None:
+        normalize_dtype_fields(self, "dtype", allowed=("float32", "bfloat16"))
         if self.moe_dispatcher not in ("allgather", "alltoall"):
             raise ConfigError("moe_dispatcher", self.moe_dispatcher, "allgather or alltoall")
         if self.moe_aux_loss_coeff < 0:

@@ -34,7 +34,7 @@ from mcore_rl.tasks.base import Example, load_reward_fn
 from mcore_rl.tasks.config import DEFAULT_REWARDS, build_reward, build_task
 from mcore_rl.tasks.tokenizer import encode_answer, encode_prompt, load_tokenizer, response_text
 from mcore_rl.trainer import checkpoint_store
-from mcore_rl.trainer.config import DTYPES
+from mcore_rl.config.dtypes import torch_dtype
 from mcore_rl.trainer.metrics import MetricsWriter, PhaseTimer
 from mcore_rl.trainer.rl_config import RLConfig
 
@@ -250,7 +250,7 @@ class RLController:
                                                layer_spec=self.run.layer_spec),
                                vllm_shards(self.spec, cfg.rollout.tp, cfg.rollout.engines),
                                bucket_bytes=int(cfg.sync_bucket_mb * (1 << 20)),
-                               element_size=DTYPES[cfg.wire_dtype].itemsize)
+                               element_size=torch_dtype(cfg.wire_dtype).itemsize)
 
     # --- plumbing ---------------------------------------------------------------------------
 
@@ -298,7 +298,7 @@ class RLController:
         """Stream the actor's shards into every engine; checks each engine got every name."""
         if self.pipeline is not None:  # never change weights under a running generation
             self.pipeline.quiesce()
-        self.engines.begin_sync(self.plan, dtype=DTYPES[self.cfg.wire_dtype],
+        self.engines.begin_sync(self.plan, dtype=torch_dtype(self.cfg.wire_dtype),
                                 timeout_s=self.cfg.deadlines.sync_s)
         return self._finish_sync()
 

@@ -40,8 +40,8 @@ from mcore_rl.models.gpt import MoEOptions, build_gpt_model, transformer_config_
 from mcore_rl.models.spec import ModelSpec
 from mcore_rl.parallel.config import ParallelConfig
 from mcore_rl.parallel.groups import Axis, ParallelGroups
-from mcore_rl.trainer.config import (DTYPES, OptimizerConfig, TrainConfig,
-                                     check_model_fits_parallel)
+from mcore_rl.config.dtypes import torch_dtype
+from mcore_rl.trainer.config import OptimizerConfig, TrainConfig, check_model_fits_parallel
 from mcore_rl.trainer.packing import model_inputs
 
 
@@ -98,7 +98,7 @@ def setup_trainer(spec: ModelSpec, groups: ParallelGroups, train: TrainConfig,
     apply_cpu_compat()
     parallel = groups.config
     check_model_fits_parallel(spec, parallel, train)
-    dtype = DTYPES[train.dtype]
+    dtype = torch_dtype(train.dtype)
     config = transformer_config_from_spec(spec, parallel, params_dtype=dtype,
                                           recompute=train.recompute, layer_spec=layer_spec,
                                           moe=MoEOptions(train.moe_dispatcher,

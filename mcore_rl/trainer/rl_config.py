@@ -10,6 +10,7 @@ from typing import Literal
 
 from mcore_rl.algorithms import AlgorithmConfig
 from mcore_rl.config import ConfigError
+from mcore_rl.config.dtypes import DtypeName, normalize_dtype_fields
 from mcore_rl.launch.cluster import ClusterConfig
 from mcore_rl.models.presets import PRESETS
 from mcore_rl.models.spec import ModelSpec
@@ -154,9 +155,9 @@ class RLConfig:
     steps: RL steps. prompts_per_step x samples_per_prompt sequences per step.
     updates_per_batch: optimizer steps (mini-batches x epochs) per generated batch.
     temperature / max_new_tokens: sampling. sync_bucket_mb: weight-sync bucket.
-    sync_dtype: the weight sync's wire dtype — "auto" (bf16 when rollout.dtype is bfloat16,
-        else fp32), "fp32" or "bf16" (half the bytes; the engines install the rounded
-        weights into their own dtype).
+    sync_dtype: the weight sync's wire dtype — "auto" (bfloat16 when rollout.dtype is
+        bfloat16, else float32), "float32" or "bfloat16" (half the bytes; the engines install
+        the rounded weights into their own dtype); "fp32"/"bf16" are accepted.
     deadlines: per-phase deadlines of the watchdog.
     inject_stall: fault injection for watchdog tests: "<phase>@rank<r>" stalls actor rank r
         in that phase, "gen@engine<i>" stalls engine i's generation. Leave null.
@@ -189,7 +190,7 @@ class RLConfig:
     temperature: float = 1.0
     max_new_tokens: int = 5
     sync_bucket_mb: float = 16.0
-    sync_dtype: Literal["auto", "fp32", "bf16"] = "auto"
+    sync_dtype: Literal["auto"] | DtypeName = "auto"
     deadlines: DeadlineConfig = field(default_factory=DeadlineConfig)
     inject_stall: str | None = None
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
@@ -221,10 +222,10 @@ class RLConfig:
 
     @property
     def wire_dtype(self) -> str:
-        """The weight sync's dtype, "fp32" or "bf16" (sync_dtype resolved)."""
+        """The weight sync's dtype, "float32" or "bfloat16" (sync_dtype resolved)."""
         if self.sync_dtype != "auto":
             return self.sync_dtype
-        return "bf16" if self.rollout.dtype == "bfloat16" else "fp32"
+        return "bfloat16" if self.rollout.dtype == "bfloat16" else "float32"
 
     def _check_episode_fits(self) -> None:
         """A whole episode must fit the trainer's rows and the engines' context."""
@@ -244,6 +245,8 @@ class RLConfig:
                               "on CPU fails a seeded prefill split over steps)")
 
     def __post_init__(self) -> None:
+        if self.sync_dtype != "auto":
+            normalize_dtype_fields(self, "sync_dtype", allowed=("float32", "bfloat16"))
         for name in ("steps", "prompts_per_step", "samples_per_prompt", "updates_per_batch",
                      "max_new_tokens"):
             if getattr(self, name) < 1:

@@ -21,7 +21,7 @@ CONFIG = Path(__file__).parents[2] / "configs" / "lm_micro.yaml"
 def test_lm_micro_yaml_loads():
     cfg = load_config(LMRunConfig, CONFIG)
     assert (cfg.model, cfg.steps, cfg.parallel.tp, cfg.parallel.world_size) == ("micro", 30, 2, 2)
-    assert cfg.train.optimizer.lr == 3e-3 and cfg.train.dtype == "fp32"
+    assert cfg.train.optimizer.lr == 3e-3 and cfg.train.dtype == "float32"
     over = load_config(LMRunConfig, CONFIG, ["parallel.tp=1", "parallel.pp=2", "steps=5"])
     assert (over.parallel.tp, over.parallel.pp, over.steps) == (1, 2, 5)
 
@@ -41,7 +41,7 @@ def test_lm_micro_yaml_loads():
     (["train.seq_len=300"], "train.seq_len", "max_position_embeddings=256"),
     (["train.optimizer.lrr=1"], "train.optimizer.lrr", "unknown field"),
     (["train.micro_batch_size=many"], "train.micro_batch_size", "expected an integer"),
-    (["train.dtype=fp16"], "train.dtype", "allowed values: fp32, bf16"),
+    (["train.dtype=fp16"], "train.dtype", "must be one of float32 (fp32), bfloat16 (bf16)"),
     (["train.optimizer.lr=0"], "train.optimizer.lr", "must be > 0"),
     (["train.optimizer.clip_grad=0"], "train.optimizer.clip_grad", "must be > 0"),
     (["train.optimizer.adam_beta2=1.0"], "train.optimizer.adam_beta2", "must be in [0, 1)"),
@@ -90,7 +90,7 @@ def test_every_shipped_rl_config_loads():
             assert cfg.model.hf_dir and cfg.model.preset, path
             assert (cfg.task.kind, cfg.task.reward_path) == (
                 "jsonl", "mcore_rl.tasks.math:answer_reward"), path
-            assert cfg.train.dtype == "bf16" and cfg.rollout.dtype == "bfloat16", path
+            assert cfg.train.dtype == "bfloat16" and cfg.rollout.dtype == "bfloat16", path
             assert cfg.cluster.device == "gpu", path
         else:  # the demo: addition task, built model, this machine
             assert cfg.model.hf_dir is None, path

@@ -155,7 +155,7 @@ def test_bf16_wire_sync_halves_the_bytes(tmp_path):
     from mcore_rl.trainer.demo import build_demo_model
 
     cfg = small_config("actor.tp=2", "sync_dtype=bf16", *GRPO)
-    assert cfg.wire_dtype == "bf16"
+    assert cfg.wire_dtype == "bfloat16"
     model_dir = build_demo_model(cfg, tmp_path)
     controller = RLController(cfg, model_dir, tmp_path)
     try:

@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 
 VERBS = ("hf-to-mcore", "mcore-to-hf")
-DTYPE_CHOICES = ("auto", "fp32", "bf16", "fp16")
+DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16", "fp32", "bf16", "fp16")
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -174,10 +174,9 @@ def _convert_on_ranks(args, joined_here: bool) -> int:
 
 
 def _kwargs(args) -> dict:
-    from mcore_rl.checkpoint.convert import DTYPES
     from mcore_rl.checkpoint.safetensors_io import parse_size
 
-    kwargs = dict(src=args.src, dst=args.dst, dtype=DTYPES.get(args.dtype), force=args.force,
+    kwargs = dict(src=args.src, dst=args.dst, dtype=_dtype(args), force=args.force,
                   progress=not args.no_progress)
     if args.verb == "mcore-to-hf":
         try:
@@ -247,16 +246,21 @@ def _verify_grid(args):
     return spec, grid
 
 
+def _dtype(args):
+    """--dtype as a torch dtype; None for auto (keep each tensor's source dtype)."""
+    from mcore_rl.config.dtypes import torch_dtype
+
+    return None if args.dtype == "auto" else torch_dtype(args.dtype)
+
+
 def _run_verify(args, grid) -> tuple[int, dict]:
     from mcore_rl.checkpoint.verify import verify_conversion
 
     spec, parallel = grid
     hf_dir, ckpt = (args.src, args.dst) if args.verb == "hf-to-mcore" else (args.dst, args.src)
-    from mcore_rl.checkpoint.convert import DTYPES
-
     # With --dtype the result holds rounded weights: round the source the same way.
     report = verify_conversion(hf_dir, ckpt, spec, parallel,
-                               weights_dtype=DTYPES.get(args.dtype),
+                               weights_dtype=_dtype(args),
                                prompts=args.verify_prompts, seq_len=args.verify_seq_len)
     print(report.summary())
     ok = report.max_abs_diff <= args.verify_atol
