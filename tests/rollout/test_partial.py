@@ -60,6 +60,7 @@ def test_partial_rollout_logprobs_are_each_versions(engine, micro_dir):
                     worst_own = max(worst_own, abs(lp - ref))
                 else:
                     best_other = min(best_other, abs(lp - ref))
+    print(f"own version max |Δ| {worst_own:.2e}, other versions min |Δ| {best_other:.2e}")
     assert worst_own < 1e-4, worst_own
     assert best_other > 1e-3, best_other  # the check tells versions apart
     engine.install_tensors(rank_items(w0, tp=1, rank=0))
