@@ -103,6 +103,11 @@ class RolloutConfig:
         keep the engines awake during training, so not with enable_sleep.
     max_staleness: async only — k: a batch generated on weight version v trains at a version
         <= v + k (>= 0; one_step is 1, sync 0).
+    partial_chunk_tokens: one_step / async only — partial rollouts
+        (`mcore_rl.trainer.partial_rollout`): a batch ahead is generated at most this many new
+        tokens per weight version, the weights are synced between chunks, and an unfinished
+        sample continues from its prefix on the new weights; every token records the version
+        that produced it. null (default): each batch is generated whole on one version.
     """
 
     tp: int = 1
@@ -126,6 +131,7 @@ class RolloutConfig:
     host_ip: str = "127.0.0.1"
     mode: Literal["sync", "one_step", "async"] = "sync"
     max_staleness: int = 2
+    partial_chunk_tokens: int | None = None
 
     @property
     def staleness_bound(self) -> int:
@@ -164,6 +170,14 @@ class RolloutConfig:
             raise ConfigError("mode", self.mode, "allowed values: sync, one_step, async")
         if self.max_staleness < 0:
             raise ConfigError("max_staleness", self.max_staleness, "must be >= 0")
+        if self.partial_chunk_tokens is not None and self.partial_chunk_tokens < 1:
+            raise ConfigError("partial_chunk_tokens", self.partial_chunk_tokens,
+                              "must be >= 1 new tokens per chunk (or null: no partial rollouts)")
+        if self.partial_chunk_tokens is not None and self.mode == "sync":
+            raise ConfigError("partial_chunk_tokens", self.partial_chunk_tokens,
+                              "partial rollouts continue generations across weight syncs; "
+                              "mode=sync never syncs during a generation: set mode to "
+                              "one_step or async, or partial_chunk_tokens to null")
         if self.mode != "sync" and self.enable_sleep:
             raise ConfigError("mode", self.mode, "overlaps generation with training, so the "
                               "engines cannot sleep during training (enable_sleep=true): use "
@@ -219,11 +233,13 @@ class SamplingConfig:
 class Completion:
     """One sampled response. `logprobs[t]` is the raw log-prob of `token_ids[t]` (empty when
     not requested). finish_reason: "stop" (EOS / stop id, which ends `token_ids`), "length"
-    (max_tokens or max_model_len) or "abort"."""
+    (max_tokens or max_model_len) or "abort". versions: partial rollouts only — per token, the
+    weight version that produced it (`logprobs[t]` is under that version); else empty."""
 
     token_ids: tuple[int, ...]
     logprobs: tuple[float, ...]
     finish_reason: str
+    versions: tuple[int, ...] = ()
 
 
 @dataclass

@@ -199,6 +199,8 @@ def completion_state(c: Completion) -> dict:
     """A completion (or episode) as plain values (checkpoints of an off-policy batch)."""
     state = {"token_ids": list(c.token_ids), "logprobs": list(c.logprobs),
              "finish_reason": c.finish_reason}
+    if c.versions:
+        state["versions"] = list(c.versions)
     if isinstance(c, Episode):
         state.update(loss_mask=list(c.loss_mask), prompt_ids=list(c.prompt_ids),
                      reward=c.reward, turns=c.turns, tool_calls=c.tool_calls,

@@ -127,6 +127,10 @@ class RolloutPipeline:
     def load_state(self, state: dict, from_state: Callable[[dict], Any]) -> None:
         """Restore `state()`'s batches (as finished generations); `from_state` rebuilds a
         batch from its saved form."""
+        if "batches" not in state:
+            raise ValueError("the checkpoint's rollout buffer holds partial generations (saved "
+                             "with rollout.partial_chunk_tokens); resume with the same "
+                             "rollout settings")
         self.queued = {}
         for saved in state["batches"]:
             future: concurrent.futures.Future = concurrent.futures.Future()

@@ -36,6 +36,7 @@ from mcore_rl.tasks.tokenizer import encode_answer, encode_prompt, load_tokenize
 from mcore_rl.trainer import checkpoint_store
 from mcore_rl.config.dtypes import torch_dtype
 from mcore_rl.trainer.metrics import MetricsWriter, PhaseTimer
+from mcore_rl.trainer.partial_rollout import current_version_logprob_diff
 from mcore_rl.trainer.rl_config import RLConfig
 
 
@@ -240,7 +241,11 @@ class RLController:
                                   inject_stall=cfg.inject_stall, placement=self.placement)
         self._join_sync_group()
         self.pipeline = None  # one_step / async: the batches generated ahead of training
-        if cfg.rollout.mode != "sync":
+        if cfg.rollout.partial_chunk_tokens is not None:  # generations span weight syncs
+            from mcore_rl.trainer.partial_rollout import partial_pipeline
+
+            self.pipeline = partial_pipeline(self)
+        elif cfg.rollout.mode != "sync":
             from mcore_rl.trainer.async_rollout import RolloutPipeline
 
             self.pipeline = RolloutPipeline(self.collect,
@@ -400,10 +405,9 @@ class RLController:
     def reset_optimizer(self) -> None:
         self._actor("reset_optimizer", self.cfg.train, phase="setup")
 
-    def _sample(self, step: int, attempt: int):
-        """Generate samples_per_prompt responses for prompts_per_step fresh prompts (seeded by
-        step and attempt: the data position is the step); returns (examples, their prompt
-        token ids, completions)."""
+    def _draw(self, step: int, attempt: int) -> tuple[list[Example], SamplingConfig]:
+        """prompts_per_step fresh prompts and their sampling (seeded by step and attempt: the
+        data position is the step)."""
         cfg = self.cfg
         examples = self.task.train_examples(cfg.prompts_per_step, step=step, attempt=attempt,
                                             seed=cfg.seed)
@@ -411,6 +415,12 @@ class RLController:
                                   n=cfg.samples_per_prompt,
                                   seed=cfg.seed * 1000 + step + 1_000_003 * attempt,
                                   stop_token_ids=[self.tokenizer.eos_token_id])
+        return examples, sampling
+
+    def _sample(self, step: int, attempt: int):
+        """Generate samples_per_prompt responses for `_draw`'s prompts; returns (examples,
+        their prompt token ids, completions)."""
+        examples, sampling = self._draw(step, attempt)
         return examples, *self._rollout(examples, sampling)
 
     def score(self, examples: list[Example], prompt_ids: list[list[int]],
@@ -533,6 +543,9 @@ class RLController:
             # (and off-policy it measures the staleness)
             mismatch["rollout_logprob_max_diff"] = _rollout_logprob_diff(
                 completions, old_logp, batch.mask)
+            # partial rollouts: the tokens generated on these very weights must match exactly
+            mismatch.update(current_version_logprob_diff(completions, old_logp, batch.mask,
+                                                         version=step - 1))
             is_weights, correction_metrics = correction_weights(correction, old_logp,
                                                                 rollout_logp, batch.mask)
             mismatch.update(correction_metrics)

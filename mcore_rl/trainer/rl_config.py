@@ -244,6 +244,22 @@ class RLConfig:
                               f"of up to {total} tokens: set >= {per_call * total} (vLLM 0.32 "
                               "on CPU fails a seeded prefill split over steps)")
 
+    def _check_partial_rollouts(self) -> None:
+        """Partial rollouts continue single-turn samples of one draw; refused with what they
+        do not cover (yet): multi-turn episodes and dynamic sampling's redraws."""
+        chunk = self.rollout.partial_chunk_tokens
+        if chunk is None:
+            return
+        if self.task.multi_turn:
+            raise ConfigError("rollout.partial_chunk_tokens", chunk,
+                              f"partial rollouts are single-turn; task.kind={self.task.kind} is "
+                              "multi-turn (task.multi_turn): set rollout.partial_chunk_tokens "
+                              "to null")
+        if self.algorithm.dynamic_sampling:
+            raise ConfigError("rollout.partial_chunk_tokens", chunk,
+                              "partial rollouts draw each batch once; "
+                              "algorithm.dynamic_sampling redraws groups: use one or the other")
+
     def __post_init__(self) -> None:
         if self.sync_dtype != "auto":
             normalize_dtype_fields(self, "sync_dtype", allowed=("float32", "bfloat16"))
@@ -268,6 +284,7 @@ class RLConfig:
             raise ConfigError("model.hf_dir", None, "the built demo model has a synthetic "
                               f"task's tokenizer; task.kind={self.task.kind} needs an HF "
                               "checkpoint")
+        self._check_partial_rollouts()
         if self.task.multi_turn:
             self._check_episode_fits()
         if self.cluster.placement == "colocated" and not self.rollout.enable_sleep:

@@ -3,7 +3,14 @@ real vLLM and the Megatron actor on Ray. Each batch comes from weights at most k
 behind (exactly min(step - 1, k) with the deterministic schedule), the generation really
 overlaps training, the engine's log-probs of stale samples differ from the actor's (and TIS
 weights them), and a run resumed from a checkpoint — which carries the buffer of batches
-already generated, with their versions — reproduces the uninterrupted run exactly."""
+already generated, with their versions — reproduces the uninterrupted run exactly.
+
+With partial rollouts (`rollout.partial_chunk_tokens`) the batches ahead are generated 2 tokens
+per weight version and continued on the new weights after each sync: the samples then mix
+versions, the tokens made on the actor's own weights carry the actor's log-probs (so each
+recorded log-prob is its version's), and the checkpoint carries the unfinished generations."""
+
+import pytest
 
 from mcore_rl.config import load_config
 from mcore_rl.trainer.rl_config import RLConfig
@@ -15,10 +22,11 @@ DETERMINISTIC = BASE_DETERMINISTIC + (
     "mismatch/k3_kl", "mismatch/clipped_frac")
 
 
-def test_async_with_staleness_bound_overlaps_and_resumes_exactly(tmp_path):
+@pytest.mark.parametrize("partial", [None, 2], ids=["whole", "partial"])
+def test_async_with_staleness_bound_overlaps_and_resumes_exactly(tmp_path, partial):
     from mcore_rl.trainer.demo import build_demo_model
 
-    cfg = load_config(RLConfig, None, [
+    cfg = load_config(RLConfig, None, [f"rollout.partial_chunk_tokens={partial or 'null'}",
         "rollout.mode=async", "rollout.max_staleness=2",
         "algorithm.rollout_correction.mode=tis", "algorithm.rollout_correction.clip=1.5",
         "warmup.max_steps=0", "steps=5", "prompts_per_step=4",
@@ -44,12 +52,20 @@ def test_async_with_staleness_bound_overlaps_and_resumes_exactly(tmp_path):
     for step in (2, 3, 4, 5):
         assert full[step]["rollout_logprob_max_diff"] > 1e-3, (step, full[step])
         assert full[step]["mismatch/k3_kl"] > full[1]["mismatch/k3_kl"]
+    keys = DETERMINISTIC
+    if partial:
+        keys += ("staleness/mean", "partial/current_version_logprob_max_diff")
+        for step, m in full.items():
+            # tokens made on the weights the actor trains at: their log-probs are the actor's
+            assert m["partial/current_version_logprob_max_diff"] < 1e-4, (step, m)
+            if step > 1:  # samples span versions: most tokens are newer than the oldest
+                assert m["staleness/mean"] < m["staleness/max"], (step, m)
 
     # the checkpoint after step 3 carries batches 4 and 5 (versions 1 and 2)
     assert (checkpoint / "rollout_buffer.pt").is_file()
     resumed, resumed_digest, _ = run_steps(cfg, model_dir, tmp_path / "resumed", (4, 5),
                                            resume_from=checkpoint)
     for step in (4, 5):
-        for key in DETERMINISTIC:
+        for key in keys:
             assert resumed[step][key] == full[step][key], (step, key)
     assert resumed_digest == full_digest
