@@ -26,7 +26,7 @@ import psutil
 import torch
 import torch.distributed as dist
 
-from mcore_rl.bench.sync_link import byte_matrix, link_once
+from mcore_rl.bench.sync_link import LinkBaseline, byte_matrix
 from mcore_rl.layouts import ShardMap, materialize_rank, megatron_shards, vllm_shards
 from mcore_rl.layouts.layout import box_numel, box_slices
 from mcore_rl.models.hf_weights import RandomWeights, SafetensorsWeights
@@ -146,8 +146,8 @@ def rank_main(rank: int, world_size: int, cfg: SyncBenchConfig) -> dict:
     barrier = (channels.control, "cpu") if gloo_control else (channels.bulk, device)
     runs = {"ours": lambda i: _ours_once(plan, channels, local, dtype, cfg)}
     if cfg.link:  # alternates with ours, repeat by repeat: both see the same machine load
-        runs["link"] = lambda i: (link_once(plan, channels.bulk, rank, device=device,
-                                            timeout_s=cfg.timeout_s), None)
+        link = LinkBaseline(plan, channels.bulk, rank, device=device, timeout_s=cfg.timeout_s)
+        runs["link"] = lambda i: (link.run(), None)
     try:
         out.update(_repeat(cfg, barrier, runs, expected))
         if cfg.baseline:
@@ -333,7 +333,7 @@ def _link_report(plan: Plan, link: dict, ours: dict) -> dict:
     per repeat too, since the two alternate and share each moment's load)."""
     matrix = byte_matrix(plan)
     return {
-        "link": {**link, "byte_matrix": {f"{s}->{d}": n for (s, d), n in sorted(matrix.items())}},
+        "link": {**link, "check": "not applicable (no shards)", "byte_matrix": {f"{s}->{d}": n for (s, d), n in sorted(matrix.items())}},
         "link_gbs_per_receiver": _gbs(link["bytes_received"], link["wall_s"]),
         "link_efficiency": link["wall_s"] / ours["wall_s"],
         "link_efficiency_runs": [a / b for a, b in zip(link["wall_s_runs"],
