@@ -38,6 +38,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     sync.add_argument("--check", action="store_true",
                       help="compare every received shard bit for bit with the reference")
     sync.add_argument("--repeats", type=int, default=1)
+    sync.add_argument("--warmup", type=int, default=0,
+                      help="untimed syncs before the timed ones (steady state, as in training)")
     sync.add_argument("--timeout-s", type=float, default=300.0)
     sync.add_argument("--transport", choices=("p2p", "ipc"), default="p2p",
                       help="p2p: sends on the sync group; ipc: colocated ranks (inference rank d "
@@ -171,7 +173,8 @@ def _config(args):
                            engines=args.engines, bucket_mb=args.bucket_mb, dtype=args.dtype,
                            baseline="gather" in args.baseline,
                            link="link" in args.baseline, check=args.check,
-                           repeats=args.repeats, timeout_s=args.timeout_s,
+                           repeats=args.repeats, warmup=args.warmup,
+                           timeout_s=args.timeout_s,
                            transport=args.transport, device=args.device)
 
 

@@ -46,7 +46,9 @@ class SyncBenchConfig:
     gather-then-broadcast baseline. link: also move the plan's byte matrix as plain sends on
     the same group (`sync_link.py`; the report gains `link_efficiency`). check: compare every
     received shard bit for bit.
-    repeats: timed repetitions (median reported). timeout_s: every send/recv deadline."""
+    repeats: timed repetitions (median reported); warmup: untimed ones before them (a run
+    syncs every step: the first sync of a process pays one-off costs). timeout_s: every
+    send/recv deadline."""
 
     model: str
     train: ParallelConfig
@@ -58,6 +60,7 @@ class SyncBenchConfig:
     link: bool = False
     check: bool = False
     repeats: int = 1
+    warmup: int = 0
     timeout_s: float = 300.0
     seed: int = 0
     transport: str = "p2p"
@@ -167,12 +170,14 @@ def _repeat(cfg, barrier, runs: dict, expected) -> dict:
     each repeat. A run that returns received shards is checked against `expected`."""
     walls = {name: [] for name in runs}
     last: dict = {}
-    for i in range(cfg.repeats):
+    for i in range(cfg.warmup + cfg.repeats):
         for name, once in runs.items():
+            last.pop(name, None)  # the previous run's shards go before the next arrive
             _barrier(*barrier)
             start = time.perf_counter()
             last[name] = once(i)
-            walls[name].append(time.perf_counter() - start)
+            if i >= cfg.warmup:
+                walls[name].append(time.perf_counter() - start)
     results = {}
     for name, (stats, received) in last.items():
         result = {"wall_s": walls[name],
