@@ -31,11 +31,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     sync.add_argument("--engines", type=int, default=1)
     sync.add_argument("--bucket-mb", type=float, default=64.0)
     sync.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
-    sync.add_argument("--baseline", choices=("gather",), default=None,
-                      help="also run the gather-to-rank-0-then-broadcast baseline")
+    sync.add_argument("--baseline", choices=("gather", "link"), action="append", default=[],
+                      help="also run a baseline (repeatable): gather = gather to rank 0 then "
+                           "broadcast; link = the plan's byte matrix as plain sends on the same "
+                           "group (reports link_efficiency = link time / sync time)")
     sync.add_argument("--check", action="store_true",
                       help="compare every received shard bit for bit with the reference")
     sync.add_argument("--repeats", type=int, default=1)
+    sync.add_argument("--warmup", type=int, default=0,
+                      help="untimed syncs before the timed ones (steady state, as in training)")
     sync.add_argument("--timeout-s", type=float, default=300.0)
     sync.add_argument("--transport", choices=("p2p", "ipc"), default="p2p",
                       help="p2p: sends on the sync group; ipc: colocated ranks (inference rank d "
@@ -168,8 +172,10 @@ def _config(args):
                            ep=args.train_ep, etp=args.train_etp)
     return SyncBenchConfig(model=args.model, train=train, infer_tp=args.infer_tp,
                            engines=args.engines, bucket_mb=args.bucket_mb, dtype=args.dtype,
-                           baseline=args.baseline == "gather", check=args.check,
-                           repeats=args.repeats, timeout_s=args.timeout_s,
+                           baseline="gather" in args.baseline,
+                           link="link" in args.baseline, check=args.check,
+                           repeats=args.repeats, warmup=args.warmup,
+                           timeout_s=args.timeout_s,
                            transport=args.transport, device=args.device)
 
 
@@ -217,6 +223,14 @@ def _print_summary(report: dict) -> None:
     print(f"ours ({report['transport']}): {report['wall_s']:.3f} s, check {report['check']}, "
           f"max staging {report['max_peak_extra_bytes'] / (1 << 20):.1f} MiB (training ranks "
           f"{report['max_train_peak_extra_bytes'] / (1 << 20):.1f} MiB)")
+    gb = 1e9
+    print(f"ours: {report['sync_gbs_per_receiver']:.2f} GB/s per receiver "
+          f"({max(report['bytes_received'].values()) / gb:.3f} GB into the busiest)")
+    if "link" in report:
+        print(f"link (plan's byte matrix as plain sends): {report['link']['wall_s']:.3f} s, "
+              f"{report['link_gbs_per_receiver']:.2f} GB/s per receiver; link_efficiency "
+              f"{report['link_efficiency']:.2f} (runs: "
+              f"{', '.join(f'{e:.2f}' for e in report['link_efficiency_runs'])})")
     if "baseline" in report:
         print(f"baseline (gather to rank 0 + broadcast): {report['baseline']['wall_s']:.3f} s, "
               f"max staging {report['baseline_max_peak_extra_bytes'] / (1 << 20):.1f} MiB; "
@@ -237,11 +251,13 @@ def _write(out: Path, name: str, report: dict) -> None:
             ax.set_ylabel("projected seconds")
             ax.set_title(f"{report['model']}: {report['train']} -> {report['infer']}")
             return
-        base = report.get("baseline")
+        base, link = report.get("baseline"), report.get("link")
         labels = ["streamed (ours)"] + (["gather+broadcast"] if base else [])
         time_ax, mem_ax = fig.add_subplot(1, 2, 1), fig.add_subplot(1, 2, 2)
-        time_ax.bar(labels, [report["wall_s"]] + ([base["wall_s"]] if base else []),
-                    color=["tab:blue", "tab:orange"][:len(labels)])
+        time_labels = labels + (["link (plain sends)"] if link else [])
+        time_ax.bar(time_labels, [report["wall_s"]] + ([base["wall_s"]] if base else [])
+                    + ([link["wall_s"]] if link else []),
+                    color=["tab:blue", "tab:orange", "tab:gray"][:len(time_labels)])
         time_ax.set_ylabel("wall seconds (median)")
         time_ax.set_title("sync time")
         mib = 1 << 20

@@ -26,6 +26,7 @@ import psutil
 import torch
 import torch.distributed as dist
 
+from mcore_rl.bench.sync_link import LinkBaseline, byte_matrix
 from mcore_rl.layouts import ShardMap, materialize_rank, megatron_shards, vllm_shards
 from mcore_rl.layouts.layout import box_numel, box_slices
 from mcore_rl.models.hf_weights import RandomWeights, SafetensorsWeights
@@ -42,8 +43,12 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 class SyncBenchConfig:
     """model: preset name or HF model directory. train: the training grid. infer_tp / engines:
     the vLLM side. bucket_mb: transport bucket. dtype: fp32 | bf16. baseline: also run the
-    gather-then-broadcast baseline. check: compare every received shard bit for bit.
-    repeats: timed repetitions (median reported). timeout_s: every send/recv deadline."""
+    gather-then-broadcast baseline. link: also move the plan's byte matrix as plain sends on
+    the same group (`sync_link.py`; the report gains `link_efficiency`). check: compare every
+    received shard bit for bit.
+    repeats: timed repetitions (median reported); warmup: untimed ones before them (a run
+    syncs every step: the first sync of a process pays one-off costs). timeout_s: every
+    send/recv deadline."""
 
     model: str
     train: ParallelConfig
@@ -52,8 +57,10 @@ class SyncBenchConfig:
     bucket_mb: float = 64.0
     dtype: str = "fp32"
     baseline: bool = False
+    link: bool = False
     check: bool = False
     repeats: int = 1
+    warmup: int = 0
     timeout_s: float = 300.0
     seed: int = 0
     transport: str = "p2p"
@@ -140,12 +147,15 @@ def rank_main(rank: int, world_size: int, cfg: SyncBenchConfig) -> dict:
     channels.verify(plan)
     gloo_control = channels.control is not channels.bulk or channels.spec.backend == "gloo"
     barrier = (channels.control, "cpu") if gloo_control else (channels.bulk, device)
+    runs = {"ours": lambda i: _ours_once(plan, channels, local, dtype, cfg)}
+    if cfg.link:  # alternates with ours, repeat by repeat: both see the same machine load
+        link = LinkBaseline(plan, channels.bulk, rank, device=device, timeout_s=cfg.timeout_s)
+        runs["link"] = lambda i: (link.run(), None)
     try:
-        out["ours"] = _repeat(cfg, barrier, lambda i: _ours_once(plan, channels, local, dtype,
-                                                                 cfg), expected)
+        out.update(_repeat(cfg, barrier, runs, expected))
         if cfg.baseline:
-            out["baseline"] = _repeat(cfg, barrier, lambda i: _baseline_once(
-                plan, src, dst, rank, local, dtype, cfg, host, port, i), expected)
+            out.update(_repeat(cfg, barrier, {"baseline": lambda i: _baseline_once(
+                plan, src, dst, rank, local, dtype, cfg, host, port, i)}, expected))
     finally:
         channels.close()
     return out
@@ -155,20 +165,30 @@ def _to(tensors: dict[str, torch.Tensor], device: str) -> dict[str, torch.Tensor
     return tensors if device == "cpu" else {k: v.to(device) for k, v in tensors.items()}
 
 
-def _repeat(cfg, barrier, once, expected) -> dict:
-    walls, stats, received = [], None, None
-    for i in range(cfg.repeats):
-        _barrier(*barrier)
-        start = time.perf_counter()
-        stats, received = once(i)
-        walls.append(time.perf_counter() - start)
-    result = {"wall_s": walls, **(stats if isinstance(stats, dict) else stats.as_dict())}
-    if expected is not None:
-        bad = sorted(k for k in expected if k not in received
-                     or not torch.equal(expected[k], received[k].cpu()))
-        bad += sorted(set(received) - set(expected))
-        result["check_failures"] = bad
-    return result
+def _repeat(cfg, barrier, runs: dict, expected) -> dict:
+    """Time each of `runs` (name → once(i)) `cfg.repeats` times, the runs alternating within
+    each repeat. A run that returns received shards is checked against `expected`."""
+    walls = {name: [] for name in runs}
+    last: dict = {}
+    for i in range(cfg.warmup + cfg.repeats):
+        for name, once in runs.items():
+            last.pop(name, None)  # the previous run's shards go before the next arrive
+            _barrier(*barrier)
+            start = time.perf_counter()
+            last[name] = once(i)
+            if i >= cfg.warmup:
+                walls[name].append(time.perf_counter() - start)
+    results = {}
+    for name, (stats, received) in last.items():
+        result = {"wall_s": walls[name],
+                  **(stats if isinstance(stats, dict) else stats.as_dict())}
+        if expected is not None and received is not None:
+            bad = sorted(k for k in expected if k not in received
+                         or not torch.equal(expected[k], received[k].cpu()))
+            bad += sorted(set(received) - set(expected))
+            result["check_failures"] = bad
+        results[name] = result
+    return results
 
 
 def _ours_once(plan, channels, local, dtype, cfg):
@@ -295,6 +315,9 @@ def summarize(cfg: SyncBenchConfig, spec: ModelSpec, plan: Plan, per_rank: list[
         "rss_bytes": {r["rank"]: r["rss_bytes"] for r in per_rank},
         **_ideal(plan, dst),
     }
+    report["sync_gbs_per_receiver"] = _gbs(report["bytes_received"], ours["wall_s"])
+    if cfg.link:
+        report.update(_link_report(plan, fold("link"), ours))
     if cfg.baseline:
         base = fold("baseline")
         report["baseline"] = base
@@ -303,6 +326,24 @@ def summarize(cfg: SyncBenchConfig, spec: ModelSpec, plan: Plan, per_rank: list[
         if cfg.check:
             report["check"] = "pass" if ours["check"] == base["check"] == "pass" else "fail"
     return report
+
+
+def _gbs(bytes_received: dict, wall_s: float) -> float:
+    """GB/s into the busiest receiver (every receiver gets about the same here)."""
+    return max(bytes_received.values(), default=0) / wall_s / 1e9
+
+
+def _link_report(plan: Plan, link: dict, ours: dict) -> dict:
+    """The link baseline's figures and `link_efficiency` = link time / sync time (medians;
+    per repeat too, since the two alternate and share each moment's load)."""
+    matrix = byte_matrix(plan)
+    return {
+        "link": {**link, "check": "not applicable (no shards)", "byte_matrix": {f"{s}->{d}": n for (s, d), n in sorted(matrix.items())}},
+        "link_gbs_per_receiver": _gbs(link["bytes_received"], link["wall_s"]),
+        "link_efficiency": link["wall_s"] / ours["wall_s"],
+        "link_efficiency_runs": [a / b for a, b in zip(link["wall_s_runs"],
+                                                       ours["wall_s_runs"])],
+    }
 
 
 def run_sync_bench(cfg: SyncBenchConfig) -> dict:

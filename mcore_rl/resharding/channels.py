@@ -24,6 +24,7 @@ import torch.distributed as dist
 from mcore_rl.resharding.copy_service import CopyService, P2PCopy
 from mcore_rl.resharding.ipc_copy import IpcCopy
 from mcore_rl.resharding.planner import Plan
+from mcore_rl.resharding.schedule import ScheduleCache
 from mcore_rl.resharding.sync_group import SyncGroupSpec, join_control_group, join_sync_group
 from mcore_rl.resharding.transport import SyncStats, receive_shards, send_shards, verify_plan
 
@@ -50,6 +51,8 @@ class SyncChannels:
     bulk: dist.ProcessGroup
     control: dist.ProcessGroup
     _services: dict[str, CopyService] = field(default_factory=dict)
+    # this rank's compiled share of each plan it synced, by fingerprint: compiled once
+    _schedules: ScheduleCache = field(default_factory=ScheduleCache)
 
     @classmethod
     def join(cls, spec: SyncGroupSpec, rank: int, device: str | torch.device = "cpu",
@@ -91,9 +94,11 @@ class SyncChannels:
             by_transport.setdefault(engine_transport(self.spec, plan, dst), set()).add(dst)
         total, out = SyncStats(), {}
         for transport in sorted(by_transport):  # any order is deadlock-free: disjoint receivers
+            peers = by_transport[transport]
+            schedule = self._schedules.get(plan, self.rank, sending=True, peers=peers)
             stats = self._guarded(transport, lambda copy: send_shards(
                 plan, self.bulk, self.rank, tensors, dtype=dtype, timeout_s=timeout_s,
-                copy=copy, peers=by_transport[transport]))
+                copy=copy, peers=peers, schedule=schedule))
             out[f"bytes_sent_{transport}"] = stats.bytes_sent
             for name in ("bytes_sent", "messages", "zero_copy_messages", "seconds",
                          "peak_extra_bytes"):  # staging of two services may coexist: a sum
@@ -105,9 +110,10 @@ class SyncChannels:
         """This inference rank's shards, by its engine's `transport`, on this rank's device."""
         copy = self.service(transport)
         try:
-            yield from receive_shards(plan, self.bulk, self.rank, dtype=dtype,
-                                      timeout_s=timeout_s, stats=stats, device=self.device,
-                                      copy=copy)
+            yield from receive_shards(
+                plan, self.bulk, self.rank, dtype=dtype, timeout_s=timeout_s, stats=stats,
+                device=self.device, copy=copy,
+                schedule=self._schedules.get(plan, self.rank, sending=False))
         except BaseException:
             self._drop(transport)
             raise

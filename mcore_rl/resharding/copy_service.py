@@ -30,6 +30,8 @@ from typing import TYPE_CHECKING, Collection, Iterator, Sequence
 import torch
 import torch.distributed as dist
 
+from mcore_rl.resharding.host_memory import empty_host
+
 if TYPE_CHECKING:
     from mcore_rl.resharding.planner import Plan
     from mcore_rl.resharding.transport import SyncStats
@@ -49,7 +51,14 @@ class CopyService(ABC):
     `start` is called once per sync (before round 0) with the plan and the stats to fill;
     `finish` once after the last round (also on failure). A service lives as long as the sync
     group it runs on and is reused across syncs; `close` frees what it holds.
+
+    Rounds may overlap: the transport posts round k (`post_send` / `post_recv`) up to `window`
+    rounds before it completes it (`wait_send` / `wait_recv`), in round order on every rank.
+    A service that moves one round at a time implements only `send_round` / `recv_round`
+    (window 1: post keeps the messages, wait moves them).
     """
+
+    window = 1
 
     def start(self, plan: "Plan", sync_rank: int, *, sending: bool, dtype: torch.dtype,
               timeout_s: float | None, stats: "SyncStats",
@@ -58,6 +67,7 @@ class CopyService(ABC):
         (None: every peer the plan names)."""
         self.plan, self.sync_rank, self.dtype, self.peers = plan, sync_rank, dtype, peers
         self.timeout_s, self.stats = timeout_s, stats
+        self._pending: dict[int, list[Message]] = {}
 
     @abstractmethod
     def send_round(self, k: int, messages: list[Message]) -> None:
@@ -67,6 +77,22 @@ class CopyService(ABC):
     def recv_round(self, k: int, messages: list[Message]) -> Iterator[int]:
         """Receive round k's messages into their views; yield each message's index as its
         bytes are in place."""
+
+    def post_send(self, k: int, messages: list[Message]) -> None:
+        """Start sending round k (its source views must not change until `wait_send(k)`)."""
+        self._pending[k] = messages
+
+    def wait_send(self, k: int) -> None:
+        """Round k's sends are done."""
+        self.send_round(k, self._pending.pop(k))
+
+    def post_recv(self, k: int, messages: list[Message]) -> None:
+        """Start receiving round k into its views."""
+        self._pending[k] = messages
+
+    def wait_recv(self, k: int) -> Iterator[int]:
+        """Yield each of round k's messages' index as its bytes are in place."""
+        yield from self.recv_round(k, self._pending.pop(k))
 
     def finish(self) -> None:
         """The sync is over (or failed): release what was counted as staging."""
@@ -93,17 +119,39 @@ def wait_work(work, what: str, timeout_s: float | None) -> None:
 
 
 class P2PCopy(CopyService):
-    """Messages as point-to-point sends on `group`, one per (peer, round), tag = round.
+    """Messages as point-to-point sends on `group`, two rounds in flight.
+
+    Framing: every transfer of a message is a segment of its own on the wire, tag =
+    round · 4096 + its index in the message (both sides know it from the plan). A segment
+    whose view is contiguous, of the wire dtype and on the wire's device goes out / lands as
+    is — zero copy; any other is packed into / received into staging. Why not one packed
+    buffer per (peer, round): on this project's CPU machines a copy of the bytes costs as much
+    as moving them over loopback gloo, and a packed message costs two (pack, unpack), while a
+    segment costs tens of µs; layouts make most transfers contiguous on both sides (every one
+    for TP2·PP2 → TP2).
+
+    Pipelining: round k + 1 is posted before round k is waited for (window 2), so the wire
+    never idles between rounds. Staging: one persistent buffer per round in flight, reused
+    across syncs, each at most the round's staged bytes ≤ one bucket: ≤ 2 buckets per rank.
 
     wire_device: where the group's bytes must live — "cpu" for gloo (its send/recv read raw
     host pointers, so CUDA tensors are bounced through a host buffer, as megatron's gloo copy
-    service does); None for NCCL: the views' own device. Staging buffers are created on the
-    wire device, so CUDA parameters go zero-copy over NCCL.
+    service does); None for NCCL: the views' own device.
     """
+
+    window = 2
+    _SEGMENTS = 4096  # segments per message a round's tag range holds
 
     def __init__(self, group: dist.ProcessGroup, *, wire_device: str | None = None):
         self.group = group
         self.wire_device = None if wire_device is None else torch.device(wire_device)
+        self._slots: list[torch.Tensor | None] = [None] * self.window
+
+    def start(self, plan, sync_rank, *, sending, dtype, timeout_s, stats, peers=None) -> None:
+        super().start(plan, sync_rank, sending=sending, dtype=dtype, timeout_s=timeout_s,
+                      stats=stats, peers=peers)
+        self._posted: dict[int, list] = {}
+        self._held = [0] * self.window
 
     def _on_wire(self, view: torch.Tensor) -> bool:
         return self.wire_device is None or view.device == self.wire_device
@@ -111,62 +159,128 @@ class P2PCopy(CopyService):
     def _wire(self, view: torch.Tensor) -> torch.device:
         return view.device if self.wire_device is None else self.wire_device
 
-    def send_round(self, k: int, messages: list[Message]) -> None:
+    def _tag(self, k: int, j: int, peer: int) -> int:
+        if j >= self._SEGMENTS:
+            raise SyncError(f"round {k}: a message to/from {self.label(peer)} has more than "
+                            f"{self._SEGMENTS} transfers (raise P2PCopy._SEGMENTS)")
+        return k * self._SEGMENTS + j
+
+    def _direct_send(self, view: torch.Tensor) -> bool:
+        return view.is_contiguous() and view.dtype == self.dtype and self._on_wire(view)
+
+    def _direct_recv(self, view: torch.Tensor) -> bool:
+        return view.is_contiguous() and self._on_wire(view)
+
+    def _staging(self, k: int, views: Sequence[torch.Tensor]) -> torch.Tensor | None:
+        """Round k's staging (slot k mod window): a flat buffer of the wire dtype that holds
+        `views`, kept across rounds and syncs and grown when a round needs more."""
+        need = sum(v.numel() for v in views)
+        if not need:
+            return None
+        i = k % self.window
+        slot = self._slots[i]
+        device = self._wire(views[0])
+        if slot is None or slot.numel() < need or slot.device != device or \
+                slot.dtype != self.dtype:
+            slot = self._slots[i] = empty_host((need,), self.dtype, device=device)
+        nbytes = slot.numel() * slot.element_size()
+        if self._held[i] != nbytes:  # counted once per sync while in use
+            self.stats.release(self._held[i])
+            self.stats.hold(nbytes)
+            self._held[i] = nbytes
+        return slot
+
+    def _pieces(self, k: int, views: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Round k's staging cut into one region per view, in order."""
+        slot = self._staging(k, views)
+        if slot is None:
+            return []
+        return list(slot[:sum(v.numel() for v in views)].split([v.numel() for v in views]))
+
+    def post_send(self, k: int, messages: list[Message]) -> None:
+        staged = [v for _, views in messages for v in views if not self._direct_send(v)]
+        pieces = self._pieces(k, staged)
+        if staged:  # every staged view in one vectorized copy (casts on the way)
+            torch._foreach_copy_([p.view(v.shape) for p, v in zip(pieces, staged)], staged)
+        pieces.reverse()
         posted = []
         for dst, views in messages:
-            buf, staged = self._pack(views)
-            self.stats.hold(staged)
-            posted.append((dst, self.group.send([buf], dst, k), staged))
-            self.stats.messages += 1
-            self.stats.zero_copy_messages += staged == 0
-            self.stats.bytes_sent += buf.numel() * buf.element_size()
-        for dst, work, staged in posted:
+            for j, view in enumerate(views):
+                direct = self._direct_send(view)
+                buf = view.detach() if direct else pieces.pop()
+                posted.append((dst, self.group.send([buf], dst, self._tag(k, j, dst))))
+                self.stats.zero_copy_messages += direct
+                self.stats.messages += 1
+                self.stats.bytes_sent += buf.numel() * buf.element_size()
+        self._posted[k] = posted
+
+    def wait_send(self, k: int) -> None:
+        for dst, work in self._posted.pop(k):
             wait_work(work, f"round {k}: send to {self.label(dst)}", self.timeout_s)
-            self.stats.release(staged)
 
-    def _pack(self, views: Sequence[torch.Tensor]) -> tuple[torch.Tensor, int]:
-        first = views[0]
-        if len(views) == 1 and first.is_contiguous() and first.dtype == self.dtype \
-                and self._on_wire(first):
-            return first.detach(), 0
-        buf = torch.empty(sum(v.numel() for v in views), dtype=self.dtype,
-                          device=self._wire(first))
-        offset = 0
-        for view in views:
-            buf[offset:offset + view.numel()].view(view.shape).copy_(view)
-            offset += view.numel()
-        return buf, buf.numel() * buf.element_size()
-
-    def recv_round(self, k: int, messages: list[Message]) -> Iterator[int]:
+    def post_recv(self, k: int, messages: list[Message]) -> None:
+        staged = [v for _, views in messages for v in views if not self._direct_recv(v)]
+        pieces = self._pieces(k, staged)
+        pieces.reverse()
         posted = []
         for src, views in messages:
-            buf, staged = self._recv_buffer(views)
-            self.stats.hold(staged)
-            posted.append((src, views, buf, staged, self.group.recv([buf], src, k)))
-            self.stats.messages += 1
-            self.stats.zero_copy_messages += staged == 0
-        for i, (src, views, buf, staged, work) in enumerate(posted):
-            wait_work(work, f"round {k}: receive from {self.label(src)}", self.timeout_s)
-            self.stats.bytes_received += buf.numel() * buf.element_size()
+            segments = []
+            for j, view in enumerate(views):
+                direct = self._direct_recv(view)
+                buf = view if direct else pieces.pop()
+                segments.append((self.group.recv([buf], src, self._tag(k, j, src)), buf,
+                                 None if direct else view))
+                self.stats.zero_copy_messages += direct
+                self.stats.messages += 1
+            posted.append((src, segments))
+        self._posted[k] = posted
+
+    def wait_recv(self, k: int) -> Iterator[int]:
+        for i, (src, segments) in enumerate(self._posted.pop(k)):
+            for work, buf, view in segments:
+                wait_work(work, f"round {k}: receive from {self.label(src)}", self.timeout_s)
+                self.stats.bytes_received += buf.numel() * buf.element_size()
+            staged = [(buf, view) for _, buf, view in segments if view is not None]
             if staged:
-                _unpack(buf, views)
-            self.stats.release(staged)
+                torch._foreach_copy_([v for _, v in staged],
+                                     [b.view(v.shape) for b, v in staged])
             yield i
 
-    def _recv_buffer(self, views: Sequence[torch.Tensor]) -> tuple[torch.Tensor, int]:
-        first = views[0]
-        if len(views) == 1 and first.is_contiguous() and self._on_wire(first):
-            return first, 0
+    def send_round(self, k: int, messages: list[Message]) -> None:
+        self.post_send(k, messages)
+        self.wait_send(k)
+
+    def recv_round(self, k: int, messages: list[Message]) -> Iterator[int]:
+        self.post_recv(k, messages)
+        yield from self.wait_recv(k)
+
+    def finish(self) -> None:
+        """Release the staging counted in this sync (the buffers stay for the next one); work
+        still posted after a failure is dropped with the group it ran on."""
+        for i, nbytes in enumerate(getattr(self, "_held", ())):
+            self.stats.release(nbytes)
+            self._held[i] = 0
+        self._posted = {}
+
+    def close(self) -> None:
+        self._slots = [None] * self.window
+
+    # single-view choices, kept for callers that ask which buffer a view would use
+    def _pack(self, views: Sequence[torch.Tensor]) -> tuple[torch.Tensor, int]:
+        if len(views) == 1 and self._direct_send(views[0]):
+            return views[0].detach(), 0
         buf = torch.empty(sum(v.numel() for v in views), dtype=self.dtype,
-                          device=self._wire(first))
+                          device=self._wire(views[0]))
+        torch._foreach_copy_(list(buf.split([v.numel() for v in views])),
+                             [v.reshape(-1) for v in views])
         return buf, buf.numel() * buf.element_size()
 
-
-def _unpack(buf: torch.Tensor, views: Sequence[torch.Tensor]) -> None:
-    offset = 0
-    for view in views:
-        view.copy_(buf[offset:offset + view.numel()].view(view.shape))
-        offset += view.numel()
+    def _recv_buffer(self, views: Sequence[torch.Tensor]) -> tuple[torch.Tensor, int]:
+        if len(views) == 1 and self._direct_recv(views[0]):
+            return views[0], 0
+        buf = torch.empty(sum(v.numel() for v in views), dtype=self.dtype,
+                          device=self._wire(views[0]))
+        return buf, buf.numel() * buf.element_size()
 
 
 __all__ = ["CopyService", "Message", "P2PCopy", "SyncError", "wait_work"]

@@ -3,19 +3,20 @@ views and does the checking (fingerprints, completeness, names); a copy service
 (`copy_service.py`) moves each round's bytes — point-to-point on the sync group (gloo on CPU,
 NCCL on GPU) or through a shared staging buffer for colocated ranks (`ipc_copy.py`).
 
-Point-to-point: per round, a sending rank packs one message per destination (a slice that is
-already a contiguous view of its parameter, on the wire's device, goes out as is), posts it
-non-blocking, and packs the next while the first is on the wire; a receiving rank posts one
-receive per source — straight into its destination tensor when the region is contiguous
-there — and unpacks as messages land. Staging buffers live on the device of the tensors they
-carry; receivers assemble shards on the `device` they are given (the resolved run's).
-Staging memory on any rank is at most one bucket (the planner bounds each rank's bytes per
-round). Every wait has a deadline; a peer that dies or stalls turns into a `SyncError` that
-names it, the round and the direction.
+Each rank walks only its own compiled share of the plan (`schedule.py`; `SyncChannels`
+caches it per plan fingerprint), and keeps up to `copy.window` rounds in flight: round k + 1
+is posted before round k is waited for, so the wire never idles between rounds.
+Point-to-point (`P2PCopy`): every transfer is a segment on the wire, sent straight from the
+parameter and received straight into the destination tensor when the region is contiguous
+there (staging otherwise: at most one bucket per round in flight, ≤ 2 buckets per rank).
+Receivers assemble shards on the `device` they are given (the resolved run's), in fresh host
+memory backed by huge pages on CPU (`host_memory.py`). Every wait has a deadline; a peer that
+dies or stalls turns into a `SyncError` that names it, the round and the direction.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Collection, Iterator, Mapping
@@ -23,9 +24,10 @@ from typing import Collection, Iterator, Mapping
 import torch
 import torch.distributed as dist
 
-from mcore_rl.layouts.layout import box_slices
 from mcore_rl.resharding.copy_service import CopyService, P2PCopy, SyncError, wait_work
-from mcore_rl.resharding.planner import Plan, Transfer
+from mcore_rl.resharding.host_memory import empty_host
+from mcore_rl.resharding.planner import Plan
+from mcore_rl.resharding.schedule import RankSchedule, compile_schedule
 
 
 @dataclass
@@ -67,96 +69,102 @@ def verify_plan(plan: Plan, group: dist.ProcessGroup, sync_rank: int, *,
                         "given different model/parallel/bucket settings")
 
 
-def _schedule(plan: Plan, sync_rank: int, sending: bool,
-              peers: Collection[int] | None = None) -> list[list[tuple[int, list[Transfer]]]]:
-    """Per round: [(peer, transfers)] for this rank, in plan order (only `peers`, if given)."""
-    out = []
-    for k in range(len(plan.rounds)):
-        msgs = []
-        for (src, dst), transfers in plan.messages(k).items():
-            if (src if sending else dst) == sync_rank and \
-                    (peers is None or (dst if sending else src) in peers):
-                msgs.append((dst if sending else src, transfers))
-        out.append(msgs)
-    return out
-
-
 def send_shards(plan: Plan, group: dist.ProcessGroup, sync_rank: int,
                 tensors: Mapping[str, torch.Tensor], *, dtype: torch.dtype,
                 timeout_s: float = 120.0, copy: CopyService | None = None,
-                peers: Collection[int] | None = None) -> SyncStats:
+                peers: Collection[int] | None = None,
+                schedule: RankSchedule | None = None) -> SyncStats:
     """Send this training rank's share of the plan from its local `tensors` (keyed as in the
     source shard map). Returns what was moved.
 
     copy: how bytes move (default: point-to-point on `group`, which must then accept the
     tensors' device: gloo for CPU, NCCL for CUDA). peers: only the messages to these
     destination sync ranks (a rank that serves some engines by IPC and others by p2p calls
-    once per copy service)."""
+    once per copy service). schedule: this rank's compiled share of the plan for these
+    peers (`schedule.compile_schedule`; compiled here when not given)."""
     _check_dtype(plan, dtype)
     copy = copy if copy is not None else P2PCopy(group)
+    schedule = schedule or compile_schedule(plan, sync_rank, sending=True, peers=peers)
+    _check_sources(schedule, tensors, plan, sync_rank)
     stats, start = SyncStats(), time.perf_counter()
     copy.start(plan, sync_rank, sending=True, dtype=dtype, timeout_s=timeout_s, stats=stats,
                peers=peers)
+    window, rounds = copy.window, schedule.rounds
     try:
-        for k, msgs in enumerate(_schedule(plan, sync_rank, sending=True, peers=peers)):
-            copy.send_round(k, [(dst, _source_views(transfers, tensors, plan, sync_rank))
-                                for dst, transfers in msgs])
+        for k, msgs in enumerate(rounds):  # round k posted before round k - window + 1 waits
+            copy.post_send(k, [(dst, [tensors[key][slices] for key, slices, _ in items])
+                               for dst, items in msgs])
+            if k >= window - 1:
+                copy.wait_send(k - window + 1)
+        for k in range(max(0, len(rounds) - window + 1), len(rounds)):
+            copy.wait_send(k)
     finally:
         copy.finish()
     stats.seconds = time.perf_counter() - start
     return stats
 
 
-def _source_views(transfers: list[Transfer], tensors: Mapping[str, torch.Tensor], plan: Plan,
-                  sync_rank: int) -> list[torch.Tensor]:
-    views = []
-    for t in transfers:
-        if t.src_key not in tensors:
-            raise SyncError(f"{plan.label(sync_rank)} has no tensor {t.src_key!r} that the "
-                            "plan sends from it")
-        views.append(tensors[t.src_key][box_slices(t.src_box)])
-    return views
+def _check_sources(schedule: RankSchedule, tensors: Mapping[str, torch.Tensor], plan: Plan,
+                   sync_rank: int) -> None:
+    for msgs in schedule.rounds:
+        for _, items in msgs:
+            for key, _, _ in items:
+                if key not in tensors:
+                    raise SyncError(f"{plan.label(sync_rank)} has no tensor {key!r} that the "
+                                    "plan sends from it")
 
 
 def receive_shards(plan: Plan, group: dist.ProcessGroup, sync_rank: int, *,
                    dtype: torch.dtype, timeout_s: float = 120.0,
                    stats: SyncStats | None = None, device: str | torch.device = "cpu",
-                   copy: CopyService | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+                   copy: CopyService | None = None,
+                   schedule: RankSchedule | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """Receive this inference rank's shards; yield `(name, tensor)` as each tensor completes
     (padding rows are zeros). Raises SyncError if anything expected never arrives.
 
     device: where the shards are assembled — this inference rank's device from the resolved
     run (`ResolvedRun.engine_devices`). copy: how bytes move (default: point-to-point on
-    `group`)."""
+    `group`). schedule: this rank's compiled share of the plan (compiled when not given).
+
+    Rounds overlap: round k + window is posted as soon as round k has landed, before round
+    k's tensors are yielded, so the wire stays busy while the caller installs them."""
     _check_dtype(plan, dtype)
     stats = stats if stats is not None else SyncStats()
     copy = copy if copy is not None else P2PCopy(group)
+    schedule = schedule or compile_schedule(plan, sync_rank, sending=False)
     start = time.perf_counter()
-    shapes = plan.dst_shapes.get(sync_rank, {})
-    remaining: dict[str, int] = {key: 0 for key in shapes}
-    for rnd in plan.rounds:
-        for t in rnd:
-            if t.dst_rank == sync_rank:
-                remaining[t.dst_key] += t.numel
+    shapes, rounds = schedule.shapes, schedule.rounds
+    remaining = {key: schedule.covered.get(key, 0) for key in shapes}
     tensors: dict[str, torch.Tensor] = {}
     yielded: set[str] = set()
+
+    def post(k: int) -> None:
+        views = []
+        for src, items in rounds[k]:
+            for key, _, _ in items:
+                if key not in tensors:  # padding (partly covered) must read as zeros
+                    tensors[key] = empty_host(shapes[key], dtype, device=device,
+                                              zero=schedule.covered.get(key, 0) < math.prod(shapes[key]))
+            views.append((src, [tensors[key][slices] for key, slices, _ in items]))
+        copy.post_recv(k, views)
+
     copy.start(plan, sync_rank, sending=False, dtype=dtype, timeout_s=timeout_s, stats=stats)
     try:
-        for k, msgs in enumerate(_schedule(plan, sync_rank, sending=False)):
-            for _src, transfers in msgs:
-                for t in transfers:
-                    if t.dst_key not in tensors:
-                        tensors[t.dst_key] = torch.zeros(shapes[t.dst_key], dtype=dtype,
-                                                         device=device)
-            views = [(src, [tensors[t.dst_key][box_slices(t.dst_box)] for t in transfers])
-                     for src, transfers in msgs]
-            for i in copy.recv_round(k, views):
-                for t in msgs[i][1]:
-                    remaining[t.dst_key] -= t.numel
-                    if remaining[t.dst_key] == 0:
-                        stats.seconds = time.perf_counter() - start
-                        yielded.add(t.dst_key)
-                        yield t.dst_key, tensors.pop(t.dst_key)
+        for k in range(min(copy.window, len(rounds))):
+            post(k)
+        for k in range(len(rounds)):
+            done = []
+            for i in copy.wait_recv(k):
+                for key, _, numel in rounds[k][i][1]:
+                    remaining[key] -= numel
+                    if remaining[key] == 0:
+                        done.append(key)
+            if k + copy.window < len(rounds):
+                post(k + copy.window)
+            for key in done:
+                stats.seconds = time.perf_counter() - start
+                yielded.add(key)
+                yield key, tensors.pop(key)
     finally:
         copy.finish()
     for key, left in remaining.items():

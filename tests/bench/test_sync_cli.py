@@ -17,11 +17,13 @@ def run_cli(capsys, *argv):
 def test_sync_with_baseline_checks_bytes_and_memory(capsys, tmp_path):
     code, report, _ = run_cli(capsys, "bench", "sync", "--model", "micro", "--train-tp", "2",
                               "--train-pp", "2", "--infer-tp", "2", "--bucket-mb", "0.0625",
-                              "--baseline", "gather", "--check", "--out", str(tmp_path))
+                              "--baseline", "gather", "--baseline", "link", "--check",
+                              "--out", str(tmp_path))
     assert code == 0
     assert report["check"] == "pass" and report["baseline"]["check"] == "pass"
+    _check_link_baseline(report)
     bucket = 0.0625 * (1 << 20)
-    assert report["max_peak_extra_bytes"] <= bucket
+    assert report["max_peak_extra_bytes"] <= 2 * bucket  # two rounds in flight
     # the baseline holds the whole model on training rank 0
     assert report["baseline_max_peak_extra_bytes"] >= report["model_bytes"]
     # each inference rank receives only its shard: about half the model at TP2
@@ -29,6 +31,28 @@ def test_sync_with_baseline_checks_bytes_and_memory(capsys, tmp_path):
         assert 0.45 < report["bytes_received"][rank] / report["model_bytes"] < 0.56
     assert report["speedup_vs_baseline"] > 0
     assert all((tmp_path / f"sync.{ext}").is_file() for ext in ("json", "md", "png"))
+
+
+def _check_link_baseline(report):
+    """--baseline link moved the plan's byte matrix, and link_efficiency is its time over
+    ours (medians, and run by run)."""
+    from mcore_rl.bench.sync import SyncBenchConfig, make_plan, resolve_model
+    from mcore_rl.bench.sync_link import byte_matrix
+    from mcore_rl.parallel import ParallelConfig
+
+    cfg = SyncBenchConfig(model="micro", train=ParallelConfig(tp=2, pp=2), infer_tp=2,
+                          bucket_mb=0.0625)
+    _, _, plan = make_plan(cfg, resolve_model("micro"))
+    link = report["link"]
+    assert link["byte_matrix"] == {f"{s}->{d}": n for (s, d), n in byte_matrix(plan).items()}
+    assert {int(r): n for r, n in link["bytes_received"].items() if n} == plan.bytes_received()
+    assert {int(r): n for r, n in link["bytes_sent"].items() if n} == plan.bytes_sent()
+    assert sum(byte_matrix(plan).values()) == sum(plan.bytes_received().values())
+    assert report["link_efficiency"] == pytest.approx(link["wall_s"] / report["wall_s"])
+    assert report["link_efficiency_runs"] == pytest.approx(
+        [a / b for a, b in zip(link["wall_s_runs"], report["wall_s_runs"])])
+    assert report["link_gbs_per_receiver"] > 0 and report["sync_gbs_per_receiver"] > 0
+    assert link["check_failures"] == {}  # nothing to check: the link carries no shards
 
 
 def test_plan_only_projects_70b_against_the_baseline(capsys):

@@ -145,11 +145,13 @@ def check_case(results, case_id, device="cpu"):
                                               for t in set(transports)) > 0
             assert all(stats.get(f"bytes_sent_{t}", 0) > 0 for t in transports)
             if "ipc" not in transports:
-                assert sync["staging_bytes"] == 0 and stats["peak_extra_bytes"] <= BUCKET
+                # p2p: two rounds in flight, at most a bucket of staging each
+                assert sync["staging_bytes"] == 0 and stats["peak_extra_bytes"] <= 2 * BUCKET
                 continue
             # one staging buffer of at most one bucket: the largest round this rank sends
             assert 0 < sync["staging_bytes"] == r["expected_staging"] <= BUCKET
-            assert stats["peak_extra_bytes"] <= (2 if "p2p" in transports else 1) * BUCKET
+            # ipc's one buffer, plus p2p's two rounds in flight when some engines use p2p
+            assert stats["peak_extra_bytes"] <= (3 if "p2p" in transports else 1) * BUCKET
             assert not sync["staging_file_left"]  # unlinked once the receivers mapped it
         # the staging buffer is made once and reused (on CUDA: the same handle)
         assert first["staging_handle"] == second["staging_handle"]

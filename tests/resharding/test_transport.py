@@ -117,10 +117,10 @@ def test_every_inference_rank_gets_its_exact_shard(table, case_id):
         assert not r["missing"] and not r["extra"] and not r["mismatched"], r
     for r in (r for r in results if r["role"] == "src"):
         stats = r["stats"]
-        # staging memory stays within one bucket; each shard goes out at most once per engine,
-        # except kv heads that vLLM replicates over several of its ranks
+        # staging memory stays within two buckets (two rounds in flight); each shard goes
+        # out at most once per engine, except kv heads that vLLM replicates over its ranks
         kv_copies = max(1, infer_tp // spec.kv_heads)
-        assert stats["peak_extra_bytes"] <= BUCKET
+        assert stats["peak_extra_bytes"] <= 2 * BUCKET
         assert stats["bytes_sent"] <= engines * r["shard_bytes"] * (
             1 if kv_copies == 1 else 1.5)
 

@@ -54,7 +54,8 @@ def test_send_staging_lives_on_the_parameters_device():
     stats = send_shards(plan, group, 0, _meta_params(src, 0), dtype=torch.bfloat16)
     assert {(d, t) for d, t, *_ in group.sent} == {("meta", torch.bfloat16)}
     assert stats.zero_copy_messages == 0
-    assert 0 < stats.peak_extra_bytes <= plan.bucket_bytes
+    # two rounds in flight (double-buffered staging): at most two buckets
+    assert 0 < stats.peak_extra_bytes <= 2 * plan.bucket_bytes
 
 
 def test_gloo_wire_bounces_device_tensors_through_host_buffers():
