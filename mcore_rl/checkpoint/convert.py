@@ -119,8 +119,8 @@ def hf_to_mcore(src: str | Path, dst: str | Path, *, dtype: torch.dtype | None =
         _, src_dtypes = check_hf_tensors(src, spec)      # validates headers, names, shapes
         weights = PreadSafetensors(src, src_dtypes)
         layout = checkpoint_layout(spec)
-        return spec, layout, [_chunk(t, layout.tp1, weights, src_dtypes, dtype)
-                              for t in layout.tensors]
+        return spec, layout, [_chunk(t, key, layout.tp1, weights, src_dtypes, dtype)
+                              for t in layout.tensors for key in t.keys]
     spec, layout, chunks = ranks.agree(preflight)       # every rank, or none, goes on
     mine = _my_share(chunks, [c.nbytes for c in chunks], ranks)
     stored = sorted({str(c.dtype).removeprefix("torch.") for c in chunks})
@@ -147,8 +147,9 @@ def hf_to_mcore(src: str | Path, dst: str | Path, *, dtype: torch.dtype | None =
                          time.perf_counter() - t0, ranks.world, "/".join(stored))
 
 
-def _chunk(t: CkptTensor, tp1: ShardMap, weights, src_dtypes: dict[str, torch.dtype],
-           dtype: torch.dtype | None) -> TensorChunk:
+def _chunk(t: CkptTensor, key: str, tp1: ShardMap, weights,
+           src_dtypes: dict[str, torch.dtype], dtype: torch.dtype | None) -> TensorChunk:
+    """`t` stored under `key` (its key or an alias), built when the writer reaches it."""
     local = t.local
     part_dtypes = {src_dtypes[p.hf_name] for p in local.pieces}
     if dtype is None and len(part_dtypes) > 1:
@@ -160,9 +161,9 @@ def _chunk(t: CkptTensor, tp1: ShardMap, weights, src_dtypes: dict[str, torch.dt
     def make() -> torch.Tensor:
         # materialize_rank reads only the HF rows each piece needs (one pread per piece).
         tensor = materialize_rank(view, 0, weights.__getitem__, out_dtype)[local.key]
-        return tensor if t.layer is None else tensor.unsqueeze(0)
+        return tensor.view(t.chunk_sizes)       # the prepended layer (and expert) axes
 
-    return TensorChunk(t.key, t.global_shape, t.chunk_offsets, t.chunk_sizes, out_dtype, make)
+    return TensorChunk(key, t.global_shape, t.chunk_offsets, t.chunk_sizes, out_dtype, make)
 
 
 def _write_megatron_files(out: Path) -> None:
@@ -196,13 +197,14 @@ def _write_metadata(out: Path, src: Path, spec, layout: CkptLayout, dtypes: list
 
 @dataclass(frozen=True)
 class _ReadUnit:
-    """One Megatron tensor to read: `key` region at `offsets` with shape `region`, and the HF
-    tensors it holds (each as pieces of the region)."""
+    """One Megatron tensor to read: `key` region at `offsets` with shape `region` (its first
+    `lead` dims the checkpoint's layer/expert axes, extent 1), and the HF tensors it holds
+    (each as pieces of the region)."""
 
     key: str
     offsets: tuple[int, ...]
     region: tuple[int, ...]
-    stacked: bool
+    lead: int
     local: LocalTensor
     hf: tuple[tuple[str, tuple[int, ...]], ...]     # (HF name, HF shape) of what it holds
     dtype: torch.dtype
@@ -301,20 +303,19 @@ def _plan_reads(layout: CkptLayout, reader: ChunkReader,
     for t in layout.tensors:
         extent = tuple(max(p.local_box[d][1] for p in t.local.pieces)
                        for d in range(len(t.local.shape)))
-        if t.layer is not None and reader.tensor_metadata(t.key) is None and \
-                reader.tensor_metadata(t.per_layer_key) is not None:
-            key, stacked = t.per_layer_key, False           # non_homogeneous_layers=True form
-        else:
-            key, stacked = t.key, t.layer is not None
+        forms = t.stored_forms()
+        key, axes = next(((k, a) for k, a in forms if reader.tensor_metadata(k) is not None),
+                         forms[0])
         md = reader.tensor_metadata(key)
         if md is None:
-            problems.append(f"missing tensor {key}")
+            problems.append(f"missing tensor {key}"
+                            + (f" (or {', '.join(t.aliases)})" if t.aliases else ""))
             continue
-        want = (t.num_layers, *t.local.shape) if stacked else t.local.shape
+        lead = len(axes)
+        want = tuple(n for _, n in axes) + t.local.shape
         found = tuple(md.size)
         # Dims the HF pieces do not fill (vocab padding) may be stored at any size >= needed.
         padded = [t.local.shape[d] != extent[d] for d in range(len(extent))]
-        lead = 1 if stacked else 0
         ok = len(found) == len(want) and all(
             (f >= extent[d - lead]) if d >= lead and padded[d - lead] else f == w
             for d, (f, w) in enumerate(zip(found, want)))
@@ -324,8 +325,8 @@ def _plan_reads(layout: CkptLayout, reader: ChunkReader,
                             + f", found {found}")
             continue
         units.append(_ReadUnit(
-            key=key, offsets=((t.layer,) if stacked else ()) + (0,) * len(extent),
-            region=((1,) if stacked else ()) + extent, stacked=stacked, local=t.local,
+            key=key, offsets=tuple(i for i, _ in axes) + (0,) * len(extent),
+            region=(1,) * lead + extent, lead=lead, local=t.local,
             hf=tuple((n, tuple(layout.tp1.hf_shapes[n])) for n in hf_by_local[t.local.key]),
             dtype=dtype or md.properties.dtype))
     problems = list(dict.fromkeys(problems))   # a stacked key is checked once per layer
@@ -341,7 +342,7 @@ def _read_unit(reader: ChunkReader, unit: _ReadUnit,
     """Read one Megatron tensor's region and emit the HF tensors it holds, each once."""
     region = torch.empty(unit.region, dtype=unit.dtype)
     reader.read([(unit.key, unit.offsets, region)])
-    local = region[0] if unit.stacked else region
+    local = region[(0,) * unit.lead]
     for name, shape in unit.hf:
         pieces = [p for p in unit.local.pieces if p.hf_name == name]
         if len(pieces) == 1 and pieces[0].hf_box == tuple((0, s) for s in shape):

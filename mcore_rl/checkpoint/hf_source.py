@@ -34,13 +34,6 @@ def read_spec(config_dir: Path) -> ModelSpec:
     except (KeyError, ValueError, TypeError) as err:
         raise ConversionError(f"{config_dir / 'config.json'}: cannot read the model config "
                               f"({type(err).__name__}: {err})") from None
-    if spec.is_moe:
-        # megatron-core stores SequentialMLP experts under 'mlp.experts.experts.*' with an
-        # expert axis next to the layer axis; checkpoint.layout does not describe that yet.
-        raise ConversionError(f"{config_dir / 'config.json'}: {spec.architecture} "
-                              f"({spec.num_experts} experts): mixture-of-experts checkpoints "
-                              "are not converted yet (the weight sync and training support "
-                              "them); nothing was written")
     return spec
 
 

@@ -26,11 +26,22 @@ depend on the grid that saved them:
   '<linear>._extra_state' one ShardedObject per layer for every TP-parallel linear (data [None]
                          for the local spec), unique key '<key>/shard_<l>_<num_layers>'
                          (`layouts.extra_state_modules`).
+  routed experts         (SequentialMLP.sharded_state_dict) 'mlp.experts.local_experts.<j>.<rest>'
+                         is stored as 'mlp.experts.experts.<rest>' with an expert axis after the
+                         layer axis: global [num_layers, num_experts, *tp1_shape], expert e of
+                         layer l at offset (l, e) — whatever EP saved it; each expert's fc1 is
+                         [gate; up] and splits over expert-TP like the dense fc1. Extra state:
+                         '<key>/shard_<l>.<e>_<num_layers>.<num_experts>'.
+  MoE pre-MLP norm       the two specs disagree: the local spec's keys map renames
+                         'pre_mlp_layernorm.' to 'mlp.linear_fc1.layer_norm_' in every layer,
+                         MoE layers included, while the TE spec has a real pre_mlp_layernorm
+                         module there (no fc1 to fuse into). Such tensors are written under both
+                         keys (`CkptTensor.aliases`) and read from whichever is present.
 
-So the grid- and spec-independent form is the TP1·PP1 Megatron layout with the layers stacked,
-named as the layout tables name the TE spec: `megatron_shards(spec, ParallelConfig(),
-layer_spec="te")` names every tensor and its HF pieces. The layout tables are the only place
-that knows the TE names.
+So the grid- and spec-independent form is the TP1·PP1 Megatron layout with the layers (and
+experts) stacked, named as the layout tables name the TE spec: `megatron_shards(spec,
+ParallelConfig(), layer_spec="te")` names every tensor and its HF pieces. The layout tables are
+the only place that knows the TE names; the local spec's keys map is read from megatron-core.
 """
 
 from __future__ import annotations
@@ -48,6 +59,10 @@ CHECKPOINT_SPELLING = "te"
 # TransformerBlock.sharded_state_dict: state-dict prefix f'{prefix}layers.{i}.' ↔ sharded key
 # prefix f'{prefix}layers.' plus the layer axis (transformer_block.py, megatron-core 0.16.1).
 _LAYER_KEY = re.compile(r"^(?P<head>decoder\.layers\.)(?P<layer>\d+)\.(?P<rest>.+)$")
+# SequentialMLP.sharded_state_dict: state-dict prefix f'{prefix}local_experts.{j}.' ↔ sharded
+# key prefix f'{prefix}experts.' plus the expert axis (moe/experts.py, megatron-core 0.16.1).
+_EXPERT_KEY = re.compile(r"^(?P<head>.+\.experts\.)local_experts\.(?P<expert>\d+)\."
+                         r"(?P<rest>.+)$")
 
 
 class CheckpointLayoutError(ValueError):
@@ -59,13 +74,39 @@ class CkptTensor:
     """One TP1·PP1 Megatron tensor as a chunk of a checkpoint tensor.
 
     key: the checkpoint (ShardedTensor) key. layer: its index on the prepended layer axis, or
-    None for tensors outside the decoder layers. local: its TP1 shape and HF pieces.
+    None for tensors outside the decoder layers. expert: its index on the expert axis (after
+    the layer axis) for a routed expert's tensor, else None. local: its TP1 shape and HF
+    pieces. aliases: other keys the same tensor is stored under (module docstring).
     """
 
     key: str
     layer: int | None
     num_layers: int
     local: LocalTensor
+    expert: int | None = None
+    num_experts: int = 0
+    aliases: tuple[str, ...] = ()
+
+    @property
+    def axes(self) -> tuple[tuple[int, int], ...]:
+        """(index, size) of each axis the checkpoint prepends to the TP1 tensor."""
+        layer = () if self.layer is None else ((self.layer, self.num_layers),)
+        return layer + (() if self.expert is None else ((self.expert, self.num_experts),))
+
+    @property
+    def keys(self) -> tuple[str, ...]:
+        return (self.key, *self.aliases)
+
+    def stored_forms(self) -> list[tuple[str, tuple[tuple[int, int], ...]]]:
+        """Every (key, prepended axes) a checkpoint may hold this tensor under: the stacked
+        keys, then the per-layer keys of a non_homogeneous_layers=True checkpoint
+        ('decoder.layers.<l>.<name>', without the layer axis)."""
+        forms = [(key, self.axes) for key in self.keys]
+        if self.layer is not None:
+            for key in self.keys:
+                head, rest = key.split("layers.", 1)
+                forms.append((f"{head}layers.{self.layer}.{rest}", self.axes[1:]))
+        return forms
 
     @property
     def per_layer_key(self) -> str | None:
@@ -77,17 +118,15 @@ class CkptTensor:
 
     @property
     def global_shape(self) -> tuple[int, ...]:
-        shape = self.local.shape
-        return shape if self.layer is None else (self.num_layers, *shape)
+        return tuple(n for _, n in self.axes) + self.local.shape
 
     @property
     def chunk_offsets(self) -> tuple[int, ...]:
-        zeros = (0,) * len(self.local.shape)
-        return zeros if self.layer is None else (self.layer, *zeros)
+        return tuple(i for i, _ in self.axes) + (0,) * len(self.local.shape)
 
     @property
     def chunk_sizes(self) -> tuple[int, ...]:
-        return self.local.shape if self.layer is None else (1, *self.local.shape)
+        return (1,) * len(self.axes) + self.local.shape
 
 
 @dataclass(frozen=True)
@@ -104,7 +143,7 @@ class CkptLayout:
     objects: tuple[str, ...]
 
     def tensor_keys(self) -> list[str]:
-        return list(dict.fromkeys(t.key for t in self.tensors))
+        return list(dict.fromkeys(key for t in self.tensors for key in t.keys))
 
     def hf_units(self) -> dict[str, CkptTensor]:
         """HF tensor name → the one checkpoint chunk holding all of it (at TP1 every HF tensor
@@ -127,22 +166,63 @@ def checkpoint_layout(spec: ModelSpec) -> CkptLayout:
     from megatron.core.dist_checkpointing.mapping import ShardedObject
 
     tp1 = megatron_shards(spec, ParallelConfig(), layer_spec=CHECKPOINT_SPELLING)
+    local = megatron_shards(spec, ParallelConfig(), layer_spec="local")
+    keys_map = _local_spec_keys_map(spec)
     tensors = []
-    for local_key, local in tp1.ranks[0].items():
-        m = _LAYER_KEY.match(local_key)
-        if m:
-            tensors.append(CkptTensor(m["head"] + m["rest"], int(m["layer"]), spec.layers, local))
-        else:
-            tensors.append(CkptTensor(local_key, None, spec.layers, local))
-    objects = [ShardedObject(key, None, (spec.layers,), (layer,), replica_id=0).unique_key
-               for key in _extra_state_keys(spec) for layer in range(spec.layers)]
+    for (te_name, t), local_name in zip(tp1.ranks[0].items(), local.ranks[0]):
+        key, axes = _stored_key(te_name, spec)
+        local_key, _ = _stored_key(_apply_keys_map(local_name, keys_map), spec)
+        aliases = () if local_key == key else (local_key,)
+        layer, expert = (axes + [None, None])[:2]
+        tensors.append(CkptTensor(key, layer, spec.layers, t, expert, spec.num_experts or 0,
+                                  aliases))
+    objects = [ShardedObject(key, None, shape, offset, replica_id=0).unique_key
+               for key, shape, offset in _extra_state_objects(spec)]
     return CkptLayout(spec, tp1, tuple(tensors), tuple(objects))
 
 
-def _extra_state_keys(spec: ModelSpec) -> list[str]:
-    """'decoder.layers.<module>._extra_state' (stacked key) for every TP-parallel linear."""
-    keys = []
+def _stored_key(name: str, spec: ModelSpec) -> tuple[str, list[int]]:
+    """A TP1 state-dict name → (checkpoint key, indices on the axes prepended to it)."""
+    m = _LAYER_KEY.match(name)
+    if not m:
+        return name, []
+    key, axes = m["head"] + m["rest"], [int(m["layer"])]
+    e = _EXPERT_KEY.match(key)
+    if e:
+        key, axes = f"{e['head']}experts.{e['rest']}", axes + [int(e["expert"])]
+    return key, axes
+
+
+def _local_spec_keys_map(spec: ModelSpec) -> dict[str, str]:
+    """The local layer spec's `sharded_state_dict_keys_map` (layer-relative name prefixes),
+    read from megatron-core for this model's spec."""
+    from mcore_rl.models.gpt import layer_spec
+
+    return dict(layer_spec("local", spec).submodules.sharded_state_dict_keys_map or {})
+
+
+def _apply_keys_map(name: str, keys_map: dict[str, str]) -> str:
+    """TransformerLayer.sharded_state_dict's prefix renaming, on a layer's tensor name."""
+    m = _LAYER_KEY.match(name)
+    if not m:
+        return name
+    rest = m["rest"]
+    for old, new in keys_map.items():
+        if rest.startswith(old):
+            rest = new + rest[len(old):]
+            break
+    return f"{m['head']}{m['layer']}.{rest}"
+
+
+def _extra_state_objects(spec: ModelSpec) -> list[tuple[str, tuple[int, ...], tuple[int, ...]]]:
+    """(stacked key, global shape, offset) of the ShardedObject of every TP-parallel linear:
+    one per layer, and per layer and expert for the routed experts' linears."""
+    out = []
     for module in extra_state_modules(spec, CHECKPOINT_SPELLING):
-        m = _LAYER_KEY.match(module.format(layer=0))
-        keys.append(f"{m['head']}{m['rest']}._extra_state")
-    return keys
+        key, axes = _stored_key(module.format(layer=0, expert=0) + "._extra_state", spec)
+        if len(axes) == 1:
+            out += [(key, (spec.layers,), (layer,)) for layer in range(spec.layers)]
+        else:
+            out += [(key, (spec.layers, spec.num_experts), (layer, expert))
+                    for layer in range(spec.layers) for expert in range(spec.num_experts)]
+    return out

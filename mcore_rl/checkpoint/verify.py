@@ -107,6 +107,7 @@ def verify_conversion(hf_dir: str | Path, ckpt_dir: str | Path, spec: ModelSpec,
     ref = hf_logits(hf_dir, tokens, weights_dtype)
     got = megatron_logits(spec, parallel, ckpt_dir, tokens, weights_dtype=weights_dtype,
                           timeout_s=timeout_s)
-    grid = f"TP{parallel.tp}·PP{parallel.pp}" + (f"·VPP{parallel.vpp}" if parallel.vpp else "")
+    grid = f"TP{parallel.tp}·PP{parallel.pp}" + (f"·VPP{parallel.vpp}" if parallel.vpp else "") \
+        + (f"·DP{parallel.dp}·EP{parallel.ep}·ETP{parallel.expert_tp}" if spec.is_moe else "")
     return VerifyReport(float((ref - got).abs().max()), float(ref.abs().max()), prompts,
                         seq_len, grid)

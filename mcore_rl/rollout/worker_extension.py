@@ -36,6 +36,8 @@ from typing import Any, Callable, Iterable, Iterator
 import torch
 from torch import nn
 
+from mcore_rl.rollout.moe_install import MoEInstaller, moe_logical_shape
+
 
 def never_raise(method: Callable[..., dict]) -> Callable[..., dict]:
     """Turn any exception of a worker RPC into `{"ok": False, "err": ...}`."""
@@ -55,9 +57,15 @@ def never_raise(method: Callable[..., dict]) -> Callable[..., dict]:
 
 def logical_shape(module: nn.Module, leaf: str, param: torch.Tensor) -> tuple[int, ...]:
     """A parameter's per-rank shape. A CPU-packed linear weight is empty; its shape is then
-    `(output_size_per_partition, input_size_per_partition)` of the layer."""
+    `(output_size_per_partition, input_size_per_partition)` of the layer. Fused MoE experts:
+    the logical (unpadded, unpacked) per-rank shape (`moe_install`)."""
+    moe_shape = moe_logical_shape(module, leaf)
+    if moe_shape is not None:
+        return moe_shape
     if param.numel() == 0 and leaf == "weight" and hasattr(module, "output_size_per_partition"):
         return (int(module.output_size_per_partition), int(module.input_size_per_partition))
+    if param.numel() == 0 and leaf == "weight" and hasattr(module, "output_size"):
+        return (int(module.output_size), int(module.input_size))  # ReplicatedLinear (MoE gate)
     return tuple(param.shape)
 
 
@@ -93,6 +101,7 @@ def install_from_iterator(model: nn.Module,
     resets the prefix cache afterwards (it lives in the scheduler, not in the worker).
     """
     owners = _quant_owners(model)
+    experts = MoEInstaller()       # fused MoE layers repack once both their tensors are in
     installed: set[str] = set()
     for name, tensor in items:
         if name in installed:
@@ -109,6 +118,10 @@ def install_from_iterator(model: nn.Module,
         if tuple(tensor.shape) != expected:
             raise ValueError(f"{name}: got shape {tuple(tensor.shape)}, this rank holds "
                              f"{expected}")
+        if experts.accepts(module, leaf):
+            experts.add(name, module, leaf, tensor)
+            installed.add(name)
+            continue
         if param.numel() == 0 and tensor.numel() > 0:  # CPU-packed: weight was replaced
             fresh = tensor.detach().to(device=param.device, dtype=param.dtype, copy=True)
             setattr(module, leaf, nn.Parameter(fresh, requires_grad=False))
@@ -121,6 +134,7 @@ def install_from_iterator(model: nn.Module,
                 owner.quant_method.process_weights_after_loading(owner)
         installed.add(name)
         del tensor
+    experts.finish()
     return sorted(installed)
 
 

@@ -181,6 +181,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     demo.add_argument("--task", choices=sorted(DEMO_TASKS), default=None,
                       help="a built-in demo task's config (tool_calc: multi-turn tool use); "
                            "default: the addition demo")
+    demo.add_argument("--model", choices=sorted(DEMO_MODELS), default="dense",
+                      help="moe: the addition demo on a tiny Qwen3-MoE (EP2 actor)")
     demo.add_argument("overrides", nargs="*", help="a.b.c=value")
     add_verbose_argument(demo)
     demo.set_defaults(func=_run)
@@ -203,12 +205,22 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 # `mcore-rl demo --task NAME`: the config each built-in demo task runs with
 DEMO_TASKS = {"addition": None, "tool_calc": "tool_calc.yaml"}
+# `mcore-rl demo --model NAME`: the config the addition demo runs with per model kind
+DEMO_MODELS = {"dense": None, "moe": "demo_moe.yaml"}
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
 
 
 def _config_path(args) -> Path | None:
     task = getattr(args, "task", None)
-    if task is None or args.config is not None:
+    model = getattr(args, "model", "dense")
+    if args.config is not None:
+        return args.config
+    if model != "dense":
+        if task not in (None, "addition"):
+            raise ConfigError("--model", model, f"the {model} demo runs the addition task, "
+                                                f"not --task {task}")
+        return CONFIG_DIR / DEMO_MODELS[model]
+    if task is None:
         return args.config
     return None if DEMO_TASKS[task] is None else CONFIG_DIR / DEMO_TASKS[task]
 

@@ -40,6 +40,9 @@ class ModelConfig:
       of the same shapes, `mcore_rl.models.presets`) — so a GPU config is checked on a CPU
       machine without its weights. Preflight warns when both exist and disagree.
     preset: only with hf_dir (see above).
+    experts: 0 = the dense demo Llama; > 0 = a demo Qwen3-MoE instead (q/k norms, every layer
+      a mixture of `experts` routed experts, `experts_per_token` active per token, each an MLP
+      of `expert_ffn`; renormalized top-k). `mcore-rl demo --model moe` sets these.
     """
 
     hf_dir: str | None = None
@@ -50,6 +53,9 @@ class ModelConfig:
     layers: int = 2
     ffn: int = 512
     seed: int = 0
+    experts: int = 0
+    experts_per_token: int = 2
+    expert_ffn: int = 128
 
     def __post_init__(self) -> None:
         if self.preset is not None and self.preset not in PRESETS:
@@ -65,9 +71,22 @@ class ModelConfig:
                                                      f">= 32 (vLLM CPU attention), heads={self.heads}")
         if self.heads % self.kv_heads:
             raise ConfigError("kv_heads", self.kv_heads, f"must divide heads={self.heads}")
+        if self.experts < 0:
+            raise ConfigError("experts", self.experts, "must be >= 0 (0: a dense model)")
+        if self.experts and not 1 <= self.experts_per_token <= self.experts:
+            raise ConfigError("experts_per_token", self.experts_per_token,
+                              f"must be in [1, experts={self.experts}]")
 
     def demo_spec(self) -> ModelSpec:
         """Shapes of the locally built demo model (hf_dir null)."""
+        if self.experts:
+            return ModelSpec(family="qwen3_moe", architecture="Qwen3MoeForCausalLM",
+                             hidden=self.hidden, ffn=self.ffn, heads=self.heads,
+                             kv_heads=self.kv_heads, head_dim=self.hidden // self.heads,
+                             layers=self.layers, vocab=DEMO_VOCAB,
+                             max_positions=DEMO_MAX_POSITIONS, qk_norm=True, norm_eps=1e-6,
+                             num_experts=self.experts, moe_ffn=self.expert_ffn,
+                             experts_per_token=self.experts_per_token, norm_topk_prob=True)
         return ModelSpec(family="llama", architecture="LlamaForCausalLM", hidden=self.hidden,
                          ffn=self.ffn, heads=self.heads, kv_heads=self.kv_heads,
                          head_dim=self.hidden // self.heads, layers=self.layers,

@@ -42,3 +42,34 @@ def load_at_grids(rank, world, spec, ckpt: str, saved: str, grids, tokens):
             sources["megatron_tp2pp2"] = saved
         destroy_training_groups()
     return out
+
+
+def load_and_save_cases(rank, world, cases, tokens):
+    """For each (label, spec, ckpt, ParallelConfig, saved): build the model on that grid, load
+    `ckpt`, return the full logits from the (tp 0, dp 0) last-stage rank, and save the loaded
+    model with megatron's own saver to `saved` (so it can be converted back)."""
+    from megatron.core import dist_checkpointing
+
+    from mcore_rl.checkpoint.megatron_io import (load_dist_checkpoint,
+                                                 megatron_sharded_state_dict)
+    from mcore_rl.models.gpt import build_gpt_model
+    from mcore_rl.parallel.groups import Axis, destroy_training_groups, init_training_groups
+    from mcore_rl.trainer.megatron_train import MicroBatch, forward_logits
+
+    zeros = torch.zeros_like(tokens)
+    out = {}
+    for n, (label, spec, ckpt, parallel, saved) in enumerate(cases):
+        groups = init_training_groups(parallel)
+        chunks = build_gpt_model(spec, parallel, groups, seed=200 + n)  # random until loaded
+        load_dist_checkpoint(chunks, ckpt)
+        for chunk in chunks:
+            chunk.eval()          # megatron refuses MoE + TP without SP in training mode
+        batches = [MicroBatch(tokens, zeros, zeros.float())] * (parallel.pp if parallel.vpp else 1)
+        with torch.no_grad():
+            logits = forward_logits(chunks, batches, vocab=spec.vocab, groups=groups)
+        if logits is not None and groups.rank_in(Axis.TP) == 0 and groups.rank_in(Axis.DP) == 0:
+            out[label] = logits[0]
+        os.makedirs(saved, exist_ok=True)
+        dist_checkpointing.save(megatron_sharded_state_dict(chunks), saved)
+        destroy_training_groups()
+    return out

@@ -23,6 +23,15 @@ FAMILIES = {
     # Qwen3: q/k norms ([head_dim] per layer, stacked like every layer tensor), head_dim 48.
     "qwen3": MICRO.with_(family="qwen3", architecture="Qwen3ForCausalLM", qk_norm=True,
                          head_dim=48, rope_theta=1e6, norm_eps=1e-6),
+    # Qwen3-MoE: 4 experts (top 2, softmax over all experts) with their own ffn, a router per
+    # layer; experts stacked on an expert axis in the checkpoint, the MLP norm under two keys.
+    "qwen3_moe": MICRO.with_(family="qwen3_moe", architecture="Qwen3MoeForCausalLM",
+                             qk_norm=True, head_dim=32, rope_theta=1e6, norm_eps=1e-6,
+                             num_experts=4, moe_ffn=64, experts_per_token=2,
+                             norm_topk_prob=False),
+    # Mixtral: experts at block_sparse_moe (w1/w3/w2), one intermediate size.
+    "mixtral": MICRO.with_(family="mixtral", architecture="MixtralForCausalLM", ffn=96,
+                           num_experts=4, moe_ffn=96, experts_per_token=2),
 }
 
 

@@ -72,17 +72,44 @@ def _del(name):
      "model.layers.0.mlp.extra.weight"),
     (lambda t: t.update({"model.layers.1.self_attn.k_proj.weight": torch.zeros(32, 128)}), None,
      "tensor model.layers.1.self_attn.k_proj.weight has shape (32, 128), expected (64, 128)"),
-    # mixture of experts: trained and synced, not converted yet — refused before any byte moves
-    (None, lambda c: c.update(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe",
-                              num_experts=4, moe_intermediate_size=64, num_experts_per_tok=2),
-     "Qwen3MoeForCausalLM (4 experts): mixture-of-experts checkpoints are not converted yet"),
-], ids=["unknown_architecture", "missing_tensor", "extra_tensor", "wrong_shape", "moe"])
+], ids=["unknown_architecture", "missing_tensor", "extra_tensor", "wrong_shape"])
 def test_bad_hf_source_is_refused(src, tmp_path, capsys, mutate, config, expected):
     bad = _copy_with(src, tmp_path / "bad", mutate, config)
     dst = tmp_path / "out"
     code, err = _run(capsys, "hf-to-mcore", bad, dst)
     assert code == 2 and expected in err, err
     assert _nothing_written(dst)
+
+
+@pytest.mark.parametrize("mutate, config, expected", [
+    # a router whose expert count disagrees with num_experts
+    (lambda t: t.update({"model.layers.1.mlp.gate.weight": torch.zeros(3, 128)}), None,
+     "tensor model.layers.1.mlp.gate.weight has shape (3, 128), expected (4, 128)"),
+    # one expert's MLP not of moe_intermediate_size
+    (lambda t: t.update({"model.layers.0.mlp.experts.2.up_proj.weight": torch.zeros(32, 128)}),
+     None, "tensor model.layers.0.mlp.experts.2.up_proj.weight has shape (32, 128), expected "
+           "(64, 128)"),
+    (_del("model.layers.2.mlp.experts.3.down_proj.weight"), None,
+     "1 tensor(s) the config implies are missing: model.layers.2.mlp.experts.3.down_proj.weight"),
+    # config says 3 experts, the files hold 4 (and routers for 4)
+    (None, lambda c: c.update(num_experts=3), "unexpected tensor(s), not part of a "
+                                              "Qwen3MoeForCausalLM with this config"),
+], ids=["router_shape", "expert_shape", "missing_expert", "fewer_experts_in_config"])
+def test_bad_moe_source_is_refused(hf_dirs, tmp_path, capsys, mutate, config, expected):
+    bad = _copy_with(hf_dirs["qwen3_moe"], tmp_path / "bad", mutate, config)
+    code, err = _run(capsys, "hf-to-mcore", bad, tmp_path / "out")
+    assert code == 2 and expected in err, err
+    assert _nothing_written(tmp_path / "out")
+
+
+def test_expert_parallel_that_does_not_divide_the_experts_is_refused(hf_dirs, tmp_path, capsys):
+    code, err = _run(capsys, "hf-to-mcore", hf_dirs["qwen3_moe"], tmp_path / "out", "--verify",
+                     "--verify-ep", "3")
+    assert code == 2 and "parallel.ep=3: does not divide num_experts=4" in err, err
+    code, err = _run(capsys, "hf-to-mcore", hf_dirs["qwen3_moe"], tmp_path / "out", "--verify",
+                     "--verify-tp", "2", "--verify-etp", "3")
+    assert code == 2 and "etp" in err, err
+    assert _nothing_written(tmp_path / "out")
 
 
 @pytest.mark.parametrize("damage, expected", [

@@ -205,8 +205,8 @@ def test_vllm_fused_moe_stacks_every_expert_with_gate_then_up_per_tp_rank():
     spec = MIXTRAL
     state = random_hf_state(spec)
     local = materialize_rank(vllm_shards(spec, 2), 1, state.__getitem__)
-    w13 = local["model.layers.0.block_sparse_moe.experts.w13_weight"]
-    w2 = local["model.layers.0.block_sparse_moe.experts.w2_weight"]
+    w13 = local["model.layers.0.block_sparse_moe.experts.routed_experts.w13_weight"]
+    w2 = local["model.layers.0.block_sparse_moe.experts.routed_experts.w2_weight"]
     half = spec.moe_ffn // 2
     assert w13.shape == (4, spec.moe_ffn, spec.hidden) and w2.shape == (4, spec.hidden, half)
     for e in range(4):

@@ -20,6 +20,7 @@ from mcore_rl.trainer.rl_config import RLConfig
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = ROOT / "configs" / "gpu"
 L70, L8, L13 = (CONFIGS / f"{n}.yaml" for n in ("llama3-70b", "llama3-8b", "llama2-13b"))
+A3B = CONFIGS / "qwen3-30b-a3b.yaml"
 GRPO = ROOT / "configs" / "grpo_addition.yaml"
 TINY = ROOT / "configs" / "tiny_ci.yaml"
 
@@ -37,6 +38,9 @@ BAD = [
     # id, base, overrides, expected problem
     ("tp-vs-heads", L70, ["actor.tp=3", "actor.pp=8", "cluster.nodes=7"],
      "train-tp"),                                  # 64 heads / 8 kv heads not split by 3
+    ("ep-vs-experts", A3B, ["actor.ep=3", "actor.dp=6", "cluster.nodes=3",
+                            "rollout.engines=6"], "train-ep"),   # 128 experts % 3
+    ("moe-ep1-memory", A3B, ["actor.ep=1"], "colocated-gpu-util"),  # all 128 experts per rank
     ("pp-vs-layers", L70, ["actor.pp=3", "cluster.nodes=7"], "train-pp"),   # 80 % 3
     ("uneven-pp", L70, ["actor.first_stage_layers=15", "actor.last_stage_layers=10"],
      "train-pp"),                                  # 55 over 2 middle stages
@@ -101,8 +105,10 @@ def _assert_is_run_config_field(dotted: str) -> None:
         assert "unknown field" not in err.problem, (dotted, err)
 
 
-@pytest.mark.parametrize("base,overrides", [(L70, []), (L8, []), (L13, []), (GRPO, CPU)],
-                         ids=["llama3-70b", "llama3-8b", "llama2-13b", "cpu-demo"])
+@pytest.mark.parametrize("base,overrides",
+                         [(L70, []), (L8, []), (L13, []), (A3B, []), (GRPO, CPU)],
+                         ids=["llama3-70b", "llama3-8b", "llama2-13b", "qwen3-30b-a3b",
+                              "cpu-demo"])
 def test_good_configs_pass(base, overrides):
     cfg, problems = preflight_config(base, overrides)
     assert cfg is not None

@@ -161,3 +161,24 @@ def test_cluster_sync_backend_defaults_to_the_devices_own():
     assert resolve_run(cfg, assume_gpu=True, cuda_available=False).sync_backend == "gloo"
     with pytest.raises(ConfigError, match="allowed values: nccl, gloo"):
         load_config(RLConfig, grpo, ["cluster.sync_backend=mpi"])
+
+
+def test_demo_model_moe_is_a_qwen3_moe_on_an_expert_parallel_actor():
+    """`mcore-rl demo --model moe`: the addition demo's config with a demo Qwen3-MoE, EP2."""
+    import argparse
+
+    from mcore_rl.trainer.demo import _config_path
+    from mcore_rl.trainer.rl_config import RLConfig
+
+    args = argparse.Namespace(config=None, task=None, model="moe")
+    cfg = load_config(RLConfig, _config_path(args))
+    spec = cfg.model.demo_spec()
+    assert (spec.family, spec.num_experts, spec.experts_per_token, spec.moe_ffn) == (
+        "qwen3_moe", 4, 2, 128) and spec.qk_norm
+    assert (cfg.actor.ep, cfg.actor.world_size) == (2, 2)
+    check_model_fits_parallel(spec, cfg.actor, cfg.train)
+    assert _config_path(argparse.Namespace(config=None, task=None, model="dense")) is None
+    with pytest.raises(ConfigError, match="runs the addition task"):
+        _config_path(argparse.Namespace(config=None, task="tool_calc", model="moe"))
+    with pytest.raises(ConfigError, match="experts_per_token"):
+        load_config(RLConfig, None, ["model.experts=2", "model.experts_per_token=3"])

@@ -36,6 +36,11 @@ def _common(p: argparse.ArgumentParser) -> None:
     v.add_argument("--verify-tp", type=int, default=1, help="Megatron TP for --verify")
     v.add_argument("--verify-pp", type=int, default=1, help="Megatron PP for --verify")
     v.add_argument("--verify-vpp", type=int, default=None, help="Megatron VPP for --verify")
+    v.add_argument("--verify-ep", type=int, default=1,
+                   help="Megatron expert parallel for --verify (mixture of experts; must "
+                        "divide the experts; DP grows so that ep·etp divides tp·dp)")
+    v.add_argument("--verify-etp", type=int, default=None,
+                   help="Megatron expert-TP for --verify (default: --verify-tp)")
     v.add_argument("--verify-prompts", type=int, default=3)
     v.add_argument("--verify-seq-len", type=int, default=16)
     v.add_argument("--verify-atol", type=float, default=1e-3,
@@ -234,13 +239,19 @@ def _spec_for(args):
 
 def _verify_grid(args):
     """The verification grid, checked against the model (TP must divide heads, PP·VPP the
-    layers), or None without --verify."""
+    layers, EP the experts), or None without --verify."""
     if not args.verify:
         return None
+    import math
+
     from mcore_rl.layouts import validate_megatron_grid
     from mcore_rl.parallel.config import ParallelConfig
 
-    grid = ParallelConfig(tp=args.verify_tp, pp=args.verify_pp, vpp=args.verify_vpp)
+    etp = args.verify_etp or args.verify_tp
+    # The expert grid lies over the dense tp·dp ranks of a stage: the smallest DP that fits it.
+    dp = math.lcm(args.verify_tp, max(etp * args.verify_ep, 1)) // max(args.verify_tp, 1)
+    grid = ParallelConfig(tp=args.verify_tp, pp=args.verify_pp, vpp=args.verify_vpp,
+                          dp=max(dp, 1), ep=args.verify_ep, etp=args.verify_etp)
     spec = _spec_for(args)
     validate_megatron_grid(spec, grid)
     return spec, grid

@@ -1,0 +1,107 @@
+"""Installing synced expert shards into vLLM's fused MoE layers (runs inside a vLLM worker).
+
+vLLM (0.32) holds a layer's routed experts in one module (`RoutedExperts`, `*.experts`) with
+two parameters: `w13_weight` [local experts, 2·I, H] (each expert's [gate; up]) and `w2_weight`
+[local experts, H, I], I = the expert intermediate size per TP rank. At load, after the weight
+loader filled them, `quant_method.process_weights_after_loading(layer)` turns them into the
+kernel's format — on CPU (`experts/cpu_moe.py`) it zero-pads I to the kernel's alignment and
+prepacks both (`cpu_prepack_moe_weight`), replacing the parameters; their shapes then are no
+longer the logical ones, and a `copy_` into them would be wrong.
+
+So a synced layer is installed the way it was loaded: the logical per-rank shards (what
+`layouts.vllm_shards` describes; the shapes reported here are those, not the packed ones) go
+into fresh parameters of the shape `create_weights` gave them (padded sizes where vLLM pads:
+gate at rows [0, I), up at rows [I_pad, I_pad + I), as `_load_w13` narrows), and the module's
+own `process_weights_after_loading` runs once both of a layer's tensors are in, followed by the
+experts' own preparation, which vLLM skips on a reload (see `_install_layer`). One layer's
+unpacked experts are held between its w13 and w2 arriving; nothing more.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+_LEAVES = ("w13_weight", "w2_weight")
+
+
+def is_fused_moe(module: nn.Module) -> bool:
+    """vLLM's routed-experts module (FusedMoE / RoutedExperts) — recognised by what it holds."""
+    return all(hasattr(module, a) for a in ("w13_weight", "w2_weight", "moe_config",
+                                            "local_num_experts", "quant_method"))
+
+
+def _sizes(module: nn.Module) -> tuple[int, int, int, int, int]:
+    """(local experts, I, H, I_pad, H_pad): logical and allocated per-rank sizes."""
+    cfg = module.moe_config
+    i_pad, h_pad = int(module.intermediate_size_per_partition), int(module.hidden_size)
+    i = int(getattr(cfg, "intermediate_size_per_partition_unpadded", None) or i_pad)
+    h = int(getattr(cfg, "hidden_dim_unpadded", None) or h_pad)
+    return int(module.local_num_experts), i, h, i_pad, h_pad
+
+
+def moe_logical_shape(module: nn.Module, leaf: str) -> tuple[int, ...] | None:
+    """The per-rank shape a synced `w13_weight` / `w2_weight` has (None for anything else)."""
+    if leaf not in _LEAVES or not is_fused_moe(module):
+        return None
+    experts, i, h, _, _ = _sizes(module)
+    return (experts, 2 * i, h) if leaf == "w13_weight" else (experts, h, i)
+
+
+class MoEInstaller:
+    """Collects a layer's w13/w2 shards as they arrive; repacks the layer when both are in."""
+
+    def __init__(self) -> None:
+        self._pending: dict[int, tuple[str, nn.Module, dict[str, torch.Tensor]]] = {}
+
+    def accepts(self, module: nn.Module, leaf: str) -> bool:
+        return leaf in _LEAVES and is_fused_moe(module)
+
+    @torch.no_grad()
+    def add(self, name: str, module: nn.Module, leaf: str, tensor: torch.Tensor) -> None:
+        module_name = name.rpartition(".")[0]
+        _, _, got = self._pending.setdefault(id(module), (module_name, module, {}))
+        got[leaf] = tensor
+        if len(got) == len(_LEAVES):
+            del self._pending[id(module)]
+            _install_layer(module, got["w13_weight"], got["w2_weight"])
+
+    def finish(self) -> None:
+        """Every layer started must have been completed (a repack needs both tensors)."""
+        if self._pending:
+            half = [f"{n}.{sorted(set(_LEAVES) - set(got))[0]}"
+                    for n, _, got in self._pending.values()]
+            self._pending.clear()
+            raise ValueError(f"fused MoE layers received only one of w13_weight/w2_weight; "
+                             f"missing: {sorted(half)[:5]}")
+
+
+def _install_layer(module: nn.Module, w13: torch.Tensor, w2: torch.Tensor) -> None:
+    experts, i, h, i_pad, h_pad = _sizes(module)
+    old = module.w13_weight
+    dtype, device = old.dtype, old.device
+    new13 = torch.zeros((experts, 2 * i_pad, h_pad), dtype=dtype, device=device)
+    new13[:, :i, :h] = w13[:, :i]                       # gate
+    new13[:, i_pad:i_pad + i, :h] = w13[:, i:]          # up
+    new2 = torch.zeros((experts, h_pad, i_pad), dtype=dtype, device=device)
+    new2[:, :h, :i] = w2
+    # Same attributes as the loaded parameters (weight_loader etc.), fresh unpacked data.
+    for leaf, data in (("w13_weight", new13), ("w2_weight", new2)):
+        param = nn.Parameter(data, requires_grad=False)
+        for key, value in vars(getattr(module, leaf)).items():
+            if not key.startswith("_"):
+                setattr(param, key, value)
+        setattr(module, leaf, param)
+    method = module.quant_method
+    had_kernel = getattr(method, "moe_kernel", None) is not None
+    method.process_weights_after_loading(module)
+    kernel = getattr(method, "moe_kernel", None)
+    if had_kernel and kernel is not None:
+        # vLLM 0.32 (`UnquantizedFusedMoEMethod._setup_kernel`) runs the experts' own
+        # preparation — on CPU the pad + grouped-gemm prepack — only on the first load; on a
+        # weight update it copies the unpacked tensors in and stops, and the CPU kernel would
+        # read them as packed (wrong log-probs, measured). Redo it as the first load did.
+        kernel.fused_experts.process_weights_after_loading(module)
+
+
+__all__ = ["MoEInstaller", "is_fused_moe", "moe_logical_shape"]
