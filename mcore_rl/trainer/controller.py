@@ -627,6 +627,10 @@ class RLController:
     def weights_digests(self) -> list[str]:
         return self._actor("weights_digest", phase="save")
 
+    def actor_weights(self) -> list[dict[str, torch.Tensor]]:
+        """Each actor rank's parameters (megatron_shards keys): `trainer.hf_export`."""
+        return self._actor("export_weights", phase="save")
+
     def shutdown(self) -> None:
         """Stop workers and engines; a worker stuck in a collective is killed with Ray."""
         import ray
