@@ -153,18 +153,6 @@ def test_step_bench(tmp_path):
         report["timing_s"]["step"]["median"] / variant["timing_s"]["step"]["median"])
     assert "variant rollout.mode=async" in stdout
     assert_files(tmp_path, "step")
-
-
-@pytest.mark.parametrize("argv, message", [
-    (["logprob", "--vocab", "4097"], "vocab=4097"),
-    (["logprob", "--tp", "1"], "tp=1"),
-    (["rollout", "--max-new-tokens", "0"], "max_new_tokens=0"),
-    (["step", "no_such_field=1"], "no_such_field"),
-    (["step", "--peak-tflops", "0"], "peak_tflops"),
-])
-def test_bad_input_fails_before_anything_starts(capsys, argv, message):
-    assert main(["bench", *argv]) == 2
-    assert message in capsys.readouterr().err
     # TRL ran the same number of steps on the same prompts from the same starting weights
     # (warmup.max_steps=0: the starting model), and the ratio is of the two median steps
     trl = report["baseline"]
@@ -178,3 +166,17 @@ def test_bad_input_fails_before_anything_starts(capsys, argv, message):
         report["timing_s"]["step"]["median"] / trl["timing_s"]["step"]["median"])
     assert trl["startup_s"] > 0 and trl["process_s"] >= trl["startup_s"]
     assert "ours / TRL median step" in stdout
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["logprob", "--vocab", "4097"], "vocab=4097"),
+    (["logprob", "--tp", "1"], "tp=1"),
+    (["rollout", "--max-new-tokens", "0"], "max_new_tokens=0"),
+    (["step", "no_such_field=1"], "no_such_field"),
+    (["step", "--peak-tflops", "0"], "peak_tflops"),
+    # a setting the TRL baseline cannot match is refused before anything starts
+    (["step", "--baseline", "trl", "algorithm.kl_coeff=0.1"], "algorithm.kl_coeff"),
+])
+def test_bad_input_fails_before_anything_starts(capsys, argv, message):
+    assert main(["bench", *argv]) == 2
+    assert message in capsys.readouterr().err
