@@ -234,11 +234,10 @@ class RLController:
             inject_stall=cfg.inject_stall, device=actor_slots[rank].device,
             layer_spec=self.run.layer_spec)
             for rank in range(world)]
-        # the actor ranks initialize (imports, megatron, weights) while the engines start
+        self.worker_pids = self._actor("pid", phase="startup")
         self.reward_model = self._start_reward_model()
         self.engines = RayEngines(model_dir, cfg.rollout, stack_dir=self.stack_dir,
                                   inject_stall=cfg.inject_stall, placement=self.placement)
-        self.worker_pids = self._actor("pid", phase="startup")
         self._join_sync_group()
         self.pipeline = None  # one_step / async: the batches generated ahead of training
         if cfg.rollout.mode != "sync":
