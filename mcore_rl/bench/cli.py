@@ -105,6 +105,9 @@ def _add_step(kinds) -> None:
     p.add_argument("--compare", action="append", default=[], metavar="A.B=VALUE",
                    help="also run a variant with this override (repeatable), e.g. "
                         "rollout.mode=async; reports its speed-up over the baseline")
+    p.add_argument("--baseline", choices=("trl",), default=None,
+                   help="also run Hugging Face TRL's GRPOTrainer (extra 'bench') on the same "
+                        "task from the same starting weights; reports ours / TRL per step")
     p.add_argument("overrides", nargs="*", help="a.b.c=value")
     _add_common(p, "step", 2)
     p.set_defaults(func=run_step)
@@ -117,7 +120,7 @@ def _run_bench(args, name: str, make_config, run, module) -> int:
 
     try:
         cfg = make_config(args)
-    except (ValueError, KeyError, OSError) as err:  # ConfigError is a ValueError
+    except (ValueError, KeyError, OSError, ImportError) as err:  # ConfigError: a ValueError
         print(f"mcore-rl bench {name}: {err}", file=sys.stderr)
         return 2
     try:
@@ -157,9 +160,15 @@ def run_step(args) -> int:
     def make(a):
         cfg = step.StepBenchConfig(config=a.config, overrides=tuple(a.overrides),
                                    repeats=a.repeats, warmup_steps=a.warmup_steps,
-                                   peak_tflops=a.peak_tflops, compare=tuple(a.compare))
-        cfg.rl_config()  # fail on a bad config before anything starts
+                                   peak_tflops=a.peak_tflops, compare=tuple(a.compare),
+                                   baseline=a.baseline)
+        rl = cfg.rl_config()  # fail on a bad config before anything starts
         cfg.variant().rl_config()
+        if cfg.baseline == "trl":  # settings TRL cannot match, or TRL missing, fail here too
+            from mcore_rl.bench.trl_baseline import check_available, trl_arguments
+
+            trl_arguments(rl, "unused", 1)
+            check_available()
         return cfg
 
     return _run_bench(args, "step", make, step.run_step_bench, step)

@@ -131,7 +131,11 @@ class StepBenchConfig:
     bf16); the CPU default is a placeholder for a couple of cores.
     compare: extra overrides of a variant (e.g. "rollout.mode=async"): the same steps run
         again with them in the same invocation, and the report gives the variant's timings
-        and its speed-up (baseline median step seconds / variant's)."""
+        and its speed-up (baseline median step seconds / variant's).
+    baseline: "trl" also runs Hugging Face TRL's GRPOTrainer (`bench.trl_baseline`) on the
+        same task and settings from the same starting weights (the HF export of our actor
+        after its warm-up, or the starting model when warmup.max_steps is 0), the same
+        number of steps on the same prompts, and reports our median step / TRL's."""
 
     config: str | None = None
     overrides: tuple[str, ...] = ()
@@ -139,8 +143,11 @@ class StepBenchConfig:
     warmup_steps: int = 1
     peak_tflops: float = 0.2
     compare: tuple[str, ...] = ()
+    baseline: str | None = None
 
     def __post_init__(self) -> None:
+        if self.baseline not in (None, "trl"):
+            raise ConfigError("baseline", self.baseline, "must be null or 'trl'")
         if self.repeats < 1:
             raise ConfigError("repeats", self.repeats, "must be >= 1")
         if self.warmup_steps < 0:
@@ -174,6 +181,11 @@ def _controller_cls():
                                  for c in o]
             return outs
 
+        def collect(self, step, timer):
+            rollouts = super().collect(step, timer)
+            self.step_prompts = sorted({e.prompt for e in rollouts.examples})
+            return rollouts
+
     return MeasuredController
 
 
@@ -191,28 +203,77 @@ def run_step_bench(cfg: StepBenchConfig) -> dict:
 
 
 def _measure(cfg: StepBenchConfig) -> dict:
-    """Start the controller on a locally built model, run warm-up + measured steps, return
-    the report."""
-    from mcore_rl.trainer.demo import build_demo_model
+    """Start the controller on the run's model (model.hf_dir, or the demo model built
+    locally), run the supervised warm-up if warmup.max_steps > 0, then unmeasured + measured
+    RL steps; with `baseline`, TRL from the same starting weights. Returns the report."""
+    from mcore_rl.trainer.demo import model_dir_of
 
     rl = cfg.rl_config()
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="mcore-rl-bench-step-") as scratch:
-        model_dir = build_demo_model(rl, Path(scratch))
+        model_dir = model_dir_of(rl, Path(scratch))
         spec = ModelSpec.from_hf_dir(model_dir)
         controller = _controller_cls()(rl, model_dir, Path(scratch) / "run")
         try:
             startup_s = time.perf_counter() - start
+            start_dir, warmup_s = _warm_up(controller, rl, model_dir, Path(scratch))
             controller.reset_optimizer()
             controller.sync_weights()
-            steps = []
+            steps, prompts = [], []
             for step in range(1, cfg.warmup_steps + cfg.repeats + 1):
                 metrics = controller.rl_step(step)
+                prompts.append(controller.step_prompts)
                 if step > cfg.warmup_steps:
                     steps.append((metrics, list(controller.gen_seq_lens)))
         finally:
             controller.shutdown()
-    return build_report(cfg, rl, spec, steps, startup_s)
+        process_s = time.perf_counter() - start
+        report = build_report(cfg, rl, spec, steps, startup_s)
+        report.update(warmup_s=warmup_s, ours_process_s=process_s,
+                      steps_run=len(prompts))
+        if cfg.baseline == "trl":
+            from mcore_rl.bench.trl_baseline import run_in_subprocess
+
+            trl = run_in_subprocess(cfg.config, list(cfg.overrides), str(start_dir),
+                                    len(prompts))
+            report["baseline"] = trl_summary(trl, cfg.warmup_steps, same_prompts=(
+                trl["prompts"] == prompts))
+            report["ratio_vs_trl"] = (report["timing_s"]["step"]["median"]
+                                      / report["baseline"]["timing_s"]["step"]["median"])
+    return report
+
+
+def _warm_up(controller, rl, model_dir: Path, scratch: Path) -> tuple[Path, float]:
+    """The supervised warm-up when the config asks for one, then the actor exported as an HF
+    directory: the starting weights of the RL steps (and of a baseline). Returns (that
+    directory, seconds); without a warm-up the starting model itself and 0."""
+    if not rl.warmup.max_steps:
+        return Path(model_dir), 0.0
+    from mcore_rl.trainer.hf_export import export_actor_hf
+    from mcore_rl.trainer.metrics import MetricsWriter
+
+    start = time.perf_counter()
+    writer = MetricsWriter(scratch / "run", phase="warmup")
+    try:
+        controller.warmup(writer)
+    finally:
+        writer.close()
+    return export_actor_hf(controller, model_dir, scratch / "start_hf"), \
+        time.perf_counter() - start
+
+
+def trl_summary(trl: dict, unmeasured: int, *, same_prompts: bool) -> dict:
+    """The TRL run's measured steps (after `unmeasured`) as median/min/max per phase, beside
+    its start-up, process time and rewards."""
+    from mcore_rl.bench.trl_baseline import PHASES as TRL_PHASES
+
+    measured = trl["per_step"][unmeasured:]
+    return {"name": "trl", "version": trl["trl_version"], "steps_run": len(trl["per_step"]),
+            "same_prompts": same_prompts, "threads": trl["threads"],
+            "timing_s": {p: spread([s[p] for s in measured]) for p in TRL_PHASES},
+            "startup_s": trl["startup_s"], "import_s": trl["import_s"],
+            "train_s": trl["train_s"], "process_s": trl["process_s"],
+            "reward_mean": trl["reward_mean"]}
 
 
 def build_report(cfg: StepBenchConfig, rl, spec: ModelSpec,
@@ -254,9 +315,11 @@ def build_report(cfg: StepBenchConfig, rl, spec: ModelSpec,
     report["mfu_by_phase"] = {p: spread([s[f"mfu/{p}"] for s in per_step])
                               for p in per_step[0]["flops"]}
     report["per_step"] = per_step
+    report["reward_mean"] = [s["reward_mean"] for s in per_step]
     report["config"] = {"config": cfg.config, "overrides": list(cfg.overrides),
                         "repeats": cfg.repeats, "warmup_steps": cfg.warmup_steps,
-                        "peak_tflops": cfg.peak_tflops, "compare": list(cfg.compare)}
+                        "peak_tflops": cfg.peak_tflops, "compare": list(cfg.compare),
+                        "baseline": cfg.baseline}
     return report
 
 
@@ -314,6 +377,17 @@ def summary_lines(report: dict) -> list[str]:
                  f"{report['tokens_per_s_per_device']['median']:.1f} tokens/s per device, "
                  f"MFU {100 * report['mfu']['median']:.3f} % of "
                  f"{report['peak_tflops_per_device']} TFLOP/s x {report['devices']} devices")
+    if "baseline" in report:
+        b = report["baseline"]
+        lines.append(f"  TRL {b['version']} (same weights, prompts "
+                     f"{'equal' if b['same_prompts'] else 'DIFFER'}): step "
+                     f"{b['timing_s']['step']['median']:.4f} s median ("
+                     + ", ".join(f"{p} {b['timing_s'][p]['median']:.4f}"
+                                 for p in b["timing_s"] if p != "step")
+                     + f"); start-up {b['startup_s']:.1f} s, process {b['process_s']:.1f} s")
+        lines.append(f"  ours / TRL median step: {report['ratio_vs_trl']:.2f}x "
+                     f"(ours: start-up {report['startup_s']:.1f} s, warm-up "
+                     f"{report['warmup_s']:.1f} s, process {report['ours_process_s']:.1f} s)")
     if "compare" in report:
         c = report["compare"]
         lines.append(f"  variant {' '.join(c['overrides'])}: step "

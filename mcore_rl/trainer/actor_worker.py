@@ -122,6 +122,21 @@ class ActorWorker:
         return [cls(**{k: v[i:i + mbs] for k, v in mine.items()})
                 for i in range(0, n, mbs)], None
 
+    def _forward_train(self, train: TrainConfig | None, n: int) -> TrainConfig:
+        """`train` whose micro_batch_size is the forward-only passes' for `n` rows
+        (`packing.forward_micro_rows`); packed passes are unchanged."""
+        from dataclasses import replace
+
+        from mcore_rl.trainer.packing import forward_micro_rows
+
+        train = train or self.train_cfg
+        if train.max_tokens_per_micro_batch is not None:
+            return train
+        size = forward_micro_rows(n // self.parallel.dp, micro_batch_size=train.micro_batch_size,
+                                  forward_micro_batch_size=train.forward_micro_batch_size,
+                                  parallel=self.parallel)
+        return replace(train, micro_batch_size=size)
+
     def _model_device(self) -> torch.device:
         """Where this rank's actor parameters live (its placed CUDA device, or the CPU)."""
         return next(self.trainer.unwrapped()[0].parameters()).device
@@ -154,7 +169,7 @@ class ActorWorker:
 
         mask = torch.ones_like(labels) if response_mask is None else response_mask
         batches, plan = self._micro({"tokens": tokens, "labels": labels, "loss_mask": mask},
-                                    MicroBatch, train=train,
+                                    MicroBatch, train=self._forward_train(train, len(tokens)),
                                     mask=None if response_mask is None else "loss_mask")
         out = fn(model, batches)
         if out is None or self.groups.rank_in(Axis.TP) != 0:

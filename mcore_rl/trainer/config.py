@@ -74,6 +74,11 @@ class TrainConfig:
     into micro batches of at most this many tokens, one [1, T] row each
     (`mcore_rl.trainer.packing`); micro_batch_size is then unused. >= seq_len, so every row
     fits; with sequence parallelism a multiple of tp.
+    forward_micro_batch_size: rows per micro batch of the forward-only passes (old and
+    reference log-probs, values) with fixed micro batches; None: micro_batch_size. They keep
+    no activations for a backward, so larger micro batches fit and cost fewer schedule
+    iterations and TP collectives. Used when it divides the DP rank's rows (with interleaved
+    pipelining: into a multiple of pp micro batches), else micro_batch_size is.
     moe_dispatcher: mixture-of-experts token dispatcher, "allgather" or "alltoall".
     moe_aux_loss_coeff: MoE load-balancing aux loss weight; 0 = off (the loss is the LM loss).
     """
@@ -86,6 +91,7 @@ class TrainConfig:
     recompute: Literal["none", "selective", "full"] = "none"
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     max_tokens_per_micro_batch: int | None = None
+    forward_micro_batch_size: int | None = None
     moe_dispatcher: Literal["allgather", "alltoall"] = "allgather"
     moe_aux_loss_coeff: float = 0.0
 
@@ -98,6 +104,9 @@ class TrainConfig:
         for name in ("micro_batch_size", "num_micro_batches", "seq_len"):
             if getattr(self, name) < 1:
                 raise ConfigError(name, getattr(self, name), "must be >= 1")
+        if self.forward_micro_batch_size is not None and self.forward_micro_batch_size < 1:
+            raise ConfigError("forward_micro_batch_size", self.forward_micro_batch_size,
+                              "must be null or >= 1")
         budget = self.max_tokens_per_micro_batch
         if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int)
                                    or budget < self.seq_len):

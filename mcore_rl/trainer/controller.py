@@ -331,8 +331,10 @@ class RLController:
         """A forward-only pass on every worker; one [n, s] result, assembled over DP. The
         response mask tells packed passes where each row's real tokens end."""
         outs = self._actor(method, batch.tokens, batch.labels, batch.mask, phase=phase)
-        slots = self._wait([w.dp_rank_of_output.remote() for w in self.workers], phase)
-        by_dp = {dp: out for dp, out in zip(slots, outs) if dp is not None}
+        if not hasattr(self, "_output_slots"):  # fixed by the grid: asked once per run
+            self._output_slots = self._wait([w.dp_rank_of_output.remote()
+                                             for w in self.workers], phase)
+        by_dp = {dp: out for dp, out in zip(self._output_slots, outs) if dp is not None}
         return torch.cat([by_dp[d] for d in range(self.cfg.actor.dp)])
 
     def _generate(self, prompts: list[list[int]], sampling: SamplingConfig):
@@ -639,6 +641,10 @@ class RLController:
 
     def weights_digests(self) -> list[str]:
         return self._actor("weights_digest", phase="save")
+
+    def actor_weights(self) -> list[dict[str, torch.Tensor]]:
+        """Each actor rank's parameters (megatron_shards keys): `trainer.hf_export`."""
+        return self._actor("export_weights", phase="save")
 
     def shutdown(self) -> None:
         """Stop workers and engines; a worker stuck in a collective is killed with Ray."""

@@ -25,6 +25,9 @@ from mcore_rl.trainer import checkpoint_store
 # 16 pieces; the tool task's traces and error messages need 52 characters, and 64 lets BPE
 # merge its tool name ("calc") into one piece
 DEMO_TOKENIZER_VOCAB = {"addition": 16, "tool_calc": 64}
+# OUT/<this>: the actor after the warm-up as an HF directory (`trainer.hf_export`); a run
+# with model.hf_dir=OUT/warmup_hf warmup.max_steps=0 starts from the same weights
+WARMUP_HF = "warmup_hf"
 
 
 def build_demo_model(cfg, out: Path) -> Path:
@@ -112,6 +115,10 @@ def run_demo(cfg, out: Path, resume: str | Path = "auto", command: str = "demo")
             warm = MetricsWriter(out, phase="warmup")
             accuracy = controller.warmup(warm) if cfg.warmup.max_steps else None
             warm.close()
+            if cfg.warmup.max_steps:  # the warmed-up model, for runs that start from it
+                from mcore_rl.trainer.hf_export import export_actor_hf
+
+                export_actor_hf(controller, model_dir, out / WARMUP_HF)
             controller.reset_optimizer()
         else:
             controller.reset_optimizer()

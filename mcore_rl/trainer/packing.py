@@ -144,6 +144,21 @@ def plan_for_grid(lengths: list[int] | torch.Tensor, max_tokens: int, *, seq_len
                         bins_multiple=parallel.pp if parallel.vpp else 1)
 
 
+def forward_micro_rows(rows: int, *, micro_batch_size: int, forward_micro_batch_size: int | None,
+                       parallel: ParallelConfig) -> int:
+    """Rows per fixed micro batch of a forward-only pass over `rows` (this DP rank's share):
+    `forward_micro_batch_size` (capped at `rows`) when it splits the rows evenly — into a
+    multiple of pp micro batches under interleaved pipelining — else `micro_batch_size`."""
+    if forward_micro_batch_size is None:
+        return micro_batch_size
+    size = min(forward_micro_batch_size, rows)
+    if size < 1 or rows % size:
+        return micro_batch_size
+    if parallel.vpp is not None and (rows // size) % parallel.pp:
+        return micro_batch_size
+    return size
+
+
 def pack(tensors: dict[str, torch.Tensor], plan: PackPlan) -> list[dict[str, torch.Tensor]]:
     """Rows [n, s] → one dict per bin of [1, T] tensors (zeros after the last sequence) plus
     "segment_ids" [1, T] (sequence k of the bin → k; the padding tail → len(bin))."""

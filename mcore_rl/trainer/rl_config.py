@@ -189,7 +189,7 @@ class RLConfig:
     actor: ParallelConfig = field(default_factory=lambda: ParallelConfig(tp=2))
     warmup: WarmupConfig = field(default_factory=WarmupConfig)
     train: TrainConfig = field(default_factory=lambda: TrainConfig(
-        micro_batch_size=64, num_micro_batches=1, seq_len=11,
+        micro_batch_size=128, num_micro_batches=1, seq_len=11, forward_micro_batch_size=256,
         optimizer=OptimizerConfig(lr=5e-4, clip_grad=1.0)))
     critic_train: TrainConfig = field(default_factory=lambda: TrainConfig(
         micro_batch_size=64, num_micro_batches=1, seq_len=11,

@@ -127,7 +127,8 @@ def test_rollout_bench(tmp_path):
 def test_step_bench(tmp_path):
     report, stdout = run_cli_subprocess(
         "bench", "step", "--repeats", "2", "--warmup-steps", "1", "--peak-tflops", "0.5",
-        "--out", str(tmp_path), "--compare", "rollout.mode=async", "actor.tp=1",
+        "--out", str(tmp_path), "--compare", "rollout.mode=async", "--baseline", "trl",
+        "actor.tp=1",
         "prompts_per_step=2", "samples_per_prompt=4", "updates_per_batch=1",
         "train.micro_batch_size=4", "warmup.max_steps=0")
     for phase in ("gen", "reward", "old_logprob", "adv", "update_actor", "sync", "step"):
@@ -152,6 +153,19 @@ def test_step_bench(tmp_path):
         report["timing_s"]["step"]["median"] / variant["timing_s"]["step"]["median"])
     assert "variant rollout.mode=async" in stdout
     assert_files(tmp_path, "step")
+    # TRL ran the same number of steps on the same prompts from the same starting weights
+    # (warmup.max_steps=0: the starting model), and the ratio is of the two median steps
+    trl = report["baseline"]
+    assert trl["name"] == "trl" and trl["version"] == "1.16.0"
+    assert report["steps_run"] == trl["steps_run"] == 3 and trl["same_prompts"] is True
+    for phase in ("gen", "reward", "old_logprob", "prep", "update", "step"):
+        assert set(trl["timing_s"][phase]) == SPREAD_KEYS
+        assert len(trl["timing_s"][phase]["runs"]) == 2
+    assert trl["timing_s"]["gen"]["min"] > 0 and len(trl["reward_mean"]) == 3
+    assert report["ratio_vs_trl"] == pytest.approx(
+        report["timing_s"]["step"]["median"] / trl["timing_s"]["step"]["median"])
+    assert trl["startup_s"] > 0 and trl["process_s"] >= trl["startup_s"]
+    assert "ours / TRL median step" in stdout
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -160,6 +174,8 @@ def test_step_bench(tmp_path):
     (["rollout", "--max-new-tokens", "0"], "max_new_tokens=0"),
     (["step", "no_such_field=1"], "no_such_field"),
     (["step", "--peak-tflops", "0"], "peak_tflops"),
+    # a setting the TRL baseline cannot match is refused before anything starts
+    (["step", "--baseline", "trl", "algorithm.kl_coeff=0.1"], "algorithm.kl_coeff"),
 ])
 def test_bad_input_fails_before_anything_starts(capsys, argv, message):
     assert main(["bench", *argv]) == 2

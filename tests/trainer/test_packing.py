@@ -236,3 +236,19 @@ def test_packed_passes_equal_padded(parallel):
         assert last["token-mean"]["micro_batches"] == 6
     # the three aggregations are different numbers on this ragged batch
     assert len({round(last[a]["packed"]["pg_loss"], 6) for a in AGGS}) == 3
+
+
+def test_forward_micro_rows_takes_the_forward_size_only_when_it_splits_the_rows():
+    from mcore_rl.trainer.packing import forward_micro_rows
+
+    flat, vpp = ParallelConfig(tp=2), ParallelConfig(pp=2, vpp=2)
+    rows = lambda n, f, grid=flat: forward_micro_rows(  # noqa: E731
+        n, micro_batch_size=4, forward_micro_batch_size=f, parallel=grid)
+    assert rows(256, None) == 4  # unset: the training micro batch
+    assert rows(256, 256) == 256 and rows(256, 128) == 128
+    assert rows(16, 256) == 16  # capped at the rows there are
+    assert rows(300, 256) == 4  # 256 does not split 300 rows
+    assert rows(16, 16, vpp) == 4  # one micro batch: interleaving needs a multiple of pp
+    assert rows(16, 8, vpp) == 8
+    with pytest.raises(ConfigError, match="forward_micro_batch_size"):
+        TrainConfig(forward_micro_batch_size=0)

@@ -27,6 +27,24 @@ PPO = ["algorithm.advantage_estimator=gae", "algorithm.kl_coeff=0.05",
        "critic_train.micro_batch_size=4"]
 
 
+def assert_export_round_trips(controller, model_dir, out):
+    """The HF export of the untrained actor (trainer.hf_export) is the starting checkpoint,
+    bit for bit, with its config and tokenizer files."""
+    from safetensors.torch import load_file
+
+    from mcore_rl.trainer.hf_export import export_actor_hf
+
+    exported = load_file(export_actor_hf(controller, model_dir, out) / "model.safetensors")
+    source = {}
+    for path in sorted(model_dir.glob("*.safetensors")):
+        source.update(load_file(path))
+    assert sorted(exported) == sorted(source)
+    for name, tensor in source.items():
+        assert exported[name].dtype == tensor.dtype and exported[name].equal(tensor), name
+    assert (out / "config.json").is_file() and (out / "tokenizer_config.json").is_file()
+    assert not list(out.parent.glob(".export.tmp"))
+
+
 @pytest.mark.parametrize("algo", [GRPO, PPO], ids=["grpo", "ppo"])
 @pytest.mark.parametrize("grid", [["actor.tp=2"], ["actor.tp=1", "actor.pp=2"]],
                          ids=["actor-tp2", "actor-pp2"])
@@ -39,6 +57,7 @@ def test_two_rl_steps_with_vllm_and_streamed_sync(tmp_path, grid, algo):
     model_dir = build_demo_model(cfg, tmp_path)
     controller = RLController(cfg, model_dir, tmp_path)
     try:
+        assert_export_round_trips(controller, model_dir, tmp_path / "export")
         controller.reset_optimizer()  # the RL optimizer config (as the demo after warm-up)
         controller.sync_weights()
         writer = MetricsWriter(tmp_path)
