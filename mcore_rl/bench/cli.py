@@ -30,7 +30,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     sync.add_argument("--infer-tp", type=int, default=1)
     sync.add_argument("--engines", type=int, default=1)
     sync.add_argument("--bucket-mb", type=float, default=64.0)
-    sync.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
+    sync.add_argument("--dtype", choices=("float32", "bfloat16", "fp32", "bf16"),
+                      default="float32")
     sync.add_argument("--baseline", choices=("gather", "link"), action="append", default=[],
                       help="also run a baseline (repeatable): gather = gather to rank 0 then "
                            "broadcast; link = the plan's byte matrix as plain sends on the same "

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from mcore_rl.bench.sync_link import LinkBaseline, byte_matrix
+from mcore_rl.config.dtypes import normalize_dtype_fields, torch_dtype
 from mcore_rl.layouts import ShardMap, materialize_rank, megatron_shards, vllm_shards
 from mcore_rl.layouts.layout import box_numel, box_slices
 from mcore_rl.models.hf_weights import RandomWeights, SafetensorsWeights
@@ -36,13 +37,12 @@ from mcore_rl.parallel import ParallelConfig
 from mcore_rl.resharding import Plan, SyncGroupSpec, SyncStats, build_plan, join_sync_group
 from mcore_rl.resharding.channels import SyncChannels
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 @dataclass(frozen=True, kw_only=True)
 class SyncBenchConfig:
     """model: preset name or HF model directory. train: the training grid. infer_tp / engines:
-    the vLLM side. bucket_mb: transport bucket. dtype: fp32 | bf16. baseline: also run the
+    the vLLM side. bucket_mb: transport bucket. dtype: float32 | bfloat16 (fp32/bf16 accepted). baseline: also run the
     gather-then-broadcast baseline. link: also move the plan's byte matrix as plain sends on
     the same group (`sync_link.py`; the report gains `link_efficiency`). check: compare every
     received shard bit for bit.
@@ -55,7 +55,7 @@ class SyncBenchConfig:
     infer_tp: int = 1
     engines: int = 1
     bucket_mb: float = 64.0
-    dtype: str = "fp32"
+    dtype: str = "float32"
     baseline: bool = False
     link: bool = False
     check: bool = False
@@ -67,6 +67,7 @@ class SyncBenchConfig:
     device: str = "cpu"
 
     def __post_init__(self):
+        normalize_dtype_fields(self, "dtype", allowed=("float32", "bfloat16"))
         if self.transport not in ("p2p", "ipc"):
             raise ValueError(f"--transport {self.transport!r}: expected p2p or ipc")
         if self.device not in ("cpu", "cuda"):
@@ -107,7 +108,7 @@ def resolve_model(model: str) -> ModelSpec:
 def make_plan(cfg: SyncBenchConfig, spec: ModelSpec) -> tuple[ShardMap, ShardMap, Plan]:
     src = megatron_shards(spec, cfg.train)
     dst = vllm_shards(spec, cfg.infer_tp, cfg.engines)
-    element_size = torch.empty((), dtype=DTYPES[cfg.dtype]).element_size()
+    element_size = torch_dtype(cfg.dtype).itemsize
     return src, dst, build_plan(src, dst, bucket_bytes=cfg.bucket_bytes,
                                 element_size=element_size)
 
@@ -126,7 +127,7 @@ def rank_main(rank: int, world_size: int, cfg: SyncBenchConfig) -> dict:
     """One process of the benchmark. Returns this rank's measurements."""
     spec = resolve_model(cfg.model)
     src, dst, plan = make_plan(cfg, spec)
-    dtype = DTYPES[cfg.dtype]
+    dtype = torch_dtype(cfg.dtype)
     weights = _weights(cfg, src)
     port = int(os.environ["MCORE_RL_STORE_PORT"])
     # the rendezvous store: rank 0's (the local launcher's on one machine, srun's first node)

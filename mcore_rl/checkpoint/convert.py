@@ -56,7 +56,6 @@ METADATA_FILE = "mcore_rl_checkpoint.json"
 FORMAT = "mcore-rl/megatron-dist-checkpoint"
 FORMAT_VERSION = 1
 DEFAULT_MAX_SHARD_BYTES = 5 * 10 ** 9
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 @dataclass(frozen=True)
