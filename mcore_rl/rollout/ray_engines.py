@@ -177,10 +177,11 @@ class RayEngines:
                 ray.wait(refs, num_returns=len(refs), timeout=self._sync_timeout + 60.0)
 
     def probe(self, i: int, timeout_s: float = 30.0) -> str | None:
-        """None when engine i's workers answer an RPC, else why not (its process is gone, a
-        TP worker died, or no answer within `timeout_s`)."""
+        """None when engine i generates one token, else why not (its process is gone, its
+        engine core or a TP worker died, or no answer within `timeout_s`)."""
+        one_token = SamplingConfig(temperature=0.0, max_tokens=1, logprobs=False)
         try:
-            self._gather("probe", [(i, self._actors[i].call.remote("describe_shards"))],
+            self._gather("probe", [(i, self._actors[i].generate.remote([[1]], one_token, 0))],
                          timeout_s)
         except RolloutError as err:
             return err.detail

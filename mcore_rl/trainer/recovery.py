@@ -4,9 +4,10 @@ When an engine call fails — a generate call, or a weight sync — the controll
 error to `EngineRecovery.recover`, which, step by step:
 
 1. finds the broken engines: every engine whose process is gone (`RayEngines.dead_engines`),
-   and the engine the error names if its workers no longer answer (`RayEngines.probe`; a TP
-   worker process can die under a live engine actor). None broken: the error was not an
-   engine failure (a bad prompt, a stuck engine — the watchdog's) and is raised as it was;
+   and the engine the error names if it cannot generate one token (`RayEngines.probe`: its
+   engine core or a TP worker process can die under a live engine actor). None broken: the
+   error was not an engine failure (a bad prompt, a stuck engine — the watchdog's) and is
+   raised as it was;
 2. out of restarts (`max_engine_restarts` for the whole run), or a rollout mode other than
    sync → writes a checkpoint (sync mode, once an RL step has begun), then raises
    `EngineFailed` naming the engine(s) and carrying the original error's message;
