@@ -8,8 +8,9 @@ not depend on the number of engines. Engine i's TP rank r is sync rank
 
 Every call has a deadline (`start_timeout_s` for start-up, `call_timeout_s` or the call's
 `timeout_s` otherwise). An engine that dies or misses it raises `RolloutError` naming the
-engine index and the phase; engines are not restarted (a dead engine has lost its weights:
-build a new `RayEngines` and sync it).
+engine index and the phase. `restart(indices)` replaces dead engines with fresh ones in the
+same slots; a fresh engine holds the weights of `model_dir` and is in no sync group, so the
+caller re-forms the group and syncs it (`mcore_rl.trainer.recovery` does).
 """
 
 from __future__ import annotations
@@ -122,17 +123,11 @@ class RayEngines:
             raise RuntimeError("Ray is not initialized: call init_local_ray() or ray.init()")
         self.cfg = cfg
         self._sync_timeout = cfg.call_timeout_s
-        actor = ray.remote(num_cpus=cfg.cpus_per_engine, max_restarts=0,
-                           max_concurrency=1)(EngineHost)
-        self._actors = []
-        for i in range(cfg.engines):
-            options, devices = {}, None
-            if placement is not None:
-                options = placement.options_for_node(placement.plan.engine_node(i))
-                devices = [slot.device for slot in placement.plan.engines[i]]
-            self._actors.append(actor.options(**options).remote(
-                str(model_dir), cfg, i, str(stack_dir) if stack_dir else None, inject_stall,
-                devices))
+        self._host_cls = ray.remote(num_cpus=cfg.cpus_per_engine, max_restarts=0,
+                                    max_concurrency=1)(EngineHost)
+        self._args = (str(model_dir), str(stack_dir) if stack_dir else None, inject_stall)
+        self._placement = placement
+        self._actors = [self._start(i) for i in range(cfg.engines)]
         try:
             info = self._gather("start-up", [(i, a.ready.remote())
                                              for i, a in enumerate(self._actors)],
@@ -143,6 +138,54 @@ class RayEngines:
         self.startup_s = [r["startup_s"] for r in info]
         self.pids = [r["pid"] for r in info]
         self.where = info  # node, devices and placement group of each engine
+
+    def _start(self, i: int):
+        """Engine i's actor, in its slot of the placement plan (node bundle, TP devices)."""
+        options, devices = {}, None
+        if self._placement is not None:
+            options = self._placement.options_for_node(self._placement.plan.engine_node(i))
+            devices = [slot.device for slot in self._placement.plan.engines[i]]
+        model_dir, stack_dir, inject_stall = self._args
+        return self._host_cls.options(**options).remote(model_dir, self.cfg, i, stack_dir,
+                                                        inject_stall, devices)
+
+    def restart(self, indices: Sequence[int]) -> None:
+        """Replace engines `indices` (dead or broken) with fresh ones in the same slots: the
+        old actor is killed (and its processes with it), a new one starts and loads
+        `model_dir`. The new engines hold those weights, not the trainer's, and are in no
+        sync group. Raises RolloutError naming an engine that fails to start."""
+        import ray
+
+        for i in indices:
+            ray.kill(self._actors[i], no_restart=True)
+            self._actors[i] = self._start(i)
+        info = self._gather("start-up", [(i, self._actors[i].ready.remote()) for i in indices],
+                            self.cfg.start_timeout_s)
+        for i, reply in zip(indices, info):
+            self.startup_s[i], self.pids[i], self.where[i] = reply["startup_s"], reply["pid"], \
+                reply
+
+    def abandon_sync(self, indices: Sequence[int]) -> None:
+        """Engines `indices` (alive) drop their sync state after a peer of the group died:
+        an install still in flight is waited out (its error is expected and ignored) and the
+        group is left, so they can join a new one."""
+        import ray
+
+        for method in ("finish_sync", "leave_sync_group"):
+            refs = [self._actors[i].call.remote(method) for i in indices]
+            if refs:  # errors are expected here (the install lost its peers); only wait
+                ray.wait(refs, num_returns=len(refs), timeout=self._sync_timeout + 60.0)
+
+    def probe(self, i: int, timeout_s: float = 30.0) -> str | None:
+        """None when engine i generates one token, else why not (its process is gone, its
+        engine core or a TP worker died, or no answer within `timeout_s`)."""
+        one_token = SamplingConfig(temperature=0.0, max_tokens=1, logprobs=False)
+        try:
+            self._gather("probe", [(i, self._actors[i].generate.remote([[1]], one_token, 0))],
+                         timeout_s)
+        except RolloutError as err:
+            return err.detail
+        return None
 
     @property
     def num_engines(self) -> int:

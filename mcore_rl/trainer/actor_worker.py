@@ -251,6 +251,18 @@ class ActorWorker:
         self.sync_group = SyncChannels.join(spec, self.rank, device)
         return True
 
+    def leave_sync_group(self) -> bool:
+        """Shut this rank's sync-group handles down: a member died, so the group is broken for
+        everyone and the controller forms a new one (trainer/recovery.py)."""
+        group, self.sync_group = self.sync_group, None
+        if group is None:
+            return True
+        try:
+            group.close()
+        except Exception:  # noqa: BLE001 — a group that lost a member may not shut down cleanly
+            return False  # it is dropped either way
+        return True
+
     def local_tensors(self) -> dict[str, torch.Tensor]:
         """This rank's parameters keyed as `megatron_shards` names them (the run's layer spec);
         `_extra_state` entries are not weights and are never synced."""

@@ -37,6 +37,7 @@ from mcore_rl.trainer import checkpoint_store
 from mcore_rl.config.dtypes import torch_dtype
 from mcore_rl.trainer.metrics import MetricsWriter, PhaseTimer
 from mcore_rl.trainer.partial_rollout import current_version_logprob_diff
+from mcore_rl.trainer.recovery import EngineFailed, EngineRecovery
 from mcore_rl.trainer.rl_config import RLConfig
 
 
@@ -239,6 +240,8 @@ class RLController:
         self.reward_model = self._start_reward_model()
         self.engines = RayEngines(model_dir, cfg.rollout, stack_dir=self.stack_dir,
                                   inject_stall=cfg.inject_stall, placement=self.placement)
+        self.recovery = EngineRecovery(self, cfg.recovery)  # engines that die are restarted
+        self._sync_groups_formed = 0
         self._join_sync_group()
         self.pipeline = None  # one_step / async: the batches generated ahead of training
         if cfg.rollout.partial_chunk_tokens is not None:  # generations span weight syncs
@@ -288,11 +291,14 @@ class RLController:
         return self._wait([getattr(w, method).remote(*args) for w in self.workers], phase)
 
     def _join_sync_group(self) -> None:
+        """Form the sync group (again after an engine restart: a new store and prefix)."""
         world = self.cfg.actor.world_size + self.cfg.rollout.tp * self.cfg.rollout.engines
         self._store = host_store(self.host, world_size=world,
                                  timeout_s=self.cfg.deadlines.startup_s)
         spec = sync_group_spec(self.run, host=self.host, port=self._store.port,
-                               prefix="sync/", timeout_s=self.cfg.deadlines.sync_s)
+                               prefix=f"sync/{self._sync_groups_formed}/",
+                               timeout_s=self.cfg.deadlines.sync_s)
+        self._sync_groups_formed += 1
         self.engines.start_join_sync_group(spec, self.cfg.actor.world_size,
                                            devices=self.run.engine_devices)
         self._wait([w.join_sync_group.remote(spec, self.run.actor_devices[rank])
@@ -300,11 +306,19 @@ class RLController:
         self.engines.finish_join_sync_group()
 
     def sync_weights(self) -> dict[str, float]:
-        """Stream the actor's shards into every engine; checks each engine got every name."""
+        """Stream the actor's shards into every engine; checks each engine got every name.
+        An engine that died is restarted and synced (trainer/recovery.py)."""
         if self.pipeline is not None:  # never change weights under a running generation
             self.pipeline.quiesce()
+        try:
+            return self._sync_once()
+        except (SyncFailed, RolloutError) as err:
+            return self.recovery.recover(err, "sync", getattr(err, "engine", None))
+
+    def _sync_once(self) -> dict[str, float]:
         self.engines.begin_sync(self.plan, dtype=torch_dtype(self.cfg.wire_dtype),
                                 timeout_s=self.cfg.deadlines.sync_s)
+        self.recovery.inject("sync")
         return self._finish_sync()
 
     def _finish_sync(self) -> dict[str, float]:
@@ -338,14 +352,18 @@ class RLController:
         return torch.cat([by_dp[d] for d in range(self.cfg.actor.dp)])
 
     def _generate(self, prompts: list[list[int]], sampling: SamplingConfig):
+        """One generate call. An engine that died is restarted and re-synced, and the call
+        repeated as it was: same prompts and seeds, so the same samples (trainer/recovery.py)."""
         deadline = self.cfg.deadlines.gen_s
-        try:
-            return self.engines.generate(prompts, sampling, timeout_s=deadline)
-        except RolloutError as err:
-            if "no reply within" not in str(err):
-                raise
-            raise self._watchdog("gen", deadline, [f"rollout engine {err.engine}"],
-                                 str(err)) from err
+        self.recovery.inject("gen")
+        while True:
+            try:
+                return self.engines.generate(prompts, sampling, timeout_s=deadline)
+            except RolloutError as err:
+                if "no reply within" in str(err):
+                    raise self._watchdog("gen", deadline, [f"rollout engine {err.engine}"],
+                                         str(err)) from err
+                self.recovery.recover(err, "generate", err.engine)
 
     # --- warm-up ----------------------------------------------------------------------------
 
@@ -513,6 +531,7 @@ class RLController:
 
     def rl_step(self, step: int) -> dict[str, float]:
         cfg, timer = self.cfg, PhaseTimer()
+        self.recovery.begin_step(step)
         rollouts, gen_timing = self._rollouts_for(step, timer)
         if cfg.rollout.enable_sleep:  # colocated on GPU: free the KV cache while training
             with timer("sleep"):
@@ -581,14 +600,19 @@ class RLController:
                 for mini in _mini_batches(value, cfg.updates_per_batch):
                     critic_updates.append(self._actor("critic_update", mini, cfg.algorithm,
                                                       phase="update_critic")[0])
+        self.recovery.step_trained()
         # weights must not change under a running generation: wait for the batches ahead
         overlap = ({} if self.pipeline is None else
                    self.pipeline.quiesce(timer, (train_start, time.perf_counter())))
         if cfg.rollout.enable_sleep:
             with timer("wake"):
                 self.engines.wake_up()
+        lost = None  # an engine failed past its restarts in the sync: report the step first
         with timer("sync"):
-            sync = self.sync_weights()
+            try:
+                sync = self.sync_weights()
+            except EngineFailed as failed:
+                lost, sync = failed, {}
         gen_tokens = float(batch.mask.sum())
         metrics = {
             "reward_mean": float(scores.mean()), "reward_std": float(scores.std()),
@@ -599,9 +623,12 @@ class RLController:
             "kl_ref": updates[-1]["kl_ref"], **adv_metrics,
             **_critic_metrics(critic_updates), **_packing_metrics(updates[-1]),
             **sync, **rollouts.stats, **timer.as_metrics(), **gen_timing, **overlap,
-            **episode_metrics(completions),
+            **episode_metrics(completions), **self.recovery.metrics(),
         }
         metrics["tokens_per_s"] = gen_tokens / max(metrics["timing_s/gen"], 1e-9)
+        if lost is not None:
+            lost.step_metrics = metrics
+            raise lost
         return metrics
 
     # --- checkpoints --------------------------------------------------------------------------

@@ -85,6 +85,7 @@ def run_demo(cfg, out: Path, resume: str | Path = "auto", command: str = "demo")
     from mcore_rl.trainer.preflight import check_run
     from mcore_rl.launch.logs import configure_process_logs
     from mcore_rl.trainer.run_control import RunStopped, StopControl, start_local_ray
+    from mcore_rl.trainer.recovery import EngineFailed
 
     start = time.perf_counter()
     out.mkdir(parents=True, exist_ok=True)
@@ -130,7 +131,12 @@ def run_demo(cfg, out: Path, resume: str | Path = "auto", command: str = "demo")
         controller.sync_weights()
         writer = MetricsWriter(out)
         for step in range(first_step, cfg.steps + 1):
-            writer.write(step, controller.rl_step(step))
+            try:
+                writer.write(step, controller.rl_step(step))
+            except EngineFailed as failed:  # checkpointed after this step: log it too
+                if failed.step_metrics is not None:
+                    writer.write(step, failed.step_metrics)
+                raise
             if cfg.checkpoint.due(step, cfg.steps) or stop.requested:
                 saved = controller.save_checkpoint(step)
                 checkpoint_store.prune(saved.parent, cfg.checkpoint.keep_last)
@@ -248,6 +254,7 @@ def _run(args) -> int:
 
     from mcore_rl.trainer.checkpoint_store import CheckpointNotFound, CheckpointWriteError
     from mcore_rl.trainer.run_control import STOP_EXIT_CODE, RunStopped
+    from mcore_rl.trainer.recovery import EngineFailed
 
     try:
         run_demo(cfg, args.out, getattr(args, "resume", "auto"), command=args.command)
@@ -266,7 +273,7 @@ def _run(args) -> int:
     except PreflightFailed as err:
         print(f"mcore-rl {args.command}: {err}")
         return 2
-    except (WatchdogTimeout, WorkerDied) as err:  # a hang or a dead worker, named
+    except (WatchdogTimeout, WorkerDied, EngineFailed) as err:  # a hang or a dead worker
         print(f"mcore-rl {args.command}: {err}")
         return 3
     return 0

@@ -21,6 +21,7 @@ from mcore_rl.tasks.config import TaskConfig
 from mcore_rl.trainer.config import OptimizerConfig, TrainConfig
 from mcore_rl.trainer.checkpoint_store import CheckpointConfig
 from mcore_rl.reward_model import RewardModelConfig
+from mcore_rl.trainer.recovery import RecoveryConfig
 
 # The demo tokenizer (mcore_rl.tasks.tokenizer, trained on the addition task) has 16 pieces.
 DEMO_VOCAB = 16
@@ -181,6 +182,7 @@ class RLConfig:
     inject_stall: fault injection for watchdog tests: "<phase>@rank<r>" stalls actor rank r
         in that phase, "gen@engine<i>" stalls engine i's generation. Leave null.
     checkpoint: when checkpoints are written and how many are kept (see CheckpointConfig).
+    recovery: restarting rollout engines that die (see RecoveryConfig).
     max_sampling_rounds: with algorithm.dynamic_sampling, generation rounds per step at most.
     off_policy_steps: deprecated alias of rollout.mode (0: sync, 1: one_step); leave null.
     seed: prompts and sampling.
@@ -213,6 +215,7 @@ class RLConfig:
     deadlines: DeadlineConfig = field(default_factory=DeadlineConfig)
     inject_stall: str | None = None
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    recovery: RecoveryConfig = field(default_factory=RecoveryConfig)
     max_sampling_rounds: int = 4
     off_policy_steps: int | None = None
     seed: int = 0

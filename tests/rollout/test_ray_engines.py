@@ -3,7 +3,9 @@ in prompt order, a sync reaches both engines (engine-major sync ranks), and fail
 engine that cannot start, a call that misses its deadline, an engine process that is killed —
 raise errors naming the engine and the phase, within the deadline.
 
-Tests run in file order: the last two leave engine 1 dead."""
+Tests run in file order: the last two leave engine 1 dead, and the one after them restarts it
+(RayEngines.restart), kills it again in the middle of a sync that engine 0 takes part in, and
+brings both back into a new sync group."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import signal
 import time
 
 import pytest
+import torch
 
 from mcore_rl.models.hf_reference import greedy_generate
 from mcore_rl.rollout import (RayEngines, RolloutConfig, RolloutError, SamplingConfig,
@@ -104,3 +107,39 @@ def test_killed_engine_is_named(engines):
     with pytest.raises(RolloutError, match=r"rollout engine 1, generate: engine process died"):
         engines.generate(prompts(4, 10), GREEDY, timeout_s=30.0)
     assert time.perf_counter() - start < 15.0
+
+
+def test_a_dead_engine_restarts_and_a_survivor_rejoins_after_a_sync_lost_a_peer(engines,
+                                                                              micro_dir):
+    from mcore_rl.resharding import send_shards, verify_plan
+
+    assert engines.dead_engines() == [1]  # killed by the test above
+    ps = prompts(3, 40, seed=10)
+    w0, old = hf_state(micro_dir), engines.pids[1]
+    w1 = perturbed(w0, seed=7)
+    start = time.perf_counter()
+    engines.restart([1])
+    restart_s = time.perf_counter() - start
+    assert engines.pids[1] != old and engines.dead_engines() == [] and engines.probe(1) is None
+    # a fresh engine serves the model directory's weights until it is synced
+    hf_w0 = greedy_generate(hf_model_with(micro_dir, w0), ps, max_new_tokens=8)
+    assert [list(s[0].token_ids) for s in engines.generate(ps, GREEDY, engines=[1])] == hf_w0
+
+    trainer = Trainer(tp=1, engines=2, timeout_s=30.0)
+    trainer.connect(engines)
+    engines.begin_sync(trainer.plan)  # both engines wait for their shards
+    os.kill(engines.pids[1], signal.SIGKILL)
+    with pytest.raises(Exception):  # the group lost a member: the trainer's side fails
+        verify_plan(trainer.plan, trainer.group, 0)
+        send_shards(trainer.plan, trainer.group, 0, w1, dtype=torch.float32, timeout_s=30.0)
+    assert engines.dead_engines() == [1]
+    trainer.group.shutdown()  # the trainer leaves the broken group ...
+    engines.abandon_sync([0])  # ... engine 0 waits out its failed install and leaves it too
+    engines.restart([1])
+    trainer.connect(engines)  # a new group, a new prefix
+    trainer.sync(engines, w1)
+    hf_w1 = greedy_generate(hf_model_with(micro_dir, w1), ps, max_new_tokens=8)
+    for i in range(2):
+        assert [list(s[0].token_ids) for s in engines.generate(ps, GREEDY, engines=[i])] == hf_w1
+    trainer.disconnect(engines)
+    print(f"engine restart: {restart_s:.1f} s (vLLM start-up {engines.startup_s[1]:.1f} s)")

@@ -7,6 +7,10 @@ send it) at a random step: it finishes that step, checkpoints and exits 75; the 
 again resumes by itself and ends with the reference's metrics (every step once) and final
 actor weights, bit for bit. The finished run re-run reports "already complete" at once.
 In-process: a full disk at save time and a dead actor rank are named.
+The rollout engine's processes are SIGKILLed as step 2's generation goes out and while step
+3's weight sync is in flight: the run restarts the engine both times; a third kill, past the
+allowed restarts, writes a checkpoint and ends the run naming the engine (exit 3); the same
+command resumes and ends where the reference ends, bit for bit.
 """
 
 import json
@@ -194,3 +198,53 @@ def test_a_full_disk_and_a_dead_actor_rank_are_named(tmp_path):
     assert not list(root.glob(".step_*")) and not (root / "step_2").exists()
     assert f"actor rank 1 (pid {pid}) died during phase 'old_logprob'" in str(died.value)
     assert elapsed < 60, elapsed  # not the 120 s collective deadline
+
+
+
+def test_engine_killed_in_generation_and_in_a_sync_is_restarted_then_out_of_restarts(
+        reference, tmp_path):
+    """inject_kill SIGKILLs engine 0's process tree (the EngineHost actor's pid from Ray, and
+    any vLLM process under it) as step 2's generate call goes out, while step 3's sync is in
+    flight (the engine receiving, the trainer about to send), and again in step 4's sync.
+    The first two times the controller restarts the engine, re-forms the sync group,
+    re-syncs the actor's weights and repeats what was lost (the generate call with its seeds,
+    or the sync). The third kill finds max_engine_restarts=2 used up: a complete checkpoint
+    of step 4 is written, step 4's metrics are logged, and the run exits 3 naming the engine.
+    The same command without the fault resumes from that checkpoint; the finished run has
+    every step once, the restarts in its metrics, and the reference's metrics and final
+    weights bit for bit."""
+    full, _ = reference
+    out = tmp_path / "run"
+    started = time.monotonic()
+    code, log = _finish(_train(out, "recovery.inject_kill=gen@2,sync@3,sync@4",
+                               "recovery.max_engine_restarts=2",
+                               "recovery.restart_backoff_s=0.1"), out)
+    first_s = time.monotonic() - started
+    assert code == 3, log[-4000:]
+    assert log.count("inject_kill: SIGKILL rollout engine 0 (pids [") == 3, log[-4000:]
+    assert "failed during generate of step 2" in log and "failed during sync of step 3" in log
+    assert log.count("restarted (new pids") == 2, log[-4000:]
+    assert "rollout engine(s) [0] died during sync of step 4" in log, log[-4000:]
+    assert "out of restarts (recovery.max_engine_restarts=2, 2 used)" in log
+    saved = checkpoint_store.newest_complete(out / "checkpoints")
+    assert saved is not None and saved.name == "step_4", log[-4000:]
+    assert f"checkpoint {saved} written (the actor after step 4)" in log
+    assert _steps_logged(out) == [1, 2, 3, 4]
+
+    started = time.monotonic()
+    code, log = _finish(_train(out), out)
+    resume_s = time.monotonic() - started
+    assert code == 0, log[-4000:]
+    assert f"resumed from {saved} (step 4)" in log
+    assert _steps_logged(out) == list(range(1, STEPS + 1))
+    want, got = _metrics(full), _metrics(out)
+    restarts = [got[step]["recovery/engine_restarts"] for step in range(1, STEPS + 1)]
+    assert restarts == [0, 1, 1, 0, 0], restarts  # per step
+    for step in range(1, STEPS + 1):
+        for key in DETERMINISTIC:  # the regenerated batch is the one an undisturbed run draws
+            assert got[step][key] == want[step][key], (step, key)
+    digests = json.loads((out / "summary.json").read_text())["weights_digests"]
+    assert digests == json.loads((full / "summary.json").read_text())["weights_digests"]
+    recovery_s = [round(got[s]["recovery/seconds"], 1) for s in (2, 3)]
+    print(f"engine restarts: recovery {recovery_s} s (steps 2, 3); runs {first_s:.1f} s "
+          f"(faults) + {resume_s:.1f} s (resume)")
