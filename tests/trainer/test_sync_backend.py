@@ -58,6 +58,7 @@ def test_controller_builds_the_sync_group_of_the_resolved_run(name, assume_gpu, 
     to_actors: list = []
     controller.workers = [_Worker(to_actors) for _ in range(cfg.actor.world_size)]
     controller._wait = lambda refs, phase: refs
+    controller._sync_groups_formed = 0  # the first group of the run
     controller._join_sync_group()
     (spec,) = controller.engines.specs
     # actor ranks and engines join the same group, each rank on its resolved device
