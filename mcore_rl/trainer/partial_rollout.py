@@ -208,7 +208,7 @@ def partial_pipeline(controller) -> PartialRolloutPipeline:
     from mcore_rl.planning.sized import vllm_batch_defaults
     from mcore_rl.rollout.partial import advance
     from mcore_rl.tasks.base import Example
-    from mcore_rl.trainer.controller import Rollouts
+    from mcore_rl.trainer.batches import Rollouts
 
     cfg = controller.cfg
     budget = cfg.rollout.max_num_batched_tokens or vllm_batch_defaults(

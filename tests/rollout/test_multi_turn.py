@@ -13,7 +13,7 @@ from mcore_rl.rollout.multi_turn import Episode, MultiTurnRollout, episode_metri
 from mcore_rl.tasks import tokenizer as tk
 from mcore_rl.tasks.base import Example
 from mcore_rl.tasks.tool_calc import ToolCalcTask, reward
-from mcore_rl.trainer.controller import build_batch
+from mcore_rl.trainer.batches import build_batch
 
 
 @pytest.fixture(scope="module")

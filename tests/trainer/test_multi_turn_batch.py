@@ -15,7 +15,7 @@ from mcore_rl.launch.spawn import run_on_ranks
 from mcore_rl.models.presets import get_preset
 from mcore_rl.parallel import ParallelConfig
 from mcore_rl.trainer.config import OptimizerConfig, TrainConfig
-from mcore_rl.trainer.controller import build_batch
+from mcore_rl.trainer.batches import build_batch
 
 S = 24  # row length
 # (prompt, [(segment length, is_model), ...]): model turn, observation, model turn (+EOS)

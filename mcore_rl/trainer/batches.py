@@ -1,0 +1,116 @@
+"""A step's batch as the actor sees it, built from the engines' rollouts.
+
+`Rollouts` is one step's generated groups (plain values, so a batch generated ahead can be
+saved with a checkpoint); `build_batch` turns prompts + responses into the [n, s] tokens,
+labels and response mask the actor trains on; `engine_logprobs` aligns the engine's sampled
+log-probs with that mask (π_rollout of the rollout correction); `mini_batches` cuts a batch
+for the updates.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from mcore_rl.rollout.engine import Completion
+from mcore_rl.rollout.multi_turn import completion_from_state, completion_state
+from mcore_rl.tasks.base import Example
+
+
+@dataclass
+class Rollouts:
+    """One step's generated groups: per prompt its example, its token ids, its samples and
+    their rewards; `stats` are the sampling statistics (dynamic sampling). Plain values, so
+    an off-policy batch in flight can be saved with a checkpoint (`to_state` /
+    `from_state`)."""
+
+    step: int
+    examples: list[Example]
+    prompt_ids: list[list[int]]
+    completions: list[list[Completion]]
+    scores: list[list[float]]
+    stats: dict[str, float]
+
+    def to_state(self) -> dict:
+        return {"step": self.step, "prompts": [e.prompt for e in self.examples],
+                "answers": [e.answer for e in self.examples], "scores": self.scores,
+                "prompt_ids": self.prompt_ids,
+                "stats": self.stats,
+                "completions": [[completion_state(c) for c in group]
+                                for group in self.completions]}
+
+    @classmethod
+    def from_state(cls, state: dict) -> "Rollouts":
+        completions = [[completion_from_state(c) for c in group]
+                       for group in state["completions"]]
+        examples = [Example(p, a) for p, a in zip(state["prompts"], state["answers"])]
+        return cls(step=state["step"], examples=examples, prompt_ids=state["prompt_ids"],
+                   completions=completions,
+                   scores=state["scores"], stats=state["stats"])
+
+
+@dataclass
+class Batch:
+    """Sequences [n, s] as the actor sees them: tokens (inputs), labels (next tokens), and the
+    response mask aligned with labels."""
+
+    tokens: torch.Tensor
+    labels: torch.Tensor
+    mask: torch.Tensor
+
+
+def build_batch(prompts: list[list[int]], responses: list[list[int]], length: int,
+                pad_id: int, response_masks: list[list[int]] | None = None) -> Batch:
+    """Concatenate prompt + response ids, pad to `length` + 1 tokens, shift into
+    (tokens, labels); the mask marks the labels that are response tokens — of those, with
+    `response_masks` (one per response, per token: multi-turn episodes), only the ones it
+    marks 1 (model tokens; observation tokens stay 0)."""
+    rows, masks = [], []
+    for i, (prompt, response) in enumerate(zip(prompts, responses)):
+        seq = (list(prompt) + list(response))[:length + 1]
+        pad = length + 1 - len(seq)
+        rows.append(seq + [pad_id] * pad)
+        kept = [1] * len(response) if response_masks is None else list(response_masks[i])
+        mask = [0] * (len(prompt) - 1) + kept[:len(seq) - len(prompt)] + [0] * pad
+        masks.append(mask[:length])
+    full = torch.tensor(rows, dtype=torch.long)
+    return Batch(full[:, :-1].contiguous(), full[:, 1:].contiguous(),
+                 torch.tensor(masks, dtype=torch.float32))
+
+
+def engine_logprobs(completions: list[Completion], mask: torch.Tensor) -> torch.Tensor:
+    """The engine's log-prob of each sampled token, [n, s] aligned with `build_batch`'s
+    response mask (0 elsewhere): π_rollout of the rollout correction and of `bypass`."""
+    out = torch.zeros_like(mask, dtype=torch.float32)
+    for row, completion in enumerate(completions):
+        positions = mask[row].nonzero().flatten()
+        if len(completion.logprobs) < len(positions):
+            raise ValueError(f"sample {row}: the engine returned {len(completion.logprobs)} "
+                             f"log-probs for {len(positions)} response tokens")
+        out[row, positions] = torch.tensor(completion.logprobs[:len(positions)])
+    return out
+
+
+def mini_batches(batch: dict[str, torch.Tensor], count: int):
+    """`count` equal, contiguous mini-batches of the rows."""
+    n = next(iter(batch.values())).shape[0] // count
+    for k in range(count):
+        yield {key: value[k * n:(k + 1) * n] for key, value in batch.items()}
+
+
+def rollout_logprob_diff(completions, actor_logp: torch.Tensor, mask: torch.Tensor) -> float:
+    """Max |vLLM log-prob − actor log-prob| over all sampled response tokens."""
+    worst = 0.0
+    for row, completion in enumerate(completions):
+        positions = mask[row].nonzero().flatten()
+        n = min(len(positions), len(completion.logprobs))
+        if n:
+            engine = torch.tensor(completion.logprobs[:n])
+            worst = max(worst, float((engine - actor_logp[row, positions[:n]]).abs().max()))
+    return worst
+
+
+
+__all__ = ["Batch", "Rollouts", "build_batch", "engine_logprobs", "mini_batches",
+           "rollout_logprob_diff"]

@@ -1,0 +1,90 @@
+"""The controller's weight sync: the sync group of actor ranks and engine ranks, the plan of
+shard transfers between them, and the sync itself — the actor ranks stream their shards,
+each engine rank receives only what it holds (mcore_rl/resharding). Timed as its own phase,
+never billed to the actor.
+
+`WeightSync` is a part of `RLController` (trainer/controller.py).
+"""
+
+from __future__ import annotations
+
+from mcore_rl.config.dtypes import torch_dtype
+from mcore_rl.launch.watchdog import WatchdogTimeout
+from mcore_rl.layouts import megatron_shards, vllm_shards
+from mcore_rl.resharding import build_plan, host_store, sync_group_spec
+from mcore_rl.rollout.engine import RolloutError
+
+
+class SyncFailed(RuntimeError):
+    """A weight sync failed; names the engines that died."""
+
+
+def _last_line(err: BaseException) -> str:
+    lines = [line for line in str(err).splitlines() if line.strip()]
+    return lines[-1][:300] if lines else ""
+
+
+class WeightSync:
+    """The sync group, the plan and the sync (module doc)."""
+
+    def _build_plan(self):
+        """Every shard transfer of a sync, from the actor's layout to the engines'."""
+        cfg = self.cfg
+        return build_plan(megatron_shards(self.spec, cfg.actor, layer_spec=self.run.layer_spec),
+                          vllm_shards(self.spec, cfg.rollout.tp, cfg.rollout.engines),
+                          bucket_bytes=int(cfg.sync_bucket_mb * (1 << 20)),
+                          element_size=torch_dtype(cfg.wire_dtype).itemsize)
+
+    def _join_sync_group(self) -> None:
+        """Form the sync group (again after an engine restart: a new store and prefix)."""
+        world = self.cfg.actor.world_size + self.cfg.rollout.tp * self.cfg.rollout.engines
+        self._store = host_store(self.host, world_size=world,
+                                 timeout_s=self.cfg.deadlines.startup_s)
+        spec = sync_group_spec(self.run, host=self.host, port=self._store.port,
+                               prefix=f"sync/{self._sync_groups_formed}/",
+                               timeout_s=self.cfg.deadlines.sync_s)
+        self._sync_groups_formed += 1
+        self.engines.start_join_sync_group(spec, self.cfg.actor.world_size,
+                                           devices=self.run.engine_devices)
+        self._wait([w.join_sync_group.remote(spec, self.run.actor_devices[rank])
+                    for rank, w in enumerate(self.workers)], "sync-join")
+        self.engines.finish_join_sync_group()
+
+    def sync_weights(self) -> dict[str, float]:
+        """Stream the actor's shards into every engine; checks each engine got every name.
+        An engine that died is restarted and synced (trainer/recovery.py)."""
+        if self.pipeline is not None:  # never change weights under a running generation
+            self.pipeline.quiesce()
+        try:
+            return self._sync_once()
+        except (SyncFailed, RolloutError) as err:
+            return self.recovery.recover(err, "sync", getattr(err, "engine", None))
+
+    def _sync_once(self) -> dict[str, float]:
+        self.engines.begin_sync(self.plan, dtype=torch_dtype(self.cfg.wire_dtype),
+                                timeout_s=self.cfg.deadlines.sync_s)
+        self.recovery.inject("sync")
+        return self._finish_sync()
+
+    def _finish_sync(self) -> dict[str, float]:
+        """The trainer side of a started sync. A failure is blamed on the engines that died,
+        by name, when there are any (a bare transport error only says a peer left)."""
+        try:
+            stats = self._actor("send_weights", self.plan, self.cfg.wire_dtype,
+                                self.cfg.deadlines.sync_s,
+                                phase="sync")
+            self.engines.finish_sync()
+        except WatchdogTimeout:
+            raise
+        except Exception as err:
+            dead = self.engines.dead_engines()
+            if dead:
+                raise SyncFailed(f"weight sync failed: rollout engine(s) {dead} died or stopped "
+                                 f"answering during the sync ({type(err).__name__}: "
+                                 f"{_last_line(err)})") from err
+            raise
+        return {"sync_bytes": float(sum(s["bytes_sent"] for s in stats)),
+                "sync_bytes_ipc": float(sum(s.get("bytes_sent_ipc", 0) for s in stats))}
+
+
+__all__ = ["SyncFailed", "WeightSync"]
