@@ -19,16 +19,37 @@ a race — so a run is reproducible and a resumed run equals the uninterrupted o
 Because the batch of step n + k must be done before step n's sync, a larger k does not make a
 step faster than k = 1 here; it bounds how far ahead the buffer may run. The checkpoint taken
 after step n carries the finished batches n + 1 .. n + k with their versions.
+
+An engine that dies under a batch ahead (trainer/recovery.py): the generating thread does not
+restart it — the actor ranks may be training and a sync may be due. The error reaches the
+main thread when it waits for that batch (`take`, `quiesce`, `state`); there every queued
+batch is let finish (those on the dead engine fail at once), the controller's `recover`
+restarts the engine, re-forms the sync group and syncs the actor's current weights, and
+every batch lost is queued again on the version the engines then hold — fresher than the
+one it was queued on, so the bound still holds. A run that recovered is no longer the
+undisturbed run's twin (its lost batches were drawn on newer weights); a checkpoint never
+saves a failed batch (a resumed run generates it again).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from mcore_rl.launch.watchdog import WatchdogTimeout
+from mcore_rl.rollout.engine import RolloutError
 from mcore_rl.trainer.metrics import PhaseTimer
+
+GENERATION_THREAD = "mcore-rl-gen"
+
+
+def on_generation_thread() -> bool:
+    """Whether the caller runs on a pipeline's generating thread (where an engine failure is
+    handed to the main thread rather than recovered in place)."""
+    return threading.current_thread().name.startswith(GENERATION_THREAD)
 
 # what `collect(step)` returns: (rollouts, generation timings, (start, end) wall clock)
 Generated = tuple[Any, dict[str, float], tuple[float, float]]
@@ -46,13 +67,18 @@ class RolloutPipeline:
     collect(step, timer): generate and score the batch of `step` (called on the pipeline's
         thread; phases gen and reward on `timer`).
     max_staleness: k. last_step: no batch after it is generated.
-    wait(future): the future's result under the caller's deadline (the watchdog's)."""
+    wait(future): the future's result under the caller's deadline (the watchdog's).
+    recover(err): restart the engines an engine error broke and sync the actor's weights
+        into them; returns the weight version the engines then hold (raises `err` when it
+        was no engine failure). None: an engine failure ends the run."""
 
     def __init__(self, collect: Callable[[int], Any], *, max_staleness: int, last_step: int,
-                 wait: Callable[[concurrent.futures.Future], Generated]):
+                 wait: Callable[[concurrent.futures.Future], Generated],
+                 recover: Callable[[BaseException], int] | None = None):
         if max_staleness < 0:
             raise ValueError(f"max_staleness={max_staleness}: must be >= 0")
         self.collect, self.k, self.last_step, self._wait = collect, max_staleness, last_step, wait
+        self._recover = recover
         self.queued: dict[int, _Queued] = {}
         self.next_step = 1  # the first step whose batch has not been queued
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
@@ -65,7 +91,7 @@ class RolloutPipeline:
 
     def _queue(self, step: int, version: int) -> None:
         if self._executor is None:  # one thread: generation runs beside the actor's work
-            self._executor = concurrent.futures.ThreadPoolExecutor(1, "mcore-rl-gen")
+            self._executor = concurrent.futures.ThreadPoolExecutor(1, GENERATION_THREAD)
         self.queued[step] = _Queued(self._executor.submit(self._run, step), version)
 
     def take(self, step: int, timer: PhaseTimer) -> tuple[Any, dict[str, float]]:
@@ -78,16 +104,16 @@ class RolloutPipeline:
             self._queue(self.next_step, version)
             self.next_step += 1
         dropped = 0
-        queued = self.queued.pop(step, None)
+        queued = self.queued.get(step)
         if queued is not None and version - queued.version > self.k:
             with timer("gen_wait"):
                 self._wait(queued.future)  # let the thread finish before regenerating
             dropped, queued = 1, None
         if queued is None:  # dropped, or its buffer was not saved: generate it now
             self._queue(step, version)
-            queued = self.queued.pop(step)
         with timer("gen_wait"):
-            rollouts, timing, _ = self._wait(queued.future)
+            rollouts, timing, _ = self._result(step)
+        queued = self.queued.pop(step)  # (queued again if an engine restart lost it)
         if getattr(rollouts, "step", step) != step:
             raise RuntimeError(f"batch of step {rollouts.step} offered to step {step}")
         staleness = float(version - queued.version)
@@ -103,23 +129,55 @@ class RolloutPipeline:
             return {}
         if timer is not None and not all(q.future.done() for q in self.queued.values()):
             with timer("gen_wait"):
-                windows = [self._wait(q.future)[2] for q in self.queued.values()]
+                windows = [self._result(step)[2] for step in sorted(self.queued)]
         else:
-            windows = [self._wait(q.future)[2] for q in self.queued.values()]
+            windows = [self._result(step)[2] for step in sorted(self.queued)]
         if train_window is None:
             return {}
         overlap = sum(max(min(end, train_window[1]) - max(start, train_window[0]), 0.0)
                       for start, end in windows)
         return {"gen_overlap_s": overlap}
 
+    def _result(self, step: int) -> Generated:
+        """The finished batch of queued `step`; one lost with an engine is generated again
+        once the engines are restarted (module doc)."""
+        while True:
+            try:
+                return self._wait(self.queued[step].future)
+            except RolloutError as err:
+                if self._recover is None:
+                    raise
+                self._regenerate_lost(err)
+
+    def _regenerate_lost(self, err: RolloutError) -> None:
+        """Let every queued batch finish (nothing may generate while engines restart),
+        recover, and queue each batch an engine error lost again on the engines' version."""
+        for queued in list(self.queued.values()):
+            try:
+                self._wait(queued.future)
+            except WatchdogTimeout:
+                raise
+            except Exception:  # noqa: BLE001 — a lost batch, regenerated below
+                pass
+        version = self._recover(err)
+        lost = [step for step, queued in sorted(self.queued.items())
+                if isinstance(queued.future.exception(), RolloutError)]
+        for step in lost:
+            self._queue(step, version)
+        print(f"mcore-rl: batch(es) of step(s) {lost} lost with the engine; generating them "
+              f"again on weight version {version}", flush=True)
+
     # --- checkpoints --------------------------------------------------------------------------
 
     def state(self) -> dict:
         """The finished batches ahead (plain values: `torch.load(weights_only=True)` reads
-        them back)."""
+        them back). A batch lost with an engine is left out: a resumed run generates it."""
         batches = []
         for step, queued in sorted(self.queued.items()):
-            rollouts, timing, _ = self._wait(queued.future)
+            try:
+                rollouts, timing, _ = self._wait(queued.future)
+            except RolloutError:
+                continue
             batches.append({"step": step, "version": queued.version,
                             "rollouts": rollouts.to_state(), "timing": timing})
         return {"batches": batches, "next_step": self.next_step}
@@ -143,4 +201,4 @@ class RolloutPipeline:
             self._executor.shutdown(wait=False, cancel_futures=True)
 
 
-__all__ = ["RolloutPipeline"]
+__all__ = ["GENERATION_THREAD", "RolloutPipeline", "on_generation_thread"]

@@ -15,6 +15,7 @@ from mcore_rl.rollout.engine import Completion, RolloutError, SamplingConfig
 from mcore_rl.rollout.multi_turn import Episode
 from mcore_rl.tasks.base import Example
 from mcore_rl.tasks.tokenizer import encode_prompt, response_text
+from mcore_rl.trainer.async_rollout import RolloutPipeline, on_generation_thread
 from mcore_rl.trainer.batches import Rollouts
 from mcore_rl.trainer.metrics import PhaseTimer
 
@@ -31,14 +32,21 @@ class Generation:
             return partial_pipeline(self)
         if cfg.rollout.mode == "sync":
             return None
-        from mcore_rl.trainer.async_rollout import RolloutPipeline
-
         return RolloutPipeline(self.collect, max_staleness=cfg.rollout.staleness_bound,
-                               last_step=cfg.steps, wait=self._wait_in_flight)
+                               last_step=cfg.steps, wait=self._wait_in_flight,
+                               recover=self._recover_lost_batch)
+
+    def _recover_lost_batch(self, err: RolloutError) -> int:
+        """A batch ahead lost with an engine: restart it and sync the actor's weights
+        (trainer/recovery.py); the weight version the engines then hold."""
+        self.recovery.recover(err, "generate", err.engine)
+        return self.recovery.actor_version()
 
     def _generate(self, prompts: list[list[int]], sampling: SamplingConfig):
         """One generate call. An engine that died is restarted and re-synced, and the call
-        repeated as it was: same prompts and seeds, so the same samples (trainer/recovery.py)."""
+        repeated as it was: same prompts and seeds, so the same samples (trainer/recovery.py).
+        On the pipeline's generating thread the failure is raised instead: the main thread
+        recovers when it waits for the batch (trainer/async_rollout.py)."""
         deadline = self.cfg.deadlines.gen_s
         self.recovery.inject("gen")
         while True:
@@ -48,6 +56,8 @@ class Generation:
                 if "no reply within" in str(err):
                     raise self._watchdog("gen", deadline, [f"rollout engine {err.engine}"],
                                          str(err)) from err
+                if on_generation_thread():
+                    raise
                 self.recovery.recover(err, "generate", err.engine)
 
     def encode(self, prompt_text: str) -> list[int]:

@@ -8,8 +8,8 @@ error to `EngineRecovery.recover`, which, step by step:
    engine core or a TP worker process can die under a live engine actor). None broken: the
    error was not an engine failure (a bad prompt, a stuck engine — the watchdog's) and is
    raised as it was;
-2. out of restarts (`max_engine_restarts` for the whole run), or a rollout mode other than
-   sync → writes a checkpoint (sync mode, once an RL step has begun), then raises
+2. out of restarts (`max_engine_restarts` for the whole run), or partial rollouts → writes a
+   checkpoint (once an RL step has begun; not with partial rollouts), then raises
    `EngineFailed` naming the engine(s) and carrying the original error's message;
 3. waits the backoff and restarts the broken engines in their slots (fresh vLLM, loading the
    model directory: not yet the trainer's weights);
@@ -26,10 +26,13 @@ The weights the actor holds — what a checkpoint in step 2 saves — are those 
 update: step k - 1's while step k generates, step k's once it has trained (its sync).
 
 one_step / async (`trainer/async_rollout.py`): generation runs on the pipeline's thread
-beside training, and a batch ahead was generated on weights the actor no longer holds, so it
-cannot be regenerated as it was. There an engine failure is not restarted: it ends the run
-with `EngineFailed` at once (the pipeline's futures carry the error to the step; nothing
-waits on a dead engine).
+beside training. A batch ahead that an engine failure loses cannot be regenerated as it was
+(it was drawn on weights the actor no longer holds): the pipeline hands the failure to the
+main thread, which recovers as above (steps 1-5) once no generation runs, and generates every
+lost batch again on the weights the engines then hold (`actor_version`). A failed sync is
+recovered as in sync mode. Partial rollouts (`rollout.partial_chunk_tokens`) are not
+restarted — their generations in flight live in the dead engine: the run stops with
+`EngineFailed`, and re-running the same command resumes from the last checkpoint.
 """
 
 from __future__ import annotations
@@ -144,6 +147,12 @@ class EngineRecovery:
     def step_trained(self) -> None:
         self.trained = True
 
+    def actor_version(self) -> int:
+        """The weight version the actor holds (= RL updates made): what a recovery syncs."""
+        if self.step is None:
+            return 0
+        return self.step if self.trained else self.step - 1
+
     def metrics(self) -> dict[str, float]:
         """Per step: `recovery/engine_restarts` — engines restarted since the last report (in
         this step, or before step 1 for the first); `recovery/seconds` — time spent
@@ -216,14 +225,12 @@ class EngineRecovery:
 
     def _give_up_unless_allowed(self, broken: list[int], err: Exception, phase: str) -> None:
         controller = self.controller
-        mode = controller.cfg.rollout.mode
-        if mode != "sync":
+        if controller.cfg.rollout.partial_chunk_tokens is not None:
             raise EngineFailed(
-                f"rollout engine(s) {broken} died during {phase}{self._where()}: {err}; engine "
-                f"restarts are made in rollout.mode=sync only (this run: {mode}, whose "
-                "batches ahead were generated on weights the actor no longer holds); the run "
-                "stops — re-run the same command to resume from the last complete checkpoint",
-                broken)
+                f"rollout engine(s) {broken} died during {phase}{self._where()}: {err}; engines "
+                "are not restarted with partial rollouts (rollout.partial_chunk_tokens: the "
+                "generations in flight lived in the engine); the run stops — re-run the same "
+                "command to resume from the last complete checkpoint", broken)
         if self.restarts_used + len(broken) <= self.cfg.max_engine_restarts:
             return
         checkpoint, note = None, "no checkpoint (no RL step has begun)"

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from mcore_rl.config import ConfigError, load_config
+from mcore_rl.rollout.engine import RolloutError
 from mcore_rl.trainer.async_rollout import RolloutPipeline
 from mcore_rl.trainer.metrics import PhaseTimer
 from mcore_rl.trainer.rl_config import RLConfig
@@ -99,6 +100,60 @@ def test_batches_staler_than_k_are_dropped_and_regenerated():
     # each saved batch is more than 1 update old when its step comes: dropped, counted,
     # regenerated on the weights of that step
     assert out == {3: (2, 0.0, 1.0), 4: (3, 0.0, 1.0), 5: (4, 0.0, 1.0)}
+
+
+class DyingEngineRun(FakeRun):
+    """The engine dies as the batches of `lost` go out (each once); `recover` restarts it and
+    syncs the actor's weights, as the controller does: the engines then hold the actor's
+    version (`actor`: the updates made so far)."""
+
+    def __init__(self, lost):
+        super().__init__()
+        self.lost, self.actor, self.recoveries = set(lost), 0, []
+
+    def collect(self, step, timer):
+        if step in self.lost:
+            self.lost.discard(step)
+            raise RolloutError(0, "generate", "engine actor died")
+        return super().collect(step, timer)
+
+    def recover(self, err):
+        self.recoveries.append(str(err))
+        self.version = self.actor
+        return self.version
+
+
+def test_batches_lost_with_an_engine_are_generated_again_on_the_restarted_engine():
+    run = DyingEngineRun(lost={3, 4})
+    p = RolloutPipeline(run.collect, max_staleness=2, last_step=7,
+                        wait=lambda f: f.result(timeout=30), recover=run.recover)
+    out = {}
+    for step in range(1, 8):
+        batch, metrics = p.take(step, PhaseTimer())
+        assert batch.step == step
+        out[step] = (batch.version, metrics["staleness/max"])
+        run.actor += 1  # the update
+        p.quiesce(PhaseTimer(), (0.0, 1.0))
+        run.version = run.actor  # the sync
+    # batch 3 (queued at step 1 on version 0) and batch 4 (at step 2 on version 1) were lost;
+    # each failure surfaced in that step's wait for its batches ahead, after the update, so
+    # the recovery synced the actor's newer weights and the batch was generated again on
+    # them — fresher than queued, inside the bound
+    assert len(run.recoveries) == 2 and "engine actor died" in run.recoveries[0]
+    assert out == {1: (0, 0.0), 2: (0, 1.0), 3: (1, 1.0), 4: (2, 1.0), 5: (2, 2.0),
+                   6: (3, 2.0), 7: (4, 2.0)}
+    assert sorted(run.generated) == list(range(1, 8))
+    p.shutdown()
+
+
+def test_an_engine_failure_without_recovery_ends_the_run_and_a_checkpoint_skips_lost_batches():
+    run = DyingEngineRun(lost={2})
+    p = pipeline(run, 2)
+    with pytest.raises(RolloutError, match="engine actor died"):
+        p.take(1, PhaseTimer()) and p.quiesce(PhaseTimer(), (0.0, 1.0))
+    state = p.state()  # batch 2 was lost: not saved, a resumed run generates it
+    assert [b["step"] for b in state["batches"]] == [3]
+    p.shutdown()
 
 
 @pytest.mark.parametrize("overrides,field,problem", [

@@ -248,3 +248,26 @@ def test_engine_killed_in_generation_and_in_a_sync_is_restarted_then_out_of_rest
     recovery_s = [round(got[s]["recovery/seconds"], 1) for s in (2, 3)]
     print(f"engine restarts: recovery {recovery_s} s (steps 2, 3); runs {first_s:.1f} s "
           f"(faults) + {resume_s:.1f} s (resume)")
+
+
+def test_async_run_restarts_an_engine_killed_under_a_batch_ahead_and_in_a_sync(tmp_path):
+    """rollout.mode=async (k = 2): engine 0 is SIGKILLed as a batch ahead goes out during
+    step 2 (generation runs on the pipeline's thread beside training) and while step 3's sync
+    is in flight. The lost batch surfaces when the main thread waits for the batches ahead;
+    the engine is restarted, the actor's weights synced, and the batch generated again on
+    them; the failed sync is recovered as in sync mode. The run completes every step, the
+    restarts in its metrics, no batch staler than k."""
+    out, steps = tmp_path / "async", 3
+    code, log = _finish(_train(out, f"steps={steps}", "rollout.mode=async",
+                               "rollout.max_staleness=2",
+                               "recovery.inject_kill=gen@2,sync@3",
+                               "recovery.restart_backoff_s=0.1"), out)
+    assert code == 0, log[-4000:]
+    assert log.count("inject_kill: SIGKILL rollout engine 0 (pids [") == 2, log[-4000:]
+    assert log.count("restarted (new pids") == 2, log[-4000:]
+    assert "failed during generate of step 2" in log and "failed during sync of step 3" in log
+    assert "lost with the engine; generating them again on weight version 2" in log
+    assert _steps_logged(out) == list(range(1, steps + 1))
+    got = _metrics(out)
+    assert sum(got[s]["recovery/engine_restarts"] for s in got) == 2
+    assert all(got[s]["staleness/max"] <= 2 for s in got), got
