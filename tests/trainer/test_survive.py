@@ -257,7 +257,7 @@ def test_async_run_restarts_an_engine_killed_under_a_batch_ahead_and_in_a_sync(t
     the engine is restarted, the actor's weights synced, and the batch generated again on
     them; the failed sync is recovered as in sync mode. The run completes every step, the
     restarts in its metrics, no batch staler than k."""
-    out, steps = tmp_path / "async", 3
+    out, steps = tmp_path / "async", 4  # step 2 queues batch 4: a generation during step 2
     code, log = _finish(_train(out, f"steps={steps}", "rollout.mode=async",
                                "rollout.max_staleness=2",
                                "recovery.inject_kill=gen@2,sync@3",
