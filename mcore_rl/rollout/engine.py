@@ -47,6 +47,7 @@ import torch
 
 from mcore_rl.config import ConfigError
 from mcore_rl.config.dtypes import DtypeName, normalize_dtype_fields
+from mcore_rl.resharding.plan_cache import PlanCache
 
 WORKER_EXTENSION = "mcore_rl.rollout.worker_extension.WorkerExtension"
 GiB = 1 << 30
@@ -317,6 +318,7 @@ class RolloutEngine:
         self._sync_thread: threading.Thread | None = None
         self._sync_result: dict[str, Any] = {}
         self._sync_plan = None
+        self._plans = PlanCache()  # the sync plans sent to this engine, by fingerprint
         self._first_sync_rank: int | None = None
         self._lock = threading.Lock()
         if not (Path(model_dir) / "config.json").is_file():
@@ -480,6 +482,8 @@ class RolloutEngine:
         if self._first_sync_rank is None:
             raise RolloutError(self.index, "sync", "begin_sync before start_join_sync_group")
         timeout = self.cfg.call_timeout_s if timeout_s is None else timeout_s
+        # the workers get what came (the plan, or its reference: they keep plans too)
+        sent, plan = plan, self._plans.resolve(plan)
         result: dict[str, Any] = {}
         dtype_name = str(dtype).removeprefix("torch.")
 
@@ -487,7 +491,7 @@ class RolloutEngine:
             try:
                 result["replies"] = self.llm.collective_rpc(
                     "install_shards", timeout=timeout + 10.0,
-                    args=(plan,), kwargs={"dtype": dtype_name, "timeout_s": timeout,
+                    args=(sent,), kwargs={"dtype": dtype_name, "timeout_s": timeout,
                                           "verify": verify})
             except BaseException as err:  # noqa: BLE001 — reported by finish_sync
                 result["error"] = f"{type(err).__name__}: {err}"

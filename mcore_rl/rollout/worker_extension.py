@@ -228,12 +228,16 @@ class WorkerExtension:
         each as it lands. Checks up front that the plan's tensors and shapes for this rank are
         this model's; `verify`: take part in `verify_plan` first (the trainer ranks do too)."""
         from mcore_rl.resharding.channels import engine_transport
+        from mcore_rl.resharding.plan_cache import PlanCache
         from mcore_rl.resharding.transport import SyncStats
 
         state = getattr(self, "_mrl_sync", None)
         if state is None or state.get("group") is None:
             raise RuntimeError("not in a sync group (start/finish_join_sync_group first)")
         group, sync_rank = state["group"], state["sync_rank"]
+        if getattr(self, "_mrl_plans", None) is None:  # the plans sent here, by fingerprint
+            self._mrl_plans = PlanCache()
+        plan = self._mrl_plans.resolve(plan)  # the plan, or a reference to one sent before
         model = self._mrl_model()
         want = plan.dst_shapes.get(sync_rank)
         if not want:

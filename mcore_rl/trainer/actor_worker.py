@@ -24,6 +24,7 @@ from mcore_rl.models.spec import ModelSpec
 from mcore_rl.parallel import ParallelConfig
 from mcore_rl.parallel.groups import Axis, join_worker_world, leave_worker_world
 from mcore_rl.resharding import Plan, SyncGroupSpec
+from mcore_rl.resharding.plan_cache import PlanCache, PlanRef
 from mcore_rl.config.dtypes import torch_dtype
 from mcore_rl.trainer.config import TrainConfig
 
@@ -86,6 +87,7 @@ class ActorWorker:
                 chunk.eval().requires_grad_(False)
             self.reference = FrozenModel(spec, chunks, self.groups)
         self.sync_group = None
+        self._plans = PlanCache()  # the sync plans sent to this rank, by fingerprint
 
     # --- batches ----------------------------------------------------------------------------
 
@@ -275,13 +277,14 @@ class ActorWorker:
                 out[f"model{v}.{name}" if prefix_chunks else name] = tensor.detach()
         return out
 
-    def send_weights(self, plan: Plan, dtype: str = "float32", timeout_s: float = 120.0) -> dict:
+    def send_weights(self, plan: Plan | PlanRef, dtype: str = "float32", timeout_s: float = 120.0) -> dict:
         """Stream this rank's shards to the inference ranks (the plan says which bytes go
         where), to each engine by its transport. Returns this rank's transport stats
         (`bytes_sent_ipc` / `bytes_sent_p2p`: bytes by transport)."""
         if self.sync_group is None:
             raise RuntimeError(f"actor rank {self.rank}: join_sync_group was not called")
         wire = torch_dtype(dtype)
+        plan = self._plans.resolve(plan)  # sent whole once per sync group, then by reference
         maybe_stall("sync", f"rank{self.rank}", self.inject_stall)
         self.sync_group.verify(plan)
         return self.sync_group.send(plan, self.local_tensors(), dtype=wire,

@@ -83,10 +83,10 @@ class RLController(Generation, WeightSync, Checkpointing):
         self.engines = RayEngines(model_dir, cfg.rollout, stack_dir=self.stack_dir,
                                   inject_stall=cfg.inject_stall, placement=self.placement)
         self.recovery = EngineRecovery(self, cfg.recovery)  # engines that die are restarted
+        self._build_plan()
         self._sync_groups_formed = 0
         self._join_sync_group()
         self.pipeline = self._start_pipeline()  # one_step / async: the batches ahead
-        self.plan = self._build_plan()
 
     def _start_actor_ranks(self, model_dir: Path) -> list:
         """The actor's Ray workers, one per rank, in the placement's slots. The actor world

@@ -12,6 +12,7 @@ from mcore_rl.config.dtypes import torch_dtype
 from mcore_rl.launch.watchdog import WatchdogTimeout
 from mcore_rl.layouts import megatron_shards, vllm_shards
 from mcore_rl.resharding import build_plan, host_store, sync_group_spec
+from mcore_rl.resharding.plan_cache import PlanSender
 from mcore_rl.rollout.engine import RolloutError
 
 
@@ -27,13 +28,15 @@ def _last_line(err: BaseException) -> str:
 class WeightSync:
     """The sync group, the plan and the sync (module doc)."""
 
-    def _build_plan(self):
-        """Every shard transfer of a sync, from the actor's layout to the engines'."""
+    def _build_plan(self) -> None:
+        """Every shard transfer of a sync, from the actor's layout to the engines' (`plan`),
+        and its sender (resharding/plan_cache.py: sent whole once per sync group)."""
         cfg = self.cfg
-        return build_plan(megatron_shards(self.spec, cfg.actor, layer_spec=self.run.layer_spec),
+        self.plan = build_plan(megatron_shards(self.spec, cfg.actor, layer_spec=self.run.layer_spec),
                           vllm_shards(self.spec, cfg.rollout.tp, cfg.rollout.engines),
                           bucket_bytes=int(cfg.sync_bucket_mb * (1 << 20)),
                           element_size=torch_dtype(cfg.wire_dtype).itemsize)
+        self._plan_sender = PlanSender(self.plan)
 
     def _join_sync_group(self) -> None:
         """Form the sync group (again after an engine restart: a new store and prefix)."""
@@ -44,6 +47,7 @@ class WeightSync:
                                prefix=f"sync/{self._sync_groups_formed}/",
                                timeout_s=self.cfg.deadlines.sync_s)
         self._sync_groups_formed += 1
+        self._plan_sender.joined()  # members may be new: the next sync sends the whole plan
         self.engines.start_join_sync_group(spec, self.cfg.actor.world_size,
                                            devices=self.run.engine_devices)
         self._wait([w.join_sync_group.remote(spec, self.run.actor_devices[rank])
@@ -61,16 +65,19 @@ class WeightSync:
             return self.recovery.recover(err, "sync", getattr(err, "engine", None))
 
     def _sync_once(self) -> dict[str, float]:
-        self.engines.begin_sync(self.plan, dtype=torch_dtype(self.cfg.wire_dtype),
+        plan = self._plan_sender.payload()  # the whole plan once per group, then its reference
+        self.engines.begin_sync(plan, dtype=torch_dtype(self.cfg.wire_dtype),
                                 timeout_s=self.cfg.deadlines.sync_s)
         self.recovery.inject("sync")
-        return self._finish_sync()
+        stats = self._finish_sync(plan)
+        self._plan_sender.delivered()
+        return stats
 
-    def _finish_sync(self) -> dict[str, float]:
+    def _finish_sync(self, plan) -> dict[str, float]:
         """The trainer side of a started sync. A failure is blamed on the engines that died,
         by name, when there are any (a bare transport error only says a peer left)."""
         try:
-            stats = self._actor("send_weights", self.plan, self.cfg.wire_dtype,
+            stats = self._actor("send_weights", plan, self.cfg.wire_dtype,
                                 self.cfg.deadlines.sync_s,
                                 phase="sync")
             self.engines.finish_sync()

@@ -11,6 +11,7 @@ import pytest
 from mcore_rl.config import load_config
 from mcore_rl.planning.resolve import resolve_run
 from mcore_rl.resharding import SyncGroupSpec, sync_group_spec
+from mcore_rl.resharding.plan_cache import PlanSender
 from mcore_rl.trainer.controller import RLController
 from mcore_rl.trainer.rl_config import RLConfig
 
@@ -48,6 +49,11 @@ class _Engines:
         pass
 
 
+class _Plan:
+    def fingerprint(self) -> bytes:
+        return b"plan"
+
+
 @pytest.mark.parametrize("name,assume_gpu,backend", CASES)
 def test_controller_builds_the_sync_group_of_the_resolved_run(name, assume_gpu, backend):
     cfg = load_config(RLConfig, CONFIGS / name)
@@ -59,6 +65,7 @@ def test_controller_builds_the_sync_group_of_the_resolved_run(name, assume_gpu, 
     controller.workers = [_Worker(to_actors) for _ in range(cfg.actor.world_size)]
     controller._wait = lambda refs, phase: refs
     controller._sync_groups_formed = 0  # the first group of the run
+    controller._plan_sender = PlanSender(_Plan())
     controller._join_sync_group()
     (spec,) = controller.engines.specs
     # actor ranks and engines join the same group, each rank on its resolved device

@@ -84,7 +84,7 @@ def test_engine_killed_mid_sync_is_named_within_the_deadline(tmp_path):
         os.kill(controller.engines.pids[0], signal.SIGKILL)
         start = time.monotonic()
         with pytest.raises(SyncFailed, match=r"rollout engine\(s\) \[0\] died") as info:
-            controller._finish_sync()
+            controller._finish_sync(controller.plan)
         elapsed = time.monotonic() - start
     finally:
         controller.shutdown()
