@@ -262,7 +262,7 @@ def vllm_shards(spec: ModelSpec, tp: int, engines: int = 1, *,
     if tp < 1 or engines < 1:
         raise LayoutError(f"vLLM tp={tp}, engines={engines}: both must be >= 1")
     if expert_parallel:
-        _check_vllm_expert_parallel(spec, tp)
+        check_vllm_expert_parallel(spec, tp)
     if spec.heads % tp:
         raise LayoutError(f"vLLM tp={tp} does not divide num_attention_heads={spec.heads}")
     if spec.kv_heads % tp and tp % spec.kv_heads:
@@ -292,7 +292,7 @@ def vllm_shards(spec: ModelSpec, tp: int, engines: int = 1, *,
     return smap
 
 
-def _check_vllm_expert_parallel(spec: ModelSpec, tp: int) -> None:
+def check_vllm_expert_parallel(spec: ModelSpec, tp: int) -> None:
     """vLLM's EP places whole routed experts: a dense model has none, and every rank must get
     at least one (vLLM would build empty expert tensors)."""
     if not spec.is_moe:

@@ -31,7 +31,8 @@ class WeightSync:
         """Every shard transfer of a sync, from the actor's layout to the engines'."""
         cfg = self.cfg
         return build_plan(megatron_shards(self.spec, cfg.actor, layer_spec=self.run.layer_spec),
-                          vllm_shards(self.spec, cfg.rollout.tp, cfg.rollout.engines),
+                          vllm_shards(self.spec, cfg.rollout.tp, cfg.rollout.engines,
+                                      expert_parallel=self.run.expert_parallel),
                           bucket_bytes=int(cfg.sync_bucket_mb * (1 << 20)),
                           element_size=torch_dtype(cfg.wire_dtype).itemsize)
 
