@@ -42,7 +42,8 @@ from mcore_rl.resharding.channels import SyncChannels
 @dataclass(frozen=True, kw_only=True)
 class SyncBenchConfig:
     """model: preset name or HF model directory. train: the training grid. infer_tp / engines:
-    the vLLM side. bucket_mb: transport bucket. dtype: float32 | bfloat16 (fp32/bf16 accepted). baseline: also run the
+    the vLLM side; infer_ep: vLLM expert parallelism (`rollout.expert_parallel`: each inference
+    rank holds whole experts, vLLM's placement, instead of a 1/infer_tp slice of every expert). bucket_mb: transport bucket. dtype: float32 | bfloat16 (fp32/bf16 accepted). baseline: also run the
     gather-then-broadcast baseline. link: also move the plan's byte matrix as plain sends on
     the same group (`sync_link.py`; the report gains `link_efficiency`). check: compare every
     received shard bit for bit.
@@ -54,6 +55,7 @@ class SyncBenchConfig:
     train: ParallelConfig
     infer_tp: int = 1
     engines: int = 1
+    infer_ep: bool = False
     bucket_mb: float = 64.0
     dtype: str = "float32"
     baseline: bool = False
@@ -107,10 +109,18 @@ def resolve_model(model: str) -> ModelSpec:
 
 def make_plan(cfg: SyncBenchConfig, spec: ModelSpec) -> tuple[ShardMap, ShardMap, Plan]:
     src = megatron_shards(spec, cfg.train)
-    dst = vllm_shards(spec, cfg.infer_tp, cfg.engines)
+    dst = inference_shards(cfg, spec)
     element_size = torch_dtype(cfg.dtype).itemsize
     return src, dst, build_plan(src, dst, bucket_bytes=cfg.bucket_bytes,
                                 element_size=element_size)
+
+
+def inference_shards(cfg: SyncBenchConfig, spec: ModelSpec) -> ShardMap:
+    return vllm_shards(spec, cfg.infer_tp, cfg.engines, expert_parallel=cfg.infer_ep)
+
+
+def infer_label(cfg: SyncBenchConfig) -> str:
+    return f"tp{cfg.infer_tp}{' ep' if cfg.infer_ep else ''} x{cfg.engines}"
 
 
 def _weights(cfg: SyncBenchConfig, src: ShardMap):
@@ -303,14 +313,14 @@ def summarize(cfg: SyncBenchConfig, spec: ModelSpec, plan: Plan, per_rank: list[
 
     ours = fold("ours")
     train_peaks = [v for r, v in ours["peak_extra_bytes"].items() if r < plan.num_src]
-    dst = vllm_shards(spec, cfg.infer_tp, cfg.engines)
+    dst = inference_shards(cfg, spec)
     report = {
         "transport": cfg.transport, "device": cfg.device,
         "max_train_peak_extra_bytes": max(train_peaks),
         "model": cfg.model, "params": spec.num_params(),
         "model_bytes": spec.num_params() * plan.element_size,
         "train": train_label(cfg.train),
-        "infer": f"tp{cfg.infer_tp} x{cfg.engines}", "bucket_mb": cfg.bucket_mb,
+        "infer": infer_label(cfg), "bucket_mb": cfg.bucket_mb,
         "dtype": cfg.dtype, "rounds": len(plan.rounds), **ours,
         "max_peak_extra_bytes": max(ours["peak_extra_bytes"].values()),
         "rss_bytes": {r["rank"]: r["rss_bytes"] for r in per_rank},
@@ -373,7 +383,7 @@ def plan_only_report(cfg: SyncBenchConfig, link) -> dict:
         "model": cfg.model, "params": spec.num_params(),
         "model_bytes": spec.num_params() * plan.element_size,
         "train": train_label(cfg.train),
-        "infer": f"tp{cfg.infer_tp} x{cfg.engines}", "bucket_mb": cfg.bucket_mb,
+        "infer": infer_label(cfg), "bucket_mb": cfg.bucket_mb,
         "dtype": cfg.dtype, "rounds": len(plan.rounds),
         "transfers": sum(len(r) for r in plan.rounds),
         "assumptions": link.describe(),

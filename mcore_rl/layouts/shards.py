@@ -12,6 +12,9 @@ Sharding, per TP rank r of t (see `Side` for the vocabulary):
 Per-expert rows, per expert-parallel rank e of ep (E experts): experts [e·E/ep, (e+1)·E/ep),
 each expert's tensor split as above over the side's expert-TP axis; stack_experts: the rank's
 experts stacked on a new leading dim, else one tensor per expert named by its local index.
+vLLM with expert parallelism (`vllm_shards(..., expert_parallel=True)`): TP rank r holds the
+whole experts vLLM's linear placement gives it (`expert_placement.vllm_local_experts`, uneven
+counts allowed), stacked in local order; every other tensor as with TP.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from typing import Callable, Iterable, Mapping
 
 import torch
 
+from mcore_rl.layouts.expert_placement import vllm_local_experts
 from mcore_rl.layouts.families import family_table
 from mcore_rl.layouts.layout import (LayerSpec, LocalTensor, Piece, Row, ShardMap, Side,
                                      box_slices, check_layer_spec)
@@ -247,10 +251,18 @@ def _on_chunk(row: Row, pp: int, chunk: int, parallel: ParallelConfig, last_chun
     return pp == parallel.pp - 1 and chunk == last_chunk
 
 
-def vllm_shards(spec: ModelSpec, tp: int, engines: int = 1) -> ShardMap:
-    """Every vLLM worker's parameters: rank `engine * tp + tp_rank`, keys = vLLM names."""
+def vllm_shards(spec: ModelSpec, tp: int, engines: int = 1, *,
+                expert_parallel: bool = False) -> ShardMap:
+    """Every vLLM worker's parameters: rank `engine * tp + tp_rank`, keys = vLLM names.
+
+    expert_parallel: vLLM's `enable_expert_parallel` — TP rank r of each engine holds the whole
+    experts `vllm_local_experts(num_experts, tp, r)`, stacked in local order, instead of a
+    1/tp slice of every expert; the dense tensors are split over TP as without it.
+    """
     if tp < 1 or engines < 1:
         raise LayoutError(f"vLLM tp={tp}, engines={engines}: both must be >= 1")
+    if expert_parallel:
+        check_vllm_expert_parallel(spec, tp)
     if spec.heads % tp:
         raise LayoutError(f"vLLM tp={tp} does not divide num_attention_heads={spec.heads}")
     if spec.kv_heads % tp and tp % spec.kv_heads:
@@ -261,11 +273,13 @@ def vllm_shards(spec: ModelSpec, tp: int, engines: int = 1) -> ShardMap:
     for tp_rank in range(tp):
         tensors: dict[str, LocalTensor] = {}
         for row in rows:
-            if row.per_expert:  # vLLM's MoE layers split each expert over TP, no EP here
+            if row.per_expert:  # TP: every expert, each split over TP; EP: whole experts
+                experts, expert_tp, expert_tp_rank = (
+                    (vllm_local_experts(spec.num_experts, tp, tp_rank), 1, 0) if expert_parallel
+                    else (_expert_range(spec, 1, 0), tp, tp_rank))
                 for layer in range(spec.layers):
                     tensors.update(_expert_tensors(spec, row, row.vllm, row.vllm.name, layer,
-                                                   layer, _expert_range(spec, 1, 0), tp,
-                                                   tp_rank))
+                                                   layer, experts, expert_tp, expert_tp_rank))
                 continue
             for layer in (range(spec.layers) if row.place == "layer" else [None]):
                 name = row.vllm.name.format(layer=layer)
@@ -273,8 +287,20 @@ def vllm_shards(spec: ModelSpec, tp: int, engines: int = 1) -> ShardMap:
                 tensors[name] = _tp_pieces(spec, row, row.vllm, name, hf_names, tp, tp_rank)
         for engine in range(engines):
             smap.ranks[engine * tp + tp_rank] = tensors
-            smap.rank_labels[engine * tp + tp_rank] = f"engine{engine} tp{tp_rank}"
+            smap.rank_labels[engine * tp + tp_rank] = f"engine{engine} tp{tp_rank}" + (
+                f" ep{tp_rank}" if expert_parallel else "")
     return smap
+
+
+def check_vllm_expert_parallel(spec: ModelSpec, tp: int) -> None:
+    """vLLM's EP places whole routed experts: a dense model has none, and every rank must get
+    at least one (vLLM would build empty expert tensors)."""
+    if not spec.is_moe:
+        raise LayoutError(f"vLLM expert_parallel: {spec.architecture} has no routed experts "
+                          "(a dense model): nothing to place")
+    if spec.num_experts < tp:
+        raise LayoutError(f"vLLM expert_parallel at tp={tp}: {spec.num_experts} experts leave "
+                          f"TP ranks {spec.num_experts}..{tp - 1} without an expert")
 
 
 def hf_shards(spec: ModelSpec) -> ShardMap:

@@ -19,6 +19,10 @@ LAYER_SPECS = {"te": "te (TransformerEngine: fused norm + linear names, flash at
 # "ipc": the engine's ranks share devices with actor ranks (CUDA IPC on GPU, shared memory on
 # CPU); "p2p": sends and receives over the sync group.
 TRANSPORTS = {"p2p": "p2p (sync group)", "ipc": "ipc (devices shared with actor ranks)"}
+# rollout.expert_parallel (MoE models; dense models have no experts either way)
+EXPERTS = {False: "split over TP (every engine rank holds a slice of every expert)",
+           True: "expert parallel (each engine rank holds whole experts, vLLM's linear "
+                 "placement)"}
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -53,7 +57,8 @@ def render(run, title: str):
             ("allocation", f"{c.nodes} × {c.gpus_per_node} {c.device}, {c.device_gib:g} GiB "
                            f"each ({c.reserve_gib:g} reserved)"),
             ("dtypes", f"actor params {run.param_dtype} · engines {run.rollout_dtype} · "
-                       f"weight sync {run.wire_dtype}")):
+                       f"weight sync {run.wire_dtype}"),
+            ("vLLM experts", EXPERTS[run.expert_parallel])):
         facts.add_row(what, value)
     engines = Table(title="engines", title_justify="left")
     for name in ("engine", "tp", "transport", "devices (tp rank order)"):

@@ -44,6 +44,7 @@ from typing import TYPE_CHECKING, Literal
 
 from mcore_rl.config import ConfigError
 from mcore_rl.config.dtypes import dtype_bytes
+from mcore_rl.layouts.expert_placement import vllm_local_experts
 from mcore_rl.layouts.shards import VLLM_VOCAB_PADDING
 from mcore_rl.models.spec import ModelSpec
 from mcore_rl.parallel.config import ParallelConfig
@@ -100,14 +101,18 @@ def vllm_kv_heads_per_rank(spec: ModelSpec, tp: int) -> int:
     return max(spec.kv_heads // tp, 1)
 
 
-def vllm_rank_params(spec: ModelSpec, tp: int) -> int:
+def vllm_rank_params(spec: ModelSpec, tp: int, expert_parallel: bool = False) -> int:
     """Parameters on one vLLM TP rank (kv heads replicated when tp > kv heads; vocab padded to
-    a multiple of 64, then split)."""
+    a multiple of 64, then split). expert_parallel: the busiest rank's whole experts (rank 0:
+    vLLM's linear placement gives the remainder to the first ranks)."""
     q = spec.q_dim // tp
     kv = vllm_kv_heads_per_rank(spec, tp) * spec.head_dim
     qkv = spec.hidden * (q + 2 * kv) + ((q + 2 * kv) if spec.qkv_bias else 0)
     layer = qkv + q * spec.hidden + 2 * spec.hidden + (2 * spec.head_dim if spec.qk_norm else 0)
-    if spec.is_moe:  # vLLM: every expert on every rank, each split over TP; router replicated
+    if spec.is_moe and expert_parallel:  # whole experts on each rank; router replicated
+        experts = len(vllm_local_experts(spec.num_experts, tp, 0))
+        layer += experts * 3 * spec.moe_ffn * spec.hidden + spec.num_experts * spec.hidden
+    elif spec.is_moe:  # vLLM: every expert on every rank, each split over TP; router replicated
         layer += spec.num_experts * (3 * spec.moe_ffn * spec.hidden // tp + spec.hidden)
     else:
         layer += 3 * spec.ffn * spec.hidden // tp
@@ -349,7 +354,7 @@ def rollout_rank(run: SizedRun, spec: ModelSpec) -> tuple[RankMemory, list[str]]
     r = run.cfg.rollout
     notes = []
     B = dtype_bytes(r.dtype)
-    n = vllm_rank_params(spec, r.tp)
+    n = vllm_rank_params(spec, r.tp, r.expert_parallel)
     weights = n * B
     tok, seqs, seq_len = run.max_num_batched_tokens, run.max_num_seqs, r.max_model_len
     vocab = -(-spec.vocab // VLLM_VOCAB_PADDING) * VLLM_VOCAB_PADDING

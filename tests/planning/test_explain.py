@@ -58,3 +58,16 @@ def test_explain_overrides_and_bad_input(no_cuda, capsys):
     assert summary["transports"] == ["p2p"] * 4 and summary["nodes"] == 2
     assert main(["explain", l8, "rollout.engines=8"]) == 2  # 16 engine ranks on 8 devices
     assert "rollout.engines=8: colocated placement" in capsys.readouterr().err
+
+
+def test_explain_shows_vllm_expert_parallel(no_cuda, capsys):
+    a3b = str(CONFIGS / "gpu" / "qwen3-30b-a3b.yaml")
+    assert main(["explain", a3b, "rollout.expert_parallel=true"]) == 0
+    out = capsys.readouterr().out
+    assert json.loads(out.strip().splitlines()[-1])["expert_parallel"] is True
+    assert "vLLM experts │ expert parallel (each engine rank holds whole experts" in out
+    assert main(["explain", a3b]) == 0
+    assert "vLLM experts │ split over TP" in capsys.readouterr().out
+    # a CPU run refuses it, naming the field and why
+    assert main(["explain", str(CONFIGS / "demo_moe.yaml"), "rollout.expert_parallel=true"]) == 2
+    assert "rollout.expert_parallel=True: the run resolves to cpu" in capsys.readouterr().err

