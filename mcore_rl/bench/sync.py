@@ -249,26 +249,41 @@ def _baseline_once(plan, src, dst, rank, local, dtype, cfg, host, port, attempt)
     return stats, received
 
 
+def _gather_senders(src) -> dict[int, list[str]]:
+    """Per training rank, the local tensors it sends to rank 0: those holding a piece of an HF
+    tensor that no lower rank holds. DP replicas send nothing; with experts spread over
+    expert-DP, the expert-DP replica 0 ranks send the experts (a DP replica 0 rank may not
+    hold them)."""
+    seen: set = set()
+    senders: dict[int, list[str]] = {}
+    for rank in sorted(src.ranks):
+        for key, tensor in sorted(src.ranks[rank].items()):
+            pieces = {(p.hf_name, repr(p.hf_box)) for p in tensor.pieces}
+            if not pieces <= seen:
+                senders.setdefault(rank, []).append(key)
+                seen |= pieces
+    return senders
+
+
 def _gather_to_rank0(src, rank, local, dtype, cfg, host, port, num_src, stats, attempt):
-    """Training ranks of DP replica 0 send every local tensor to rank 0, which assembles
-    whole HF tensors from the pieces (the whole model ends up on rank 0)."""
+    """Every piece of the model goes once to rank 0 (from the lowest rank holding it), which
+    assembles whole HF tensors from the pieces (the whole model ends up on rank 0)."""
     device = cfg.rank_device(rank)
     group = join_sync_group(SyncGroupSpec(host, port, f"gather{attempt}/", num_src,
                                           cfg.timeout_s, backend=cfg.backend), rank)
-    holders = [r for r in sorted(src.ranks) if cfg.train.coords_of(r)["dp"] == 0]
+    senders = _gather_senders(src)
     if rank != 0:
-        if rank in holders:
-            for key in sorted(local):
-                tensor = local[key].contiguous()
-                group.send([tensor], 0, 0).wait()
-                stats.bytes_sent += tensor.numel() * tensor.element_size()
+        for key in senders.get(rank, []):
+            tensor = local[key].contiguous()
+            group.send([tensor], 0, 0).wait()
+            stats.bytes_sent += tensor.numel() * tensor.element_size()
         return None
     full = {name: torch.zeros(shape, dtype=dtype, device=device)
             for name, shape in src.hf_shapes.items()}
     stats.hold(sum(t.numel() * t.element_size() for t in full.values()))
-    for holder in holders:
+    for holder, keys in sorted(senders.items()):
         tensors = local if holder == 0 else {}
-        for key in sorted(src.ranks[holder]):
+        for key in keys:
             if holder != 0:
                 buf = torch.empty(src.ranks[holder][key].shape, dtype=dtype, device=device)
                 stats.hold(buf.numel() * buf.element_size())

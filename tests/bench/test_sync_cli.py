@@ -135,3 +135,21 @@ def test_plan_only_with_vllm_expert_parallel():
         assert report["received_over_ideal"] == 1.0
     # whole experts from whole-expert training shards: fewer, larger transfers
     assert reports[True]["transfers"] < reports[False]["transfers"]
+
+
+def test_gather_baseline_collects_experts_spread_over_expert_dp():
+    """DP2·EP2 on two ranks: DP replica 0 (rank 0) holds experts 0-1 only; experts 2-3 live
+    on rank 1 (DP replica 1, expert-DP replica 0 of EP rank 1). The baseline gathers every
+    piece from the lowest rank holding it — rank 1 sends its experts and nothing dense — so
+    the broadcast model is whole and its check passes."""
+    from mcore_rl.bench.sync import (SyncBenchConfig, _gather_senders, make_plan,
+                                     resolve_model, run_sync_bench)
+    from mcore_rl.parallel import ParallelConfig
+
+    cfg = SyncBenchConfig(model="micro-moe", train=ParallelConfig(dp=2, ep=2), infer_tp=2,
+                          bucket_mb=0.0625, baseline=True, check=True)
+    src, _, _ = make_plan(cfg, resolve_model(cfg.model))
+    senders = _gather_senders(src)
+    assert senders[1] and all("experts" in key for key in senders[1]), senders
+    report = run_sync_bench(cfg)
+    assert report["check"] == "pass" and report["baseline"]["check"] == "pass", report
