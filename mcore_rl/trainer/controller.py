@@ -14,6 +14,7 @@ import json
 import os
 import shutil
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -253,7 +254,8 @@ class RLController:
 
             self.pipeline = RolloutPipeline(self.collect,
                                             max_staleness=cfg.rollout.staleness_bound,
-                                            last_step=cfg.steps, wait=self._wait_in_flight)
+                                            last_step=cfg.steps, wait=self._wait_in_flight,
+                                            deterministic=cfg.rollout.deterministic)
         self.plan = build_plan(megatron_shards(self.spec, cfg.actor,
                                                layer_spec=self.run.layer_spec),
                                vllm_shards(self.spec, cfg.rollout.tp, cfg.rollout.engines),
@@ -308,12 +310,12 @@ class RLController:
     def sync_weights(self) -> dict[str, float]:
         """Stream the actor's shards into every engine; checks each engine got every name.
         An engine that died is restarted and synced (trainer/recovery.py)."""
-        if self.pipeline is not None:  # never change weights under a running generation
-            self.pipeline.quiesce()
-        try:
-            return self._sync_once()
-        except (SyncFailed, RolloutError) as err:
-            return self.recovery.recover(err, "sync", getattr(err, "engine", None))
+        # never change weights under a running generation
+        with nullcontext() if self.pipeline is None else self.pipeline.weights_changing():
+            try:
+                return self._sync_once()
+            except (SyncFailed, RolloutError) as err:
+                return self.recovery.recover(err, "sync", getattr(err, "engine", None))
 
     def _sync_once(self) -> dict[str, float]:
         self.engines.begin_sync(self.plan, dtype=torch_dtype(self.cfg.wire_dtype),
