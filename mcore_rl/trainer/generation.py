@@ -34,7 +34,8 @@ class Generation:
             return None
         return RolloutPipeline(self.collect, max_staleness=cfg.rollout.staleness_bound,
                                last_step=cfg.steps, wait=self._wait_in_flight,
-                               recover=self._recover_lost_batch)
+                               recover=self._recover_lost_batch,
+                               deterministic=cfg.rollout.deterministic)
 
     def _recover_lost_batch(self, err: RolloutError) -> int:
         """A batch ahead lost with an engine: restart it and sync the actor's weights

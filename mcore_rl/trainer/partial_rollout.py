@@ -26,9 +26,10 @@ versions, chunk counts), so a resumed run continues them exactly as the uninterr
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import time
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -143,6 +144,12 @@ class PartialRolloutPipeline:
         overlap = sum(max(min(end, train_window[1]) - max(start, train_window[0]), 0.0)
                       for start, end in windows)
         return {"gen_overlap_s": overlap}
+
+    @contextlib.contextmanager
+    def weights_changing(self) -> Iterator[None]:
+        """Around a weight sync: the chunks in flight are waited for first."""
+        self.quiesce()
+        yield
 
     # --- checkpoints --------------------------------------------------------------------------
 

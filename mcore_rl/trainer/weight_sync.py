@@ -8,6 +8,8 @@ never billed to the actor.
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 from mcore_rl.config.dtypes import torch_dtype
 from mcore_rl.launch.watchdog import WatchdogTimeout
 from mcore_rl.layouts import megatron_shards, vllm_shards
@@ -58,12 +60,12 @@ class WeightSync:
     def sync_weights(self) -> dict[str, float]:
         """Stream the actor's shards into every engine; checks each engine got every name.
         An engine that died is restarted and synced (trainer/recovery.py)."""
-        if self.pipeline is not None:  # never change weights under a running generation
-            self.pipeline.quiesce()
-        try:
-            return self._sync_once()
-        except (SyncFailed, RolloutError) as err:
-            return self.recovery.recover(err, "sync", getattr(err, "engine", None))
+        # never change weights under a running generation
+        with nullcontext() if self.pipeline is None else self.pipeline.weights_changing():
+            try:
+                return self._sync_once()
+            except (SyncFailed, RolloutError) as err:
+                return self.recovery.recover(err, "sync", getattr(err, "engine", None))
 
     def _sync_once(self) -> dict[str, float]:
         plan = self._plan_sender.payload()  # the whole plan once per group, then its reference

@@ -2,6 +2,8 @@
 generator records which weight version the "engines" held while it generated each batch; the
 loop syncs (version + 1) after each step as the controller does."""
 
+import concurrent.futures
+import threading
 import time
 import warnings
 
@@ -177,3 +179,119 @@ def test_off_policy_steps_is_a_deprecated_alias():
     assert any("rollout.mode=one_step" in str(w.message) for w in caught)
     assert load_config(RLConfig, None, ["rollout.mode=async", "rollout.max_staleness=3"]
                        ).rollout.staleness_bound == 3
+
+
+# --- free-running (rollout.deterministic: false) ------------------------------------------------
+
+class GatedRun:
+    """Fake engines whose generation of batch m starts (`started[m]`), then blocks until the
+    test lets it finish (`release[m]`); the weights must not change while it runs."""
+
+    def __init__(self, last):
+        self.version, self.started_on = 0, {}
+        self.started = {m: threading.Event() for m in range(1, last + 1)}
+        self.release = {m: threading.Event() for m in range(1, last + 1)}
+
+    def collect(self, step, timer):
+        start = self.started_on[step] = self.version
+        self.started[step].set()
+        assert self.release[step].wait(timeout=30), f"batch {step} never released"
+        assert self.version == start, "weights changed under a running generation"
+        return FakeBatch(step, start)
+
+
+def sync_in_thread(p, run):
+    """The controller's end of a step (quiesce, then the weight sync: version + 1) on another
+    thread; returns it started."""
+    def sync():
+        p.quiesce(PhaseTimer(), (0.0, 1.0))
+        with p.weights_changing():
+            run.version += 1
+    thread = threading.Thread(target=sync, daemon=True)
+    thread.start()
+    return thread
+
+
+def first_sync_with_batch_2_running(deterministic):
+    """Step 1 trains while batch 2 runs and batch 3 waits in the queue; then the sync."""
+    run = GatedRun(last=6)
+    p = RolloutPipeline(run.collect, max_staleness=2, last_step=6,
+                        wait=lambda f: f.result(timeout=30), deterministic=deterministic)
+    run.release[1].set()
+    batch, metrics = p.take(1, PhaseTimer())  # queues batches 1, 2, 3 on version 0
+    assert (batch.version, metrics["staleness/max"]) == (0, 0)
+    assert run.started[2].wait(timeout=30)
+    return run, p
+
+
+def test_free_running_sync_waits_for_the_running_batch_only():
+    run, p = first_sync_with_batch_2_running(deterministic=False)
+    thread = sync_in_thread(p, run)  # pauses the pipeline, waits for batch 2 ...
+    thread.join(timeout=0.3)
+    assert thread.is_alive()
+    run.release[2].set()
+    thread.join(timeout=30)
+    # ... and only for it: the sync is done although batch 3 (queued) has not run; batch 3
+    # then starts on the new weights
+    assert not thread.is_alive() and run.version == 1
+    assert run.started[3].wait(timeout=30) and run.started_on[3] == 1
+    for m in range(3, 7):
+        run.release[m].set()
+    out = {}
+    for step in range(2, 7):
+        batch, metrics = p.take(step, PhaseTimer())
+        # the version the pipeline recorded is the one the engines held
+        assert metrics["staleness/max"] == step - 1 - batch.version <= 2, (step, metrics)
+        out[step] = batch.version
+        sync_in_thread(p, run).join(timeout=30)
+    assert out[2] == 0 and out[3] == 1  # batch 3: one version newer than the schedule's
+    p.shutdown()
+
+
+def test_deterministic_sync_waits_for_every_queued_batch():
+    run, p = first_sync_with_batch_2_running(deterministic=True)
+    thread = sync_in_thread(p, run)
+    run.release[2].set()  # the sync waits for batch 2 ...
+    assert run.started[3].wait(timeout=30)
+    thread.join(timeout=0.3)
+    assert thread.is_alive() and run.started_on[3] == 0  # ... and batch 3, on version 0
+    run.release[3].set()
+    thread.join(timeout=30)
+    assert not thread.is_alive() and run.version == 1
+    for m in range(4, 7):
+        run.release[m].set()
+    assert p.take(2, PhaseTimer())[0].version == 0 and p.take(3, PhaseTimer())[0].version == 0
+    p.shutdown()
+
+
+def test_free_running_sync_wait_has_a_deadline_and_shutdown_frees_the_gate():
+    run = GatedRun(last=3)
+    p = RolloutPipeline(run.collect, max_staleness=2, last_step=3,
+                        wait=lambda f: f.result(timeout=0.2), deterministic=False)
+    run.release[1].set()
+    p.take(1, PhaseTimer())
+    assert run.started[2].wait(timeout=30)
+    with pytest.raises(TimeoutError):  # batch 2 never ends: the wait gives up, no hang
+        with p.weights_changing():
+            pytest.fail("synced under a running generation")
+    run.release[2].set()  # batch 3 now waits at the closed gate; shutdown lets it go
+    p.shutdown()
+    with pytest.raises(concurrent.futures.CancelledError):
+        p.queued[3].future.result(timeout=30)
+    assert not run.started[3].is_set()
+
+
+def test_free_running_config():
+    cfg = load_config(RLConfig, None, ["rollout.mode=async", "rollout.deterministic=false"])
+    assert not cfg.rollout.deterministic
+    assert load_config(RLConfig, None, []).rollout.deterministic  # the default
+
+
+@pytest.mark.parametrize("overrides", [
+    ["rollout.deterministic=false"],  # mode sync: nothing generates ahead
+    ["rollout.mode=async", "rollout.partial_chunk_tokens=2", "rollout.deterministic=false"],
+])
+def test_free_running_refused_where_it_cannot_work(overrides):
+    with pytest.raises(ConfigError) as err:
+        load_config(RLConfig, None, overrides)
+    assert err.value.field == "rollout.deterministic" and "one_step or async" in str(err.value)

@@ -69,3 +69,28 @@ def test_async_with_staleness_bound_overlaps_and_resumes_exactly(tmp_path, parti
         for key in keys:
             assert resumed[step][key] == full[step][key], (step, key)
     assert resumed_digest == full_digest
+
+
+def test_free_running_async_keeps_the_staleness_bound(tmp_path):
+    """rollout.deterministic=false: the sync waits only for the generation running then; every
+    batch still comes from weights at most k = 2 updates behind, and the checkpoint's buffer
+    records the version each batch ahead was generated on."""
+    import torch
+
+    from mcore_rl.trainer.demo import build_demo_model
+
+    cfg = load_config(RLConfig, "configs/tiny_ci.yaml", [
+        "rollout.mode=async", "rollout.max_staleness=2", "rollout.deterministic=false",
+        "algorithm.rollout_correction.mode=tis", "steps=4", "actor.tp=1",
+        "deadlines.train_s=240", "task.reward_fn=mcore_rl.tasks.addition:digit_reward"])
+    model_dir = build_demo_model(cfg, tmp_path / "model")
+    metrics, _, checkpoint = run_steps(cfg, model_dir, tmp_path / "run", (1, 2, 3, 4),
+                                       save_at=2)
+    for step, m in metrics.items():
+        assert 0 <= m["staleness/max"] <= min(step - 1, 2), (step, m)
+        assert m["staleness/dropped"] == 0 and m["timing_s/gen"] > 0, (step, m)
+    buffer = torch.load(checkpoint / "rollout_buffer.pt", weights_only=True)
+    # after step 2 the engines hold version 2; batches 3 and 4 were queued at versions >= 1
+    assert [b["step"] for b in buffer["batches"]] == [3, 4]
+    for saved in buffer["batches"]:
+        assert saved["step"] - 1 - 2 <= saved["version"] <= 2, saved
