@@ -41,7 +41,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Literal, Mapping, Sequence
+from typing import Any, ClassVar, Iterable, Literal, Mapping, Sequence
 
 import torch
 
@@ -89,8 +89,6 @@ class RolloutConfig:
     enable_sleep: GPU only — `sleep()` frees weights/KV for colocated training; a no-op on CPU.
     sleep_level: vLLM sleep level (1: offload weights to host, 2: discard them — the next
         weight sync must then restore every tensor).
-    start_timeout_s: deadline for an engine to start (Ray). call_timeout_s: deadline for every
-        other call (Ray calls, worker RPCs, the sync's receives).
     seed: vLLM's engine seed (unseeded sampling); per-request seeds come from SamplingConfig.
     cpu_threads_bind: CPU only, tp > 1 — `VLLM_CPU_OMP_THREADS_BIND` ("0|1": rank 0 on core 0,
         rank 1 on core 1); "" splits this process's allowed cores evenly over the TP ranks.
@@ -123,8 +121,6 @@ class RolloutConfig:
     enable_prefix_caching: bool = True
     enable_sleep: bool = False
     sleep_level: int = 1
-    start_timeout_s: float = 300.0
-    call_timeout_s: float = 600.0
     seed: int = 0
     cpu_threads_bind: str = ""
     cpus_per_engine: float = 1.0
@@ -132,6 +128,12 @@ class RolloutConfig:
     mode: Literal["sync", "one_step", "async"] = "sync"
     max_staleness: int = 2
     partial_chunk_tokens: int | None = None
+
+    #: keys that moved out of this section (the loader names their new place)
+    MOVED: ClassVar[dict[str, str]] = {
+        "start_timeout_s": "set deadlines.startup_s (an engine's start-up wait)",
+        "call_timeout_s": "set deadlines.engine_call_s (standalone: the engine's "
+                          "call_timeout_s argument)"}
 
     @property
     def staleness_bound(self) -> int:
@@ -159,9 +161,6 @@ class RolloutConfig:
             raise ConfigError("kv_cache_gib", self.kv_cache_gib, "must be > 0")
         if self.sleep_level not in (1, 2):
             raise ConfigError("sleep_level", self.sleep_level, "allowed values: 1, 2")
-        for name in ("start_timeout_s", "call_timeout_s"):
-            if not getattr(self, name) > 0:
-                raise ConfigError(name, getattr(self, name), "must be > 0 seconds")
         if self.seed < 0:
             raise ConfigError("seed", self.seed, "must be >= 0")
         if self.cpus_per_engine < 0:
@@ -308,11 +307,16 @@ class RolloutEngine:
     """A vLLM `LLM` with mcore-rl's generation API, checked worker RPCs and weight sync.
 
     engine_index: this engine's index among the data-parallel engines (for error messages and
-    sync ranks). Start-up time is in `startup_s`.
+    sync ranks). call_timeout_s: deadline of every worker RPC and of the sync's receives that
+    is not given per call (a run passes its deadlines.engine_call_s). Start-up time is in
+    `startup_s`.
     """
 
-    def __init__(self, model_dir: str | Path, cfg: RolloutConfig, *, engine_index: int = 0):
-        self.cfg, self.index = cfg, engine_index
+    def __init__(self, model_dir: str | Path, cfg: RolloutConfig, *, call_timeout_s: float,
+                 engine_index: int = 0):
+        if not call_timeout_s > 0:
+            raise ConfigError("call_timeout_s", call_timeout_s, "must be > 0 seconds")
+        self.cfg, self.index, self.call_timeout_s = cfg, engine_index, call_timeout_s
         self.on_cpu = _on_cpu()
         self._sync_thread: threading.Thread | None = None
         self._sync_result: dict[str, Any] = {}
@@ -411,7 +415,7 @@ class RolloutEngine:
                      timeout_s: float | None = None, **kwargs: Any) -> list[dict[str, Any]]:
         """`collective_rpc` to every worker's extension method; every reply must say ok (the
         methods never raise, see worker_extension.py). Raises RolloutError naming the rank."""
-        timeout = self.cfg.call_timeout_s if timeout_s is None else timeout_s
+        timeout = self.call_timeout_s if timeout_s is None else timeout_s
         try:
             replies = self.llm.collective_rpc(method, timeout=timeout, args=args, kwargs=kwargs)
         except Exception as err:
@@ -461,7 +465,7 @@ class RolloutEngine:
         self._first_sync_rank = first_sync_rank
 
     def finish_join_sync_group(self, timeout_s: float | None = None) -> None:
-        timeout = self.cfg.call_timeout_s if timeout_s is None else timeout_s
+        timeout = self.call_timeout_s if timeout_s is None else timeout_s
         self.call_workers("finish_join_sync_group", timeout, phase="sync",
                           timeout_s=timeout + 10.0)
 
@@ -479,7 +483,7 @@ class RolloutEngine:
         self._check_idle("sync")
         if self._first_sync_rank is None:
             raise RolloutError(self.index, "sync", "begin_sync before start_join_sync_group")
-        timeout = self.cfg.call_timeout_s if timeout_s is None else timeout_s
+        timeout = self.call_timeout_s if timeout_s is None else timeout_s
         result: dict[str, Any] = {}
         dtype_name = str(dtype).removeprefix("torch.")
 

@@ -238,7 +238,10 @@ class RLController:
             for rank in range(world)]
         self.worker_pids = self._actor("pid", phase="startup")
         self.reward_model = self._start_reward_model()
-        self.engines = RayEngines(model_dir, cfg.rollout, stack_dir=self.stack_dir,
+        self.engines = RayEngines(model_dir, cfg.rollout,
+                                  start_timeout_s=cfg.deadlines.startup_s,
+                                  call_timeout_s=cfg.deadlines.engine_call_s,
+                                  stack_dir=self.stack_dir,
                                   inject_stall=cfg.inject_stall, placement=self.placement)
         self.recovery = EngineRecovery(self, cfg.recovery)  # engines that die are restarted
         self._sync_groups_formed = 0
@@ -471,7 +474,8 @@ class RLController:
             raise ValueError(f"reward_model.hf_dir={rm.hf_dir}: vocabulary of {vocab} tokens "
                              f"does not cover the policy tokenizer's {len(self.tokenizer)}; the "
                              "reward model must share the policy's tokenizer")
-        return RewardModelGroup(rm, host=self.host, stack_dir=self.stack_dir,
+        return RewardModelGroup(rm, timeout_s=self.cfg.deadlines.reward_model_s,
+                                host=self.host, stack_dir=self.stack_dir,
                                 placement=self.placement, layer_spec=self.run.layer_spec)
 
     def _generate_groups(self, step: int, timer: PhaseTimer):

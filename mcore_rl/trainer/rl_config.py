@@ -132,18 +132,30 @@ class WarmupConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class DeadlineConfig:
-    """Seconds each phase may take before the watchdog stops the run (naming the phase, the
-    workers that did not arrive, and their stack dumps). startup_s: workers, engines and the
-    sync group coming up. gen_s: one generation call. train_s: each actor/critic/reference
-    pass (log-probs, values, updates, warm-up steps). sync_s: one weight sync."""
+    """Every deadline of a run, in seconds: the watchdog stops a phase that overruns (naming
+    the phase, the workers that did not arrive, and their stack dumps), and each wait on a
+    worker, engine or store reads its deadline from here.
+
+    startup_s: workers, engines and the sync group coming up (also each rollout engine's own
+        start-up wait).
+    gen_s: one generation call. train_s: each actor/critic/reference pass (log-probs, values,
+        updates, warm-up steps). sync_s: one weight sync.
+    engine_call_s: any other rollout-engine call (Ray calls, worker RPCs, joining the sync
+        group, probes) that has no phase deadline of its own.
+    reward_model_s: the reward model's start-up, each of its `score` calls, and its workers'
+        collective timeout.
+    """
 
     startup_s: float = 600.0
     gen_s: float = 300.0
     train_s: float = 300.0
     sync_s: float = 120.0
+    engine_call_s: float = 600.0
+    reward_model_s: float = 600.0
 
     def __post_init__(self) -> None:
-        for name in ("startup_s", "gen_s", "train_s", "sync_s"):
+        for name in ("startup_s", "gen_s", "train_s", "sync_s", "engine_call_s",
+                     "reward_model_s"):
             if not getattr(self, name) > 0:
                 raise ConfigError(name, getattr(self, name), "must be > 0")
 
