@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from mcore_rl.config.seeds import derive_seed
 from mcore_rl.algorithms import (AlgorithmConfig, correction_weights, gae_advantages,
                                  grpo_advantages, kl_penalty_rewards, outcome_to_token_rewards,
                                  overlong_penalty, reinforce_pp_advantages, rloo_advantages)
@@ -234,7 +235,7 @@ class RLController:
             cfg.deadlines.train_s, critic_train=cfg.critic_train if self.use_critic else None,
             reference=self.use_reference, stack_dir=str(self.stack_dir),
             inject_stall=cfg.inject_stall, device=actor_slots[rank].device,
-            layer_spec=self.run.layer_spec)
+            layer_spec=self.run.layer_spec, seed=derive_seed(cfg.seed, "train"))
             for rank in range(world)]
         self.worker_pids = self._actor("pid", phase="startup")
         self.reward_model = self._start_reward_model()

@@ -16,6 +16,7 @@ import shutil
 import time
 from pathlib import Path
 
+from mcore_rl.config.seeds import derive_seed
 from mcore_rl.config import ConfigError, load_config
 from mcore_rl.launch.logs import add_verbose_argument, set_verbose
 from mcore_rl.trainer import checkpoint_store
@@ -39,7 +40,8 @@ def build_demo_model(cfg, out: Path) -> Path:
 
     tok_dir = build_tokenizer_dir(out / "tokenizer", build_task(cfg.task),
                                   vocab_size=DEMO_TOKENIZER_VOCAB[cfg.task.kind])
-    return make_hf_model_dir(cfg.model.demo_spec(), out / "model", seed=cfg.model.seed,
+    return make_hf_model_dir(cfg.model.demo_spec(), out / "model",
+                             seed=derive_seed(cfg.seed, "model"),
                              tokenizer_dir_or_obj=tok_dir)
 
 

@@ -6,11 +6,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import ClassVar, Literal
 
 from mcore_rl.algorithms import AlgorithmConfig
 from mcore_rl.config import ConfigError
 from mcore_rl.config.dtypes import DtypeName, normalize_dtype_fields
+from mcore_rl.config.seeds import USE_THE_RUN_SEED
 from mcore_rl.launch.cluster import ClusterConfig
 from mcore_rl.models.presets import PRESETS
 from mcore_rl.models.spec import ModelSpec
@@ -33,7 +34,7 @@ class ModelConfig:
     """The model the run starts from. The rule:
 
     - hf_dir null: the demo builds a small random Llama locally (no download) from hidden,
-      heads, kv_heads, layers, ffn, seed (head_dim = hidden / heads; vLLM's CPU attention
+      heads, kv_heads, layers, ffn (head_dim = hidden / heads; vLLM's CPU attention
       needs >= 32), with the addition task's tokenizer.
     - hf_dir set: train from that HF checkpoint directory (config.json + safetensors +
       tokenizer); the demo fields are ignored. Preflight sizes the run from hf_dir's
@@ -44,6 +45,7 @@ class ModelConfig:
     experts: 0 = the dense demo Llama; > 0 = a demo Qwen3-MoE instead (q/k norms, every layer
       a mixture of `experts` routed experts, `experts_per_token` active per token, each an MLP
       of `expert_ffn`; renormalized top-k). `mcore-rl demo --model moe` sets these.
+    Its weights are seeded by the run's seed (stream "model", `mcore_rl.config.seeds`).
     """
 
     hf_dir: str | None = None
@@ -53,10 +55,11 @@ class ModelConfig:
     kv_heads: int = 2
     layers: int = 2
     ffn: int = 512
-    seed: int = 0
     experts: int = 0
     experts_per_token: int = 2
     expert_ffn: int = 128
+
+    MOVED: ClassVar[dict[str, str]] = {"seed": USE_THE_RUN_SEED.format(stream="model")}
 
     def __post_init__(self) -> None:
         if self.preset is not None and self.preset not in PRESETS:
@@ -197,7 +200,9 @@ class RLConfig:
     recovery: restarting rollout engines that die (see RecoveryConfig).
     max_sampling_rounds: with algorithm.dynamic_sampling, generation rounds per step at most.
     off_policy_steps: deprecated alias of rollout.mode (0: sync, 1: one_step); leave null.
-    seed: prompts and sampling.
+    seed: the run's one seed: prompts and sampling, and through `derive_seed(seed, stream)`
+        (`mcore_rl.config.seeds`) the demo model's weights ("model") and megatron's init and
+        RNG tracker ("train"). The default 0 gives model 0, train 1234.
     """
 
     actor: ParallelConfig = field(default_factory=lambda: ParallelConfig(tp=2))

@@ -31,3 +31,39 @@ def test_an_old_deadline_key_names_where_it_moved(tmp_path, override, new_place)
         load_config(RLConfig, tmp_path / "old.yaml")
     assert err.value.field == key
     assert f"this key moved: set {new_place}" in str(err.value)
+
+
+# --- one seed ---------------------------------------------------------------------------------
+
+def test_the_default_seed_gives_the_streams_their_former_defaults():
+    from mcore_rl.config.seeds import derive_seed
+
+    # the demo's numbers depend on these: model weights 0, megatron init 1234
+    assert (derive_seed(0, "data"), derive_seed(0, "model"), derive_seed(0, "train")) == \
+        (0, 0, 1234)
+    assert (derive_seed(7, "model"), derive_seed(7, "train")) == (7, 1241)  # all move together
+    with pytest.raises(ValueError, match="unknown seed stream 'weights'"):
+        derive_seed(0, "weights")
+
+
+@pytest.mark.parametrize("override, stream", [
+    ("model.seed=3", "model"),
+    ("train.seed=3", "train"),
+    ("warmup.train.seed=3", "train"),
+    ("critic_train.seed=3", "train"),
+])
+def test_an_old_seed_key_says_to_use_the_run_seed(override, stream):
+    with pytest.raises(ConfigError) as err:
+        load_config(RLConfig, None, [override])
+    assert err.value.field == override.split("=")[0]
+    assert f"set the top-level seed; this stream is derive_seed(seed, '{stream}')" in \
+        str(err.value)
+
+
+def test_train_lm_has_one_seed_too():
+    from mcore_rl.trainer.lm import LMRunConfig
+
+    assert load_config(LMRunConfig, None, ["seed=5"]).seed == 5
+    for old in ("task_seed=1", "train.seed=1"):
+        with pytest.raises(ConfigError, match="set the top-level seed"):
+            load_config(LMRunConfig, None, [old])
