@@ -116,7 +116,8 @@ def run_hf(model_dir: Path, prompts: list[list[int]], cfg: RolloutBenchConfig) -
 
 def run_vllm(model_dir: Path, prompts: list[list[int]], cfg: RolloutBenchConfig) -> dict:
     """Our RolloutEngine (vLLM in-process, TP1): warm-up, then `repeats` timed calls."""
-    from mcore_rl.rollout.engine import RolloutConfig, RolloutEngine, SamplingConfig
+    from mcore_rl.rollout.config import RolloutConfig, SamplingConfig
+    from mcore_rl.rollout.engine import RolloutEngine
 
     engine = RolloutEngine(model_dir, RolloutConfig(
         tp=1, max_model_len=cfg.max_model_len, kv_cache_gib=cfg.kv_cache_gib,

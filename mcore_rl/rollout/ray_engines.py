@@ -26,8 +26,10 @@ import torch
 from mcore_rl.config import ConfigError
 from mcore_rl.launch.logs import configure_process_logs, verbose
 from mcore_rl.launch.watchdog import arm_stack_dump, maybe_stall
-from mcore_rl.rollout.engine import (Completion, RolloutConfig, RolloutEngine, RolloutError,
-                                     SamplingConfig, SyncReport)
+from mcore_rl.rollout.config import RolloutConfig, SamplingConfig
+from mcore_rl.rollout.engine import Completion, RolloutEngine
+from mcore_rl.rollout.errors import RolloutError
+from mcore_rl.rollout.sync_client import SyncReport
 
 # Engine methods an actor may run on request (besides generate).
 _FORWARDED = frozenset({"describe_shards", "check_shapes", "start_join_sync_group",

@@ -16,7 +16,7 @@ from mcore_rl.launch.cluster import ClusterConfig
 from mcore_rl.models.presets import PRESETS
 from mcore_rl.models.spec import ModelSpec
 from mcore_rl.parallel import ParallelConfig
-from mcore_rl.rollout.engine import RolloutConfig
+from mcore_rl.rollout.config import RolloutConfig
 from mcore_rl.tasks.base import load_reward_fn  # noqa: F401 — callers import it from here
 from mcore_rl.tasks.config import TaskConfig
 from mcore_rl.trainer.config import OptimizerConfig, TrainConfig
