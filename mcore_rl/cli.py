@@ -39,8 +39,20 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     _bind_localhost_by_default()
-    args = build_parser().parse_args(argv)
+    args = _parse(build_parser(), argv)
     return int(args.func(args) or 0)
+
+
+def _parse(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """Like `parse_args`, but `a.b=c` overrides may also follow options
+    (`bench sync train.tp=2 --out x infer.tp=2`); argparse alone stops at the first option."""
+    args, extra = parser.parse_known_args(argv)
+    stray = [e for e in extra if e.startswith("-") or "=" not in e]
+    if stray or (extra and not hasattr(args, "overrides")):
+        parser.error(f"unrecognized arguments: {' '.join(stray or extra)}")
+    if extra:
+        args.overrides = [*args.overrides, *extra]
+    return args
 
 
 if __name__ == "__main__":

@@ -1,6 +1,9 @@
 """`mcore-rl bench ...`: benchmarks that report ratios against a baseline measured in the same
-run. Each prints a human summary, writes JSON + markdown under --out (logprob, rollout and
-step also a PNG chart), and prints one JSON object as its last line."""
+run. sync, logprob and rollout are set like everything else: a frozen config dataclass
+(`SyncBenchConfig`, `LogprobBenchConfig`, `RolloutBenchConfig`) from `--config FILE` and
+`a.b=c` overrides; step takes overrides of the RL config. Each prints a human summary, writes
+JSON + markdown under --out (logprob, rollout and step also a PNG chart), and prints one JSON
+object as its last line."""
 
 from __future__ import annotations
 
@@ -9,92 +12,38 @@ import json
 import sys
 from pathlib import Path
 
-from mcore_rl.parallel import ParallelConfig
-
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     bench = sub.add_parser("bench", help="benchmarks (ratios against same-run baselines)")
     kinds = bench.add_subparsers(dest="bench", required=True, metavar="BENCH")
-    sync = kinds.add_parser("sync", help="weight sync: streamed shards vs gather+broadcast")
-    sync.add_argument("--model", default="tiny",
-                      help="preset (micro, micro-moe, tiny, llama3-70b, qwen3-30b-a3b, ...) or "
-                           "HF model dir")
-    sync.add_argument("--train-tp", type=int, default=1)
-    sync.add_argument("--train-pp", type=int, default=1)
-    sync.add_argument("--vpp", type=int, default=None)
-    sync.add_argument("--train-dp", type=int, default=1)
-    sync.add_argument("--train-ep", type=int, default=1,
-                      help="expert parallel (MoE models): etp * ep must divide tp * dp")
-    sync.add_argument("--train-etp", type=int, default=None,
-                      help="expert tensor parallel (MoE models); default: --train-tp")
-    sync.add_argument("--infer-tp", type=int, default=1)
-    sync.add_argument("--engines", type=int, default=1)
-    sync.add_argument("--bucket-mb", type=float, default=64.0)
-    sync.add_argument("--dtype", choices=("float32", "bfloat16", "fp32", "bf16"),
-                      default="float32")
-    sync.add_argument("--baseline", choices=("gather", "link"), action="append", default=[],
-                      help="also run a baseline (repeatable): gather = gather to rank 0 then "
-                           "broadcast; link = the plan's byte matrix as plain sends on the same "
-                           "group (reports link_efficiency = link time / sync time)")
-    sync.add_argument("--check", action="store_true",
-                      help="compare every received shard bit for bit with the reference")
-    sync.add_argument("--repeats", type=int, default=1)
-    sync.add_argument("--warmup", type=int, default=0,
-                      help="untimed syncs before the timed ones (steady state, as in training)")
-    sync.add_argument("--timeout-s", type=float, default=300.0)
-    sync.add_argument("--transport", choices=("p2p", "ipc"), default="p2p",
-                      help="p2p: sends on the sync group; ipc: colocated ranks (inference rank d "
-                           "on training rank d's device) copy out of shared staging buffers")
-    sync.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
-                      help="where the ranks' tensors live (cuda: NCCL for p2p and baseline)")
-    sync.add_argument("--plan-only", action="store_true",
-                      help="plan from shapes only (any size) and project times; moves no data")
-    sync.add_argument("--gpus-per-node", type=int, default=8)
-    sync.add_argument("--intra-node-gbs", type=float, default=370.0)
-    sync.add_argument("--inter-node-gbs", type=float, default=45.0)
-    sync.add_argument("--latency-us", type=float, default=20.0)
-    sync.add_argument("--out", type=Path, default=None,
-                      help="directory for sync.json and sync.md (default: none)")
-    sync.set_defaults(func=run_sync)
-    _add_logprob(kinds)
-    _add_rollout(kinds)
+    for name, help_, doc in (
+            ("sync", "weight sync: streamed shards vs gather+broadcast",
+             "SyncBenchConfig in mcore_rl/bench/sync.py, e.g. train.tp=2 train.pp=2 "
+             "infer.tp=2 bucket_mb=16 baseline=[gather,link] check=true; plan_only=true "
+             "projects any size with link_model.*"),
+            ("logprob", "vocab-parallel log-prob+entropy vs gathered logits",
+             "LogprobBenchConfig in mcore_rl/bench/logprob.py, e.g. tokens=4096 vocab=32000 "
+             "tp=2 backward=true"),
+            ("rollout", "vLLM generation vs HF transformers generate",
+             "RolloutBenchConfig in mcore_rl/bench/rollout.py, e.g. model=micro prompts=16 "
+             "prompt_len=32 max_new_tokens=64")):
+        p = kinds.add_parser(name, help=help_)
+        p.add_argument("--config", default=None, metavar="FILE",
+                       help="YAML of the benchmark's config (overrides apply on top)")
+        p.add_argument("overrides", nargs="*", metavar="A.B=VALUE", help=f"fields of {doc}")
+        _add_common(p, name, repeats=None)
+        p.set_defaults(func={"sync": run_sync, "logprob": run_logprob,
+                             "rollout": run_rollout}[name])
     _add_step(kinds)
 
 
-def _add_common(parser: argparse.ArgumentParser, name: str, repeats: int) -> None:
+def _add_common(parser: argparse.ArgumentParser, name: str, repeats: int | None) -> None:
     parser.add_argument("--repeats", type=int, default=repeats,
-                        help="timed repetitions; median and min/max are reported")
+                        help="timed repetitions; median and min/max are reported"
+                             + ("" if repeats is not None else " (the same as repeats=N)"))
     parser.add_argument("--out", type=Path, default=None,
                         help=f"directory for {name}.json, {name}.md and {name}.png "
                              "(default: none)")
-
-
-def _add_logprob(kinds) -> None:
-    p = kinds.add_parser("logprob", help="vocab-parallel log-prob+entropy vs gathered logits")
-    p.add_argument("--tokens", type=int, default=4096, help="b*s positions")
-    p.add_argument("--vocab", type=int, default=32000)
-    p.add_argument("--tp", type=int, default=2, help="gloo ranks (vocab shards)")
-    p.add_argument("--dtype", choices=("float32", "bfloat16", "fp32", "bf16"),
-                   default="float32")
-    p.add_argument("--backward", action="store_true", help="also the backward to the shard")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--timeout-s", type=float, default=300.0)
-    _add_common(p, "logprob", 3)
-    p.set_defaults(func=run_logprob)
-
-
-def _add_rollout(kinds) -> None:
-    p = kinds.add_parser("rollout", help="vLLM generation vs HF transformers generate")
-    p.add_argument("--model", default="micro", help="preset or HF model dir")
-    p.add_argument("--prompts", type=int, default=16)
-    p.add_argument("--prompt-len", type=int, default=32)
-    p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    p.add_argument("--threads", type=int, default=0, help="CPU threads (0: all cores)")
-    p.add_argument("--kv-cache-gib", type=float, default=0.25)
-    p.add_argument("--seed", type=int, default=0)
-    _add_common(p, "rollout", 3)
-    p.set_defaults(func=run_rollout)
 
 
 def _add_step(kinds) -> None:
@@ -109,9 +58,21 @@ def _add_step(kinds) -> None:
     p.add_argument("--baseline", choices=("trl",), default=None,
                    help="also run Hugging Face TRL's GRPOTrainer (extra 'bench') on the same "
                         "task from the same starting weights; reports ours / TRL per step")
-    p.add_argument("overrides", nargs="*", help="a.b.c=value")
+    p.add_argument("overrides", nargs="*", help="a.b.c=value of the RL config")
     _add_common(p, "step", 2)
     p.set_defaults(func=run_step)
+
+
+def bench_config(cls, args):
+    """The benchmark's frozen config: `--config` YAML, then the `a.b=c` overrides, then
+    `--repeats` (a flag for the one field every benchmark has). Raises ConfigError naming the
+    field."""
+    from mcore_rl.config import load_config
+
+    overrides = list(args.overrides)
+    if args.repeats is not None:
+        overrides.append(f"repeats={args.repeats}")
+    return load_config(cls, args.config, overrides)
 
 
 def _run_bench(args, name: str, make_config, run, module) -> int:
@@ -139,20 +100,15 @@ def _run_bench(args, name: str, make_config, run, module) -> int:
 def run_logprob(args) -> int:
     from mcore_rl.bench import logprob
 
-    return _run_bench(args, "logprob", lambda a: logprob.LogprobBenchConfig(
-        tokens=a.tokens, vocab=a.vocab, tp=a.tp, dtype=a.dtype, backward=a.backward,
-        repeats=a.repeats, seed=a.seed, timeout_s=a.timeout_s),
-        logprob.run_logprob_bench, logprob)
+    return _run_bench(args, "logprob", lambda a: bench_config(logprob.LogprobBenchConfig, a),
+                      logprob.run_logprob_bench, logprob)
 
 
 def run_rollout(args) -> int:
     from mcore_rl.bench import rollout
 
-    return _run_bench(args, "rollout", lambda a: rollout.RolloutBenchConfig(
-        model=a.model, prompts=a.prompts, prompt_len=a.prompt_len,
-        max_new_tokens=a.max_new_tokens, temperature=a.temperature, repeats=a.repeats,
-        threads=a.threads, kv_cache_gib=a.kv_cache_gib, seed=a.seed),
-        rollout.run_rollout_bench, rollout)
+    return _run_bench(args, "rollout", lambda a: bench_config(rollout.RolloutBenchConfig, a),
+                      rollout.run_rollout_bench, rollout)
 
 
 def run_step(args) -> int:
@@ -175,36 +131,13 @@ def run_step(args) -> int:
     return _run_bench(args, "step", make, step.run_step_bench, step)
 
 
-def _config(args):
-    from mcore_rl.bench.sync import SyncBenchConfig
-
-    train = ParallelConfig(tp=args.train_tp, pp=args.train_pp, vpp=args.vpp, dp=args.train_dp,
-                           ep=args.train_ep, etp=args.train_etp)
-    return SyncBenchConfig(model=args.model, train=train, infer_tp=args.infer_tp,
-                           engines=args.engines, bucket_mb=args.bucket_mb, dtype=args.dtype,
-                           baseline="gather" in args.baseline,
-                           link="link" in args.baseline, check=args.check,
-                           repeats=args.repeats, warmup=args.warmup,
-                           timeout_s=args.timeout_s,
-                           transport=args.transport, device=args.device)
-
-
 def run_sync(args) -> int:
-    from mcore_rl.bench.sync import plan_only_report, run_sync_bench
+    from mcore_rl.bench.sync import SyncBenchConfig, plan_only_report, run_sync_bench
 
     try:
-        cfg = _config(args)
-        if args.plan_only:
-            from mcore_rl.bench.link_model import LinkModel
-
-            link = LinkModel(gpus_per_node=args.gpus_per_node,
-                             intra_node_gbs=args.intra_node_gbs,
-                             inter_node_gbs=args.inter_node_gbs,
-                             latency_s=args.latency_us * 1e-6)
-            report = plan_only_report(cfg, link)
-        else:
-            report = run_sync_bench(cfg)
-    except (ValueError, KeyError) as err:
+        cfg = bench_config(SyncBenchConfig, args)
+        report = plan_only_report(cfg) if cfg.plan_only else run_sync_bench(cfg)
+    except (ValueError, KeyError, OSError) as err:
         print(f"mcore-rl bench sync: {err}", file=sys.stderr)
         return 2
     from mcore_rl.launch.slurm import is_primary

@@ -3,7 +3,7 @@
 Defaults describe H100 nodes: 8 GPUs a node on NVLink 4 (900 GB/s bidirectional; NCCL p2p
 reaches roughly 350-400 GB/s one way) and one 400 Gb/s InfiniBand NDR NIC per GPU (50 GB/s;
 ~45 GB/s achieved). Every figure is an assumption printed with the projection and
-overridable from the command line.
+overridable from the command line (`link_model.<field>=...`).
 
 Placement: disaggregated — training ranks fill nodes first, inference ranks start on a fresh
 node after them. Within a round each rank's messages are serialized on its link (a rank's
@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass
 
+from mcore_rl.config import ConfigError
 from mcore_rl.layouts import ShardMap
 from mcore_rl.parallel import ParallelConfig
 from mcore_rl.resharding import Plan
@@ -29,6 +30,15 @@ class LinkModel:
     intra_node_gbs: float = 370.0
     inter_node_gbs: float = 45.0
     latency_s: float = 20e-6
+
+    def __post_init__(self) -> None:
+        if self.gpus_per_node < 1:
+            raise ConfigError("gpus_per_node", self.gpus_per_node, "must be >= 1")
+        for name in ("intra_node_gbs", "inter_node_gbs"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(name, getattr(self, name), "must be > 0")
+        if self.latency_s < 0:
+            raise ConfigError("latency_s", self.latency_s, "must be >= 0")
 
     def node_of(self, sync_rank: int, num_src: int) -> int:
         if sync_rank < num_src:

@@ -33,7 +33,8 @@ class RolloutBenchConfig:
     """model: preset name or HF model directory. prompts / prompt_len: the batch.
     max_new_tokens: tokens generated per prompt. temperature: 0 = greedy. repeats: timed
     calls per path. threads: CPU threads for both paths (0: all allowed cores). kv_cache_gib:
-    vLLM's CPU KV cache. seed: weights, prompts, sampling."""
+    vLLM's CPU KV cache. seed: weights, prompts, sampling. timeout_s: the engine's deadline for
+    its worker calls (an in-process `generate` itself cannot be interrupted)."""
 
     model: str = "micro"
     prompts: int = 16
@@ -44,8 +45,11 @@ class RolloutBenchConfig:
     threads: int = 0
     kv_cache_gib: float = 0.25
     seed: int = 0
+    timeout_s: float = 600.0
 
     def __post_init__(self) -> None:
+        if not self.timeout_s > 0:
+            raise ConfigError("timeout_s", self.timeout_s, "must be > 0")
         for name in ("prompts", "prompt_len", "max_new_tokens", "repeats"):
             if getattr(self, name) < 1:
                 raise ConfigError(name, getattr(self, name), "must be >= 1")
@@ -112,11 +116,12 @@ def run_hf(model_dir: Path, prompts: list[list[int]], cfg: RolloutBenchConfig) -
 
 def run_vllm(model_dir: Path, prompts: list[list[int]], cfg: RolloutBenchConfig) -> dict:
     """Our RolloutEngine (vLLM in-process, TP1): warm-up, then `repeats` timed calls."""
-    from mcore_rl.rollout.engine import RolloutConfig, RolloutEngine, SamplingConfig
+    from mcore_rl.rollout.config import RolloutConfig, SamplingConfig
+    from mcore_rl.rollout.engine import RolloutEngine
 
     engine = RolloutEngine(model_dir, RolloutConfig(
         tp=1, max_model_len=cfg.max_model_len, kv_cache_gib=cfg.kv_cache_gib,
-        seed=cfg.seed, enable_prefix_caching=False))
+        seed=cfg.seed, enable_prefix_caching=False), call_timeout_s=cfg.timeout_s)
     sampling = SamplingConfig(temperature=cfg.temperature, max_tokens=cfg.max_new_tokens,
                               seed=cfg.seed, logprobs=False)
     try:

@@ -2,7 +2,7 @@
 baseline, on the same model, ranks and buckets, in one launch.
 
 Ranks: training ranks 0..T-1 (Megatron layout of the chosen grid), inference ranks T..T+D-1
-(vLLM layout, `engines` engines of `infer_tp` ranks). Weights come from an HF directory (read
+(vLLM layout, `infer.engines` engines of `infer.tp` ranks). Weights come from an HF directory (read
 lazily, each rank only its own slices) or are made on the fly from a preset's shapes.
 `transport`: "p2p" (sends on the sync group) or "ipc" (colocated: inference rank d shares
 training rank d's device and copies out of its shared staging buffer). `device`: "cpu", or
@@ -19,15 +19,18 @@ from __future__ import annotations
 import os
 import statistics
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Literal
 
 import psutil
 import torch
 import torch.distributed as dist
 
+from mcore_rl.bench.link_model import LinkModel
 from mcore_rl.bench.sync_link import LinkBaseline, byte_matrix
-from mcore_rl.config.dtypes import normalize_dtype_fields, torch_dtype
+from mcore_rl.config import ConfigError
+from mcore_rl.config.dtypes import DtypeName, normalize_dtype_fields, torch_dtype
 from mcore_rl.layouts import ShardMap, materialize_rank, megatron_shards, vllm_shards
 from mcore_rl.layouts.layout import box_numel, box_slices
 from mcore_rl.models.hf_weights import RandomWeights, SafetensorsWeights
@@ -38,47 +41,94 @@ from mcore_rl.resharding import Plan, SyncGroupSpec, SyncStats, build_plan, join
 from mcore_rl.resharding.channels import SyncChannels
 
 
+@dataclass(frozen=True, kw_only=True)
+class InferenceGrid:
+    """The vLLM side. tp: tensor-parallel size of each engine. engines: how many engines.
+    ep: vLLM expert parallelism (`rollout.expert_parallel`: each inference rank holds whole
+    experts, vLLM's placement, instead of a 1/tp slice of every expert; MoE models only)."""
+
+    tp: int = 1
+    engines: int = 1
+    ep: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("tp", "engines"):
+            if getattr(self, name) < 1:
+                raise ConfigError(name, getattr(self, name), "must be >= 1")
+
 
 @dataclass(frozen=True, kw_only=True)
 class SyncBenchConfig:
-    """model: preset name or HF model directory. train: the training grid. infer_tp / engines:
-    the vLLM side; infer_ep: vLLM expert parallelism (`rollout.expert_parallel`: each inference
-    rank holds whole experts, vLLM's placement, instead of a 1/infer_tp slice of every expert). bucket_mb: transport bucket. dtype: float32 | bfloat16 (fp32/bf16 accepted). baseline: also run the
-    gather-then-broadcast baseline. link: also move the plan's byte matrix as plain sends on
-    the same group (`sync_link.py`; the report gains `link_efficiency`). check: compare every
-    received shard bit for bit.
-    repeats: timed repetitions (median reported); warmup: untimed ones before them (a run
-    syncs every step: the first sync of a process pays one-off costs). timeout_s: every
-    send/recv deadline."""
+    """`mcore-rl bench sync a.b=c ...`.
 
-    model: str
-    train: ParallelConfig
-    infer_tp: int = 1
-    engines: int = 1
-    infer_ep: bool = False
+    model: preset name (micro, micro-moe, tiny, llama3-70b, qwen3-30b-a3b, ...) or HF model
+        directory.
+    train: the training grid (tp, pp, vpp, dp, ep, etp; etp * ep must divide tp * dp).
+    infer: the vLLM side (infer.tp, infer.engines, infer.ep).
+    bucket_mb: transport bucket. dtype: float32 | bfloat16 (fp32/bf16 accepted).
+    baseline: baselines also run, a list of: "gather" (gather every shard to training rank 0,
+        which broadcasts whole tensors), "link" (the plan's byte matrix as plain sends on the
+        same group, `sync_link.py`; the report gains `link_efficiency` = link time / sync time).
+    check: compare every received shard bit for bit with the reference.
+    repeats: timed repetitions (median reported); warmup: untimed ones before them (a run
+        syncs every step: the first sync of a process pays one-off costs).
+    timeout_s: every send/recv deadline. seed: the random weights of a preset.
+    transport: "p2p" (sends on the sync group) or "ipc" (colocated: inference rank d on
+        training rank d's device copies out of shared staging buffers).
+    device: where the ranks' tensors live ("cuda": NCCL for p2p and the baseline).
+    plan_only: plan from shapes only (any size) and project times with `link_model`; moves no
+        data.
+    link_model: the cluster `plan_only` projects onto (gpus_per_node, intra_node_gbs,
+        inter_node_gbs, latency_s; see link_model.py).
+    """
+
+    model: str = "tiny"
+    train: ParallelConfig = field(default_factory=ParallelConfig)
+    infer: InferenceGrid = field(default_factory=InferenceGrid)
     bucket_mb: float = 64.0
-    dtype: str = "float32"
-    baseline: bool = False
-    link: bool = False
+    dtype: DtypeName = "float32"
+    baseline: tuple[Literal["gather", "link"], ...] = ()
     check: bool = False
     repeats: int = 1
     warmup: int = 0
     timeout_s: float = 300.0
     seed: int = 0
-    transport: str = "p2p"
-    device: str = "cpu"
+    transport: Literal["p2p", "ipc"] = "p2p"
+    device: Literal["cpu", "cuda"] = "cpu"
+    plan_only: bool = False
+    link_model: LinkModel = field(default_factory=LinkModel)
 
     def __post_init__(self):
         normalize_dtype_fields(self, "dtype", allowed=("float32", "bfloat16"))
         if self.transport not in ("p2p", "ipc"):
-            raise ValueError(f"--transport {self.transport!r}: expected p2p or ipc")
+            raise ConfigError("transport", self.transport, "allowed values: p2p, ipc")
         if self.device not in ("cpu", "cuda"):
-            raise ValueError(f"--device {self.device!r}: expected cpu or cuda")
-        inference_ranks = self.infer_tp * self.engines
+            raise ConfigError("device", self.device, "allowed values: cpu, cuda")
+        for name in ("repeats",):
+            if getattr(self, name) < 1:
+                raise ConfigError(name, getattr(self, name), "must be >= 1")
+        if self.warmup < 0:
+            raise ConfigError("warmup", self.warmup, "must be >= 0")
+        for name in ("bucket_mb", "timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(name, getattr(self, name), "must be > 0")
+        unknown = [b for b in self.baseline if b not in ("gather", "link")]
+        if unknown:
+            raise ConfigError("baseline", list(self.baseline), "allowed values: gather, link")
+        inference_ranks = self.infer.tp * self.infer.engines
         if self.transport == "ipc" and inference_ranks > self.train.world_size:
-            raise ValueError(f"--transport ipc is colocated (inference rank d on training rank "
-                             f"d's device): {inference_ranks} inference ranks need at most "
-                             f"{self.train.world_size} training ranks' devices")
+            raise ConfigError("transport", self.transport,
+                              f"ipc is colocated (inference rank d on training rank d's "
+                              f"device): {inference_ranks} inference ranks need at most "
+                              f"{self.train.world_size} training ranks' devices")
+
+    @property
+    def gather_baseline(self) -> bool:
+        return "gather" in self.baseline
+
+    @property
+    def link_baseline(self) -> bool:
+        return "link" in self.baseline
 
     @property
     def backend(self) -> str:
@@ -103,7 +153,7 @@ def resolve_model(model: str) -> ModelSpec:
         return get_preset(model)
     if Path(model).is_dir():
         return ModelSpec.from_hf_dir(model)
-    raise ValueError(f"--model {model!r}: neither a preset ({', '.join(sorted(PRESETS))}) "
+    raise ConfigError("model", model, f"neither a preset ({', '.join(sorted(PRESETS))}) "
                      "nor an HF model directory")
 
 
@@ -116,11 +166,11 @@ def make_plan(cfg: SyncBenchConfig, spec: ModelSpec) -> tuple[ShardMap, ShardMap
 
 
 def inference_shards(cfg: SyncBenchConfig, spec: ModelSpec) -> ShardMap:
-    return vllm_shards(spec, cfg.infer_tp, cfg.engines, expert_parallel=cfg.infer_ep)
+    return vllm_shards(spec, cfg.infer.tp, cfg.infer.engines, expert_parallel=cfg.infer.ep)
 
 
 def infer_label(cfg: SyncBenchConfig) -> str:
-    return f"tp{cfg.infer_tp}{' ep' if cfg.infer_ep else ''} x{cfg.engines}"
+    return f"tp{cfg.infer.tp}{' ep' if cfg.infer.ep else ''} x{cfg.infer.engines}"
 
 
 def _weights(cfg: SyncBenchConfig, src: ShardMap):
@@ -153,18 +203,18 @@ def rank_main(rank: int, world_size: int, cfg: SyncBenchConfig) -> dict:
     out: dict = {"rank": rank, "role": "train" if is_src else "infer",
                  "rss_bytes": psutil.Process().memory_info().rss}
     spec = SyncGroupSpec(host, port, "ours/", world_size, cfg.timeout_s, backend=cfg.backend,
-                         transports=(cfg.transport,) * cfg.engines)
+                         transports=(cfg.transport,) * cfg.infer.engines)
     channels = SyncChannels.join(spec, rank, device)
     channels.verify(plan)
     gloo_control = channels.control is not channels.bulk or channels.spec.backend == "gloo"
     barrier = (channels.control, "cpu") if gloo_control else (channels.bulk, device)
     runs = {"ours": lambda i: _ours_once(plan, channels, local, dtype, cfg)}
-    if cfg.link:  # alternates with ours, repeat by repeat: both see the same machine load
+    if cfg.link_baseline:  # alternates with ours, repeat by repeat: both see the same machine load
         link = LinkBaseline(plan, channels.bulk, rank, device=device, timeout_s=cfg.timeout_s)
         runs["link"] = lambda i: (link.run(), None)
     try:
         out.update(_repeat(cfg, barrier, runs, expected))
-        if cfg.baseline:
+        if cfg.gather_baseline:
             out.update(_repeat(cfg, barrier, {"baseline": lambda i: _baseline_once(
                 plan, src, dst, rank, local, dtype, cfg, host, port, i)}, expected))
     finally:
@@ -342,9 +392,9 @@ def summarize(cfg: SyncBenchConfig, spec: ModelSpec, plan: Plan, per_rank: list[
         **_ideal(plan, dst),
     }
     report["sync_gbs_per_receiver"] = _gbs(report["bytes_received"], ours["wall_s"])
-    if cfg.link:
+    if cfg.link_baseline:
         report.update(_link_report(plan, fold("link"), ours))
-    if cfg.baseline:
+    if cfg.gather_baseline:
         base = fold("baseline")
         report["baseline"] = base
         report["speedup_vs_baseline"] = base["wall_s"] / ours["wall_s"]
@@ -382,14 +432,16 @@ def run_sync_bench(cfg: SyncBenchConfig) -> dict:
     per_rank = launch_ranks(rank_main, plan.world_size, cfg, init_default_group=False,
                             timeout_s=cfg.timeout_s + 120)
     report = summarize(cfg, spec, plan, per_rank)
-    report["config"] = {**asdict(cfg), "train": asdict(cfg.train)}
+    report["config"] = asdict(cfg)
     return report
 
 
-def plan_only_report(cfg: SyncBenchConfig, link) -> dict:
-    """Plan on shapes alone (any model size) and project both transports' times."""
+def plan_only_report(cfg: SyncBenchConfig) -> dict:
+    """Plan on shapes alone (any model size) and project both transports' times on
+    `cfg.link_model`."""
     from mcore_rl.bench.link_model import project_baseline, project_transport
 
+    link = cfg.link_model
     spec = resolve_model(cfg.model)
     src, dst, plan = make_plan(cfg, spec)
     received = plan.bytes_received()

@@ -4,6 +4,10 @@ Each component owns its config dataclass and validates itself in `__post_init__`
 `ConfigError(field, value, problem)` with its *local* field name; the loader prefixes the path
 of the enclosing fields, so the user reads e.g. `parallel.tp=3: does not divide
 num_attention_heads=8`.
+
+A key that moved elsewhere is listed in the class's `MOVED: ClassVar[dict[str, str]]` (old
+local name → where it went, in words); an old config then fails naming the new place rather
+than with a bare "unknown field".
 """
 
 from __future__ import annotations
@@ -80,6 +84,10 @@ def from_dict(cls: type[T], data: Any, prefix: str = "") -> T:
     hints = get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
     unknown = sorted(set(data) - set(fields))
+    moved = getattr(cls, "MOVED", {})
+    for name in unknown:
+        if name in moved:
+            raise ConfigError(_join(prefix, name), data[name], f"this key moved: {moved[name]}")
     if unknown:
         raise ConfigError(_join(prefix, unknown[0]), data[unknown[0]],
                           f"unknown field; allowed: {', '.join(sorted(fields))}")

@@ -70,6 +70,23 @@ def transformer_config_from_spec(spec: ModelSpec, parallel: ParallelConfig, *,
     on_cpu = not torch.cuda.is_available()
     return TransformerConfig(
         transformer_impl=TRANSFORMER_IMPL[layer_spec],
+        **_decoder_fields(spec, init_method_std),
+        params_dtype=params_dtype,
+        bf16=params_dtype == torch.bfloat16,
+        # Softmax in fp32 even with bf16 activations (HF does the same in eager attention).
+        attention_softmax_in_fp32=True,
+        calculate_per_token_loss=calculate_per_token_loss,
+        **_grid_fields(parallel, params_dtype, on_cpu),
+        use_cpu_initialization=on_cpu,
+        **_UNFUSED,
+        **_RECOMPUTE[recompute],
+        **moe_config_fields(spec, parallel, moe or MoEOptions()),
+    )
+
+
+def _decoder_fields(spec: ModelSpec, init_method_std: float) -> dict:
+    """The decoder's shape and maths, as HF's Llama-family model has them (dropout off)."""
+    return dict(
         num_layers=spec.layers,
         hidden_size=spec.hidden,
         ffn_hidden_size=spec.ffn,
@@ -86,11 +103,13 @@ def transformer_config_from_spec(spec: ModelSpec, parallel: ParallelConfig, *,
         hidden_dropout=0.0,
         attention_dropout=0.0,
         init_method_std=init_method_std,
-        params_dtype=params_dtype,
-        bf16=params_dtype == torch.bfloat16,
-        # Softmax in fp32 even with bf16 activations (HF does the same in eager attention).
-        attention_softmax_in_fp32=True,
-        calculate_per_token_loss=calculate_per_token_loss,
+        qk_layernorm=spec.qk_norm,
+    )
+
+
+def _grid_fields(parallel: ParallelConfig, params_dtype: torch.dtype, on_cpu: bool) -> dict:
+    """The TP/PP/VPP grid and how pipeline stages exchange activations."""
+    return dict(
         tensor_model_parallel_size=parallel.tp,
         pipeline_model_parallel_size=parallel.pp,
         virtual_pipeline_model_parallel_size=parallel.vpp,
@@ -107,19 +126,13 @@ def transformer_config_from_spec(spec: ModelSpec, parallel: ParallelConfig, *,
         # batch_p2p_sync calls torch.cuda.synchronize() after each batched exchange (a guard for
         # old NCCL builds); without CUDA there is nothing to synchronize and the call raises.
         batch_p2p_sync=not on_cpu,
-        use_cpu_initialization=on_cpu,
-        # The fused kernels below need TransformerEngine / apex / CUDA.
-        bias_activation_fusion=False,
-        bias_dropout_fusion=False,
-        masked_softmax_fusion=False,
-        apply_rope_fusion=False,
-        persist_layer_norm=False,
-        gradient_accumulation_fusion=False,
-        cross_entropy_loss_fusion=False,
-        qk_layernorm=spec.qk_norm,
-        **_RECOMPUTE[recompute],
-        **moe_config_fields(spec, parallel, moe or MoEOptions()),
     )
+
+
+# The fused kernels these turn on need TransformerEngine / apex / CUDA.
+_UNFUSED = dict(bias_activation_fusion=False, bias_dropout_fusion=False,
+                masked_softmax_fusion=False, apply_rope_fusion=False, persist_layer_norm=False,
+                gradient_accumulation_fusion=False, cross_entropy_loss_fusion=False)
 
 
 @dataclass(frozen=True)

@@ -47,6 +47,26 @@ def hf_config_from_spec(spec: ModelSpec, *, bos_token_id: int | None = None,
     """
     import transformers
 
+    _check_hf_expressible(spec)
+    fields: dict[str, Any] = dict(
+        architectures=[spec.architecture],
+        vocab_size=spec.vocab, hidden_size=spec.hidden, intermediate_size=spec.ffn,
+        num_hidden_layers=spec.layers, num_attention_heads=spec.heads,
+        num_key_value_heads=spec.kv_heads, hidden_act="silu",
+        max_position_embeddings=spec.max_positions, rms_norm_eps=spec.norm_eps,
+        tie_word_embeddings=spec.tied_embeddings, rope_parameters=_rope_parameters(spec),
+        bos_token_id=bos_token_id, eos_token_id=eos_token_id, pad_token_id=pad_token_id,
+        dtype=dtype,
+    )
+    if spec.num_labels is not None:
+        fields.update(num_labels=spec.num_labels)
+    config_name = _CLASSES[spec.architecture][0]
+    fields.update(_class_fields(config_name, spec))
+    return getattr(transformers, config_name)(**fields)
+
+
+def _check_hf_expressible(spec: ModelSpec) -> None:
+    """UnsupportedModelError for the specs `hf_config_from_spec` refuses (see its doc)."""
     if spec.architecture not in _CLASSES:
         raise UnsupportedModelError(f"architecture={spec.architecture!r}: no HF writer; "
                                     f"supported: {', '.join(_CLASSES)}")
@@ -68,47 +88,41 @@ def hf_config_from_spec(spec: ModelSpec, *, bos_token_id: int | None = None,
     if family == "mixtral" and spec.ffn != spec.moe_ffn:
         raise UnsupportedModelError(f"ffn={spec.ffn} != moe_ffn={spec.moe_ffn}: Mixtral has one "
                                     "intermediate_size, the experts'")
+
+
+def _rope_parameters(spec: ModelSpec) -> dict[str, Any]:
+    """HF's `rope_parameters`: the spec's rope scaling (its `type` as `rope_type`) + theta."""
     rope: dict[str, Any] = {"rope_type": "default"}
     if spec.rope_scaling:
         rope = {k: v for k, v in spec.rope_scaling.items() if k != "rope_theta"}
         rope.setdefault("rope_type", rope.pop("type", "llama3"))
     rope["rope_theta"] = spec.rope_theta
-    fields: dict[str, Any] = dict(
-        architectures=[spec.architecture],
-        vocab_size=spec.vocab, hidden_size=spec.hidden, intermediate_size=spec.ffn,
-        num_hidden_layers=spec.layers, num_attention_heads=spec.heads,
-        num_key_value_heads=spec.kv_heads, hidden_act="silu",
-        max_position_embeddings=spec.max_positions, rms_norm_eps=spec.norm_eps,
-        tie_word_embeddings=spec.tied_embeddings, rope_parameters=rope,
-        bos_token_id=bos_token_id, eos_token_id=eos_token_id, pad_token_id=pad_token_id,
-        dtype=dtype,
-    )
-    if spec.num_labels is not None:
-        fields.update(num_labels=spec.num_labels)
-    config_name = _CLASSES[spec.architecture][0]
+    return rope
+
+
+def _class_fields(config_name: str, spec: ModelSpec) -> dict[str, Any]:
+    """The fields only `config_name` (an HF config class) has, or whose default it must not
+    keep (biases, sliding windows, the MoE router)."""
     if config_name == "LlamaConfig":
-        fields.update(head_dim=spec.head_dim, attention_bias=False, mlp_bias=False)
-    elif config_name == "MistralConfig":
-        fields.update(head_dim=spec.head_dim, sliding_window=None)
-    elif config_name == "Qwen3Config":
-        fields.update(head_dim=spec.head_dim, attention_bias=False, use_sliding_window=False,
-                      sliding_window=None)
-    elif config_name == "Qwen3MoeConfig":
-        fields.update(head_dim=spec.head_dim, attention_bias=False, use_sliding_window=False,
-                      sliding_window=None, num_experts=spec.num_experts,
-                      moe_intermediate_size=spec.moe_ffn,
-                      num_experts_per_tok=spec.experts_per_token,
-                      norm_topk_prob=spec.norm_topk_prob, decoder_sparse_step=1,
-                      mlp_only_layers=[], output_router_logits=False)
-    elif config_name == "MixtralConfig":
-        fields.update(head_dim=spec.head_dim, sliding_window=None,
-                      num_local_experts=spec.num_experts,
-                      num_experts_per_tok=spec.experts_per_token, router_jitter_noise=0.0,
-                      output_router_logits=False)
-    else:
-        fields.update(use_sliding_window=False, sliding_window=None)
-    config_cls = getattr(transformers, _CLASSES[spec.architecture][0])
-    return config_cls(**fields)
+        return dict(head_dim=spec.head_dim, attention_bias=False, mlp_bias=False)
+    if config_name == "MistralConfig":
+        return dict(head_dim=spec.head_dim, sliding_window=None)
+    if config_name == "Qwen3Config":
+        return dict(head_dim=spec.head_dim, attention_bias=False, use_sliding_window=False,
+                    sliding_window=None)
+    if config_name == "Qwen3MoeConfig":
+        return dict(head_dim=spec.head_dim, attention_bias=False, use_sliding_window=False,
+                    sliding_window=None, num_experts=spec.num_experts,
+                    moe_intermediate_size=spec.moe_ffn,
+                    num_experts_per_tok=spec.experts_per_token,
+                    norm_topk_prob=spec.norm_topk_prob, decoder_sparse_step=1,
+                    mlp_only_layers=[], output_router_logits=False)
+    if config_name == "MixtralConfig":
+        return dict(head_dim=spec.head_dim, sliding_window=None,
+                    num_local_experts=spec.num_experts,
+                    num_experts_per_tok=spec.experts_per_token, router_jitter_noise=0.0,
+                    output_router_logits=False)
+    return dict(use_sliding_window=False, sliding_window=None)  # Qwen2Config
 
 
 def make_hf_model_dir(spec: ModelSpec, out_dir: str | Path, *, seed: int,

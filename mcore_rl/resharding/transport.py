@@ -139,26 +139,14 @@ def receive_shards(plan: Plan, group: dist.ProcessGroup, sync_rank: int, *,
     yielded: set[str] = set()
 
     def post(k: int) -> None:
-        views = []
-        for src, items in rounds[k]:
-            for key, _, _ in items:
-                if key not in tensors:  # padding (partly covered) must read as zeros
-                    tensors[key] = empty_host(shapes[key], dtype, device=device,
-                                              zero=schedule.covered.get(key, 0) < math.prod(shapes[key]))
-            views.append((src, [tensors[key][slices] for key, slices, _ in items]))
-        copy.post_recv(k, views)
+        _post_round(k, schedule, copy, tensors, dtype, device)
 
     copy.start(plan, sync_rank, sending=False, dtype=dtype, timeout_s=timeout_s, stats=stats)
     try:
         for k in range(min(copy.window, len(rounds))):
             post(k)
         for k in range(len(rounds)):
-            done = []
-            for i in copy.wait_recv(k):
-                for key, _, numel in rounds[k][i][1]:
-                    remaining[key] -= numel
-                    if remaining[key] == 0:
-                        done.append(key)
+            done = _land_round(k, rounds[k], copy, remaining)
             if k + copy.window < len(rounds):
                 post(k + copy.window)
             for key in done:
@@ -171,11 +159,40 @@ def receive_shards(plan: Plan, group: dist.ProcessGroup, sync_rank: int, *,
         if left == 0 and key not in tensors and key not in yielded:
             # all padding: nothing to receive
             yield key, torch.zeros(shapes[key], dtype=dtype, device=device)
+    _check_complete(plan, sync_rank, remaining)
+    stats.seconds = time.perf_counter() - start
+
+
+def _post_round(k: int, schedule: RankSchedule, copy: CopyService,
+                tensors: dict[str, torch.Tensor], dtype: torch.dtype, device) -> None:
+    """Post round k's receives straight into the destination tensors (allocated on first use;
+    a partly covered tensor starts as zeros, its padding must read as zeros)."""
+    shapes, views = schedule.shapes, []
+    for src, items in schedule.rounds[k]:
+        for key, _, _ in items:
+            if key not in tensors:
+                tensors[key] = empty_host(shapes[key], dtype, device=device,
+                                          zero=schedule.covered.get(key, 0) < math.prod(shapes[key]))
+        views.append((src, [tensors[key][slices] for key, slices, _ in items]))
+    copy.post_recv(k, views)
+
+
+def _land_round(k: int, round_items, copy: CopyService, remaining: dict[str, int]) -> list[str]:
+    """Wait for round k; count its elements off `remaining`; the keys now complete."""
+    done = []
+    for i in copy.wait_recv(k):
+        for key, _, numel in round_items[i][1]:
+            remaining[key] -= numel
+            if remaining[key] == 0:
+                done.append(key)
+    return done
+
+
+def _check_complete(plan: Plan, sync_rank: int, remaining: dict[str, int]) -> None:
     missing = sorted(key for key, left in remaining.items() if left)
     if missing:
         raise SyncError(f"{plan.label(sync_rank)}: plan ended with {len(missing)} tensors "
                         f"incomplete: {missing[:5]}")
-    stats.seconds = time.perf_counter() - start
 
 
 def _check_dtype(plan: Plan, dtype: torch.dtype) -> None:

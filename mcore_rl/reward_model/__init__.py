@@ -15,7 +15,7 @@ on every TP rank without sequence parallelism). Scoring is forward only, through
 schedule, in fixed-shape padded micro batches; rows are split over DP.
 
 The controller combines it with the rule reward as `rule + coeff * score`
-(`RewardModelConfig.coeff`). Driver side: `RewardModelGroup(cfg, host=...)`,
+(`RewardModelConfig.coeff`). Driver side: `RewardModelGroup(cfg, timeout_s=..., host=...)`,
 `.score(prompts, responses, pad_id) -> Tensor[n]`, `.shutdown()`.
 """
 

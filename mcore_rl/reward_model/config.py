@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import ClassVar
 
 from mcore_rl.config import ConfigError
 from mcore_rl.config.dtypes import DtypeName, normalize_dtype_fields
@@ -29,8 +30,6 @@ class RewardModelConfig:
         with dummy rows to a multiple of dp * micro_batch_size).
     dtype: "float32" or "bfloat16" weights and activations (scores are returned in fp32).
     coeff: weight of the model score in the reward: reward = rule reward + coeff * score.
-    timeout_s: deadline of start-up and of each `score` call, and the workers' collective
-        timeout.
     preset: a planner preset of the model's shapes (`mcore_rl.models.presets`): preflight
         sizes the reward model from it when hf_dir is not on this machine (as model.preset).
     """
@@ -41,8 +40,12 @@ class RewardModelConfig:
     micro_batch_size: int = 4
     dtype: DtypeName = "float32"
     coeff: float = 1.0
-    timeout_s: float = 600.0
     preset: str | None = None
+
+    #: keys that moved out of this section (the loader names their new place)
+    MOVED: ClassVar[dict[str, str]] = {
+        "timeout_s": "set deadlines.reward_model_s (standalone: RewardModelGroup's timeout_s "
+                     "argument)"}
 
     def __post_init__(self) -> None:
         if self.enabled and not self.hf_dir:
@@ -53,8 +56,6 @@ class RewardModelConfig:
         normalize_dtype_fields(self, "dtype", allowed=("float32", "bfloat16"))
         if not math.isfinite(self.coeff):
             raise ConfigError("coeff", self.coeff, "must be a finite number")
-        if not self.timeout_s > 0:
-            raise ConfigError("timeout_s", self.timeout_s, "must be > 0")
         if self.parallel.sequence_parallel:
             raise ConfigError("parallel.sequence_parallel", True, "the score head reads "
                               "complete hidden states on each TP rank: turn it off")

@@ -20,9 +20,10 @@ class RewardWorker:
 
     def __init__(self, rank: int, world_size: int, store_address: tuple[str, int],
                  cfg: RewardModelConfig, stack_dir: str | None = None,
-                 device: int | None = None, layer_spec: str = "local"):
+                 device: int | None = None, layer_spec: str = "local", *, timeout_s: float):
         """device: this rank's device on its node (on GPU, the current CUDA device).
-        layer_spec: megatron's layer spec, as the run resolved it (`ResolvedRun.layer_spec`)."""
+        layer_spec: megatron's layer spec, as the run resolved it (`ResolvedRun.layer_spec`).
+        timeout_s: the workers' collective timeout (the run's deadlines.reward_model_s)."""
         from mcore_rl.launch.watchdog import arm_stack_dump
         from mcore_rl.parallel.groups import join_worker_world
 
@@ -33,7 +34,7 @@ class RewardWorker:
             self._stack_file = arm_stack_dump(stack_dir, f"reward_rank{rank}")
         self.rank = rank
         groups = join_worker_world(rank, world_size, store_address, cfg.parallel,
-                                   timeout_s=cfg.timeout_s, device=device)
+                                   timeout_s=timeout_s, device=device)
         self.model = load_reward_model(cfg, groups, layer_spec=layer_spec)
 
     def score(self, tokens: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor | None:
@@ -57,10 +58,11 @@ class RewardModelGroup:
     starts). The workers' gloo world meets at a TCPStore on `host` (the driver's address).
     """
 
-    def __init__(self, cfg: RewardModelConfig, *, host: str = "127.0.0.1",
+    def __init__(self, cfg: RewardModelConfig, *, timeout_s: float, host: str = "127.0.0.1",
                  stack_dir: str | Path | None = None, placement=None,
                  layer_spec: str = "local"):
-        """placement: the run's `launch.placement.RayPlacement`; reward rank r then shares
+        """timeout_s: deadline of start-up and of each `score` call, and the workers'
+        collective timeout (a run passes its deadlines.reward_model_s). placement: the run's `launch.placement.RayPlacement`; reward rank r then shares
         the device (and node) of actor rank r mod the actor's world, as the reference model
         does. None: wherever Ray puts it. layer_spec: the run's (`ResolvedRun.layer_spec`)."""
         import ray
@@ -70,7 +72,7 @@ class RewardModelGroup:
 
         if not cfg.enabled:
             raise ConfigError("enabled", False, "RewardModelGroup needs an enabled reward model")
-        self.cfg, self.stack_dir = cfg, stack_dir
+        self.cfg, self.stack_dir, self.timeout_s = cfg, stack_dir, timeout_s
         self.spec = check_reward_model_dir(cfg.hf_dir)
         try:
             cfg.parallel.check_model(self.spec)
@@ -78,7 +80,7 @@ class RewardModelGroup:
             raise err.under("parallel") from None
         init_local_ray(num_cpus=max(2, os.cpu_count() or 2))
         world = cfg.parallel.world_size
-        self._store = host_store(host, world_size=world + 1, timeout_s=cfg.timeout_s)
+        self._store = host_store(host, world_size=world + 1, timeout_s=timeout_s)
         remote_cls = ray.remote(num_cpus=0)(RewardWorker)
         self.workers = []
         for rank in range(world):
@@ -88,7 +90,8 @@ class RewardModelGroup:
                 options, device = placement.options_for_node(slot.node), slot.device
             self.workers.append(remote_cls.options(**options).remote(
                 rank, world, (host, self._store.port), cfg,
-                str(stack_dir) if stack_dir else None, device, layer_spec))
+                str(stack_dir) if stack_dir else None, device, layer_spec,
+                timeout_s=timeout_s))
         self.pids: list[int] = []
         self.pids = self._call("pid", phase="reward-startup")
 
@@ -99,7 +102,7 @@ class RewardModelGroup:
 
         from mcore_rl.launch.watchdog import WatchdogTimeout, dump_stacks
 
-        deadline = self.cfg.timeout_s if timeout_s is None else timeout_s
+        deadline = self.timeout_s if timeout_s is None else timeout_s
         refs = [getattr(w, method).remote(*args) for w in self.workers]
         _, pending = ray.wait(refs, num_returns=len(refs), timeout=deadline)
         if pending:

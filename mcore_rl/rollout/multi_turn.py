@@ -29,7 +29,8 @@ from dataclasses import dataclass, field, replace
 
 from mcore_rl.envs.base import Environment, EpisodeConfig
 from mcore_rl.envs.tool_format import TagFormat
-from mcore_rl.rollout.engine import Completion, SamplingConfig
+from mcore_rl.rollout.config import SamplingConfig
+from mcore_rl.rollout.engine import Completion
 from mcore_rl.tasks.base import Example
 
 Generate = Callable[[list[list[int]], SamplingConfig], list[list[Completion]]]

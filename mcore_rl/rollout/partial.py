@@ -29,7 +29,8 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
-from mcore_rl.rollout.engine import Completion, SamplingConfig
+from mcore_rl.rollout.config import SamplingConfig
+from mcore_rl.rollout.engine import Completion
 
 # seeds of chunk c start this far above chunk c - 1's (a batch has far fewer samples)
 CHUNK_SEED_STRIDE = 1 << 20

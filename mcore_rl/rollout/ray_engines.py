@@ -7,7 +7,7 @@ not depend on the number of engines. Engine i's TP rank r is sync rank
 `first_sync_rank + i * tp + r` (engine-major, as `layouts.vllm_shards` numbers them).
 
 Every call has a deadline (`start_timeout_s` for start-up, `call_timeout_s` or the call's
-`timeout_s` otherwise). An engine that dies or misses it raises `RolloutError` naming the
+`timeout_s` otherwise; a run passes its deadlines.startup_s and deadlines.engine_call_s). An engine that dies or misses it raises `RolloutError` naming the
 engine index and the phase. `restart(indices)` replaces dead engines with fresh ones in the
 same slots; a fresh engine holds the weights of `model_dir` and is in no sync group, so the
 caller re-forms the group and syncs it (`mcore_rl.trainer.recovery` does).
@@ -23,10 +23,13 @@ from typing import Any, Sequence
 
 import torch
 
+from mcore_rl.config import ConfigError
 from mcore_rl.launch.logs import configure_process_logs, verbose
 from mcore_rl.launch.watchdog import arm_stack_dump, maybe_stall
-from mcore_rl.rollout.engine import (Completion, RolloutConfig, RolloutEngine, RolloutError,
-                                     SamplingConfig, SyncReport)
+from mcore_rl.rollout.config import RolloutConfig, SamplingConfig
+from mcore_rl.rollout.engine import Completion, RolloutEngine
+from mcore_rl.rollout.errors import RolloutError
+from mcore_rl.rollout.sync_client import SyncReport
 
 # Engine methods an actor may run on request (besides generate).
 _FORWARDED = frozenset({"describe_shards", "check_shapes", "start_join_sync_group",
@@ -73,7 +76,7 @@ class EngineHost:
 
     def __init__(self, model_dir: str, cfg: RolloutConfig, index: int,
                  stack_dir: str | None = None, inject_stall: str | None = None,
-                 devices: list[int] | None = None):
+                 devices: list[int] | None = None, *, call_timeout_s: float):
         """devices: this engine's TP devices (local indices on its node, from the run's
         placement plan); CUDA_VISIBLE_DEVICES is narrowed to them before vLLM starts."""
         if stack_dir:  # the controller's watchdog asks for stacks with SIGUSR1
@@ -85,7 +88,8 @@ class EngineHost:
             from mcore_rl.launch.placement import restrict_visible_devices
 
             restrict_visible_devices(devices)
-        self.engine = RolloutEngine(model_dir, cfg, engine_index=index)
+        self.engine = RolloutEngine(model_dir, cfg, engine_index=index,
+                                    call_timeout_s=call_timeout_s)
 
     def ready(self) -> dict[str, Any]:
         import ray
@@ -110,10 +114,11 @@ class RayEngines:
     `init_local_ray()`). Blocks until every engine has started or raises naming the one
     that failed. `startup_s[i]`: engine i's vLLM start-up time; `pids[i]`: its process."""
 
-    def __init__(self, model_dir: str | Path, cfg: RolloutConfig, *,
-                 stack_dir: str | Path | None = None, inject_stall: str | None = None,
-                 placement=None):
-        """stack_dir: where engines dump their stacks on SIGUSR1 (watchdog).
+    def __init__(self, model_dir: str | Path, cfg: RolloutConfig, *, start_timeout_s: float,
+                 call_timeout_s: float, stack_dir: str | Path | None = None,
+                 inject_stall: str | None = None, placement=None):
+        """start_timeout_s: how long an engine may take to start. call_timeout_s: the
+        deadline of every other call that is given none of its own. stack_dir: where engines dump their stacks on SIGUSR1 (watchdog).
         inject_stall: fault injection for watchdog tests ("gen@engine<i>").
         placement: a `launch.placement.RayPlacement`: engine i goes into its node's bundle
         and sees only its TP devices (default: anywhere Ray likes)."""
@@ -121,8 +126,13 @@ class RayEngines:
 
         if not ray.is_initialized():
             raise RuntimeError("Ray is not initialized: call init_local_ray() or ray.init()")
+        for name, value in (("start_timeout_s", start_timeout_s),
+                            ("call_timeout_s", call_timeout_s)):
+            if not value > 0:
+                raise ConfigError(name, value, "must be > 0 seconds")
         self.cfg = cfg
-        self._sync_timeout = cfg.call_timeout_s
+        self.start_timeout_s, self.call_timeout_s = start_timeout_s, call_timeout_s
+        self._sync_timeout = call_timeout_s
         self._host_cls = ray.remote(num_cpus=cfg.cpus_per_engine, max_restarts=0,
                                     max_concurrency=1)(EngineHost)
         self._args = (str(model_dir), str(stack_dir) if stack_dir else None, inject_stall)
@@ -131,7 +141,7 @@ class RayEngines:
         try:
             info = self._gather("start-up", [(i, a.ready.remote())
                                              for i, a in enumerate(self._actors)],
-                                cfg.start_timeout_s)
+                                start_timeout_s)
         except RolloutError:
             self.shutdown()
             raise
@@ -147,7 +157,8 @@ class RayEngines:
             devices = [slot.device for slot in self._placement.plan.engines[i]]
         model_dir, stack_dir, inject_stall = self._args
         return self._host_cls.options(**options).remote(model_dir, self.cfg, i, stack_dir,
-                                                        inject_stall, devices)
+                                                        inject_stall, devices,
+                                                        call_timeout_s=self.call_timeout_s)
 
     def restart(self, indices: Sequence[int]) -> None:
         """Replace engines `indices` (dead or broken) with fresh ones in the same slots: the
@@ -160,7 +171,7 @@ class RayEngines:
             ray.kill(self._actors[i], no_restart=True)
             self._actors[i] = self._start(i)
         info = self._gather("start-up", [(i, self._actors[i].ready.remote()) for i in indices],
-                            self.cfg.start_timeout_s)
+                            self.start_timeout_s)
         for i, reply in zip(indices, info):
             self.startup_s[i], self.pids[i], self.where[i] = reply["startup_s"], reply["pid"], \
                 reply
@@ -302,7 +313,7 @@ class RayEngines:
     # ---------------------------------------------------------------- plumbing
 
     def _timeout(self, timeout_s: float | None) -> float:
-        return self.cfg.call_timeout_s if timeout_s is None else timeout_s
+        return self.call_timeout_s if timeout_s is None else timeout_s
 
     def _gather(self, phase: str, calls: list[tuple[int, Any]], timeout_s: float) -> list[Any]:
         """Results of `calls` ([(engine, ObjectRef)]) in order; the first failure or the

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from mcore_rl.config.seeds import derive_seed
 from mcore_rl.algorithms import AlgorithmConfig
 from mcore_rl.launch.logs import configure_process_logs
 from mcore_rl.launch.watchdog import arm_stack_dump, maybe_stall
@@ -38,9 +39,11 @@ class ActorWorker:
                  timeout_s: float = 600.0, *, critic_train: TrainConfig | None = None,
                  reference: bool = False, stack_dir: str | None = None,
                  inject_stall: str | None = None, device: int | None = None,
-                 layer_spec: str = "local"):
+                 layer_spec: str = "local", seed: int = derive_seed(0, "train")):
         """Roles colocated on this rank: the actor always; a critic (PPO) when
         `critic_train` is given; a frozen reference policy when `reference`.
+        seed: megatron's weight init and RNG tracker of every model here (the run's
+        `derive_seed(seed, "train")`).
         layer_spec: megatron's layer spec of every model here, as the run resolved it
         (`ResolvedRun.layer_spec`: "local" or "te"); it also names the tensors loaded and sent.
         stack_dir: where this process dumps its stacks on SIGUSR1 (the watchdog).
@@ -72,16 +75,16 @@ class ActorWorker:
             load(chunks)
             attach_value_head(chunks, spec.hidden, self.groups.is_last_stage)
 
-        self.trainer = setup_trainer(spec, self.groups, train, load_weights=load,
+        self.trainer = setup_trainer(spec, self.groups, train, load_weights=load, seed=seed,
                                      layer_spec=layer_spec)
         self.train_cfg = train
         self.critic = (setup_trainer(spec, self.groups, critic_train, load_weights=load_critic,
-                                     layer_spec=layer_spec)
+                                     layer_spec=layer_spec, seed=seed)
                        if critic_train is not None else None)
         self.reference = None
         if reference:
             chunks = build_gpt_model(spec, parallel, self.groups, params_dtype=dtype,
-                                     seed=train.seed, layer_spec=layer_spec)
+                                     seed=seed, layer_spec=layer_spec)
             load(chunks)
             for chunk in chunks:
                 chunk.eval().requires_grad_(False)

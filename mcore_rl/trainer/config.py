@@ -8,10 +8,11 @@ megatron.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import ClassVar, Literal
 
 from mcore_rl.config import ConfigError
 from mcore_rl.config.dtypes import DtypeName, normalize_dtype_fields
+from mcore_rl.config.seeds import USE_THE_RUN_SEED
 from mcore_rl.models.spec import ModelSpec
 from mcore_rl.parallel.config import ParallelConfig
 
@@ -65,7 +66,8 @@ class TrainConfig:
     The loss is the mean over all loss-masked tokens of the global batch.
     dtype: "float32", or "bfloat16" (bf16 weights and activations, fp32 main weights, grads
     reduced in fp32); "fp32"/"bf16" are accepted (`mcore_rl.config.dtypes`).
-    seed: weight init and megatron's RNG tracker.
+    (megatron's weight init and RNG tracker are seeded by the run's seed, stream "train":
+    `setup_trainer(..., seed=derive_seed(seed, "train"))`, `mcore_rl.config.seeds`.)
     recompute: activation recomputation — "none", "selective" (megatron's core-attention
     recompute) or "full" (every layer's activations recomputed in backward, uniform, 1 layer
     per unit); trades compute for memory, same loss and gradients.
@@ -87,13 +89,14 @@ class TrainConfig:
     num_micro_batches: int = 2
     seq_len: int = 32
     dtype: DtypeName = "float32"
-    seed: int = 1234
     recompute: Literal["none", "selective", "full"] = "none"
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     max_tokens_per_micro_batch: int | None = None
     forward_micro_batch_size: int | None = None
     moe_dispatcher: Literal["allgather", "alltoall"] = "allgather"
     moe_aux_loss_coeff: float = 0.0
+
+    MOVED: ClassVar[dict[str, str]] = {"seed": USE_THE_RUN_SEED.format(stream="train")}
 
     def __post_init__(self) -> None:
         normalize_dtype_fields(self, "dtype", allowed=("float32", "bfloat16"))

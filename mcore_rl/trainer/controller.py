@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from mcore_rl.algorithms import correction_weights, overlong_penalty
+from mcore_rl.config.seeds import derive_seed
 from mcore_rl.launch.watchdog import WatchdogTimeout, collect_or_name_dead, dump_stacks
 from mcore_rl.models.spec import ModelSpec
 from mcore_rl.planning.resolve import resolve_run
@@ -80,7 +81,10 @@ class RLController(Generation, WeightSync, Checkpointing):
         self.workers = self._start_actor_ranks(model_dir)
         self.worker_pids = self._actor("pid", phase="startup")
         self.reward_model = self._start_reward_model()
-        self.engines = RayEngines(model_dir, cfg.rollout, stack_dir=self.stack_dir,
+        self.engines = RayEngines(model_dir, cfg.rollout,
+                                  start_timeout_s=cfg.deadlines.startup_s,
+                                  call_timeout_s=cfg.deadlines.engine_call_s,
+                                  stack_dir=self.stack_dir,
                                   inject_stall=cfg.inject_stall, placement=self.placement)
         self.recovery = EngineRecovery(self, cfg.recovery)  # engines that die are restarted
         self._build_plan()
@@ -106,7 +110,7 @@ class RLController(Generation, WeightSync, Checkpointing):
             cfg.deadlines.train_s, critic_train=cfg.critic_train if self.use_critic else None,
             reference=self.use_reference, stack_dir=str(self.stack_dir),
             inject_stall=cfg.inject_stall, device=slots[rank].device,
-            layer_spec=self.run.layer_spec)
+            layer_spec=self.run.layer_spec, seed=derive_seed(cfg.seed, "train"))
             for rank in range(world)]
 
     # --- plumbing ---------------------------------------------------------------------------

@@ -16,6 +16,7 @@ import shutil
 import time
 from pathlib import Path
 
+from mcore_rl.config.seeds import derive_seed
 from mcore_rl.config import ConfigError, load_config
 from mcore_rl.launch.logs import add_verbose_argument, set_verbose
 from mcore_rl.trainer import checkpoint_store
@@ -39,7 +40,8 @@ def build_demo_model(cfg, out: Path) -> Path:
 
     tok_dir = build_tokenizer_dir(out / "tokenizer", build_task(cfg.task),
                                   vocab_size=DEMO_TOKENIZER_VOCAB[cfg.task.kind])
-    return make_hf_model_dir(cfg.model.demo_spec(), out / "model", seed=cfg.model.seed,
+    return make_hf_model_dir(cfg.model.demo_spec(), out / "model",
+                             seed=derive_seed(cfg.seed, "model"),
                              tokenizer_dir_or_obj=tok_dir)
 
 
@@ -81,89 +83,123 @@ def run_demo(cfg, out: Path, resume: str | Path = "auto", command: str = "demo")
     "never" (start over: OUT's checkpoints and metrics are removed) or a checkpoint path.
     SIGTERM/SIGUSR1 stop it at the next safe point with a checkpoint (raises RunStopped)."""
     from mcore_rl.trainer.controller import RLController
-    from mcore_rl.trainer.metrics import MetricsWriter, plot_run
-    from mcore_rl.trainer.preflight import check_run
+    from mcore_rl.trainer.metrics import plot_run
     from mcore_rl.launch.logs import configure_process_logs
     from mcore_rl.trainer.run_control import RunStopped, StopControl, start_local_ray
-    from mcore_rl.trainer.recovery import EngineFailed
 
     start = time.perf_counter()
     out.mkdir(parents=True, exist_ok=True)
     configure_process_logs(out, "driver")  # library logs to OUT/logs unless --verbose
-    # Preflight sizes from the config alone (the demo spec, or hf_dir / preset), so a broken
-    # run stops before anything is built; it raises PreflightFailed listing every error.
-    for warning in check_run(cfg):
-        print(f"preflight warning [{warning.check}] {warning.message} (fix: {warning.fix})")
-    # an explicit --resume is checked (layer spec, converted checkpoint) before anything moves
-    explicit = None if str(resume) in ("auto", "never") else Path(resume)
-    check_layer_spec_here(cfg, explicit)
-    checkpoint = start_point(out, resume)
+    checkpoint = _preflight(cfg, out, resume)
     if checkpoint is not None and checkpoint_store.step_of(checkpoint) >= cfg.steps:
         print(f"run already complete: {checkpoint} is after step {cfg.steps} of {cfg.steps}; "
               f"nothing to do (run dir {out})")
         return {"already_complete": True, "checkpoint": str(checkpoint)}
-    if explicit is None and checkpoint is not None:  # auto: the found checkpoint's spec too
-        check_layer_spec_here(cfg, checkpoint)
     stop = StopControl(cfg.checkpoint.stop_grace_s).install()
     model_dir = model_dir_of(cfg, out)
     start_local_ray()  # before the controller's init_local_ray (then a no-op)
     controller = RLController(cfg, model_dir, out)
     stop.install()  # again: Ray's driver installed its own (aborting) SIGTERM handler
     try:
-        accuracy, first_step = None, 1
-        if checkpoint is None:
-            checkpoint_store.truncate_metrics(out, 0)
-            warm = MetricsWriter(out, phase="warmup")
-            accuracy = controller.warmup(warm) if cfg.warmup.max_steps else None
-            warm.close()
-            if cfg.warmup.max_steps:  # the warmed-up model, for runs that start from it
-                from mcore_rl.trainer.hf_export import export_actor_hf
-
-                export_actor_hf(controller, model_dir, out / WARMUP_HF)
-            controller.reset_optimizer()
-        else:
-            controller.reset_optimizer()
-            first_step = controller.load_checkpoint(checkpoint) + 1
-            checkpoint_store.truncate_metrics(out, first_step - 1)
-            print(f"resumed from {checkpoint} (step {first_step - 1})")
+        accuracy, first_step = _start_or_resume(controller, cfg, out, model_dir, checkpoint)
         if stop.requested:  # during start-up or warm-up: nothing to save yet
             raise RunStopped(first_step - 1, stop.signal_name, checkpoint)
         controller.sync_weights()
-        writer = MetricsWriter(out)
-        for step in range(first_step, cfg.steps + 1):
-            try:
-                writer.write(step, controller.rl_step(step))
-            except EngineFailed as failed:  # checkpointed after this step: log it too
-                if failed.step_metrics is not None:
-                    writer.write(step, failed.step_metrics)
-                raise
-            if cfg.checkpoint.due(step, cfg.steps) or stop.requested:
-                saved = controller.save_checkpoint(step)
-                checkpoint_store.prune(saved.parent, cfg.checkpoint.keep_last)
-            if stop.requested:
-                print(f"checkpoint {saved} written {stop.seconds_since_signal():.1f} s after "
-                      f"{stop.signal_name}")
-                raise RunStopped(step, stop.signal_name, saved)
-        writer.close()
+        _train(controller, cfg, out, stop, first_step)
         digests = controller.weights_digests()
     finally:
         controller.shutdown()
         stop.restore()
     plot_run(out)
+    summary = _summary(cfg, out, accuracy=accuracy, first_step=first_step, digests=digests,
+                       wall_s=time.perf_counter() - start)
+    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    k = min(5, summary["steps"])
+    print(f"{command} done in {summary['wall_s']:.0f} s: reward {summary['reward_first5']:.3f} "
+          f"(mean of first {k} steps) -> {summary['reward_last5']:.3f} (last {k}); "
+          f"run dir {out}")
+    return summary
+
+
+def _preflight(cfg, out: Path, resume: str | Path) -> Path | None:
+    """Check the run before anything is built and return the checkpoint it starts from.
+    Preflight sizes from the config alone (the demo spec, or hf_dir / preset); it raises
+    PreflightFailed listing every error. An explicit --resume is checked (layer spec,
+    converted checkpoint) before anything moves; with "auto", the found checkpoint too."""
+    from mcore_rl.trainer.preflight import check_run
+
+    for warning in check_run(cfg):
+        print(f"preflight warning [{warning.check}] {warning.message} (fix: {warning.fix})")
+    explicit = None if str(resume) in ("auto", "never") else Path(resume)
+    check_layer_spec_here(cfg, explicit)
+    checkpoint = start_point(out, resume)
+    if explicit is None and checkpoint is not None:
+        check_layer_spec_here(cfg, checkpoint)
+    return checkpoint
+
+
+def _start_or_resume(controller, cfg, out: Path, model_dir: Path,
+                     checkpoint: Path | None) -> tuple[float | None, int]:
+    """From scratch: warm-up (its metrics, the warmed-up HF export), a fresh RL optimizer.
+    From a checkpoint: its weights and optimizer, metrics cut back to its step. Returns the
+    warm-up accuracy (None when skipped or resumed) and the first RL step to run."""
+    from mcore_rl.trainer.metrics import MetricsWriter
+
+    if checkpoint is not None:
+        controller.reset_optimizer()
+        first_step = controller.load_checkpoint(checkpoint) + 1
+        checkpoint_store.truncate_metrics(out, first_step - 1)
+        print(f"resumed from {checkpoint} (step {first_step - 1})")
+        return None, first_step
+    checkpoint_store.truncate_metrics(out, 0)
+    warm = MetricsWriter(out, phase="warmup")
+    accuracy = controller.warmup(warm) if cfg.warmup.max_steps else None
+    warm.close()
+    if cfg.warmup.max_steps:  # the warmed-up model, for runs that start from it
+        from mcore_rl.trainer.hf_export import export_actor_hf
+
+        export_actor_hf(controller, model_dir, out / WARMUP_HF)
+    controller.reset_optimizer()
+    return accuracy, 1
+
+
+def _train(controller, cfg, out: Path, stop, first_step: int) -> None:
+    """RL steps first_step..cfg.steps, each one's metrics written; checkpoints when due and at
+    a stop request (then RunStopped)."""
+    from mcore_rl.trainer.metrics import MetricsWriter
+    from mcore_rl.trainer.recovery import EngineFailed
+    from mcore_rl.trainer.run_control import RunStopped
+
+    writer = MetricsWriter(out)
+    for step in range(first_step, cfg.steps + 1):
+        try:
+            writer.write(step, controller.rl_step(step))
+        except EngineFailed as failed:  # checkpointed after this step: log it too
+            if failed.step_metrics is not None:
+                writer.write(step, failed.step_metrics)
+            raise
+        if cfg.checkpoint.due(step, cfg.steps) or stop.requested:
+            saved = controller.save_checkpoint(step)
+            checkpoint_store.prune(saved.parent, cfg.checkpoint.keep_last)
+        if stop.requested:
+            print(f"checkpoint {saved} written {stop.seconds_since_signal():.1f} s after "
+                  f"{stop.signal_name}")
+            raise RunStopped(step, stop.signal_name, saved)
+    writer.close()
+
+
+def _summary(cfg, out: Path, *, accuracy, first_step: int, digests, wall_s: float) -> dict:
+    """summary.json's content: reward (and tool calls) over the first and last 5 steps."""
     rewards = [row["reward_mean"] for row in _metrics_rows(out)]
     k = min(5, len(rewards))
     summary = {"warmup_accuracy": accuracy, "reward_first5": sum(rewards[:k]) / max(k, 1),
                "reward_last5": sum(rewards[-k:]) / max(k, 1), "steps": len(rewards),
-               "resumed_from_step": first_step - 1, "wall_s": time.perf_counter() - start,
+               "resumed_from_step": first_step - 1, "wall_s": wall_s,
                "weights_digests": digests}
     if cfg.task.multi_turn:
         tool_calls = [row.get("tool_calls/mean", 0.0) for row in _metrics_rows(out)]
         summary["tool_calls_first5"] = sum(tool_calls[:k]) / max(k, 1)
         summary["tool_calls_last5"] = sum(tool_calls[-k:]) / max(k, 1)
-    (out / "summary.json").write_text(json.dumps(summary, indent=2))
-    print(f"{command} done in {summary['wall_s']:.0f} s: reward {summary['reward_first5']:.3f} "
-          f"(mean of first {k} steps) -> {summary['reward_last5']:.3f} (last {k}); "
-          f"run dir {out}")
     return summary
 
 

@@ -130,7 +130,8 @@ class Generation:
             raise ValueError(f"reward_model.hf_dir={rm.hf_dir}: vocabulary of {vocab} tokens "
                              f"does not cover the policy tokenizer's {len(self.tokenizer)}; the "
                              "reward model must share the policy's tokenizer")
-        return RewardModelGroup(rm, host=self.host, stack_dir=self.stack_dir,
+        return RewardModelGroup(rm, timeout_s=self.cfg.deadlines.reward_model_s,
+                                host=self.host, stack_dir=self.stack_dir,
                                 placement=self.placement, layer_spec=self.run.layer_spec)
 
     def _generate_groups(self, step: int, timer: PhaseTimer):

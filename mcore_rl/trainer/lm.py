@@ -17,9 +17,11 @@ import sys
 import time
 import warnings
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 
+from mcore_rl.config.seeds import USE_THE_RUN_SEED, derive_seed
 from mcore_rl.config import ConfigError, load_config, to_dict
 from mcore_rl.models.presets import PRESETS, get_preset
 from mcore_rl.parallel.config import ParallelConfig
@@ -29,15 +31,20 @@ from mcore_rl.trainer.config import TrainConfig, check_model_fits_parallel
 @dataclass(frozen=True, kw_only=True)
 class LMRunConfig:
     """model: a preset name (mcore_rl.models.presets). steps: optimizer steps.
-    task_seed: the permutation the synthetic task walks."""
+    seed: the run's one seed: the permutation the synthetic task walks and its batches
+        (stream "data") and megatron's init (stream "train"; `mcore_rl.config.seeds`)."""
 
     model: str = "micro"
     steps: int = 30
-    task_seed: int = 0
+    seed: int = 0
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
 
+    MOVED: ClassVar[dict[str, str]] = {"task_seed": USE_THE_RUN_SEED.format(stream="data")}
+
     def __post_init__(self) -> None:
+        if self.seed < 0:
+            raise ConfigError("seed", self.seed, "must be >= 0")
         if self.model not in PRESETS:
             raise ConfigError("model", self.model, f"unknown preset; known: "
                                                    f"{', '.join(sorted(PRESETS))}")
@@ -64,7 +71,8 @@ def _micro_batches(cfg: LMRunConfig, step: int, dp_rank: int):
 
     t = cfg.train
     per_rank = t.num_micro_batches * t.micro_batch_size
-    walks = permutation_batch(get_preset(cfg.model).vocab, task_seed=cfg.task_seed, step=step,
+    walks = permutation_batch(get_preset(cfg.model).vocab,
+                              task_seed=derive_seed(cfg.seed, "data"), step=step,
                               sequences=per_rank * cfg.parallel.dp, seq_len=t.seq_len)
     mine = walks[dp_rank * per_rank:(dp_rank + 1) * per_rank]
     return [MicroBatch(tokens=mb[:, :-1], labels=mb[:, 1:], loss_mask=torch.ones(mb[:, 1:].shape))
@@ -90,7 +98,8 @@ def run_rank(rank: int, world: int, cfg: LMRunConfig) -> list[dict]:
     from mcore_rl.trainer.megatron_train import setup_trainer, train_step
 
     groups = init_training_groups(cfg.parallel)
-    trainer = setup_trainer(get_preset(cfg.model), groups, cfg.train)
+    trainer = setup_trainer(get_preset(cfg.model), groups, cfg.train,
+                            seed=derive_seed(cfg.seed, "train"))
     dp_rank, log = groups.rank_in(Axis.DP), []
     for step in range(cfg.steps):
         lr = trainer.optimizer.param_groups[0]["lr"]  # the lr this step trains with

@@ -35,6 +35,7 @@ from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.module import Float16Module
 from megatron.core.utils import get_model_config
 
+from mcore_rl.config.seeds import derive_seed
 from mcore_rl.compat import apply_cpu_compat
 from mcore_rl.models.gpt import MoEOptions, build_gpt_model, transformer_config_from_spec
 from mcore_rl.models.spec import ModelSpec
@@ -91,7 +92,8 @@ class MegatronTrainer:
 
 def setup_trainer(spec: ModelSpec, groups: ParallelGroups, train: TrainConfig,
                   load_weights: Callable[[list[torch.nn.Module]], None] | None = None, *,
-                  layer_spec: str = "local") -> MegatronTrainer:
+                  layer_spec: str = "local",
+                  seed: int = derive_seed(0, "train")) -> MegatronTrainer:
     """Build model chunks with megatron's `layer_spec` (the run's `ResolvedRun.layer_spec`),
     load weights (`load_weights(chunks)`, before the optimizer copies them into its fp32 main
     params), wrap them in DDP and build the optimizer."""
@@ -103,7 +105,7 @@ def setup_trainer(spec: ModelSpec, groups: ParallelGroups, train: TrainConfig,
                                           recompute=train.recompute, layer_spec=layer_spec,
                                           moe=MoEOptions(train.moe_dispatcher,
                                                          train.moe_aux_loss_coeff))
-    chunks = build_gpt_model(spec, parallel, groups, params_dtype=dtype, seed=train.seed,
+    chunks = build_gpt_model(spec, parallel, groups, params_dtype=dtype, seed=seed,
                              config=config, layer_spec=layer_spec)
     if load_weights is not None:
         load_weights(chunks)

@@ -6,16 +6,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import ClassVar, Literal
 
 from mcore_rl.algorithms import AlgorithmConfig
 from mcore_rl.config import ConfigError
 from mcore_rl.config.dtypes import DtypeName, normalize_dtype_fields
+from mcore_rl.config.seeds import USE_THE_RUN_SEED
 from mcore_rl.launch.cluster import ClusterConfig
 from mcore_rl.models.presets import PRESETS
 from mcore_rl.models.spec import ModelSpec
 from mcore_rl.parallel import ParallelConfig
-from mcore_rl.rollout.engine import RolloutConfig
+from mcore_rl.rollout.config import RolloutConfig
 from mcore_rl.tasks.base import load_reward_fn  # noqa: F401 — callers import it from here
 from mcore_rl.tasks.config import TaskConfig
 from mcore_rl.trainer.config import OptimizerConfig, TrainConfig
@@ -33,7 +34,7 @@ class ModelConfig:
     """The model the run starts from. The rule:
 
     - hf_dir null: the demo builds a small random Llama locally (no download) from hidden,
-      heads, kv_heads, layers, ffn, seed (head_dim = hidden / heads; vLLM's CPU attention
+      heads, kv_heads, layers, ffn (head_dim = hidden / heads; vLLM's CPU attention
       needs >= 32), with the addition task's tokenizer.
     - hf_dir set: train from that HF checkpoint directory (config.json + safetensors +
       tokenizer); the demo fields are ignored. Preflight sizes the run from hf_dir's
@@ -44,6 +45,7 @@ class ModelConfig:
     experts: 0 = the dense demo Llama; > 0 = a demo Qwen3-MoE instead (q/k norms, every layer
       a mixture of `experts` routed experts, `experts_per_token` active per token, each an MLP
       of `expert_ffn`; renormalized top-k). `mcore-rl demo --model moe` sets these.
+    Its weights are seeded by the run's seed (stream "model", `mcore_rl.config.seeds`).
     """
 
     hf_dir: str | None = None
@@ -53,10 +55,11 @@ class ModelConfig:
     kv_heads: int = 2
     layers: int = 2
     ffn: int = 512
-    seed: int = 0
     experts: int = 0
     experts_per_token: int = 2
     expert_ffn: int = 128
+
+    MOVED: ClassVar[dict[str, str]] = {"seed": USE_THE_RUN_SEED.format(stream="model")}
 
     def __post_init__(self) -> None:
         if self.preset is not None and self.preset not in PRESETS:
@@ -132,18 +135,30 @@ class WarmupConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class DeadlineConfig:
-    """Seconds each phase may take before the watchdog stops the run (naming the phase, the
-    workers that did not arrive, and their stack dumps). startup_s: workers, engines and the
-    sync group coming up. gen_s: one generation call. train_s: each actor/critic/reference
-    pass (log-probs, values, updates, warm-up steps). sync_s: one weight sync."""
+    """Every deadline of a run, in seconds: the watchdog stops a phase that overruns (naming
+    the phase, the workers that did not arrive, and their stack dumps), and each wait on a
+    worker, engine or store reads its deadline from here.
+
+    startup_s: workers, engines and the sync group coming up (also each rollout engine's own
+        start-up wait).
+    gen_s: one generation call. train_s: each actor/critic/reference pass (log-probs, values,
+        updates, warm-up steps). sync_s: one weight sync.
+    engine_call_s: any other rollout-engine call (Ray calls, worker RPCs, joining the sync
+        group, probes) that has no phase deadline of its own.
+    reward_model_s: the reward model's start-up, each of its `score` calls, and its workers'
+        collective timeout.
+    """
 
     startup_s: float = 600.0
     gen_s: float = 300.0
     train_s: float = 300.0
     sync_s: float = 120.0
+    engine_call_s: float = 600.0
+    reward_model_s: float = 600.0
 
     def __post_init__(self) -> None:
-        for name in ("startup_s", "gen_s", "train_s", "sync_s"):
+        for name in ("startup_s", "gen_s", "train_s", "sync_s", "engine_call_s",
+                     "reward_model_s"):
             if not getattr(self, name) > 0:
                 raise ConfigError(name, getattr(self, name), "must be > 0")
 
@@ -185,7 +200,9 @@ class RLConfig:
     recovery: restarting rollout engines that die (see RecoveryConfig).
     max_sampling_rounds: with algorithm.dynamic_sampling, generation rounds per step at most.
     off_policy_steps: deprecated alias of rollout.mode (0: sync, 1: one_step); leave null.
-    seed: prompts and sampling.
+    seed: the run's one seed: prompts and sampling, and through `derive_seed(seed, stream)`
+        (`mcore_rl.config.seeds`) the demo model's weights ("model") and megatron's init and
+        RNG tracker ("train"). The default 0 gives model 0, train 1234.
     """
 
     actor: ParallelConfig = field(default_factory=lambda: ParallelConfig(tp=2))

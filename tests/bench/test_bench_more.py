@@ -91,7 +91,7 @@ def test_spread():
 # --- the commands end to end ------------------------------------------------------------------
 
 def test_logprob_bench(capsys, tmp_path):
-    code = main(["bench", "logprob", "--tokens", "256", "--vocab", "4096", "--backward",
+    code = main(["bench", "logprob", "tokens=256", "vocab=4096", "backward=true",
                  "--repeats", "2", "--out", str(tmp_path)])
     assert code == 0
     report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
@@ -112,7 +112,7 @@ def test_logprob_bench(capsys, tmp_path):
 
 def test_rollout_bench(tmp_path):
     report, stdout = run_cli_subprocess(
-        "bench", "rollout", "--prompts", "4", "--prompt-len", "8", "--max-new-tokens", "8",
+        "bench", "rollout", "prompts=4", "prompt_len=8", "max_new_tokens=8",
         "--repeats", "2", "--out", str(tmp_path))
     for engine in ("vllm", "hf"):
         assert report[engine]["tokens"] == 4 * 8
@@ -169,9 +169,11 @@ def test_step_bench(tmp_path):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["logprob", "--vocab", "4097"], "vocab=4097"),
-    (["logprob", "--tp", "1"], "tp=1"),
-    (["rollout", "--max-new-tokens", "0"], "max_new_tokens=0"),
+    (["logprob", "vocab=4097"], "vocab=4097"),
+    (["logprob", "tp=1"], "tp=1"),
+    (["logprob", "dtype=int8"], "dtype='int8'"),
+    (["rollout", "max_new_tokens=0"], "max_new_tokens=0"),
+    (["rollout", "max_new_token=8"], "max_new_token=8: unknown field"),
     (["step", "no_such_field=1"], "no_such_field"),
     (["step", "--peak-tflops", "0"], "peak_tflops"),
     # a setting the TRL baseline cannot match is refused before anything starts

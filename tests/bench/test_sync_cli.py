@@ -1,5 +1,5 @@
 """`mcore-rl bench sync` end to end: it launches its own ranks, checks bit-exactness and
-reports bytes and staging memory per rank; `--plan-only` plans 70B from shapes alone."""
+reports bytes and staging memory per rank; `plan_only=true` plans 70B from shapes alone."""
 
 import json
 
@@ -15,10 +15,9 @@ def run_cli(capsys, *argv):
 
 
 def test_sync_with_baseline_checks_bytes_and_memory(capsys, tmp_path):
-    code, report, _ = run_cli(capsys, "bench", "sync", "--model", "micro", "--train-tp", "2",
-                              "--train-pp", "2", "--infer-tp", "2", "--bucket-mb", "0.0625",
-                              "--baseline", "gather", "--baseline", "link", "--check",
-                              "--out", str(tmp_path))
+    code, report, _ = run_cli(capsys, "bench", "sync", "model=micro", "train.tp=2",
+                              "train.pp=2", "infer.tp=2", "bucket_mb=0.0625",
+                              "baseline=[gather,link]", "check=true", "--out", str(tmp_path))
     assert code == 0
     assert report["check"] == "pass" and report["baseline"]["check"] == "pass"
     _check_link_baseline(report)
@@ -36,12 +35,12 @@ def test_sync_with_baseline_checks_bytes_and_memory(capsys, tmp_path):
 def _check_link_baseline(report):
     """--baseline link moved the plan's byte matrix, and link_efficiency is its time over
     ours (medians, and run by run)."""
-    from mcore_rl.bench.sync import SyncBenchConfig, make_plan, resolve_model
+    from mcore_rl.bench.sync import InferenceGrid, SyncBenchConfig, make_plan, resolve_model
     from mcore_rl.bench.sync_link import byte_matrix
     from mcore_rl.parallel import ParallelConfig
 
-    cfg = SyncBenchConfig(model="micro", train=ParallelConfig(tp=2, pp=2), infer_tp=2,
-                          bucket_mb=0.0625)
+    cfg = SyncBenchConfig(model="micro", train=ParallelConfig(tp=2, pp=2),
+                          infer=InferenceGrid(tp=2), bucket_mb=0.0625)
     _, _, plan = make_plan(cfg, resolve_model("micro"))
     link = report["link"]
     assert link["byte_matrix"] == {f"{s}->{d}": n for (s, d), n in byte_matrix(plan).items()}
@@ -56,9 +55,9 @@ def _check_link_baseline(report):
 
 
 def test_plan_only_projects_70b_against_the_baseline(capsys):
-    code, report, out = run_cli(capsys, "bench", "sync", "--plan-only", "--model", "llama3-70b",
-                                "--train-tp", "8", "--train-pp", "2", "--infer-tp", "8",
-                                "--engines", "2", "--dtype", "bf16", "--bucket-mb", "512")
+    code, report, out = run_cli(capsys, "bench", "sync", "plan_only=true", "model=llama3-70b",
+                                "train.tp=8", "train.pp=2", "infer.tp=8", "infer.engines=2",
+                                "dtype=bf16", "bucket_mb=512")
     assert code == 0
     assert report["projected_s"] > 0 and report["baseline_projected_s"] > report["projected_s"]
     # one inference rank needs ~1/8 of the bf16 weights, never the whole 141 GB
@@ -68,19 +67,18 @@ def test_plan_only_projects_70b_against_the_baseline(capsys):
 
 def test_moe_sync_tp2ep2_is_bit_exact_and_each_rank_gets_only_its_shards(capsys):
     # TP2·EP2 (experts whole on each EP rank) → vLLM TP2: stacked w13/w2 per inference rank
-    code, report, _ = run_cli(capsys, "bench", "sync", "--model", "micro-moe", "--train-tp",
-                              "2", "--train-ep", "2", "--train-etp", "1", "--infer-tp", "2",
-                              "--bucket-mb", "0.0625", "--check")
+    code, report, _ = run_cli(capsys, "bench", "sync", "model=micro-moe", "train.tp=2",
+                              "train.ep=2", "train.etp=1", "infer.tp=2", "bucket_mb=0.0625",
+                              "check=true")
     assert code == 0 and report["check"] == "pass"
     assert report["train"] == "tp2 pp1 vpp1 dp1 ep2 etp1"
     assert report["received_over_ideal"] == 1.0
 
 
 def test_plan_only_projects_qwen3_30b_a3b_with_expert_parallel(capsys):
-    code, report, out = run_cli(capsys, "bench", "sync", "--plan-only", "--model",
-                                "qwen3-30b-a3b", "--train-tp", "4", "--train-dp", "2",
-                                "--train-ep", "8", "--train-etp", "1", "--infer-tp", "8",
-                                "--dtype", "bf16", "--bucket-mb", "512")
+    code, report, out = run_cli(capsys, "bench", "sync", "plan_only=true",
+                                "model=qwen3-30b-a3b", "train.tp=4", "train.dp=2", "train.ep=8",
+                                "train.etp=1", "infer.tp=8", "dtype=bf16", "bucket_mb=512")
     assert code == 0
     assert report["baseline_projected_s"] > report["projected_s"] > 0
     # every inference rank receives exactly its own shards: 1/8 of the ~61 GB, nothing more
@@ -90,26 +88,46 @@ def test_plan_only_projects_qwen3_30b_a3b_with_expert_parallel(capsys):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--model", "micro-moe", "--train-dp", "3", "--train-ep", "3"],
+    (["model=micro-moe", "train.dp=3", "train.ep=3"],
      "parallel.ep=3: does not divide num_experts=4"),
-    (["--train-dp", "2", "--train-ep", "2"], "parallel.ep=2: needs a mixture-of-experts model"),
-    (["--train-tp", "3"], "parallel.tp=3: does not divide num_attention_heads=4"),
-    (["--infer-tp", "3"], "vLLM tp=3 does not divide num_attention_heads=4"),
-    (["--model", "no-such-model"], "neither a preset"),
-    (["--transport", "ipc", "--infer-tp", "2"], "--transport ipc is colocated"),
+    (["train.dp=2", "train.ep=2"], "parallel.ep=2: needs a mixture-of-experts model"),
+    (["train.tp=3"], "parallel.tp=3: does not divide num_attention_heads=4"),
+    (["infer.tp=3"], "vLLM tp=3 does not divide num_attention_heads=4"),
+    (["model=no-such-model"], "model='no-such-model': neither a preset"),
+    (["transport=ipc", "infer.tp=2"], "transport='ipc': ipc is colocated"),
+    # the override machinery names the field of a bad spelling, a bad value or a bad type
+    (["train.tpp=2"], "train.tpp=2: unknown field"),
+    (["infer.engines=0"], "infer.engines=0: must be >= 1"),
+    (["baseline=[gather,nccl]"], "baseline[1]='nccl': allowed values: gather, link"),
+    (["bucket_mb=big"], "bucket_mb='big': expected a number"),
+    (["link_model.gpus_per_node=0"], "link_model.gpus_per_node=0: must be >= 1"),
 ])
 def test_bad_input_fails_before_any_rank_starts(capsys, argv, message):
-    code = main(["bench", "sync", "--model", "micro", *argv])  # a later --model wins
+    code = main(["bench", "sync", "model=micro", *argv])  # a later model= wins
     assert code == 2
-    assert message in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1
+
+
+def test_config_file_then_overrides_then_repeats_flag(tmp_path):
+    """`--config FILE` sets fields, overrides win over it, `--repeats` over both."""
+    from mcore_rl.bench.cli import bench_config
+    from mcore_rl.bench.sync import SyncBenchConfig
+    from mcore_rl.cli import build_parser
+
+    (tmp_path / "sync.yaml").write_text("model: micro\ninfer: {tp: 2}\nrepeats: 5\n")
+    args = build_parser().parse_args(["bench", "sync", "--config", str(tmp_path / "sync.yaml"),
+                                      "infer.engines=2", "train.tp=2", "--repeats", "3"])
+    cfg = bench_config(SyncBenchConfig, args)
+    assert (cfg.model, cfg.infer.tp, cfg.infer.engines, cfg.train.tp, cfg.repeats) == \
+        ("micro", 2, 2, 2, 3)
 
 
 def test_ipc_transport_is_exact_with_one_bucket_of_staging(capsys):
     """Colocated ranks (inference rank d on training rank d's device): the refit goes through
     one shared staging buffer per training rank, bit-exact."""
-    code, report, _ = run_cli(capsys, "bench", "sync", "--model", "micro", "--train-tp", "2",
-                              "--infer-tp", "2", "--bucket-mb", "0.0625", "--transport", "ipc",
-                              "--check")
+    code, report, _ = run_cli(capsys, "bench", "sync", "model=micro", "train.tp=2",
+                              "infer.tp=2", "bucket_mb=0.0625", "transport=ipc", "check=true")
     assert code == 0
     assert report["transport"] == "ipc" and report["check"] == "pass"
     bucket = 0.0625 * (1 << 20)
@@ -119,22 +137,20 @@ def test_ipc_transport_is_exact_with_one_bucket_of_staging(capsys):
         assert 0.45 < report["bytes_received"][rank] / report["model_bytes"] < 0.56
 
 
-def test_plan_only_with_vllm_expert_parallel():
-    """The bench's planning takes the vLLM EP layout (`SyncBenchConfig.infer_ep`; the CLI flag
-    is wired with the override-style CLI): each rank still receives exactly its own shards."""
-    from mcore_rl.bench.link_model import LinkModel
-    from mcore_rl.bench.sync import SyncBenchConfig, plan_only_report
-    from mcore_rl.parallel import ParallelConfig
-
-    link = LinkModel(gpus_per_node=8, intra_node_gbs=370.0, inter_node_gbs=45.0, latency_s=2e-5)
-    reports = {ep: plan_only_report(SyncBenchConfig(
-        model="micro-moe", train=ParallelConfig(dp=2, ep=2), infer_tp=2, infer_ep=ep), link)
-        for ep in (False, True)}
-    assert reports[True]["infer"] == "tp2 ep x1" and reports[False]["infer"] == "tp2 x1"
+def test_plan_only_with_vllm_expert_parallel(capsys):
+    """`infer.ep=true` plans into vLLM's expert-parallel layout (each inference rank holds
+    whole experts): each rank still receives exactly its own shards, in fewer transfers."""
+    reports = {}
+    for ep in ("false", "true"):
+        code, reports[ep], _ = run_cli(capsys, "bench", "sync", "plan_only=true",
+                                       "model=micro-moe", "train.dp=2", "train.ep=2",
+                                       "infer.tp=2", f"infer.ep={ep}")
+        assert code == 0
+    assert reports["true"]["infer"] == "tp2 ep x1" and reports["false"]["infer"] == "tp2 x1"
     for report in reports.values():
         assert report["received_over_ideal"] == 1.0
     # whole experts from whole-expert training shards: fewer, larger transfers
-    assert reports[True]["transfers"] < reports[False]["transfers"]
+    assert reports["true"]["transfers"] < reports["false"]["transfers"]
 
 
 def test_gather_baseline_collects_experts_spread_over_expert_dp():
@@ -142,12 +158,13 @@ def test_gather_baseline_collects_experts_spread_over_expert_dp():
     on rank 1 (DP replica 1, expert-DP replica 0 of EP rank 1). The baseline gathers every
     piece from the lowest rank holding it — rank 1 sends its experts and nothing dense — so
     the broadcast model is whole and its check passes."""
-    from mcore_rl.bench.sync import (SyncBenchConfig, _gather_senders, make_plan,
-                                     resolve_model, run_sync_bench)
+    from mcore_rl.bench.sync import (InferenceGrid, SyncBenchConfig, _gather_senders,
+                                     make_plan, resolve_model, run_sync_bench)
     from mcore_rl.parallel import ParallelConfig
 
-    cfg = SyncBenchConfig(model="micro-moe", train=ParallelConfig(dp=2, ep=2), infer_tp=2,
-                          bucket_mb=0.0625, baseline=True, check=True)
+    cfg = SyncBenchConfig(model="micro-moe", train=ParallelConfig(dp=2, ep=2),
+                          infer=InferenceGrid(tp=2), bucket_mb=0.0625, baseline=("gather",),
+                          check=True)
     src, _, _ = make_plan(cfg, resolve_model(cfg.model))
     senders = _gather_senders(src)
     assert senders[1] and all("experts" in key for key in senders[1]), senders

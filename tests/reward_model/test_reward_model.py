@@ -107,11 +107,11 @@ def test_reward_model_group_tp2_end_to_end(rm_dirs, tmp_path):
     from mcore_rl.launch.watchdog import WatchdogTimeout
 
     cfg = RewardModelConfig(enabled=True, hf_dir=str(rm_dirs["llama"]),
-                            parallel=ParallelConfig(tp=2), micro_batch_size=2, timeout_s=120)
+                            parallel=ParallelConfig(tp=2), micro_batch_size=2)
     ref = _hf_scores(rm_dirs["llama"])
     group = None
     try:
-        group = RewardModelGroup(cfg, stack_dir=tmp_path / "stacks")
+        group = RewardModelGroup(cfg, timeout_s=120, stack_dir=tmp_path / "stacks")
         pids = list(group.pids)
         assert len(set(pids)) == 2 and os.getpid() not in pids
         scores = group.score(PROMPTS, RESPONSES, PAD)
@@ -177,7 +177,7 @@ def test_checkpoint_without_score_weight_names_file_and_tensor(rm_dirs, tmp_path
         check_reward_model_dir(out)
     # the group refuses before starting any worker (no Ray needed)
     with pytest.raises(RewardModelError, match="score.weight"):
-        RewardModelGroup(RewardModelConfig(enabled=True, hf_dir=str(out)))
+        RewardModelGroup(RewardModelConfig(enabled=True, hf_dir=str(out)), timeout_s=60)
 
 
 def test_checkpoint_with_two_labels_or_an_lm_head_is_refused(rm_dirs, tmp_path):
@@ -196,7 +196,6 @@ def test_checkpoint_with_two_labels_or_an_lm_head_is_refused(rm_dirs, tmp_path):
     (dict(micro_batch_size=0), "micro_batch_size"),
     (dict(dtype="fp16"), "dtype"),
     (dict(coeff=math.nan), "coeff"),
-    (dict(timeout_s=0), "timeout_s"),
     (dict(parallel=ParallelConfig(tp=2, sequence_parallel=True)), "parallel.sequence_parallel"),
     (dict(parallel=ParallelConfig(pp=2, vpp=2)), "parallel.vpp"),
 ])
@@ -210,8 +209,16 @@ def test_grid_that_does_not_fit_the_model_names_the_field(rm_dirs):
     cfg = RewardModelConfig(enabled=True, hf_dir=str(rm_dirs["llama"]),
                             parallel=ParallelConfig(tp=8))
     with pytest.raises(ConfigError) as err:
-        RewardModelGroup(cfg)
+        RewardModelGroup(cfg, timeout_s=60)
     assert err.value.field == "parallel.tp"
+
+
+def test_the_old_timeout_key_says_where_it_moved():
+    from mcore_rl.config import from_dict
+
+    with pytest.raises(ConfigError, match=r"reward_model.timeout_s=30: this key moved: set "
+                                          r"deadlines.reward_model_s"):
+        from_dict(RewardModelConfig, {"timeout_s": 30}, prefix="reward_model")
 
 
 def test_bad_batches_are_refused():

@@ -11,7 +11,6 @@ from mcore_rl.rollout import RolloutConfig, SamplingConfig
     (RolloutConfig, "engines", 0),
     (RolloutConfig, "kv_cache_gib", 0.0),
     (RolloutConfig, "gpu_memory_utilization", 1.5),
-    (RolloutConfig, "call_timeout_s", 0.0),
     (RolloutConfig, "sleep_level", 3),
     (RolloutConfig, "block_size", 20),             # not a multiple of 16
     (SamplingConfig, "temperature", -0.5),
@@ -29,6 +28,14 @@ def test_threads_bind_needs_one_list_per_rank():
     with pytest.raises(ConfigError, match="cpu_threads_bind"):
         RolloutConfig(tp=2, cpu_threads_bind="0")
     RolloutConfig(tp=2, cpu_threads_bind="0|1")
+
+
+def test_a_deadline_key_in_the_rollout_section_says_where_it_moved():
+    with pytest.raises(ConfigError, match=r"rollout.start_timeout_s=60: this key moved: set "
+                                          r"deadlines.startup_s"):
+        from_dict(RolloutConfig, {"start_timeout_s": 60}, prefix="rollout")
+    with pytest.raises(ConfigError, match="rollout.call_timeout_s=9: .*deadlines.engine_call_s"):
+        from_dict(RolloutConfig, {"call_timeout_s": 9}, prefix="rollout")
 
 
 def test_loaded_from_yaml_dict_with_prefix():

@@ -30,7 +30,8 @@ def tied_dir(tmp_path_factory):
 
 def test_installing_a_tied_embedding_repacks_the_lm_head(tied_dir):
     engine = RolloutEngine(tied_dir, RolloutConfig(max_model_len=MAX_MODEL_LEN,
-                                                   kv_cache_gib=0.25))
+                                                   kv_cache_gib=0.25),
+                           call_timeout_s=600.0)
     try:
         w0 = load_file(tied_dir / "model.safetensors")
         assert "lm_head.weight" not in w0

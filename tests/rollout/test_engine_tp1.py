@@ -24,7 +24,8 @@ GREEDY = SamplingConfig(temperature=0.0, max_tokens=10)
 def engine(micro_dir):
     # block_size 32: 40-token prompts fill a block, so the prefix cache really holds them.
     eng = RolloutEngine(micro_dir, RolloutConfig(max_model_len=MAX_MODEL_LEN, kv_cache_gib=0.25,
-                                                 block_size=32))
+                                                 block_size=32),
+                        call_timeout_s=600.0)
     print(f"TP=1 in-process start-up: {eng.startup_s:.1f} s")
     yield eng
     eng.shutdown()

@@ -23,7 +23,8 @@ GREEDY = SamplingConfig(temperature=0.0, max_tokens=10)
 @pytest.fixture(scope="module")
 def engine(micro_dir):
     eng = RolloutEngine(micro_dir, RolloutConfig(tp=2, max_model_len=MAX_MODEL_LEN,
-                                                 kv_cache_gib=0.25, block_size=32))
+                                                 kv_cache_gib=0.25, block_size=32),
+                        call_timeout_s=600.0)
     print(f"TP=2 (mp executor) start-up: {eng.startup_s:.1f} s")
     yield eng
     start = time.perf_counter()

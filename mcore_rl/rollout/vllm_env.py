@@ -1,0 +1,50 @@
+"""The process environment vLLM reads, set before an engine starts (vLLM takes its settings
+from the environment, so this is process-wide; one live engine per process).
+
+On CPU the legacy integer-GiB `VLLM_CPU_KVCACHE_SPACE` would override the engine's
+`kv_cache_memory_bytes` and is removed; tp > 1 pins each rank's OpenMP threads
+(`VLLM_CPU_OMP_THREADS_BIND`). `vllm.envs` caches env reads, so the cache is cleared before
+each engine starts.
+"""
+
+from __future__ import annotations
+
+import os
+
+from mcore_rl.rollout.config import RolloutConfig
+
+
+def _allowed_cores() -> list[int]:
+    try:
+        return sorted(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - non-Linux
+        return list(range(os.cpu_count() or 1))
+
+
+def _threads_bind(cfg: RolloutConfig) -> str:
+    if cfg.cpu_threads_bind:
+        return cfg.cpu_threads_bind
+    cores = _allowed_cores()
+    per = max(1, len(cores) // cfg.tp)
+    return "|".join(",".join(str(cores[(r * per + i) % len(cores)]) for i in range(per))
+                    for r in range(cfg.tp))
+
+
+def configure_vllm_env(cfg: RolloutConfig, on_cpu: bool) -> None:
+    """Set the environment vLLM reads (process-wide; call before creating the engine)."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    # a multi-node launcher sets each node's own address; one machine uses cfg.host_ip
+    os.environ["VLLM_HOST_IP"] = os.environ.get("MCORE_RL_NODE_IP") or cfg.host_ip
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # engines load local folders only
+    if on_cpu:
+        os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)  # would override kv_cache_memory_bytes
+        if cfg.tp > 1:
+            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = _threads_bind(cfg)
+    try:  # vLLM caches env reads once an engine has started; a new engine must re-read them
+        from vllm import envs
+        envs.disable_envs_cache()
+    except ImportError:  # pragma: no cover
+        pass
+
+
+__all__ = ["configure_vllm_env"]
