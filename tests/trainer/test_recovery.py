@@ -38,9 +38,9 @@ def test_backoff_doubles_up_to_its_cap():
 
 
 def test_a_pipeline_whose_engine_died_fails_the_step_at_once():
-    """one_step / async do not restart engines: the EngineFailed that the generation thread
-    raises (RLController._generate → recovery, rollout.mode != sync) reaches the step waiting
-    for that batch at once — nothing waits on the dead engine — and shutdown returns."""
+    """An engine failure that is not recovered (partial rollouts, or out of restarts: the
+    EngineFailed raised while a batch ahead is generated) reaches the step waiting for that
+    batch at once — nothing waits on the dead engine — and shutdown returns."""
     import time
 
     from mcore_rl.trainer.async_rollout import RolloutPipeline
