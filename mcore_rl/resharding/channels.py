@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from mcore_rl.resharding.copy_service import CopyService, P2PCopy
+from mcore_rl.resharding.host_memory import ReceivePool
 from mcore_rl.resharding.ipc_copy import IpcCopy
 from mcore_rl.resharding.planner import Plan
 from mcore_rl.resharding.schedule import ScheduleCache
@@ -53,6 +54,8 @@ class SyncChannels:
     _services: dict[str, CopyService] = field(default_factory=dict)
     # this rank's compiled share of each plan it synced, by fingerprint: compiled once
     _schedules: ScheduleCache = field(default_factory=ScheduleCache)
+    # host memory one receive assembled into, reused by the next (no first-touch cost)
+    _receive_pool: ReceivePool = field(default_factory=ReceivePool)
 
     @classmethod
     def join(cls, spec: SyncGroupSpec, rank: int, device: str | torch.device = "cpu",
@@ -107,15 +110,20 @@ class SyncChannels:
 
     def receive(self, plan: Plan, transport: str, *, dtype: torch.dtype, timeout_s: float,
                 stats: SyncStats | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-        """This inference rank's shards, by its engine's `transport`, on this rank's device."""
+        """This inference rank's shards, by its engine's `transport`, on this rank's device.
+        Host shards are assembled in the memory the previous receive used
+        (`host_memory.ReceivePool`): what this yields is valid until the next `receive` —
+        copy what you keep (the vLLM installer copies into the engine's parameters)."""
         copy = self.service(transport)
         try:
             yield from receive_shards(
                 plan, self.bulk, self.rank, dtype=dtype, timeout_s=timeout_s, stats=stats,
                 device=self.device, copy=copy,
-                schedule=self._schedules.get(plan, self.rank, sending=False))
+                schedule=self._schedules.get(plan, self.rank, sending=False),
+                pool=self._receive_pool)
         except BaseException:
             self._drop(transport)
+            self._receive_pool.clear()  # a half-received sync: start over on fresh memory
             raise
 
     def _guarded(self, transport: str, run):
@@ -134,6 +142,7 @@ class SyncChannels:
         """Free staging buffers and shut the groups down."""
         for transport in list(self._services):
             self._drop(transport)
+        self._receive_pool.clear()
         if self.control is not self.bulk:
             self.control.shutdown()
         self.bulk.shutdown()

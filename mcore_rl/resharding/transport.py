@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from mcore_rl.resharding.copy_service import CopyService, P2PCopy, SyncError, wait_work
-from mcore_rl.resharding.host_memory import empty_host
+from mcore_rl.resharding.host_memory import ReceivePool, empty_host
 from mcore_rl.resharding.planner import Plan
 from mcore_rl.resharding.schedule import RankSchedule, compile_schedule
 
@@ -118,13 +118,16 @@ def receive_shards(plan: Plan, group: dist.ProcessGroup, sync_rank: int, *,
                    dtype: torch.dtype, timeout_s: float = 120.0,
                    stats: SyncStats | None = None, device: str | torch.device = "cpu",
                    copy: CopyService | None = None,
-                   schedule: RankSchedule | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+                   schedule: RankSchedule | None = None,
+                   pool: ReceivePool | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """Receive this inference rank's shards; yield `(name, tensor)` as each tensor completes
     (padding rows are zeros). Raises SyncError if anything expected never arrives.
 
     device: where the shards are assembled — this inference rank's device from the resolved
     run (`ResolvedRun.engine_devices`). copy: how bytes move (default: point-to-point on
     `group`). schedule: this rank's compiled share of the plan (compiled when not given).
+    pool: assemble into the host memory the previous receive of this plan used
+    (`host_memory.ReceivePool`; the yielded tensors are then valid until the next receive).
 
     Rounds overlap: round k + window is posted as soon as round k has landed, before round
     k's tensors are yielded, so the wire stays busy while the caller installs them."""
@@ -138,8 +141,12 @@ def receive_shards(plan: Plan, group: dist.ProcessGroup, sync_rank: int, *,
     tensors: dict[str, torch.Tensor] = {}
     yielded: set[str] = set()
 
+    if pool is not None:
+        pool.start(plan.fingerprint())
+    allocate = pool.take if pool is not None else _fresh
+
     def post(k: int) -> None:
-        _post_round(k, schedule, copy, tensors, dtype, device)
+        _post_round(k, schedule, copy, tensors, dtype, device, allocate)
 
     copy.start(plan, sync_rank, sending=False, dtype=dtype, timeout_s=timeout_s, stats=stats)
     try:
@@ -164,17 +171,24 @@ def receive_shards(plan: Plan, group: dist.ProcessGroup, sync_rank: int, *,
 
 
 def _post_round(k: int, schedule: RankSchedule, copy: CopyService,
-                tensors: dict[str, torch.Tensor], dtype: torch.dtype, device) -> None:
-    """Post round k's receives straight into the destination tensors (allocated on first use;
-    a partly covered tensor starts as zeros, its padding must read as zeros)."""
+                tensors: dict[str, torch.Tensor], dtype: torch.dtype, device,
+                allocate) -> None:
+    """Post round k's receives straight into the destination tensors (allocated on first use
+    by `allocate`: fresh memory, or a pool's; a partly covered tensor starts as zeros,
+    its padding must read as zeros)."""
     shapes, views = schedule.shapes, []
     for src, items in schedule.rounds[k]:
         for key, _, _ in items:
             if key not in tensors:
-                tensors[key] = empty_host(shapes[key], dtype, device=device,
-                                          zero=schedule.covered.get(key, 0) < math.prod(shapes[key]))
+                zero = schedule.covered.get(key, 0) < math.prod(shapes[key])
+                tensors[key] = allocate(key, shapes[key], dtype, device=device, zero=zero)
         views.append((src, [tensors[key][slices] for key, slices, _ in items]))
     copy.post_recv(k, views)
+
+
+def _fresh(key: str, shape: tuple[int, ...], dtype: torch.dtype, *, device,
+           zero: bool) -> torch.Tensor:
+    return empty_host(shape, dtype, device=device, zero=zero)
 
 
 def _land_round(k: int, round_items, copy: CopyService, remaining: dict[str, int]) -> list[str]:

@@ -3,7 +3,7 @@
 
 import torch
 
-from mcore_rl.resharding.host_memory import empty_host
+from mcore_rl.resharding.host_memory import ReceivePool, empty_host
 
 
 def test_large_host_buffers_are_aligned_zeroed_and_writable():
@@ -23,3 +23,23 @@ def test_small_and_device_buffers_fall_back_to_torch():
     assert small.dtype == torch.bfloat16 and not small.any()
     meta = empty_host((1 << 22,), torch.float32, device="meta")
     assert meta.device.type == "meta"
+
+
+def test_a_receive_pool_hands_back_last_syncs_memory_for_the_same_plan_only():
+    pool = ReceivePool()
+    pool.start(b"plan-a")
+    first = pool.take("w", (1 << 20,), torch.float32, zero=True)
+    assert not first.any()
+    first.fill_(1.0)
+    assert pool.take("w", (1 << 20,), torch.float32).data_ptr() == first.data_ptr()
+    assert pool.nbytes == 4 << 20
+    # another shape or dtype under the same key: fresh memory
+    assert pool.take("w", (2, 1 << 19), torch.float32).data_ptr() != first.data_ptr()
+    assert pool.take("w", (2, 1 << 19), torch.bfloat16).dtype == torch.bfloat16
+    pool.start(b"plan-a")
+    kept = pool.take("w", (2, 1 << 19), torch.bfloat16)
+    pool.start(b"plan-b")  # another plan: nothing carried over
+    assert pool.take("w", (2, 1 << 19), torch.bfloat16).data_ptr() != kept.data_ptr()
+    # device memory is never pooled (torch's caching allocator reuses it already)
+    meta = pool.take("m", (1 << 22,), torch.float32, device="meta")
+    assert meta.device.type == "meta" and pool.nbytes == 2 << 20

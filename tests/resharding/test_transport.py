@@ -17,6 +17,7 @@ from mcore_rl.models.presets import get_preset
 from mcore_rl.parallel import ParallelConfig
 from mcore_rl.resharding import (SyncGroupSpec, build_plan, join_sync_group, receive_shards,
                                  send_shards, verify_plan)
+from mcore_rl.resharding.host_memory import ReceivePool
 
 MICRO = get_preset("micro")  # 4 heads, 2 kv heads, head_dim 32, 4 layers, vocab 250
 WIDE = MICRO.with_(heads=8, kv_heads=4, head_dim=16, hidden=128)
@@ -65,18 +66,21 @@ CASES = {
     "mixtral tp2ep2 -> tp4 ep uneven": (MIXTRAL.with_(num_experts=6),
                                        ParallelConfig(tp=2, ep=2, etp=1), 4, 1),
 }
+# this row syncs twice more through a ReceivePool (new weights each time): the second
+# receive must land in the first one's memory, exact, its vocabulary padding still zeros
+POOLED = "qwen2 tied tp2 -> tp1"
 VLLM_EP = {"qwen3-moe ep2 -> tp2 ep", "qwen3-moe etp2ep2 -> tp2 ep",
            "mixtral tp2ep2 -> tp4 ep uneven"}
 MAX_RANKS = max(p.world_size + tp * e for _, p, tp, e in CASES.values())
 
 
-def hf_reference(spec):
-    g = torch.Generator().manual_seed(7)
+def hf_reference(spec, seed=7):
+    g = torch.Generator().manual_seed(seed)
     return {n: torch.randn(s, generator=g) for n, s in hf_shards(spec).hf_shapes.items()}
 
 
 def run_case(rank, case_index, spec, parallel, infer_tp, engines, expert_parallel=False,
-             timeout_s=30.0):
+             timeout_s=30.0, pooled=False):
     """One row on this process. Returns None when this rank sits the row out."""
     src = megatron_shards(spec, parallel)
     dst = vllm_shards(spec, infer_tp, engines, expert_parallel=expert_parallel)
@@ -91,22 +95,42 @@ def run_case(rank, case_index, spec, parallel, infer_tp, engines, expert_paralle
     if rank < plan.num_src:
         local = materialize_rank(src, rank, hf.__getitem__)
         stats = send_shards(plan, group, rank, local, dtype=torch.float32)
+        for seed in (8, 9) if pooled else ():
+            new = hf_reference(spec, seed)
+            send_shards(plan, group, rank, materialize_rank(src, rank, new.__getitem__),
+                        dtype=torch.float32)
         return {"role": "src", "stats": stats.as_dict(), "shard_bytes": src.nbytes(rank, 4)}
     expected = materialize_rank(dst, rank - plan.num_src, hf.__getitem__)
     received = dict(receive_shards(plan, group, rank, dtype=torch.float32))
     mismatched = sorted(k for k in expected if k in received
                         and not torch.equal(expected[k], received[k]))
-    return {"role": "dst", "missing": sorted(set(expected) - set(received)),
+    pool_reuse = _pooled_resyncs(plan, group, rank, spec, dst) if pooled else None
+    return {"role": "dst", "pool_reuse": pool_reuse,
+            "missing": sorted(set(expected) - set(received)),
             "extra": sorted(set(received) - set(expected)), "mismatched": mismatched,
             "bytes": sum(t.numel() * 4 for t in received.values()),
             "planned_bytes": plan.bytes_received().get(rank, 0)}
+
+
+def _pooled_resyncs(plan, group, rank, spec, dst):
+    """Two syncs into one pool (weights of seeds 8, 9): is each exact, the second in the
+    first's memory?"""
+    pool, ptrs, exact = ReceivePool(), [], []
+    for seed in (8, 9):
+        expected = materialize_rank(dst, rank - plan.num_src, hf_reference(spec, seed).__getitem__)
+        received = dict(receive_shards(plan, group, rank, dtype=torch.float32, pool=pool))
+        ptrs.append({k: t.data_ptr() for k, t in received.items()})
+        exact.append(set(received) == set(expected) and all(
+            torch.equal(expected[k], received[k]) for k in expected))
+    return {"exact": exact, "same_memory": ptrs[0] == ptrs[1], "pooled_bytes": pool.nbytes}
 
 
 def run_table(rank, world_size):
     out = {}
     for i, (case_id, case) in enumerate(CASES.items()):
         try:
-            out[case_id] = run_case(rank, i, *case, expert_parallel=case_id in VLLM_EP)
+            out[case_id] = run_case(rank, i, *case, expert_parallel=case_id in VLLM_EP,
+                                    pooled=case_id == POOLED)
         except Exception as err:  # recorded per row so one broken row doesn't hide the rest
             out[case_id] = {"role": "error", "error": f"{type(err).__name__}: {err}"}
     return out
@@ -127,6 +151,10 @@ def test_every_inference_rank_gets_its_exact_shard(table, case_id):
     assert len(dst) == infer_tp * engines
     for r in dst:
         assert not r["missing"] and not r["extra"] and not r["mismatched"], r
+        if case_id == POOLED:  # reused memory: exact, padding zero, no fresh allocation
+            assert r["pool_reuse"]["exact"] == [True, True], r["pool_reuse"]
+            assert r["pool_reuse"]["same_memory"], r["pool_reuse"]
+            assert r["pool_reuse"]["pooled_bytes"] == r["bytes"]
     for r in (r for r in results if r["role"] == "src"):
         stats = r["stats"]
         # staging memory stays within two buckets (two rounds in flight); each shard goes
