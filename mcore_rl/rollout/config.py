@@ -13,6 +13,7 @@ from typing import ClassVar, Literal
 
 from mcore_rl.config import ConfigError
 from mcore_rl.config.dtypes import DtypeName, normalize_dtype_fields
+from mcore_rl.config.seeds import USE_THE_RUN_SEED
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -39,7 +40,6 @@ class RolloutConfig:
     enable_sleep: GPU only — `sleep()` frees weights/KV for colocated training; a no-op on CPU.
     sleep_level: vLLM sleep level (1: offload weights to host, 2: discard them — the next
         weight sync must then restore every tensor).
-    seed: vLLM's engine seed (unseeded sampling); per-request seeds come from SamplingConfig.
     cpu_threads_bind: CPU only, tp > 1 — `VLLM_CPU_OMP_THREADS_BIND` ("0|1": rank 0 on core 0,
         rank 1 on core 1); "" splits this process's allowed cores evenly over the TP ranks.
     cpus_per_engine: Ray CPUs reserved per engine actor.
@@ -81,7 +81,6 @@ class RolloutConfig:
     enable_prefix_caching: bool = True
     enable_sleep: bool = False
     sleep_level: int = 1
-    seed: int = 0
     cpu_threads_bind: str = ""
     cpus_per_engine: float = 1.0
     host_ip: str = "127.0.0.1"
@@ -95,7 +94,9 @@ class RolloutConfig:
     MOVED: ClassVar[dict[str, str]] = {
         "start_timeout_s": "set deadlines.startup_s (an engine's start-up wait)",
         "call_timeout_s": "set deadlines.engine_call_s (standalone: the engine's "
-                          "call_timeout_s argument)"}
+                          "call_timeout_s argument)",
+        "seed": USE_THE_RUN_SEED.format(stream="engine") + " (standalone: the engine's seed "
+                "argument)"}
 
     @property
     def staleness_bound(self) -> int:
@@ -123,8 +124,6 @@ class RolloutConfig:
             raise ConfigError("kv_cache_gib", self.kv_cache_gib, "must be > 0")
         if self.sleep_level not in (1, 2):
             raise ConfigError("sleep_level", self.sleep_level, "allowed values: 1, 2")
-        if self.seed < 0:
-            raise ConfigError("seed", self.seed, "must be >= 0")
         if self.cpus_per_engine < 0:
             raise ConfigError("cpus_per_engine", self.cpus_per_engine, "must be >= 0")
         if self.mode not in ("sync", "one_step", "async"):

@@ -72,15 +72,19 @@ class RolloutEngine(EngineSync):
 
     engine_index: this engine's index among the data-parallel engines (for error messages and
     sync ranks). call_timeout_s: deadline of every worker RPC and of the sync's receives that
-    is not given per call (a run passes its deadlines.engine_call_s). Start-up time is in
-    `startup_s`.
+    is not given per call (a run passes its deadlines.engine_call_s). seed: vLLM's engine seed
+    (unseeded sampling only; per-request seeds come from SamplingConfig; a run passes
+    `derive_seed(seed, "engine")`). Start-up time is in `startup_s`.
     """
 
     def __init__(self, model_dir: str | Path, cfg: RolloutConfig, *, call_timeout_s: float,
-                 engine_index: int = 0):
+                 engine_index: int = 0, seed: int = 0):
         if not call_timeout_s > 0:
             raise ConfigError("call_timeout_s", call_timeout_s, "must be > 0 seconds")
+        if seed < 0:
+            raise ConfigError("seed", seed, "must be >= 0")
         self.cfg, self.index, self.call_timeout_s = cfg, engine_index, call_timeout_s
+        self.seed = seed
         self.on_cpu = _on_cpu()
         self._sync_thread: threading.Thread | None = None
         self._sync_result: dict[str, Any] = {}
@@ -103,7 +107,7 @@ class RolloutEngine(EngineSync):
     def _llm_kwargs(self, model_dir: str) -> dict[str, Any]:
         cfg = self.cfg
         kwargs: dict[str, Any] = dict(
-            model=model_dir, tensor_parallel_size=cfg.tp, dtype=cfg.dtype, seed=cfg.seed,
+            model=model_dir, tensor_parallel_size=cfg.tp, dtype=cfg.dtype, seed=self.seed,
             max_model_len=cfg.max_model_len, enforce_eager=cfg.enforce_eager,
             enable_prefix_caching=cfg.enable_prefix_caching,
             distributed_executor_backend="uni" if cfg.tp == 1 else "mp",

@@ -76,7 +76,7 @@ class EngineHost:
 
     def __init__(self, model_dir: str, cfg: RolloutConfig, index: int,
                  stack_dir: str | None = None, inject_stall: str | None = None,
-                 devices: list[int] | None = None, *, call_timeout_s: float):
+                 devices: list[int] | None = None, *, call_timeout_s: float, seed: int = 0):
         """devices: this engine's TP devices (local indices on its node, from the run's
         placement plan); CUDA_VISIBLE_DEVICES is narrowed to them before vLLM starts."""
         if stack_dir:  # the controller's watchdog asks for stacks with SIGUSR1
@@ -89,7 +89,7 @@ class EngineHost:
 
             restrict_visible_devices(devices)
         self.engine = RolloutEngine(model_dir, cfg, engine_index=index,
-                                    call_timeout_s=call_timeout_s)
+                                    call_timeout_s=call_timeout_s, seed=seed)
 
     def ready(self) -> dict[str, Any]:
         import ray
@@ -116,9 +116,10 @@ class RayEngines:
 
     def __init__(self, model_dir: str | Path, cfg: RolloutConfig, *, start_timeout_s: float,
                  call_timeout_s: float, stack_dir: str | Path | None = None,
-                 inject_stall: str | None = None, placement=None):
+                 inject_stall: str | None = None, placement=None, seed: int = 0):
         """start_timeout_s: how long an engine may take to start. call_timeout_s: the
-        deadline of every other call that is given none of its own. stack_dir: where engines dump their stacks on SIGUSR1 (watchdog).
+        deadline of every other call that is given none of its own. seed: every engine's
+        vLLM seed (a run's `derive_seed(seed, "engine")`). stack_dir: where engines dump their stacks on SIGUSR1 (watchdog).
         inject_stall: fault injection for watchdog tests ("gen@engine<i>").
         placement: a `launch.placement.RayPlacement`: engine i goes into its node's bundle
         and sees only its TP devices (default: anywhere Ray likes)."""
@@ -132,6 +133,7 @@ class RayEngines:
                 raise ConfigError(name, value, "must be > 0 seconds")
         self.cfg = cfg
         self.start_timeout_s, self.call_timeout_s = start_timeout_s, call_timeout_s
+        self.seed = seed
         self._sync_timeout = call_timeout_s
         self._host_cls = ray.remote(num_cpus=cfg.cpus_per_engine, max_restarts=0,
                                     max_concurrency=1)(EngineHost)
@@ -158,7 +160,8 @@ class RayEngines:
         model_dir, stack_dir, inject_stall = self._args
         return self._host_cls.options(**options).remote(model_dir, self.cfg, i, stack_dir,
                                                         inject_stall, devices,
-                                                        call_timeout_s=self.call_timeout_s)
+                                                        call_timeout_s=self.call_timeout_s,
+                                                        seed=self.seed)
 
     def restart(self, indices: Sequence[int]) -> None:
         """Replace engines `indices` (dead or broken) with fresh ones in the same slots: the

@@ -85,7 +85,8 @@ class RLController(Generation, WeightSync, Checkpointing):
                                   start_timeout_s=cfg.deadlines.startup_s,
                                   call_timeout_s=cfg.deadlines.engine_call_s,
                                   stack_dir=self.stack_dir,
-                                  inject_stall=cfg.inject_stall, placement=self.placement)
+                                  inject_stall=cfg.inject_stall, placement=self.placement,
+                                  seed=derive_seed(cfg.seed, "engine"))
         self.recovery = EngineRecovery(self, cfg.recovery)  # engines that die are restarted
         self._build_plan()
         self._sync_groups_formed = 0

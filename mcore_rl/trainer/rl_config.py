@@ -201,8 +201,9 @@ class RLConfig:
     max_sampling_rounds: with algorithm.dynamic_sampling, generation rounds per step at most.
     off_policy_steps: deprecated alias of rollout.mode (0: sync, 1: one_step); leave null.
     seed: the run's one seed: prompts and sampling, and through `derive_seed(seed, stream)`
-        (`mcore_rl.config.seeds`) the demo model's weights ("model") and megatron's init and
-        RNG tracker ("train"). The default 0 gives model 0, train 1234.
+        (`mcore_rl.config.seeds`) the demo model's weights ("model"), megatron's init and
+        RNG tracker ("train") and vLLM's engine seed ("engine"). The default 0 gives model 0,
+        train 1234, engine 0.
     """
 
     actor: ParallelConfig = field(default_factory=lambda: ParallelConfig(tp=2))

@@ -51,6 +51,7 @@ def test_the_default_seed_gives_the_streams_their_former_defaults():
     ("train.seed=3", "train"),
     ("warmup.train.seed=3", "train"),
     ("critic_train.seed=3", "train"),
+    ("rollout.seed=3", "engine"),
 ])
 def test_an_old_seed_key_says_to_use_the_run_seed(override, stream):
     with pytest.raises(ConfigError) as err:
