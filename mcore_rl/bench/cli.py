@@ -1,7 +1,9 @@
 """`mcore-rl bench ...`: benchmarks that report ratios against a baseline measured in the same
 run. sync, logprob and rollout are set like everything else: a frozen config dataclass
 (`SyncBenchConfig`, `LogprobBenchConfig`, `RolloutBenchConfig`) from `--config FILE` and
-`a.b=c` overrides; step takes overrides of the RL config. Each prints a human summary, writes
+`a.b=c` overrides; step takes the same overrides, of its own fields (`StepBenchConfig`:
+warmup_steps, peak_tflops, compare, baseline) and of the RL config (every other key). Flags
+are only the common ones: --config, --repeats, --out. Each prints a human summary, writes
 JSON + markdown under --out (logprob, rollout and step also a PNG chart), and prints one JSON
 object as its last line."""
 
@@ -46,20 +48,22 @@ def _add_common(parser: argparse.ArgumentParser, name: str, repeats: int | None)
                              "(default: none)")
 
 
+#: the flags `bench step` had before it took overrides: each names its override now
+_OLD_STEP_FLAGS = {"--warmup-steps": "warmup_steps", "--peak-tflops": "peak_tflops",
+                   "--compare": "compare", "--baseline": "baseline"}
+
+
 def _add_step(kinds) -> None:
     p = kinds.add_parser("step", help="RL steps: time per phase, sync share, tokens/s, MFU")
     p.add_argument("--config", default=None, help="RLConfig YAML (default: built-in)")
-    p.add_argument("--warmup-steps", type=int, default=1, help="unmeasured steps first")
-    p.add_argument("--peak-tflops", type=float, default=0.2,
-                   help="dense peak per device in TFLOP/s (e.g. 989 for H100 bf16)")
-    p.add_argument("--compare", action="append", default=[], metavar="A.B=VALUE",
-                   help="also run a variant with this override (repeatable), e.g. "
-                        "rollout.mode=async; reports its speed-up over the baseline")
-    p.add_argument("--baseline", choices=("trl",), default=None,
-                   help="also run Hugging Face TRL's GRPOTrainer (extra 'bench') on the same "
-                        "task from the same starting weights; reports ours / TRL per step")
-    p.add_argument("overrides", nargs="*", help="a.b.c=value of the RL config")
-    _add_common(p, "step", 2)
+    p.add_argument("overrides", nargs="*", metavar="A.B=VALUE",
+                   help="StepBenchConfig fields in mcore_rl/bench/step.py (warmup_steps=1, "
+                        "peak_tflops=989, compare=[rollout.mode=async], baseline=trl); "
+                        "every other key overrides the RL config")
+    for flag in _OLD_STEP_FLAGS:  # accepted only to say what replaced them
+        p.add_argument(flag, dest="old_" + _OLD_STEP_FLAGS[flag], action="append",
+                       default=None, help=argparse.SUPPRESS)
+    _add_common(p, "step", None)
     p.set_defaults(func=run_step)
 
 
@@ -115,10 +119,13 @@ def run_step(args) -> int:
     from mcore_rl.bench import step
 
     def make(a):
-        cfg = step.StepBenchConfig(config=a.config, overrides=tuple(a.overrides),
-                                   repeats=a.repeats, warmup_steps=a.warmup_steps,
-                                   peak_tflops=a.peak_tflops, compare=tuple(a.compare),
-                                   baseline=a.baseline)
+        from mcore_rl.config import ConfigError
+
+        for flag, name in _OLD_STEP_FLAGS.items():
+            if getattr(a, "old_" + name):
+                raise ConfigError(flag, getattr(a, "old_" + name)[0],
+                                  f"bench step takes it as the override {name}=VALUE")
+        cfg = step.step_bench_config(a.config, a.overrides, repeats=a.repeats)
         rl = cfg.rl_config()  # fail on a bad config before anything starts
         cfg.variant().rl_config()
         if cfg.baseline == "trl":  # settings TRL cannot match, or TRL missing, fail here too

@@ -33,9 +33,9 @@ from __future__ import annotations
 
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Sequence
+from typing import ClassVar, Sequence
 
 from mcore_rl.bench.report import Table, spread
 from mcore_rl.config import ConfigError
@@ -155,6 +155,10 @@ class StepBenchConfig:
         if not self.peak_tflops > 0:
             raise ConfigError("peak_tflops", self.peak_tflops, "must be > 0")
 
+    #: the fields `a.b=c` overrides set here; every other key is the RL config's
+    OWN: ClassVar[frozenset[str]] = frozenset(
+        {"repeats", "warmup_steps", "peak_tflops", "compare", "baseline"})
+
     def rl_config(self):
         from mcore_rl.config import load_config
         from mcore_rl.trainer.rl_config import RLConfig
@@ -166,6 +170,21 @@ class StepBenchConfig:
         return StepBenchConfig(config=self.config, overrides=self.overrides + self.compare,
                                repeats=self.repeats, warmup_steps=self.warmup_steps,
                                peak_tflops=self.peak_tflops)
+
+
+def step_bench_config(config: str | None, overrides: Sequence[str], *,
+                      repeats: int | None = None) -> StepBenchConfig:
+    """The benchmark from `a.b=c` overrides: keys in `StepBenchConfig.OWN` set the benchmark,
+    every other key overrides the RL config (`config`: its YAML). Raises ConfigError naming
+    the field."""
+    from mcore_rl.config import load_config
+
+    own = [o for o in overrides if o.partition("=")[0] in StepBenchConfig.OWN]
+    rest = tuple(o for o in overrides if o.partition("=")[0] not in StepBenchConfig.OWN)
+    if repeats is not None:
+        own.append(f"repeats={repeats}")
+    cfg = load_config(StepBenchConfig, None, own)
+    return replace(cfg, config=config, overrides=rest)
 
 
 def _controller_cls():

@@ -126,8 +126,8 @@ def test_rollout_bench(tmp_path):
 
 def test_step_bench(tmp_path):
     report, stdout = run_cli_subprocess(
-        "bench", "step", "--repeats", "2", "--warmup-steps", "1", "--peak-tflops", "0.5",
-        "--out", str(tmp_path), "--compare", "rollout.mode=async", "--baseline", "trl",
+        "bench", "step", "--repeats", "2", "warmup_steps=1", "peak_tflops=0.5",
+        "--out", str(tmp_path), "compare=[rollout.mode=async]", "baseline=trl",
         "actor.tp=1",
         "prompts_per_step=2", "samples_per_prompt=4", "updates_per_batch=1",
         "train.micro_batch_size=4", "warmup.max_steps=0")
@@ -175,9 +175,13 @@ def test_step_bench(tmp_path):
     (["rollout", "max_new_tokens=0"], "max_new_tokens=0"),
     (["rollout", "max_new_token=8"], "max_new_token=8: unknown field"),
     (["step", "no_such_field=1"], "no_such_field"),
-    (["step", "--peak-tflops", "0"], "peak_tflops"),
+    (["step", "peak_tflops=0"], "peak_tflops"),
+    # the old flags name the override that replaced them
+    (["step", "--peak-tflops", "0.5"], "--peak-tflops='0.5': bench step takes it as the "
+                                       "override peak_tflops=VALUE"),
+    (["step", "--compare", "rollout.mode=async"], "override compare=VALUE"),
     # a setting the TRL baseline cannot match is refused before anything starts
-    (["step", "--baseline", "trl", "algorithm.kl_coeff=0.1"], "algorithm.kl_coeff"),
+    (["step", "baseline=trl", "algorithm.kl_coeff=0.1"], "algorithm.kl_coeff"),
 ])
 def test_bad_input_fails_before_anything_starts(capsys, argv, message):
     assert main(["bench", *argv]) == 2
