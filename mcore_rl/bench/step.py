@@ -1,7 +1,7 @@
 """`mcore-rl bench step`: whole RL steps through `RLController` (Megatron actor on Ray, vLLM
 engines, streamed weight sync) — seconds per phase, the share of the step spent in weight
 sync, tokens/s per device and model FLOPs utilization (MFU). Nothing here is CPU-specific: on
-a cluster, pass a GPU config and the device's peak (`--peak-tflops`).
+a cluster, pass a GPU config and the device's peak (`peak_tflops=...`).
 
 Model FLOPs (the convention of PaLM, appendix B, and Megatron-LM's throughput report):
     N  = matmul parameters = layers * (hidden*(q_dim + 2*kv_dim) + q_dim*hidden

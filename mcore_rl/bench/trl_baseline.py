@@ -74,7 +74,7 @@ def check_available() -> None:
     import importlib.util
 
     if importlib.util.find_spec("trl") is None:
-        raise ImportError("--baseline trl needs Hugging Face TRL: pip install '.[bench]'")
+        raise ImportError("baseline=trl needs Hugging Face TRL: pip install '.[bench]'")
 
 
 def _field(rl, dotted: str):

@@ -2,7 +2,7 @@
 
 After the warm-up the demo writes one (`OUT/warmup_hf`), so another run — ours with
 `model.hf_dir=OUT/warmup_hf warmup.max_steps=0`, or a peer framework such as TRL
-(`bench step --baseline trl`) — can start from exactly the same weights. Each rank returns
+(`bench step baseline=trl`) — can start from exactly the same weights. Each rank returns
 its own shards (`ActorWorker.export_weights`); `layouts.assemble_hf` puts the HF tensors back
 together on the driver (small models: the whole model passes through the driver once). The
 config and tokenizer files are copied from the directory the run started from.
