@@ -37,6 +37,7 @@ VERBOSE_ENV = "MCORE_RL_VERBOSE"
 LIBRARY_LOGGERS = ("vllm", "megatron", "ray", "torch.distributed", "transformers", "py.warnings")
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 _MARK = "_mcore_rl_log_file"  # set on the handlers this module made
+_configured: tuple[Path, str] | None = None  # this process's (run_dir, role), once set
 
 
 def verbose() -> bool:
@@ -78,11 +79,36 @@ def configure_process_logs(run_dir: str | Path, role: str) -> Path | None:
     log_dir = Path(run_dir) / "logs"
     log_dir.mkdir(parents=True, exist_ok=True)
     path = log_dir / f"{role}-{os.getpid()}.log"
+    global _configured
+    _configured = (Path(run_dir), role)
     _point_vllm_processes_at(log_dir)
+    _no_progress_bars()
     logging.captureWarnings(True)  # warnings.warn → the "py.warnings" logger
     for name in LIBRARY_LOGGERS:
         _to_file(logging.getLogger(name), log_dir, role)
     return path
+
+
+def reapply_process_logs() -> None:
+    """`configure_process_logs` again with this process's settings, if it was configured: a
+    library imported since then (Ray, at `import ray`) may have put its console handler back."""
+    if _configured is not None:
+        configure_process_logs(*_configured)
+
+
+def _no_progress_bars() -> None:
+    """Hugging Face's tqdm bars ("Writing model shards", downloads) off: they are console
+    output, not logging. The environment reaches libraries imported later and child
+    processes; the calls reach the ones already imported (they read it at import)."""
+    import sys
+
+    os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"
+    if "huggingface_hub" in sys.modules:
+        sys.modules["huggingface_hub"].utils.disable_progress_bars()
+    if "transformers" in sys.modules:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
 
 
 def _to_file(logger: logging.Logger, log_dir: Path, role: str) -> None:
@@ -117,4 +143,4 @@ def _point_vllm_processes_at(log_dir: Path) -> None:
 
 
 __all__ = ["LIBRARY_LOGGERS", "VERBOSE_ENV", "add_verbose_argument", "configure_process_logs",
-           "process_log_handler", "set_verbose", "verbose"]
+           "process_log_handler", "reapply_process_logs", "set_verbose", "verbose"]

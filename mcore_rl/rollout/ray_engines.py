@@ -60,7 +60,11 @@ def init_local_ray(num_cpus: int | None = None, host_ip: str = "127.0.0.1") -> N
 
     if connect_from_env():  # a cluster named by RAY_ADDRESS (e.g. started by the sbatch script)
         return
-    # library INFO lines of every worker stay in their RUN_DIR/logs files unless --verbose
+    # library INFO lines of every worker stay in their RUN_DIR/logs files unless --verbose;
+    # `import ray` gave the driver's "ray" logger its console handler back
+    from mcore_rl.launch.logs import reapply_process_logs
+
+    reapply_process_logs()
     ray.init(num_cpus=num_cpus or os.cpu_count(), include_dashboard=False,
              _node_ip_address=host_ip, log_to_driver=verbose())
     actual = ray.util.get_node_ip_address()

@@ -52,7 +52,9 @@ class MetricsWriter:
         self.jsonl = (self.run_dir / ("metrics.jsonl" if phase == "rl"
                                       else f"{phase}_metrics.jsonl")).open("a")
         self.tb = SummaryWriter(str(self.run_dir / "tb" / phase))
-        self.console = Console(highlight=False)
+        # soft_wrap: one line per step, also when the output is a file or a pipe (rich would
+        # hard-wrap at 80 columns there)
+        self.console = Console(highlight=False, soft_wrap=True)
         self.phase = phase
 
     def write(self, step: int, metrics: dict[str, float]) -> None:

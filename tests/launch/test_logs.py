@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 PROCESS = r"""
 import logging, multiprocessing, sys
-from mcore_rl.launch.logs import configure_process_logs
+from mcore_rl.launch.logs import configure_process_logs, reapply_process_logs
 
 def vllm_logging():  # what vLLM does in each process it runs in (LLM(), its TP workers)
     from vllm.config.logging import LoggingConfig
@@ -32,8 +32,11 @@ if __name__ == "__main__":
     path = configure_process_logs(sys.argv[1], "driver")
     import megatron.core.optimizer  # warns: Transformer Engine and Apex are not installed
     import ray  # installs its own stderr handler on the "ray" logger at import
-    configure_process_logs(sys.argv[1], "driver")  # again, after the imports: idempotent
+    reapply_process_logs()  # again, after the imports (what init_local_ray does): idempotent
     logging.getLogger("ray").info("ray: Started a local Ray instance")
+    from transformers.utils.logging import tqdm  # save_pretrained's shard bar
+    for _ in tqdm(range(3), desc="Writing model shards"):
+        pass
     vllm_logging()("vllm.engine").info("Successfully reset prefix cache")
     child = multiprocessing.get_context("spawn").Process(target=vllm_child)
     child.start(); child.join()
@@ -41,7 +44,7 @@ if __name__ == "__main__":
     print(f"log file: {path}")
 """
 NOISE = ("Transformer Engine and Apex are not installed", "ray: Started a local Ray instance",
-         "Successfully reset prefix cache")
+         "Successfully reset prefix cache", "Writing model shards")
 
 
 def _run(tmp_path: Path, **env) -> subprocess.CompletedProcess:
@@ -85,6 +88,7 @@ def test_verbose_leaves_library_logs_on_the_console(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "Transformer Engine and Apex are not installed" in proc.stderr
     assert "ray: Started a local Ray instance" in proc.stderr
+    assert "Writing model shards" in proc.stderr
     assert "Successfully reset prefix cache" in proc.stdout  # vLLM logs to stdout
     assert "child: Successfully reset prefix cache" in proc.stdout
     assert "log file: None" in proc.stdout and not (tmp_path / "run" / "logs").exists()
