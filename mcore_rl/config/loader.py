@@ -160,8 +160,10 @@ def _coerce(tp: Any, value: Any, path: str) -> Any:
             raise ConfigError(path, value, "expected an integer")
         return value
     if tp is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
+        number = _float_or_none(value) if isinstance(value, str) else value
+        if isinstance(number, bool) or not isinstance(number, (int, float)):
             raise ConfigError(path, value, "expected a number")
+        value = number  # YAML 1.1 reads 2e-3 (no dot) as a string
         return float(value)
     if tp is str:
         if not isinstance(value, str):
@@ -179,4 +181,12 @@ def to_dict(obj: Any) -> Any:
     return obj
 
 
+def _float_or_none(text: str) -> float | None:
+    try:
+        return float(text)
+    except ValueError:
+        return None
+
+
 __all__ = ["ConfigError", "from_dict", "load_config", "parse_overrides", "to_dict"]
+
