@@ -50,7 +50,10 @@ def ray_local():
 @pytest.fixture(scope="module")
 def engines(ray_local, micro_dir):
     start = time.perf_counter()
-    eng = RayEngines(micro_dir, CFG, **DEADLINES)
+    eng = RayEngines(micro_dir, CFG, **DEADLINES, wait=False)  # as a run starts them
+    assert eng.pids == [] and eng.num_engines == 2  # created, not yet waited for
+    eng.wait_ready()
+    assert len(eng.pids) == 2 and all(pid != os.getpid() for pid in eng.pids)
     print(f"2 Ray engines ready in {time.perf_counter() - start:.1f} s "
           f"(vLLM start-up {[round(s, 1) for s in eng.startup_s]} s)")
     yield eng
