@@ -67,6 +67,22 @@ def test_engine_that_cannot_start_is_named(ray_local, tmp_path):
                    call_timeout_s=60.0)
 
 
+def test_engines_still_starting_are_stopped_within_the_grace(ray_local, micro_dir):
+    # A run whose actor ranks fail while its engines start stops them without waiting for
+    # their vLLM start-up (RLController: shutdown(grace_s=5.0)).
+    import ray
+    from ray.exceptions import RayActorError
+
+    starting = RayEngines(micro_dir, RolloutConfig(engines=1, max_model_len=MAX_MODEL_LEN,
+                                                   kv_cache_gib=0.25), **DEADLINES, wait=False)
+    actor = starting._actors[0]
+    start = time.perf_counter()
+    starting.shutdown(grace_s=1.0)
+    assert time.perf_counter() - start < 10.0 and starting.num_engines == 0
+    with pytest.raises(RayActorError):
+        ray.get(actor.ready.remote(), timeout=30.0)
+
+
 def test_results_come_back_in_prompt_order(engines, micro_dir):
     ps = prompts(7, 10, seed=9)
     greedy = engines.generate(ps, GREEDY)  # engine 0: prompts 0-2, engine 1: prompts 3-6
