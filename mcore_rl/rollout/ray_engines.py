@@ -116,11 +116,14 @@ class EngineHost:
 class RayEngines:
     """`cfg.engines` rollout engines in Ray actors (Ray must be initialized, e.g. by
     `init_local_ray()`). Blocks until every engine has started or raises naming the one
-    that failed. `startup_s[i]`: engine i's vLLM start-up time; `pids[i]`: its process."""
+    that failed — or, with `wait=False`, returns once the actors are created and the caller
+    does other start-up work before `wait_ready()`. `startup_s[i]`: engine i's vLLM start-up
+    time; `pids[i]`: its process (both empty until the engines are ready)."""
 
     def __init__(self, model_dir: str | Path, cfg: RolloutConfig, *, start_timeout_s: float,
                  call_timeout_s: float, stack_dir: str | Path | None = None,
-                 inject_stall: str | None = None, placement=None, seed: int = 0):
+                 inject_stall: str | None = None, placement=None, seed: int = 0,
+                 wait: bool = True):
         """start_timeout_s: how long an engine may take to start. call_timeout_s: the
         deadline of every other call that is given none of its own. seed: every engine's
         vLLM seed (a run's `derive_seed(seed, "engine")`). stack_dir: where engines dump their stacks on SIGUSR1 (watchdog).
@@ -143,11 +146,20 @@ class RayEngines:
                                     max_concurrency=1)(EngineHost)
         self._args = (str(model_dir), str(stack_dir) if stack_dir else None, inject_stall)
         self._placement = placement
+        self.startup_s, self.pids, self.where = [], [], []
         self._actors = [self._start(i) for i in range(cfg.engines)]
+        self._ready_by = time.monotonic() + start_timeout_s  # the deadline counts from here
+        if wait:
+            self.wait_ready()
+
+    def wait_ready(self) -> None:
+        """Block until every engine has started, within start_timeout_s of their creation;
+        a failure shuts every engine down and raises RolloutError naming the one that
+        failed."""
         try:
             info = self._gather("start-up", [(i, a.ready.remote())
                                              for i, a in enumerate(self._actors)],
-                                start_timeout_s)
+                                self.start_timeout_s, deadline=self._ready_by)
         except RolloutError:
             self.shutdown()
             raise
@@ -306,14 +318,14 @@ class RayEngines:
     def wake_up(self) -> None:
         self._call_all("wake-up", "wake_up")
 
-    def shutdown(self) -> None:
-        """Stop every engine (cleanly when it answers within 30 s) and kill its actor."""
+    def shutdown(self, grace_s: float = 30.0) -> None:
+        """Stop every engine (cleanly when it answers within `grace_s`) and kill its actor."""
         import ray
 
         actors, self._actors = getattr(self, "_actors", []), []
         refs = [a.call.remote("shutdown") for a in actors]
         if refs:
-            ray.wait(refs, num_returns=len(refs), timeout=30.0)
+            ray.wait(refs, num_returns=len(refs), timeout=grace_s)
         for actor in actors:
             ray.kill(actor, no_restart=True)
 
@@ -322,13 +334,15 @@ class RayEngines:
     def _timeout(self, timeout_s: float | None) -> float:
         return self.call_timeout_s if timeout_s is None else timeout_s
 
-    def _gather(self, phase: str, calls: list[tuple[int, Any]], timeout_s: float) -> list[Any]:
+    def _gather(self, phase: str, calls: list[tuple[int, Any]], timeout_s: float, *,
+                deadline: float | None = None) -> list[Any]:
         """Results of `calls` ([(engine, ObjectRef)]) in order; the first failure or the
-        deadline raises RolloutError naming the engine(s) and the phase."""
+        deadline (`timeout_s` from now, or the monotonic time `deadline` of a wait that
+        began earlier) raises RolloutError naming the engine(s) and the phase."""
         import ray
         from ray.exceptions import RayActorError, RayError, RayTaskError
 
-        deadline = time.monotonic() + timeout_s
+        deadline = time.monotonic() + timeout_s if deadline is None else deadline
         engine_of = {ref: i for i, ref in calls}
         results: dict[Any, Any] = {}
         pending = [ref for _, ref in calls]

@@ -82,14 +82,27 @@ def build_batch(prompts: list[list[int]], responses: list[list[int]], length: in
 def engine_logprobs(completions: list[Completion], mask: torch.Tensor) -> torch.Tensor:
     """The engine's log-prob of each sampled token, [n, s] aligned with `build_batch`'s
     response mask (0 elsewhere): π_rollout of the rollout correction and of `bypass`."""
-    out = torch.zeros_like(mask, dtype=torch.float32)
-    for row, completion in enumerate(completions):
-        positions = mask[row].nonzero().flatten()
-        if len(completion.logprobs) < len(positions):
+    counts = mask.ne(0).sum(-1).tolist()
+    for row, (completion, count) in enumerate(zip(completions, counts)):
+        if len(completion.logprobs) < count:
             raise ValueError(f"sample {row}: the engine returned {len(completion.logprobs)} "
-                             f"log-probs for {len(positions)} response tokens")
-        out[row, positions] = torch.tensor(completion.logprobs[:len(positions)])
+                             f"log-probs for {count} response tokens")
+    out = torch.zeros_like(mask, dtype=torch.float32)
+    keep, flat = _first_logprobs(completions, mask, counts)
+    out[keep] = flat
     return out
+
+
+def _first_logprobs(completions, mask: torch.Tensor, counts: list[int]):
+    """(positions [n, s] bool, values [k] float32): each row's first min(response tokens,
+    engine log-probs) response positions, and the engine's log-probs there in row-major
+    order — one tensor for the whole batch, not one per row."""
+    takes = [min(count, len(c.logprobs)) for c, count in zip(completions, counts)]
+    response = mask.ne(0)
+    keep = response & (response.cumsum(-1) <= torch.tensor(takes).unsqueeze(-1))
+    flat = torch.tensor([lp for c, take in zip(completions, takes) for lp in c.logprobs[:take]],
+                        dtype=torch.float32)
+    return keep, flat
 
 
 def mini_batches(batch: dict[str, torch.Tensor], count: int):
@@ -100,15 +113,12 @@ def mini_batches(batch: dict[str, torch.Tensor], count: int):
 
 
 def rollout_logprob_diff(completions, actor_logp: torch.Tensor, mask: torch.Tensor) -> float:
-    """Max |vLLM log-prob − actor log-prob| over all sampled response tokens."""
-    worst = 0.0
-    for row, completion in enumerate(completions):
-        positions = mask[row].nonzero().flatten()
-        n = min(len(positions), len(completion.logprobs))
-        if n:
-            engine = torch.tensor(completion.logprobs[:n])
-            worst = max(worst, float((engine - actor_logp[row, positions[:n]]).abs().max()))
-    return worst
+    """Max |vLLM log-prob − actor log-prob| over all sampled response tokens (a row with
+    fewer engine log-probs than response tokens is compared on its first ones)."""
+    keep, flat = _first_logprobs(completions, mask, mask.ne(0).sum(-1).tolist())
+    if not len(flat):
+        return 0.0
+    return float((flat - actor_logp[keep]).abs().max())
 
 
 

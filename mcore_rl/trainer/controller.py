@@ -79,14 +79,20 @@ class RLController(Generation, WeightSync, Checkpointing):
         self.use_reference = cfg.algorithm.kl_coeff > 0
         self.stack_dir = self.run_dir / "stacks"
         self.workers = self._start_actor_ranks(model_dir)
-        self.worker_pids = self._actor("pid", phase="startup")
-        self.reward_model = self._start_reward_model()
+        # the engines start while the actor ranks initialise; both waits keep their deadline
         self.engines = RayEngines(model_dir, cfg.rollout,
                                   start_timeout_s=cfg.deadlines.startup_s,
                                   call_timeout_s=cfg.deadlines.engine_call_s,
                                   stack_dir=self.stack_dir,
                                   inject_stall=cfg.inject_stall, placement=self.placement,
-                                  seed=derive_seed(cfg.seed, "engine"))
+                                  seed=derive_seed(cfg.seed, "engine"), wait=False)
+        try:
+            self.worker_pids = self._actor("pid", phase="startup")
+            self.reward_model = self._start_reward_model()
+        except BaseException:  # no engine outlives a start-up that failed
+            self.engines.shutdown(grace_s=5.0)
+            raise
+        self.engines.wait_ready()
         self.recovery = EngineRecovery(self, cfg.recovery)  # engines that die are restarted
         self._build_plan()
         self._sync_groups_formed = 0

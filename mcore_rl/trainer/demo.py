@@ -99,6 +99,7 @@ def run_demo(cfg, out: Path, resume: str | Path = "auto", command: str = "demo")
     model_dir = model_dir_of(cfg, out)
     start_local_ray()  # before the controller's init_local_ray (then a no-op)
     controller = RLController(cfg, model_dir, out)
+    startup_s = seconds_since_process_start()  # every worker and engine up: step 1 can start
     stop.install()  # again: Ray's driver installed its own (aborting) SIGTERM handler
     try:
         accuracy, first_step = _start_or_resume(controller, cfg, out, model_dir, checkpoint)
@@ -113,12 +114,21 @@ def run_demo(cfg, out: Path, resume: str | Path = "auto", command: str = "demo")
     plot_run(out)
     summary = _summary(cfg, out, accuracy=accuracy, first_step=first_step, digests=digests,
                        wall_s=time.perf_counter() - start)
+    summary["startup_s"] = startup_s
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     k = min(5, summary["steps"])
     print(f"{command} done in {summary['wall_s']:.0f} s: reward {summary['reward_first5']:.3f} "
           f"(mean of first {k} steps) -> {summary['reward_last5']:.3f} (last {k}); "
           f"run dir {out}")
     return summary
+
+
+def seconds_since_process_start() -> float:
+    """Wall time since this process started (imports included, which run_demo's own clock
+    misses)."""
+    import psutil
+
+    return time.time() - psutil.Process().create_time()
 
 
 def _preflight(cfg, out: Path, resume: str | Path) -> Path | None:

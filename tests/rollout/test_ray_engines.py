@@ -50,7 +50,10 @@ def ray_local():
 @pytest.fixture(scope="module")
 def engines(ray_local, micro_dir):
     start = time.perf_counter()
-    eng = RayEngines(micro_dir, CFG, **DEADLINES)
+    eng = RayEngines(micro_dir, CFG, **DEADLINES, wait=False)  # as a run starts them
+    assert eng.pids == [] and eng.num_engines == 2  # created, not yet waited for
+    eng.wait_ready()
+    assert len(eng.pids) == 2 and all(pid != os.getpid() for pid in eng.pids)
     print(f"2 Ray engines ready in {time.perf_counter() - start:.1f} s "
           f"(vLLM start-up {[round(s, 1) for s in eng.startup_s]} s)")
     yield eng
@@ -62,6 +65,22 @@ def test_engine_that_cannot_start_is_named(ray_local, tmp_path):
     with pytest.raises(RolloutError, match=r"rollout engine 0, start-up: .*no config.json"):
         RayEngines(tmp_path, RolloutConfig(engines=1), start_timeout_s=60.0,
                    call_timeout_s=60.0)
+
+
+def test_engines_still_starting_are_stopped_within_the_grace(ray_local, micro_dir):
+    # A run whose actor ranks fail while its engines start stops them without waiting for
+    # their vLLM start-up (RLController: shutdown(grace_s=5.0)).
+    import ray
+    from ray.exceptions import RayActorError
+
+    starting = RayEngines(micro_dir, RolloutConfig(engines=1, max_model_len=MAX_MODEL_LEN,
+                                                   kv_cache_gib=0.25), **DEADLINES, wait=False)
+    actor = starting._actors[0]
+    start = time.perf_counter()
+    starting.shutdown(grace_s=1.0)
+    assert time.perf_counter() - start < 10.0 and starting.num_engines == 0
+    with pytest.raises(RayActorError):
+        ray.get(actor.ready.remote(), timeout=30.0)
 
 
 def test_results_come_back_in_prompt_order(engines, micro_dir):
