@@ -6,12 +6,26 @@
 grid-independent checkpoint form, derived from `mcore_rl.layouts`. CLI: `mcore-rl convert`.
 """
 
-from mcore_rl.checkpoint.convert import ConvertReport, hf_to_mcore, mcore_to_hf
-from mcore_rl.checkpoint.errors import ConversionError
-from mcore_rl.checkpoint.layout import CkptLayout, CkptTensor, checkpoint_layout
-from mcore_rl.checkpoint.megatron_io import load_dist_checkpoint, megatron_sharded_state_dict
-from mcore_rl.checkpoint.verify import VerifyReport, verify_conversion
+from importlib import import_module
 
-__all__ = ["CkptLayout", "CkptTensor", "ConversionError", "ConvertReport", "VerifyReport",
-           "checkpoint_layout", "hf_to_mcore", "load_dist_checkpoint", "mcore_to_hf",
-           "megatron_sharded_state_dict", "verify_conversion"]
+# name → module: imported on first use, so that a process needing only a light part of the
+# package (the RL driver's checkpoint bookkeeping imports `checkpoint.output`) does not pay for
+# torch.distributed.checkpoint and megatron (~1 s of the driver's start-up, measured)
+_LAZY = {
+    "ConvertReport": "convert", "hf_to_mcore": "convert", "mcore_to_hf": "convert",
+    "ConversionError": "errors",
+    "CkptLayout": "layout", "CkptTensor": "layout", "checkpoint_layout": "layout",
+    "load_dist_checkpoint": "megatron_io", "megatron_sharded_state_dict": "megatron_io",
+    "VerifyReport": "verify", "verify_conversion": "verify",
+}
+
+
+def __getattr__(name: str):
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(import_module(f"{__name__}.{_LAZY[name]}"), name)
+    globals()[name] = value
+    return value
+
+
+__all__ = sorted(_LAZY)
