@@ -121,7 +121,7 @@ def run_vllm(model_dir: Path, prompts: list[list[int]], cfg: RolloutBenchConfig)
 
     engine = RolloutEngine(model_dir, RolloutConfig(
         tp=1, max_model_len=cfg.max_model_len, kv_cache_gib=cfg.kv_cache_gib,
-        seed=cfg.seed, enable_prefix_caching=False), call_timeout_s=cfg.timeout_s)
+        enable_prefix_caching=False), call_timeout_s=cfg.timeout_s, seed=cfg.seed)
     sampling = SamplingConfig(temperature=cfg.temperature, max_tokens=cfg.max_new_tokens,
                               seed=cfg.seed, logprobs=False)
     try:
