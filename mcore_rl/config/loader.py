@@ -160,11 +160,11 @@ def _coerce(tp: Any, value: Any, path: str) -> Any:
             raise ConfigError(path, value, "expected an integer")
         return value
     if tp is float:
+        # YAML 1.1 reads 2e-3 (no dot) as a string
         number = _float_or_none(value) if isinstance(value, str) else value
         if isinstance(number, bool) or not isinstance(number, (int, float)):
             raise ConfigError(path, value, "expected a number")
-        value = number  # YAML 1.1 reads 2e-3 (no dot) as a string
-        return float(value)
+        return float(number)
     if tp is str:
         if not isinstance(value, str):
             raise ConfigError(path, value, "expected a string")
@@ -189,4 +189,3 @@ def _float_or_none(text: str) -> float | None:
 
 
 __all__ = ["ConfigError", "from_dict", "load_config", "parse_overrides", "to_dict"]
-

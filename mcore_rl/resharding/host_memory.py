@@ -11,8 +11,9 @@ arrange for the processes it runs in (vLLM workers, Ray actors), so buffers of a
 are mapped here. Smaller ones, CUDA ones and hosts without MADV_HUGEPAGE take `torch.empty`.
 
 Better still is not to need fresh memory at all: `ReceivePool` keeps one sync's received
-tensors for the next sync of the same plan (measured: link efficiency 0.61–0.74 → 0.98–1.05
-of plain pre-touched sends on tiny TP2·PP2 → TP2, where first touch was the whole gap).
+tensors for the next sync of the same plan (measured: median link efficiency 0.61–0.74 →
+0.94–1.05 of plain pre-touched sends on tiny TP2·PP2 → TP2, where first touch was the whole
+gap).
 
 The tensor keeps its mapping alive (torch.frombuffer holds a reference) and unmaps it when the
 last view goes; the memory is zero-filled by the kernel.

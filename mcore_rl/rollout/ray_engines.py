@@ -7,10 +7,11 @@ not depend on the number of engines. Engine i's TP rank r is sync rank
 `first_sync_rank + i * tp + r` (engine-major, as `layouts.vllm_shards` numbers them).
 
 Every call has a deadline (`start_timeout_s` for start-up, `call_timeout_s` or the call's
-`timeout_s` otherwise; a run passes its deadlines.startup_s and deadlines.engine_call_s). An engine that dies or misses it raises `RolloutError` naming the
-engine index and the phase. `restart(indices)` replaces dead engines with fresh ones in the
-same slots; a fresh engine holds the weights of `model_dir` and is in no sync group, so the
-caller re-forms the group and syncs it (`mcore_rl.trainer.recovery` does).
+`timeout_s` otherwise; a run passes its deadlines.startup_s and deadlines.engine_call_s).
+An engine that dies or misses it raises `RolloutError` naming the engine index and the phase.
+`restart(indices)` replaces dead engines with fresh ones in the same slots; a fresh engine
+holds the weights of `model_dir` and is in no sync group, so the caller re-forms the group and
+syncs it (`mcore_rl.trainer.recovery` does).
 """
 
 from __future__ import annotations
@@ -126,7 +127,8 @@ class RayEngines:
                  wait: bool = True):
         """start_timeout_s: how long an engine may take to start. call_timeout_s: the
         deadline of every other call that is given none of its own. seed: every engine's
-        vLLM seed (a run's `derive_seed(seed, "engine")`). stack_dir: where engines dump their stacks on SIGUSR1 (watchdog).
+        vLLM seed (a run's `derive_seed(seed, "engine")`). stack_dir: where engines dump
+        their stacks on SIGUSR1 (watchdog).
         inject_stall: fault injection for watchdog tests ("gen@engine<i>").
         placement: a `launch.placement.RayPlacement`: engine i goes into its node's bundle
         and sees only its TP devices (default: anywhere Ray likes)."""
