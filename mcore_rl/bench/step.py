@@ -39,6 +39,7 @@ from typing import ClassVar, Sequence
 
 from mcore_rl.bench.report import Table, spread
 from mcore_rl.config import ConfigError
+from mcore_rl.launch.process_cpu import cpu_by_role, cpu_floor_s
 from mcore_rl.models.spec import ModelSpec
 
 # gen_wait: one-step off-policy only — the time a step blocked on generation that ran beside
@@ -235,6 +236,7 @@ def _measure(cfg: StepBenchConfig) -> dict:
         controller = _controller_cls()(rl, model_dir, Path(scratch) / "run")
         try:
             startup_s = time.perf_counter() - start
+            startup_cpu = cpu_by_role()  # the CPU work behind it, in every process started
             start_dir, warmup_s = _warm_up(controller, rl, model_dir, Path(scratch))
             controller.reset_optimizer()
             controller.sync_weights()
@@ -249,7 +251,8 @@ def _measure(cfg: StepBenchConfig) -> dict:
         process_s = time.perf_counter() - start
         report = build_report(cfg, rl, spec, steps, startup_s)
         report.update(warmup_s=warmup_s, ours_process_s=process_s,
-                      steps_run=len(prompts))
+                      steps_run=len(prompts), startup_cpu_s=startup_cpu,
+                      startup_cpu_floor_s=cpu_floor_s(startup_cpu["total"]))
         if cfg.baseline == "trl":
             from mcore_rl.bench.trl_baseline import run_in_subprocess
 
@@ -388,6 +391,13 @@ def summary_lines(report: dict) -> list[str]:
     lines = [f"RL step: actor {report['actor']}, rollout {report['rollout']}, "
              f"{report['sequences_per_step']} sequences x {report['seq_len']} tokens, "
              f"{report['repeats']} measured steps (start-up {report['startup_s']:.1f} s)"]
+    if "startup_cpu_s" in report:
+        cpu = report["startup_cpu_s"]
+        lines.append(f"  start-up CPU {cpu['total']:.1f} s ("
+                     + ", ".join(f"{role} {sec:.1f}" for role, sec in cpu.items()
+                                 if role != "total")
+                     + f"): no shorter than {report['startup_cpu_floor_s']:.1f} s on this "
+                       "machine's cores")
     for p, s in t.items():
         mf = report["mfu_by_phase"].get(p)
         lines.append(f"  {p:13s} {s['median']:.4f} s (min {s['min']:.4f}, max {s['max']:.4f})"

@@ -85,6 +85,7 @@ def run_demo(cfg, out: Path, resume: str | Path = "auto", command: str = "demo")
     from mcore_rl.trainer.controller import RLController
     from mcore_rl.trainer.metrics import plot_run
     from mcore_rl.launch.logs import configure_process_logs
+    from mcore_rl.launch.process_cpu import cpu_by_role, cpu_floor_s
     from mcore_rl.trainer.run_control import RunStopped, StopControl, start_local_ray
 
     start = time.perf_counter()
@@ -100,6 +101,7 @@ def run_demo(cfg, out: Path, resume: str | Path = "auto", command: str = "demo")
     start_local_ray()  # before the controller's init_local_ray (then a no-op)
     controller = RLController(cfg, model_dir, out)
     startup_s = seconds_since_process_start()  # every worker and engine up: step 1 can start
+    startup_cpu = cpu_by_role()  # what that start-up cost every process it started
     stop.install()  # again: Ray's driver installed its own (aborting) SIGTERM handler
     try:
         accuracy, first_step = _start_or_resume(controller, cfg, out, model_dir, checkpoint)
@@ -115,6 +117,8 @@ def run_demo(cfg, out: Path, resume: str | Path = "auto", command: str = "demo")
     summary = _summary(cfg, out, accuracy=accuracy, first_step=first_step, digests=digests,
                        wall_s=time.perf_counter() - start)
     summary["startup_s"] = startup_s
+    summary["startup_cpu_s"] = startup_cpu
+    summary["startup_cpu_floor_s"] = cpu_floor_s(startup_cpu["total"])
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     k = min(5, summary["steps"])
     print(f"{command} done in {summary['wall_s']:.0f} s: reward {summary['reward_first5']:.3f} "

@@ -165,6 +165,12 @@ def test_step_bench(tmp_path):
     assert report["ratio_vs_trl"] == pytest.approx(
         report["timing_s"]["step"]["median"] / trl["timing_s"]["step"]["median"])
     assert trl["startup_s"] > 0 and trl["process_s"] >= trl["startup_s"]
+    # our start-up's CPU work, by role, and the shortest wall time it allows on these cores
+    cpu = report["startup_cpu_s"]
+    assert cpu["actor ranks"] > 1.0 and cpu["engines"] > 1.0, cpu
+    assert report["startup_cpu_floor_s"] == pytest.approx(
+        cpu["total"] / len(os.sched_getaffinity(0)), abs=0.01)
+    assert "start-up CPU" in stdout
     assert "ours / TRL median step" in stdout
 
 

@@ -119,6 +119,19 @@ def test_nothing_listens_beyond_loopback(reference):
     assert not beyond, f"listening beyond loopback: {beyond}"
 
 
+def test_the_summary_accounts_for_the_start_up_cpu_of_every_process(reference):
+    out, _ = reference
+    summary = json.loads((out / "summary.json").read_text())
+    cpu = summary["startup_cpu_s"]
+    # two actor ranks and one engine, each importing torch and its library: seconds each
+    assert cpu["actor ranks"] > 1.0 and cpu["engines"] > 1.0 and cpu["driver"] > 1.0, cpu
+    assert cpu["total"] == pytest.approx(sum(v for k, v in cpu.items() if k != "total"),
+                                         abs=0.05)
+    # wall time since process start cannot beat the CPU work spread over the cores
+    assert summary["startup_cpu_floor_s"] <= summary["startup_s"] + 0.5, summary
+    print(f"start-up {summary['startup_s']:.1f} s, CPU {cpu}")
+
+
 def test_sigterm_checkpoints_and_the_same_command_resumes_exactly(reference, tmp_path):
     full, _ = reference
     out = tmp_path / "run"
