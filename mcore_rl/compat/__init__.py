@@ -1,11 +1,10 @@
 """Adapters that let upstream libraries run where they were not written to run (CPU).
 
-All monkeypatching of upstream code lives here and nowhere else. See `megatron_cpu`.
+All monkeypatching of upstream code lives here and nowhere else. See `megatron_cpu`, and
+`lazy_compile` (installed by `mcore_rl/__init__.py`, so before any megatron import).
 """
 
 from __future__ import annotations
-
-import torch
 
 
 def apply_cpu_compat() -> list[str]:
@@ -16,6 +15,8 @@ def apply_cpu_compat() -> list[str]:
     per thread (torch function modes are thread-local): call it in the thread that runs
     megatron.
     """
+    import torch  # not at module level: `import mcore_rl` stays free of torch
+
     if torch.cuda.is_available():
         return []
     from mcore_rl.compat import megatron_cpu
