@@ -323,6 +323,8 @@ class RLController(Generation, WeightSync, Checkpointing):
         """Stop workers and engines; a worker stuck in a collective is killed with Ray."""
         import ray
 
+        from mcore_rl.trainer.run_control import stop_local_ray
+
         if self.pipeline is not None:
             self.pipeline.shutdown()
         try:
@@ -333,7 +335,7 @@ class RLController(Generation, WeightSync, Checkpointing):
                 self.reward_model.shutdown()
             self.placement.remove()
         finally:
-            ray.shutdown()
+            stop_local_ray()
 
 
 def _update_metrics(updates: list[dict]) -> dict[str, float]:

@@ -57,6 +57,25 @@ def model_dir_of(cfg, out: Path) -> Path:
     return hf_dir
 
 
+def model_dir_while_ray_starts(cfg, out: Path) -> Path:
+    """`model_dir_of(cfg, out)` with the driver's Ray started (`start_local_ray`). The demo
+    model is built in a thread meanwhile: ray.init mostly waits on the processes it launches,
+    and the build (transformers' import, the tokenizer's training) is ~3.5 s of driver CPU.
+    A given model.hf_dir is checked first, so a bad one fails before Ray starts."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from mcore_rl.trainer.run_control import start_local_ray
+
+    if cfg.model.hf_dir is not None:
+        model_dir = model_dir_of(cfg, out)
+        start_local_ray()
+        return model_dir
+    with ThreadPoolExecutor(1, thread_name_prefix="demo-model") as pool:
+        model_dir = pool.submit(model_dir_of, cfg, out)
+        start_local_ray()
+        return model_dir.result()
+
+
 def check_layer_spec_here(cfg, resume: Path | None = None) -> None:
     """Before any worker starts: the resolved layer spec can be built here (a run on this
     machine that resolves "te" needs TransformerEngine), and a resumed checkpoint was saved
@@ -86,7 +105,7 @@ def run_demo(cfg, out: Path, resume: str | Path = "auto", command: str = "demo")
     from mcore_rl.trainer.metrics import plot_run
     from mcore_rl.launch.logs import configure_process_logs
     from mcore_rl.launch.process_cpu import cpu_by_role, cpu_floor_s
-    from mcore_rl.trainer.run_control import RunStopped, StopControl, start_local_ray
+    from mcore_rl.trainer.run_control import RunStopped, StopControl
 
     start = time.perf_counter()
     out.mkdir(parents=True, exist_ok=True)
@@ -97,8 +116,7 @@ def run_demo(cfg, out: Path, resume: str | Path = "auto", command: str = "demo")
               f"nothing to do (run dir {out})")
         return {"already_complete": True, "checkpoint": str(checkpoint)}
     stop = StopControl(cfg.checkpoint.stop_grace_s).install()
-    model_dir = model_dir_of(cfg, out)
-    start_local_ray()  # before the controller's init_local_ray (then a no-op)
+    model_dir = model_dir_while_ray_starts(cfg, out)  # the controller's init_local_ray: no-op
     controller = RLController(cfg, model_dir, out)
     startup_s = seconds_since_process_start()  # every worker and engine up: step 1 can start
     startup_cpu = cpu_by_role()  # what that start-up cost every process it started

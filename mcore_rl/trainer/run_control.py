@@ -16,7 +16,9 @@ signal to the process group also reaches the local Ray's gcs_server, raylet and 
 processes, which ray.init starts in the driver's group (its actor workers get their own
 groups) — the GCS then dies at once and the run cannot even checkpoint (measured, Ray 2.60).
 `start_local_ray` therefore starts them with SIGTERM blocked (inherited through fork/exec, as
-Ray itself does for SIGINT): they live until the run shuts them down. Under SLURM, Ray runs as
+Ray itself does for SIGINT): they live until the run shuts them down. `stop_local_ray` then
+stops them with SIGKILL at once: ray.shutdown's SIGTERM cannot reach them, and Ray waits a
+second on each (5.4 s of every demo's shutdown, measured) before it sends SIGKILL itself. Under SLURM, Ray runs as
 `ray start --block` and the batch script forwards only to the driver (train.sbatch).
 """
 
@@ -109,10 +111,42 @@ def signals_blocked_in_children(signals=(signal.SIGTERM,)):
         signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
+_started_deaf_to_sigterm = False  # this process's local Ray was started by start_local_ray
+
+
 def start_local_ray() -> None:
     """The driver's Ray (a local instance, or the cluster named by RAY_ADDRESS), its local
     processes shielded from the group's SIGTERM (see the module doc)."""
+    global _started_deaf_to_sigterm
     from mcore_rl.rollout.ray_engines import init_local_ray
 
+    # not `import ray` here: init_local_ray sets Ray's environment before the first import
+    if "ray" in sys.modules and sys.modules["ray"].is_initialized():
+        return
     with signals_blocked_in_children():
         init_local_ray(num_cpus=max(2, os.cpu_count() or 2))
+    _started_deaf_to_sigterm = True
+
+
+def stop_local_ray() -> None:
+    """`ray.shutdown()`; the processes `start_local_ray` started (SIGTERM blocked) are sent
+    SIGKILL instead of the SIGTERM they cannot receive, which Ray would follow with SIGKILL a
+    second later each. Workers and engines should be stopped first (the controller does)."""
+    global _started_deaf_to_sigterm
+    import psutil
+    import ray
+
+    node = ray._private.worker._global_node  # processes this driver started (none: a cluster)
+    below = []  # the raylet's agents and workers: they fate-share with it by reporting its
+    # death to the GCS, which is gone by then, so they would outlive it; stopped here instead
+    if _started_deaf_to_sigterm and node is not None:
+        for infos in node.all_processes.values():
+            for info in infos:
+                info.process.terminate = info.process.kill  # Ray calls terminate, then waits
+                with contextlib.suppress(psutil.Error):
+                    below += psutil.Process(info.process.pid).children(recursive=True)
+    _started_deaf_to_sigterm = False
+    ray.shutdown()
+    for process in below:
+        with contextlib.suppress(psutil.Error):
+            process.kill()
