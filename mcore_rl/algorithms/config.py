@@ -38,6 +38,12 @@ class AlgorithmConfig:
     overlong_penalty: size of the full overlong penalty (>= 0).
     rollout_correction: train–inference mismatch correction (tis / mis / bypass), see
         `RolloutCorrectionConfig`.
+    old_logprob_from_update: the first mini-batch's π_old log-probs are its update's own
+        forward (detached; the weights have not moved yet), so the forward-only pass runs on
+        mini-batches 2.. only. Applies with updates_per_batch >= 2 when nothing needs every
+        row's π_old before the update (rollout_correction mode "none", no kl_mode "reward");
+        the step's mismatch metrics then cover mini-batches 2.. (TRL does the same with one
+        mini-batch). false: the pass covers every row.
     """
 
     advantage_estimator: Literal["gae", "grpo", "rloo", "reinforce_pp"] = "grpo"
@@ -59,6 +65,7 @@ class AlgorithmConfig:
     overlong_penalty: float = 1.0
     rollout_correction: RolloutCorrectionConfig = field(
         default_factory=RolloutCorrectionConfig)
+    old_logprob_from_update: bool = True
 
     def __post_init__(self) -> None:
         for name, allowed in (("advantage_estimator", ADVANTAGE_ESTIMATORS),

@@ -93,13 +93,16 @@ def mfu(flops: float, seconds: float, devices: int, peak_flops_per_device: float
 
 
 def phase_flops(spec: ModelSpec, *, phases: Sequence[str], rows: int, seq_len: int,
-                gen_seq_lens: Sequence[int]) -> dict[str, float]:
+                gen_seq_lens: Sequence[int], old_logprob_rows: int | None = None
+                ) -> dict[str, float]:
     """Model FLOPs of each phase that ran (module doc). rows x seq_len: the actor's padded
-    batch; gen_seq_lens: prompt + response length of every generated sequence."""
+    batch; gen_seq_lens: prompt + response length of every generated sequence;
+    old_logprob_rows: the rows the old-log-prob pass ran on (None: all)."""
     policy, critic = FlopsModel.policy(spec), FlopsModel.critic(spec)
     batch = [seq_len] * rows
+    old_rows = rows if old_logprob_rows is None else old_logprob_rows
     table = {"gen": lambda: policy.forward(gen_seq_lens),
-             "old_logprob": lambda: policy.forward(batch),
+             "old_logprob": lambda: policy.forward([seq_len] * old_rows),
              "ref": lambda: policy.forward(batch),
              "values": lambda: critic.forward(batch),
              "update_actor": lambda: policy.train(batch),
@@ -310,8 +313,10 @@ def build_report(cfg: StepBenchConfig, rl, spec: ModelSpec,
         timings = {k.removeprefix("timing_s/"): v for k, v in metrics.items()
                    if k.startswith("timing_s/")}
         ran = [p for p in PHASES if p in timings]
+        old_rows = metrics.get("old_logprob_rows")
         flops = phase_flops(spec, phases=ran, rows=rows, seq_len=rl.train.seq_len,
-                            gen_seq_lens=gen_lens)
+                            gen_seq_lens=gen_lens,
+                            old_logprob_rows=None if old_rows is None else int(old_rows))
         derived = step_metrics(timings, flops, actor_devices=actor_devices,
                                rollout_devices=rollout_devices, tokens=sum(gen_lens),
                                peak_flops_per_device=peak)

@@ -269,19 +269,35 @@ class RLController(Generation, WeightSync, Checkpointing):
         rollout_logp = engine_logprobs(completions, batch.mask)
         if correction.mode == "bypass":  # the engine's log-probs are the old policy
             return rollout_logp, None, {}
+        skip = self._old_logp_rows_from_update(batch.tokens.shape[0])
+        rest = Batch(batch.tokens[skip:], batch.labels[skip:], batch.mask[skip:])
         with timer("old_logprob"):
-            old_logp = self._per_token("logprobs", batch, "old_logprob")
+            passed = self._per_token("logprobs", rest, "old_logprob")
+        # the first `skip` rows: NaN, the update's own forward (rl_step.PolicyBatch)
+        old_logp = torch.cat([torch.full((skip, passed.shape[1]), float("nan")), passed])
+        completions, mask = completions[skip:], rest.mask
         # vLLM's log-probs of its samples vs the actor's on the same (synced) weights: ~0
         # means the weight sync is exact; it grows if the engine serves stale weights (and
         # off-policy it measures the staleness)
-        mismatch = {"rollout_logprob_max_diff": rollout_logprob_diff(completions, old_logp,
-                                                                     batch.mask)}
+        mismatch = {"rollout_logprob_max_diff": rollout_logprob_diff(completions, passed, mask),
+                    "old_logprob_rows": float(len(passed))}
         # partial rollouts: the tokens generated on these very weights must match exactly
-        mismatch.update(current_version_logprob_diff(completions, old_logp, batch.mask,
+        mismatch.update(current_version_logprob_diff(completions, passed, mask,
                                                      version=step - 1))
-        is_weights, correction_metrics = correction_weights(correction, old_logp,
-                                                            rollout_logp, batch.mask)
+        is_weights, correction_metrics = correction_weights(correction, passed,
+                                                            rollout_logp[skip:], mask)
         return old_logp, is_weights, {**mismatch, **correction_metrics}
+
+    def _old_logp_rows_from_update(self, rows: int) -> int:
+        """Rows whose π_old is the first mini-batch's own update forward (0: none), see
+        `AlgorithmConfig.old_logprob_from_update`."""
+        cfg = self.cfg
+        algo = cfg.algorithm
+        if (not algo.old_logprob_from_update or cfg.updates_per_batch < 2
+                or algo.rollout_correction.mode != "none"
+                or (algo.kl_coeff and algo.kl_mode == "reward")):
+            return 0
+        return rows // cfg.updates_per_batch
 
     def _reference_and_values(self, batch: Batch, timer: PhaseTimer) -> dict[str, torch.Tensor]:
         """The reference's log-probs (a KL term is configured) and the critic's values (GAE)."""

@@ -37,7 +37,8 @@ _PAD_LOGIT = -1e4
 @dataclass(frozen=True)
 class PolicyBatch:
     """One micro batch of the policy update, all [b, s] aligned with `labels` (packed: [1, T]
-    and segment_ids, see `packing.pack`)."""
+    and segment_ids, see `packing.pack`). A NaN in `old_logp` marks a token whose π_old is
+    the update's own forward, detached (`AlgorithmConfig.old_logprob_from_update`)."""
 
     tokens: torch.Tensor
     labels: torch.Tensor
@@ -107,7 +108,9 @@ def _policy_loss(batch: PolicyBatch, algo: AlgorithmConfig, trainer: MegatronTra
     rows = functools.partial(per_sequence, segment_ids=batch.segment_ids)
     logp, entropy, mask = rows(logp), rows(entropy), rows(batch.response_mask.float())
     agg = algo.loss_agg
-    pg, metrics = policy_loss(logp, rows(batch.old_logp), rows(batch.advantages), mask,
+    old_logp = rows(batch.old_logp)
+    old_logp = torch.where(old_logp.isnan(), logp.detach(), old_logp)  # see PolicyBatch
+    pg, metrics = policy_loss(logp, old_logp, rows(batch.advantages), mask,
                               clip_eps_low=algo.clip_eps_low, clip_eps_high=algo.clip_eps_high,
                               clip_c=algo.clip_c, agg=agg,
                               is_weights=None if batch.is_weights is None

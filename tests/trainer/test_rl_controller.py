@@ -75,6 +75,9 @@ def test_two_rl_steps_with_vllm_and_streamed_sync(tmp_path, grid, algo):
         assert m["sync_bytes"] > 0
         # vLLM sampled from exactly the actor's weights (fp32)
         assert m["rollout_logprob_max_diff"] < 1e-4, m["rollout_logprob_max_diff"]
+        # the first of the 2 mini-batches took π_old from its own update forward
+        # (algorithm.old_logprob_from_update): the pass ran on the other 8 of 16 rows
+        assert m["old_logprob_rows"] == 8
         if algo is PPO:
             assert "vf_loss" in m and m["kl_ref"] >= 0
         else:  # dynamic sampling filled the batch with groups that carry a gradient
@@ -188,3 +191,22 @@ def test_bf16_wire_sync_halves_the_bytes(tmp_path):
     assert first["sync_bytes"] == step["sync_bytes"] == 2 * elements
     # bf16 keeps 8 mantissa bits: the engine's weights are the actor's, rounded
     assert 0 < step["rollout_logprob_max_diff"] < 0.1, step["rollout_logprob_max_diff"]
+
+
+@pytest.mark.parametrize("overrides, rows", [
+    ([], 8),
+    (["updates_per_batch=4", "train.micro_batch_size=2"], 4),
+    (["algorithm.old_logprob_from_update=false"], 0),
+    (["updates_per_batch=1", "train.micro_batch_size=8"], 0),  # the pass is the mismatch check
+    (["algorithm.rollout_correction.mode=tis"], 0),  # weights need every row's π_old
+    (["algorithm.advantage_estimator=gae", "algorithm.kl_coeff=0.05",
+      "algorithm.kl_mode=reward", "critic_train.micro_batch_size=4"], 0),  # KL rewards too
+    (["algorithm.advantage_estimator=gae", "algorithm.kl_coeff=0.05",
+      "critic_train.micro_batch_size=4"], 8),  # a KL loss term: fine
+])
+def test_old_logp_comes_from_the_update_only_where_nothing_needs_it_before(overrides, rows):
+    from mcore_rl.trainer.controller import RLController
+
+    controller = RLController.__new__(RLController)  # the rule reads the config only
+    controller.cfg = small_config(*overrides)
+    assert controller._old_logp_rows_from_update(16) == rows

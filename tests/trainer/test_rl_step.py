@@ -78,3 +78,47 @@ def test_policy_and_value_losses_decrease_on_a_fixed_batch():
     assert all(d > 0 for d in delta[0::2]) and all(d < 0 for d in delta[1::2]), delta
     assert vf[0] > vf[1] > vf[2], vf
     assert abs(results[0]["weighted_pg"] - results[0]["weighted_expected"]) < 1e-5, results[0]
+
+
+def update_with_old_logp_from_its_own_forward(rank, world_size):
+    from mcore_rl.parallel.groups import init_training_groups
+    from mcore_rl.trainer.megatron_train import MicroBatch, setup_trainer
+    from mcore_rl.trainer.rl_step import PolicyBatch, compute_logprobs, policy_update
+
+    spec = get_preset("micro")
+    groups = init_training_groups(ParallelConfig(tp=2))
+    train = TrainConfig(micro_batch_size=4, num_micro_batches=2, seq_len=12,
+                        optimizer=OptimizerConfig(lr=1e-3, clip_grad=1.0))
+    algo = AlgorithmConfig(clip_c=None)
+    tokens, labels, mask, adv = fixed_batch(spec, seed=3)
+    mbs = [slice(0, 4), slice(4, 8)]
+    results = {}
+    for name, first_rows_from_update in (("pass", False), ("update", True)):
+        actor = setup_trainer(spec, groups, train, seed=5)  # the same weights both times
+        before = torch.cat(compute_logprobs(actor, [MicroBatch(tokens[r], labels[r], mask[r])
+                                                    for r in mbs]))
+        old_logp = before.clone()
+        if first_rows_from_update:  # what the controller sends for its first mini-batch
+            old_logp[mbs[0]] = float("nan")
+        # two mini-batches, one optimizer step each, as the controller's update runs them
+        reports = [policy_update(actor, [PolicyBatch(tokens[r], labels[r], mask[r], old_logp[r],
+                                                     adv[r])], algo) for r in mbs]
+        results[name] = {"reports": reports, "logp": torch.cat(compute_logprobs(
+            actor, [MicroBatch(tokens[r], labels[r], mask[r]) for r in mbs]))}
+    same_logp = torch.allclose(results["pass"]["logp"], results["update"]["logp"], atol=1e-5)
+    return {"same_logp": same_logp, "finite": bool(results["update"]["logp"].isfinite().all()),
+            "moved": float((results["update"]["logp"] - before).abs().max()),
+            **{f"{name}_{key}": [r[key] for r in results[name]["reports"]]
+               for name in results for key in ("pg_loss", "ppo_kl", "grad_norm")}}
+
+
+def test_the_first_mini_batch_old_logp_from_the_update_forward_trains_like_a_forward_pass():
+    """NaN old log-probs (AlgorithmConfig.old_logprob_from_update): π_old is the update's own
+    forward, detached — the same weights a forward-only pass would have run, so two updates
+    move the policy as with the pass's log-probs (TP2)."""
+    seen = run_on_ranks(update_with_old_logp_from_its_own_forward, 2, timeout_s=300)[0]
+    assert seen["finite"] and seen["same_logp"], seen
+    assert seen["moved"] > 1e-3  # the updates did change the policy
+    for key in ("pg_loss", "ppo_kl", "grad_norm"):
+        for a, b in zip(seen[f"pass_{key}"], seen[f"update_{key}"]):
+            assert abs(a - b) <= 1e-5 + 1e-4 * abs(a), (key, seen)
