@@ -18,8 +18,9 @@ groups) — the GCS then dies at once and the run cannot even checkpoint (measur
 `start_local_ray` therefore starts them with SIGTERM blocked (inherited through fork/exec, as
 Ray itself does for SIGINT): they live until the run shuts them down. `stop_local_ray` then
 stops them with SIGKILL at once: ray.shutdown's SIGTERM cannot reach them, and Ray waits a
-second on each (5.4 s of every demo's shutdown, measured) before it sends SIGKILL itself. Under SLURM, Ray runs as
-`ray start --block` and the batch script forwards only to the driver (train.sbatch).
+second on each (5.4 s of every demo's shutdown, measured) before it sends SIGKILL itself.
+Under SLURM, Ray runs as `ray start --block` and the batch script forwards only to the driver
+(train.sbatch).
 """
 
 from __future__ import annotations

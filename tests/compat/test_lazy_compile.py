@@ -64,7 +64,7 @@ def _compile_on_first_call(rank, world):
     direct = compile_later(_scale_and_shift, backend="eager")
     factory = compile_later(backend="eager", dynamic=False)(_scale_and_shift)
     before = {"calls": len(calls), "dynamo": "torch._dynamo" in sys.modules,
-              "deferred": isinstance(direct, DeferredCompile) and isinstance(factory, DeferredCompile)}
+              "deferred": all(isinstance(f, DeferredCompile) for f in (direct, factory))}
     x, y = torch.arange(4.0), torch.ones(4)
     outputs = [direct(x, y), direct(x, y), factory(x, y)]
     _Scaler.deferred_scale = compile_later(_Scaler.scale, backend="eager")  # like megatron's
