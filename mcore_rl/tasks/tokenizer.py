@@ -107,22 +107,39 @@ def encode_prompt(tokenizer, prompt_text: str, *, chat_template: bool = False) -
     """Prompt ids as the engines see them: the tokenizer's special tokens (BOS) + the text's
     ids (addition: one id per character). With `chat_template` the prompt is one user turn in
     the tokenizer's chat template, ending with the assistant's generation prompt."""
+    return encode_prompts(tokenizer, [prompt_text], chat_template=chat_template)[0]
+
+
+def encode_prompts(tokenizer, prompt_texts: Sequence[str], *,
+                   chat_template: bool = False) -> list[list[int]]:
+    """`encode_prompt` of each text, in one tokenizer call without a chat template (a call
+    per text costs ~30 µs of Python in transformers: 4 of the 5 ms of a warm-up batch)."""
+    if not prompt_texts:
+        return []
     if not chat_template:
-        return list(tokenizer(prompt_text, add_special_tokens=True)["input_ids"])
+        return [list(ids) for ids in
+                tokenizer(list(prompt_texts), add_special_tokens=True)["input_ids"]]
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError(f"task.chat_template=true but the tokenizer "
                          f"({type(tokenizer).__name__}, {tokenizer.name_or_path}) has no chat "
                          "template")
-    ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt_text}],
-                                        add_generation_prompt=True, tokenize=True,
-                                        return_dict=False)
-    return list(ids)
+    return [list(tokenizer.apply_chat_template([{"role": "user", "content": text}],
+                                               add_generation_prompt=True, tokenize=True,
+                                               return_dict=False))
+            for text in prompt_texts]
 
 
 def encode_answer(tokenizer, answer_text: str) -> list[int]:
     """Target ids for supervised warm-up: the answer's ids + EOS (no BOS)."""
-    return list(tokenizer(answer_text, add_special_tokens=False)["input_ids"]) + [
-        tokenizer.eos_token_id]
+    return encode_answers(tokenizer, [answer_text])[0]
+
+
+def encode_answers(tokenizer, answer_texts: Sequence[str]) -> list[list[int]]:
+    """`encode_answer` of each text, in one tokenizer call."""
+    if not answer_texts:
+        return []
+    ids = tokenizer(list(answer_texts), add_special_tokens=False)["input_ids"]
+    return [list(row) + [tokenizer.eos_token_id] for row in ids]
 
 
 def response_text(token_ids: Sequence[int], tokenizer) -> str:

@@ -31,7 +31,7 @@ from mcore_rl.resharding import host_store
 from mcore_rl.rollout.multi_turn import build_multi_turn, episode_metrics, loss_masks
 from mcore_rl.tasks.base import load_reward_fn
 from mcore_rl.tasks.config import DEFAULT_REWARDS, build_reward, build_task
-from mcore_rl.tasks.tokenizer import encode_answer, load_tokenizer
+from mcore_rl.tasks.tokenizer import encode_answers, load_tokenizer
 from mcore_rl.trainer.advantages import compute_advantages, critic_metrics, packing_metrics
 from mcore_rl.trainer.batches import (Batch, Rollouts, build_batch, engine_logprobs,
                                       mini_batches, rollout_logprob_diff)
@@ -170,9 +170,9 @@ class RLController(Generation, WeightSync, Checkpointing):
             timer = PhaseTimer()
             examples = self.task.warmup_examples(w.batch_size, seed=self.cfg.seed * 100003 + step,
                                                  p=w.label_noise)
-            prompts = [self.encode(p) for p, _ in examples]
+            prompts = self.encode_all([p for p, _ in examples])
             if self.multi_turn is None:
-                answers, masks = [encode_answer(self.tokenizer, a) for _, a in examples], None
+                answers, masks = encode_answers(self.tokenizer, [a for _, a in examples]), None
             else:  # whole traces; their observations are masked out of the loss
                 answers, masks = zip(*(self.multi_turn.encode_trace(a) for _, a in examples))
             batch = build_batch(prompts, answers, w.train.seq_len, self.tokenizer.pad_token_id,

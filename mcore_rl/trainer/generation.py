@@ -14,7 +14,7 @@ import concurrent.futures
 from mcore_rl.rollout.engine import Completion, RolloutError, SamplingConfig
 from mcore_rl.rollout.multi_turn import Episode
 from mcore_rl.tasks.base import Example
-from mcore_rl.tasks.tokenizer import encode_prompt, response_text
+from mcore_rl.tasks.tokenizer import encode_prompts, response_text
 from mcore_rl.trainer.async_rollout import RolloutPipeline, on_generation_thread
 from mcore_rl.trainer.batches import Rollouts
 from mcore_rl.trainer.metrics import PhaseTimer
@@ -62,15 +62,19 @@ class Generation:
                 self.recovery.recover(err, "generate", err.engine)
 
     def encode(self, prompt_text: str) -> list[int]:
-        return encode_prompt(self.tokenizer, prompt_text,
-                             chat_template=self.cfg.task.chat_template)
+        return self.encode_all([prompt_text])[0]
+
+    def encode_all(self, prompt_texts: list[str]) -> list[list[int]]:
+        """`encode` of each text, in one tokenizer call."""
+        return encode_prompts(self.tokenizer, prompt_texts,
+                              chat_template=self.cfg.task.chat_template)
 
     def _rollout(self, examples: list[Example], sampling: SamplingConfig):
         """(prompt ids, completions per prompt): one generation call, or the episodes of a
         multi-turn task (one batched call per turn, environments between turns)."""
         if self.multi_turn is not None:
             return self.multi_turn.rollout(self._generate, examples, self.encode, sampling)
-        prompts = [self.encode(e.prompt) for e in examples]
+        prompts = self.encode_all([e.prompt for e in examples])
         return prompts, self._generate(prompts, sampling)
 
     def accuracy(self, n: int) -> float:

@@ -223,7 +223,7 @@ def partial_pipeline(controller) -> PartialRolloutPipeline:
 
     def start(step: int):
         examples, sampling = controller._draw(step, 0)
-        prompts = [controller.encode(e.prompt) for e in examples]
+        prompts = controller.encode_all([e.prompt for e in examples])
         return examples, PartialBatch.start(prompts, sampling)
 
     def advance_on(batch: PartialBatch, version: int, max_tokens: int | None) -> None:

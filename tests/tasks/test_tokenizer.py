@@ -47,6 +47,21 @@ def test_one_token_per_character(tok_dir):
     assert len(wide) == 9
 
 
+def test_batched_encoding_equals_one_call_per_text(tok_dir):
+    """encode_prompts / encode_answers (one tokenizer call for a batch, as the warm-up and the
+    rollouts use them) give every text the ids of its own call, lengths mixed, no padding."""
+    tok = tk.load_tokenizer(tok_dir)
+    examples = (AdditionTask().warmup_examples(20, seed=1, p=0.5)
+                + AdditionTask(digits=3).warmup_examples(20, seed=2, p=0.5))
+    prompts, answers = [p for p, _ in examples], [a for _, a in examples]
+    assert tk.encode_prompts(tok, prompts) == [
+        list(tok(p, add_special_tokens=True)["input_ids"]) for p in prompts]
+    assert tk.encode_answers(tok, answers) == [
+        list(tok(a, add_special_tokens=False)["input_ids"]) + [tk.EOS_ID] for a in answers]
+    assert {len(ids) for ids in tk.encode_prompts(tok, prompts)} == {7, 9}
+    assert tk.encode_prompts(tok, []) == [] and tk.encode_answers(tok, []) == []
+
+
 def test_response_text_feeds_reward(tok_dir):
     tok = tk.load_tokenizer(tok_dir)
     digits = tk.encode_answer(tok, "042")[:-1]
