@@ -91,5 +91,10 @@ class AlgorithmConfig:
         if self.grpo_eps <= 0.0:
             raise ConfigError("grpo_eps", self.grpo_eps, "must be > 0")
 
+    @property
+    def kl_in_reward(self) -> bool:
+        """The KL to the reference is folded into the token rewards (before the advantages)."""
+        return bool(self.kl_coeff) and self.kl_mode == "reward"
+
 
 __all__ = ["ADVANTAGE_ESTIMATORS", "AlgorithmConfig", "KL_MODES"]

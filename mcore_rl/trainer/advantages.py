@@ -24,7 +24,7 @@ def compute_advantages(algo: AlgorithmConfig, scores: torch.Tensor, groups: torc
     if algo.advantage_estimator == "rloo":
         return rloo_advantages(scores, groups, mask), None, metrics
     token_rewards = outcome_to_token_rewards(scores, mask)
-    if algo.kl_coeff and algo.kl_mode == "reward":
+    if algo.kl_in_reward:
         token_rewards, kl = kl_penalty_rewards(token_rewards, old_logp, extra["ref_logp"], mask,
                                                coeff=algo.kl_coeff, estimator=algo.kl_estimator)
         metrics["kl_reward"] = float(kl["kl"])

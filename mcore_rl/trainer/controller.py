@@ -294,8 +294,7 @@ class RLController(Generation, WeightSync, Checkpointing):
         cfg = self.cfg
         algo = cfg.algorithm
         if (not algo.old_logprob_from_update or cfg.updates_per_batch < 2
-                or algo.rollout_correction.mode != "none"
-                or (algo.kl_coeff and algo.kl_mode == "reward")):
+                or algo.rollout_correction.mode != "none" or algo.kl_in_reward):
             return 0
         return rows // cfg.updates_per_batch
 

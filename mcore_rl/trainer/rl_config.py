@@ -341,7 +341,7 @@ class RLConfig:
                 raise ConfigError(f"{role}.micro_batch_size", train.micro_batch_size,
                                   f"must divide the {per_dp} sequences each DP rank gets per "
                                   "update")
-        if self.algorithm.kl_mode == "reward" and self.algorithm.kl_coeff and \
+        if self.algorithm.kl_in_reward and \
                 self.algorithm.advantage_estimator in ("grpo", "rloo"):
             raise ConfigError("algorithm.kl_mode", "reward",
                               "group estimators (grpo, rloo) take the KL as a loss term")

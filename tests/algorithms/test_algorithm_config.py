@@ -46,3 +46,9 @@ def test_loads_from_overrides():
     assert cfg.dynamic_sampling and cfg.overlong_buffer == 4
     with pytest.raises(ConfigError, match="kl_estimator"):
         load_config(AlgorithmConfig, overrides=["kl_estimator=k9"])
+
+
+@pytest.mark.parametrize("kl_mode,kl_coeff,folded", [
+    ("reward", 0.1, True), ("reward", 0.0, False), ("loss", 0.1, False)])
+def test_kl_in_reward_needs_the_reward_mode_and_a_coefficient(kl_mode, kl_coeff, folded):
+    assert AlgorithmConfig(kl_mode=kl_mode, kl_coeff=kl_coeff).kl_in_reward is folded
