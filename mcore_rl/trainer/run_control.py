@@ -112,7 +112,9 @@ def signals_blocked_in_children(signals=(signal.SIGTERM,)):
         signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
-_started_deaf_to_sigterm = False  # this process's local Ray was started by start_local_ray
+# start_local_ray brought Ray up here (as a cluster's driver too: its node then lists no
+# processes of ours, so stop_local_ray has nothing to kill)
+_started_deaf_to_sigterm = False
 
 
 def start_local_ray() -> None:
