@@ -42,6 +42,11 @@ class RolloutConfig:
         weight sync must then restore every tensor).
     cpu_threads_bind: CPU only, tp > 1 — `VLLM_CPU_OMP_THREADS_BIND` ("0|1": rank 0 on core 0,
         rank 1 on core 1); "" splits this process's allowed cores evenly over the TP ranks.
+    cpu_threads: CPU only, tp == 1 — the engine's OpenMP threads; null: Ray's default for its
+        actor (cpus_per_engine, at least 1). In a Ray actor its idle threads sleep at once
+        (`OMP_WAIT_POLICY=PASSIVE`) instead of spinning beside the training ranks, so with
+        mode sync, where the ranks wait while the engine generates, the engine can take the
+        ranks' cores too. tp > 1 engines place their threads with cpu_threads_bind.
     cpus_per_engine: Ray CPUs reserved per engine actor.
     host_ip: address vLLM and Ray bind to (`VLLM_HOST_IP`); loopback for one machine.
     mode: when the engines generate relative to training (`mcore_rl.trainer.async_rollout`):
@@ -82,6 +87,7 @@ class RolloutConfig:
     enable_sleep: bool = False
     sleep_level: int = 1
     cpu_threads_bind: str = ""
+    cpu_threads: int | None = None
     cpus_per_engine: float = 1.0
     host_ip: str = "127.0.0.1"
     mode: Literal["sync", "one_step", "async"] = "sync"
@@ -147,6 +153,12 @@ class RolloutConfig:
             raise ConfigError("mode", self.mode, "overlaps generation with training, so the "
                               "engines cannot sleep during training (enable_sleep=true): use "
                               "one or the other")
+        if self.cpu_threads is not None and self.cpu_threads < 1:
+            raise ConfigError("cpu_threads", self.cpu_threads, "must be >= 1 (or null)")
+        if self.cpu_threads is not None and self.tp > 1:
+            raise ConfigError("cpu_threads", self.cpu_threads,
+                              f"sets an in-process (tp 1) engine's threads; tp={self.tp} "
+                              "engines run a process per TP rank: set cpu_threads_bind")
         if self.cpu_threads_bind and self.cpu_threads_bind not in ("auto", "nobind") \
                 and len(self.cpu_threads_bind.split("|")) != self.tp:
             raise ConfigError("cpu_threads_bind", self.cpu_threads_bind,

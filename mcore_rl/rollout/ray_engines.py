@@ -31,6 +31,7 @@ from mcore_rl.rollout.config import RolloutConfig, SamplingConfig
 from mcore_rl.rollout.engine import Completion, RolloutEngine
 from mcore_rl.rollout.errors import RolloutError
 from mcore_rl.rollout.sync_client import SyncReport
+from mcore_rl.rollout.vllm_env import IDLE_THREADS_SLEEP
 
 # Engine methods an actor may run on request (besides generate).
 _FORWARDED = frozenset({"describe_shards", "check_shapes", "start_join_sync_group",
@@ -101,6 +102,7 @@ class EngineHost:
 
         context = ray.get_runtime_context()
         return {"startup_s": self.engine.startup_s, "pid": os.getpid(),
+                "threads": torch.get_num_threads(),
                 "node_id": context.get_node_id(), "devices": self.devices,
                 "placement_group": context.get_placement_group_id()}
 
@@ -167,7 +169,7 @@ class RayEngines:
             raise
         self.startup_s = [r["startup_s"] for r in info]
         self.pids = [r["pid"] for r in info]
-        self.where = info  # node, devices and placement group of each engine
+        self.where = info  # node, devices, placement group and torch threads of each engine
 
     def _start(self, i: int):
         """Engine i's actor, in its slot of the placement plan (node bundle, TP devices)."""
@@ -175,6 +177,8 @@ class RayEngines:
         if self._placement is not None:
             options = self._placement.options_for_node(self._placement.plan.engine_node(i))
             devices = [slot.device for slot in self._placement.plan.engines[i]]
+        if self.cfg.cpu_threads is not None:  # RolloutEngine sets the count
+            options["runtime_env"] = {"env_vars": dict(IDLE_THREADS_SLEEP)}
         model_dir, stack_dir, inject_stall = self._args
         return self._host_cls.options(**options).remote(model_dir, self.cfg, i, stack_dir,
                                                         inject_stall, devices,

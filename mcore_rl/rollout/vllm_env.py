@@ -47,4 +47,10 @@ def configure_vllm_env(cfg: RolloutConfig, on_cpu: bool) -> None:
         pass
 
 
-__all__ = ["configure_vllm_env"]
+# An engine process whose idle OpenMP threads sleep at once instead of spinning (the default
+# spins a while after each parallel region). OpenMP reads it when torch loads it, so it goes
+# where the process starts (a Ray actor's runtime_env); the thread count is set at start-up.
+IDLE_THREADS_SLEEP = {"OMP_WAIT_POLICY": "PASSIVE"}
+
+
+__all__ = ["IDLE_THREADS_SLEEP", "configure_vllm_env"]

@@ -13,6 +13,7 @@ from mcore_rl.rollout import RolloutConfig, SamplingConfig
     (RolloutConfig, "gpu_memory_utilization", 1.5),
     (RolloutConfig, "sleep_level", 3),
     (RolloutConfig, "block_size", 20),             # not a multiple of 16
+    (RolloutConfig, "cpu_threads", 0),
     (SamplingConfig, "temperature", -0.5),
     (SamplingConfig, "top_p", 0.0),
     (SamplingConfig, "n", 0),
@@ -28,6 +29,14 @@ def test_threads_bind_needs_one_list_per_rank():
     with pytest.raises(ConfigError, match="cpu_threads_bind"):
         RolloutConfig(tp=2, cpu_threads_bind="0")
     RolloutConfig(tp=2, cpu_threads_bind="0|1")
+
+
+def test_cpu_threads_are_for_in_process_engines():
+    with pytest.raises(ConfigError, match="tp=2 engines run a process per TP rank: set "
+                                          "cpu_threads_bind") as err:
+        RolloutConfig(tp=2, cpu_threads=2)
+    assert err.value.field == "cpu_threads"
+    assert RolloutConfig(cpu_threads=2).cpu_threads == 2
 
 
 def test_a_deadline_key_in_the_rollout_section_says_where_it_moved():

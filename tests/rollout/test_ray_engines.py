@@ -22,7 +22,9 @@ from mcore_rl.rollout import (RayEngines, RolloutConfig, RolloutError, SamplingC
 
 from .helpers import MAX_MODEL_LEN, Trainer, hf_model_with, hf_state, perturbed, prompts
 
-CFG = RolloutConfig(engines=2, max_model_len=MAX_MODEL_LEN, kv_cache_gib=0.25, block_size=32)
+# cpu_threads: each engine's torch threads, set by the engine (Ray's default would be 1)
+CFG = RolloutConfig(engines=2, max_model_len=MAX_MODEL_LEN, kv_cache_gib=0.25, block_size=32,
+                    cpu_threads=2)
 DEADLINES = dict(start_timeout_s=240.0, call_timeout_s=60.0)  # a run's startup_s, engine_call_s
 GREEDY = SamplingConfig(temperature=0.0, max_tokens=8)
 
@@ -47,6 +49,12 @@ def ray_local():
         os.environ["RAY_memory_monitor_refresh_ms"] = saved
 
 
+def _engine_env(engines, i, name):
+    import ray
+
+    return ray.get(engines._actors[i].__ray_call__.remote(lambda _: os.environ.get(name)))
+
+
 @pytest.fixture(scope="module")
 def engines(ray_local, micro_dir):
     start = time.perf_counter()
@@ -54,6 +62,9 @@ def engines(ray_local, micro_dir):
     assert eng.pids == [] and eng.num_engines == 2  # created, not yet waited for
     eng.wait_ready()
     assert len(eng.pids) == 2 and all(pid != os.getpid() for pid in eng.pids)
+    assert [where["threads"] for where in eng.where] == [2, 2]
+    # ... whose idle OpenMP threads sleep rather than spin beside other processes
+    assert _engine_env(eng, 0, "OMP_WAIT_POLICY") == "PASSIVE"
     print(f"2 Ray engines ready in {time.perf_counter() - start:.1f} s "
           f"(vLLM start-up {[round(s, 1) for s in eng.startup_s]} s)")
     yield eng
