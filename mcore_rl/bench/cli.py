@@ -55,7 +55,8 @@ _OLD_STEP_FLAGS = {"--warmup-steps": "warmup_steps", "--peak-tflops": "peak_tflo
 
 def _add_step(kinds) -> None:
     p = kinds.add_parser("step", help="RL steps: time per phase, sync share, tokens/s, MFU")
-    p.add_argument("--config", default=None, help="RLConfig YAML (default: built-in)")
+    p.add_argument("--config", default=None,
+                   help="RLConfig YAML (default: configs/grpo_addition.yaml, the demo)")
     p.add_argument("overrides", nargs="*", metavar="A.B=VALUE",
                    help="StepBenchConfig fields in mcore_rl/bench/step.py (warmup_steps=1, "
                         "peak_tflops=989, compare=[rollout.mode=async], baseline=trl); "

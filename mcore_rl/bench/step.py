@@ -129,7 +129,8 @@ def step_metrics(timings: dict[str, float], flops: dict[str, float], *, actor_de
 
 @dataclass(frozen=True, kw_only=True)
 class StepBenchConfig:
-    """config: RLConfig YAML (None: built-in defaults); overrides: `a.b=value` strings.
+    """config: RLConfig YAML (None: the demo's, configs/grpo_addition.yaml); overrides:
+    `a.b=value` strings.
     repeats: measured RL steps; warmup_steps: unmeasured steps before them (start-up costs).
     peak_tflops: dense peak per device, TFLOP/s, in the training dtype (e.g. 989 for H100
     bf16); the CPU default is a placeholder for a couple of cores.
@@ -165,9 +166,10 @@ class StepBenchConfig:
 
     def rl_config(self):
         from mcore_rl.config import load_config
+        from mcore_rl.trainer.demo import DEMO_CONFIG
         from mcore_rl.trainer.rl_config import RLConfig
 
-        return load_config(RLConfig, self.config, list(self.overrides))
+        return load_config(RLConfig, self.config or DEMO_CONFIG, list(self.overrides))
 
     def variant(self) -> "StepBenchConfig":
         """This benchmark with the `compare` overrides applied (and no further variant)."""

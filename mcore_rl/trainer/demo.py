@@ -258,7 +258,7 @@ def _metrics_rows(out: Path) -> list[dict]:
 def add_parser(sub: argparse._SubParsersAction) -> None:
     demo = sub.add_parser("demo", help="end-to-end GRPO on CPU (addition task, tiny Llama)")
     demo.add_argument("--out", type=Path, default=Path("runs/demo"))
-    demo.add_argument("--config", type=Path, default=None, help="YAML (default: built-in)")
+    demo.add_argument("--config", type=Path, default=None, help="YAML (default: configs/grpo_addition.yaml, the GRPO demo)")
     demo.add_argument("--task", choices=sorted(DEMO_TASKS), default=None,
                       help="a built-in demo task's config (tool_calc: multi-turn tool use); "
                            "default: the addition demo")
@@ -285,13 +285,17 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 # `mcore-rl demo --task NAME`: the config each built-in demo task runs with
-DEMO_TASKS = {"addition": None, "tool_calc": "tool_calc.yaml"}
+DEMO_TASKS = {"addition": "grpo_addition.yaml", "tool_calc": "tool_calc.yaml"}
 # `mcore-rl demo --model NAME`: the config the addition demo runs with per model kind
-DEMO_MODELS = {"dense": None, "moe": "demo_moe.yaml"}
+DEMO_MODELS = {"dense": "grpo_addition.yaml", "moe": "demo_moe.yaml"}
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
+# `mcore-rl demo` as is (and `bench step` without --config): the GRPO addition demo
+DEMO_CONFIG = CONFIG_DIR / DEMO_MODELS["dense"]
 
 
-def _config_path(args) -> Path | None:
+def _config_path(args) -> Path:
+    """--config, else the built-in demo's for --task / --model (`mcore-rl train` requires
+    --config)."""
     task = getattr(args, "task", None)
     model = getattr(args, "model", "dense")
     if args.config is not None:
@@ -301,9 +305,7 @@ def _config_path(args) -> Path | None:
             raise ConfigError("--model", model, f"the {model} demo runs the addition task, "
                                                 f"not --task {task}")
         return CONFIG_DIR / DEMO_MODELS[model]
-    if task is None:
-        return args.config
-    return None if DEMO_TASKS[task] is None else CONFIG_DIR / DEMO_TASKS[task]
+    return CONFIG_DIR / DEMO_TASKS[task or "addition"]
 
 
 def _run(args) -> int:

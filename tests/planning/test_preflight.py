@@ -29,7 +29,8 @@ MOE_DEMO = ROOT / "configs" / "demo_moe.yaml"
 # ranks, one vLLM engine at tp 2 (mp executor), gloo sync, disaggregated on 4 processes.
 CPU = ["cluster.device=cpu", "cluster.placement=disaggregated", "cluster.nodes=1",
        "cluster.gpus_per_node=4", "cluster.device_gib=8", "cluster.reserve_gib=1",
-       "cluster.sync_backend=gloo", "actor.tp=2", "rollout.tp=2", "rollout.engines=1"]
+       "cluster.sync_backend=gloo", "actor.tp=2", "actor.dp=1", "rollout.tp=2",
+       "rollout.engines=1"]
 
 # a reward model the size of the policy (not on this machine: sized from its preset)
 RM = ["reward_model.enabled=true", "reward_model.hf_dir=/models/rm-8b",

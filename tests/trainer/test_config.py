@@ -177,7 +177,8 @@ def test_demo_model_moe_is_a_qwen3_moe_on_an_expert_parallel_actor():
         "qwen3_moe", 4, 2, 128) and spec.qk_norm
     assert (cfg.actor.ep, cfg.actor.world_size) == (2, 2)
     check_model_fits_parallel(spec, cfg.actor, cfg.train)
-    assert _config_path(argparse.Namespace(config=None, task=None, model="dense")) is None
+    assert _config_path(argparse.Namespace(config=None, task=None, model="dense")) == \
+        ROOT / "configs" / "grpo_addition.yaml"
     with pytest.raises(ConfigError, match="runs the addition task"):
         _config_path(argparse.Namespace(config=None, task="tool_calc", model="moe"))
     with pytest.raises(ConfigError, match="experts_per_token"):
