@@ -44,7 +44,7 @@ from mcore_rl.rollout.errors import RolloutError
 from mcore_rl.rollout.expert_parallel import engine_args as expert_parallel_args
 from mcore_rl.rollout.config import RolloutConfig, SamplingConfig
 from mcore_rl.rollout.sync_client import EngineSync
-from mcore_rl.rollout.vllm_env import configure_vllm_env
+from mcore_rl.rollout.vllm_env import compiler_off, configure_vllm_env
 
 WORKER_EXTENSION = "mcore_rl.rollout.worker_extension.WorkerExtension"
 GiB = 1 << 30
@@ -101,7 +101,8 @@ class RolloutEngine(EngineSync):
             torch.set_num_threads(cfg.cpu_threads)
         try:
             from vllm import LLM
-            self.llm = LLM(**self._llm_kwargs(str(model_dir)))
+            with compiler_off(cfg.enforce_eager):  # TP workers start in here
+                self.llm = LLM(**self._llm_kwargs(str(model_dir)))
         except Exception as err:
             raise RolloutError(engine_index, "start-up",
                                f"vLLM failed to start: {type(err).__name__}: {err}") from err
@@ -161,7 +162,7 @@ class RolloutEngine(EngineSync):
             for i in range(len(requests))]
         if not requests:
             return []
-        with self._lock:
+        with self._lock, compiler_off(self.cfg.enforce_eager):
             outputs = self.llm.generate(requests, params, use_tqdm=False)
         return [[_completion(c, sampling.logprobs)
                  for c in sorted(out.outputs, key=lambda c: c.index)] for out in outputs]

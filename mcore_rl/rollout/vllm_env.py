@@ -10,6 +10,8 @@ each engine starts.
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
+from typing import Iterator
 
 from mcore_rl.rollout.config import RolloutConfig
 
@@ -53,4 +55,31 @@ def configure_vllm_env(cfg: RolloutConfig, on_cpu: bool) -> None:
 IDLE_THREADS_SLEEP = {"OMP_WAIT_POLICY": "PASSIVE"}
 
 
-__all__ = ["IDLE_THREADS_SLEEP", "configure_vllm_env"]
+@contextmanager
+def compiler_off(enforce_eager: bool) -> Iterator[None]:
+    """With `enforce_eager` (the default, and required on CPU: nothing compiled unless asked),
+    torch.compile runs functions as written inside the block, here and in the TP worker
+    processes started inside it (`TORCH_COMPILE_DISABLE`, read when they import torch).
+
+    Why: vLLM's sampler compiles helpers with torch.compile even in eager mode — the log-prob
+    ranks (`batched_count_greater_than`), top-k/top-p — on their first call. On CPU inductor
+    builds a C++ kernel there, and the first time in a venv a 154 MB precompiled header:
+    measured 1.5 s of a run's first generation, 8.4 s of it on a fresh set-up."""
+    if not enforce_eager:
+        yield
+        return
+    import torch._dynamo
+
+    saved = os.environ.get("TORCH_COMPILE_DISABLE")
+    os.environ["TORCH_COMPILE_DISABLE"] = "1"
+    try:
+        with torch._dynamo.config.patch(disable=True):
+            yield
+    finally:
+        if saved is None:
+            os.environ.pop("TORCH_COMPILE_DISABLE", None)
+        else:
+            os.environ["TORCH_COMPILE_DISABLE"] = saved
+
+
+__all__ = ["IDLE_THREADS_SLEEP", "compiler_off", "configure_vllm_env"]

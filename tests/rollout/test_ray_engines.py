@@ -55,6 +55,17 @@ def _engine_env(engines, i, name):
     return ray.get(engines._actors[i].__ray_call__.remote(lambda _: os.environ.get(name)))
 
 
+def _engine_frames_compiled(engines, i):
+    import ray
+
+    def frames(_):
+        from torch._dynamo.utils import counters
+
+        return sum(counters["frames"].values())
+
+    return ray.get(engines._actors[i].__ray_call__.remote(frames))
+
+
 @pytest.fixture(scope="module")
 def engines(ray_local, micro_dir):
     start = time.perf_counter()
@@ -105,6 +116,8 @@ def test_results_come_back_in_prompt_order(engines, micro_dir):
     alone = engines.generate(ps, sp, engines=[1])
     assert [[c.token_ids for c in s] for s in spread] == [[c.token_ids for c in s] for s in alone]
     assert len(spread) == 7 and all(len(s) == 3 for s in spread)
+    # eager engines compiled nothing: vLLM's sampler would compile its log-prob rank helper
+    assert [_engine_frames_compiled(engines, i) for i in range(2)] == [0, 0]
 
 
 def test_sync_reaches_every_engine(engines, micro_dir):
