@@ -14,6 +14,11 @@ and is removed from the environment). Side effects on the host process of an in-
 becomes a no-op for the rest of the process; `vllm.envs` caches env reads (we clear that cache
 before each engine starts).
 
+Nothing is compiled unless asked: with `enforce_eager` (the default; required on CPU) the engine
+starts and generates inside `vllm_env.compiler_off`, so the helpers vLLM's sampler wraps in
+torch.compile run as written (on CPU inductor would build a C++ kernel on the first generation).
+`cpu_threads` (CPU, tp 1) sets the engine's torch threads before vLLM starts.
+
 Deadlines: worker RPCs (sync, describe) and every Ray call (ray_engines.py) have one; an
 in-process `generate()` cannot be interrupted — run engines in Ray actors to bound it.
 
