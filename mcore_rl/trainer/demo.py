@@ -258,7 +258,8 @@ def _metrics_rows(out: Path) -> list[dict]:
 def add_parser(sub: argparse._SubParsersAction) -> None:
     demo = sub.add_parser("demo", help="end-to-end GRPO on CPU (addition task, tiny Llama)")
     demo.add_argument("--out", type=Path, default=Path("runs/demo"))
-    demo.add_argument("--config", type=Path, default=None, help="YAML (default: configs/grpo_addition.yaml, the GRPO demo)")
+    demo.add_argument("--config", type=Path, default=None,
+                      help="YAML (default: configs/grpo_addition.yaml, the GRPO demo)")
     demo.add_argument("--task", choices=sorted(DEMO_TASKS), default=None,
                       help="a built-in demo task's config (tool_calc: multi-turn tool use); "
                            "default: the addition demo")
