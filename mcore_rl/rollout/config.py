@@ -46,7 +46,8 @@ class RolloutConfig:
         actor (cpus_per_engine, at least 1). In a Ray actor its idle threads sleep at once
         (`OMP_WAIT_POLICY=PASSIVE`) instead of spinning beside the training ranks, so with
         mode sync, where the ranks wait while the engine generates, the engine can take the
-        ranks' cores too. tp > 1 engines place their threads with cpu_threads_bind.
+        ranks' cores too. Unused when tp > 1: each TP rank is a process whose threads follow
+        cpu_threads_bind (`in_process_threads` is what applies).
     cpus_per_engine: Ray CPUs reserved per engine actor.
     host_ip: address vLLM and Ray bind to (`VLLM_HOST_IP`); loopback for one machine.
     mode: when the engines generate relative to training (`mcore_rl.trainer.async_rollout`):
@@ -105,6 +106,11 @@ class RolloutConfig:
                 "argument)"}
 
     @property
+    def in_process_threads(self) -> int | None:
+        """cpu_threads where it applies: an engine whose one worker runs in its process."""
+        return self.cpu_threads if self.tp == 1 else None
+
+    @property
     def staleness_bound(self) -> int:
         """How many updates older than the trainer a batch may be (sync 0, one_step 1)."""
         return {"sync": 0, "one_step": 1}.get(self.mode, self.max_staleness)
@@ -155,10 +161,6 @@ class RolloutConfig:
                               "one or the other")
         if self.cpu_threads is not None and self.cpu_threads < 1:
             raise ConfigError("cpu_threads", self.cpu_threads, "must be >= 1 (or null)")
-        if self.cpu_threads is not None and self.tp > 1:
-            raise ConfigError("cpu_threads", self.cpu_threads,
-                              f"sets an in-process (tp 1) engine's threads; tp={self.tp} "
-                              "engines run a process per TP rank: set cpu_threads_bind")
         if self.cpu_threads_bind and self.cpu_threads_bind not in ("auto", "nobind") \
                 and len(self.cpu_threads_bind.split("|")) != self.tp:
             raise ConfigError("cpu_threads_bind", self.cpu_threads_bind,

@@ -101,9 +101,9 @@ class RolloutEngine(EngineSync):
             raise RolloutError(engine_index, "start-up", f"{model_dir}: no config.json")
         start = time.perf_counter()
         configure_vllm_env(cfg, self.on_cpu)
-        if self.on_cpu and cfg.cpu_threads is not None:
+        if self.on_cpu and cfg.in_process_threads is not None:
             # before vLLM's CPU worker starts: it then makes torch.set_num_threads a no-op
-            torch.set_num_threads(cfg.cpu_threads)
+            torch.set_num_threads(cfg.in_process_threads)
         try:
             from vllm import LLM
             with compiler_off(cfg.enforce_eager):  # TP workers start in here

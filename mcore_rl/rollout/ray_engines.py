@@ -177,7 +177,7 @@ class RayEngines:
         if self._placement is not None:
             options = self._placement.options_for_node(self._placement.plan.engine_node(i))
             devices = [slot.device for slot in self._placement.plan.engines[i]]
-        if self.cfg.cpu_threads is not None:  # RolloutEngine sets the count
+        if self.cfg.in_process_threads is not None:  # RolloutEngine sets the count
             options["runtime_env"] = {"env_vars": dict(IDLE_THREADS_SLEEP)}
         model_dir, stack_dir, inject_stall = self._args
         return self._host_cls.options(**options).remote(model_dir, self.cfg, i, stack_dir,

@@ -32,11 +32,11 @@ def test_threads_bind_needs_one_list_per_rank():
 
 
 def test_cpu_threads_are_for_in_process_engines():
-    with pytest.raises(ConfigError, match="tp=2 engines run a process per TP rank: set "
-                                          "cpu_threads_bind") as err:
-        RolloutConfig(tp=2, cpu_threads=2)
-    assert err.value.field == "cpu_threads"
-    assert RolloutConfig(cpu_threads=2).cpu_threads == 2
+    # tp > 1: each TP rank is a process placed by cpu_threads_bind (so a config that sets
+    # cpu_threads for tp 1 still runs with rollout.tp=2)
+    assert RolloutConfig(tp=2, cpu_threads=2, cpu_threads_bind="0|1").in_process_threads is None
+    assert RolloutConfig(cpu_threads=2).in_process_threads == 2
+    assert RolloutConfig().in_process_threads is None
 
 
 def test_a_deadline_key_in_the_rollout_section_says_where_it_moved():
