@@ -49,21 +49,12 @@ def ray_local():
         os.environ["RAY_memory_monitor_refresh_ms"] = saved
 
 
-def _engine_env(engines, i, name):
+def _in_engine(engines, i, fn):
+    """fn() run in engine i's process (fn is pickled by value: a lambda or a nested def,
+    since the workers cannot import this test module)."""
     import ray
 
-    return ray.get(engines._actors[i].__ray_call__.remote(lambda _: os.environ.get(name)))
-
-
-def _engine_frames_compiled(engines, i):
-    import ray
-
-    def frames(_):
-        from torch._dynamo.utils import counters
-
-        return sum(counters["frames"].values())
-
-    return ray.get(engines._actors[i].__ray_call__.remote(frames))
+    return ray.get(engines._actors[i].__ray_call__.remote(lambda _: fn()))
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +66,7 @@ def engines(ray_local, micro_dir):
     assert len(eng.pids) == 2 and all(pid != os.getpid() for pid in eng.pids)
     assert [where["threads"] for where in eng.where] == [2, 2]
     # ... whose idle OpenMP threads sleep rather than spin beside other processes
-    assert _engine_env(eng, 0, "OMP_WAIT_POLICY") == "PASSIVE"
+    assert _in_engine(eng, 0, lambda: os.environ.get("OMP_WAIT_POLICY")) == "PASSIVE"
     print(f"2 Ray engines ready in {time.perf_counter() - start:.1f} s "
           f"(vLLM start-up {[round(s, 1) for s in eng.startup_s]} s)")
     yield eng
@@ -117,7 +108,12 @@ def test_results_come_back_in_prompt_order(engines, micro_dir):
     assert [[c.token_ids for c in s] for s in spread] == [[c.token_ids for c in s] for s in alone]
     assert len(spread) == 7 and all(len(s) == 3 for s in spread)
     # eager engines compiled nothing: vLLM's sampler would compile its log-prob rank helper
-    assert [_engine_frames_compiled(engines, i) for i in range(2)] == [0, 0]
+    def frames_compiled():
+        from torch._dynamo.utils import counters
+
+        return sum(counters["frames"].values())
+
+    assert [_in_engine(engines, i, frames_compiled) for i in range(2)] == [0, 0]
 
 
 def test_sync_reaches_every_engine(engines, micro_dir):
