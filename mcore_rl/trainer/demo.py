@@ -285,13 +285,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     plot.set_defaults(func=_plot)
 
 
-# `mcore-rl demo --task NAME`: the config each built-in demo task runs with
-DEMO_TASKS = {"addition": "grpo_addition.yaml", "tool_calc": "tool_calc.yaml"}
-# `mcore-rl demo --model NAME`: the config the addition demo runs with per model kind
-DEMO_MODELS = {"dense": "grpo_addition.yaml", "moe": "demo_moe.yaml"}
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
 # `mcore-rl demo` as is (and `bench step` without --config): the GRPO addition demo
-DEMO_CONFIG = CONFIG_DIR / DEMO_MODELS["dense"]
+DEMO_CONFIG = CONFIG_DIR / "grpo_addition.yaml"
+# `mcore-rl demo --task NAME`: the config each built-in demo task runs with
+DEMO_TASKS = {"addition": DEMO_CONFIG.name, "tool_calc": "tool_calc.yaml"}
+# `mcore-rl demo --model NAME`: the config the addition demo runs with per model kind
+DEMO_MODELS = {"dense": DEMO_CONFIG.name, "moe": "demo_moe.yaml"}
 
 
 def _config_path(args) -> Path:
