@@ -49,11 +49,13 @@ def join_world(rank: int, world: int, device: str) -> torch.device:
     one-rank CUDA world, gloo otherwise (CUDA ranks share cuda:0). Returns the rank's device."""
     import torch.distributed as dist
 
+    from mcore_rl.parallel.world import join_default_group
+
     if device == "cuda":
         torch.cuda.set_device(0)
     backend = "nccl" if device == "cuda" and world == 1 else "gloo"
     store = dist.TCPStore("127.0.0.1", int(os.environ["MCORE_RL_STORE_PORT"]), world + 1,
                           is_master=False, timeout=datetime.timedelta(seconds=60))
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=120))
+    join_default_group(backend, store=store, rank=rank, world_size=world,
+                       timeout=datetime.timedelta(seconds=120))
     return torch.device("cuda", 0) if device == "cuda" else torch.device("cpu")

@@ -12,6 +12,8 @@ from typing import Callable, Sequence, TypeVar
 import torch
 import torch.distributed as dist
 
+from mcore_rl.parallel.world import join_default_group
+
 T = TypeVar("T")
 
 
@@ -87,7 +89,7 @@ def init_from_env(timeout_s: float = 7200.0) -> Ranks:
         env.setdefault("MASTER_PORT", str(20000 + int(env.get("SLURM_JOB_ID", "0")) % 20000))
     if int(env.get("WORLD_SIZE", "1")) <= 1:
         return Ranks()
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=timeout_s))
+    join_default_group("gloo", timeout=datetime.timedelta(seconds=timeout_s))
     return current_ranks()
 
 
@@ -95,8 +97,9 @@ def leave(*, wait_for_all: bool) -> None:
     """Leave the job's process group before the interpreter exits. Left to interpreter
     teardown, gloo's worker threads can be destroyed while still joinable, and the process
     aborts ("terminate called without an active exception") after a conversion that
-    succeeded. `wait_for_all`: meet the other ranks first (only when every rank got this far;
-    after an error a rank may be gone, and a barrier would wait out the whole timeout)."""
+    succeeded. (Leaving frees the group only if nothing pins it: mcore_rl/parallel/world.py.)
+    `wait_for_all`: meet the other ranks first (only when every rank got this far; after an
+    error a rank may be gone, and a barrier would wait out the whole timeout)."""
     if not (dist.is_available() and dist.is_initialized()):
         return
     if wait_for_all:

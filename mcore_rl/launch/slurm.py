@@ -36,6 +36,7 @@ import torch.distributed as dist
 
 from mcore_rl.launch.listen import listening_store
 from mcore_rl.launch.spawn import DistributedRunError, RankResult, run_on_ranks
+from mcore_rl.parallel.world import join_default_group
 
 _KEY = "mcore_rl_launch/"
 
@@ -220,7 +221,7 @@ def run_this_rank(fn: Callable[..., Any], job: JobRanks, *args: Any, timeout_s: 
     try:
         try:
             if init_default_group:
-                dist.init_process_group("gloo", store=dist.PrefixStore(_KEY + "pg/", store),
+                join_default_group("gloo", store=dist.PrefixStore(_KEY + "pg/", store),
                                         rank=job.rank, world_size=job.world_size,
                                         timeout=datetime.timedelta(seconds=timeout_s))
             value = fn(job.rank, job.world_size, *args, **kwargs)

@@ -24,6 +24,7 @@ from typing import Any, Callable
 import torch.distributed as dist
 
 from mcore_rl.launch.listen import listening_store
+from mcore_rl.parallel.world import join_default_group
 
 
 class DistributedRunError(RuntimeError):
@@ -50,7 +51,7 @@ def _child_main(fn, rank, world_size, store_port, init_default_group, env, args,
         if init_default_group:
             store = dist.TCPStore("127.0.0.1", store_port, world_size + 1, is_master=False,
                                   timeout=datetime.timedelta(seconds=60))
-            dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
+            join_default_group("gloo", store=store, rank=rank, world_size=world_size,
                                     timeout=datetime.timedelta(seconds=120))
         value = fn(rank, world_size, *args, **kwargs)
         results.put(RankResult(rank, True, value))

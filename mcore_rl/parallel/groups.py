@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from mcore_rl.parallel.config import ParallelConfig
+from mcore_rl.parallel.world import join_default_group
 
 
 class Axis(str, enum.Enum):
@@ -80,7 +81,7 @@ def init_training_groups(config: ParallelConfig, *, timeout_s: float = 600.0) ->
     from megatron.core.process_groups_config import ProcessGroupCollection
 
     if not dist.is_initialized():
-        dist.init_process_group(default_backend(), timeout=datetime.timedelta(seconds=timeout_s))
+        join_default_group(default_backend(), timeout=datetime.timedelta(seconds=timeout_s))
     world = dist.get_world_size()
     if world != config.world_size:
         raise ValueError(f"parallel: tp*pp*dp = {config.tp}*{config.pp}*{config.dp} = "
@@ -142,7 +143,7 @@ def join_worker_world(rank: int, world_size: int, store_address: tuple[str, int]
     timeout = datetime.timedelta(seconds=timeout_s)
     host, port = store_address
     store = dist.TCPStore(host, port, world_size + 1, is_master=False, timeout=timeout)
-    dist.init_process_group(default_backend(), store=store, rank=rank, world_size=world_size,
+    join_default_group(default_backend(), store=store, rank=rank, world_size=world_size,
                             timeout=timeout)
     return init_training_groups(parallel, timeout_s=timeout_s)
 
