@@ -38,8 +38,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from mcore_rl.launch.startup_gc import gc_paused
+
     _bind_localhost_by_default()
-    args = _parse(build_parser(), argv)
+    with gc_paused():  # the commands' imports (mcore_rl/launch/startup_gc.py)
+        parser = build_parser()
+    args = _parse(parser, argv)
     return int(args.func(args) or 0)
 
 

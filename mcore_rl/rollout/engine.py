@@ -44,6 +44,7 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from mcore_rl.config import ConfigError
+from mcore_rl.launch.startup_gc import gc_paused
 from mcore_rl.resharding.plan_cache import PlanCache
 from mcore_rl.rollout.errors import RolloutError
 from mcore_rl.rollout.expert_parallel import engine_args as expert_parallel_args
@@ -105,8 +106,10 @@ class RolloutEngine(EngineSync):
             # before vLLM's CPU worker starts: it then makes torch.set_num_threads a no-op
             torch.set_num_threads(cfg.in_process_threads)
         try:
-            from vllm import LLM
-            with compiler_off(cfg.enforce_eager):  # TP workers start in here
+            # two blocks: the imported heap is frozen before LLM() runs its five gc.collect()s
+            with gc_paused():
+                from vllm import LLM
+            with gc_paused(), compiler_off(cfg.enforce_eager):  # TP workers start in here
                 self.llm = LLM(**self._llm_kwargs(str(model_dir)))
         except Exception as err:
             raise RolloutError(engine_index, "start-up",

@@ -18,6 +18,7 @@ import torch
 from mcore_rl.config.seeds import derive_seed
 from mcore_rl.algorithms import AlgorithmConfig
 from mcore_rl.launch.logs import configure_process_logs
+from mcore_rl.launch.startup_gc import gc_paused
 from mcore_rl.launch.watchdog import arm_stack_dump, maybe_stall
 from mcore_rl.layouts import materialize_rank, megatron_shards
 from mcore_rl.models.hf_weights import SafetensorsWeights
@@ -33,6 +34,7 @@ from mcore_rl.trainer.config import TrainConfig
 class ActorWorker:
     """One Megatron rank of the actor. Methods return plain, picklable values."""
 
+    @gc_paused()  # megatron's import and the model build: mcore_rl/launch/startup_gc.py
     def __init__(self, rank: int, world_size: int, store_address: tuple[str, int],
                  spec: ModelSpec,
                  parallel: ParallelConfig, train: TrainConfig, hf_dir: str,

@@ -105,6 +105,7 @@ def run_demo(cfg, out: Path, resume: str | Path = "auto", command: str = "demo")
     from mcore_rl.trainer.metrics import plot_run
     from mcore_rl.launch.logs import configure_process_logs
     from mcore_rl.launch.process_cpu import cpu_by_role, cpu_floor_s
+    from mcore_rl.launch.startup_gc import gc_paused
     from mcore_rl.trainer.run_control import RunStopped, StopControl
 
     start = time.perf_counter()
@@ -116,8 +117,9 @@ def run_demo(cfg, out: Path, resume: str | Path = "auto", command: str = "demo")
               f"nothing to do (run dir {out})")
         return {"already_complete": True, "checkpoint": str(checkpoint)}
     stop = StopControl(cfg.checkpoint.stop_grace_s).install()
-    model_dir = model_dir_while_ray_starts(cfg, out)  # the controller's init_local_ray: no-op
-    controller = RLController(cfg, model_dir, out)
+    with gc_paused():  # transformers' import, the tokenizer's training (launch/startup_gc.py)
+        model_dir = model_dir_while_ray_starts(cfg, out)  # the controller's init_local_ray: no-op
+        controller = RLController(cfg, model_dir, out)
     startup_s = seconds_since_process_start()  # every worker and engine up: step 1 can start
     startup_cpu = cpu_by_role()  # what that start-up cost every process it started
     stop.install()  # again: Ray's driver installed its own (aborting) SIGTERM handler
