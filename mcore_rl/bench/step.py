@@ -231,14 +231,16 @@ def _measure(cfg: StepBenchConfig) -> dict:
     """Start the controller on the run's model (model.hf_dir, or the demo model built
     locally), run the supervised warm-up if warmup.max_steps > 0, then unmeasured + measured
     RL steps; with `baseline`, TRL from the same starting weights. Returns the report."""
+    from mcore_rl.launch.startup_gc import gc_paused
     from mcore_rl.trainer.demo import model_dir_while_ray_starts
 
     rl = cfg.rl_config()
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="mcore-rl-bench-step-") as scratch:
-        model_dir = model_dir_while_ray_starts(rl, Path(scratch))  # as the demo starts
-        spec = ModelSpec.from_hf_dir(model_dir)
-        controller = _controller_cls()(rl, model_dir, Path(scratch) / "run")
+        with gc_paused():  # as the demo starts (launch/startup_gc.py)
+            model_dir = model_dir_while_ray_starts(rl, Path(scratch))
+            spec = ModelSpec.from_hf_dir(model_dir)
+            controller = _controller_cls()(rl, model_dir, Path(scratch) / "run")
         try:
             startup_s = time.perf_counter() - start
             startup_cpu = cpu_by_role()  # the CPU work behind it, in every process started

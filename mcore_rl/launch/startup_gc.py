@@ -11,14 +11,20 @@ start-up, so its 2 s come off the time to the first step.
 `gc_paused()` runs a block with the collector off. Leaving it, it collects once (the little
 garbage the block made is freed) and freezes what survives (`gc.freeze()`: later
 collections, vLLM's own included, skip those objects, which live as long as the process
-anyway), then turns the collector back on.
+anyway), then turns the collector back on. At exit the frozen objects are handed back to the
+collector (`gc.unfreeze()`), so interpreter teardown still finalizes them: left frozen,
+extension types that check for leaks at teardown (triton's nanobind bindings) print
+"leaked instance" warnings.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import gc
 from typing import Iterator
+
+_unfreeze_at_exit = False
 
 
 @contextlib.contextmanager
@@ -36,3 +42,11 @@ def gc_paused() -> Iterator[None]:
         gc.collect()
         gc.freeze()
         gc.enable()
+        _unfreeze_at_exit_once()
+
+
+def _unfreeze_at_exit_once() -> None:
+    global _unfreeze_at_exit
+    if not _unfreeze_at_exit:
+        atexit.register(gc.unfreeze)
+        _unfreeze_at_exit = True
