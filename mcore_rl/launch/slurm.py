@@ -222,8 +222,8 @@ def run_this_rank(fn: Callable[..., Any], job: JobRanks, *args: Any, timeout_s: 
         try:
             if init_default_group:
                 join_default_group("gloo", store=dist.PrefixStore(_KEY + "pg/", store),
-                                        rank=job.rank, world_size=job.world_size,
-                                        timeout=datetime.timedelta(seconds=timeout_s))
+                                   rank=job.rank, world_size=job.world_size,
+                                   timeout=datetime.timedelta(seconds=timeout_s))
             value = fn(job.rank, job.world_size, *args, **kwargs)
         except BaseException:  # noqa: BLE001 — published to the peers, then re-raised
             error = traceback.format_exc()

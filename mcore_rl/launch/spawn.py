@@ -52,7 +52,7 @@ def _child_main(fn, rank, world_size, store_port, init_default_group, env, args,
             store = dist.TCPStore("127.0.0.1", store_port, world_size + 1, is_master=False,
                                   timeout=datetime.timedelta(seconds=60))
             join_default_group("gloo", store=store, rank=rank, world_size=world_size,
-                                    timeout=datetime.timedelta(seconds=120))
+                               timeout=datetime.timedelta(seconds=120))
         value = fn(rank, world_size, *args, **kwargs)
         results.put(RankResult(rank, True, value))
     except BaseException:  # noqa: BLE001 — reported to the parent verbatim

@@ -144,7 +144,7 @@ def join_worker_world(rank: int, world_size: int, store_address: tuple[str, int]
     host, port = store_address
     store = dist.TCPStore(host, port, world_size + 1, is_master=False, timeout=timeout)
     join_default_group(default_backend(), store=store, rank=rank, world_size=world_size,
-                            timeout=timeout)
+                       timeout=timeout)
     return init_training_groups(parallel, timeout_s=timeout_s)
 
 
