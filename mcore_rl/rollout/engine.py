@@ -50,7 +50,8 @@ from mcore_rl.rollout.errors import RolloutError
 from mcore_rl.rollout.expert_parallel import engine_args as expert_parallel_args
 from mcore_rl.rollout.config import RolloutConfig, SamplingConfig
 from mcore_rl.rollout.sync_client import EngineSync
-from mcore_rl.rollout.vllm_env import compiler_off, configure_vllm_env
+from mcore_rl.rollout.vllm_env import (compiler_off, configure_vllm_env,
+                                       model_inspected_in_process)
 
 WORKER_EXTENSION = "mcore_rl.rollout.worker_extension.WorkerExtension"
 GiB = 1 << 30
@@ -109,7 +110,8 @@ class RolloutEngine(EngineSync):
             # two blocks: the imported heap is frozen before LLM() runs its five gc.collect()s
             with gc_paused():
                 from vllm import LLM
-            with gc_paused(), compiler_off(cfg.enforce_eager):  # TP workers start in here
+            with (gc_paused(), compiler_off(cfg.enforce_eager),  # TP workers start in here
+                  model_inspected_in_process(self.on_cpu)):
                 self.llm = LLM(**self._llm_kwargs(str(model_dir)))
         except Exception as err:
             raise RolloutError(engine_index, "start-up",

@@ -1,13 +1,15 @@
-"""mcore_rl.rollout.vllm_env.compiler_off: an eager engine compiles nothing (vLLM's sampler
-would compile its log-prob rank helper with inductor on the first generation)."""
+"""mcore_rl.rollout.vllm_env: an eager engine compiles nothing (vLLM's sampler would compile its
+log-prob rank helper with inductor on the first generation), and a CPU engine inspects its
+model class without vLLM's start-up subprocess."""
 
 from __future__ import annotations
 
 import os
 
+import pytest
 import torch
 
-from mcore_rl.rollout.vllm_env import compiler_off
+from mcore_rl.rollout.vllm_env import compiler_off, model_inspected_in_process
 
 
 def _frames_compiled() -> int:
@@ -29,3 +31,37 @@ def test_compiled_functions_run_as_written_inside_and_compile_again_outside():
     with compiler_off(False):  # enforce_eager false: the user asked for compilation
         assert torch.equal(outside(x), x * 3 - 1)
     assert _frames_compiled() > before
+
+
+def _inspect_llama_with_empty_cache(cache_root, monkeypatch):
+    """vLLM's model-class inspection of Llama under an empty VLLM_CACHE_ROOT, with the
+    registry's subprocess forbidden (it raises if vLLM tries to spawn one)."""
+    from vllm import envs
+    from vllm.model_executor.models import registry
+
+    run = registry.subprocess.run
+
+    def no_registry_subprocess(cmd, *args, **kwargs):
+        if list(cmd) == registry._SUBPROCESS_COMMAND:
+            raise AssertionError(f"vLLM spawned {cmd}")
+        return run(cmd, *args, **kwargs)  # e.g. platform.architecture() runs `file`
+
+    monkeypatch.setenv("VLLM_CACHE_ROOT", str(cache_root))
+    envs.disable_envs_cache()
+    monkeypatch.setattr(registry.subprocess, "run", no_registry_subprocess)
+    return registry.ModelRegistry.models["LlamaForCausalLM"].inspect_model_cls()
+
+
+def test_cpu_engines_inspect_the_model_class_in_process_and_fill_vllms_cache(tmp_path,
+                                                                           monkeypatch):
+    from vllm.model_executor.models import registry
+
+    spawn = registry._run_in_subprocess
+    with model_inspected_in_process(on_cpu=True):
+        info = _inspect_llama_with_empty_cache(tmp_path, monkeypatch)
+    assert info.supports_pp and not info.supports_multimodal  # a real answer, not a stub
+    assert (tmp_path / "modelinfos" / "vllm-model_executor-models-llama-LlamaForCausalLM.json"
+            ).is_file()  # the next engine on this machine reads the cache
+    assert registry._run_in_subprocess is spawn  # restored: outside, vLLM spawns again
+    with pytest.raises(AssertionError, match="spawned"):
+        _inspect_llama_with_empty_cache(tmp_path / "other", monkeypatch)
