@@ -134,11 +134,17 @@ def test_sync_reaches_every_engine(engines, micro_dir):
 
 
 def test_stuck_call_raises_at_its_deadline(engines):
-    busy = prompts(16, 10, seed=11)
+    # Engine 0 is stuck for 2 s (its actor runs one call at a time), so the generate call
+    # cannot be answered within its 0.3 s on any machine; a long generation instead finished
+    # in time on a fast one.
+    stuck = engines._actors[0].__ray_call__.remote(lambda _: time.sleep(2.0))
     start = time.perf_counter()
-    with pytest.raises(RolloutError, match=r"rollout engine \d, generate: no reply within 0.3 s"):
-        engines.generate(busy, SamplingConfig(max_tokens=64, n=4), timeout_s=0.3)
-    assert time.perf_counter() - start < 5.0
+    with pytest.raises(RolloutError, match=r"rollout engine 0, generate: no reply within 0.3 s"):
+        engines.generate(prompts(16, 10, seed=11), GREEDY, timeout_s=0.3)
+    assert time.perf_counter() - start < 1.5  # at the deadline, not when the engine frees up
+    import ray
+
+    ray.get(stuck, timeout=30.0)
 
 
 def test_killed_engine_is_named(engines):
