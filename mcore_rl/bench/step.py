@@ -246,6 +246,8 @@ def _measure(cfg: StepBenchConfig) -> dict:
             startup_cpu = cpu_by_role()  # the CPU work behind it, in every process started
             start_dir, warmup_s = _warm_up(controller, rl, model_dir, Path(scratch))
             controller.reset_optimizer()
+            # the steady state is measured: late engines (rollout.startup_engines) join first
+            controller.admit_late_engines(wait=True)
             controller.sync_weights()
             steps, prompts = [], []
             for step in range(1, cfg.warmup_steps + cfg.repeats + 1):

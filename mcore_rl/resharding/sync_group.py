@@ -84,14 +84,15 @@ def join_sync_group(spec: SyncGroupSpec, rank: int,
     raise ValueError(f"sync backend {spec.backend!r}: expected 'gloo' (CPU) or 'nccl' (GPU)")
 
 
-def sync_group_spec(run, *, host: str, port: int, prefix: str,
-                    timeout_s: float) -> SyncGroupSpec:
+def sync_group_spec(run, *, host: str, port: int, prefix: str, timeout_s: float,
+                    engines: int | None = None) -> SyncGroupSpec:
     """The sync group of a resolved run (`mcore_rl.planning.resolve.ResolvedRun`): its world
-    is the run's actor ranks plus every engine's TP ranks, its backend the run's
-    `sync_backend` — never re-derived here."""
-    world = len(run.actor_devices) + sum(len(e) for e in run.engine_devices)
+    is the run's actor ranks plus the TP ranks of its first `engines` engines (default: all;
+    fewer while late engines are still starting), its backend the run's `sync_backend` —
+    never re-derived here."""
+    world = len(run.actor_devices) + sum(len(e) for e in run.engine_devices[:engines])
     return SyncGroupSpec(host, port, prefix, world, timeout_s, backend=run.sync_backend,
-                         transports=tuple(run.transports))
+                         transports=tuple(run.transports)[:engines])
 
 
 def join_control_group(spec: SyncGroupSpec, rank: int, bulk: dist.ProcessGroup,

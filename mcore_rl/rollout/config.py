@@ -22,6 +22,13 @@ class RolloutConfig:
 
     tp: tensor-parallel size of each engine (vLLM's mp executor when > 1).
     engines: data-parallel engines (each in its own Ray actor, see ray_engines.py).
+    startup_engines: how many of the engines start with the run (null: all of them). The
+        others start once the run is up, so their start-up does not delay the first step (on a
+        small machine it competes with it for cores), and each joins at the first weight sync
+        after it is ready (the sync group is re-formed with it and it receives the actor's
+        weights); until then the engines already in the group generate every batch. Seeds
+        follow the global prompt index, so the samples do not depend on how many engines
+        share them. Not with partial_chunk_tokens (generations in flight live in the engines).
     max_model_len: prompt + response tokens per sequence.
     max_num_seqs: sequences batched per step (vLLM's default when None).
     max_num_batched_tokens: tokens scheduled per engine step, which sizes vLLM's activation peak
@@ -76,6 +83,7 @@ class RolloutConfig:
 
     tp: int = 1
     engines: int = 1
+    startup_engines: int | None = None
     max_model_len: int = 1024
     max_num_seqs: int | None = None
     max_num_batched_tokens: int | None = None
@@ -111,6 +119,11 @@ class RolloutConfig:
         return self.cpu_threads if self.tp == 1 else None
 
     @property
+    def late_engines(self) -> int:
+        """Engines that start after the run is up and join at a later sync."""
+        return 0 if self.startup_engines is None else self.engines - self.startup_engines
+
+    @property
     def staleness_bound(self) -> int:
         """How many updates older than the trainer a batch may be (sync 0, one_step 1)."""
         return {"sync": 0, "one_step": 1}.get(self.mode, self.max_staleness)
@@ -119,6 +132,15 @@ class RolloutConfig:
         for name in ("tp", "engines", "max_model_len"):
             if getattr(self, name) < 1:
                 raise ConfigError(name, getattr(self, name), "must be >= 1")
+        if self.startup_engines is not None and not 1 <= self.startup_engines <= self.engines:
+            raise ConfigError("startup_engines", self.startup_engines,
+                              f"must be in [1, engines={self.engines}] (or null: all engines "
+                              "start with the run)")
+        if self.late_engines and self.partial_chunk_tokens is not None:
+            raise ConfigError("startup_engines", self.startup_engines,
+                              f"{self.late_engines} engine(s) would join mid-run, but partial "
+                              "rollouts (partial_chunk_tokens) keep generations in flight in the "
+                              "engines across syncs: set startup_engines to null")
         if self.max_num_seqs is not None and self.max_num_seqs < 1:
             raise ConfigError("max_num_seqs", self.max_num_seqs, "must be >= 1 (or null)")
         if self.max_num_batched_tokens is not None and \

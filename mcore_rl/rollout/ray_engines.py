@@ -11,7 +11,9 @@ Every call has a deadline (`start_timeout_s` for start-up, `call_timeout_s` or t
 An engine that dies or misses it raises `RolloutError` naming the engine index and the phase.
 `restart(indices)` replaces dead engines with fresh ones in the same slots; a fresh engine
 holds the weights of `model_dir` and is in no sync group, so the caller re-forms the group and
-syncs it (`mcore_rl.trainer.recovery` does).
+syncs it (`mcore_rl.trainer.recovery` does). Late engines (`RolloutConfig.startup_engines`)
+are the same: `start_late_engines` starts them, `admit_late_engines` adds those that are up,
+and the caller re-forms the group and syncs them (`mcore_rl.trainer.weight_sync`).
 """
 
 from __future__ import annotations
@@ -151,7 +153,10 @@ class RayEngines:
         self._args = (str(model_dir), str(stack_dir) if stack_dir else None, inject_stall)
         self._placement = placement
         self.startup_s, self.pids, self.where = [], [], []
-        self._actors = [self._start(i) for i in range(cfg.engines)]
+        # the engines in the run; late ones (cfg.startup_engines) are added by admit_late_engines
+        self._actors = [self._start(i) for i in range(cfg.engines - cfg.late_engines)]
+        # late engines started and not yet admitted: (index, actor, its ready() ref, deadline)
+        self._late: list[tuple[int, Any, Any, float]] = []
         self._ready_by = time.monotonic() + start_timeout_s  # the deadline counts from here
         if wait:
             self.wait_ready()
@@ -170,6 +175,55 @@ class RayEngines:
         self.startup_s = [r["startup_s"] for r in info]
         self.pids = [r["pid"] for r in info]
         self.where = info  # node, devices, placement group and torch threads of each engine
+
+    def start_late_engines(self) -> None:
+        """Start the engines beyond `cfg.startup_engines` (returns at once); they take no calls
+        until `admit_late_engines` adds them."""
+        for i in range(self.num_engines + len(self._late), self.cfg.engines):
+            actor = self._start(i)
+            self._late.append((i, actor, actor.ready.remote(),
+                               time.monotonic() + self.start_timeout_s))
+
+    @property
+    def late_pending(self) -> int:
+        """Late engines started and not yet admitted."""
+        return len(self._late)
+
+    def admit_late_engines(self, wait: bool = False) -> list[int]:
+        """The late engines that are up become engines of the run, in index order (engine i
+        + 1 waits for i): generate and sync calls include them from now on, and the caller
+        must form a new sync group and sync them. Returns their indices. wait: block until
+        every late engine is up. A late engine that failed to start, or is not up within
+        start_timeout_s of its start, raises RolloutError naming it (the late engines not yet
+        admitted are stopped)."""
+        import ray
+
+        admitted = []
+        while self._late:
+            i, actor, ready_ref, deadline = self._late[0]
+            timeout = max(0.0, deadline - time.monotonic()) if wait else 0.0
+            if not ray.wait([ready_ref], timeout=timeout)[0] and time.monotonic() < deadline:
+                break  # still starting: it joins at a later call
+            try:  # up (or failed, or late): its reply, or the error naming it
+                info = self._gather("start-up", [(i, ready_ref)], self.start_timeout_s,
+                                    deadline=deadline)[0]
+            except RolloutError:
+                self._stop_late()
+                raise
+            self._late.pop(0)
+            self._actors.append(actor)
+            self.startup_s.append(info["startup_s"])
+            self.pids.append(info["pid"])
+            self.where.append(info)
+            admitted.append(i)
+        return admitted
+
+    def _stop_late(self) -> None:
+        import ray
+
+        late, self._late = self._late, []
+        for _, actor, _, _ in late:
+            ray.kill(actor, no_restart=True)
 
     def _start(self, i: int):
         """Engine i's actor, in its slot of the placement plan (node bundle, TP devices)."""
@@ -328,6 +382,8 @@ class RayEngines:
         """Stop every engine (cleanly when it answers within `grace_s`) and kill its actor."""
         import ray
 
+        if getattr(self, "_late", None):
+            self._stop_late()  # still starting (or never admitted): nothing to close cleanly
         actors, self._actors = getattr(self, "_actors", []), []
         refs = [a.call.remote("shutdown") for a in actors]
         if refs:

@@ -16,6 +16,7 @@ workers and runs the step's phases.
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from pathlib import Path
@@ -98,6 +99,8 @@ class RLController(Generation, WeightSync, Checkpointing):
         self._sync_groups_formed = 0
         self._join_sync_group()
         self.pipeline = self._start_pipeline()  # one_step / async: the batches ahead
+        # rollout.startup_engines: the rest start now that the run is up, and join at a sync
+        self.engines.start_late_engines()
 
     def _start_actor_ranks(self, model_dir: Path) -> list:
         """The actor's Ray workers, one per rank, in the placement's slots. The actor world
@@ -202,6 +205,7 @@ class RLController(Generation, WeightSync, Checkpointing):
         is raised after the step's metrics are attached to it (the run loop logs them)."""
         cfg, timer = self.cfg, PhaseTimer()
         self.recovery.begin_step(step)
+        engines = self.engines.num_engines  # in the run as the step starts (late ones join)
         rollouts, gen_timing = self._rollouts_for(step, timer)
         if cfg.rollout.enable_sleep:  # colocated on GPU: free the KV cache while training
             with timer("sleep"):
@@ -224,6 +228,10 @@ class RLController(Generation, WeightSync, Checkpointing):
         if cfg.rollout.enable_sleep:
             with timer("wake"):
                 self.engines.wake_up()
+        if cfg.algorithm.rollout_correction.mode == "bypass":
+            # π_old is the engine's: the first mini-batch's forward, on the weights the engine
+            # sampled with, measures the mismatch the skipped pass would have (~0: exact sync)
+            mismatch = {"rollout_logprob_max_diff": updates[0]["logp_moved"]}
         lost = None  # an engine failed past its restarts in the sync: report the step first
         with timer("sync"):
             try:
@@ -231,6 +239,7 @@ class RLController(Generation, WeightSync, Checkpointing):
             except EngineFailed as failed:
                 lost, sync = failed, {}
         metrics = {"reward_mean": float(scores.mean()), "reward_std": float(scores.std()),
+                   "rollout_engines": float(engines),
                    **_update_metrics(updates), **mismatch, **adv_metrics,
                    **critic_metrics(critic_updates), **sync, **rollouts.stats,
                    **timer.as_metrics(), **gen_timing, **overlap,
@@ -320,7 +329,8 @@ class RLController(Generation, WeightSync, Checkpointing):
         if is_weights is not None:
             policy["is_weights"] = is_weights
         with timer("update_actor"):
-            return [self._actor("update", mini, cfg.algorithm, phase="update_actor")[0]
+            return [_global_update_report(self._actor("update", mini, cfg.algorithm,
+                                                      phase="update_actor"))
                     for mini in mini_batches(policy, cfg.updates_per_batch)]
 
     def _update_critic(self, batch: Batch, extra, returns, timer: PhaseTimer) -> list[dict]:
@@ -351,6 +361,16 @@ class RLController(Generation, WeightSync, Checkpointing):
             self.placement.remove()
         finally:
             stop_local_ray()
+
+
+def _global_update_report(per_rank: list[dict]) -> dict[str, float]:
+    """One mini-batch's update report: the global metrics (the same on every rank) and
+    logp_moved, the largest of the ranks' own (see rl_step.policy_update)."""
+    report = {k: v for k, v in per_rank[0].items() if k != "logp_moved_local"}
+    moved = [r["logp_moved_local"] for r in per_rank
+             if not math.isnan(r["logp_moved_local"])]
+    report["logp_moved"] = max(moved, default=float("nan"))
+    return report
 
 
 def _update_metrics(updates: list[dict]) -> dict[str, float]:

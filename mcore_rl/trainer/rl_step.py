@@ -130,7 +130,10 @@ def _policy_loss(batch: PolicyBatch, algo: AlgorithmConfig, trainer: MegatronTra
                           metrics["ppo_kl"].detach() * num_tokens,
                           (entropy.detach() * mask).sum(), kl_sum.detach(),
                           loss.detach() * weight])
-    return loss * weight, weight.to(torch.int), {"policy": report}
+    on_response = mask > 0
+    moved = ((logp.detach() - old_logp)[on_response].abs().max() if on_response.any()
+             else torch.zeros(()))
+    return loss * weight, weight.to(torch.int), {"policy": report, "logp_moved": moved}
 
 
 def _policy_forward(data_iterator, model, *, algo: AlgorithmConfig, trainer: MegatronTrainer):
@@ -144,7 +147,11 @@ def policy_update(trainer: MegatronTrainer, micro_batches: list[PolicyBatch],
     """One optimizer step over this DP rank's micro batches (one mini-batch). Returns global
     metrics (identical on every rank): pg_loss (the policy term, aggregated by
     `algo.loss_agg` over the mini-batch), loss (with the entropy and KL terms), clip_frac,
-    ppo_kl, entropy, kl_ref (token means), grad_norm, update_tokens."""
+    ppo_kl, entropy, kl_ref (token means), grad_norm, update_tokens; and, local to this rank
+    (NaN where no loss ran: pipeline stages before the last), logp_moved_local: the largest
+    |log π_θ - log π_old| on its response tokens before the step — on the first mini-batch
+    with π_old = the engine's log-probs (rollout_correction bypass), the train–inference
+    mismatch the old-log-prob pass would have measured."""
     reports, grad_norm = optimizer_step(
         trainer, micro_batches, functools.partial(_policy_forward, algo=algo, trainer=trainer),
         "policy update")
@@ -153,4 +160,6 @@ def policy_update(trainer: MegatronTrainer, micro_batches: list[PolicyBatch],
     return {"pg_loss": float(totals[0]) / weight, "loss": float(totals[7]) / weight,
             "clip_frac": float(totals[3]) / tokens, "ppo_kl": float(totals[4]) / tokens,
             "entropy": float(totals[5]) / tokens, "kl_ref": float(totals[6]) / tokens,
-            "grad_norm": float(grad_norm), "update_tokens": float(totals[2])}
+            "grad_norm": float(grad_norm), "update_tokens": float(totals[2]),
+            "logp_moved_local": max((float(r["logp_moved"]) for r in reports),
+                                    default=float("nan"))}

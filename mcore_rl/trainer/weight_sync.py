@@ -35,7 +35,7 @@ class WeightSync:
         and its sender (resharding/plan_cache.py: sent whole once per sync group)."""
         cfg = self.cfg
         actor = megatron_shards(self.spec, cfg.actor, layer_spec=self.run.layer_spec)
-        engines = vllm_shards(self.spec, cfg.rollout.tp, cfg.rollout.engines,
+        engines = vllm_shards(self.spec, cfg.rollout.tp, self.engines.num_engines,
                               expert_parallel=self.run.expert_parallel)
         self.plan = build_plan(actor, engines, bucket_bytes=int(cfg.sync_bucket_mb * (1 << 20)),
                                element_size=torch_dtype(cfg.wire_dtype).itemsize)
@@ -43,12 +43,13 @@ class WeightSync:
 
     def _join_sync_group(self) -> None:
         """Form the sync group (again after an engine restart: a new store and prefix)."""
-        world = self.cfg.actor.world_size + self.cfg.rollout.tp * self.cfg.rollout.engines
+        world = self.cfg.actor.world_size + self.cfg.rollout.tp * self.engines.num_engines
         self._store = host_store(self.host, world_size=world,
                                  timeout_s=self.cfg.deadlines.startup_s)
         spec = sync_group_spec(self.run, host=self.host, port=self._store.port,
                                prefix=f"sync/{self._sync_groups_formed}/",
-                               timeout_s=self.cfg.deadlines.sync_s)
+                               timeout_s=self.cfg.deadlines.sync_s,
+                               engines=self.engines.num_engines)
         self._sync_groups_formed += 1
         self._plan_sender.joined()  # members may be new: the next sync sends the whole plan
         self.engines.start_join_sync_group(spec, self.cfg.actor.world_size,
@@ -62,10 +63,30 @@ class WeightSync:
         An engine that died is restarted and synced (trainer/recovery.py)."""
         # never change weights under a running generation
         with nullcontext() if self.pipeline is None else self.pipeline.weights_changing():
+            self.admit_late_engines()
             try:
                 return self._sync_once()
             except (SyncFailed, RolloutError) as err:
                 return self.recovery.recover(err, "sync", getattr(err, "engine", None))
+
+    def admit_late_engines(self, wait: bool = False) -> list[int]:
+        """Late engines (rollout.startup_engines) that are up join the run: the sync group is
+        re-formed with them and the plan rebuilt for the new engine count; the sync that
+        follows gives them the actor's weights (call it only where a sync follows). wait:
+        until every late engine is up. Returns the engines that joined."""
+        if not self.engines.late_pending:
+            return []
+        joined = self.engines.admit_late_engines(wait=wait)
+        if joined:
+            self._actor("leave_sync_group", phase="sync-join")
+            self.engines.leave_sync_group()  # a no-op on the engines that just joined
+            self._build_plan()
+            self._join_sync_group()
+            print(f"mcore-rl: rollout engine(s) {joined} up (start-up "
+                  f"{', '.join(f'{self.engines.startup_s[i]:.1f}' for i in joined)} s) and "
+                  f"joined: {self.engines.num_engines} of {self.cfg.rollout.engines} engines "
+                  "generate from this sync on", flush=True)
+        return joined
 
     def _sync_once(self) -> dict[str, float]:
         plan = self._plan_sender.payload()  # the whole plan once per group, then its reference

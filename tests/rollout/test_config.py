@@ -31,6 +31,20 @@ def test_threads_bind_needs_one_list_per_rank():
     RolloutConfig(tp=2, cpu_threads_bind="0|1")
 
 
+def test_startup_engines_are_some_of_the_engines_and_not_with_partial_rollouts():
+    assert RolloutConfig(engines=2, startup_engines=1).late_engines == 1
+    assert RolloutConfig(engines=2).late_engines == 0  # null: every engine starts with the run
+    assert RolloutConfig(engines=2, startup_engines=2).late_engines == 0
+    for bad in (0, 3):
+        with pytest.raises(ConfigError, match=r"must be in \[1, engines=2\]") as err:
+            RolloutConfig(engines=2, startup_engines=bad)
+        assert err.value.field == "startup_engines"
+    with pytest.raises(ConfigError, match="partial rollouts") as err:
+        RolloutConfig(engines=2, startup_engines=1, mode="one_step", partial_chunk_tokens=4)
+    assert err.value.field == "startup_engines"
+    RolloutConfig(engines=2, startup_engines=2, mode="one_step", partial_chunk_tokens=4)
+
+
 def test_cpu_threads_are_for_in_process_engines():
     # tp > 1: each TP rank is a process placed by cpu_threads_bind (so a config that sets
     # cpu_threads for tp 1 still runs with rollout.tp=2)

@@ -80,6 +80,29 @@ def test_engine_that_cannot_start_is_named(ray_local, tmp_path):
                    call_timeout_s=60.0)
 
 
+def test_a_late_engine_is_not_called_until_admitted_and_one_that_fails_is_named(ray_local,
+                                                                              tmp_path):
+    # rollout.startup_engines=1 of 2: engine 1 starts only when asked, takes no calls until
+    # admitted, and its failure to start surfaces at admission, named, with the late engines
+    # stopped. No vLLM starts here (no config.json fails first), so this runs in seconds.
+    import ray
+
+    cfg = RolloutConfig(engines=2, startup_engines=1, cpus_per_engine=0)
+    late = RayEngines(tmp_path, cfg, start_timeout_s=60.0, call_timeout_s=60.0, wait=False)
+    try:
+        assert late.num_engines == 1 and late.late_pending == 0
+        late.start_late_engines()
+        assert late.num_engines == 1 and late.late_pending == 1
+        actor = late._late[0][1]
+        with pytest.raises(RolloutError, match=r"rollout engine 1, start-up: .*no config.json"):
+            late.admit_late_engines(wait=True)
+        assert late.num_engines == 1 and late.late_pending == 0
+        with pytest.raises(ray.exceptions.RayActorError):  # stopped, not left running
+            ray.get(actor.ready.remote(), timeout=30.0)
+    finally:
+        late.shutdown(grace_s=1.0)
+
+
 def test_engines_still_starting_are_stopped_within_the_grace(ray_local, micro_dir):
     # A run whose actor ranks fail while its engines start stops them without waiting for
     # their vLLM start-up (RLController: shutdown(grace_s=5.0)).

@@ -210,3 +210,38 @@ def test_old_logp_comes_from_the_update_only_where_nothing_needs_it_before(overr
     controller = RLController.__new__(RLController)  # the rule reads the config only
     controller.cfg = small_config(*overrides)
     assert controller._old_logp_rows_from_update(16) == rows
+
+
+def test_a_late_engine_joins_at_a_sync_and_samples_from_the_actors_weights(tmp_path):
+    """rollout.startup_engines=1 of 2: start-up waits for engine 0 only; engine 1 starts once
+    the run is up and joins at a sync (group re-formed, plan rebuilt for two engines, the
+    actor's weights sent). After a step trained on engine 0 alone, half of the next batch
+    comes from engine 1: had it missed the sync it would sample from the starting weights,
+    and the bypass mismatch check (the first mini-batch's forward vs the engines' log-probs)
+    would show the step's update."""
+    from mcore_rl.trainer.controller import RLController
+    from mcore_rl.trainer.demo import build_demo_model
+
+    cfg = small_config("actor.tp=1", "actor.dp=2", "rollout.engines=2",
+                       "rollout.startup_engines=1", "rollout.cpus_per_engine=0",
+                       "algorithm.rollout_correction.mode=bypass", "train.optimizer.lr=0.01",
+                       *GRPO)
+    model_dir = build_demo_model(cfg, tmp_path)
+    controller = RLController(cfg, model_dir, tmp_path)
+    try:
+        # admission happens only at a sync: engine 1 is started, not in the run
+        assert controller.engines.num_engines == 1 and controller.engines.late_pending == 1
+        assert controller.plan.num_dst == 1
+        controller.reset_optimizer()
+        first = controller.rl_step(1)  # engine 0 alone (the engines hold model_dir's weights)
+        joined = controller.admit_late_engines(wait=True)  # the bench's steady state
+        sync = controller.sync_weights()
+        second = controller.rl_step(2)
+        num_dst, late = controller.plan.num_dst, controller.engines.late_pending
+    finally:
+        controller.shutdown()
+    assert first["rollout_engines"] == 1 and first["grad_norm"] > 0
+    assert joined in ([], [1])  # [] when it was up in time to join at step 1's own sync
+    assert second["rollout_engines"] == 2 and num_dst == 2 and late == 0
+    assert sync["sync_bytes"] > 0
+    assert second["rollout_logprob_max_diff"] < 1e-4, second["rollout_logprob_max_diff"]
