@@ -38,8 +38,9 @@ class _Worker:
 
 
 class _Engines:
-    def __init__(self):
+    def __init__(self, num_engines: int):
         self.specs: list[SyncGroupSpec] = []
+        self.num_engines = num_engines  # RayEngines': the engines in the run (all, here)
 
     def start_join_sync_group(self, spec, first_rank, devices=None):
         self.specs.append(spec)
@@ -60,7 +61,7 @@ def test_controller_builds_the_sync_group_of_the_resolved_run(name, assume_gpu, 
     run = resolve_run(cfg, assume_gpu=assume_gpu, cuda_available=False)
     controller = object.__new__(RLController)  # its join step only; no workers
     controller.cfg, controller.run, controller.host = cfg, run, "127.0.0.1"
-    controller.engines = _Engines()
+    controller.engines = _Engines(cfg.rollout.engines)
     to_actors: list = []
     controller.workers = [_Worker(to_actors) for _ in range(cfg.actor.world_size)]
     controller._wait = lambda refs, phase: refs
