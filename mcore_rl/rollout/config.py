@@ -119,9 +119,14 @@ class RolloutConfig:
         return self.cpu_threads if self.tp == 1 else None
 
     @property
+    def engines_at_startup(self) -> int:
+        """Engines that start with the run: the fewest a generate call is spread over."""
+        return self.engines if self.startup_engines is None else self.startup_engines
+
+    @property
     def late_engines(self) -> int:
         """Engines that start after the run is up and join at a later sync."""
-        return 0 if self.startup_engines is None else self.engines - self.startup_engines
+        return self.engines - self.engines_at_startup
 
     @property
     def staleness_bound(self) -> int:

@@ -154,7 +154,7 @@ class RayEngines:
         self._placement = placement
         self.startup_s, self.pids, self.where = [], [], []
         # the engines in the run; late ones (cfg.startup_engines) are added by admit_late_engines
-        self._actors = [self._start(i) for i in range(cfg.engines - cfg.late_engines)]
+        self._actors = [self._start(i) for i in range(cfg.engines_at_startup)]
         # late engines started and not yet admitted: (index, actor, its ready() ref, deadline)
         self._late: list[tuple[int, Any, Any, float]] = []
         self._ready_by = time.monotonic() + start_timeout_s  # the deadline counts from here

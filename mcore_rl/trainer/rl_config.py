@@ -277,8 +277,10 @@ class RLConfig:
             if total > limit:
                 raise ConfigError("task.episode.max_total_tokens", total,
                                   f"an episode must fit {name}={limit}")
-        # later turns send whole contexts: their prefill must not be split over engine steps
-        per_call = -(-self.prompts_per_step * self.samples_per_prompt // self.rollout.engines)
+        # later turns send whole contexts: their prefill must not be split over engine steps;
+        # until late engines join (rollout.startup_engines), fewer engines share each call
+        per_call = -(-self.prompts_per_step * self.samples_per_prompt
+                     // self.rollout.engines_at_startup)
         budget = self.rollout.max_num_batched_tokens
         if budget is None or budget < per_call * total:
             raise ConfigError("rollout.max_num_batched_tokens", budget,

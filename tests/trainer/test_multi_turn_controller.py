@@ -28,6 +28,12 @@ def test_episode_must_fit_the_rows_and_one_engine_step():
     with pytest.raises(ConfigError, match=r"rollout.max_num_batched_tokens=320: .* up to 16 "
                                           r"contexts of up to 40 tokens: set >= 640"):
         load_config(RLConfig, None, [*MULTI_TURN, "rollout.max_num_batched_tokens=320"])
+    # two engines halve each call, but while a late one starts, engine 0 takes all 16
+    load_config(RLConfig, None, [*MULTI_TURN, "rollout.max_num_batched_tokens=320",
+                                 "rollout.engines=2"])
+    with pytest.raises(ConfigError, match=r"up to 16 contexts of up to 40 tokens"):
+        load_config(RLConfig, None, [*MULTI_TURN, "rollout.max_num_batched_tokens=320",
+                                     "rollout.engines=2", "rollout.startup_engines=1"])
 
 
 def test_multi_turn_steps_through_the_controller(tmp_path):
