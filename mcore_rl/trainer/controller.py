@@ -220,6 +220,10 @@ class RLController(Generation, WeightSync, Checkpointing):
             adv, returns, adv_metrics = compute_advantages(cfg.algorithm, scores, groups,
                                                            batch.mask, old_logp, extra)
         updates = self._update_actor(batch, old_logp, adv, extra, is_weights, timer)
+        if cfg.algorithm.rollout_correction.mode == "bypass":
+            # π_old is the engine's: the first mini-batch's forward, on the weights the engine
+            # sampled with, measures the mismatch the skipped pass would have (~0: exact sync)
+            mismatch = {"rollout_logprob_max_diff": updates[0]["logp_moved"]}
         critic_updates = self._update_critic(batch, extra, returns, timer)
         self.recovery.step_trained()
         # weights must not change under a running generation: wait for the batches ahead
@@ -228,10 +232,6 @@ class RLController(Generation, WeightSync, Checkpointing):
         if cfg.rollout.enable_sleep:
             with timer("wake"):
                 self.engines.wake_up()
-        if cfg.algorithm.rollout_correction.mode == "bypass":
-            # π_old is the engine's: the first mini-batch's forward, on the weights the engine
-            # sampled with, measures the mismatch the skipped pass would have (~0: exact sync)
-            mismatch = {"rollout_logprob_max_diff": updates[0]["logp_moved"]}
         lost = None  # an engine failed past its restarts in the sync: report the step first
         with timer("sync"):
             try:

@@ -130,9 +130,8 @@ def _policy_loss(batch: PolicyBatch, algo: AlgorithmConfig, trainer: MegatronTra
                           metrics["ppo_kl"].detach() * num_tokens,
                           (entropy.detach() * mask).sum(), kl_sum.detach(),
                           loss.detach() * weight])
-    on_response = mask > 0
-    moved = ((logp.detach() - old_logp)[on_response].abs().max() if on_response.any()
-             else torch.zeros(()))
+    # no host sync here (this runs inside the pipeline schedule): 0 without response tokens
+    moved = torch.where(mask > 0, (logp.detach() - old_logp).abs(), 0.0).amax()
     return loss * weight, weight.to(torch.int), {"policy": report, "logp_moved": moved}
 
 
@@ -161,5 +160,5 @@ def policy_update(trainer: MegatronTrainer, micro_batches: list[PolicyBatch],
             "clip_frac": float(totals[3]) / tokens, "ppo_kl": float(totals[4]) / tokens,
             "entropy": float(totals[5]) / tokens, "kl_ref": float(totals[6]) / tokens,
             "grad_norm": float(grad_norm), "update_tokens": float(totals[2]),
-            "logp_moved_local": max((float(r["logp_moved"]) for r in reports),
-                                    default=float("nan"))}
+            "logp_moved_local": (float(torch.stack([r["logp_moved"] for r in reports]).max())
+                                 if reports else float("nan"))}

@@ -74,18 +74,17 @@ class WeightSync:
         re-formed with them and the plan rebuilt for the new engine count; the sync that
         follows gives them the actor's weights (call it only where a sync follows). wait:
         until every late engine is up. Returns the engines that joined."""
-        if not self.engines.late_pending:
-            return []
         joined = self.engines.admit_late_engines(wait=wait)
-        if joined:
-            self._actor("leave_sync_group", phase="sync-join")
-            self.engines.leave_sync_group()  # a no-op on the engines that just joined
-            self._build_plan()
-            self._join_sync_group()
-            print(f"mcore-rl: rollout engine(s) {joined} up (start-up "
-                  f"{', '.join(f'{self.engines.startup_s[i]:.1f}' for i in joined)} s) and "
-                  f"joined: {self.engines.num_engines} of {self.cfg.rollout.engines} engines "
-                  "generate from this sync on", flush=True)
+        if not joined:
+            return joined
+        self._actor("leave_sync_group", phase="sync-join")
+        self.engines.leave_sync_group()  # a no-op on the engines that just joined
+        self._build_plan()
+        self._join_sync_group()
+        print(f"mcore-rl: rollout engine(s) {joined} up (start-up "
+              f"{', '.join(f'{self.engines.startup_s[i]:.1f}' for i in joined)} s) and "
+              f"joined: {self.engines.num_engines} of {self.cfg.rollout.engines} engines "
+              "generate from this sync on", flush=True)
         return joined
 
     def _sync_once(self) -> dict[str, float]:
