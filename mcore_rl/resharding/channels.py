@@ -56,6 +56,8 @@ class SyncChannels:
     _schedules: ScheduleCache = field(default_factory=ScheduleCache)
     # host memory one receive assembled into, reused by the next (no first-touch cost)
     _receive_pool: ReceivePool = field(default_factory=ReceivePool)
+    # fingerprints of the plans every rank of this group has verified (`verify`)
+    _verified: set[bytes] = field(default_factory=set)
 
     @classmethod
     def join(cls, spec: SyncGroupSpec, rank: int, device: str | torch.device = "cpu",
@@ -81,11 +83,18 @@ class SyncChannels:
         return self._services[transport]
 
     def verify(self, plan: Plan) -> None:
-        """Compare plan fingerprints with every rank (all ranks call it)."""
+        """Compare plan fingerprints with every rank (all ranks call it), once per plan and
+        group: a plan every rank of this group has already agreed on is not compared again
+        (each rank records it only after the exchange succeeded everywhere — a mismatch
+        raises on every rank, and a failed sync tears the group down)."""
+        fingerprint = plan.fingerprint()
+        if fingerprint in self._verified:
+            return
         if self.control is not self.bulk or self.spec.backend == "gloo":
             verify_plan(plan, self.control, self.rank, device="cpu")
         else:
             verify_plan(plan, self.bulk, self.rank, device=self.device)
+        self._verified.add(fingerprint)
 
     def send(self, plan: Plan, tensors: Mapping[str, torch.Tensor], *, dtype: torch.dtype,
              timeout_s: float) -> dict:

@@ -56,52 +56,46 @@ class Trainer:
         self.plan = build_plan(hf_shards(SPEC), vllm_shards(SPEC, tp, engines))
         self.store = host_store(world_size=self.plan.world_size)
         self.timeout_s = timeout_s
-        self.group = None
         self.incarnation = 0
         self.transport, self.num_engines = transport, engines
         self.channels = None
 
+    @property
+    def group(self):
+        """The sync group p2p messages travel on."""
+        return self.channels.bulk
+
     def connect(self, engines, timeout_s: float | None = None) -> None:
-        """Form a fresh sync group (new prefix) with the engines' workers."""
-        from mcore_rl.resharding import SyncGroupSpec, join_sync_group
+        """Form a fresh sync group (new prefix) with the engines' workers. The trainer's side
+        is a `SyncChannels`, as an actor rank's: it verifies each plan once per group, as the
+        engines' workers do."""
+        from mcore_rl.resharding import SyncGroupSpec
+        from mcore_rl.resharding.channels import SyncChannels
 
         self.incarnation += 1
-        from mcore_rl.resharding.channels import SyncChannels
 
         transports = () if self.transport == "p2p" else (self.transport,) * self.num_engines
         spec = SyncGroupSpec("127.0.0.1", self.store.port, f"test-sync-{self.incarnation}",
                              self.plan.world_size, timeout_s=timeout_s or self.timeout_s,
                              transports=transports)
         engines.start_join_sync_group(spec, self.plan.num_src)
-        if self.transport == "p2p":
-            self.group = join_sync_group(spec, 0, store=self.store)
-        else:
-            self.channels = SyncChannels.join(spec, 0, store=self.store)
+        self.channels = SyncChannels.join(spec, 0, store=self.store)
         engines.finish_join_sync_group()
 
     def disconnect(self, engines) -> None:
         engines.leave_sync_group()
-        if self.channels is not None:
-            self.channels.close()
-            self.channels = None
-        else:
-            self.group.shutdown()
-            self.group = None
+        self.channels.close()
+        self.channels = None
 
     def sync(self, engines, state: dict[str, torch.Tensor]):
         """Stream `state` into the engines; returns (engine report(s), trainer SyncStats)."""
-        from mcore_rl.resharding import SyncError, send_shards, verify_plan
+        from mcore_rl.resharding import SyncError
 
         engines.begin_sync(self.plan)
         try:
-            if self.channels is not None:
-                self.channels.verify(self.plan)
-                stats = self.channels.send(self.plan, state, dtype=torch.float32,
-                                           timeout_s=self.timeout_s)
-                return engines.finish_sync(), stats
-            verify_plan(self.plan, self.group, 0)
-            stats = send_shards(self.plan, self.group, 0, state, dtype=torch.float32,
-                                timeout_s=self.timeout_s)
+            self.channels.verify(self.plan)
+            stats = self.channels.send(self.plan, state, dtype=torch.float32,
+                                       timeout_s=self.timeout_s)
         except SyncError:
             engines.finish_sync()  # raises the engine's own (more precise) error if it has one
             raise

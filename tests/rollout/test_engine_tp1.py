@@ -148,7 +148,7 @@ def test_sync_group_in_process(engine, micro_dir):
     trainer.connect(engine)
     report, stats = trainer.sync(engine, w1)
     assert set(report.ranks[0].names) == trainer.plan.expected_names(1)
-    print(f"TP=1 sync: {report.as_dict()} trainer: {stats.as_dict()}")
+    print(f"TP=1 sync: {report.as_dict()} trainer: {stats}")
     hf_w1 = greedy_generate(hf_model_with(micro_dir, w1), ps, max_new_tokens=10)
     assert tokens(engine.generate(ps, GREEDY)) == [[g] for g in hf_w1]
     trainer.sync(engine, w0)

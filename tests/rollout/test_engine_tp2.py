@@ -54,7 +54,7 @@ def test_tp2_sync_gives_each_rank_only_its_shard(engine, micro_dir):
     joined = time.perf_counter() - start
     report, stats = trainer.sync(engine, w1)
     print(f"TP=2 join {joined * 1e3:.0f} ms; sync: {report.as_dict()}; trainer: "
-          f"{stats.as_dict()}")
+          f"{stats}")
     model_bytes = sum(t.numel() * 4 for t in w1.values())
     for rank in report.ranks:
         assert set(rank.names) == trainer.plan.expected_names(rank.sync_rank)

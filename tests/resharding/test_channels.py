@@ -1,0 +1,72 @@
+"""A rank's sync channels on real gloo ranks: the plan check before bytes move.
+
+Every rank compares plan fingerprints before the first sync of a plan in a group, and a plan
+the group's ranks already agreed on is not compared again (one collective less per sync);
+ranks given different plans are still named, on every rank.
+"""
+
+import os
+
+import pytest
+
+from mcore_rl.launch.spawn import run_on_ranks
+from mcore_rl.layouts import megatron_shards, vllm_shards
+from mcore_rl.models.presets import get_preset
+from mcore_rl.parallel import ParallelConfig
+from mcore_rl.resharding import SyncError, SyncGroupSpec, build_plan
+
+MICRO = get_preset("micro")
+
+
+def _plan(bucket_kib: int):
+    return build_plan(megatron_shards(MICRO, ParallelConfig(tp=2)), vllm_shards(MICRO, 1, 1),
+                      bucket_bytes=bucket_kib << 10)
+
+
+def verify_sequence(rank, world_size):
+    """Each rank verifies: plan A twice, then a plan that differs on rank 1, then plan D.
+    Returns the fingerprint exchanges each call made and the errors raised."""
+    import mcore_rl.resharding.channels as channels_module
+    from mcore_rl.resharding.channels import SyncChannels
+
+    exchanges = []
+    real = channels_module.verify_plan
+
+    def counted(*args, **kwargs):
+        exchanges.append(1)
+        return real(*args, **kwargs)
+
+    channels_module.verify_plan = counted
+    spec = SyncGroupSpec("127.0.0.1", int(os.environ["MCORE_RL_STORE_PORT"]), "verify/",
+                         world_size, timeout_s=30.0)
+    channels = SyncChannels.join(spec, rank)
+    out = {"exchanges": [], "errors": []}
+    differing = _plan(16) if rank == 1 else _plan(32)
+    try:
+        for plan in (_plan(64), _plan(64), differing, _plan(128)):
+            before = len(exchanges)
+            try:
+                channels.verify(plan)
+            except SyncError as err:
+                out["errors"].append(str(err))
+            out["exchanges"].append(len(exchanges) - before)
+    finally:
+        channels.close()
+    return out
+
+
+@pytest.mark.timeout(180)
+def test_a_plan_is_compared_once_per_group_and_a_differing_rank_is_named():
+    assert _plan(64).world_size == 3
+    outs = run_on_ranks(verify_sequence, 3, init_default_group=False)
+    for rank, out in enumerate(outs):
+        # A compared, A again not (agreed on), the differing plans compared, D compared
+        assert out["exchanges"] == [1, 0, 1, 1], (rank, out)
+        assert len(out["errors"]) == 1, (rank, out)
+        # each rank names the ranks whose plan differs from its own
+        named = out["errors"][0]
+        assert f"sync rank {rank}: the resharding plan differs on" in named
+        if rank == 1:
+            assert "training rank 0" in named and "inference rank 0" in named
+        else:
+            assert "training rank 1" in named and "inference rank" not in named
