@@ -35,7 +35,7 @@ from mcore_rl.tasks.config import DEFAULT_REWARDS, build_reward, build_task
 from mcore_rl.tasks.tokenizer import encode_answers, load_tokenizer
 from mcore_rl.trainer.advantages import compute_advantages, critic_metrics, packing_metrics
 from mcore_rl.trainer.batches import (Batch, Rollouts, build_batch, engine_logprobs,
-                                      mini_batches, rollout_logprob_diff)
+                                      rollout_logprob_diff)
 from mcore_rl.trainer.checkpointing import Checkpointing
 from mcore_rl.trainer.generation import Generation
 from mcore_rl.trainer.metrics import MetricsWriter, PhaseTimer
@@ -328,21 +328,21 @@ class RLController(Generation, WeightSync, Checkpointing):
             policy["ref_logp"] = extra["ref_logp"]
         if is_weights is not None:
             policy["is_weights"] = is_weights
-        with timer("update_actor"):
-            return [_global_update_report(self._actor("update", mini, cfg.algorithm,
-                                                      phase="update_actor"))
-                    for mini in mini_batches(policy, cfg.updates_per_batch)]
+        with timer("update_actor"):  # every mini-batch in one call (ActorWorker.update)
+            per_rank = self._actor("update", policy, cfg.algorithm, cfg.updates_per_batch,
+                                   phase="update_actor")
+        return [_global_update_report([rank[k] for rank in per_rank])
+                for k in range(cfg.updates_per_batch)]
 
     def _update_critic(self, batch: Batch, extra, returns, timer: PhaseTimer) -> list[dict]:
-        """The critic's value update (GAE only), one call per mini-batch."""
+        """The critic's value update (GAE only), every mini-batch in one call."""
         if not self.use_critic:
             return []
         value = {"tokens": batch.tokens, "labels": batch.labels, "response_mask": batch.mask,
                  "old_values": extra["values"], "returns": returns}
         with timer("update_critic"):
-            return [self._actor("critic_update", mini, self.cfg.algorithm,
-                                phase="update_critic")[0]
-                    for mini in mini_batches(value, self.cfg.updates_per_batch)]
+            return self._actor("critic_update", value, self.cfg.algorithm,
+                               self.cfg.updates_per_batch, phase="update_critic")[0]
 
     def shutdown(self) -> None:
         """Stop workers and engines; a worker stuck in a collective is killed with Ray."""
