@@ -327,7 +327,8 @@ def build_report(cfg: StepBenchConfig, rl, spec: ModelSpec,
                                rollout_devices=rollout_devices, tokens=sum(gen_lens),
                                peak_flops_per_device=peak)
         per_step.append({"timings": timings, "flops": flops, **derived,
-                         "reward_mean": metrics["reward_mean"]})
+                         "reward_mean": metrics["reward_mean"],
+                         "rollout_engines": metrics["rollout_engines"]})
     phases = [p for p in PHASES + ("step",) if p in per_step[0]["timings"]]
     report: dict = {
         "model_params": spec.num_params(),
