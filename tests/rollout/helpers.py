@@ -88,7 +88,8 @@ class Trainer:
         self.channels = None
 
     def sync(self, engines, state: dict[str, torch.Tensor]):
-        """Stream `state` into the engines; returns (engine report(s), trainer SyncStats)."""
+        """Stream `state` into the engines; returns (engine report(s), the trainer's send stats:
+        `SyncChannels.send`'s dict)."""
         from mcore_rl.resharding import SyncError
 
         engines.begin_sync(self.plan)
