@@ -208,10 +208,9 @@ class ActorWorker:
         """The critic's values V(state before label t), [n, s]."""
         from mcore_rl.trainer.critic import compute_values
 
-        if self.critic is None:
-            raise RuntimeError(f"actor rank {self.rank}: no critic on this worker")
-        return self._forward_only(compute_values, self.critic, tokens, labels, response_mask,
-                                  train=self.critic.train)
+        critic = self._critic()
+        return self._forward_only(compute_values, critic, tokens, labels, response_mask,
+                                  train=critic.train)
 
     def update(self, batch: dict[str, torch.Tensor], algo: AlgorithmConfig,
                mini_batches: int = 1) -> list[dict]:
@@ -223,7 +222,7 @@ class ActorWorker:
         from mcore_rl.trainer.rl_step import PolicyBatch, policy_update
 
         return self._each_mini_batch(batch, mini_batches, PolicyBatch, self.trainer,
-                                     lambda batches: policy_update(self.trainer, batches, algo))
+                                     policy_update, algo)
 
     def critic_update(self, batch: dict[str, torch.Tensor], algo: AlgorithmConfig,
                       mini_batches: int = 1) -> list[dict]:
@@ -231,21 +230,25 @@ class ActorWorker:
         maybe_stall("update_critic", f"rank{self.rank}", self.inject_stall)
         from mcore_rl.trainer.critic import ValueBatch, value_update
 
+        return self._each_mini_batch(batch, mini_batches, ValueBatch, self._critic(),
+                                     value_update, algo)
+
+    def _critic(self):
         if self.critic is None:
             raise RuntimeError(f"actor rank {self.rank}: no critic on this worker")
-        return self._each_mini_batch(batch, mini_batches, ValueBatch, self.critic,
-                                     lambda batches: value_update(self.critic, batches, algo))
+        return self.critic
 
     def _each_mini_batch(self, batch: dict[str, torch.Tensor], count: int, cls, role,
-                         step) -> list[dict]:
-        """`step(micro batches)` on each of `count` mini-batches of `batch` (this rank's rows
-        of each, cut into `role`'s micro batches); each one's report with its packing."""
+                         update, algo: AlgorithmConfig) -> list[dict]:
+        """`update(role, micro batches, algo)` (one optimizer step) on each of `count`
+        mini-batches of `batch` — this rank's rows of each, cut into `role`'s micro batches of
+        `cls`; each one's report with its packing."""
         from mcore_rl.trainer.batches import mini_batches
 
         reports = []
         for mini in mini_batches(batch, count):
             micro, plan = self._micro(mini, cls, train=role.train, mask="response_mask")
-            reports.append({**step(micro), **self._packing_metrics(plan)})
+            reports.append({**update(role, micro, algo), **self._packing_metrics(plan)})
         return reports
 
     def reset_optimizer(self, train: TrainConfig) -> bool:
