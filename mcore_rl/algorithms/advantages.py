@@ -99,11 +99,22 @@ def gae_advantages(token_rewards: Tensor, values: Tensor, response_mask: Tensor,
     return advantages, returns
 
 
+def group_index(group_ids: Tensor) -> tuple[Tensor, int]:
+    """[B] prompt ids -> (each response's group number in 0..G-1 [B], G). The estimators'
+    one host sync (the number of groups)."""
+    _, inverse = torch.unique(group_ids, return_inverse=True)
+    return inverse, int(inverse.max()) + 1 if inverse.numel() else 0
+
+
 def _group_stats(scores: Tensor, group_ids: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Per-response statistics of its group: (count, sum, unbiased std, all_equal), each [B]."""
+    return group_stats(scores, *group_index(group_ids))
+
+
+def group_stats(scores: Tensor, inverse: Tensor,
+                n_groups: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """`_group_stats` given `group_index`'s result (no host sync)."""
     scores = scores.to(torch.float32)
-    _, inverse = torch.unique(group_ids, return_inverse=True)
-    n_groups = int(inverse.max()) + 1 if inverse.numel() else 0
     zeros = scores.new_zeros(n_groups)
     count = zeros.index_add(0, inverse, torch.ones_like(scores))
     total = zeros.index_add(0, inverse, scores)

@@ -82,7 +82,7 @@ def policy_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, response_mas
                                                    mask).detach()
         loss = torch.where(negative, torch.minimum(loss, dual), loss)
     else:
-        metrics["pg_clipfrac_lower"] = torch.zeros(())
+        metrics["pg_clipfrac_lower"] = loss.new_zeros(())
     if is_weights is not None:
         loss = loss * is_weights.detach().to(loss.dtype)
     return aggregate_loss(loss, mask, agg), metrics
@@ -110,7 +110,7 @@ def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, response_mas
     """
     unclipped = (values - returns) ** 2
     if clip is None:
-        loss, clipfrac = 0.5 * unclipped, torch.zeros(())
+        loss, clipfrac = 0.5 * unclipped, unclipped.new_zeros(())
     else:
         v_clip = old_values + (values - old_values).clamp(-clip, clip)
         clipped = (v_clip - returns) ** 2

@@ -75,7 +75,7 @@ def valid_lengths(mask: torch.Tensor) -> torch.Tensor:
     if mask.dim() != 2:
         raise ValueError(f"mask: expected [n, s], got shape {tuple(mask.shape)}")
     s = mask.shape[1]
-    positions = torch.arange(1, s + 1).expand_as(mask)
+    positions = torch.arange(1, s + 1, device=mask.device).expand_as(mask)
     return torch.where(mask != 0, positions, 0).amax(dim=1).clamp(min=1)
 
 
@@ -166,11 +166,14 @@ def pack(tensors: dict[str, torch.Tensor], plan: PackPlan) -> list[dict[str, tor
     for name, t in tensors.items():
         if t.shape[:2] != (n, plan.seq_len):
             raise ValueError(f"{name}: expected [{n}, {plan.seq_len}], got {tuple(t.shape)}")
+    # segment ids live with the tensors they describe (the model's device, see ActorWorker._micro)
+    device = next(iter(tensors.values())).device if tensors else None
     out = []
     for rows, row_len in zip(plan.bins, plan.row_lens):
-        seg = [torch.full((plan.lengths[r],), k, dtype=torch.long) for k, r in enumerate(rows)]
+        seg = [torch.full((plan.lengths[r],), k, dtype=torch.long, device=device)
+               for k, r in enumerate(rows)]
         used = sum(plan.lengths[r] for r in rows)
-        seg.append(torch.full((row_len - used,), len(rows), dtype=torch.long))
+        seg.append(torch.full((row_len - used,), len(rows), dtype=torch.long, device=device))
         packed = {"segment_ids": torch.cat(seg).unsqueeze(0)}
         for name, t in tensors.items():
             parts = [t[r, :plan.lengths[r]] for r in rows]
@@ -246,16 +249,15 @@ def model_inputs(batch, config) -> dict:
 
 def thd_params(segment_ids: torch.Tensor, device: torch.device | str | None = None):
     """megatron's PackedSeqParams for one packed row: cu_seqlens = [0, cumsum of the segment
-    lengths] (int32, on `device`, default the current CUDA device), the padding tail counting
+    lengths] (int32, on `device`, default the segment ids' device), the padding tail counting
     as one more segment.
     Runs only on GPU (TE spec); its CPU twin is the block-diagonal mask path, tested against
     padded micro batches."""
     from megatron.core.packed_seq_params import PackedSeqParams
 
     lengths = torch.bincount(segment_ids[0])
-    cu_seqlens = torch.zeros(len(lengths) + 1, dtype=torch.int32)
-    cu_seqlens[1:] = torch.cumsum(lengths, 0)
-    cu_seqlens = cu_seqlens.to(torch.cuda.current_device() if device is None else device)
+    cu_seqlens = torch.cat([lengths.new_zeros(1), torch.cumsum(lengths, 0)]).to(torch.int32)
+    cu_seqlens = cu_seqlens.to(segment_ids.device if device is None else device)
     longest = int(lengths.max())
     return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens,
                            max_seqlen_q=longest, max_seqlen_kv=longest)
@@ -266,10 +268,15 @@ def per_sequence(x: torch.Tensor, segment_ids: torch.Tensor | None) -> torch.Ten
     each sequence's end (differentiable). Unpacked batches (`segment_ids` None) already are."""
     if segment_ids is None:
         return x
-    seg = segment_ids[0]
-    counts = torch.bincount(seg)
+    counts = torch.bincount(segment_ids[0])
+    return sequence_rows(x, counts, int(counts.max()))  # the one host sync: the longest
+
+
+def sequence_rows(x: torch.Tensor, counts: torch.Tensor, longest: int) -> torch.Tensor:
+    """`per_sequence` given the segments' token counts [k] (on x's device) and the longest
+    count: [1, T] → [k, longest], zeros after each sequence's end."""
     starts = torch.cumsum(counts, 0) - counts
-    offsets = torch.arange(int(counts.max()))
+    offsets = torch.arange(longest, device=x.device)
     valid = offsets.unsqueeze(0) < counts.unsqueeze(1)
     index = torch.where(valid, starts.unsqueeze(1) + offsets.unsqueeze(0), 0)
-    return torch.where(valid, x[0][index], torch.zeros((), dtype=x.dtype))
+    return torch.where(valid, x[0][index], x.new_zeros(()))

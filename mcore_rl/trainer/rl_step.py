@@ -59,7 +59,7 @@ def _masked_vocab_logits(logits: torch.Tensor, vocab: int, tp_rank: int) -> torc
     first_pad = vocab - tp_rank * per_rank
     logits = logits.float()
     if first_pad < per_rank:
-        keep = torch.arange(per_rank) < max(first_pad, 0)
+        keep = torch.arange(per_rank, device=logits.device) < max(first_pad, 0)
         logits = torch.where(keep, logits, torch.full_like(logits, _PAD_LOGIT))
     return logits
 
@@ -119,7 +119,7 @@ def _policy_loss(batch: PolicyBatch, algo: AlgorithmConfig, trainer: MegatronTra
     loss = pg
     if algo.entropy_coeff:
         loss = loss - algo.entropy_coeff * aggregate_loss(entropy, mask, agg)
-    kl_sum = torch.zeros(())
+    kl_sum = pg.new_zeros(())
     if batch.ref_logp is not None and algo.kl_coeff and algo.kl_mode == "loss":
         kl, kl_metrics = kl_loss(logp, rows(batch.ref_logp), mask, coeff=algo.kl_coeff,
                                  estimator=algo.kl_estimator, agg=agg)
