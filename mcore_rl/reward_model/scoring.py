@@ -30,7 +30,8 @@ class ScoreBatch:
 
     @property
     def loss_mask(self) -> torch.Tensor:
-        return (torch.arange(self.tokens.shape[1]) < self.lengths.unsqueeze(1)).float()
+        positions = torch.arange(self.tokens.shape[1], device=self.tokens.device)
+        return (positions < self.lengths.unsqueeze(1)).float()
 
 
 @dataclass
@@ -90,14 +91,16 @@ def score_batch(model: RewardModel, tokens: torch.Tensor,
     Collective over the reward world (every rank gets the same tokens). Rows are padded with
     dummy rows to dp * k * micro_batch_size; DP rank d scores its contiguous block; the last
     stage all-gathers the blocks over DP. Returns the [n] scores on the rank at (tp 0, last
-    stage, dp 0), None elsewhere.
+    stage, dp 0), None elsewhere, on the model's device (the rows are moved there).
     """
     from mcore_rl.parallel.groups import Axis
     from mcore_rl.trainer.megatron_train import _run_schedule
     from mcore_rl.trainer.packing import model_inputs
 
     groups, mbs = model.groups, model.micro_batch_size
-    check_score_inputs(tokens, lengths, model.spec.vocab)
+    check_score_inputs(tokens, lengths, model.spec.vocab)  # on the host, as they arrive
+    on = next(model.chunks[0].parameters()).device  # the model's device: where they run
+    tokens, lengths = tokens.to(on), lengths.to(on)
     n, dp = tokens.shape[0], groups.config.dp
     per_dp = max(1, -(-n // (dp * mbs))) * mbs
     # dummy rows: one pad token (id 0), scored and dropped
@@ -107,15 +110,11 @@ def score_batch(model: RewardModel, tokens: torch.Tensor,
     batches = [ScoreBatch(tokens[i:i + mbs], lengths[i:i + mbs])
                for i in range(start, start + per_dp, mbs)]
 
-    def collect(lengths, values, non_loss_data=False):
-        # last stage only: values [b, s, 1] (batch first); take each row's last real token
-        return values[torch.arange(len(lengths)), lengths - 1, 0].float()
-
     def step(data_iterator, chunk):
         batch = next(data_iterator)
         # unpacked rows: causal attention, so a right-padded row's real tokens never see its pads
         out = chunk(**model_inputs(batch, chunk.config))
-        return out, functools.partial(collect, batch.lengths)
+        return out, functools.partial(last_token_scores, batch.lengths)
 
     with torch.no_grad():
         out = _run_schedule(model.chunks, groups, batches, forward_step=step,
@@ -130,6 +129,14 @@ def score_batch(model: RewardModel, tokens: torch.Tensor,
     if groups.rank_in(Axis.TP) != 0 or groups.rank_in(Axis.DP) != 0:
         return None
     return mine[:n]
+
+
+def last_token_scores(lengths: torch.Tensor, values: torch.Tensor,
+                      non_loss_data: bool = False) -> torch.Tensor:
+    """The schedule's collect function (last stage only): values [b, s, 1] (batch first) →
+    each row's score at its last real token, [b] fp32."""
+    rows = torch.arange(len(lengths), device=values.device)
+    return values[rows, lengths - 1, 0].float()
 
 
 def pad_sequences(prompts: list[list[int]], responses: list[list[int]],

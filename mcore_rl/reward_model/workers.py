@@ -38,8 +38,10 @@ class RewardWorker:
         self.model = load_reward_model(cfg, groups, layer_spec=layer_spec)
 
     def score(self, tokens: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor | None:
-        """Scores [n] on one rank (tp 0, last stage, dp 0); None on the others."""
-        return score_batch(self.model, tokens, lengths)
+        """Scores [n] on one rank (tp 0, last stage, dp 0), a host tensor; None on the
+        others."""
+        scores = score_batch(self.model, tokens, lengths)
+        return None if scores is None else scores.cpu()  # to the driver, which may have no GPU
 
     def pid(self) -> int:
         return os.getpid()

@@ -23,11 +23,14 @@ class ValueHead(torch.nn.Module):
     """Stands in for GPTModel.output_layer: [s, b, h] → ([s, b, 1], None). Without `bias` it
     is an HF sequence classifier's `score` head (reward models)."""
 
-    def __init__(self, hidden: int, dtype: torch.dtype, *, bias: bool = True):
+    def __init__(self, hidden: int, dtype: torch.dtype, *, bias: bool = True,
+                 device: torch.device | str | None = None):
+        """device: where the chunk it joins lives (`attach_value_head` passes it)."""
         super().__init__()
         # zero init: values start at 0 on every rank, identically
-        self.weight = torch.nn.Parameter(torch.zeros(1, hidden, dtype=dtype))
-        self.bias = torch.nn.Parameter(torch.zeros(1, dtype=dtype)) if bias else None
+        self.weight = torch.nn.Parameter(torch.zeros(1, hidden, dtype=dtype, device=device))
+        self.bias = (torch.nn.Parameter(torch.zeros(1, dtype=dtype, device=device)) if bias
+                     else None)
 
     def forward(self, hidden_states, weight=None, runtime_gather_output=None):
         return torch.nn.functional.linear(hidden_states, self.weight, self.bias), None
@@ -35,11 +38,16 @@ class ValueHead(torch.nn.Module):
 
 def attach_value_head(chunks: list[torch.nn.Module], hidden: int, is_last_stage: bool, *,
                       bias: bool = True) -> None:
-    """Replace the last chunk's output layer (last pipeline stage only) by a value head."""
+    """Replace the last chunk's output layer (last pipeline stage only) by a value head, of
+    the chunk's dtype and on its device."""
     if is_last_stage:
         last = chunks[-1]
-        dtype = next(last.parameters()).dtype
-        last.output_layer = ValueHead(hidden, dtype, bias=bias)
+        if getattr(getattr(last, "config", None), "sequence_parallel", False):
+            raise ValueError("a value head reads complete hidden states on each TP rank; "
+                             "sequence parallelism hands it 1/tp of the sequence: turn "
+                             "sequence_parallel off for the critic and the reward model")
+        param = next(last.parameters())
+        last.output_layer = ValueHead(hidden, param.dtype, bias=bias, device=param.device)
 
 
 @dataclass(frozen=True)

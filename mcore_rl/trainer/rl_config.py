@@ -343,6 +343,11 @@ class RLConfig:
                 raise ConfigError(f"{role}.micro_batch_size", train.micro_batch_size,
                                   f"must divide the {per_dp} sequences each DP rank gets per "
                                   "update")
+        if self.algorithm.advantage_estimator == "gae" and self.actor.sequence_parallel:
+            # the critic is built on the actor's grid; its value head needs whole sequences
+            raise ConfigError("actor.sequence_parallel", True, "the critic (algorithm."
+                              "advantage_estimator=gae) shares the actor's grid and its value "
+                              "head reads complete hidden states on each TP rank: turn it off")
         if self.algorithm.kl_in_reward and \
                 self.algorithm.advantage_estimator in ("grpo", "rloo"):
             raise ConfigError("algorithm.kl_mode", "reward",
