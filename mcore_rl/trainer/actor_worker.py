@@ -349,7 +349,8 @@ class ActorWorker:
         digest = hashlib.sha256()
         for key, tensor in sorted(self.local_tensors().items()):
             digest.update(key.encode())
-            digest.update(tensor.detach().contiguous().view(torch.uint8).numpy().tobytes())
+            digest.update(tensor.detach().cpu().contiguous().view(torch.uint8).numpy()
+                          .tobytes())
         return digest.hexdigest()
 
     def pid(self) -> int:

@@ -65,8 +65,10 @@ def permutation_batch(vocab: int, *, task_seed: int, step: int, sequences: int,
     return walk
 
 
-def _micro_batches(cfg: LMRunConfig, step: int, dp_rank: int):
-    """This DP rank's slice of the step's global batch, as MicroBatch objects."""
+def _micro_batches(cfg: LMRunConfig, step: int, dp_rank: int,
+                   device: torch.device | str = "cpu"):
+    """This DP rank's slice of the step's global batch, as MicroBatch objects on `device`
+    (the model's)."""
     from mcore_rl.trainer.megatron_train import MicroBatch
 
     t = cfg.train
@@ -74,8 +76,9 @@ def _micro_batches(cfg: LMRunConfig, step: int, dp_rank: int):
     walks = permutation_batch(get_preset(cfg.model).vocab,
                               task_seed=derive_seed(cfg.seed, "data"), step=step,
                               sequences=per_rank * cfg.parallel.dp, seq_len=t.seq_len)
-    mine = walks[dp_rank * per_rank:(dp_rank + 1) * per_rank]
-    return [MicroBatch(tokens=mb[:, :-1], labels=mb[:, 1:], loss_mask=torch.ones(mb[:, 1:].shape))
+    mine = walks[dp_rank * per_rank:(dp_rank + 1) * per_rank].to(device)
+    return [MicroBatch(tokens=mb[:, :-1], labels=mb[:, 1:],
+                       loss_mask=torch.ones(mb[:, 1:].shape, device=mb.device))
             for mb in mine.split(t.micro_batch_size)]
 
 
@@ -91,20 +94,38 @@ def _quiet_cpu_warnings() -> None:
     logging.getLogger("megatron.core.rerun_state_machine").setLevel(logging.ERROR)
 
 
+def rank_device(rank: int) -> int | None:
+    """This process's CUDA device on its node when the job trains over NCCL (torchrun/srun on
+    GPUs: LOCAL_RANK, else the rank), None over gloo (CPU; the locally spawned ranks, which
+    join a gloo world). The backend is `default_backend()`'s, the one place it is chosen."""
+    import torch.distributed as dist
+
+    from mcore_rl.parallel.groups import default_backend
+
+    backend = dist.get_backend() if dist.is_initialized() else default_backend()
+    if backend != "nccl":
+        return None
+    return int(os.environ.get("LOCAL_RANK", rank))
+
+
 def run_rank(rank: int, world: int, cfg: LMRunConfig) -> list[dict]:
     """Train on this rank; global rank 0 prints one line per step. Returns the step log."""
     _quiet_cpu_warnings()
     from mcore_rl.parallel.groups import Axis, destroy_training_groups, init_training_groups
     from mcore_rl.trainer.megatron_train import setup_trainer, train_step
 
+    device = rank_device(rank)
+    if device is not None:  # before NCCL or megatron allocate anything on the device
+        torch.cuda.set_device(device)
     groups = init_training_groups(cfg.parallel)
     trainer = setup_trainer(get_preset(cfg.model), groups, cfg.train,
                             seed=derive_seed(cfg.seed, "train"))
+    on = next(trainer.unwrapped()[0].parameters()).device  # where the batches run
     dp_rank, log = groups.rank_in(Axis.DP), []
     for step in range(cfg.steps):
         lr = trainer.optimizer.param_groups[0]["lr"]  # the lr this step trains with
         start = time.perf_counter()
-        result = train_step(trainer, _micro_batches(cfg, step, dp_rank))
+        result = train_step(trainer, _micro_batches(cfg, step, dp_rank, on))
         entry = {"step": step + 1, "loss": result.loss, "grad_norm": result.grad_norm,
                  "lr": lr, "ms": 1000 * (time.perf_counter() - start)}
         log.append(entry)
