@@ -9,9 +9,11 @@ prepacks both (`cpu_prepack_moe_weight`), replacing the parameters; their shapes
 longer the logical ones, and a `copy_` into them would be wrong.
 
 So a synced layer is installed the way it was loaded: the logical per-rank shards (what
-`layouts.vllm_shards` describes; the shapes reported here are those, not the packed ones) go
-into fresh parameters of the shape `create_weights` gave them (padded sizes where vLLM pads:
-gate at rows [0, I), up at rows [I_pad, I_pad + I), as `_load_w13` narrows), and the module's
+`layouts.vllm_shards` describes; the shapes reported here are those, not the packed ones) are
+laid out in the shape `create_weights` gave them (padded sizes where vLLM pads: gate at rows
+[0, I), up at rows [I_pad, I_pad + I), as `_load_w13` narrows) and copied into the loaded
+parameters where those kept that shape (GPU: CUDA graphs hold their storage), else into fresh
+parameters (CPU, prepacked into another shape), and the module's
 own `process_weights_after_loading` runs once both of a layer's tensors are in, followed by the
 experts' own preparation, which vLLM skips on a reload (see `_install_layer`). One layer's
 unpacked experts are held between its w13 and w2 arriving; nothing more.
@@ -85,13 +87,8 @@ def _install_layer(module: nn.Module, w13: torch.Tensor, w2: torch.Tensor) -> No
     new13[:, i_pad:i_pad + i, :h] = w13[:, i:]          # up
     new2 = torch.zeros((experts, h_pad, i_pad), dtype=dtype, device=device)
     new2[:, :h, :i] = w2
-    # Same attributes as the loaded parameters (weight_loader etc.), fresh unpacked data.
     for leaf, data in (("w13_weight", new13), ("w2_weight", new2)):
-        param = nn.Parameter(data, requires_grad=False)
-        for key, value in vars(getattr(module, leaf)).items():
-            if not key.startswith("_"):
-                setattr(param, key, value)
-        setattr(module, leaf, param)
+        _put(module, leaf, data)
     method = module.quant_method
     had_kernel = getattr(method, "moe_kernel", None) is not None
     method.process_weights_after_loading(module)
@@ -102,6 +99,23 @@ def _install_layer(module: nn.Module, w13: torch.Tensor, w2: torch.Tensor) -> No
         # weight update it copies the unpacked tensors in and stops, and the CPU kernel would
         # read them as packed (wrong log-probs, measured). Redo it as the first load did.
         kernel.fused_experts.process_weights_after_loading(module)
+
+
+def _put(module: nn.Module, leaf: str, data: torch.Tensor) -> None:
+    """The unpacked `data` into `module.<leaf>`: copied into the loaded parameter's storage
+    when that still has the unpacked shape (GPU: CUDA graphs captured its address, so a new
+    parameter would be invisible to them), else — the CPU kernel prepacked it into another
+    shape — a fresh parameter with the loaded one's attributes (weight_loader etc.), which
+    the repack below replaces anyway (no graphs on CPU)."""
+    param = getattr(module, leaf)
+    if (param.shape, param.dtype, param.device) == (data.shape, data.dtype, data.device):
+        param.data.copy_(data)
+        return
+    fresh = nn.Parameter(data, requires_grad=False)
+    for key, value in vars(param).items():
+        if not key.startswith("_"):
+            setattr(fresh, key, value)
+    setattr(module, leaf, fresh)
 
 
 __all__ = ["MoEInstaller", "is_fused_moe", "moe_logical_shape"]
