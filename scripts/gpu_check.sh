@@ -6,9 +6,11 @@
 #   bash scripts/gpu_check.sh       # on the GPU machine, from the checkout carrying .whl/
 # It installs megatron-core from .whl/ when missing (nothing outside the repo is created besides
 # that pip install into $PYTHON's environment), prints the environment, runs `pytest -m gpu -rs`
-# and exits non-zero on any failure. PYTHON picks the interpreter (default python3); on a CPU
-# machine `PYTHON=.venv/bin/python bash scripts/gpu_check.sh` shows every GPU check skipping with
-# the name of its CPU twin.
+# then, with CUDA present, the device twins on the GPU (`MCORE_RL_TWIN_DEVICE=cuda pytest -m
+# device_twin`; the normal suite runs them on `meta`), and exits non-zero on any failure.
+# PYTHON picks the interpreter (default python3); on a CPU machine
+# `PYTHON=.venv/bin/python bash scripts/gpu_check.sh` shows every GPU check skipping with the
+# name of its CPU twin.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
@@ -44,4 +46,12 @@ PY
 
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
-exec "$PYTHON" -m pytest -m gpu -rs -p no:cacheprovider "$@"
+status=0
+"$PYTHON" -m pytest -m gpu -rs -p no:cacheprovider "$@" || status=$?
+if "$PYTHON" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)"; then
+    MCORE_RL_TWIN_DEVICE=cuda "$PYTHON" -m pytest -m device_twin -rs -p no:cacheprovider "$@" \
+        || status=$?
+else
+    echo "gpu_check: no CUDA device: the device twins ran on meta in the normal suite"
+fi
+exit "$status"
