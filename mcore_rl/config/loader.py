@@ -8,6 +8,11 @@ num_attention_heads=8`.
 A key that moved elsewhere is listed in the class's `MOVED: ClassVar[dict[str, str]]` (old
 local name → where it went, in words); an old config then fails naming the new place rather
 than with a bare "unknown field".
+
+`check_config` reports every problem it can instead of the first: each field on its own
+(recursively, each component's `__post_init__`), then — when every field of a class is valid —
+that class's own cross-field checks. A file that is not YAML raises `ConfigFileError`, one
+line `file:line:col: problem`. Every command exits `CONFIG_ERROR_EXIT` on a config error.
 """
 
 from __future__ import annotations
@@ -21,6 +26,8 @@ import yaml
 
 T = TypeVar("T")
 
+CONFIG_ERROR_EXIT = 2  # the exit code of every command whose config does not load
+
 
 class ConfigError(ValueError):
     """A config value is wrong. `field` is the dotted path, e.g. `parallel.tp`."""
@@ -32,6 +39,51 @@ class ConfigError(ValueError):
     def under(self, prefix: str) -> "ConfigError":
         return ConfigError(f"{prefix}.{self.field}" if prefix else self.field, self.value,
                            self.problem)
+
+
+class ConfigFileError(ConfigError):
+    """The config file cannot be read as a YAML mapping; the message is one line,
+    `file:line:col: problem` (`file: problem` when there is no position)."""
+
+    def __init__(self, path: str | Path, problem: str, line: int | None = None,
+                 col: int | None = None):
+        super().__init__("config", str(path), problem)
+        self.path, self.line, self.col = str(path), line, col
+        where = f"{path}:{line}:{col}" if line is not None else str(path)
+        self.args = (f"{where}: {problem}",)
+
+    def __str__(self) -> str:
+        return self.args[0]
+
+
+def read_config_file(path: str | Path) -> dict[str, Any]:
+    """The YAML mapping at `path`; raises ConfigFileError naming the file (and, for a syntax
+    error, the line and column, 1-based) instead of YAML's own multi-line message."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigFileError(path, "no such file")
+    try:
+        loaded = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as err:
+        raise ConfigFileError(path, f"not UTF-8 text ({err.reason} at byte {err.start})"
+                              ) from None
+    except yaml.MarkedYAMLError as err:
+        mark = err.problem_mark or err.context_mark
+        problem = err.problem or err.context or "not valid YAML"
+        if err.context and err.problem and err.context_mark is not None:
+            problem += (f" ({err.context} at line {err.context_mark.line + 1}, column "
+                        f"{err.context_mark.column + 1})")
+        if mark is None:
+            raise ConfigFileError(path, problem) from None
+        raise ConfigFileError(path, problem, mark.line + 1, mark.column + 1) from None
+    except yaml.YAMLError as err:
+        raise ConfigFileError(path, " ".join(str(err).split())) from None
+    if loaded is None:
+        return {}
+    if not isinstance(loaded, dict):
+        raise ConfigFileError(path, f"top level must be a mapping, not a "
+                                    f"{type(loaded).__name__}")
+    return loaded
 
 
 def parse_overrides(overrides: list[str]) -> dict[str, Any]:
@@ -63,43 +115,69 @@ def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
 
 def load_config(cls: type[T], path: str | Path | None = None,
                 overrides: list[str] | None = None) -> T:
-    """Read YAML at `path` (optional), apply overrides, build and validate `cls`."""
-    data: dict[str, Any] = {}
-    if path is not None:
-        path = Path(path)
-        if not path.is_file():
-            raise ConfigError("config", str(path), "no such file")
-        loaded = yaml.safe_load(path.read_text()) or {}
-        if not isinstance(loaded, dict):
-            raise ConfigError("config", str(path), "top level must be a mapping")
-        data = loaded
-    data = _merge(data, parse_overrides(overrides or []))
-    return from_dict(cls, data)
+    """Read YAML at `path` (optional), apply overrides, build and validate `cls`. Raises the
+    first ConfigError (`check_config` returns them all)."""
+    cfg, errors = check_config(cls, path, overrides)
+    if errors:
+        raise errors[0]
+    return cfg
+
+
+def check_config(cls: type[T], path: str | Path | None = None,
+                 overrides: list[str] | None = None) -> tuple[T | None, list[ConfigError]]:
+    """`load_config`, returning every problem found instead of raising the first: (the
+    config, []) or (None, errors). Raises ConfigFileError when the file cannot be read and
+    ConfigError for a malformed override (nothing to check then)."""
+    data = read_config_file(path) if path is not None else {}
+    return collect(cls, _merge(data, parse_overrides(overrides or [])))
 
 
 def from_dict(cls: type[T], data: Any, prefix: str = "") -> T:
-    """Build dataclass `cls` from a mapping, checking names and types of every field."""
+    """Build dataclass `cls` from a mapping, checking names and types of every field;
+    raises the first problem (`collect` returns them all)."""
+    cfg, errors = collect(cls, data, prefix)
+    if errors:
+        raise errors[0]
+    return cfg
+
+
+def collect(cls: type[T], data: Any, prefix: str = "") -> tuple[T | None, list[ConfigError]]:
+    """Build `cls` from a mapping: (the object, []) or (None, every problem). Each field is
+    checked on its own, nested configs recursively; the class's own checks (`__post_init__`,
+    which see several fields at once) run only when every field is valid — they would
+    otherwise judge a value that is already wrong."""
     if not isinstance(data, dict):
-        raise ConfigError(prefix or cls.__name__, data, "expected a mapping")
+        return None, [ConfigError(prefix or cls.__name__, data, "expected a mapping")]
     hints = get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
     unknown = sorted(set(data) - set(fields))
     moved = getattr(cls, "MOVED", {})
-    for name in unknown:
-        if name in moved:
-            raise ConfigError(_join(prefix, name), data[name], f"this key moved: {moved[name]}")
-    if unknown:
-        raise ConfigError(_join(prefix, unknown[0]), data[unknown[0]],
-                          f"unknown field; allowed: {', '.join(sorted(fields))}")
-    kwargs = {name: _coerce(hints[name], _with_defaults(fields[name], value),
-                            _join(prefix, name))
-              for name, value in data.items()}
+    errors = [ConfigError(_join(prefix, name), data[name], f"this key moved: {moved[name]}")
+              for name in unknown if name in moved]
+    errors += [ConfigError(_join(prefix, name), data[name],
+                           f"unknown field; allowed: {', '.join(sorted(fields))}")
+               for name in unknown if name not in moved]
+    kwargs = {}
+    for name, value in data.items():
+        if name not in fields:
+            continue
+        value, path = _with_defaults(fields[name], value), _join(prefix, name)
+        if dataclasses.is_dataclass(hints[name]):
+            kwargs[name], errs = collect(hints[name], value, path)
+            errors += errs
+            continue
+        try:
+            kwargs[name] = _coerce(hints[name], value, path)
+        except ConfigError as err:
+            errors.append(err)
+    if errors:
+        return None, errors
     try:
-        return cls(**kwargs)
+        return cls(**kwargs), []
     except ConfigError as err:
-        raise err.under(prefix) from None
+        return None, [err.under(prefix)]
     except TypeError as err:  # a required field is missing
-        raise ConfigError(prefix or cls.__name__, None, str(err)) from None
+        return None, [ConfigError(prefix or cls.__name__, None, str(err))]
 
 
 def _with_defaults(field: dataclasses.Field, value: Any) -> Any:
@@ -188,4 +266,5 @@ def _float_or_none(text: str) -> float | None:
         return None
 
 
-__all__ = ["ConfigError", "from_dict", "load_config", "parse_overrides", "to_dict"]
+__all__ = ["CONFIG_ERROR_EXIT", "ConfigError", "ConfigFileError", "check_config", "collect",
+           "from_dict", "load_config", "parse_overrides", "read_config_file", "to_dict"]
