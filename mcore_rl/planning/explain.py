@@ -4,6 +4,10 @@ the controller hands to every worker, printed as tables, and as the last line on
 (`ResolvedRun.summary()`: at least layer_spec, sync_backend, transports — one per engine).
 
 Nothing is started and nothing is downloaded: the same pure resolution the controller runs.
+A run preflight's grid checks refuse (`planning.preflight.GRID_CHECKS`: a TP that does not
+divide the heads, more ranks than devices, ...) is not drawn: each problem is one line on
+stderr, as preflight words it, and the exit code is 2 (`CONFIG_ERROR_EXIT`), as for a config
+that does not load.
 """
 
 from __future__ import annotations
@@ -12,7 +16,7 @@ import argparse
 import json
 import sys
 
-from mcore_rl.config import ConfigError
+from mcore_rl.config import CONFIG_ERROR_EXIT, ConfigError
 
 LAYER_SPECS = {"te": "te (TransformerEngine: fused norm + linear names, flash attention)",
                "local": "local (megatron's pure-PyTorch layers and names)"}
@@ -75,25 +79,38 @@ def render(run, title: str):
 
 
 def run_explain(args) -> int:
-    """Exit 0 with the resolved run; 2 when the config does not load or cannot be placed."""
+    """Exit 0 with the resolved run; 2 when the config does not load, fails a grid check
+    or cannot be placed."""
     from rich.console import Console
 
     from mcore_rl.config import load_config
+    from mcore_rl.planning.preflight import GRID_CHECKS, preflight
     from mcore_rl.planning.resolve import resolve_run
+    from mcore_rl.planning.sized import sized_run
     from mcore_rl.trainer.rl_config import RLConfig
 
     try:
         cfg = load_config(RLConfig, args.config, list(args.overrides))
-        run = resolve_run(cfg, assume_gpu=args.assume_gpu)
+        errors = [p for p in preflight(sized_run(cfg, assume_gpu=args.assume_gpu),
+                                       only=GRID_CHECKS) if p.severity == "error"]
+        if not errors:
+            run = resolve_run(cfg, assume_gpu=args.assume_gpu)
     except ConfigError as err:
         print(f"mcore-rl explain: config error: {err}", file=sys.stderr)
-        return 2
+        return CONFIG_ERROR_EXIT
+    for p in errors:
+        print(f"mcore-rl explain: [{p.check}] {p.message} (fix: {p.fix})", file=sys.stderr)
+    if errors:
+        return CONFIG_ERROR_EXIT
     how = " (GPU assumed)" if args.assume_gpu else ""
     console = Console(width=120, soft_wrap=False)
     for table in render(run, f"{args.config}{how}: what will run"):
         console.print(table)
     sys.stdout.flush()
-    print(json.dumps(run.summary(), separators=(",", ":")))
+    from mcore_rl.planning.sync_traffic import explain_traffic
+
+    # one sync's bytes per engine by transport, from the real plan (IPC never crosses a node)
+    print(json.dumps({**run.summary(), **explain_traffic(cfg, run)}, separators=(",", ":")))
     return 0
 
 

@@ -5,7 +5,10 @@ every problem at once, each with its fix — naming the run config's own fields 
 
 Each check is one row of `CHECKS` (a stable id and a function yielding `Problem`s); every check
 runs even when others fail, so a user fixes a config in one round trip instead of one crash at
-a time. Errors are what would crash, hang or OOM the run; warnings are what only slows it.
+a time. Errors are what would crash, hang or OOM the run; warnings are what only slows it;
+notes are facts worth seeing before launch (e.g. the prompts' token lengths).
+
+`explain` runs the `GRID_CHECKS` rows too: a grid it cannot run is not drawn.
 
 Known-good process modes (shared/FINDINGS.md): on CPU the sync group is gloo; on GPU nccl.
 vLLM runs in-process at rollout.tp 1 and with its "mp" executor (one process per TP rank, on
@@ -32,12 +35,14 @@ from mcore_rl.rollout.expert_parallel import FIELD as EP_FIELD
 
 @dataclass(frozen=True)
 class Problem:
-    """One thing wrong with a run: `check` (stable id), what is wrong, how to fix it."""
+    """One thing wrong with a run: `check` (stable id), what is wrong, how to fix it. A
+    "note" is not wrong: what preflight measured (its `fix` says what it is measured
+    against)."""
 
     check: str
     message: str
     fix: str
-    severity: Literal["error", "warning"] = "error"
+    severity: Literal["error", "warning", "note"] = "error"
 
 
 def _divisors(n: int, limit: int | None = None) -> list[int]:
@@ -339,10 +344,18 @@ CHECKS: tuple[tuple[str, Callable[[SizedRun, ModelSpec], Iterable[Problem]]], ..
 )
 
 
-def preflight(run: SizedRun) -> list[Problem]:
-    """Every problem of `run` (errors and warnings), in CHECKS order."""
+# the checks of the grids themselves (each split fits the model, the ranks fit the devices):
+# `mcore-rl explain` refuses to draw a run that fails one
+GRID_CHECKS = ("train-tp", "train-pp", "world-size", "placement", "rollout-tp",
+               "reward-model")
+
+
+def preflight(run: SizedRun, only: Iterable[str] | None = None) -> list[Problem]:
+    """Every problem of `run` (errors and warnings), in CHECKS order; `only`: the ids of the
+    CHECKS rows to run (default: all)."""
     problems: list[Problem] = []
-    for name, check in CHECKS:
+    rows = CHECKS if only is None else [row for row in CHECKS if row[0] in set(only)]
+    for name, check in rows:
         try:
             problems.extend(check(run, run.spec))
         except Exception as err:  # noqa: BLE001 — one broken check must not hide the others
@@ -351,14 +364,19 @@ def preflight(run: SizedRun) -> list[Problem]:
     return problems
 
 
+MARKS = {"error": ("ERROR", "fix"), "warning": ("warn ", "fix"), "note": ("note ", "vs")}
+
+
 def format_problems(problems: list[Problem]) -> str:
-    errors = [p for p in problems if p.severity == "error"]
-    lines = [f"{len(errors)} error(s), {len(problems) - len(errors)} warning(s)"]
-    for p in sorted(problems, key=lambda p: p.severity != "error"):
-        mark = "ERROR" if p.severity == "error" else "warn "
+    """Errors, then warnings, then notes; each as `MARK [check] message` and its fix."""
+    count = {s: sum(p.severity == s for p in problems) for s in MARKS}
+    lines = [f"{count['error']} error(s), {count['warning']} warning(s)"
+             + (f", {count['note']} note(s)" if count["note"] else "")]
+    for p in sorted(problems, key=lambda p: list(MARKS).index(p.severity)):
+        mark, fix = MARKS[p.severity]
         lines.append(f"{mark} [{p.check}] {p.message}")
-        lines.append(f"      fix: {p.fix}")
+        lines.append(f"      {fix}: {p.fix}")
     return "\n".join(lines)
 
 
-__all__ = ["CHECKS", "Problem", "format_problems", "preflight"]
+__all__ = ["CHECKS", "GRID_CHECKS", "Problem", "format_problems", "preflight"]

@@ -38,10 +38,16 @@ def resolve_model(model: str | ModelSpec, field_name: str = "model") -> ModelSpe
         return model
     if model in PRESETS:
         return PRESETS[model]
-    if not (Path(model) / "config.json").is_file():
+    config_file = Path(model) / "config.json"
+    if not config_file.is_file():
         raise ConfigError(field_name, model, "neither a preset "
                           f"({', '.join(sorted(PRESETS))}) nor a directory with config.json")
-    return ModelSpec.from_hf_dir(model)
+    try:  # an architecture we do not support: one line, as `mcore-rl convert` says it
+        return ModelSpec.from_hf_dir(model)
+    except KeyError as err:
+        raise ConfigError(field_name, model, f"{config_file}: no {err} field") from None
+    except ValueError as err:  # UnsupportedModelError, or JSON that does not parse
+        raise ConfigError(field_name, model, f"{config_file}: {err}") from None
 
 
 def model_name(model: str | ModelSpec) -> str:

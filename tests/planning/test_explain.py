@@ -71,3 +71,19 @@ def test_explain_shows_vllm_expert_parallel(no_cuda, capsys):
     # a CPU run refuses it, naming the field and why
     assert main(["explain", str(CONFIGS / "demo_moe.yaml"), "rollout.expert_parallel=true"]) == 2
     assert "rollout.expert_parallel=True: the run resolves to cpu" in capsys.readouterr().err
+
+
+def test_explain_refuses_a_grid_preflight_refuses(no_cuda, capsys):
+    """actor.tp=3 on the demo's 4-head model: explain does not draw the ranks; it exits 2 with
+    preflight's own message for it, one line."""
+    from mcore_rl.trainer.preflight import preflight_config
+
+    demo = str(CONFIGS / "grpo_addition.yaml")
+    assert main(["explain", demo, "actor.tp=3"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    (line,) = captured.err.splitlines()
+    _, problems = preflight_config(demo, ["actor.tp=3"])
+    (tp,) = [p for p in problems if p.check == "train-tp"]
+    assert line == f"mcore-rl explain: [train-tp] {tp.message} (fix: {tp.fix})"
+    assert "actor.tp=3: does not divide num_attention_heads=4" in line

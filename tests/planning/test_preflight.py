@@ -1,7 +1,9 @@
 """Preflight: every bad config yields its named problem (with a fix naming the run config's
 own fields), all problems of a config come out at once, and the shipped configs pass — on this
 CPU machine, without their weights (model.preset sizes them). Every case is an RLConfig YAML
-plus overrides: the checks read the run config itself."""
+plus overrides: the checks read the run config itself. The GPU configs' weights and data are
+not on this machine: they are checked with `remote_paths` (`--remote-paths`), which makes a
+missing path a warning."""
 
 from __future__ import annotations
 
@@ -92,7 +94,7 @@ BAD = [
 
 @pytest.mark.parametrize("row_id,base,overrides,expected", BAD, ids=[r[0] for r in BAD])
 def test_bad_config_names_its_problem(row_id, base, overrides, expected):
-    _, problems = preflight_config(base, overrides, cuda_available=False)
+    _, problems = preflight_config(base, overrides, cuda_available=False, remote_paths=True)
     errors = [p for p in problems if p.severity == "error"]
     assert expected in {p.check for p in errors}, problems
     for p in problems:
@@ -119,7 +121,7 @@ def _assert_is_run_config_field(dotted: str) -> None:
                          ids=["llama3-70b", "llama3-8b", "llama2-13b", "qwen3-30b-a3b",
                               "cpu-demo", "qwen3-30b-a3b-vllm-ep"])
 def test_good_configs_pass(base, overrides):
-    cfg, problems = preflight_config(base, overrides)
+    cfg, problems = preflight_config(base, overrides, remote_paths=True)
     assert cfg is not None
     assert not [p for p in problems if p.severity == "error"], problems
 
@@ -177,7 +179,7 @@ def test_reward_model_memory_is_planned_on_the_training_devices():
 
 
 def test_fix_names_the_run_config_field():
-    _, problems = preflight_config(L8, ["actor.tp=3"])
+    _, problems = preflight_config(L8, ["actor.tp=3"], remote_paths=True)
     tp = [p for p in problems if p.check == "train-tp"]
     assert tp and tp[0].fix.startswith("actor.tp one of 1, 2, 4, 8"), tp
     assert "actor.tp=3" in tp[0].message
@@ -187,7 +189,8 @@ def test_fix_names_the_run_config_field():
 
 def test_every_problem_at_once():
     _, problems = preflight_config(L8, ["actor.tp=3", "cluster.nodes=2",
-                                        "cluster.sync_backend=gloo", "train.seq_len=9000"])
+                                        "cluster.sync_backend=gloo", "train.seq_len=9000"],
+                                   remote_paths=True)
     checks = {p.check for p in problems if p.severity == "error"}
     assert {"train-tp", "world-size", "world-size-rollout", "sync-backend", "seq-len"} <= checks
 
@@ -214,8 +217,8 @@ def test_hf_dir_and_cpu_head_dim(tmp_path):
 
 
 def test_cli_preflight(capsys):
-    assert main(["preflight", str(L70)]) == 0
-    assert main(["preflight", str(L70), "cluster.nodes=6", "actor.tp=3"]) == 1
+    assert main(["preflight", str(L70), "--remote-paths"]) == 0
+    assert main(["preflight", str(L70), "--remote-paths", "cluster.nodes=6", "actor.tp=3"]) == 1
     out = capsys.readouterr().out
     assert "[world-size]" in out and "[train-tp]" in out and "fix: actor.tp one of" in out
     assert "train.parallel" not in out
@@ -236,27 +239,28 @@ def test_cli_preflight_assume_gpu(capsys, monkeypatch):
 
 def test_dataset_files_are_read_as_the_run_reads_them(tmp_path):
     """A jsonl task's files: read (errors name the field, file and line) when they are here;
-    a file that is not on this machine is only a warning for a config checked here, and an
-    error for a run starting here (`check_run`, what `mcore-rl train` calls)."""
+    a file that is not on this machine is an error, and only a warning with remote_paths
+    (a config checked away from its data)."""
     from mcore_rl.trainer.preflight import dataset_problems
 
-    _, problems = preflight_config(L8)  # /data/gsm8k is not on this machine
+    _, problems = preflight_config(L8, remote_paths=True)  # /data/gsm8k is not here
     data = [p for p in problems if p.check == "dataset"]
     assert [(p.severity, p.message.split(":")[0]) for p in data] == [
         ("warning", "task.path=/data/gsm8k/train.jsonl"),
         ("warning", "task.heldout_path=/data/gsm8k/test.jsonl")]
     cfg = load_config(RLConfig, L8)
-    assert [p.severity for p in dataset_problems(cfg, starts_here=True)] == ["error", "error"]
+    assert [p.severity for p in dataset_problems(cfg)] == ["error", "error"]
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"question": "q", "answer": "a"}\n{"question": "q"}\nnot json\n')
-    _, problems = preflight_config(L8, [f"task.path={bad}", "task.heldout_path=null"])
+    over = [f"task.path={bad}", "task.heldout_path=null"]
+    _, problems = preflight_config(L8, over, remote_paths=True)
     data = [p for p in problems if p.check == "dataset"]
     assert len(data) == 1 and data[0].severity == "error"
     assert data[0].message == (f"task.answer_key='answer' (task.path): {bad}:2: missing key "
                                "'answer' (has: question)")
     assert data[0].fix.startswith("task.answer_key naming a key")
     bad.write_text('{"question": "q", "answer": "a"}\nnot json\n')
-    _, problems = preflight_config(L8, [f"task.path={bad}", "task.heldout_path=null"])
+    _, problems = preflight_config(L8, over, remote_paths=True)
     assert [p.message for p in problems if p.check == "dataset"] == [
         f"task.path: {bad}:2: not valid JSON (Expecting value)"]
 
@@ -269,3 +273,150 @@ def test_vllm_expert_parallel_on_cpu_says_why():
     assert "rollout.expert_parallel=true, but the run resolves to cpu" in p.message
     assert "fused_moe/experts/cpu_moe.py" in p.message and "expert_map" in p.message
     assert p.fix.startswith("rollout.expert_parallel=false")
+
+
+# --- issue #29: what a first run gets wrong, said in one line each ------------------------------
+
+def _jsonl_run(tmp_path, hf: Path, path) -> list[str]:
+    """CPU overrides of a jsonl run on the HF directory `hf`, training file `path`."""
+    return CPU + [f"model.hf_dir={hf}", "task.kind=jsonl", f"task.path={path}",
+                  "warmup.max_steps=0"]
+
+
+def _problem_lines(out: str, mark: str = "ERROR") -> list[str]:
+    return [line for line in out.splitlines() if line.startswith(mark)]
+
+
+def test_missing_local_paths_are_errors_unless_remote(tmp_path, capsys):
+    """A task.path or model.hf_dir that is not on this machine: an error naming the field and
+    the path (exit 1); with --remote-paths a warning (exit 0, sized from model.preset)."""
+    hf = _hf_dir(tmp_path / "m", head_dim=32)
+    missing = tmp_path / "nope.jsonl"
+    assert main(["preflight", str(GRPO), *_jsonl_run(tmp_path, hf, missing)]) == 1
+    out = capsys.readouterr().out
+    assert _problem_lines(out) == [f"ERROR [dataset] task.path: {missing}: no such file (a JSONL "
+                                   "dataset, one object per line)"]
+    assert main(["preflight", str(GRPO), *_jsonl_run(tmp_path, hf, missing),
+                 "--remote-paths"]) == 0
+    out = capsys.readouterr().out
+    assert _problem_lines(out) == []
+    assert f"warn  [dataset] task.path={missing}: not on this machine" in out
+
+    gone = tmp_path / "gone"
+    assert main(["preflight", str(GRPO), *_jsonl_run(tmp_path, gone, missing),
+                 "model.preset=micro", "--remote-paths"]) == 0
+    assert "warn  [model-dir] model.hf_dir=" in capsys.readouterr().out
+    assert main(["preflight", str(GRPO), *_jsonl_run(tmp_path, gone, missing),
+                 "model.preset=micro"]) == 1
+    errors = _problem_lines(capsys.readouterr().out)
+    assert f"ERROR [model-dir] model.hf_dir={gone}: no such directory on this machine" in errors
+    assert len(errors) == 2, errors  # the directory and the data file, each said once
+
+
+def test_shipped_gpu_config_needs_remote_paths_here(capsys):
+    assert main(["preflight", str(L8)]) == 1
+    out = capsys.readouterr().out
+    assert "ERROR [model-dir] model.hf_dir=/models/Meta-Llama-3-8B-Instruct: no such " \
+           "directory on this machine" in out
+    assert "ERROR [dataset] task.path: /data/gsm8k/train.jsonl: no such file" in out
+
+
+def test_unsupported_architecture_is_one_line(tmp_path, capsys):
+    """A GPT-2 config.json: one problem naming the file and the supported architectures, as
+    `mcore-rl convert` refuses it — no traceback."""
+    from mcore_rl.models.spec import ARCHITECTURES
+
+    gpt2 = tmp_path / "gpt2"
+    gpt2.mkdir()
+    (gpt2 / "config.json").write_text(json.dumps(
+        {"architectures": ["GPT2LMHeadModel"], "n_embd": 128, "n_head": 4, "n_layer": 2}))
+    assert main(["preflight", str(GRPO), *CPU, f"model.hf_dir={gpt2}"]) == 1
+    out = capsys.readouterr().out
+    (line,) = _problem_lines(out)
+    assert line.startswith(f"ERROR [model] model.hf_dir='{gpt2}': {gpt2 / 'config.json'}: "
+                           "architectures=['GPT2LMHeadModel']: unsupported; supported: ")
+    assert all(arch in line for arch in ARCHITECTURES)
+    assert "Traceback" not in out
+
+
+def test_two_config_errors_are_both_listed(capsys):
+    """Two independent invalid fields (two components): both listed, each naming its field."""
+    assert main(["preflight", str(GRPO), "actor.tp=0", "rollout.engines=0"]) == 1
+    out = capsys.readouterr().out
+    assert "2 error(s)" in out
+    assert _problem_lines(out) == ["ERROR [config] actor.tp=0: must be >= 1",
+                                   "ERROR [config] rollout.engines=0: must be >= 1"]
+
+
+BAD_YAML = "model:\n  preset: tiny\n actor: [\n"  # line 3, column 2: off its mapping
+
+
+@pytest.mark.parametrize("command", ["preflight", "plan-memory", "explain"])
+def test_yaml_syntax_error_is_one_line(tmp_path, capsys, command):
+    path = tmp_path / "run.yaml"
+    path.write_text(BAD_YAML)
+    assert main([command, str(path)]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    (line,) = captured.err.splitlines()
+    assert line.startswith(f"mcore-rl {command}: config error: {path}:3:2: expected "), line
+    assert "Traceback" not in captured.err and "<unicode string>" not in captured.err
+
+
+def _tokenizer_model_dir(path: Path) -> Path:
+    """An HF directory with the addition task's tokenizer (one token per character, plus BOS)
+    and a config.json of its vocabulary: the run's tokenizer, on this machine."""
+    from mcore_rl.tasks.tokenizer import build_tokenizer_dir
+
+    build_tokenizer_dir(path)
+    config = {"architectures": ["LlamaForCausalLM"], "hidden_size": 128,
+              "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "num_hidden_layers": 2, "vocab_size": 16, "max_position_embeddings": 512}
+    (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
+def _limit_prompts_to(tokens: int) -> list[str]:
+    """Overrides limiting prompts to `tokens`: max_prompt_tokens where RLConfig has it, else
+    the engines' context less max_new_tokens."""
+    import dataclasses
+
+    if "max_prompt_tokens" in {f.name for f in dataclasses.fields(RLConfig)}:
+        return [f"max_prompt_tokens={tokens}"]
+    return ["max_new_tokens=5", f"rollout.max_model_len={tokens + 5}"]
+
+
+def test_prompt_lengths_are_measured_with_the_runs_tokenizer(tmp_path, capsys):
+    """JSONL and tokenizer here: the prompts are tokenized as the engines get them; their
+    length distribution is a note, and prompts over the limit an error (task.overlong_prompts
+    "error", the default) naming how many."""
+    hf = _tokenizer_model_dir(tmp_path / "m")
+    data = tmp_path / "d.jsonl"
+    prompts = ["1+2=", "12+34=", "123+456=", "1234+5678="]  # 5, 7, 9, 11 tokens with BOS
+    data.write_text("".join(json.dumps({"question": q, "answer": "0"}) + "\n"
+                            for q in prompts))
+    run = _jsonl_run(tmp_path, hf, data)
+    assert main(["preflight", str(GRPO), *run, *_limit_prompts_to(11)]) == 0
+    out = capsys.readouterr().out
+    assert "note  [prompt-length] task.path: 4 prompts, tokens min 5 / median 9 / p99 11 / " \
+           "max 11" in out
+    assert main(["preflight", str(GRPO), *run, *_limit_prompts_to(8)]) == 1
+    (line,) = _problem_lines(capsys.readouterr().out)
+    assert line.startswith("ERROR [prompt-length] task.path: 2 of 4 prompts are longer than ")
+    assert "(the first: prompt 3, 9 tokens; the longest 11)" in line
+
+
+def test_overlong_prompts_filter_is_a_warning_with_the_count(tmp_path):
+    from mcore_rl.trainer.preflight import prompt_length_problems
+
+    hf = _tokenizer_model_dir(tmp_path / "m")
+    cfg = load_config(RLConfig, GRPO, _jsonl_run(tmp_path, hf, tmp_path / "d.jsonl")
+                      + _limit_prompts_to(6))
+    prompts = ["1+2=", "12+34=", "123+456="]
+    assert [p.severity for p in prompt_length_problems(cfg, "path", prompts)] == [
+        "note", "error"]
+    # task.overlong_prompts is being added to TaskConfig: set it on the loaded config
+    object.__setattr__(cfg.task, "overlong_prompts", "filter")
+    note, warning = prompt_length_problems(cfg, "path", prompts)
+    assert warning.severity == "warning"
+    assert warning.message.endswith("task.overlong_prompts=filter drops these 2")
