@@ -85,21 +85,31 @@ def _run_bench(args, name: str, make_config, run, module) -> int:
     last line."""
     from mcore_rl.bench.report import write_outputs
 
+    from mcore_rl.config import CONFIG_ERROR_EXIT
+
     try:
         cfg = make_config(args)
     except (ValueError, KeyError, OSError, ImportError) as err:  # ConfigError: a ValueError
-        print(f"mcore-rl bench {name}: {err}", file=sys.stderr)
-        return 2
+        return _refuse(name, err)
     try:
         report = run(cfg)
     except (ValueError, KeyError) as err:  # e.g. an unknown model or a bad config file
         print(f"mcore-rl bench {name}: {err}", file=sys.stderr)
-        return 2
+        return CONFIG_ERROR_EXIT
     print("\n".join(module.summary_lines(report)))
     if args.out:
         write_outputs(args.out, name, report, module.tables(report), module.chart(report))
     print(json.dumps(report, default=str))
     return 0
+
+
+def _refuse(name: str, err: Exception) -> int:
+    """A benchmark whose config does not load: one line on stderr, CONFIG_ERROR_EXIT."""
+    from mcore_rl.config import CONFIG_ERROR_EXIT, ConfigError
+
+    what = "config error: " if isinstance(err, ConfigError) else ""
+    print(f"mcore-rl bench {name}: {what}{err}", file=sys.stderr)
+    return CONFIG_ERROR_EXIT
 
 
 def run_logprob(args) -> int:
@@ -146,8 +156,7 @@ def run_sync(args) -> int:
         cfg = bench_config(SyncBenchConfig, args)
         report = plan_only_report(cfg) if cfg.plan_only else run_sync_bench(cfg)
     except (ValueError, KeyError, OSError) as err:
-        print(f"mcore-rl bench sync: {err}", file=sys.stderr)
-        return 2
+        return _refuse("sync", err)
     from mcore_rl.launch.slurm import is_primary
 
     if is_primary():  # under srun every task gets the report; one prints and writes it

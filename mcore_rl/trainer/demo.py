@@ -13,11 +13,12 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+import sys
 import time
 from pathlib import Path
 
 from mcore_rl.config.seeds import derive_seed
-from mcore_rl.config import ConfigError, load_config
+from mcore_rl.config import CONFIG_ERROR_EXIT, ConfigError, load_config
 from mcore_rl.launch.logs import add_verbose_argument, set_verbose
 from mcore_rl.trainer import checkpoint_store
 
@@ -162,8 +163,9 @@ def _preflight(cfg, out: Path, resume: str | Path) -> Path | None:
     converted checkpoint) before anything moves; with "auto", the found checkpoint too."""
     from mcore_rl.trainer.preflight import check_run
 
-    for warning in check_run(cfg):
-        print(f"preflight warning [{warning.check}] {warning.message} (fix: {warning.fix})")
+    for said in check_run(cfg):  # warnings and notes
+        fix = "vs" if said.severity == "note" else "fix"
+        print(f"preflight {said.severity} [{said.check}] {said.message} ({fix}: {said.fix})")
     explicit = None if str(resume) in ("auto", "never") else Path(resume)
     check_layer_spec_here(cfg, explicit)
     checkpoint = start_point(out, resume)
@@ -312,16 +314,21 @@ def _config_path(args) -> Path:
 
 
 def _run(args) -> int:
+    """Exit 0 when the run completes; on a config error (the file, a field, a preflight
+    problem, a --resume that cannot be used) its message on stderr and CONFIG_ERROR_EXIT."""
     from mcore_rl.trainer.rl_config import RLConfig
 
     if args.verbose:  # before Ray starts: workers inherit it (as they do MCORE_RL_VERBOSE=1)
         set_verbose(True)
 
+    def refuse(message: str) -> int:
+        print(f"mcore-rl {args.command}: {message}", file=sys.stderr, flush=True)
+        return CONFIG_ERROR_EXIT
+
     try:
         cfg = load_config(RLConfig, _config_path(args), args.overrides)
     except ConfigError as err:
-        print(f"mcore-rl {args.command}: config error: {err}")
-        return 2
+        return refuse(f"config error: {err}")
     from mcore_rl.launch.watchdog import WatchdogTimeout, WorkerDied
     from mcore_rl.trainer.preflight import PreflightFailed
 
@@ -335,17 +342,14 @@ def _run(args) -> int:
         print(f"mcore-rl {args.command}: {stopped}", flush=True)
         return STOP_EXIT_CODE
     except CheckpointNotFound as err:
-        print(f"mcore-rl {args.command}: --resume: {err}")
-        return 2
+        return refuse(f"--resume: {err}")
     except CheckpointWriteError as err:
         print(f"mcore-rl {args.command}: checkpoint error: {err}")
         return 4
     except ConfigError as err:  # e.g. model.hf_dir that is not a checkpoint
-        print(f"mcore-rl {args.command}: config error: {err}")
-        return 2
+        return refuse(f"config error: {err}")
     except PreflightFailed as err:
-        print(f"mcore-rl {args.command}: {err}")
-        return 2
+        return refuse(str(err))
     except (WatchdogTimeout, WorkerDied, EngineFailed) as err:  # a hang or a dead worker
         print(f"mcore-rl {args.command}: {err}")
         return 3

@@ -66,8 +66,8 @@ def test_train_cli_refuses_before_any_worker(tmp_path):
                            str(tmp_path / "old" / "checkpoints")],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2, proc.stdout + proc.stderr
-    assert "config error: --resume=" in proc.stdout
-    assert "layer_spec='te'" in proc.stdout and "layer_spec='local'" in proc.stdout
+    assert "config error: --resume=" in proc.stderr
+    assert "layer_spec='te'" in proc.stderr and "layer_spec='local'" in proc.stderr
     assert not (out / "stacks").exists() and not (out / "model").exists()
 
 

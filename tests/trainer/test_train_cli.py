@@ -1,6 +1,7 @@
-"""`mcore-rl train` refuses a broken config before any worker starts: a bad value at load
-(named field), a combination only the preflight sees (every problem listed, named as in the
-config), and a GPU config whose checkpoint is not on this machine (checked, then refused)."""
+"""`mcore-rl train` refuses a broken config before any worker starts, on stderr with exit 2
+(`CONFIG_ERROR_EXIT`, as every command): a file that is not YAML (one line, file:line:col), a
+bad value at load (named field), a combination only the preflight sees (every problem listed,
+named as in the config), and a GPU config whose checkpoint is not on this machine."""
 
 import subprocess
 import sys
@@ -18,9 +19,9 @@ def run_train(tmp_path, *overrides, config="configs/grpo_addition.yaml"):
 def test_preflight_stops_a_bad_run_before_any_worker(tmp_path):
     proc, _ = run_train(tmp_path, "rollout.tp=3", "actor.tp=4")
     assert proc.returncode == 2, proc.stdout + proc.stderr
-    assert "rollout: vLLM tp=3 does not divide num_attention_heads=4" in proc.stdout
-    assert "actor.tp=4: does not divide num_key_value_heads=2" in proc.stdout
-    assert "fix: actor.tp one of 1, 2" in proc.stdout
+    assert "rollout: vLLM tp=3 does not divide num_attention_heads=4" in proc.stderr
+    assert "actor.tp=4: does not divide num_key_value_heads=2" in proc.stderr
+    assert "fix: actor.tp one of 1, 2" in proc.stderr
     assert not (tmp_path / "stacks").exists() and not (tmp_path / "metrics.jsonl").exists()
     assert not (tmp_path / "model").exists()  # refused before the demo model is built
 
@@ -31,13 +32,13 @@ def test_train_refuses_devices_that_cannot_run_it(tmp_path):
     proc, _ = run_train(tmp_path, "cluster.device=cpu", "cluster.gpus_per_node=3",
                         "cluster.sync_backend=nccl", config="configs/tiny_ci.yaml")
     assert proc.returncode == 2, proc.stdout + proc.stderr
-    assert "[sync-backend] cluster.sync_backend=nccl, but the run resolves to cpu" in proc.stdout
+    assert "[sync-backend] cluster.sync_backend=nccl, but the run resolves to cpu" in proc.stderr
     proc, _ = run_train(tmp_path, "cluster.device=cpu", "cluster.placement=colocated",
                         "cluster.gpus_per_node=2", "rollout.enable_sleep=true",
                         "rollout.engines=3", config="configs/tiny_ci.yaml")
     assert proc.returncode == 2, proc.stdout + proc.stderr
-    assert "[placement] cluster.placement=colocated: rollout.engines=3" in proc.stdout
-    assert "fix: rollout.engines=2" in proc.stdout
+    assert "[placement] cluster.placement=colocated: rollout.engines=3" in proc.stderr
+    assert "fix: rollout.engines=2" in proc.stderr
     assert not (tmp_path / "stacks").exists() and not (tmp_path / "model").exists()
 
 
@@ -45,7 +46,7 @@ def test_bad_value_names_the_field(tmp_path):
     proc, _ = run_train(tmp_path, "updates_per_batch=3")
     assert proc.returncode == 2
     assert "updates_per_batch=3: must divide prompts_per_step*samples_per_prompt=256" \
-        in proc.stdout
+        in proc.stderr
 
 
 def _jsonl(path, rows):
@@ -55,14 +56,16 @@ def _jsonl(path, rows):
     return path
 
 
-def test_gpu_config_passes_preflight_then_needs_its_checkpoint(tmp_path):
+def test_gpu_config_without_its_checkpoint_is_refused_by_preflight(tmp_path):
+    """Sized for its 8 GPUs there is nothing wrong with it but the missing checkpoint, which
+    preflight names (the run reads it here)."""
     data = _jsonl(tmp_path / "gsm8k.jsonl", [{"question": "1+1?", "answer": "#### 2"}])
     proc, _ = run_train(tmp_path / "run", f"task.path={data}", f"task.heldout_path={data}",
                         config="configs/gpu/llama3-8b.yaml")
     assert proc.returncode == 2, proc.stdout + proc.stderr
-    assert "preflight" not in proc.stdout  # sized for its 8 GPUs: no problem, no warning
-    assert "model.hf_dir='/models/Meta-Llama-3-8B-Instruct': expected an HF checkpoint " \
-           "directory" in proc.stdout
+    assert "1 error(s)" in proc.stderr
+    assert "ERROR [model-dir] model.hf_dir=/models/Meta-Llama-3-8B-Instruct: no such " \
+           "directory on this machine" in proc.stderr
 
 
 def test_train_on_a_jsonl_dataset_with_an_hf_checkpoint(tmp_path):
@@ -116,7 +119,7 @@ def test_dataset_problems_stop_train_before_any_worker(tmp_path):
     missing = tmp_path / "nope.jsonl"
     proc, _ = run_train(tmp_path / "run", *jsonl, f"task.path={missing}")
     assert proc.returncode == 2, proc.stdout + proc.stderr
-    assert f"ERROR [dataset] task.path: {missing}: no such file" in proc.stdout
+    assert f"ERROR [dataset] task.path: {missing}: no such file" in proc.stderr
     assert "Traceback" not in proc.stdout + proc.stderr
     data = _jsonl(tmp_path / "d.jsonl", [{"question": "1+1?", "answer": "2"},
                                           {"prompt": "2+2?", "answer": "4"}])
@@ -124,8 +127,24 @@ def test_dataset_problems_stop_train_before_any_worker(tmp_path):
                         f"task.heldout_path={missing}")
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert (f"ERROR [dataset] task.prompt_key='question' (task.path): {data}:2: missing key "
-            "'question' (has: answer, prompt)") in proc.stdout
-    assert f"ERROR [dataset] task.heldout_path: {missing}: no such file" in proc.stdout
+            "'question' (has: answer, prompt)") in proc.stderr
+    assert f"ERROR [dataset] task.heldout_path: {missing}: no such file" in proc.stderr
     assert "Traceback" not in proc.stdout + proc.stderr
     assert not (tmp_path / "run" / "stacks").exists()
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_yaml_syntax_error_is_one_line_on_stderr(tmp_path):
+    """A config that is not YAML: one line `file:line:col: problem`, no traceback, exit 2 —
+    for `train` and `demo --config` alike."""
+    bad = tmp_path / "run.yaml"
+    bad.write_text("model:\n  preset: tiny\n actor: [\n")
+    for command in ("train", "demo"):
+        proc = subprocess.run([sys.executable, "-m", "mcore_rl.cli", command, "--config",
+                               str(bad), "--out", str(tmp_path / "run")],
+                              capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 2, proc.stdout + proc.stderr
+        assert proc.stdout == ""
+        (line,) = proc.stderr.splitlines()
+        assert line.startswith(f"mcore-rl {command}: config error: {bad}:3:2: expected "), line
+        assert not (tmp_path / "run").exists()
