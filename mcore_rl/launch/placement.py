@@ -93,19 +93,22 @@ def plan_placement(*, actor_world: int, engine_tp: int, engines: int, devices_pe
     return PlacementPlan(placement, devices_per_node, actor, engine_slots)
 
 
-def restrict_visible_devices(local_devices: list[int]) -> str | None:
-    """Narrow CUDA_VISIBLE_DEVICES to these local devices (indices into what the node
-    exposes) before CUDA starts in this process; returns the new value. No-op without CUDA
-    devices on the node (CPU runs)."""
-    import torch
+# Ray leaves CUDA_VISIBLE_DEVICES alone in an actor started with this set (vLLM's Ray executor
+# sets it for the same reason): we narrow it ourselves, from the placement plan.
+RAY_NOSET_VISIBLE_DEVICES = {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}
 
+
+def restrict_visible_devices(local_devices: list[int]) -> str:
+    """Narrow CUDA_VISIBLE_DEVICES to these local devices (indices into what the node
+    exposes: the physical slots of the placement plan); returns the new value. Call it only
+    on a run resolved to cuda, before anything in this process touches CUDA: it reads the
+    environment alone — asking torch how many devices there are would initialize CUDA, which
+    then never sees the narrowed set (every engine after the node's first would address
+    devices that are not its own). Unset means the node exposes its devices 0..n-1."""
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if visible is None:
-        if not torch.cuda.is_available():
-            return None
-        visible = ",".join(str(i) for i in range(torch.cuda.device_count()))
-    ids = [v for v in visible.split(",") if v.strip()]
-    if any(d >= len(ids) for d in local_devices):
+    ids = ([v.strip() for v in visible.split(",") if v.strip()] if visible is not None
+           else [str(d) for d in range(max(local_devices, default=-1) + 1)])
+    if any(d < 0 or d >= len(ids) for d in local_devices):
         raise RuntimeError(f"local devices {local_devices} not all among this node's visible "
                            f"devices {ids}")
     os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(ids[d] for d in local_devices)
@@ -125,6 +128,7 @@ class RayPlacement:
         from ray.util.placement_group import placement_group
 
         self.plan = plan
+        self.gpu = gpu  # engines narrow CUDA_VISIBLE_DEVICES to their slots only on GPU
         bundles = []
         for node in range(plan.nodes):
             engines_here = sum(plan.engine_node(e) == node for e in range(len(plan.engines)))

@@ -85,8 +85,9 @@ class EngineHost:
     def __init__(self, model_dir: str, cfg: RolloutConfig, index: int,
                  stack_dir: str | None = None, inject_stall: str | None = None,
                  devices: list[int] | None = None, *, call_timeout_s: float, seed: int = 0):
-        """devices: this engine's TP devices (local indices on its node, from the run's
-        placement plan); CUDA_VISIBLE_DEVICES is narrowed to them before vLLM starts."""
+        """devices: this engine's TP devices on GPU (the physical slots on its node, from the
+        run's placement plan; None on CPU); CUDA_VISIBLE_DEVICES is narrowed to them before
+        anything here touches CUDA, so vLLM's TP rank t then computes on cuda:t."""
         if stack_dir:  # the controller's watchdog asks for stacks with SIGUSR1
             configure_process_logs(Path(stack_dir).parent, f"engine{index}")
             self._stack_file = arm_stack_dump(stack_dir, f"engine{index}")
@@ -227,12 +228,18 @@ class RayEngines:
 
     def _start(self, i: int):
         """Engine i's actor, in its slot of the placement plan (node bundle, TP devices)."""
-        options, devices = {}, None
+        options, devices, env = {}, None, {}
         if self._placement is not None:
             options = self._placement.options_for_node(self._placement.plan.engine_node(i))
-            devices = [slot.device for slot in self._placement.plan.engines[i]]
+            if self._placement.gpu:  # its physical slots: CUDA_VISIBLE_DEVICES, set by us
+                from mcore_rl.launch.placement import RAY_NOSET_VISIBLE_DEVICES
+
+                devices = [slot.device for slot in self._placement.plan.engines[i]]
+                env.update(RAY_NOSET_VISIBLE_DEVICES)
         if self.cfg.in_process_threads is not None:  # RolloutEngine sets the count
-            options["runtime_env"] = {"env_vars": dict(IDLE_THREADS_SLEEP)}
+            env.update(IDLE_THREADS_SLEEP)
+        if env:
+            options["runtime_env"] = {"env_vars": env}
         model_dir, stack_dir, inject_stall = self._args
         return self._host_cls.options(**options).remote(model_dir, self.cfg, i, stack_dir,
                                                         inject_stall, devices,

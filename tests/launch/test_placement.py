@@ -60,3 +60,45 @@ def test_shipped_gpu_configs_place_on_their_nodes(name):
     expected = cfg.actor.world_size + (0 if cfg.cluster.placement == "colocated"
                                        else cfg.rollout.tp * cfg.rollout.engines)
     assert len(devices) == expected  # no device holds two ranks of one role
+
+
+@pytest.mark.parametrize("visible,slots,narrowed", [
+    (None, [2, 3], "2,3"),          # the node exposes 0..n-1: the slots are the ids
+    ("4,5,6,7", [2, 3], "6,7"),     # already narrowed (e.g. by SLURM): index into it
+    ("GPU-a,GPU-b", [1], "GPU-b"),  # UUIDs pass through
+])
+def test_visible_devices_are_narrowed_before_cuda_starts(monkeypatch, visible, slots, narrowed):
+    """C1: narrowing CUDA_VISIBLE_DEVICES after anything in the process asked torch about CUDA
+    is too late (the CUDA runtime read the variable already). The narrowing reads the
+    environment alone: any torch.cuda query here fails the test."""
+    import torch
+
+    from mcore_rl.launch.placement import restrict_visible_devices
+
+    def cuda_touched(*args, **kwargs):
+        raise AssertionError("torch.cuda was queried before CUDA_VISIBLE_DEVICES was narrowed")
+
+    for name in ("is_available", "device_count", "init", "_lazy_init", "current_device"):
+        monkeypatch.setattr(torch.cuda, name, cuda_touched)
+    if visible is None:
+        monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    else:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+    assert restrict_visible_devices(slots) == narrowed
+    assert __import__("os").environ["CUDA_VISIBLE_DEVICES"] == narrowed
+
+
+def test_engines_on_gpu_keep_ray_off_their_visible_devices():
+    """Ray must not rewrite CUDA_VISIBLE_DEVICES in an engine actor we narrow ourselves (vLLM
+    sets the same variable in its Ray executor)."""
+    from mcore_rl.launch.placement import RAY_NOSET_VISIBLE_DEVICES
+
+    assert RAY_NOSET_VISIBLE_DEVICES == {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}
+
+
+def test_narrowing_refuses_slots_the_node_does_not_expose(monkeypatch):
+    from mcore_rl.launch.placement import restrict_visible_devices
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    with pytest.raises(RuntimeError, match=r"local devices \[2\] not all among"):
+        restrict_visible_devices([2])
