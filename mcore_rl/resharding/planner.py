@@ -2,8 +2,10 @@
 
 `build_plan(src, dst)` intersects every destination piece with the source pieces of the same
 HF tensor. Source replicas (DP copies, TP-replicated norms, the tied output-layer copy) hold
-identical regions; each region is taken from the least-loaded replica so sends spread over
-them, and each destination rank gets each region once — so a training rank never sends the
+identical regions; each region is taken from a replica on the destination's own node when one
+holds it (`nodes`: a same-node pair can use CUDA IPC / NVLink, a cross-node one only the
+network), and among those from the least-loaded so sends spread over them; each destination
+rank gets each region once — so a training rank never sends the
 same bytes to one engine twice. Transfers are cut to fit buckets and packed into rounds in
 which no rank sends or receives more than `bucket_bytes`: that bounds every rank's staging
 memory. No process group, no tensors: a 70B plan needs only shapes, and every rank builds the
@@ -23,6 +25,7 @@ from __future__ import annotations
 import hashlib
 from collections import defaultdict
 from dataclasses import dataclass, field
+from typing import Sequence
 
 from mcore_rl.layouts.layout import (Box, ShardMap, box_numel, intersect, translate)
 
@@ -122,8 +125,11 @@ class Plan:
 
 
 def build_plan(src: ShardMap, dst: ShardMap, *, bucket_bytes: int = 64 << 20,
-               element_size: int = 4) -> Plan:
+               element_size: int = 4, nodes: Sequence[int] | None = None) -> Plan:
     """Plan the transfers that give every destination rank exactly its pieces.
+
+    nodes: the node of every sync rank (sources, then destinations: the resolved run's
+    `sync_nodes()`); a region goes from a same-node replica when one holds it. None: one node.
 
     Raises PlanError if the families differ, an HF tensor's shape disagrees between the two
     sides, or a destination region is held by no source rank.
@@ -132,6 +138,9 @@ def build_plan(src: ShardMap, dst: ShardMap, *, bucket_bytes: int = 64 << 20,
     if bucket_bytes < element_size:
         raise PlanError(f"bucket_bytes={bucket_bytes} cannot hold one element")
     num_src = len(src.ranks)
+    if nodes is not None and len(nodes) != num_src + len(dst.ranks):
+        raise PlanError(f"nodes names {len(nodes)} sync ranks but the plan has "
+                        f"{num_src} + {len(dst.ranks)}")
     by_hf = _index_sources(src)
     load: dict[int, int] = defaultdict(int)
     transfers: list[Transfer] = []
@@ -144,8 +153,8 @@ def build_plan(src: ShardMap, dst: ShardMap, *, bucket_bytes: int = 64 << 20,
             for piece in local.pieces:
                 for region, holders in _regions(by_hf, piece.hf_name, piece.hf_box, key,
                                                 dst.label(d)):
-                    s, s_key, s_local_box, s_hf_box = min(
-                        holders, key=lambda h: (load[h[0]], h[0]))
+                    s, s_key, s_local_box, s_hf_box = min(holders, key=lambda h: (
+                        nodes is not None and nodes[h[0]] != nodes[sync_d], load[h[0]], h[0]))
                     load[s] += box_numel(region) * element_size
                     transfers.append(Transfer(
                         s, s_key, translate(region, s_hf_box, s_local_box),
