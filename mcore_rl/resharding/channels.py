@@ -7,10 +7,17 @@ choices come from the `SyncGroupSpec` (backend, per-engine transports — the re
 and the rank's device (the resolved run's `actor_devices` / `engine_devices`); nothing here
 asks torch what hardware there is.
 
+Transports are per (source, destination) pair (`SyncGroupSpec.pair_transport`): the
+destination engine's, except that IPC never crosses a node — a colocated engine gets what its
+own node holds through CUDA IPC and the rest over the sync group. A rank whose peers use both
+drives them through one `RoutedCopy`, round by round.
+
 Groups: `bulk` is the sync group (gloo / NCCL) that p2p messages travel on; `control` is a
 gloo group for IPC handles and signals — the bulk group itself when that is gloo. When every
-engine is colocated (all "ipc") no bytes use the bulk group, so it is built as gloo whatever
-the backend: NCCL would refuse the colocated ranks (two ranks of a group on one device).
+engine is colocated on one node (`SyncGroupSpec.all_ipc`) no bytes use the bulk group, so it
+is built as gloo whatever the backend: NCCL would refuse the colocated ranks (two ranks of a
+group on one device) in a collective. On more nodes the bulk group carries the cross-node
+pairs, whose point-to-point communicators never hold two ranks of one device.
 """
 
 from __future__ import annotations
@@ -25,21 +32,23 @@ from mcore_rl.resharding.copy_service import CopyService, P2PCopy
 from mcore_rl.resharding.host_memory import ReceivePool
 from mcore_rl.resharding.ipc_copy import IpcCopy
 from mcore_rl.resharding.planner import Plan
+from mcore_rl.resharding.routed_copy import RoutedCopy
 from mcore_rl.resharding.schedule import ScheduleCache
 from mcore_rl.resharding.sync_group import SyncGroupSpec, join_control_group, join_sync_group
 from mcore_rl.resharding.transport import SyncStats, receive_shards, send_shards, verify_plan
 
 
 def engine_transport(spec: SyncGroupSpec, plan: Plan, dst_sync_rank: int) -> str:
-    """How inference sync rank `dst_sync_rank` receives: its engine's transport (engines are
-    numbered engine-major after the training ranks, all with the same TP)."""
-    if not spec.transports:
-        return "p2p"
-    per_engine, left = divmod(plan.num_dst, len(spec.transports))
-    if left:
-        raise ValueError(f"SyncGroupSpec.transports names {len(spec.transports)} engines but "
-                         f"the plan has {plan.num_dst} inference ranks")
-    return spec.transports[(dst_sync_rank - plan.num_src) // per_engine]
+    """How inference sync rank `dst_sync_rank`'s engine receives from its own node (engines
+    are numbered engine-major after the training ranks, all with the same TP)."""
+    return spec.engine_transport(plan, dst_sync_rank)
+
+
+def pair_transport(spec: SyncGroupSpec, plan: Plan, src_sync_rank: int,
+                   dst_sync_rank: int) -> str:
+    """How the transfers of one (source, destination) pair move: the engine's transport, but
+    never IPC across nodes (`SyncGroupSpec.pair_transport`)."""
+    return spec.pair_transport(plan, src_sync_rank, dst_sync_rank)
 
 
 @dataclass
@@ -64,7 +73,7 @@ class SyncChannels:
              store: dist.Store | None = None) -> "SyncChannels":
         """Join as sync rank `rank` (blocks until every rank has joined). device: this rank's
         device ("cpu" or "cuda:<local index>")."""
-        if spec.transports and all(t == "ipc" for t in spec.transports):
+        if spec.all_ipc:
             spec = replace(spec, backend="gloo")
         bulk = join_sync_group(spec, rank, store)
         control = join_control_group(spec, rank, bulk, store)
@@ -103,9 +112,22 @@ class SyncChannels:
         happened in (its staging goes; the group is torn down after a failed sync)."""
         by_transport: dict[str, set[int]] = {}
         for dst in range(plan.num_src, plan.world_size):
-            by_transport.setdefault(engine_transport(self.spec, plan, dst), set()).add(dst)
+            by_transport.setdefault(self.spec.pair_transport(plan, self.rank, dst),
+                                    set()).add(dst)
+        used = sorted(t for t, peers in by_transport.items()
+                      if any(self._schedules.get(plan, self.rank, sending=True,
+                                                 peers=peers).rounds))
+        if len(used) > 1:  # both kinds of peers: one round-ordered pass through both
+            route = {dst: t for t, peers in by_transport.items() for dst in peers}
+            schedule = self._schedules.get(plan, self.rank, sending=True)
+            copy = self._routed(used, route)
+            stats = self._guarded_all(used, lambda: send_shards(
+                plan, self.bulk, self.rank, tensors, dtype=dtype, timeout_s=timeout_s,
+                copy=copy, schedule=schedule))
+            return {**stats.as_dict(),
+                    **{f"bytes_sent_{t}": copy.sub_stats[t].bytes_sent for t in used}}
         total, out = SyncStats(), {}
-        for transport in sorted(by_transport):  # any order is deadlock-free: disjoint receivers
+        for transport in sorted(by_transport):  # one kind of peer per round-ordered pass
             peers = by_transport[transport]
             schedule = self._schedules.get(plan, self.rank, sending=True, peers=peers)
             stats = self._guarded(transport, lambda copy: send_shards(
@@ -117,22 +139,53 @@ class SyncChannels:
                 setattr(total, name, getattr(total, name) + getattr(stats, name))
         return {**total.as_dict(), **out}
 
-    def receive(self, plan: Plan, transport: str, *, dtype: torch.dtype, timeout_s: float,
-                stats: SyncStats | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-        """This inference rank's shards, by its engine's `transport`, on this rank's device.
+    def receive(self, plan: Plan, transport: str | None = None, *, dtype: torch.dtype,
+                timeout_s: float, stats: SyncStats | None = None
+                ) -> Iterator[tuple[str, torch.Tensor]]:
+        """This inference rank's shards, each source pair by its transport
+        (`SyncGroupSpec.pair_transport`: the engine's, p2p from other nodes), on this rank's
+        device. transport: the engine's transport as the caller knows it (checked against the
+        spec's; None: the spec's).
         Host shards are assembled in the memory the previous receive used
         (`host_memory.ReceivePool`): what this yields is valid until the next `receive` —
         copy what you keep (the vLLM installer copies into the engine's parameters)."""
-        copy = self.service(transport)
+        engine = self.spec.engine_transport(plan, self.rank)
+        if transport is not None and transport != engine:
+            raise ValueError(f"sync rank {self.rank}: receive by {transport!r}, but its engine's "
+                             f"transport is {engine!r}")
+        route = {src: self.spec.pair_transport(plan, src, self.rank)
+                 for src in range(plan.num_src)}
+        schedule = self._schedules.get(plan, self.rank, sending=False)
+        used = sorted({route[src] for msgs in schedule.rounds for src, _ in msgs})
+        if len(used) > 1:
+            copy, drop = self._routed(used, route), used
+        else:
+            copy, drop = self.service(used[0] if used else engine), used or [engine]
         try:
             yield from receive_shards(
                 plan, self.bulk, self.rank, dtype=dtype, timeout_s=timeout_s, stats=stats,
-                device=self.device, copy=copy,
-                schedule=self._schedules.get(plan, self.rank, sending=False),
-                pool=self._receive_pool)
+                device=self.device, copy=copy, schedule=schedule, pool=self._receive_pool)
         except BaseException:
-            self._drop(transport)
+            for name in drop:
+                self._drop(name)
             self._receive_pool.clear()  # a half-received sync: start over on fresh memory
+            raise
+
+    def transports_used(self, plan: Plan) -> list[str]:
+        """The transports this inference rank receives by in `plan` (sorted)."""
+        schedule = self._schedules.get(plan, self.rank, sending=False)
+        return sorted({self.spec.pair_transport(plan, src, self.rank)
+                       for msgs in schedule.rounds for src, _ in msgs})
+
+    def _routed(self, transports: list[str], route: dict[int, str]) -> RoutedCopy:
+        return RoutedCopy({t: self.service(t) for t in transports}, route.__getitem__)
+
+    def _guarded_all(self, transports: list[str], run):
+        try:
+            return run()
+        except BaseException:
+            for transport in transports:
+                self._drop(transport)
             raise
 
     def _guarded(self, transport: str, run):
@@ -157,4 +210,4 @@ class SyncChannels:
         self.bulk.shutdown()
 
 
-__all__ = ["SyncChannels", "engine_transport"]
+__all__ = ["SyncChannels", "engine_transport", "pair_transport"]

@@ -27,6 +27,9 @@ class SyncGroupSpec:
     staging buffers, colocated ranks; the resolved run's `transports`); empty: all p2p. With
     any "ipc" on a non-gloo group every rank also joins a gloo control group
     (`join_control_group`).
+    nodes: the node of every sync rank (the resolved run's `sync_nodes`); empty: one node.
+    An "ipc" engine receives by IPC only from sources on its own node (`pair_transport`):
+    a staging buffer's handle cannot be opened on another node.
     """
 
     host: str
@@ -36,12 +39,43 @@ class SyncGroupSpec:
     timeout_s: float = 120.0
     backend: str = "gloo"
     transports: tuple[str, ...] = ()
+    nodes: tuple[int, ...] = ()
 
     def __post_init__(self):
         bad = [t for t in self.transports if t not in ("p2p", "ipc")]
         if bad:
             raise ValueError(f"SyncGroupSpec.transports: {bad} — expected 'p2p' or 'ipc' per "
                              "engine")
+
+        if self.nodes and len(self.nodes) != self.world_size:
+            raise ValueError(f"SyncGroupSpec.nodes: {len(self.nodes)} nodes for a world of "
+                             f"{self.world_size} sync ranks")
+
+    def engine_transport(self, plan, dst_sync_rank: int) -> str:
+        """How inference sync rank `dst_sync_rank`'s engine receives (engines are numbered
+        engine-major after the training ranks, all with the same TP)."""
+        if not self.transports:
+            return "p2p"
+        per_engine, left = divmod(plan.num_dst, len(self.transports))
+        if left:
+            raise ValueError(f"SyncGroupSpec.transports names {len(self.transports)} engines "
+                             f"but the plan has {plan.num_dst} inference ranks")
+        return self.transports[(dst_sync_rank - plan.num_src) // per_engine]
+
+    def pair_transport(self, plan, src_sync_rank: int, dst_sync_rank: int) -> str:
+        """How the transfers from `src_sync_rank` to `dst_sync_rank` move: the destination
+        engine's transport, except that IPC never crosses a node (such a pair goes p2p)."""
+        transport = self.engine_transport(plan, dst_sync_rank)
+        if transport == "ipc" and self.nodes and \
+                self.nodes[src_sync_rank] != self.nodes[dst_sync_rank]:
+            return "p2p"
+        return transport
+
+    @property
+    def all_ipc(self) -> bool:
+        """No byte travels on the sync group: every engine colocated, all on one node."""
+        return bool(self.transports) and all(t == "ipc" for t in self.transports) and \
+            len(set(self.nodes)) <= 1
 
     @property
     def needs_control_group(self) -> bool:
@@ -92,7 +126,8 @@ def sync_group_spec(run, *, host: str, port: int, prefix: str, timeout_s: float,
     never re-derived here."""
     world = len(run.actor_devices) + sum(len(e) for e in run.engine_devices[:engines])
     return SyncGroupSpec(host, port, prefix, world, timeout_s, backend=run.sync_backend,
-                         transports=tuple(run.transports)[:engines])
+                         transports=tuple(run.transports)[:engines],
+                         nodes=run.sync_nodes(engines))
 
 
 def join_control_group(spec: SyncGroupSpec, rank: int, bulk: dist.ProcessGroup,

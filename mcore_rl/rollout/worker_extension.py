@@ -159,6 +159,22 @@ def _dtype(name: str) -> torch.dtype:
     return dtype
 
 
+def worker_device(resolved: str, held, tp_rank: int) -> str:
+    """The device a vLLM worker assembles shards on: the one it holds itself (`Worker.device`,
+    vLLM's cuda:<local rank> within the engine's narrowed CUDA_VISIBLE_DEVICES), which must be
+    the resolved run's `engine_devices[e][tp_rank]`. A disagreement (a run that addresses the
+    node's physical device index, or a CPU run on a CUDA worker) raises naming both."""
+    want = torch.device(resolved)
+    have = torch.device(held) if held is not None else torch.device("cpu")
+    if want.type == "cuda" and want.index is None:
+        want = torch.device("cuda", 0)
+    if want != have:
+        raise RuntimeError(f"engine TP rank {tp_rank}: the resolved run gives it {resolved}, "
+                           f"but vLLM's worker holds {have} — the plan and the process's "
+                           "visible devices disagree")
+    return str(have)
+
+
 class WorkerExtension:
     """Methods added to every vLLM worker. Attribute names are prefixed `_mrl_` so they never
     clash with vLLM's worker attributes (vLLM refuses to start if a method name does)."""
@@ -171,15 +187,18 @@ class WorkerExtension:
                               devices: tuple[str, ...] | None = None) -> dict:
         """Start joining the sync group as sync rank `first_sync_rank + self.rank` in a
         background thread (it blocks until every rank has joined); return at once.
-        devices: this engine's per-TP-rank devices (the resolved run's `engine_devices[e]`;
-        None: "cpu") — where shards are assembled and IPC buffers mapped."""
+        devices: this engine's per-TP-rank devices (the resolved run's `engine_devices[e]`:
+        process-local, "cuda:t" for TP rank t; None: "cpu") — where shards are assembled and
+        IPC buffers mapped. The device used is the one vLLM's worker holds, checked against
+        the resolved one (`worker_device`)."""
         from mcore_rl.resharding.channels import SyncChannels
 
         if getattr(self, "_mrl_sync", None) is not None:
             raise RuntimeError("already in a sync group (leave_sync_group first)")
         state: dict[str, Any] = {"sync_rank": first_sync_rank + self.rank, "group": None,
                                  "error": None}
-        device = devices[self.rank] if devices else "cpu"
+        device = worker_device(devices[self.rank] if devices else "cpu",
+                               getattr(self, "device", None), self.rank)
 
         def join() -> None:
             try:
@@ -260,7 +279,8 @@ class WorkerExtension:
         return {"sync_rank": sync_rank, "names": names, "seconds": seconds,
                 "install_seconds": seconds - waiting[0],
                 "bytes_received": stats.bytes_received,
-                "peak_extra_bytes": stats.peak_extra_bytes, "transport": transport}
+                "peak_extra_bytes": stats.peak_extra_bytes, "transport": transport,
+                "transports": group.transports_used(plan)}
 
     @never_raise
     def install_tensors(self, items: list[tuple[str, torch.Tensor]]) -> dict:
@@ -271,4 +291,4 @@ class WorkerExtension:
 
 
 __all__ = ["WorkerExtension", "install_from_iterator", "logical_shape", "never_raise",
-           "rank_shapes"]
+           "rank_shapes", "worker_device"]

@@ -38,7 +38,8 @@ class WeightSync:
         engines = vllm_shards(self.spec, cfg.rollout.tp, self.engines.num_engines,
                               expert_parallel=self.run.expert_parallel)
         self.plan = build_plan(actor, engines, bucket_bytes=int(cfg.sync_bucket_mb * (1 << 20)),
-                               element_size=torch_dtype(cfg.wire_dtype).itemsize)
+                               element_size=torch_dtype(cfg.wire_dtype).itemsize,
+                               nodes=self.run.sync_nodes(self.engines.num_engines))
         self._plan_sender = PlanSender(self.plan)
 
     def _join_sync_group(self) -> None:

@@ -25,9 +25,10 @@ def test_cpu_config_resolves_to_gloo_local_p2p():
 def test_local_cluster_assumed_gpu_resolves_to_nccl_te():
     run = resolve_run(_load(CONFIGS / "tiny_ci.yaml"), assume_gpu=True, cuda_available=False)
     assert (run.device, run.layer_spec, run.sync_backend) == ("cuda", "te", "nccl")
-    # disaggregated on one node: every rank its own device
-    devices = list(run.actor_devices) + [d for e in run.engine_devices for d in e]
-    assert len(set(devices)) == len(devices)
+    # disaggregated on one node: every rank its own device (engines: their physical slots)
+    slots = [s.device for s in run.placement.actor] + [
+        d for e in run.engine_visible_devices for d in e]
+    assert len(set(slots)) == len(slots)
 
 
 @pytest.mark.parametrize("name,transport", [("llama3-70b", "p2p"), ("llama3-8b", "ipc")])
@@ -67,3 +68,75 @@ def test_vllm_expert_parallel_is_resolved_on_gpu_and_refused_on_cpu():
                                           r"cpu: .*cpu_moe.py.*no expert-map argument"):
         resolve_run(_load(CONFIGS / "demo_moe.yaml", "rollout.expert_parallel=true"),
                     cuda_available=False)
+
+
+# the GPU configs, and a 2-node colocated 70B plan (each engine on one node, the actor's
+# pipeline stages on both)
+GPU_RUNS = [(p.name, ()) for p in sorted((CONFIGS / "gpu").glob("*.yaml"))] + [
+    ("llama3-70b.yaml", ("cluster.nodes=2", "cluster.placement=colocated", "actor.pp=2",
+                         "rollout.engines=2", "rollout.enable_sleep=true"))]
+
+
+@pytest.mark.parametrize("name,overrides", GPU_RUNS)
+def test_engine_workers_get_process_local_devices(name, overrides):
+    """B1: an engine narrows CUDA_VISIBLE_DEVICES to its physical slots, so inside it TP rank
+    t is cuda:t (vLLM's worker device, vllm/v1/worker/gpu_worker.py). The resolved run hands
+    every engine worker cuda:0..tp-1 and keeps the physical slots for the narrowing — an
+    engine worker given cuda:<node slot> fails with "invalid device ordinal" on every engine
+    after a node's first."""
+    run = resolve_run(_load(CONFIGS / "gpu" / name, *overrides), cuda_available=False)
+    for e, (slots, devices) in enumerate(zip(run.placement.engines, run.engine_devices)):
+        assert list(devices) == [f"cuda:{t}" for t in range(len(slots))], (e, devices)
+    from mcore_rl.rollout.worker_extension import worker_device
+
+    for slots, devices, visible in zip(run.placement.engines, run.engine_devices,
+                                       run.engine_visible_devices):
+        assert list(visible) == [s.device for s in slots]
+        for t, device in enumerate(devices):  # what vLLM's TP rank t holds in that process
+            assert worker_device(device, f"cuda:{t}", t) == f"cuda:{t}"
+    # actor ranks see their node's devices: their slot
+    assert list(run.actor_devices) == [f"cuda:{s.device}" for s in run.placement.actor]
+    summary = run.summary()
+    assert summary["engine_visible_devices"] == [list(v) for v in run.engine_visible_devices]
+
+
+def test_worker_device_refuses_a_resolved_device_it_does_not_hold():
+    from mcore_rl.rollout.worker_extension import worker_device
+
+    assert worker_device("cpu", None, 0) == "cpu"
+    with pytest.raises(RuntimeError, match=r"gives it cuda:2, but vLLM's worker holds cuda:0"):
+        worker_device("cuda:2", "cuda:0", 0)
+    with pytest.raises(RuntimeError, match=r"gives it cpu, but vLLM's worker holds cuda:0"):
+        worker_device("cpu", "cuda:0", 0)
+
+
+@pytest.mark.parametrize("name,overrides", GPU_RUNS)
+def test_ipc_never_crosses_a_node(name, overrides):
+    """B2: an "ipc" engine receives by IPC only from its own node; the rest of what it needs
+    comes over the network, and a same-node replica is taken whenever one holds a region.
+    On the audit's figures: qwen3-30b-a3b 114 of 228 GiB and the 2-node 70B 131 of 263 GiB
+    came from the other node through IPC handles that cannot be opened there."""
+    from mcore_rl.planning.sized import resolve_model
+    from mcore_rl.planning.sync_traffic import sync_plan, sync_traffic
+    from mcore_rl.resharding.sync_group import sync_group_spec
+
+    cfg = _load(CONFIGS / "gpu" / name, *overrides)
+    run = resolve_run(cfg, cuda_available=False)
+    plan = sync_plan(cfg, run, resolve_model(cfg.model.planning_model()))
+    spec = sync_group_spec(run, host="", port=0, prefix="", timeout_s=1.0)
+    nodes = run.sync_nodes()
+    pairs = {(t.src_rank, t.dst_rank) for rnd in plan.rounds for t in rnd}
+    for src, dst in pairs:
+        if spec.pair_transport(plan, src, dst) == "ipc":
+            assert nodes[src] == nodes[dst], (src, dst)
+    traffic = sync_traffic(run, plan)
+    assert traffic["cross_node_ipc_bytes"] == 0
+    total = sum(plan.bytes_received().values())
+    assert traffic["ipc_bytes"] + traffic["p2p_bytes"] == total
+    if "ipc" in run.transports:
+        assert traffic["ipc_bytes"] > 0
+    if len(set(nodes)) == 1:
+        assert traffic["network_bytes"] == 0
+    if name == "qwen3-30b-a3b.yaml" or overrides:  # colocated on 2 nodes: half of it can
+        # only come from the other node's pipeline stage — over the network now
+        assert traffic["network_bytes"] == traffic["p2p_bytes"] > 0

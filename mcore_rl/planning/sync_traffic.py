@@ -1,0 +1,86 @@
+"""What one weight sync of a resolved run moves, by engine and transport: the real plan (the
+one `trainer.weight_sync` builds: the actor's layout, the engines', the run's node of every
+sync rank) walked with the transport rule the channels obey (`SyncGroupSpec.pair_transport`:
+an engine's IPC only from its own node). `mcore-rl explain` prints it; nothing is started.
+
+Per engine: `ipc_bytes` (CUDA IPC / shared memory), `p2p_bytes` (the sync group), and of
+those `network_bytes` (from another node). `cross_node_ipc_bytes`: IPC bytes whose source is
+on another node — 0 by construction (such a handle could not be opened there); reported so a
+regression shows.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from mcore_rl.models.spec import ModelSpec
+    from mcore_rl.planning.resolve import ResolvedRun
+    from mcore_rl.resharding.planner import Plan
+    from mcore_rl.trainer.rl_config import RLConfig
+
+
+def sync_plan(cfg: "RLConfig", run: "ResolvedRun", spec: "ModelSpec") -> "Plan":
+    """The plan of one sync to every engine, as the controller builds it."""
+    from mcore_rl.config.dtypes import torch_dtype
+    from mcore_rl.layouts import megatron_shards, vllm_shards
+    from mcore_rl.resharding import build_plan
+
+    actor = megatron_shards(spec, cfg.actor, layer_spec=run.layer_spec)
+    engines = vllm_shards(spec, cfg.rollout.tp, len(run.engine_devices),
+                          expert_parallel=run.expert_parallel)
+    return build_plan(actor, engines, bucket_bytes=int(cfg.sync_bucket_mb * (1 << 20)),
+                      element_size=torch_dtype(cfg.wire_dtype).itemsize,
+                      nodes=run.sync_nodes())
+
+
+def sync_traffic(run: "ResolvedRun", plan: "Plan") -> dict:
+    """Bytes per engine and transport of `plan` under `run`'s transports and nodes (module
+    docstring), as plain JSON values."""
+    from mcore_rl.resharding.sync_group import sync_group_spec
+
+    spec = sync_group_spec(run, host="", port=0, prefix="", timeout_s=1.0)
+    nodes, tp = run.sync_nodes(), max(1, plan.num_dst // max(1, len(run.engine_devices)))
+    engines = [{"ipc_bytes": 0, "p2p_bytes": 0, "network_bytes": 0}
+               for _ in run.engine_devices]
+    pairs: dict[tuple[int, int], str] = {}
+    cross_node_ipc = 0
+    for rnd in plan.rounds:
+        for t in rnd:
+            pair = (t.src_rank, t.dst_rank)
+            if pair not in pairs:
+                pairs[pair] = spec.pair_transport(plan, *pair)
+            nbytes = t.numel * plan.element_size
+            cross = nodes[t.src_rank] != nodes[t.dst_rank]
+            row = engines[(t.dst_rank - plan.num_src) // tp]
+            if pairs[pair] == "ipc":
+                row["ipc_bytes"] += nbytes
+                cross_node_ipc += nbytes * cross
+            else:
+                row["p2p_bytes"] += nbytes
+                row["network_bytes"] += nbytes * cross
+    return {"engines": engines, "cross_node_ipc_bytes": cross_node_ipc,
+            "ipc_bytes": sum(e["ipc_bytes"] for e in engines),
+            "p2p_bytes": sum(e["p2p_bytes"] for e in engines),
+            "network_bytes": sum(e["network_bytes"] for e in engines)}
+
+
+def explain_traffic(cfg: "RLConfig", run: "ResolvedRun") -> dict:
+    """The keys `mcore-rl explain` adds to its JSON: `sync_traffic` (per engine and in all)
+    and `cross_node_ipc_bytes`; both None, with `sync_traffic_error`, when the model cannot be
+    sized here (no preset and no config.json) or the layouts do not connect."""
+    from mcore_rl.config import ConfigError
+    from mcore_rl.layouts.shards import LayoutError
+    from mcore_rl.planning.sized import resolve_model
+    from mcore_rl.resharding.planner import PlanError
+
+    try:
+        spec = resolve_model(cfg.model.planning_model(), "model.hf_dir")
+        traffic = sync_traffic(run, sync_plan(cfg, run, spec))
+    except (ConfigError, LayoutError, PlanError) as err:
+        return {"sync_traffic": None, "cross_node_ipc_bytes": None,
+                "sync_traffic_error": str(err)}
+    return {"sync_traffic": traffic, "cross_node_ipc_bytes": traffic["cross_node_ipc_bytes"]}
+
+
+__all__ = ["explain_traffic", "sync_plan", "sync_traffic"]
