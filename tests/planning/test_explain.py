@@ -44,6 +44,14 @@ def test_explain_prints_the_resolved_run(no_cuda, capsys, name, assume_gpu, laye
     device = "cuda" if layer_spec == "te" else "cpu"
     assert summary["device"] == device
     assert all(d.startswith(device) for d in summary["actor_devices"])
+    # one sync's bytes per engine by transport, from the real plan: IPC never crosses a node
+    traffic = summary["sync_traffic"]
+    assert summary["cross_node_ipc_bytes"] == traffic["cross_node_ipc_bytes"] == 0
+    assert len(traffic["engines"]) == len(transports)
+    for engine, transport in zip(traffic["engines"], transports):
+        assert engine["ipc_bytes" if transport == "ipc" else "p2p_bytes"] > 0
+        if transport == "p2p":
+            assert engine["ipc_bytes"] == 0
     # the table says the same
     assert f"sync backend │ {backend}" in out and f"layer spec   │ {layer_spec}" in out
     assert out.count(f"│ {transports[0]} (") == len(transports)
@@ -56,6 +64,13 @@ def test_explain_overrides_and_bad_input(no_cuda, capsys):
                  "rollout.enable_sleep=false"]) == 0
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert summary["transports"] == ["p2p"] * 4 and summary["nodes"] == 2
+    # colocated on two nodes: what the other node holds comes over the network, never IPC
+    a3b = str(CONFIGS / "gpu" / "qwen3-30b-a3b.yaml")
+    assert main(["explain", a3b, "--assume-gpu"]) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    traffic = summary["sync_traffic"]
+    assert summary["cross_node_ipc_bytes"] == 0 and traffic["network_bytes"] > 0
+    assert all(e["ipc_bytes"] > 0 and e["network_bytes"] > 0 for e in traffic["engines"])
     assert main(["explain", l8, "rollout.engines=8"]) == 2  # 16 engine ranks on 8 devices
     assert "rollout.engines=8: colocated placement" in capsys.readouterr().err
 
