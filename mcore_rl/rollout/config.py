@@ -29,7 +29,9 @@ class RolloutConfig:
         weights); until then the engines already in the group generate every batch. Seeds
         follow the global prompt index, so the samples do not depend on how many engines
         share them. Not with partial_chunk_tokens (generations in flight live in the engines).
-    max_model_len: prompt + response tokens per sequence.
+    max_model_len: prompt + response tokens per sequence; null: an RL run derives it
+        (`RLConfig`: max_prompt_tokens + max_new_tokens, or a multi-turn episode's
+        max_total_tokens); a standalone engine needs it set.
     max_num_seqs: sequences batched per step (vLLM's default when None).
     max_num_batched_tokens: tokens scheduled per engine step, which sizes vLLM's activation peak
         (vLLM's default when None: it depends on the device, see
@@ -84,7 +86,7 @@ class RolloutConfig:
     tp: int = 1
     engines: int = 1
     startup_engines: int | None = None
-    max_model_len: int = 1024
+    max_model_len: int | None = None
     max_num_seqs: int | None = None
     max_num_batched_tokens: int | None = None
     block_size: int | None = None
@@ -134,9 +136,12 @@ class RolloutConfig:
         return {"sync": 0, "one_step": 1}.get(self.mode, self.max_staleness)
 
     def __post_init__(self) -> None:
-        for name in ("tp", "engines", "max_model_len"):
+        for name in ("tp", "engines"):
             if getattr(self, name) < 1:
                 raise ConfigError(name, getattr(self, name), "must be >= 1")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ConfigError("max_model_len", self.max_model_len,
+                              "must be null (derived by the RL run) or >= 1")
         if self.startup_engines is not None and not 1 <= self.startup_engines <= self.engines:
             raise ConfigError("startup_engines", self.startup_engines,
                               f"must be in [1, engines={self.engines}] (or null: all engines "
@@ -148,7 +153,7 @@ class RolloutConfig:
                               "engines across syncs: set startup_engines to null")
         if self.max_num_seqs is not None and self.max_num_seqs < 1:
             raise ConfigError("max_num_seqs", self.max_num_seqs, "must be >= 1 (or null)")
-        if self.max_num_batched_tokens is not None and \
+        if self.max_num_batched_tokens is not None and self.max_model_len is not None and \
                 self.max_num_batched_tokens < self.max_model_len:
             raise ConfigError("max_num_batched_tokens", self.max_num_batched_tokens,
                               f"must be >= max_model_len={self.max_model_len} (or null)")

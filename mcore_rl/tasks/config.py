@@ -41,6 +41,11 @@ class TaskConfig:
         mcore_rl.envs.tool_env:calculator_env; null: the kind's default (tool_calc: that
         calculator environment; addition and jsonl: single-turn).
     episode: bounds of a multi-turn episode (turns, total tokens; see EpisodeConfig).
+    overlong_prompts: what a prompt longer than the run's max_prompt_tokens (after
+        tokenization, chat template included) does: "error" (the run stops, naming the row and
+        its token count) or "filter" (jsonl: the row is dropped when the run starts, and the
+        rows dropped are reported in every step's metrics as `prompts/filtered_overlong`).
+        Never cut.
     """
 
     kind: Literal["addition", "jsonl", "tool_calc"] = "addition"
@@ -53,6 +58,7 @@ class TaskConfig:
     reward_fn: str | None = None
     env: str | None = None
     episode: EpisodeConfig = field(default_factory=EpisodeConfig)
+    overlong_prompts: Literal["error", "filter"] = "error"
 
     def __post_init__(self) -> None:
         if self.kind in ("addition", "tool_calc"):
@@ -70,6 +76,9 @@ class TaskConfig:
             if self.chat_template:
                 raise ConfigError("chat_template", True, f"the {self.kind} task's "
                                   "sentencepiece tokenizer has no chat template")
+            if self.overlong_prompts == "filter":
+                raise ConfigError("overlong_prompts", "filter", f"drops rows of a jsonl "
+                                  f"dataset; the {self.kind} task's prompts are generated")
         elif not self.path:
             raise ConfigError("path", self.path, 'kind "jsonl" needs a JSONL file')
         if not self.prompt_key or not self.answer_key or self.prompt_key == self.answer_key:

@@ -21,13 +21,14 @@ from mcore_rl.parallel.config import ParallelConfig
 class OptimizerConfig:
     """Adam (decoupled weight decay, as megatron-core's `adam`) with gradient clipping.
 
-    lr / min_lr: peak and floor learning rate; warmup_steps: linear warm-up from 0 to lr;
+    lr / min_lr: peak and floor learning rate (the default lr, 1e-6, is an RL actor's for a
+    1-70B model, as verl's and NeMo-RL's); warmup_steps: linear warm-up from 0 to lr;
     decay: after warm-up, "constant" or "cosine" down to min_lr over decay_steps.
     clip_grad: clip the global gradient norm to this.
     Weight decay skips biases and norms (megatron's default).
     """
 
-    lr: float = 1e-3
+    lr: float = 1e-6
     min_lr: float = 0.0
     warmup_steps: int = 0
     decay: Literal["constant", "cosine"] = "constant"
@@ -64,6 +65,11 @@ class TrainConfig:
     Per step and data-parallel rank: num_micro_batches micro batches of micro_batch_size
     sequences of seq_len tokens (global batch = dp * num_micro_batches * micro_batch_size).
     The loss is the mean over all loss-masked tokens of the global batch.
+    micro_batch_size / seq_len: null = derived by the run that owns this config (an RL run,
+    `RLConfig`: seq_len from max_prompt_tokens + max_new_tokens, micro_batch_size from the
+    sequences each DP rank gets per update); a standalone step (`train-lm`) needs both set.
+    num_micro_batches: `train-lm`'s micro batches per step; an RL run splits each DP rank's
+    rows by micro_batch_size instead.
     dtype: "float32", or "bfloat16" (bf16 weights and activations, fp32 main weights, grads
     reduced in fp32); "fp32"/"bf16" are accepted (`mcore_rl.config.dtypes`).
     (megatron's weight init and RNG tracker are seeded by the run's seed, stream "train":
@@ -85,9 +91,9 @@ class TrainConfig:
     moe_aux_loss_coeff: MoE load-balancing aux loss weight; 0 = off (the loss is the LM loss).
     """
 
-    micro_batch_size: int = 4
-    num_micro_batches: int = 2
-    seq_len: int = 32
+    micro_batch_size: int | None = None
+    num_micro_batches: int = 1
+    seq_len: int | None = None
     dtype: DtypeName = "float32"
     recompute: Literal["none", "selective", "full"] = "none"
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
@@ -104,15 +110,17 @@ class TrainConfig:
             raise ConfigError("moe_dispatcher", self.moe_dispatcher, "allgather or alltoall")
         if self.moe_aux_loss_coeff < 0:
             raise ConfigError("moe_aux_loss_coeff", self.moe_aux_loss_coeff, "must be >= 0")
-        for name in ("micro_batch_size", "num_micro_batches", "seq_len"):
-            if getattr(self, name) < 1:
-                raise ConfigError(name, getattr(self, name), "must be >= 1")
+        if self.num_micro_batches < 1:
+            raise ConfigError("num_micro_batches", self.num_micro_batches, "must be >= 1")
+        for name in ("micro_batch_size", "seq_len"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ConfigError(name, getattr(self, name), "must be null (derived) or >= 1")
         if self.forward_micro_batch_size is not None and self.forward_micro_batch_size < 1:
             raise ConfigError("forward_micro_batch_size", self.forward_micro_batch_size,
                               "must be null or >= 1")
         budget = self.max_tokens_per_micro_batch
         if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int)
-                                   or budget < self.seq_len):
+                                   or budget < (self.seq_len or 1)):
             raise ConfigError("max_tokens_per_micro_batch", budget,
                               f"must be null or an int >= seq_len={self.seq_len} (a whole "
                               "row must fit in one micro batch)")
@@ -137,14 +145,14 @@ def check_model_fits_parallel(spec: ModelSpec, parallel: ParallelConfig,
     if spec.is_moe and tp > 1 and not parallel.sequence_parallel:
         raise ConfigError("parallel.sequence_parallel", False, "training a mixture-of-experts "
                           "model at tp > 1 needs it (megatron-core's MoELayer refuses otherwise)")
-    if parallel.sequence_parallel and train.seq_len % tp:
+    if parallel.sequence_parallel and train.seq_len is not None and train.seq_len % tp:
         raise ConfigError("train.seq_len", train.seq_len,
                           f"sequence_parallel needs it divisible by parallel.tp={tp}")
     budget = train.max_tokens_per_micro_batch
     if parallel.sequence_parallel and budget is not None and budget % tp:
         raise ConfigError("train.max_tokens_per_micro_batch", budget,
                           f"sequence_parallel needs it divisible by parallel.tp={tp}")
-    if train.seq_len > spec.max_positions:
+    if train.seq_len is not None and train.seq_len > spec.max_positions:
         raise ConfigError("train.seq_len", train.seq_len,
                           f"exceeds the model's max_position_embeddings={spec.max_positions}")
     if parallel.vpp is not None and train.num_micro_batches % parallel.pp:

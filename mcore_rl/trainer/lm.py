@@ -25,7 +25,7 @@ from mcore_rl.config.seeds import USE_THE_RUN_SEED, derive_seed
 from mcore_rl.config import ConfigError, load_config, to_dict
 from mcore_rl.models.presets import PRESETS, get_preset
 from mcore_rl.parallel.config import ParallelConfig
-from mcore_rl.trainer.config import TrainConfig, check_model_fits_parallel
+from mcore_rl.trainer.config import OptimizerConfig, TrainConfig, check_model_fits_parallel
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -38,7 +38,10 @@ class LMRunConfig:
     steps: int = 30
     seed: int = 0
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
-    train: TrainConfig = field(default_factory=TrainConfig)
+    # train-lm derives nothing: its own batch shape and learning rate
+    train: TrainConfig = field(default_factory=lambda: TrainConfig(
+        micro_batch_size=4, num_micro_batches=2, seq_len=32,
+        optimizer=OptimizerConfig(lr=1e-3)))
 
     MOVED: ClassVar[dict[str, str]] = {"task_seed": USE_THE_RUN_SEED.format(stream="data")}
 
@@ -50,6 +53,9 @@ class LMRunConfig:
                                                    f"{', '.join(sorted(PRESETS))}")
         if self.steps < 1:
             raise ConfigError("steps", self.steps, "must be >= 1")
+        for name in ("micro_batch_size", "seq_len"):
+            if getattr(self.train, name) is None:
+                raise ConfigError(f"train.{name}", None, "train-lm needs it set (>= 1)")
         check_model_fits_parallel(get_preset(self.model), self.parallel, self.train)
 
 

@@ -112,27 +112,51 @@ class ModelConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class WarmupConfig:
-    """Supervised warm-up on noisy labels (each answer digit replaced with probability
-    `label_noise`) until greedy accuracy on `eval_prompts` held-out prompts reaches
-    `target_accuracy` (checked every `eval_every` steps) or `max_steps` pass."""
+    """Supervised warm-up on the task's targets, off unless `max_steps` > 0: steps of
+    `batch_size` examples (each answer digit replaced with probability `label_noise`) until
+    accuracy on `eval_prompts` held-out prompts reaches `target_accuracy` (checked every
+    `eval_every` steps) or `max_steps` pass.
+    eval_temperature: the temperature of that held-out evaluation (0: greedy). RL learns only
+        from groups whose samples differ in reward: a warm-up meant to start RL should stop on
+        the accuracy RL will sample (at its `temperature`). Greedy accuracy can be high while
+        sampled answers are almost all wrong; a step's gradient then comes from one or two
+        rewarded samples, which Adam still turns into a full-size step.
+    train: its optimizer and micro batches; seq_len and micro_batch_size null are derived
+    (the RL rows' seq_len; the rule of `derived_micro_batch` on batch_size / actor.dp rows).
+    """
 
     batch_size: int = 64
-    label_noise: float = 0.4
+    label_noise: float = 0.0
     target_accuracy: float = 0.7
-    max_steps: int = 1500
+    eval_temperature: float = 0.0
+    max_steps: int = 0
     eval_every: int = 50
     eval_prompts: int = 256
-    # one micro batch per step: each costs a schedule iteration and its TP all-reduces, more
-    # than the arithmetic of these tiny rows (measured: warm-up ~16 % shorter than 2 × 32)
-    train: TrainConfig = field(default_factory=lambda: TrainConfig(
-        micro_batch_size=64, num_micro_batches=1, seq_len=11,
-        optimizer=OptimizerConfig(lr=1e-3, warmup_steps=50, weight_decay=0.01)))
+    train: TrainConfig = field(default_factory=TrainConfig)
 
     def __post_init__(self) -> None:
         if not 0 <= self.label_noise < 1:
             raise ConfigError("label_noise", self.label_noise, "must be in [0, 1)")
         if self.max_steps < 0:
             raise ConfigError("max_steps", self.max_steps, "must be >= 0")
+        if self.eval_temperature < 0:
+            raise ConfigError("eval_temperature", self.eval_temperature, "must be >= 0")
+        if self.batch_size < 1:
+            raise ConfigError("batch_size", self.batch_size, "must be >= 1")
+
+
+# A derived micro batch holds at most this many tokens (rows x seq_len; verl's
+# ppo_max_token_len_per_gpu default): small rows get one micro batch per update, long ones
+# fewer rows per micro batch.
+DERIVED_MICRO_BATCH_TOKENS = 16384
+
+
+def derived_micro_batch(rows: int, seq_len: int) -> int:
+    """The micro batch size a null `micro_batch_size` resolves to: the largest divisor of
+    `rows` (the sequences each DP rank gets per update) whose rows hold at most
+    DERIVED_MICRO_BATCH_TOKENS tokens; at least 1."""
+    cap = max(1, DERIVED_MICRO_BATCH_TOKENS // seq_len)
+    return max(d for d in range(1, min(rows, cap) + 1) if rows % d == 0)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -185,13 +209,24 @@ class RLConfig:
         the model alone, task.reward_fn "mcore_rl.tasks.base:no_reward"). It must share the
         policy's tokenizer.
     cluster: the allocation preflight sizes the run for (default: this machine).
-    actor: the actor's Megatron grid. warmup: supervised warm-up (0 max_steps skips it).
+    The defaults are a real run's (a 1-70B model, as verl's ppo_trainer.yaml and NeMo-RL's
+    grpo_math_1B.yaml); the demos' small values are written in their YAMLs (configs/).
+    actor: the actor's Megatron grid. warmup: supervised warm-up (off: max_steps 0).
     train: the RL optimizer (a fresh one after warm-up) and micro batch size.
     critic_train: the critic's optimizer and micro batch size (advantage_estimator "gae").
     rollout: vLLM engines. algorithm: advantages and loss.
     steps: RL steps. prompts_per_step x samples_per_prompt sequences per step.
     updates_per_batch: optimizer steps (mini-batches x epochs) per generated batch.
+    max_prompt_tokens: the longest prompt, in tokens after tokenization (chat template
+        included); a longer one is an error or dropped (task.overlong_prompts).
     temperature / max_new_tokens: sampling. sync_bucket_mb: weight-sync bucket.
+    Lengths are declared once, here: `sample_tokens` is max_prompt_tokens + max_new_tokens
+    (a multi-turn task: task.episode.max_total_tokens). rollout.max_model_len null is
+    derived as sample_tokens, train.seq_len null (and warmup's, critic_train's) as
+    sample_tokens - 1 (a row holds seq_len + 1 tokens: inputs and the last label; rounded up
+    to a multiple of actor.tp under sequence parallelism); an explicit one too small for a
+    sample is refused. Micro batch sizes null are derived (`derived_micro_batch`) from the sequences
+    each DP rank gets per update. The loaded config holds the resolved values.
     sync_dtype: the weight sync's wire dtype — "auto" (bfloat16 when rollout.dtype is
         bfloat16, else float32), "float32" or "bfloat16" (half the bytes; the engines install
         the rounded weights into their own dtype); "fp32"/"bf16" are accepted.
@@ -208,28 +243,25 @@ class RLConfig:
         train 1234, engine 0.
     """
 
-    actor: ParallelConfig = field(default_factory=lambda: ParallelConfig(tp=2))
+    actor: ParallelConfig = field(default_factory=ParallelConfig)
     warmup: WarmupConfig = field(default_factory=WarmupConfig)
-    train: TrainConfig = field(default_factory=lambda: TrainConfig(
-        micro_batch_size=128, num_micro_batches=1, seq_len=11, forward_micro_batch_size=256,
-        optimizer=OptimizerConfig(lr=5e-4, clip_grad=1.0)))
+    train: TrainConfig = field(default_factory=TrainConfig)
+    # the critic learns faster than the policy (verl's critic lr)
     critic_train: TrainConfig = field(default_factory=lambda: TrainConfig(
-        micro_batch_size=64, num_micro_batches=1, seq_len=11,
-        optimizer=OptimizerConfig(lr=1e-3, clip_grad=1.0)))
-    rollout: RolloutConfig = field(default_factory=lambda: RolloutConfig(
-        tp=1, engines=1, max_model_len=64))
-    algorithm: AlgorithmConfig = field(default_factory=lambda: AlgorithmConfig(
-        clip_eps_low=0.2, clip_eps_high=0.2, clip_c=None, grpo_eps=1e-4))
+        optimizer=OptimizerConfig(lr=1e-5)))
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     task: TaskConfig = field(default_factory=TaskConfig)
     reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
-    steps: int = 100
+    steps: int = 200
     prompts_per_step: int = 32
     samples_per_prompt: int = 8
-    updates_per_batch: int = 2
+    updates_per_batch: int = 1
     temperature: float = 1.0
-    max_new_tokens: int = 5
+    max_prompt_tokens: int = 1024
+    max_new_tokens: int = 1024
     sync_bucket_mb: float = 16.0
     sync_dtype: Literal["auto"] | DtypeName = "auto"
     deadlines: DeadlineConfig = field(default_factory=DeadlineConfig)
@@ -268,6 +300,81 @@ class RLConfig:
         if self.sync_dtype != "auto":
             return self.sync_dtype
         return "bfloat16" if self.rollout.dtype == "bfloat16" else "float32"
+
+    @property
+    def sample_tokens(self) -> int:
+        """The most tokens one sample holds: max_prompt_tokens + max_new_tokens, or a
+        multi-turn task's task.episode.max_total_tokens (prompt and every turn)."""
+        if self.task.multi_turn:
+            return self.task.episode.max_total_tokens
+        return self.max_prompt_tokens + self.max_new_tokens
+
+    def _resolve_lengths(self) -> int:
+        """train.seq_len and rollout.max_model_len: null ones derived from `sample_tokens`,
+        explicit ones checked against it (multi-turn: `_check_episode_fits`). Returns the
+        resolved seq_len (the rows of every role)."""
+        import dataclasses
+
+        need = self.sample_tokens
+        if self.task.multi_turn and self.max_prompt_tokens >= need:
+            raise ConfigError("max_prompt_tokens", self.max_prompt_tokens,
+                              f"must leave room for a model token in task.episode."
+                              f"max_total_tokens={need}")
+        what = (f"max_prompt_tokens + max_new_tokens = {self.max_prompt_tokens} + "
+                f"{self.max_new_tokens} = {need}")
+        seq_len = self.train.seq_len
+        if seq_len is None:  # a row holds seq_len + 1 tokens: the inputs and the last label
+            tp = self.actor.tp if self.actor.sequence_parallel else 1
+            seq_len = -(-(need - 1) // tp) * tp
+        elif seq_len + 1 < need and not self.task.multi_turn:
+            raise ConfigError("train.seq_len", seq_len,
+                              f"rows of seq_len + 1 = {seq_len + 1} tokens cannot hold a sample "
+                              f"of {what} tokens: set train.seq_len >= {need - 1} (or null: "
+                              "derived)")
+        max_model_len = self.rollout.max_model_len
+        if max_model_len is None:
+            max_model_len = need
+        elif max_model_len < need and not self.task.multi_turn:
+            raise ConfigError("rollout.max_model_len", max_model_len,
+                              f"the engines cannot hold a sample of {what} tokens: set "
+                              f"rollout.max_model_len >= {need} (or null: derived)")
+        if max_model_len != self.rollout.max_model_len:
+            try:
+                rollout = dataclasses.replace(self.rollout, max_model_len=max_model_len)
+            except ConfigError as err:
+                raise err.under("rollout") from None
+            object.__setattr__(self, "rollout", rollout)
+        return seq_len
+
+    def _resolve_train(self, role: str, train: TrainConfig, *, rows: int,
+                       seq_len: int) -> TrainConfig:
+        """`train` with a null seq_len set to the run's and a null micro_batch_size derived
+        for `rows` sequences per DP rank (`derived_micro_batch`)."""
+        import dataclasses
+
+        seq_len = train.seq_len or seq_len
+        mbs = train.micro_batch_size or derived_micro_batch(rows, seq_len)
+        if (train.seq_len, train.micro_batch_size) == (seq_len, mbs):
+            return train
+        try:
+            return dataclasses.replace(train, seq_len=seq_len, micro_batch_size=mbs)
+        except ConfigError as err:
+            raise err.under(role) from None
+
+    def _resolve_sizes(self, per_dp: int) -> None:
+        """Every derived length and micro batch size, resolved once (the loaded config holds
+        them; workers, planning and benches read plain values)."""
+        import dataclasses
+
+        seq_len = self._resolve_lengths()
+        object.__setattr__(self, "train", self._resolve_train(
+            "train", self.train, rows=per_dp, seq_len=seq_len))
+        object.__setattr__(self, "critic_train", self._resolve_train(
+            "critic_train", self.critic_train, rows=per_dp, seq_len=seq_len))
+        warm = self._resolve_train("warmup.train", self.warmup.train, seq_len=seq_len,
+                                   rows=max(1, self.warmup.batch_size // self.actor.dp))
+        if warm is not self.warmup.train:
+            object.__setattr__(self, "warmup", dataclasses.replace(self.warmup, train=warm))
 
     def _check_episode_fits(self) -> None:
         """A whole episode must fit the trainer's rows and the engines' context."""
@@ -308,7 +415,7 @@ class RLConfig:
         if self.sync_dtype != "auto":
             normalize_dtype_fields(self, "sync_dtype", allowed=("float32", "bfloat16"))
         for name in ("steps", "prompts_per_step", "samples_per_prompt", "updates_per_batch",
-                     "max_new_tokens"):
+                     "max_prompt_tokens", "max_new_tokens"):
             if getattr(self, name) < 1:
                 raise ConfigError(name, getattr(self, name), "must be >= 1")
         if self.off_policy_steps is not None:
@@ -321,6 +428,7 @@ class RLConfig:
         if per_dp < 1:
             raise ConfigError("updates_per_batch", self.updates_per_batch,
                               f"leaves no sequences for each of actor.dp={self.actor.dp} ranks")
+        self._resolve_sizes(per_dp)
         if self.warmup.max_steps and not self.task.has_targets:
             raise ConfigError("warmup.max_steps", self.warmup.max_steps,
                               f"task.kind={self.task.kind} has no supervised targets: set 0")

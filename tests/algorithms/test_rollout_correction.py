@@ -9,6 +9,7 @@ import torch
 from mcore_rl.algorithms import (RolloutCorrectionConfig, correction_weights, mis_mask,
                                  policy_loss, tis_weights)
 from mcore_rl.config import ConfigError, load_config
+from tests.trainer import DEMO_SIZED
 
 
 def t(rows):
@@ -95,6 +96,6 @@ def test_bad_config_names_the_field(override, field, problem):
     from mcore_rl.trainer.rl_config import RLConfig
 
     with pytest.raises(ConfigError) as err:
-        load_config(RLConfig, None, [f"algorithm.rollout_correction.{override}"])
+        load_config(RLConfig, DEMO_SIZED, [f"algorithm.rollout_correction.{override}"])
     assert err.value.field == f"algorithm.rollout_correction.{field}"
     assert problem in str(err.value)

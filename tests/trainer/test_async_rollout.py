@@ -15,6 +15,7 @@ from mcore_rl.rollout.engine import RolloutError
 from mcore_rl.trainer.async_rollout import RolloutPipeline
 from mcore_rl.trainer.metrics import PhaseTimer
 from mcore_rl.trainer.rl_config import RLConfig
+from tests.trainer import DEMO_SIZED
 
 
 class FakeBatch:
@@ -167,17 +168,17 @@ def test_an_engine_failure_without_recovery_ends_the_run_and_a_checkpoint_skips_
 ])
 def test_bad_rollout_mode_names_the_field(overrides, field, problem):
     with pytest.raises(ConfigError) as err:
-        load_config(RLConfig, None, overrides)
+        load_config(RLConfig, DEMO_SIZED, overrides)
     assert err.value.field == field and problem in str(err.value)
 
 
 def test_off_policy_steps_is_a_deprecated_alias():
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        cfg = load_config(RLConfig, None, ["off_policy_steps=1"])
+        cfg = load_config(RLConfig, DEMO_SIZED, ["off_policy_steps=1"])
     assert cfg.rollout.mode == "one_step" and cfg.rollout.staleness_bound == 1
     assert any("rollout.mode=one_step" in str(w.message) for w in caught)
-    assert load_config(RLConfig, None, ["rollout.mode=async", "rollout.max_staleness=3"]
+    assert load_config(RLConfig, DEMO_SIZED, ["rollout.mode=async", "rollout.max_staleness=3"]
                        ).rollout.staleness_bound == 3
 
 
@@ -282,9 +283,9 @@ def test_free_running_sync_wait_has_a_deadline_and_shutdown_frees_the_gate():
 
 
 def test_free_running_config():
-    cfg = load_config(RLConfig, None, ["rollout.mode=async", "rollout.deterministic=false"])
+    cfg = load_config(RLConfig, DEMO_SIZED, ["rollout.mode=async", "rollout.deterministic=false"])
     assert not cfg.rollout.deterministic
-    assert load_config(RLConfig, None, []).rollout.deterministic  # the default
+    assert load_config(RLConfig, DEMO_SIZED, []).rollout.deterministic  # the default
 
 
 @pytest.mark.parametrize("overrides", [
@@ -293,5 +294,5 @@ def test_free_running_config():
 ])
 def test_free_running_refused_where_it_cannot_work(overrides):
     with pytest.raises(ConfigError) as err:
-        load_config(RLConfig, None, overrides)
+        load_config(RLConfig, DEMO_SIZED, overrides)
     assert err.value.field == "rollout.deterministic" and "one_step or async" in str(err.value)

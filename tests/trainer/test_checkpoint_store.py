@@ -12,6 +12,7 @@ from mcore_rl.config import ConfigError, load_config
 from mcore_rl.trainer import checkpoint_store as store
 from mcore_rl.trainer.checkpoint_store import CheckpointConfig, CheckpointWriteError
 from mcore_rl.trainer.rl_config import RLConfig
+from tests.trainer import DEMO_SIZED
 
 
 def _save(root, step, *, inject=None, body=None):
@@ -77,11 +78,11 @@ def test_metrics_are_cut_back_to_the_resumed_step(tmp_path):
 
 
 def test_checkpoint_config():
-    cfg = load_config(RLConfig, None, ["checkpoint.every=2", "checkpoint.keep_last=3"])
+    cfg = load_config(RLConfig, DEMO_SIZED, ["checkpoint.every=2", "checkpoint.keep_last=3"])
     assert cfg.checkpoint == CheckpointConfig(every=2, keep_last=3)
     assert [s for s in range(1, 8) if cfg.checkpoint.due(s, 7)] == [2, 4, 6, 7]
     assert not any(CheckpointConfig().due(s, 7) for s in range(1, 8))
     with pytest.raises(ConfigError, match="checkpoint.keep_last=-1: must be >= 0"):
-        load_config(RLConfig, None, ["checkpoint.keep_last=-1"])
+        load_config(RLConfig, DEMO_SIZED, ["checkpoint.keep_last=-1"])
     with pytest.raises(ConfigError, match="inject_error"):
         CheckpointConfig(inject_error="save@2")

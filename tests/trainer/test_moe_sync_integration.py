@@ -9,6 +9,7 @@ from mcore_rl.config import load_config
 from mcore_rl.trainer.rl_config import RLConfig
 
 from .test_sync_integration import BASE
+from tests.trainer import DEMO_SIZED
 
 
 def hf_model_from_state(model_dir, state, out):
@@ -38,7 +39,7 @@ def test_megatron_ep2_to_vllm_matches_hf(tmp_path):
     from mcore_rl.trainer.controller import RLController
     from mcore_rl.trainer.demo import build_demo_model
 
-    cfg = load_config(RLConfig, None, BASE + MOE + ["actor.tp=1", "actor.dp=2", "actor.ep=2",
+    cfg = load_config(RLConfig, DEMO_SIZED, BASE + MOE + ["actor.tp=1", "actor.dp=2", "actor.ep=2",
                                                     "rollout.tp=2"])
     model_dir = build_demo_model(cfg, tmp_path)
     controller = RLController(cfg, model_dir, tmp_path)

@@ -9,6 +9,7 @@ import pytest
 
 from mcore_rl.config import ConfigError, load_config
 from mcore_rl.trainer.rl_config import RLConfig
+from tests.trainer import DEMO_SIZED
 
 MULTI_TURN = ["task.kind=tool_calc", "task.env=tests.trainer.scripted_env:three_turn_env",
               "task.episode.max_turns=3", "task.episode.max_total_tokens=40",
@@ -24,15 +25,15 @@ PPO = ["algorithm.advantage_estimator=gae", "algorithm.kl_coeff=0.05",
 def test_episode_must_fit_the_rows_and_one_engine_step():
     with pytest.raises(ConfigError, match=r"task.episode.max_total_tokens=40: an episode must "
                                           r"fit train.seq_len \+ 1=33"):
-        load_config(RLConfig, None, [*MULTI_TURN, "train.seq_len=32"])
+        load_config(RLConfig, DEMO_SIZED, [*MULTI_TURN, "train.seq_len=32"])
     with pytest.raises(ConfigError, match=r"rollout.max_num_batched_tokens=320: .* up to 16 "
                                           r"contexts of up to 40 tokens: set >= 640"):
-        load_config(RLConfig, None, [*MULTI_TURN, "rollout.max_num_batched_tokens=320"])
+        load_config(RLConfig, DEMO_SIZED, [*MULTI_TURN, "rollout.max_num_batched_tokens=320"])
     # two engines halve each call, but while a late one starts, engine 0 takes all 16
-    load_config(RLConfig, None, [*MULTI_TURN, "rollout.max_num_batched_tokens=320",
+    load_config(RLConfig, DEMO_SIZED, [*MULTI_TURN, "rollout.max_num_batched_tokens=320",
                                  "rollout.engines=2"])
     with pytest.raises(ConfigError, match=r"up to 16 contexts of up to 40 tokens"):
-        load_config(RLConfig, None, [*MULTI_TURN, "rollout.max_num_batched_tokens=320",
+        load_config(RLConfig, DEMO_SIZED, [*MULTI_TURN, "rollout.max_num_batched_tokens=320",
                                      "rollout.engines=2", "rollout.startup_engines=1"])
 
 
@@ -42,7 +43,7 @@ def test_multi_turn_steps_through_the_controller(tmp_path):
     from mcore_rl.trainer.metrics import PhaseTimer
     from tests.trainer.scripted_env import OBSERVATION
 
-    cfg = load_config(RLConfig, None, [*MULTI_TURN, *PPO])
+    cfg = load_config(RLConfig, DEMO_SIZED, [*MULTI_TURN, *PPO])
     model_dir = build_demo_model(cfg, tmp_path)
     controller = RLController(cfg, model_dir, tmp_path)
     try:

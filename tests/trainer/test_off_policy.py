@@ -16,6 +16,7 @@ from mcore_rl.config import load_config
 from mcore_rl.trainer.rl_config import RLConfig
 from .rl_runs import DETERMINISTIC as BASE_DETERMINISTIC
 from .rl_runs import run_steps
+from tests.trainer import DEMO_SIZED
 
 DETERMINISTIC = BASE_DETERMINISTIC + (
     "rollout_logprob_max_diff", "staleness/max", "mismatch/is_weight_mean",
@@ -26,7 +27,7 @@ DETERMINISTIC = BASE_DETERMINISTIC + (
 def test_async_with_staleness_bound_overlaps_and_resumes_exactly(tmp_path, partial):
     from mcore_rl.trainer.demo import build_demo_model
 
-    cfg = load_config(RLConfig, None, [f"rollout.partial_chunk_tokens={partial or 'null'}",
+    cfg = load_config(RLConfig, DEMO_SIZED, [f"rollout.partial_chunk_tokens={partial or 'null'}",
         "rollout.mode=async", "rollout.max_staleness=2",
         "algorithm.rollout_correction.mode=tis", "algorithm.rollout_correction.clip=1.5",
         "warmup.max_steps=0", "steps=5", "prompts_per_step=4",

@@ -16,6 +16,7 @@ from mcore_rl.rollout.partial import CHUNK_SEED_STRIDE, PartialBatch, advance
 from mcore_rl.trainer.metrics import PhaseTimer
 from mcore_rl.trainer.partial_rollout import PartialRolloutPipeline
 from mcore_rl.trainer.rl_config import RLConfig
+from tests.trainer import DEMO_SIZED
 
 EOS, CAP, N = 0, 7, 2
 
@@ -173,22 +174,22 @@ def test_continuations_fit_the_token_budget_with_seeds_independent_of_the_cut():
 def test_partial_rollout_config_errors():
     base = ["warmup.max_steps=0"]
     with pytest.raises(ConfigError, match=r"partial_chunk_tokens=0: must be >= 1"):
-        load_config(RLConfig, None, base + ["rollout.mode=async",
+        load_config(RLConfig, DEMO_SIZED, base + ["rollout.mode=async",
                                             "rollout.partial_chunk_tokens=0"])
     with pytest.raises(ConfigError, match=r"partial_chunk_tokens=-2"):
-        load_config(RLConfig, None, base + ["rollout.mode=async",
+        load_config(RLConfig, DEMO_SIZED, base + ["rollout.mode=async",
                                             "rollout.partial_chunk_tokens=-2"])
     with pytest.raises(ConfigError, match=r"partial_chunk_tokens=2: .*mode=sync"):
-        load_config(RLConfig, None, base + ["rollout.partial_chunk_tokens=2"])
+        load_config(RLConfig, DEMO_SIZED, base + ["rollout.partial_chunk_tokens=2"])
     with pytest.raises(ConfigError, match=r"rollout.partial_chunk_tokens=2: .*multi-turn "
                                           r"\(task.multi_turn\)"):
-        load_config(RLConfig, None, base + ["rollout.mode=async", "rollout.partial_chunk_tokens=2",
+        load_config(RLConfig, DEMO_SIZED, base + ["rollout.mode=async", "rollout.partial_chunk_tokens=2",
                                             "task.kind=tool_calc"])
     with pytest.raises(ConfigError, match=r"rollout.partial_chunk_tokens=2: .*"
                                           r"algorithm.dynamic_sampling"):
-        load_config(RLConfig, None, base + ["rollout.mode=one_step",
+        load_config(RLConfig, DEMO_SIZED, base + ["rollout.mode=one_step",
                                             "rollout.partial_chunk_tokens=2",
                                             "algorithm.dynamic_sampling=true"])
-    cfg = load_config(RLConfig, None, base + ["rollout.mode=async",
+    cfg = load_config(RLConfig, DEMO_SIZED, base + ["rollout.mode=async",
                                               "rollout.partial_chunk_tokens=2"])
     assert cfg.rollout.partial_chunk_tokens == 2

@@ -7,14 +7,15 @@ import pytest
 from mcore_rl.config import ConfigError, load_config
 from mcore_rl.trainer.recovery import RecoveryConfig
 from mcore_rl.trainer.rl_config import RLConfig
+from tests.trainer import DEMO_SIZED
 
 
 def test_defaults_and_overrides_load():
-    cfg = load_config(RLConfig, None, ["recovery.max_engine_restarts=2",
+    cfg = load_config(RLConfig, DEMO_SIZED, ["recovery.max_engine_restarts=2",
                                        "recovery.inject_kill=gen@2, sync@3"])
     assert cfg.recovery.max_engine_restarts == 2
     assert cfg.recovery.injected_kills() == {("gen", 2), ("sync", 3)}
-    assert load_config(RLConfig, None, []).recovery == RecoveryConfig()
+    assert load_config(RLConfig, DEMO_SIZED, []).recovery == RecoveryConfig()
 
 
 @pytest.mark.parametrize("override,field,problem", [
@@ -28,7 +29,7 @@ def test_defaults_and_overrides_load():
 ])
 def test_bad_values_name_the_field(override, field, problem):
     with pytest.raises(ConfigError) as info:
-        load_config(RLConfig, None, [override])
+        load_config(RLConfig, DEMO_SIZED, [override])
     assert info.value.field == field and problem in str(info.value), str(info.value)
 
 

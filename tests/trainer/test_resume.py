@@ -4,12 +4,13 @@ metrics and actor weights at step k+2 exactly (fp32, seeded sampling, determinis
 from mcore_rl.config import load_config
 from mcore_rl.trainer.rl_config import RLConfig
 from .rl_runs import DETERMINISTIC, run_steps
+from tests.trainer import DEMO_SIZED
 
 
 def test_resume_from_step_k_reproduces_step_k_plus_2(tmp_path):
     from mcore_rl.trainer.demo import build_demo_model
 
-    cfg = load_config(RLConfig, None, [
+    cfg = load_config(RLConfig, DEMO_SIZED, [
         "warmup.max_steps=0", "steps=4", "prompts_per_step=4", "samples_per_prompt=4",
         "updates_per_batch=2", "train.micro_batch_size=4", "actor.tp=2",
         "train.optimizer.lr=0.01",  # large steps: a resume that lost state would show

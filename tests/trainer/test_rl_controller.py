@@ -9,12 +9,13 @@ import pytest
 
 from mcore_rl.config import load_config
 from mcore_rl.trainer.rl_config import RLConfig
+from tests.trainer import DEMO_SIZED
 
 PHASES = ("gen", "reward", "old_logprob", "adv", "update_actor", "sync", "step")
 
 
 def small_config(*overrides):
-    return load_config(RLConfig, None, [
+    return load_config(RLConfig, DEMO_SIZED, [
         "warmup.max_steps=0", "steps=2", "prompts_per_step=4", "samples_per_prompt=4",
         "updates_per_batch=2", "train.micro_batch_size=4", "deadlines.train_s=240", *overrides])
 

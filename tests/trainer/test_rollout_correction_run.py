@@ -7,6 +7,7 @@ import dataclasses
 
 from mcore_rl.config import load_config
 from mcore_rl.trainer.rl_config import RLConfig
+from tests.trainer import DEMO_SIZED
 
 
 def _with_correction(cfg, **fields):
@@ -19,7 +20,7 @@ def test_on_policy_correction_is_identity_and_bypass_skips_old_logprobs(tmp_path
     from mcore_rl.trainer.controller import RLController
     from mcore_rl.trainer.demo import build_demo_model
 
-    cfg = load_config(RLConfig, None, [
+    cfg = load_config(RLConfig, DEMO_SIZED, [
         "warmup.max_steps=0", "steps=4", "prompts_per_step=4", "samples_per_prompt=4",
         "updates_per_batch=1", "train.micro_batch_size=8", "actor.tp=1",
         "train.optimizer.lr=0.01", "deadlines.train_s=240",

@@ -23,6 +23,7 @@ import json, signal, subprocess, time
 import psutil
 from mcore_rl.trainer.run_control import start_local_ray, stop_local_ray
 import ray
+from tests.trainer import DEMO_SIZED
 
 start_local_ray()
 started = [info.process for infos in ray._private.worker._global_node.all_processes.values()
@@ -79,7 +80,7 @@ def test_local_ray_ignores_sigterm_and_stop_ends_every_process_without_waiting_o
 def test_a_bad_model_hf_dir_fails_before_ray_starts(tmp_path, monkeypatch):
     started = []
     monkeypatch.setattr(run_control, "start_local_ray", lambda: started.append(True))
-    cfg = load_config(RLConfig, None, [f"model.hf_dir={tmp_path}"])
+    cfg = load_config(RLConfig, DEMO_SIZED, [f"model.hf_dir={tmp_path}"])
     with pytest.raises(ConfigError, match="model.hf_dir"):
         model_dir_while_ray_starts(cfg, tmp_path / "out")
     assert started == []

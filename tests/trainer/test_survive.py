@@ -30,6 +30,7 @@ from mcore_rl.trainer import checkpoint_store
 from mcore_rl.trainer.run_control import STOP_EXIT_CODE
 
 from .rl_runs import DETERMINISTIC
+from tests.trainer import DEMO_SIZED
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 5
@@ -183,7 +184,7 @@ def test_a_full_disk_and_a_dead_actor_rank_are_named(tmp_path):
     from mcore_rl.trainer.demo import build_demo_model
     from mcore_rl.trainer.rl_config import RLConfig
 
-    cfg = load_config(RLConfig, None, [*OVERRIDES, "deadlines.train_s=120",
+    cfg = load_config(RLConfig, DEMO_SIZED, [*OVERRIDES, "deadlines.train_s=120",
                                        "checkpoint.inject_error=save@step2"])
     controller = RLController(cfg, build_demo_model(cfg, tmp_path / "model"), tmp_path)
     root = tmp_path / "checkpoints"

@@ -15,6 +15,7 @@ import torch
 
 from mcore_rl.config import load_config
 from mcore_rl.trainer.rl_config import RLConfig
+from tests.trainer import DEMO_SIZED
 
 BASE = ["warmup.max_steps=0", "steps=1", "prompts_per_step=4", "samples_per_prompt=4",
         "updates_per_batch=1", "train.micro_batch_size=8", "train.optimizer.lr=0.05",
@@ -38,7 +39,7 @@ def test_megatron_tp2pp2_to_vllm_tp2_matches_hf(tmp_path):
     from mcore_rl.trainer.controller import RLController
     from mcore_rl.trainer.demo import build_demo_model
 
-    cfg = load_config(RLConfig, None, BASE + ["actor.tp=2", "actor.pp=2", "rollout.tp=2"])
+    cfg = load_config(RLConfig, DEMO_SIZED, BASE + ["actor.tp=2", "actor.pp=2", "rollout.tp=2"])
     model_dir = build_demo_model(cfg, tmp_path)
     controller = RLController(cfg, model_dir, tmp_path)
     try:
@@ -77,7 +78,7 @@ def test_engine_killed_mid_sync_is_named_within_the_deadline(tmp_path):
     from mcore_rl.trainer.controller import RLController, SyncFailed
     from mcore_rl.trainer.demo import build_demo_model
 
-    cfg = load_config(RLConfig, None, BASE + ["actor.tp=2", "deadlines.sync_s=20"])
+    cfg = load_config(RLConfig, DEMO_SIZED, BASE + ["actor.tp=2", "deadlines.sync_s=20"])
     controller = RLController(cfg, build_demo_model(cfg, tmp_path), tmp_path)
     try:
         controller.engines.begin_sync(controller.plan, timeout_s=20)

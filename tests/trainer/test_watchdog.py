@@ -10,6 +10,7 @@ import pytest
 from mcore_rl.config import load_config
 from mcore_rl.launch.watchdog import WatchdogTimeout
 from mcore_rl.trainer.rl_config import RLConfig
+from tests.trainer import DEMO_SIZED
 
 DEADLINE = 12.0
 
@@ -22,7 +23,7 @@ def test_a_stalled_worker_is_named_with_stack_dumps(tmp_path, stall, phase, late
     from mcore_rl.trainer.controller import RLController
     from mcore_rl.trainer.demo import build_demo_model
 
-    cfg = load_config(RLConfig, None, [
+    cfg = load_config(RLConfig, DEMO_SIZED, [
         "warmup.max_steps=0", "steps=1", "prompts_per_step=4", "samples_per_prompt=4",
         "updates_per_batch=1", "train.micro_batch_size=8", "actor.tp=2",
         f"deadlines.train_s={DEADLINE}", f"deadlines.gen_s={DEADLINE}", f"inject_stall={stall}"])
