@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import random
+from collections.abc import Callable
 from pathlib import Path
 
 from mcore_rl.tasks.base import Example
@@ -31,6 +32,12 @@ class DatasetError(ValueError):
 
 def read_jsonl(path: str | Path, prompt_key: str, answer_key: str) -> list[Example]:
     """Every line of `path` as an Example; errors name the file, the line and the key."""
+    return [example for _, example in read_jsonl_lines(path, prompt_key, answer_key)]
+
+
+def read_jsonl_lines(path: str | Path, prompt_key: str,
+                     answer_key: str) -> list[tuple[int, Example]]:
+    """`read_jsonl` with each example's line number (blank lines are skipped)."""
     path = Path(path)
     if not path.is_file():
         raise DatasetError(f"{path}: no such file (a JSONL dataset, one object per line)")
@@ -50,7 +57,7 @@ def read_jsonl(path: str | Path, prompt_key: str, answer_key: str) -> list[Examp
                 if key not in row:
                     raise DatasetError(f"{path}:{lineno}: missing key {key!r} (has: "
                                        f"{', '.join(sorted(row)) or 'no keys'})", key=key)
-            examples.append(Example(str(row[prompt_key]), str(row[answer_key])))
+            examples.append((lineno, Example(str(row[prompt_key]), str(row[answer_key]))))
     if not examples:
         raise DatasetError(f"{path}: no examples (empty file)")
     return examples
@@ -62,10 +69,41 @@ class JsonlTask:
     def __init__(self, path: str | Path, *, heldout_path: str | Path | None = None,
                  prompt_key: str = "question", answer_key: str = "answer"):
         self.path, self.heldout_path = Path(path), heldout_path
-        self.train = read_jsonl(path, prompt_key, answer_key)
-        self.heldout = (read_jsonl(heldout_path, prompt_key, answer_key)
-                        if heldout_path is not None else None)
+        self.train, self._train_lines = _split(read_jsonl_lines(path, prompt_key, answer_key))
+        self.heldout, self._heldout_lines = (
+            _split(read_jsonl_lines(heldout_path, prompt_key, answer_key))
+            if heldout_path is not None else (None, None))
         self._order: tuple[tuple[int, int], list[int]] | None = None  # last epoch's order
+
+    def fit_prompts(self, lengths: Callable[[list[str]], list[int]], limit: int, *,
+                    drop: bool) -> dict[str, int]:
+        """Every prompt's token count (`lengths` of the prompt texts, as the engines get them)
+        against `limit`, once, when the run starts. drop False: DatasetError naming the file,
+        line and count of the first prompt that is longer; drop True: those rows are dropped
+        (from both files). Returns the rows dropped per file ("train", "heldout")."""
+        dropped = {}
+        for name, path in (("train", self.path), ("heldout", self.heldout_path)):
+            examples, lines = getattr(self, name), getattr(self, f"_{name}_lines")
+            if examples is None:
+                continue
+            counts = lengths([e.prompt for e in examples])
+            over = [i for i, n in enumerate(counts) if n > limit]
+            if over and not drop:
+                i = over[0]
+                raise DatasetError(f"{path}:{lines[i]}: the prompt is {counts[i]} tokens (chat "
+                                   f"template included), longer than max_prompt_tokens={limit} "
+                                   f"({len(over)} of {len(examples)} prompts are): raise "
+                                   "max_prompt_tokens, or set task.overlong_prompts: filter to "
+                                   "drop them")
+            if len(over) == len(examples):
+                raise DatasetError(f"{path}: every prompt is longer than max_prompt_tokens="
+                                   f"{limit} (the shortest: {min(counts)} tokens)")
+            keep = [i for i, n in enumerate(counts) if n <= limit]
+            setattr(self, name, [examples[i] for i in keep])
+            setattr(self, f"_{name}_lines", [lines[i] for i in keep])
+            dropped[name] = len(over)
+        self._order = None
+        return dropped
 
     def _epoch_order(self, seed: int, epoch: int) -> list[int]:
         if self._order is None or self._order[0] != (seed, epoch):
@@ -100,4 +138,8 @@ class JsonlTask:
                          "set warmup.max_steps=0")
 
 
-__all__ = ["DatasetError", "JsonlTask", "read_jsonl"]
+def _split(rows: list[tuple[int, Example]]) -> tuple[list[Example], list[int]]:
+    return [e for _, e in rows], [line for line, _ in rows]
+
+
+__all__ = ["DatasetError", "JsonlTask", "read_jsonl", "read_jsonl_lines"]

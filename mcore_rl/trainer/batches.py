@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from mcore_rl.rollout.engine import Completion
-from mcore_rl.rollout.multi_turn import completion_from_state, completion_state
+from mcore_rl.rollout.multi_turn import completion_from_state, completion_state, loss_masks
 from mcore_rl.tasks.base import Example
 
 
@@ -65,10 +65,17 @@ def build_batch(prompts: list[list[int]], responses: list[list[int]], length: in
     """Concatenate prompt + response ids, pad to `length` + 1 tokens, shift into
     (tokens, labels); the mask marks the labels that are response tokens — of those, with
     `response_masks` (one per response, per token: multi-turn episodes), only the ones it
-    marks 1 (model tokens; observation tokens stay 0)."""
+    marks 1 (model tokens; observation tokens stay 0). A sequence longer than a row is never
+    cut: ValueError naming the row and its lengths (the config's lengths are derived so that
+    none is, `RLConfig.sample_tokens`)."""
     rows, masks = [], []
     for i, (prompt, response) in enumerate(zip(prompts, responses)):
-        seq = (list(prompt) + list(response))[:length + 1]
+        seq = list(prompt) + list(response)
+        if len(seq) > length + 1:
+            raise ValueError(f"row {i}: prompt {len(prompt)} + response {len(response)} = "
+                             f"{len(seq)} tokens do not fit a row of train.seq_len + 1 = "
+                             f"{length + 1}; raise train.seq_len (or set it null: derived "
+                             "from max_prompt_tokens + max_new_tokens)")
         pad = length + 1 - len(seq)
         rows.append(seq + [pad_id] * pad)
         kept = [1] * len(response) if response_masks is None else list(response_masks[i])
@@ -77,6 +84,22 @@ def build_batch(prompts: list[list[int]], responses: list[list[int]], length: in
     full = torch.tensor(rows, dtype=torch.long)
     return Batch(full[:, :-1].contiguous(), full[:, 1:].contiguous(),
                  torch.tensor(masks, dtype=torch.float32))
+
+
+def trained_tokens(completions: list[Completion], mask: torch.Tensor) -> dict[str, float]:
+    """What a step trains on: `response_tokens`, the tokens the model sampled (a multi-turn
+    episode's model tokens, not its observations), and `loss_tokens`, the tokens in the
+    policy loss mask (`build_batch`'s). They are equal, since no row is cut; a batch whose
+    loss mask is empty while responses exist is an error, not a zero-gradient step."""
+    masks = loss_masks(completions)
+    response = (sum(len(c.token_ids) for c in completions) if masks is None
+                else sum(sum(m) for m in masks))
+    loss = int(mask.ne(0).sum())
+    if response and not loss:
+        raise ValueError(f"the step's {len(completions)} responses hold {response} sampled "
+                         "tokens but its loss mask none: the policy would train on nothing "
+                         f"(rows of {mask.shape[-1]} tokens, train.seq_len)")
+    return {"response_tokens": float(response), "loss_tokens": float(loss)}
 
 
 def engine_logprobs(completions: list[Completion], mask: torch.Tensor) -> torch.Tensor:
@@ -123,4 +146,4 @@ def rollout_logprob_diff(completions, actor_logp: torch.Tensor, mask: torch.Tens
 
 
 __all__ = ["Batch", "Rollouts", "build_batch", "engine_logprobs", "mini_batches",
-           "rollout_logprob_diff"]
+           "rollout_logprob_diff", "trained_tokens"]

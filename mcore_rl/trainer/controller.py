@@ -35,7 +35,7 @@ from mcore_rl.tasks.config import DEFAULT_REWARDS, build_reward, build_task
 from mcore_rl.tasks.tokenizer import encode_answers, load_tokenizer
 from mcore_rl.trainer.advantages import compute_advantages, critic_metrics, packing_metrics
 from mcore_rl.trainer.batches import (Batch, Rollouts, build_batch, engine_logprobs,
-                                      rollout_logprob_diff)
+                                      rollout_logprob_diff, trained_tokens)
 from mcore_rl.trainer.checkpointing import Checkpointing
 from mcore_rl.trainer.generation import Generation
 from mcore_rl.trainer.metrics import MetricsWriter, PhaseTimer
@@ -63,6 +63,8 @@ class RLController(Generation, WeightSync, Checkpointing):
         self.spec = ModelSpec.from_hf_dir(model_dir)
         self.tokenizer = load_tokenizer(model_dir)
         self.task = build_task(cfg.task)
+        # prompts over max_prompt_tokens: an error now, or dropped (task.overlong_prompts)
+        self.prompt_metrics = self.fit_prompts()
         self.reward = build_reward(cfg.task)
         # held-out accuracy is the task's exact-match reward, whatever reward RL trains on
         self.exact_match = load_reward_fn(DEFAULT_REWARDS[cfg.task.kind])
@@ -211,6 +213,7 @@ class RLController(Generation, WeightSync, Checkpointing):
             with timer("sleep"):
                 self.engines.sleep()
         batch, completions, scores = self._train_batch(rollouts)
+        trained = trained_tokens(completions, batch.mask)  # raises if the loss has no token
         train_start = time.perf_counter()
         old_logp, is_weights, mismatch = self._old_policy(batch, completions, step, timer)
         extra = self._reference_and_values(batch, timer)
@@ -243,7 +246,8 @@ class RLController(Generation, WeightSync, Checkpointing):
                    **_update_metrics(updates), **mismatch, **adv_metrics,
                    **critic_metrics(critic_updates), **sync, **rollouts.stats,
                    **timer.as_metrics(), **gen_timing, **overlap,
-                   **episode_metrics(completions), **self.recovery.metrics()}
+                   **episode_metrics(completions), **self.recovery.metrics(),
+                   **trained, **self.prompt_metrics}
         gen_tokens = float(batch.mask.sum())
         metrics["response_length"] = gen_tokens / len(completions)
         metrics["tokens_per_s"] = gen_tokens / max(metrics["timing_s/gen"], 1e-9)

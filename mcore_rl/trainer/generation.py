@@ -65,9 +65,36 @@ class Generation:
         return self.encode_all([prompt_text])[0]
 
     def encode_all(self, prompt_texts: list[str]) -> list[list[int]]:
-        """`encode` of each text, in one tokenizer call."""
-        return encode_prompts(self.tokenizer, prompt_texts,
-                              chat_template=self.cfg.task.chat_template)
+        """`encode` of each text, in one tokenizer call. A prompt longer than
+        max_prompt_tokens is an error naming it (never cut: the lengths of the trainer's rows
+        and the engines' context are derived from max_prompt_tokens)."""
+        ids = encode_prompts(self.tokenizer, prompt_texts,
+                             chat_template=self.cfg.task.chat_template)
+        limit = self.cfg.max_prompt_tokens
+        for i, row in enumerate(ids):
+            if len(row) > limit:
+                raise ValueError(f"prompt {i} of this call ({prompt_texts[i][:60]!r}...) is "
+                                 f"{len(row)} tokens, longer than max_prompt_tokens={limit}: "
+                                 "raise max_prompt_tokens")
+        return ids
+
+    def fit_prompts(self) -> dict[str, float]:
+        """A jsonl task's prompts against max_prompt_tokens, tokenized once as the engines get
+        them: task.overlong_prompts "error" stops the run naming the first longer one (file,
+        line, tokens), "filter" drops them. Returns the step metrics that report it
+        (`prompts/filtered_overlong`: training rows dropped; `..._heldout`: held-out rows)."""
+        from mcore_rl.tasks.jsonl import JsonlTask
+
+        if not isinstance(self.task, JsonlTask):  # generated prompts: checked as encoded
+            return {"prompts/filtered_overlong": 0.0}
+        dropped = self.task.fit_prompts(
+            lambda texts: [len(ids) for ids in encode_prompts(
+                self.tokenizer, texts, chat_template=self.cfg.task.chat_template)],
+            self.cfg.max_prompt_tokens, drop=self.cfg.task.overlong_prompts == "filter")
+        metrics = {"prompts/filtered_overlong": float(dropped.get("train", 0))}
+        if "heldout" in dropped:
+            metrics["prompts/filtered_overlong_heldout"] = float(dropped["heldout"])
+        return metrics
 
     def _rollout(self, examples: list[Example], sampling: SamplingConfig):
         """(prompt ids, completions per prompt): one generation call, or the episodes of a

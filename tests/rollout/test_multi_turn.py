@@ -167,9 +167,10 @@ def test_batch_masks_observation_labels(tok):
     # without masks: every response token counts (the single-turn batch is unchanged)
     plain = build_batch([prompt], [response], 12, 3)
     assert plain.mask[0].tolist() == [0, 0] + [1] * 7 + [0] * 3
-    # truncated to the row length: the mask is cut with the tokens
-    short = build_batch([prompt], [response], 6, 3, [rmask])
-    assert short.mask[0].tolist() == [0, 0, 1, 1, 1, 0]
+    # longer than a row: refused, never cut (a cut trains on fewer tokens than were sampled)
+    with pytest.raises(ValueError, match=r"row 0: prompt 3 \+ response 7 = 10 tokens do not "
+                                         r"fit a row of train.seq_len \+ 1 = 7"):
+        build_batch([prompt], [response], 6, 3, [rmask])
 
 
 def test_loss_masks_only_for_episodes():
@@ -188,3 +189,59 @@ def test_episodes_round_trip_through_checkpoint_state():
     for c in (ep, plain):
         assert completion_from_state(completion_state(c)) == c
         assert type(completion_from_state(completion_state(c))) is type(c)
+
+
+@pytest.mark.parametrize("estimator", ["grpo", "rloo", "gae", "reinforce_pp"])
+def test_tool_episode_mechanics_end_to_end(tok, estimator):
+    """The tool demo's pieces together (real calculator, reward, tokenizer, batch, advantages):
+    a well-formed call is parsed and answered with the true product; the loss mask is exactly
+    the model's tokens; every estimator puts advantages on those tokens and nowhere else."""
+    from mcore_rl.algorithms import AlgorithmConfig
+    from mcore_rl.trainer.advantages import compute_advantages
+
+    # one group: the episode that calls and copies (reward 1), one that answers 0 (reward 0)
+    def policy(text):
+        if "<result>" in text:
+            return text.rsplit("<result>", 1)[1].split("</result>")[0] + "</s>"
+        return "<call>calc: 37*45</call>" if policy.calls % 2 == 0 else "0</s>"
+
+    policy.calls = 0
+
+    def counted(text):
+        reply = policy(text)
+        if "<result>" not in text:
+            policy.calls += 1
+        return reply
+
+    run = runner(tok, max_turns=3, max_total_tokens=40)
+    prompts, groups = run.rollout(Scripted(tok, counted, []), EXAMPLES[:1],
+                                  lambda t: tk.encode_prompt(tok, t),
+                                  SamplingConfig(max_tokens=16, n=2))
+    called, direct = groups[0]
+    assert tok.decode(list(called.token_ids), skip_special_tokens=False) == \
+        "<call>calc: 37*45</call><result>1665</result>1665</s>"
+    assert (called.reward, called.tool_calls, called.tool_errors) == (1.0, 1, 0)
+    assert (direct.reward, direct.tool_calls) == (0.0, 0)
+    obs = tok("<result>1665</result>", add_special_tokens=False)["input_ids"]
+    model = [t for t, m in zip(called.token_ids, called.loss_mask) if m]
+    assert model == list(tok("<call>calc: 37*45</call>", add_special_tokens=False)["input_ids"]) \
+        + list(tok("1665", add_special_tokens=False)["input_ids"]) + [tok.eos_token_id]
+    assert [t for t, m in zip(called.token_ids, called.loss_mask) if not m] == list(obs)
+    assert len(called.logprobs) == called.model_tokens  # one engine log-prob per model token
+
+    episodes = [called, direct]
+    batch = build_batch([prompts[0]] * 2, [list(e.token_ids) for e in episodes], 40,
+                        tok.pad_token_id, loss_masks(episodes))
+    is_obs = torch.zeros_like(batch.mask, dtype=torch.bool)
+    start = len(prompts[0]) - 1  # label position of the first continuation token
+    for k, m in enumerate(called.loss_mask):
+        is_obs[0, start + k] = not m
+    assert int(batch.mask.sum()) == sum(e.model_tokens for e in episodes)
+    assert not (batch.mask.bool() & is_obs).any()
+
+    algo = AlgorithmConfig(advantage_estimator=estimator, grpo_eps=1e-4)
+    extra = {"values": torch.zeros_like(batch.mask)} if estimator == "gae" else {}
+    adv, _, _ = compute_advantages(algo, torch.tensor([1.0, 0.0]), torch.tensor([0, 0]),
+                                   batch.mask, torch.zeros_like(batch.mask), extra)
+    assert (adv[~batch.mask.bool()] == 0).all()  # observations, prompt and padding: none
+    assert (adv[0][batch.mask[0].bool()] > 0).all()  # the rewarded episode's model tokens
