@@ -168,7 +168,8 @@ class RLController(Generation, WeightSync, Checkpointing):
     # --- warm-up ----------------------------------------------------------------------------
 
     def warmup(self, writer: MetricsWriter) -> float:
-        """Supervised steps on noisy answers until held-out greedy accuracy is reached."""
+        """Supervised steps on noisy answers until held-out accuracy is reached (greedy, or
+        sampled at `warmup.eval_temperature`)."""
         w = self.cfg.warmup
         acc = 0.0
         for step in range(1, w.max_steps + 1):
@@ -190,7 +191,7 @@ class RLController(Generation, WeightSync, Checkpointing):
                 with timer("sync"):
                     self.sync_weights()
                 with timer("gen"):
-                    acc = self.accuracy(w.eval_prompts)
+                    acc = self.accuracy(w.eval_prompts, w.eval_temperature)
                 metrics["accuracy"] = acc
                 writer.write(step, {**metrics, **timer.as_metrics()})
                 if acc >= w.target_accuracy:

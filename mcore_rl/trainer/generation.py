@@ -104,11 +104,13 @@ class Generation:
         prompts = self.encode_all([e.prompt for e in examples])
         return prompts, self._generate(prompts, sampling)
 
-    def accuracy(self, n: int) -> float:
-        """Greedy exact-match accuracy on n held-out examples (multi-turn: the greedy
-        episodes' mean reward, scored by the task's reward function)."""
+    def accuracy(self, n: int, temperature: float = 0.0) -> float:
+        """Exact-match accuracy on n held-out examples, greedy or sampled at `temperature`
+        (seeded by the run's seed: the same samples for the same weights); multi-turn: the
+        episodes' mean reward, scored by the task's reward function."""
         examples = self.task.heldout_examples(n, seed=self.cfg.seed)
-        sampling = SamplingConfig(temperature=0.0, max_tokens=self.cfg.max_new_tokens,
+        sampling = SamplingConfig(temperature=temperature, max_tokens=self.cfg.max_new_tokens,
+                                  seed=self.cfg.seed if temperature else None,
                                   stop_token_ids=[self.tokenizer.eos_token_id])
         _, outs = self._rollout(examples, sampling)
         return sum(o[0].reward if isinstance(o[0], Episode) else
