@@ -1,8 +1,10 @@
 """Typed, frozen config dataclasses loaded from YAML with `a.b.c=value` CLI overrides."""
 
-from mcore_rl.config.loader import (CONFIG_ERROR_EXIT, ConfigError, ConfigFileError,
-                                    check_config, from_dict, load_config, parse_overrides,
-                                    to_dict)
+from mcore_rl.config.loader import (CONFIG_ERROR_EXIT, ConfigError, ConfigErrors,
+                                    ConfigFileError, check_config, from_dict, load_config,
+                                    parse_overrides, raise_errors, run_checks, to_dict,
+                                    write_config)
 
-__all__ = ["CONFIG_ERROR_EXIT", "ConfigError", "ConfigFileError", "check_config", "from_dict",
-           "load_config", "parse_overrides", "to_dict"]
+__all__ = ["CONFIG_ERROR_EXIT", "ConfigError", "ConfigErrors", "ConfigFileError", "check_config",
+           "from_dict", "load_config", "parse_overrides", "raise_errors", "run_checks", "to_dict",
+           "write_config"]

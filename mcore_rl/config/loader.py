@@ -11,14 +11,18 @@ than with a bare "unknown field".
 
 `check_config` reports every problem it can instead of the first: each field on its own
 (recursively, each component's `__post_init__`), then — when every field of a class is valid —
-that class's own cross-field checks. A file that is not YAML raises `ConfigFileError`, one
-line `file:line:col: problem`. Every command exits `CONFIG_ERROR_EXIT` on a config error.
+that class's own cross-field checks. A class whose cross-field checks find several problems
+raises them together as `ConfigErrors` (`run_checks`), which `check_config` lists one by one.
+A file that is not YAML raises `ConfigFileError`, one line `file:line:col: problem`. Every
+command exits `CONFIG_ERROR_EXIT` on a config error.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
 import types
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, Literal, TypeVar, Union, get_args, get_origin, get_type_hints
 
@@ -39,6 +43,46 @@ class ConfigError(ValueError):
     def under(self, prefix: str) -> "ConfigError":
         return ConfigError(f"{prefix}.{self.field}" if prefix else self.field, self.value,
                            self.problem)
+
+
+class ConfigErrors(ConfigError):
+    """Several problems at once, e.g. every failed cross-field check of one class. Reads as
+    the first (`field`, `value`, `problem`) to code that expects one; its message lists them
+    all, one per line; `errors` holds each."""
+
+    def __init__(self, errors: Iterable[ConfigError]):
+        self.errors = [e for err in errors for e in getattr(err, "errors", [err])]
+        if not self.errors:
+            raise ValueError("ConfigErrors needs at least one error")
+        first = self.errors[0]
+        super().__init__(first.field, first.value, first.problem)
+        self.args = ("\n".join(str(err) for err in self.errors),)
+
+    def __str__(self) -> str:
+        return self.args[0]
+
+    def under(self, prefix: str) -> "ConfigErrors":
+        return ConfigErrors(err.under(prefix) for err in self.errors)
+
+
+def raise_errors(errors: list[ConfigError]) -> None:
+    """Raise nothing, the one error, or several as `ConfigErrors`."""
+    if len(errors) == 1:
+        raise errors[0]
+    if errors:
+        raise ConfigErrors(errors)
+
+
+def run_checks(obj: Any, checks: Iterable[Callable[[Any], None]]) -> list[ConfigError]:
+    """Run every check on `obj` (each raises ConfigError naming its field) and return what
+    they raised, in order: the checks are independent, so one failing does not hide another."""
+    errors: list[ConfigError] = []
+    for check in checks:
+        try:
+            check(obj)
+        except ConfigError as err:
+            errors.extend(getattr(err, "errors", [err]))
+    return errors
 
 
 class ConfigFileError(ConfigError):
@@ -174,8 +218,8 @@ def collect(cls: type[T], data: Any, prefix: str = "") -> tuple[T | None, list[C
         return None, errors
     try:
         return cls(**kwargs), []
-    except ConfigError as err:
-        return None, [err.under(prefix)]
+    except ConfigError as err:  # ConfigErrors: each of them
+        return None, [e.under(prefix) for e in getattr(err, "errors", [err])]
     except TypeError as err:  # a required field is missing
         return None, [ConfigError(prefix or cls.__name__, None, str(err))]
 
@@ -202,6 +246,9 @@ def _coerce(tp: Any, value: Any, path: str) -> Any:
         options = get_args(tp)
         if value is None and type(None) in options:
             return None
+        present = [option for option in options if option is not type(None)]
+        if len(present) == 1:  # X | None: X's own error, naming its field
+            return _coerce(present[0], value, path)
         errors = []
         for option in options:
             if option is type(None):
@@ -259,6 +306,19 @@ def to_dict(obj: Any) -> Any:
     return obj
 
 
+def write_config(obj: Any, path: str | Path) -> Path:
+    """`obj` (a config dataclass) as YAML at `path`, written whole or not at all (a temp file
+    beside it, then renamed over it); `load_config(type(obj), path)` reads it back equal."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        tmp.write_text(yaml.safe_dump(to_dict(obj), sort_keys=False), encoding="utf-8")
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return path
+
+
 def _float_or_none(text: str) -> float | None:
     try:
         return float(text)
@@ -266,5 +326,6 @@ def _float_or_none(text: str) -> float | None:
         return None
 
 
-__all__ = ["CONFIG_ERROR_EXIT", "ConfigError", "ConfigFileError", "check_config", "collect",
-           "from_dict", "load_config", "parse_overrides", "read_config_file", "to_dict"]
+__all__ = ["CONFIG_ERROR_EXIT", "ConfigError", "ConfigErrors", "ConfigFileError", "check_config",
+           "collect", "from_dict", "load_config", "parse_overrides", "raise_errors",
+           "read_config_file", "run_checks", "to_dict", "write_config"]

@@ -4,8 +4,10 @@ The model follows `ModelConfig`'s rule: with `model.hf_dir` null (the demo's def
 sentencepiece tokenizer trained on the addition task's own text and a small random Llama are
 built locally, nothing downloaded; with `model.hf_dir` set the run loads that HF checkpoint
 directory. The Megatron actor (TP2 by default) warms up on noisy answers, then GRPO
-runs with vLLM rollouts and streamed weight sync. The run directory gets metrics.jsonl,
-TensorBoard logs, reward.png / phases.png and summary.json.
+runs with vLLM rollouts and streamed weight sync. The run directory gets config.yaml (the
+resolved config: `load_config(RLConfig, RUN_DIR/config.yaml)` reads it back equal),
+metrics.jsonl, TensorBoard logs (and wandb's, with logging.wandb set), reward.png /
+phases.png and summary.json.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import time
 from pathlib import Path
 
 from mcore_rl.config.seeds import derive_seed
-from mcore_rl.config import CONFIG_ERROR_EXIT, ConfigError, load_config
+from mcore_rl.config import CONFIG_ERROR_EXIT, ConfigError, load_config, to_dict, write_config
 from mcore_rl.launch.logs import add_verbose_argument, set_verbose
 from mcore_rl.trainer import checkpoint_store
 
@@ -30,6 +32,8 @@ DEMO_TOKENIZER_VOCAB = {"addition": 16, "tool_calc": 64}
 # OUT/<this>: the actor after the warm-up as an HF directory (`trainer.hf_export`); a run
 # with model.hf_dir=OUT/warmup_hf warmup.max_steps=0 starts from the same weights
 WARMUP_HF = "warmup_hf"
+# OUT/<this>: the run's resolved config (every derived value filled in), written when it starts
+RESOLVED_CONFIG = "config.yaml"
 
 
 def build_demo_model(cfg, out: Path) -> Path:
@@ -117,6 +121,7 @@ def run_demo(cfg, out: Path, resume: str | Path = "auto", command: str = "demo")
         print(f"run already complete: {checkpoint} is after step {cfg.steps} of {cfg.steps}; "
               f"nothing to do (run dir {out})")
         return {"already_complete": True, "checkpoint": str(checkpoint)}
+    write_config(cfg, out / RESOLVED_CONFIG)  # a refused run leaves an earlier one's in place
     stop = StopControl(cfg.checkpoint.stop_grace_s).install()
     with gc_paused():  # transformers' import, the tokenizer's training (launch/startup_gc.py)
         model_dir = model_dir_while_ray_starts(cfg, out)  # the controller's init_local_ray: no-op
@@ -188,7 +193,7 @@ def _start_or_resume(controller, cfg, out: Path, model_dir: Path,
         print(f"resumed from {checkpoint} (step {first_step - 1})")
         return None, first_step
     checkpoint_store.truncate_metrics(out, 0)
-    warm = MetricsWriter(out, phase="warmup")
+    warm = MetricsWriter(out, phase="warmup", **_loggers(cfg))
     accuracy = controller.warmup(warm) if cfg.warmup.max_steps else None
     warm.close()
     if cfg.warmup.max_steps:  # the warmed-up model, for runs that start from it
@@ -206,7 +211,7 @@ def _train(controller, cfg, out: Path, stop, first_step: int) -> None:
     from mcore_rl.trainer.recovery import EngineFailed
     from mcore_rl.trainer.run_control import RunStopped
 
-    writer = MetricsWriter(out)
+    writer = MetricsWriter(out, **_loggers(cfg))
     for step in range(first_step, cfg.steps + 1):
         try:
             writer.write(step, controller.rl_step(step))
@@ -222,6 +227,12 @@ def _train(controller, cfg, out: Path, stop, first_step: int) -> None:
                   f"{stop.signal_name}")
             raise RunStopped(step, stop.signal_name, saved)
     writer.close()
+
+
+def _loggers(cfg) -> dict:
+    """MetricsWriter's optional loggers of this run (logging.wandb, with the resolved config)."""
+    wandb = cfg.logging.wandb
+    return {"wandb": wandb, "run_config": to_dict(cfg) if wandb is not None else None}
 
 
 def _summary(cfg, out: Path, *, accuracy, first_step: int, digests, wall_s: float) -> dict:

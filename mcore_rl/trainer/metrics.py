@@ -1,13 +1,60 @@
-"""Per-step metrics: phase timers, and one writer for console (rich), JSONL and TensorBoard;
-`plot_run` turns a run's metrics.jsonl into PNG charts (`mcore-rl plot RUN_DIR`), `plot_compare`
-overlays two runs' rewards (`mcore-rl plot RUN_DIR --compare OTHER_RUN_DIR`)."""
+"""Per-step metrics: phase timers, and one writer for console (rich), JSONL, TensorBoard and
+(optional, `logging.wandb`) Weights & Biases; `plot_run` turns a run's metrics.jsonl into PNG
+charts (`mcore-rl plot RUN_DIR`), `plot_compare` overlays two runs' rewards
+(`mcore-rl plot RUN_DIR --compare OTHER_RUN_DIR`)."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import time
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Literal
+
+from mcore_rl.config import ConfigError
+
+WANDB_INSTALL = "pip install 'mcore-rl[wandb]'"
+
+
+@dataclass(frozen=True, kw_only=True)
+class WandbConfig:
+    """Weights & Biases logging of every step's metrics (the keys of metrics.jsonl), beside
+    TensorBoard. Each phase (warm-up, RL) is its own wandb run named `name`/phase, grouped
+    under `name` (TensorBoard's tb/warmup and tb/rl); its files go to RUN_DIR/wandb.
+    project: the wandb project. name: the runs' group (null: the run directory's name).
+    mode: "online" (needs `wandb login`), "offline" (synced later with `wandb sync`) or
+    "disabled". Needs the wandb package (`pip install 'mcore-rl[wandb]'`)."""
+
+    project: str
+    name: str | None = None
+    mode: Literal["online", "offline", "disabled"] = "online"
+
+    def __post_init__(self) -> None:
+        if not self.project:
+            raise ConfigError("project", self.project, "must name a wandb project")
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoggingConfig:
+    """Where step metrics go besides RUN_DIR/metrics.jsonl, TensorBoard and the console.
+    wandb: Weights & Biases (`WandbConfig`); null = off."""
+
+    wandb: WandbConfig | None = None
+
+    def __post_init__(self) -> None:
+        if self.wandb is not None and not wandb_installed():
+            raise _no_wandb(self.wandb)
+
+
+def wandb_installed() -> bool:
+    return importlib.util.find_spec("wandb") is not None
+
+
+def _no_wandb(cfg: WandbConfig) -> ConfigError:
+    return ConfigError("wandb", vars(cfg),
+                       f"wandb logging needs the wandb package: {WANDB_INSTALL}")
 
 
 class PhaseTimer:
@@ -36,14 +83,16 @@ class PhaseTimer:
 
 
 class MetricsWriter:
-    """Writes each step's metrics to RUN_DIR/metrics.jsonl, TensorBoard (RUN_DIR/tb) and the
-    console."""
+    """Writes each step's metrics to RUN_DIR/metrics.jsonl, TensorBoard (RUN_DIR/tb), the
+    console and, with `wandb` set, a wandb run of this phase, started at its first step
+    (`run_config`: that run's config, e.g. the resolved run config as a dict)."""
 
     CONSOLE = ("reward_mean", "accuracy", "loss", "pg_loss", "clip_frac", "entropy",
                "grad_norm", "timing_s/gen", "timing_s/update_actor", "timing_s/sync",
                "timing_s/step")
 
-    def __init__(self, run_dir: Path, phase: str = "rl"):
+    def __init__(self, run_dir: Path, phase: str = "rl", *, wandb: WandbConfig | None = None,
+                 run_config: dict[str, Any] | None = None):
         from rich.console import Console
         from torch.utils.tensorboard import SummaryWriter
 
@@ -56,6 +105,8 @@ class MetricsWriter:
         # hard-wrap at 80 columns there)
         self.console = Console(highlight=False, soft_wrap=True)
         self.phase = phase
+        self._wandb_args = (wandb, run_config)
+        self.wandb = None  # the wandb run, once a step is written
 
     def write(self, step: int, metrics: dict[str, float]) -> None:
         record = {"step": step, **{k: float(v) for k, v in metrics.items()}}
@@ -64,6 +115,10 @@ class MetricsWriter:
         for key, value in record.items():
             if key != "step":
                 self.tb.add_scalar(key, value, step)
+        if self.wandb is None and self._wandb_args[0] is not None:
+            self.wandb = _start_wandb(*self._wandb_args, self.run_dir, self.phase)
+        if self.wandb is not None:
+            self.wandb.log({k: v for k, v in record.items() if k != "step"}, step=step)
         shown = "  ".join(f"{k.removeprefix('timing_s/')}={record[k]:.3g}"
                           for k in self.CONSOLE if k in record)
         self.console.print(f"[bold]{self.phase} step {step:4d}[/bold]  {shown}")
@@ -71,6 +126,22 @@ class MetricsWriter:
     def close(self) -> None:
         self.jsonl.close()
         self.tb.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+            self.wandb = None
+
+
+def _start_wandb(cfg: WandbConfig, run_config: dict[str, Any] | None, run_dir: Path,
+                 phase: str):
+    """The wandb run of one phase, its files under RUN_DIR/wandb (wandb imported here only:
+    it is an optional dependency)."""
+    try:
+        import wandb
+    except ImportError:
+        raise _no_wandb(cfg).under("logging") from None
+    name = cfg.name or run_dir.name
+    return wandb.init(project=cfg.project, name=f"{name}/{phase}", group=name, job_type=phase,
+                      mode=cfg.mode, dir=str(run_dir), config=run_config, reinit="create_new")
 
 
 TOOL_CURVES = ("tool_calls/mean", "tool_errors/frac", "turns/mean")

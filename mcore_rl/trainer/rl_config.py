@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import ClassVar, Literal
 
 from mcore_rl.algorithms import AlgorithmConfig
-from mcore_rl.config import ConfigError
+from mcore_rl.config import ConfigError, raise_errors, run_checks
 from mcore_rl.config.dtypes import DtypeName, normalize_dtype_fields
 from mcore_rl.config.seeds import USE_THE_RUN_SEED
 from mcore_rl.launch.cluster import ClusterConfig
@@ -21,6 +21,7 @@ from mcore_rl.tasks.base import load_reward_fn  # noqa: F401 — callers import 
 from mcore_rl.tasks.config import TaskConfig
 from mcore_rl.trainer.config import OptimizerConfig, TrainConfig
 from mcore_rl.trainer.checkpoint_store import CheckpointConfig
+from mcore_rl.trainer.metrics import LoggingConfig
 from mcore_rl.reward_model import RewardModelConfig
 from mcore_rl.trainer.recovery import RecoveryConfig
 
@@ -235,6 +236,7 @@ class RLConfig:
         in that phase, "gen@engine<i>" stalls engine i's generation. Leave null.
     checkpoint: when checkpoints are written and how many are kept (see CheckpointConfig).
     recovery: restarting rollout engines that die (see RecoveryConfig).
+    logging: optional loggers beside TensorBoard (see LoggingConfig): logging.wandb.
     max_sampling_rounds: with algorithm.dynamic_sampling, generation rounds per step at most.
     off_policy_steps: deprecated alias of rollout.mode (0: sync, 1: one_step); leave null.
     seed: the run's one seed: prompts and sampling, and through `derive_seed(seed, stream)`
@@ -268,6 +270,7 @@ class RLConfig:
     inject_stall: str | None = None
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     recovery: RecoveryConfig = field(default_factory=RecoveryConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
     max_sampling_rounds: int = 4
     off_policy_steps: int | None = None
     seed: int = 0
@@ -361,11 +364,12 @@ class RLConfig:
         except ConfigError as err:
             raise err.under(role) from None
 
-    def _resolve_sizes(self, per_dp: int) -> None:
+    def _resolve_sizes(self) -> None:
         """Every derived length and micro batch size, resolved once (the loaded config holds
         them; workers, planning and benches read plain values)."""
         import dataclasses
 
+        per_dp = self.rows_per_dp
         seq_len = self._resolve_lengths()
         object.__setattr__(self, "train", self._resolve_train(
             "train", self.train, rows=per_dp, seq_len=seq_len))
@@ -411,52 +415,102 @@ class RLConfig:
                               "partial rollouts draw each batch once; "
                               "algorithm.dynamic_sampling redraws groups: use one or the other")
 
-    def __post_init__(self) -> None:
+    # The cross-field checks: each small, independent, raising ConfigError that names its
+    # field. __post_init__ runs every one that applies and raises what they found together
+    # (`config.run_checks`): `mcore-rl preflight` lists each problem, not the first.
+
+    def _check_sync_dtype(self) -> None:
         if self.sync_dtype != "auto":
             normalize_dtype_fields(self, "sync_dtype", allowed=("float32", "bfloat16"))
+
+    def _check_counts(self) -> None:
         for name in ("steps", "prompts_per_step", "samples_per_prompt", "updates_per_batch",
                      "max_prompt_tokens", "max_new_tokens"):
             if getattr(self, name) < 1:
                 raise ConfigError(name, getattr(self, name), "must be >= 1")
+
+    def _check_off_policy_steps(self) -> None:
         if self.off_policy_steps is not None:
             self._map_off_policy_steps()
+
+    @property
+    def rows_per_dp(self) -> int:
+        """The sequences each actor DP rank gets per update."""
+        batch = self.prompts_per_step * self.samples_per_prompt
+        return batch // self.updates_per_batch // self.actor.dp
+
+    def _check_batch_split(self) -> None:
         batch = self.prompts_per_step * self.samples_per_prompt
         if batch % self.updates_per_batch:
             raise ConfigError("updates_per_batch", self.updates_per_batch,
                               f"must divide prompts_per_step*samples_per_prompt={batch}")
-        per_dp = batch // self.updates_per_batch // self.actor.dp
-        if per_dp < 1:
+        if self.rows_per_dp < 1:
             raise ConfigError("updates_per_batch", self.updates_per_batch,
                               f"leaves no sequences for each of actor.dp={self.actor.dp} ranks")
-        self._resolve_sizes(per_dp)
+
+    def _check_warmup_targets(self) -> None:
         if self.warmup.max_steps and not self.task.has_targets:
             raise ConfigError("warmup.max_steps", self.warmup.max_steps,
                               f"task.kind={self.task.kind} has no supervised targets: set 0")
+
+    def _check_demo_model_task(self) -> None:
         if self.model.hf_dir is None and self.task.kind not in ("addition", "tool_calc"):
             raise ConfigError("model.hf_dir", None, "the built demo model has a synthetic "
                               f"task's tokenizer; task.kind={self.task.kind} needs an HF "
                               "checkpoint")
-        self._check_partial_rollouts()
+
+    def _check_multi_turn_episode(self) -> None:
         if self.task.multi_turn:
             self._check_episode_fits()
+
+    def _check_colocated_sleep(self) -> None:
         if self.cluster.placement == "colocated" and not self.rollout.enable_sleep:
             raise ConfigError("rollout.enable_sleep", False, "cluster.placement=colocated "
                               "shares every device with the trainer: the engines must sleep")
+
+    def _check_micro_batches(self) -> None:
+        per_dp = self.rows_per_dp
         roles = [("train", self.train)]
         if self.algorithm.advantage_estimator == "gae":
             roles.append(("critic_train", self.critic_train))
+        errors = []
         for role, train in roles:
             # packed micro batches (max_tokens_per_micro_batch) take any number of rows
             if train.max_tokens_per_micro_batch is None and per_dp % train.micro_batch_size:
-                raise ConfigError(f"{role}.micro_batch_size", train.micro_batch_size,
-                                  f"must divide the {per_dp} sequences each DP rank gets per "
-                                  "update")
+                errors.append(ConfigError(f"{role}.micro_batch_size", train.micro_batch_size,
+                                          f"must divide the {per_dp} sequences each DP rank "
+                                          "gets per update"))
+        raise_errors(errors)
+
+    def _check_critic_sequence_parallel(self) -> None:
         if self.algorithm.advantage_estimator == "gae" and self.actor.sequence_parallel:
             # the critic is built on the actor's grid; its value head needs whole sequences
             raise ConfigError("actor.sequence_parallel", True, "the critic (algorithm."
                               "advantage_estimator=gae) shares the actor's grid and its value "
                               "head reads complete hidden states on each TP rank: turn it off")
+
+    def _check_kl_in_reward(self) -> None:
         if self.algorithm.kl_in_reward and \
                 self.algorithm.advantage_estimator in ("grpo", "rloo"):
             raise ConfigError("algorithm.kl_mode", "reward",
                               "group estimators (grpo, rloo) take the KL as a loss term")
+
+    # checks of the fields as given, in the order they are reported; the first three must
+    # pass for the batch split to be checked, and it for the sizes to be derived
+    BASIC_CHECKS: ClassVar[tuple] = (_check_sync_dtype, _check_counts, _check_off_policy_steps)
+    # checks of the derived sizes (`_resolve_sizes`)
+    SIZED_CHECKS: ClassVar[tuple] = (_check_multi_turn_episode, _check_micro_batches)
+    # the rest: each runs whether or not any check above failed
+    OTHER_CHECKS: ClassVar[tuple] = (
+        _check_warmup_targets, _check_demo_model_task, _check_partial_rollouts,
+        _check_colocated_sleep, _check_critic_sequence_parallel, _check_kl_in_reward)
+
+    def __post_init__(self) -> None:
+        errors = run_checks(self, self.BASIC_CHECKS)
+        if not errors:
+            errors = run_checks(self, [RLConfig._check_batch_split])
+        if not errors:
+            errors = run_checks(self, [RLConfig._resolve_sizes])
+            if not errors:
+                errors = run_checks(self, self.SIZED_CHECKS)
+        raise_errors(errors + run_checks(self, self.OTHER_CHECKS))

@@ -348,6 +348,49 @@ def test_two_config_errors_are_both_listed(capsys):
                                    "ERROR [config] rollout.engines=0: must be >= 1"]
 
 
+KL_IN_REWARD = ["algorithm.kl_coeff=0.1", "algorithm.kl_mode=reward"]  # refused with grpo
+
+
+@pytest.mark.parametrize("overrides,expected", [
+    # the batch split fails (no sizes derived): the checks that need no sizes still run
+    (["updates_per_batch=3", "task.kind=jsonl", "task.path=configs/data/word_problems.jsonl",
+      *KL_IN_REWARD],
+     ["updates_per_batch=3: must divide prompts_per_step*samples_per_prompt=256",
+      "warmup.max_steps=1500: task.kind=jsonl has no supervised targets: set 0",
+      "model.hf_dir=None: the built demo model has a synthetic task's tokenizer; "
+      "task.kind=jsonl needs an HF checkpoint",
+      "algorithm.kl_mode='reward': group estimators (grpo, rloo) take the KL as a loss term"]),
+    # a check of the derived sizes (64 sequences per DP rank) beside one that needs none
+    (["train.micro_batch_size=3", *KL_IN_REWARD],
+     ["train.micro_batch_size=3: must divide the 64 sequences each DP rank gets per update",
+      "algorithm.kl_mode='reward': group estimators (grpo, rloo) take the KL as a loss term"]),
+])
+def test_every_cross_field_problem_is_listed(capsys, overrides, expected):
+    """RLConfig's cross-field checks all run: each problem on its own line, in check order."""
+    assert main(["preflight", str(GRPO), *overrides]) == 1
+    out = capsys.readouterr().out
+    assert f"{len(expected)} error(s)" in out
+    assert _problem_lines(out) == [f"ERROR [config] {line}" for line in expected]
+    with pytest.raises(ConfigError) as err:
+        load_config(RLConfig, GRPO, overrides)
+    assert str(err.value) == expected[0]  # load_config raises the first
+
+
+def test_rl_config_raises_its_cross_field_problems_together():
+    from mcore_rl.algorithms import AlgorithmConfig
+    from mcore_rl.config import ConfigErrors
+
+    with pytest.raises(ConfigErrors) as err:
+        RLConfig(updates_per_batch=3, algorithm=AlgorithmConfig(
+            advantage_estimator="grpo", kl_coeff=0.1, kl_mode="reward"))
+    assert [e.field for e in err.value.errors] == ["updates_per_batch", "algorithm.kl_mode"]
+    assert err.value.field == "updates_per_batch"  # read as one error: the first
+    assert str(err.value).splitlines() == [str(e) for e in err.value.errors]
+    with pytest.raises(ConfigError, match="must divide") as err:  # a single problem: itself
+        RLConfig(updates_per_batch=3)
+    assert type(err.value) is ConfigError
+
+
 BAD_YAML = "model:\n  preset: tiny\n actor: [\n"  # line 3, column 2: off its mapping
 
 
