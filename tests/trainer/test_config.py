@@ -83,7 +83,8 @@ def test_every_shipped_rl_config_loads():
 
     assert {p.name for p in RL_CONFIGS} >= {"grpo_addition.yaml", "ppo_addition.yaml",
                                             "tiny_ci.yaml", "llama3-8b.yaml", "llama2-13b.yaml",
-                                            "llama3-70b.yaml", "tool_calc.yaml"}
+                                            "llama3-70b.yaml", "tool_calc.yaml",
+                                            "grpo_jsonl.yaml"}
     for path in RL_CONFIGS:
         cfg = load_config(RLConfig, path)
         if path.parent.name == "gpu":  # checkpoint + preset, GSM8K, bf16, sized for GPUs
@@ -92,6 +93,11 @@ def test_every_shipped_rl_config_loads():
                 "jsonl", "mcore_rl.tasks.math:answer_reward"), path
             assert cfg.train.dtype == "bfloat16" and cfg.rollout.dtype == "bfloat16", path
             assert cfg.cluster.device == "gpu", path
+        elif path.name == "grpo_jsonl.yaml":  # the worked example: your checkpoint and data
+            assert cfg.model.hf_dir and cfg.model.preset is None, path
+            assert (cfg.task.kind, cfg.task.path) == (
+                "jsonl", "configs/data/word_problems.jsonl"), path
+            assert cfg.cluster.device == "local", path
         else:  # the demo: addition task, built model, this machine
             assert cfg.model.hf_dir is None, path
             assert cfg.task.kind in ("addition", "tool_calc"), path
