@@ -24,8 +24,8 @@ class RewardModelConfig:
         then unused).
     hf_dir: HF `*ForSequenceClassification` checkpoint directory with num_labels=1
         (config.json + safetensors holding `score.weight` [1, hidden]).
-    parallel: the reward workers' grid (tp, pp, dp; world size tp * pp * dp). No sequence
-        parallelism (the head reads complete hidden states) and no vpp.
+    parallel: the reward workers' grid (tp, pp, dp; world size tp * pp * dp), sequence
+        parallel or not (the score head gathers its scores over TP); no vpp.
     micro_batch_size: sequences per forward micro batch on each DP rank (a batch is padded
         with dummy rows to a multiple of dp * micro_batch_size).
     dtype: "float32" or "bfloat16" weights and activations (scores are returned in fp32).
@@ -56,9 +56,6 @@ class RewardModelConfig:
         normalize_dtype_fields(self, "dtype", allowed=("float32", "bfloat16"))
         if not math.isfinite(self.coeff):
             raise ConfigError("coeff", self.coeff, "must be a finite number")
-        if self.parallel.sequence_parallel:
-            raise ConfigError("parallel.sequence_parallel", True, "the score head reads "
-                              "complete hidden states on each TP rank: turn it off")
         if self.parallel.vpp is not None:
             raise ConfigError("parallel.vpp", self.parallel.vpp, "not supported for the "
                               "forward-only reward model: use null")

@@ -52,13 +52,16 @@ def load_reward_model(cfg: RewardModelConfig, groups, spec: ModelSpec | None = N
     from mcore_rl.layouts import materialize_rank, megatron_shards
     from mcore_rl.models.gpt import build_gpt_model, load_chunks
     from mcore_rl.models.hf_weights import SafetensorsWeights
+    from mcore_rl.parallel.groups import Axis
     from mcore_rl.trainer.critic import attach_value_head
 
     spec = spec or check_reward_model_dir(cfg.hf_dir)
     parallel, dtype = groups.config, torch_dtype(cfg.dtype)
     chunks = build_gpt_model(spec, parallel, groups, params_dtype=dtype, layer_spec=layer_spec)
-    # HF's score head has no bias; strict loading then checks every tensor arrived
-    attach_value_head(chunks, spec.hidden, groups.is_last_stage, bias=False)
+    # HF's score head has no bias; strict loading then checks every tensor arrived. Under
+    # sequence parallelism it gathers the scores over TP (critic.ValueHead).
+    attach_value_head(chunks, spec.hidden, groups.is_last_stage, bias=False,
+                      tp_group=groups.group(Axis.TP))
     weights = SafetensorsWeights(cfg.hf_dir)
     shards = megatron_shards(spec, parallel, layer_spec=layer_spec)
     load_chunks(chunks, materialize_rank(shards, groups.rank, weights.__getitem__, dtype),
@@ -89,7 +92,8 @@ def score_batch(model: RewardModel, tokens: torch.Tensor,
     """Scores [n] (fp32) of right-padded rows: the head's output at token lengths[i] - 1.
 
     Collective over the reward world (every rank gets the same tokens). Rows are padded with
-    dummy rows to dp * k * micro_batch_size; DP rank d scores its contiguous block; the last
+    dummy rows to dp * k * micro_batch_size, and with sequence parallelism right-padded to a
+    length divisible by tp; DP rank d scores its contiguous block; the last
     stage all-gathers the blocks over DP. Returns the [n] scores on the rank at (tp 0, last
     stage, dp 0), None elsewhere, on the model's device (the rows are moved there).
     """
@@ -102,6 +106,11 @@ def score_batch(model: RewardModel, tokens: torch.Tensor,
     on = next(model.chunks[0].parameters()).device  # the model's device: where they run
     tokens, lengths = tokens.to(on), lengths.to(on)
     n, dp = tokens.shape[0], groups.config.dp
+    if groups.config.sequence_parallel and tokens.shape[1] % groups.config.tp:
+        # the sequence splits over TP; pad columns (id 0) come after every row's last real
+        # token, which is all a causal model scores
+        pad = groups.config.tp - tokens.shape[1] % groups.config.tp
+        tokens = torch.cat([tokens, tokens.new_zeros(n, pad)], dim=1)
     per_dp = max(1, -(-n // (dp * mbs))) * mbs
     # dummy rows: one pad token (id 0), scored and dropped
     tokens = torch.cat([tokens, tokens.new_zeros(per_dp * dp - n, tokens.shape[1])])

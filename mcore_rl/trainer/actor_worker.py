@@ -75,7 +75,8 @@ class ActorWorker:
 
         def load_critic(chunks):  # initialized from the policy, then a fresh value head
             load(chunks)
-            attach_value_head(chunks, spec.hidden, self.groups.is_last_stage)
+            attach_value_head(chunks, spec.hidden, self.groups.is_last_stage,
+                              tp_group=self.groups.group(Axis.TP))
 
         self.trainer = setup_trainer(spec, self.groups, train, load_weights=load, seed=seed,
                                      layer_spec=layer_spec)

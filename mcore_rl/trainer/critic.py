@@ -1,9 +1,13 @@
 """Critic (PPO) and frozen reference passes on Megatron models.
 
 The critic is the actor's architecture with the vocab-parallel output layer swapped for a
-scalar value head on the last pipeline stage. The head is replicated on every TP rank: the
-final norm's output is complete on each TP rank (no sequence parallel in the critic), so every
-rank computes the same value and the same head gradient — nothing to reduce.
+scalar value head on the last pipeline stage. The head is replicated on every TP rank. Without
+sequence parallelism the final norm's output is complete on each TP rank, so every rank
+computes the same values and the same head gradient — nothing to reduce. With it, TP rank t
+holds the sequence shard [t·s/tp, (t+1)·s/tp): the head runs on that shard and all-gathers
+the values over TP (every rank then holds all of them, as without SP), and its weight and
+bias are marked `sequence_parallel` like Megatron's SP norms, so finalize_model_grads sums
+their per-shard gradients over TP.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ import functools
 from dataclasses import dataclass
 
 import torch
+from megatron.core import tensor_parallel
 
 from mcore_rl.algorithms import AlgorithmConfig, value_loss
 from mcore_rl.trainer.megatron_train import (MegatronTrainer, _run_schedule,
@@ -21,33 +26,55 @@ from mcore_rl.trainer.packing import model_inputs
 
 class ValueHead(torch.nn.Module):
     """Stands in for GPTModel.output_layer: [s, b, h] → ([s, b, 1], None). Without `bias` it
-    is an HF sequence classifier's `score` head (reward models)."""
+    is an HF sequence classifier's `score` head (reward models).
+
+    sequence_parallel_group: the TP group when the model runs sequence parallel. Rank t then
+    gets hidden states [s/tp, b, h] (its sequence shard, in TP-rank order) and returns the
+    gathered values [s, b, 1], the same on every TP rank. The gradient of those values is the
+    same on every rank (the loss downstream is computed identically on each), so the backward
+    splits it to each rank's shard (megatron's `tensor_parallel_output_grad=False`); a
+    reduce-scatter would multiply it by tp. Weight and bias gradients are then partial sums
+    over the shard: `param.sequence_parallel` makes finalize_model_grads all-reduce them over
+    TP (with the SP norms' weights)."""
 
     def __init__(self, hidden: int, dtype: torch.dtype, *, bias: bool = True,
-                 device: torch.device | str | None = None):
+                 device: torch.device | str | None = None, sequence_parallel_group=None):
         """device: where the chunk it joins lives (`attach_value_head` passes it)."""
         super().__init__()
         # zero init: values start at 0 on every rank, identically
         self.weight = torch.nn.Parameter(torch.zeros(1, hidden, dtype=dtype, device=device))
         self.bias = (torch.nn.Parameter(torch.zeros(1, dtype=dtype, device=device)) if bias
                      else None)
+        self.sequence_parallel_group = sequence_parallel_group
+        if sequence_parallel_group is not None:
+            for param in self.parameters():
+                param.sequence_parallel = True
 
     def forward(self, hidden_states, weight=None, runtime_gather_output=None):
-        return torch.nn.functional.linear(hidden_states, self.weight, self.bias), None
+        values = torch.nn.functional.linear(hidden_states, self.weight, self.bias)
+        if self.sequence_parallel_group is not None:
+            values = tensor_parallel.gather_from_sequence_parallel_region(
+                values, tensor_parallel_output_grad=False, group=self.sequence_parallel_group)
+        return values, None
 
 
 def attach_value_head(chunks: list[torch.nn.Module], hidden: int, is_last_stage: bool, *,
-                      bias: bool = True) -> None:
+                      bias: bool = True, tp_group=None) -> None:
     """Replace the last chunk's output layer (last pipeline stage only) by a value head, of
-    the chunk's dtype and on its device."""
+    the chunk's dtype and on its device. tp_group: the grid's TP group, needed when the chunk
+    runs sequence parallel (its `config.sequence_parallel`): the head then gathers its values
+    over it (see ValueHead)."""
     if is_last_stage:
         last = chunks[-1]
+        sp_group = None
         if getattr(getattr(last, "config", None), "sequence_parallel", False):
-            raise ValueError("a value head reads complete hidden states on each TP rank; "
-                             "sequence parallelism hands it 1/tp of the sequence: turn "
-                             "sequence_parallel off for the critic and the reward model")
+            if tp_group is None:
+                raise ValueError("tp_group: the model runs sequence parallel, so its value "
+                                 "head gathers the values over the TP group: pass it")
+            sp_group = tp_group
         param = next(last.parameters())
-        last.output_layer = ValueHead(hidden, param.dtype, bias=bias, device=param.device)
+        last.output_layer = ValueHead(hidden, param.dtype, bias=bias, device=param.device,
+                                      sequence_parallel_group=sp_group)
 
 
 @dataclass(frozen=True)

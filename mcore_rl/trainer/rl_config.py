@@ -482,13 +482,6 @@ class RLConfig:
                                           "gets per update"))
         raise_errors(errors)
 
-    def _check_critic_sequence_parallel(self) -> None:
-        if self.algorithm.advantage_estimator == "gae" and self.actor.sequence_parallel:
-            # the critic is built on the actor's grid; its value head needs whole sequences
-            raise ConfigError("actor.sequence_parallel", True, "the critic (algorithm."
-                              "advantage_estimator=gae) shares the actor's grid and its value "
-                              "head reads complete hidden states on each TP rank: turn it off")
-
     def _check_kl_in_reward(self) -> None:
         if self.algorithm.kl_in_reward and \
                 self.algorithm.advantage_estimator in ("grpo", "rloo"):
@@ -503,7 +496,7 @@ class RLConfig:
     # the rest: each runs whether or not any check above failed
     OTHER_CHECKS: ClassVar[tuple] = (
         _check_warmup_targets, _check_demo_model_task, _check_partial_rollouts,
-        _check_colocated_sleep, _check_critic_sequence_parallel, _check_kl_in_reward)
+        _check_colocated_sleep, _check_kl_in_reward)
 
     def __post_init__(self) -> None:
         errors = run_checks(self, self.BASIC_CHECKS)

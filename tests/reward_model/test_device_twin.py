@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from device_twin import TWIN, assert_on_twin, twin
+from mcore_rl.parallel import ParallelConfig
 from mcore_rl.reward_model import scoring
 
 pytestmark = pytest.mark.device_twin
@@ -44,7 +45,7 @@ def test_score_batch_moves_the_rows_to_the_model(monkeypatch):
         return outs
 
     monkeypatch.setattr("mcore_rl.trainer.megatron_train._run_schedule", run_schedule)
-    groups = types.SimpleNamespace(config=types.SimpleNamespace(dp=1), rank_in=lambda axis: 0,
+    groups = types.SimpleNamespace(config=ParallelConfig(), rank_in=lambda axis: 0,
                                    is_last_stage=True)
     model = scoring.RewardModel(types.SimpleNamespace(vocab=VOCAB), [_ScoreChunk()], groups,
                                 micro_batch_size=2)

@@ -103,9 +103,16 @@ def test_value_head_on_the_chunk_device(bias):
     assert_on_twin(*head.parameters(), values)
 
 
-def test_value_head_refuses_sequence_parallel():
-    with pytest.raises(ValueError, match="sequence_parallel"):
+def test_sequence_parallel_value_head_needs_the_tp_group():
+    """Under SP the head gathers its values over TP (tests/trainer/test_critic_sp.py): it needs
+    the group, and its parameters are marked for finalize_model_grads' TP all-reduce."""
+    with pytest.raises(ValueError, match="tp_group"):
         attach_value_head([_Chunk(8, TWIN, sequence_parallel=True)], 8, is_last_stage=True)
+    chunk, group = _Chunk(8, TWIN, sequence_parallel=True), object()
+    attach_value_head([chunk], 8, is_last_stage=True, tp_group=group)
+    assert chunk.output_layer.sequence_parallel_group is group
+    assert all(p.sequence_parallel for p in chunk.output_layer.parameters())
+    assert_on_twin(*chunk.output_layer.parameters())
 
 
 def test_value_loss_step():
