@@ -2,7 +2,7 @@
 run. sync, logprob and rollout are set like everything else: a frozen config dataclass
 (`SyncBenchConfig`, `LogprobBenchConfig`, `RolloutBenchConfig`) from `--config FILE` and
 `a.b=c` overrides; step takes the same overrides, of its own fields (`StepBenchConfig`:
-warmup_steps, peak_tflops, compare, baseline) and of the RL config (every other key). Flags
+warmup_steps, peak_tflops, compare, baseline, shape) and of the RL config (every other key). Flags
 are only the common ones: --config, --repeats, --out. Each prints a human summary, writes
 JSON + markdown under --out (logprob, rollout and step also a PNG chart), and prints one JSON
 object as its last line."""
@@ -59,7 +59,8 @@ def _add_step(kinds) -> None:
                    help="RLConfig YAML (default: configs/grpo_addition.yaml, the demo)")
     p.add_argument("overrides", nargs="*", metavar="A.B=VALUE",
                    help="StepBenchConfig fields in mcore_rl/bench/step.py (warmup_steps=1, "
-                        "peak_tflops=989, compare=[rollout.mode=async], baseline=trl); "
+                        "peak_tflops=989, compare=[rollout.mode=async], baseline=trl, "
+                        "shape=qwen2_16k: a realistic shape, mcore_rl/bench/shapes.py); "
                         "every other key overrides the RL config")
     for flag in _OLD_STEP_FLAGS:  # accepted only to say what replaced them
         p.add_argument(flag, dest="old_" + _OLD_STEP_FLAGS[flag], action="append",

@@ -140,7 +140,12 @@ class StepBenchConfig:
     baseline: "trl" also runs Hugging Face TRL's GRPOTrainer (`bench.trl_baseline`) on the
         same task and settings from the same starting weights (the HF export of our actor
         after its warm-up, or the starting model when warmup.max_steps is 0), the same
-        number of steps on the same prompts, and reports our median step / TRL's."""
+        number of steps on the same prompts, and reports our median step / TRL's.
+    shape: a realistic shape (`mcore_rl.bench.shapes.SHAPES`, e.g. "qwen2_16k"): its model,
+        tokenizer and prompts are built into a temporary directory and the steps run on them
+        with its RL config (configs/bench/step_<shape>.yaml; `config` replaces it, overrides
+        apply on top). The report then gives `shape` and the prompt and response lengths
+        each side generated."""
 
     config: str | None = None
     overrides: tuple[str, ...] = ()
@@ -149,8 +154,13 @@ class StepBenchConfig:
     peak_tflops: float = 0.2
     compare: tuple[str, ...] = ()
     baseline: str | None = None
+    shape: str | None = None
 
     def __post_init__(self) -> None:
+        if self.shape is not None:
+            from mcore_rl.bench.shapes import get_shape
+
+            get_shape(self.shape)  # raises ConfigError("shape", ...) for an unknown one
         if self.baseline not in (None, "trl"):
             raise ConfigError("baseline", self.baseline, "must be null or 'trl'")
         if self.repeats < 1:
@@ -162,20 +172,31 @@ class StepBenchConfig:
 
     #: the fields `a.b=c` overrides set here; every other key is the RL config's
     OWN: ClassVar[frozenset[str]] = frozenset(
-        {"repeats", "warmup_steps", "peak_tflops", "compare", "baseline"})
+        {"repeats", "warmup_steps", "peak_tflops", "compare", "baseline", "shape"})
 
     def rl_config(self):
+        """The RL config (with a shape not yet built: pointing at where it will be)."""
         from mcore_rl.config import load_config
         from mcore_rl.trainer.demo import DEMO_CONFIG
         from mcore_rl.trainer.rl_config import RLConfig
 
-        return load_config(RLConfig, self.config or DEMO_CONFIG, list(self.overrides))
+        cfg = self.built(Path("/shape-built-at-run-time")) if self.shape else self
+        return load_config(RLConfig, cfg.config or DEMO_CONFIG, list(cfg.overrides))
+
+    def built(self, shape_dir: Path) -> "StepBenchConfig":
+        """This benchmark on its shape as built into `shape_dir` (`shapes.build_shape`): the
+        shape's RL config (unless `config` is given) with overrides pointing at the model and
+        prompts there, then this benchmark's overrides."""
+        from mcore_rl.bench.shapes import get_shape, shape_overrides
+
+        return replace(self, shape=None, config=self.config or str(get_shape(self.shape).config),
+                       overrides=shape_overrides(shape_dir) + self.overrides)
 
     def variant(self) -> "StepBenchConfig":
         """This benchmark with the `compare` overrides applied (and no further variant)."""
         return StepBenchConfig(config=self.config, overrides=self.overrides + self.compare,
                                repeats=self.repeats, warmup_steps=self.warmup_steps,
-                               peak_tflops=self.peak_tflops)
+                               peak_tflops=self.peak_tflops, shape=self.shape)
 
 
 def step_bench_config(config: str | None, overrides: Sequence[str], *,
@@ -204,6 +225,8 @@ def _controller_cls():
             outs = super()._generate(prompts, sampling)
             self.gen_seq_lens = [len(p) + len(c.token_ids) for p, o in zip(prompts, outs)
                                  for c in o]
+            self.gen_lens = {"prompt": [len(p) for p in prompts],
+                             "response": [len(c.token_ids) for o in outs for c in o]}
             return outs
 
         def collect(self, step, timer):
@@ -216,7 +239,25 @@ def _controller_cls():
 
 def run_step_bench(cfg: StepBenchConfig) -> dict:
     """The baseline's report; with `compare`, the variant's under "compare" with the
-    speed-up of the median step (both measured in this run)."""
+    speed-up of the median step (both measured in this run). With `shape`, on that shape
+    built into a temporary directory (and the report's `shape` says what it was)."""
+    if cfg.shape is None:
+        return _run_step_bench(cfg)
+    from mcore_rl.bench.shapes import build_shape, get_shape
+
+    with tempfile.TemporaryDirectory(prefix=f"mcore-rl-bench-{cfg.shape}-") as built:
+        start = time.perf_counter()
+        build_shape(cfg.shape, Path(built), seed=cfg.rl_config().seed)
+        build_s = time.perf_counter() - start
+        report = _run_step_bench(cfg.built(Path(built)))
+    shape = get_shape(cfg.shape)
+    report["shape"] = {"name": cfg.shape, "config": str(shape.config),
+                       "prompt_tokens": shape.prompt_tokens, "vocab": shape.vocab,
+                       "build_s": build_s}
+    return report
+
+
+def _run_step_bench(cfg: StepBenchConfig) -> dict:
     report = _measure(cfg)
     if cfg.compare:
         variant = _measure(cfg.variant())
@@ -249,16 +290,18 @@ def _measure(cfg: StepBenchConfig) -> dict:
             # the steady state is measured: late engines (rollout.startup_engines) join first
             controller.admit_late_engines(wait=True)
             controller.sync_weights()
-            steps, prompts = [], []
+            steps, prompts, lens = [], [], []
             for step in range(1, cfg.warmup_steps + cfg.repeats + 1):
                 metrics = controller.rl_step(step)
                 prompts.append(controller.step_prompts)
                 if step > cfg.warmup_steps:
                     steps.append((metrics, list(controller.gen_seq_lens)))
+                    lens.append(controller.gen_lens)
         finally:
             controller.shutdown()
         process_s = time.perf_counter() - start
         report = build_report(cfg, rl, spec, steps, startup_s)
+        report["lengths"] = length_summary(lens)
         report.update(warmup_s=warmup_s, ours_process_s=process_s,
                       steps_run=len(prompts), startup_cpu_s=startup_cpu,
                       startup_cpu_floor_s=cpu_floor_s(startup_cpu["total"]))
@@ -269,6 +312,8 @@ def _measure(cfg: StepBenchConfig) -> dict:
                                     len(prompts))
             report["baseline"] = trl_summary(trl, cfg.warmup_steps, same_prompts=(
                 trl["prompts"] == prompts))
+            report["baseline"]["lengths"] = length_summary(
+                trl["lengths"][cfg.warmup_steps:])
             report["ratio_vs_trl"] = (report["timing_s"]["step"]["median"]
                                       / report["baseline"]["timing_s"]["step"]["median"])
     return report
@@ -291,6 +336,17 @@ def _warm_up(controller, rl, model_dir: Path, scratch: Path) -> tuple[Path, floa
         writer.close()
     return export_actor_hf(controller, model_dir, scratch / "start_hf"), \
         time.perf_counter() - start
+
+
+def length_summary(steps: list[dict[str, list[int]]]) -> dict:
+    """min / max / mean prompt and response tokens over the measured steps' sequences
+    (each step: {"prompt": [...], "response": [...]})."""
+    out = {}
+    for kind in ("prompt", "response"):
+        values = [n for s in steps for n in s[kind]]
+        out[kind] = {"min": min(values), "max": max(values),
+                     "mean": sum(values) / len(values), "count": len(values)}
+    return out
 
 
 def trl_summary(trl: dict, unmeasured: int, *, same_prompts: bool) -> dict:
@@ -398,6 +454,12 @@ def chart(report: dict):
     return draw
 
 
+def _lengths_line(lengths: dict) -> str:
+    p, r = lengths["prompt"], lengths["response"]
+    return (f"prompt {p['min']}-{p['max']}, response {r['min']}-{r['max']} "
+            f"(mean {r['mean']:.1f})")
+
+
 def summary_lines(report: dict) -> list[str]:
     t = report["timing_s"]
     lines = [f"RL step: actor {report['actor']}, rollout {report['rollout']}, "
@@ -420,6 +482,15 @@ def summary_lines(report: dict) -> list[str]:
                  f"{report['tokens_per_s_per_device']['median']:.1f} tokens/s per device, "
                  f"MFU {100 * report['mfu']['median']:.3f} % of "
                  f"{report['peak_tflops_per_device']} TFLOP/s x {report['devices']} devices")
+    if "shape" in report:
+        sh = report["shape"]
+        lines.insert(0, f"shape {sh['name']} ({report['model_params'] / 1e6:.1f} M params, "
+                        f"vocab {sh['vocab']}; built in {sh['build_s']:.1f} s; "
+                        f"{sh['config']})")
+    if "lengths" in report:
+        lines.append("  tokens per sequence: ours " + _lengths_line(report["lengths"])
+                     + ("; TRL " + _lengths_line(report["baseline"]["lengths"])
+                        if "baseline" in report else ""))
     if "baseline" in report:
         b = report["baseline"]
         lines.append(f"  TRL {b['version']} (same weights, prompts "

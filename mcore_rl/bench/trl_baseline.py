@@ -8,7 +8,8 @@ and the step count; the child prints one JSON report as its last stdout line.
 What is matched, read from the RLConfig (never hard-coded): prompts (the task's
 `train_examples` of steps 1..N, in order, unshuffled: generation k sees step k's prompts),
 the rule reward (our reward function on our `response_text` of the completion ids, so EOS
-counts as it does for us), samples_per_prompt, temperature, max_new_tokens, group-normalized
+counts as it does for us), samples_per_prompt, temperature, max_new_tokens and min_new_tokens
+(HF generate's `min_new_tokens`, through GRPOConfig.generation_kwargs), group-normalized
 advantages (TRL's std + 1e-4 equals `algorithm.grpo_eps` = 1e-4; another value is refused),
 the clip range, `updates_per_batch` mini-batches per generated batch (one optimizer step each),
 the optimizer (AdamW lr, betas, eps, weight decay, warm-up, grad clip), token-mean loss, no KL.
@@ -66,7 +67,8 @@ def trl_arguments(rl, out_dir: str, steps: int) -> dict:
         warmup_steps=opt.warmup_steps, adam_beta1=opt.adam_beta1, adam_beta2=opt.adam_beta2,
         adam_epsilon=opt.adam_eps, weight_decay=opt.weight_decay,
         max_grad_norm=opt.clip_grad if opt.clip_grad else 1e30,
-        dataloader_num_workers=0, remove_unused_columns=False)
+        dataloader_num_workers=0, remove_unused_columns=False,
+        generation_kwargs={"min_new_tokens": rl.min_new_tokens} if rl.min_new_tokens else None)
 
 
 def check_available() -> None:
@@ -113,9 +115,14 @@ def run_trl(rl, hf_dir: str, steps: int, scratch: str) -> dict:
     rule = build_reward(rl.task)
     seen: list[list[str]] = []
     rewards: list[float] = []
+    lengths: list[dict[str, list[int]]] = []
+    prompt_tokens = {p: len(ids) for p, ids in zip(answers, tokenizer(
+        list(answers), add_special_tokens=True)["input_ids"])}
 
     def reward(prompts, completion_ids, **_):
         seen.append(sorted(set(prompts)))
+        lengths.append({"prompt": [prompt_tokens[p] for p in prompts],
+                        "response": [len(ids) for ids in completion_ids]})
         scores = [float(rule(p, response_text(ids, tokenizer), answers[p]))
                   for p, ids in zip(prompts, completion_ids)]
         rewards.append(sum(scores) / len(scores))
@@ -132,6 +139,7 @@ def run_trl(rl, hf_dir: str, steps: int, scratch: str) -> dict:
     return {"startup_s": ready - start, "import_s": imported - start,
             "train_s": time.perf_counter() - ready, "threads": torch.get_num_threads(),
             "per_step": clock.steps, "reward_mean": rewards, "prompts": seen,
+            "lengths": lengths,
             "trl_version": __import__("trl").__version__}
 
 

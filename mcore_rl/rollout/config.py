@@ -204,6 +204,8 @@ class SamplingConfig:
     """How to sample one call's responses.
 
     temperature: 0 = greedy. top_p in (0, 1]; top_k: 0 = off. max_tokens: response cap.
+    min_tokens: the shortest response: EOS and stop_token_ids cannot end one earlier (vLLM's
+        `SamplingParams.min_tokens`); 0 = off, at most max_tokens.
     stop_token_ids: extra ids that end a response (kept in it); the model's
         generation_config.json `eos_token_id` always stops too.
     n: samples per prompt (a GRPO group). seed: None = unseeded; else see the module doc.
@@ -214,6 +216,7 @@ class SamplingConfig:
     top_p: float = 1.0
     top_k: int = 0
     max_tokens: int = 128
+    min_tokens: int = 0
     stop_token_ids: tuple[int, ...] = ()
     n: int = 1
     seed: int | None = None
@@ -228,6 +231,9 @@ class SamplingConfig:
             raise ConfigError("top_k", self.top_k, "must be >= 0 (0 = off)")
         if self.max_tokens < 1:
             raise ConfigError("max_tokens", self.max_tokens, "must be >= 1")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise ConfigError("min_tokens", self.min_tokens,
+                              f"must be in [0, max_tokens={self.max_tokens}]")
         if self.n < 1:
             raise ConfigError("n", self.n, "must be >= 1")
         if self.seed is not None and self.seed < 0:

@@ -166,7 +166,7 @@ class RolloutEngine(EngineSync):
         params = [SamplingParams(
             n=sampling.n, temperature=sampling.temperature, top_p=sampling.top_p,
             top_k=sampling.top_k, max_tokens=sampling.max_tokens,
-            stop_token_ids=list(sampling.stop_token_ids),
+            min_tokens=sampling.min_tokens, stop_token_ids=list(sampling.stop_token_ids),
             seed=sampling.prompt_seed(first_index + i),
             logprobs=0 if sampling.logprobs else None, detokenize=False)
             for i in range(len(requests))]

@@ -124,7 +124,7 @@ class Generation:
         examples = self.task.train_examples(cfg.prompts_per_step, step=step, attempt=attempt,
                                             seed=cfg.seed)
         sampling = SamplingConfig(temperature=cfg.temperature, max_tokens=cfg.max_new_tokens,
-                                  n=cfg.samples_per_prompt,
+                                  min_tokens=cfg.min_new_tokens, n=cfg.samples_per_prompt,
                                   seed=cfg.seed * 1000 + step + 1_000_003 * attempt,
                                   stop_token_ids=[self.tokenizer.eos_token_id])
         return examples, sampling

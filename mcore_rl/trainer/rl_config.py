@@ -221,6 +221,9 @@ class RLConfig:
     max_prompt_tokens: the longest prompt, in tokens after tokenization (chat template
         included); a longer one is an error or dropped (task.overlong_prompts).
     temperature / max_new_tokens: sampling. sync_bucket_mb: weight-sync bucket.
+    min_new_tokens: the shortest response of an RL step's samples (EOS cannot end one
+        earlier; vLLM's `min_tokens`); 0 = off. Benchmarks use it to fix response lengths
+        (`mcore-rl bench step shape=...`). Single-turn, whole-batch generation only.
     Lengths are declared once, here: `sample_tokens` is max_prompt_tokens + max_new_tokens
     (a multi-turn task: task.episode.max_total_tokens). rollout.max_model_len null is
     derived as sample_tokens, train.seq_len null (and warmup's, critic_train's) as
@@ -264,6 +267,7 @@ class RLConfig:
     temperature: float = 1.0
     max_prompt_tokens: int = 1024
     max_new_tokens: int = 1024
+    min_new_tokens: int = 0
     sync_bucket_mb: float = 16.0
     sync_dtype: Literal["auto"] | DtypeName = "auto"
     deadlines: DeadlineConfig = field(default_factory=DeadlineConfig)
@@ -415,6 +419,20 @@ class RLConfig:
                               "partial rollouts draw each batch once; "
                               "algorithm.dynamic_sampling redraws groups: use one or the other")
 
+    def _check_min_new_tokens(self) -> None:
+        """min_new_tokens within [0, max_new_tokens], on single-turn whole-batch generation
+        (a turn or a partial-rollout chunk has its own, smaller cap)."""
+        n = self.min_new_tokens
+        if not 0 <= n <= self.max_new_tokens:
+            raise ConfigError("min_new_tokens", n,
+                              f"must be in [0, max_new_tokens={self.max_new_tokens}]")
+        if n and self.task.multi_turn:
+            raise ConfigError("min_new_tokens", n, f"task.kind={self.task.kind} is multi-turn "
+                              "(a turn's cap is what the episode has left): set 0")
+        if n and self.rollout.partial_chunk_tokens is not None:
+            raise ConfigError("min_new_tokens", n, "partial rollouts generate chunks of "
+                              "rollout.partial_chunk_tokens: set 0 or turn them off")
+
     # The cross-field checks: each small, independent, raising ConfigError that names its
     # field. __post_init__ runs every one that applies and raises what they found together
     # (`config.run_checks`): `mcore-rl preflight` lists each problem, not the first.
@@ -496,7 +514,7 @@ class RLConfig:
     # the rest: each runs whether or not any check above failed
     OTHER_CHECKS: ClassVar[tuple] = (
         _check_warmup_targets, _check_demo_model_task, _check_partial_rollouts,
-        _check_colocated_sleep, _check_kl_in_reward)
+        _check_min_new_tokens, _check_colocated_sleep, _check_kl_in_reward)
 
     def __post_init__(self) -> None:
         errors = run_checks(self, self.BASIC_CHECKS)
