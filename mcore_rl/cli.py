@@ -1,6 +1,9 @@
 """`mcore-rl` console script. Each subcommand lives with the package it drives; this file only
 lists them. A subcommand module exposes `add_parser(subparsers)` which registers itself and
-sets `func` (called with the parsed args, returning an exit code)."""
+sets `func` (called with the parsed args, returning an exit code).
+
+`demo`, `train` and `bench <kind>` take their config as `--config FILE` or as the first
+positional argument (`mcore-rl train configs/x.yaml a.b=c`)."""
 
 from __future__ import annotations
 
@@ -8,6 +11,7 @@ import argparse
 import importlib
 import os
 import sys
+from pathlib import Path
 
 # name → module providing add_parser(). Add a row when a command becomes real.
 COMMANDS: dict[str, str] = {
@@ -29,8 +33,29 @@ def _bind_localhost_by_default() -> None:
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 
 
+DESCRIPTION = ("RL post-training (PPO, GRPO) with Megatron-Core actors and vLLM engines. "
+               "`mcore-rl COMMAND --help` gives a command's options; docs/reference/cli.md "
+               "lists them all.")
+
+# commands whose config may be given positionally, before the a.b=c overrides
+POSITIONAL_CONFIG = ("demo", "train", "bench")
+
+
+def version() -> str:
+    """The installed distribution's version (the source tree's setup.cfg one when not
+    installed)."""
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as dist_version
+
+    try:
+        return dist_version("mcore-rl")
+    except PackageNotFoundError:
+        return "unknown"
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="mcore-rl", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="mcore-rl", description=DESCRIPTION)
+    parser.add_argument("--version", action="version", version=f"mcore-rl {version()}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for module in dict.fromkeys(COMMANDS.values()):
         importlib.import_module(module).add_parser(sub)
@@ -56,7 +81,26 @@ def _parse(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.
         parser.error(f"unrecognized arguments: {' '.join(stray or extra)}")
     if extra:
         args.overrides = [*args.overrides, *extra]
+    _positional_config(parser, args)
     return args
+
+
+def _positional_config(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """`mcore-rl train CONFIG [a.b=c ...]`: a first positional argument that is not an
+    `a.b=c` override is the config (as `--config CONFIG`); `train` needs one of the two."""
+    if args.command not in POSITIONAL_CONFIG or not hasattr(args, "config"):
+        return
+    overrides = list(getattr(args, "overrides", None) or [])
+    if overrides and "=" not in overrides[0]:
+        if args.config is not None:
+            parser.error(f"{args.command}: the config is given twice: --config {args.config} "
+                         f"and {overrides[0]}")
+        # demo and train take a Path, bench its FILE string: keep each command's type
+        args.config = overrides[0] if args.command == "bench" else Path(overrides[0])
+        args.overrides = overrides[1:]
+    if args.command == "train" and args.config is None:
+        parser.error("train: a config is required: mcore-rl train CONFIG [a.b=c ...] "
+                     "(or --config CONFIG)")
 
 
 if __name__ == "__main__":

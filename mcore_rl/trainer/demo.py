@@ -274,7 +274,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     demo = sub.add_parser("demo", help="end-to-end GRPO on CPU (addition task, tiny Llama)")
     demo.add_argument("--out", type=Path, default=Path("runs/demo"))
     demo.add_argument("--config", type=Path, default=None,
-                      help="YAML (default: configs/grpo_addition.yaml, the GRPO demo)")
+                      help="YAML (default: configs/grpo_addition.yaml, the GRPO demo; may "
+                           "also be the first positional argument)")
     demo.add_argument("--task", choices=sorted(DEMO_TASKS), default=None,
                       help="a built-in demo task's config (tool_calc: multi-turn tool use); "
                            "default: the addition demo")
@@ -284,7 +285,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     add_verbose_argument(demo)
     demo.set_defaults(func=_run)
     train = sub.add_parser("train", help="an RL run from a YAML config (task, model, grids)")
-    train.add_argument("--config", type=Path, required=True)
+    train.add_argument("--config", type=Path, default=None,
+                       help="run config YAML (or give it as the first positional argument)")
     train.add_argument("--out", type=Path, default=Path("runs/train"))
     train.add_argument("--resume", default="auto",
                        help="auto (default: the newest complete checkpoint in --out, if any), "
@@ -310,8 +312,8 @@ DEMO_MODELS = {"dense": DEMO_CONFIG.name, "moe": "demo_moe.yaml"}
 
 
 def _config_path(args) -> Path:
-    """--config, else the built-in demo's for --task / --model (`mcore-rl train` requires
-    --config)."""
+    """--config (or the positional config), else the built-in demo's for --task / --model
+    (`mcore-rl train` requires a config: mcore_rl.cli refuses it without one)."""
     task = getattr(args, "task", None)
     model = getattr(args, "model", "dense")
     if args.config is not None:

@@ -176,7 +176,7 @@ def _main(args: argparse.Namespace) -> int:
 def add_parser(subparsers) -> None:
     parser = subparsers.add_parser(
         "train-lm", help="train a preset model on a synthetic next-token task (Megatron-Core)",
-        description=__doc__.splitlines()[0])
+        description=" ".join(__doc__.split("\n\n")[0].split()))
     parser.add_argument("--config", help="YAML file (configs/lm_micro.yaml)")
     parser.add_argument("overrides", nargs="*", metavar="a.b=value",
                         help="override config fields, e.g. parallel.tp=1 parallel.pp=2")
