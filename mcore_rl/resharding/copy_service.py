@@ -104,6 +104,19 @@ class CopyService(ABC):
         return self.plan.label(peer)
 
 
+class PostingCopyService(CopyService):
+    """A service that implements `post_*` / `wait_*` itself (rounds overlap); moving one
+    round at a time is posting it and waiting for it."""
+
+    def send_round(self, k: int, messages: list[Message]) -> None:
+        self.post_send(k, messages)
+        self.wait_send(k)
+
+    def recv_round(self, k: int, messages: list[Message]) -> Iterator[int]:
+        self.post_recv(k, messages)
+        yield from self.wait_recv(k)
+
+
 def wait_work(work, what: str, timeout_s: float | None) -> None:
     """Wait for a process-group work item; failures and deadlines become a SyncError naming
     `what` (the round, the direction and the peer)."""
@@ -118,7 +131,7 @@ def wait_work(work, what: str, timeout_s: float | None) -> None:
                         f"{time.perf_counter() - start:.1f} s: {err}") from err
 
 
-class P2PCopy(CopyService):
+class P2PCopy(PostingCopyService):
     """Messages as point-to-point sends on `group`, two rounds in flight.
 
     Framing: every transfer of a message is a segment of its own on the wire, tag =
@@ -246,14 +259,6 @@ class P2PCopy(CopyService):
                                      [b.view(v.shape) for b, v in staged])
             yield i
 
-    def send_round(self, k: int, messages: list[Message]) -> None:
-        self.post_send(k, messages)
-        self.wait_send(k)
-
-    def recv_round(self, k: int, messages: list[Message]) -> Iterator[int]:
-        self.post_recv(k, messages)
-        yield from self.wait_recv(k)
-
     def finish(self) -> None:
         """Release the staging counted in this sync (the buffers stay for the next one); work
         still posted after a failure is dropped with the group it ran on."""
@@ -283,4 +288,4 @@ class P2PCopy(CopyService):
         return buf, buf.numel() * buf.element_size()
 
 
-__all__ = ["CopyService", "Message", "P2PCopy", "SyncError", "wait_work"]
+__all__ = ["CopyService", "Message", "P2PCopy", "PostingCopyService", "SyncError", "wait_work"]

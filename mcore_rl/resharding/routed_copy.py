@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Callable, Collection, Iterator
 
-from mcore_rl.resharding.copy_service import CopyService, Message
+from mcore_rl.resharding.copy_service import CopyService, Message, PostingCopyService
 
 
 def _plan_peers(plan, sync_rank: int, sending: bool) -> set[int]:
@@ -23,7 +23,7 @@ def _plan_peers(plan, sync_rank: int, sending: bool) -> set[int]:
     return {theirs(t) for rnd in plan.rounds for t in rnd if mine(t) == sync_rank}
 
 
-class RoutedCopy(CopyService):
+class RoutedCopy(PostingCopyService):
     """services: copy service by transport name; route(peer): the peer's transport. Each
     service counts into its own `SyncStats` (`sub_stats[name]`), summed into the sync's at
     `finish`. The services belong to the caller (`SyncChannels`), which closes them."""
@@ -85,14 +85,6 @@ class RoutedCopy(CopyService):
         for name, service in self.services.items():
             for i in service.wait_recv(k):
                 yield indices[name][i]
-
-    def send_round(self, k: int, messages: list[Message]) -> None:
-        self.post_send(k, messages)
-        self.wait_send(k)
-
-    def recv_round(self, k: int, messages: list[Message]) -> Iterator[int]:
-        self.post_recv(k, messages)
-        yield from self.wait_recv(k)
 
     def finish(self) -> None:
         for service in getattr(self, "_started", ()):
