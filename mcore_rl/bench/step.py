@@ -174,14 +174,21 @@ class StepBenchConfig:
     OWN: ClassVar[frozenset[str]] = frozenset(
         {"repeats", "warmup_steps", "peak_tflops", "compare", "baseline", "shape"})
 
+    @property
+    def config_path(self) -> str:
+        """The RL config's YAML: `config`, or the demo's (both sides of a TRL comparison read
+        this one file)."""
+        from mcore_rl.trainer.demo import DEMO_CONFIG
+
+        return str(self.config or DEMO_CONFIG)
+
     def rl_config(self):
         """The RL config (with a shape not yet built: pointing at where it will be)."""
         from mcore_rl.config import load_config
-        from mcore_rl.trainer.demo import DEMO_CONFIG
         from mcore_rl.trainer.rl_config import RLConfig
 
         cfg = self.built(Path("/shape-built-at-run-time")) if self.shape else self
-        return load_config(RLConfig, cfg.config or DEMO_CONFIG, list(cfg.overrides))
+        return load_config(RLConfig, cfg.config_path, list(cfg.overrides))
 
     def built(self, shape_dir: Path) -> "StepBenchConfig":
         """This benchmark on its shape as built into `shape_dir` (`shapes.build_shape`): the
@@ -308,7 +315,7 @@ def _measure(cfg: StepBenchConfig) -> dict:
         if cfg.baseline == "trl":
             from mcore_rl.bench.trl_baseline import run_in_subprocess
 
-            trl = run_in_subprocess(cfg.config, list(cfg.overrides), str(start_dir),
+            trl = run_in_subprocess(cfg.config_path, list(cfg.overrides), str(start_dir),
                                     len(prompts))
             report["baseline"] = trl_summary(trl, cfg.warmup_steps, same_prompts=(
                 trl["prompts"] == prompts))
