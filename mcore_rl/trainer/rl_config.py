@@ -506,15 +506,17 @@ class RLConfig:
             raise ConfigError("algorithm.kl_mode", "reward",
                               "group estimators (grpo, rloo) take the KL as a loss term")
 
-    # checks of the fields as given, in the order they are reported; the first three must
-    # pass for the batch split to be checked, and it for the sizes to be derived
+    # checks of the fields as given; the first three must pass for the batch split to be
+    # checked, and it for the sizes to be derived (`_resolve_sizes`)
     BASIC_CHECKS: ClassVar[tuple] = (_check_sync_dtype, _check_counts, _check_off_policy_steps)
-    # checks of the derived sizes (`_resolve_sizes`)
-    SIZED_CHECKS: ClassVar[tuple] = (_check_multi_turn_episode, _check_micro_batches)
-    # the rest: each runs whether or not any check above failed
-    OTHER_CHECKS: ClassVar[tuple] = (
+    # every other check, in the order they are reported; those of the derived sizes run only
+    # once the sizes are derived, the rest whether or not any check above failed
+    CHECKS: ClassVar[tuple] = (
         _check_warmup_targets, _check_demo_model_task, _check_partial_rollouts,
-        _check_min_new_tokens, _check_colocated_sleep, _check_kl_in_reward)
+        _check_min_new_tokens, _check_multi_turn_episode, _check_colocated_sleep,
+        _check_micro_batches, _check_kl_in_reward)
+    SIZED_CHECKS: ClassVar[frozenset] = frozenset({_check_multi_turn_episode,
+                                                   _check_micro_batches})
 
     def __post_init__(self) -> None:
         errors = run_checks(self, self.BASIC_CHECKS)
@@ -522,6 +524,6 @@ class RLConfig:
             errors = run_checks(self, [RLConfig._check_batch_split])
         if not errors:
             errors = run_checks(self, [RLConfig._resolve_sizes])
-            if not errors:
-                errors = run_checks(self, self.SIZED_CHECKS)
-        raise_errors(errors + run_checks(self, self.OTHER_CHECKS))
+        sized = not errors
+        raise_errors(errors + run_checks(self, [check for check in self.CHECKS
+                                                if sized or check not in self.SIZED_CHECKS]))
