@@ -17,13 +17,13 @@ from mcore_rl.config import ConfigError, load_config
 from mcore_rl.trainer import run_control
 from mcore_rl.trainer.demo import model_dir_while_ray_starts
 from mcore_rl.trainer.rl_config import RLConfig
+from tests.trainer import DEMO_SIZED
 
 _SCRIPT = r"""
 import json, signal, subprocess, time
 import psutil
 from mcore_rl.trainer.run_control import start_local_ray, stop_local_ray
 import ray
-from tests.trainer import DEMO_SIZED
 
 start_local_ray()
 started = [info.process for infos in ray._private.worker._global_node.all_processes.values()
