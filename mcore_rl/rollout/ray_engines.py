@@ -84,16 +84,18 @@ class EngineHost:
 
     def __init__(self, model_dir: str, cfg: RolloutConfig, index: int,
                  stack_dir: str | None = None, inject_stall: str | None = None,
-                 devices: list[int] | None = None, *, call_timeout_s: float, seed: int = 0):
-        """devices: this engine's TP devices on GPU (the physical slots on its node, from the
-        run's placement plan; None on CPU); CUDA_VISIBLE_DEVICES is narrowed to them before
-        anything here touches CUDA, so vLLM's TP rank t then computes on cuda:t."""
+                 devices: list[int] | None = None, *, call_timeout_s: float, seed: int = 0,
+                 narrow_visible_devices: bool = False):
+        """devices: this engine's TP device slots on its node, from the run's placement plan
+        (None without one). narrow_visible_devices (a GPU placement): CUDA_VISIBLE_DEVICES is
+        narrowed to those slots before anything here touches CUDA, so vLLM's TP rank t then
+        computes on cuda:t."""
         if stack_dir:  # the controller's watchdog asks for stacks with SIGUSR1
             configure_process_logs(Path(stack_dir).parent, f"engine{index}")
             self._stack_file = arm_stack_dump(stack_dir, f"engine{index}")
         self.inject_stall = inject_stall
         self.devices = devices
-        if devices is not None:
+        if narrow_visible_devices:
             from mcore_rl.launch.placement import restrict_visible_devices
 
             restrict_visible_devices(devices)
@@ -229,12 +231,13 @@ class RayEngines:
     def _start(self, i: int):
         """Engine i's actor, in its slot of the placement plan (node bundle, TP devices)."""
         options, devices, env = {}, None, {}
+        narrow = self._placement is not None and self._placement.gpu
         if self._placement is not None:
             options = self._placement.options_for_node(self._placement.plan.engine_node(i))
-            if self._placement.gpu:  # its physical slots: CUDA_VISIBLE_DEVICES, set by us
+            devices = [slot.device for slot in self._placement.plan.engines[i]]
+            if narrow:  # its physical slots: CUDA_VISIBLE_DEVICES, set by us
                 from mcore_rl.launch.placement import RAY_NOSET_VISIBLE_DEVICES
 
-                devices = [slot.device for slot in self._placement.plan.engines[i]]
                 env.update(RAY_NOSET_VISIBLE_DEVICES)
         if self.cfg.in_process_threads is not None:  # RolloutEngine sets the count
             env.update(IDLE_THREADS_SLEEP)
@@ -244,7 +247,8 @@ class RayEngines:
         return self._host_cls.options(**options).remote(model_dir, self.cfg, i, stack_dir,
                                                         inject_stall, devices,
                                                         call_timeout_s=self.call_timeout_s,
-                                                        seed=self.seed)
+                                                        seed=self.seed,
+                                                        narrow_visible_devices=narrow)
 
     def restart(self, indices: Sequence[int]) -> None:
         """Replace engines `indices` (dead or broken) with fresh ones in the same slots: the
