@@ -463,3 +463,18 @@ def test_overlong_prompts_filter_is_a_warning_with_the_count(tmp_path):
     note, warning = prompt_length_problems(cfg, "path", prompts)
     assert warning.severity == "warning"
     assert warning.message.endswith("task.overlong_prompts=filter drops these 2")
+
+
+@pytest.mark.parametrize("override,field,need", [
+    ("train.seq_len=8", "train.seq_len", "set train.seq_len >= 11"),
+    ("rollout.max_model_len=10", "rollout.max_model_len", "set rollout.max_model_len >= 12"),
+])
+def test_explicit_length_too_small_is_one_line(capsys, override, field, need):
+    """The demo's samples are 7 prompt + 5 new tokens: an explicit length below that is one
+    problem naming the field and both length fields it is derived from (exit 1)."""
+    assert main(["preflight", str(GRPO), override]) == 1
+    out = capsys.readouterr().out
+    (line,) = _problem_lines(out)
+    assert line.startswith(f"ERROR [config] {field}=")
+    assert "max_prompt_tokens + max_new_tokens = 7 + 5 = 12" in line and need in line
+    assert "Traceback" not in out
