@@ -116,25 +116,10 @@ def _tokenizer_here(cfg: RLConfig):
     return load_tokenizer(hf_dir)
 
 
-def prompt_limit(cfg: RLConfig) -> tuple[int | None, str]:
-    """The longest prompt the run takes, in tokens, and the field(s) it comes from:
-    max_prompt_tokens when the config has it, else what the engines' context leaves after
-    max_new_tokens; None when neither says."""
-    limit = getattr(cfg, "max_prompt_tokens", None)
-    if limit is not None:
-        return limit, f"max_prompt_tokens={limit}"
-    context = cfg.rollout.max_model_len
-    if context is None:
-        return None, "no limit set"
-    room = context - cfg.max_new_tokens
-    return room, (f"rollout.max_model_len - max_new_tokens = {context} - "
-                  f"{cfg.max_new_tokens} = {room}")
-
-
 def prompt_length_problems(cfg: RLConfig, field: str, prompts: list[str]) -> list[Problem]:
     """task.<field>'s prompts tokenized as the engines get them (the chat template with
     task.chat_template): a note with their count and length distribution, and the prompts
-    over `prompt_limit` — an error, or a warning saying how many are dropped when
+    over max_prompt_tokens — an error, or a warning saying how many are dropped when
     task.overlong_prompts is "filter". Nothing when the tokenizer is not here."""
     try:
         tokenizer = _tokenizer_here(cfg)
@@ -152,23 +137,23 @@ def prompt_length_problems(cfg: RLConfig, field: str, prompts: list[str]) -> lis
     except ValueError as err:  # chat_template=true, but the tokenizer has none
         return [Problem("prompt-length", str(err), "task.chat_template=false, or a tokenizer "
                         "with a chat template")]
-    limit, what = prompt_limit(cfg)
+    limit = cfg.max_prompt_tokens
+    what = f"max_prompt_tokens={limit}"
     ranked = sorted(lengths)
     p99 = ranked[min(len(ranked) - 1, math.ceil(0.99 * len(ranked)) - 1)]
     how = " with the chat template" if cfg.task.chat_template else ""
     problems = [Problem("prompt-length", f"task.{field}: {len(lengths)} prompts, tokens{how} "
                         f"min {ranked[0]} / median {ranked[len(ranked) // 2]} / p99 {p99} / "
                         f"max {ranked[-1]}", what, "note")]
-    over = [i for i, n in enumerate(lengths) if limit is not None and n > limit]
+    over = [i for i, n in enumerate(lengths) if n > limit]
     if not over:
         return problems
     first = over[0]
     message = (f"task.{field}: {len(over)} of {len(lengths)} prompts are longer than {what} "
                f"tokens (the first: prompt {first + 1}, {lengths[first]} tokens; the longest "
                f"{ranked[-1]})")
-    raise_to = (f"max_prompt_tokens={ranked[-1]}" if "max_prompt_tokens=" in what else
-                f"rollout.max_model_len={ranked[-1] + cfg.max_new_tokens}")
-    if getattr(cfg.task, "overlong_prompts", "error") == "filter":
+    raise_to = f"max_prompt_tokens={ranked[-1]}"
+    if cfg.task.overlong_prompts == "filter":
         problems.append(Problem("prompt-length", message + f": task.overlong_prompts=filter "
                                 f"drops these {len(over)}", f"{raise_to} to keep them",
                                 "warning"))
