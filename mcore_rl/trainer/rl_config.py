@@ -4,6 +4,7 @@ and `mcore-rl plan-memory` all read."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar, Literal
@@ -281,7 +282,6 @@ class RLConfig:
 
     def _map_off_policy_steps(self) -> None:
         """The deprecated `off_policy_steps` becomes rollout.mode (and is then cleared)."""
-        import dataclasses
         import warnings
 
         modes = {0: "sync", 1: "one_step"}
@@ -320,8 +320,6 @@ class RLConfig:
         """train.seq_len and rollout.max_model_len: null ones derived from `sample_tokens`,
         explicit ones checked against it (multi-turn: `_check_episode_fits`). Returns the
         resolved seq_len (the rows of every role)."""
-        import dataclasses
-
         need = self.sample_tokens
         if self.task.multi_turn and self.max_prompt_tokens >= need:
             raise ConfigError("max_prompt_tokens", self.max_prompt_tokens,
@@ -357,8 +355,6 @@ class RLConfig:
                        seq_len: int) -> TrainConfig:
         """`train` with a null seq_len set to the run's and a null micro_batch_size derived
         for `rows` sequences per DP rank (`derived_micro_batch`)."""
-        import dataclasses
-
         seq_len = train.seq_len or seq_len
         mbs = train.micro_batch_size or derived_micro_batch(rows, seq_len)
         if (train.seq_len, train.micro_batch_size) == (seq_len, mbs):
@@ -371,8 +367,6 @@ class RLConfig:
     def _resolve_sizes(self) -> None:
         """Every derived length and micro batch size, resolved once (the loaded config holds
         them; workers, planning and benches read plain values)."""
-        import dataclasses
-
         per_dp = self.rows_per_dp
         seq_len = self._resolve_lengths()
         object.__setattr__(self, "train", self._resolve_train(
