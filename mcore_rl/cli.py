@@ -17,13 +17,14 @@ from pathlib import Path
 COMMANDS: dict[str, str] = {
     "bench": "mcore_rl.bench.cli",
     "convert": "tools.checkpoint_convert.cli",
-    "explain": "mcore_rl.planning.explain",
-    "plan-memory": "mcore_rl.planning.cli",
-    "preflight": "mcore_rl.planning.cli",
-    "demo": "mcore_rl.trainer.demo",
-    "plot": "mcore_rl.trainer.demo",
-    "train": "mcore_rl.trainer.demo",
-    "train-lm": "mcore_rl.trainer.lm",
+    "explain": "mcore_rl.run.explain",
+    "plan-memory": "mcore_rl.run.plan_cli",
+    "preflight": "mcore_rl.run.plan_cli",
+    "ray-run": "mcore_rl.launch.ray_cluster",
+    "demo": "mcore_rl.run.train",
+    "plot": "mcore_rl.run.train",
+    "train": "mcore_rl.run.train",
+    "train-lm": "mcore_rl.train_lm",
 }
 
 
@@ -56,6 +57,8 @@ def version() -> str:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mcore-rl", description=DESCRIPTION)
     parser.add_argument("--version", action="version", version=f"mcore-rl {version()}")
+    # `ray-run` runs another mcore-rl command in this process: it is handed this entry point
+    parser.set_defaults(cli_main=main)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for module in dict.fromkeys(COMMANDS.values()):
         importlib.import_module(module).add_parser(sub)

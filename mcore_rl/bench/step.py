@@ -178,14 +178,14 @@ class StepBenchConfig:
     def config_path(self) -> str:
         """The RL config's YAML: `config`, or the demo's (both sides of a TRL comparison read
         this one file)."""
-        from mcore_rl.trainer.demo import DEMO_CONFIG
+        from mcore_rl.run.train import DEMO_CONFIG
 
         return str(self.config or DEMO_CONFIG)
 
     def rl_config(self):
         """The RL config (with a shape not yet built: pointing at where it will be)."""
         from mcore_rl.config import load_config
-        from mcore_rl.trainer.rl_config import RLConfig
+        from mcore_rl.run.config import RLConfig
 
         cfg = self.built(Path("/shape-built-at-run-time")) if self.shape else self
         return load_config(RLConfig, cfg.config_path, list(cfg.overrides))
@@ -222,7 +222,7 @@ def step_bench_config(config: str | None, overrides: Sequence[str], *,
 
 
 def _controller_cls():
-    from mcore_rl.trainer.controller import RLController
+    from mcore_rl.rl.controller import RLController
 
     class MeasuredController(RLController):
         """RLController that records the lengths of the sequences it generates (for the
@@ -280,7 +280,7 @@ def _measure(cfg: StepBenchConfig) -> dict:
     locally), run the supervised warm-up if warmup.max_steps > 0, then unmeasured + measured
     RL steps; with `baseline`, TRL from the same starting weights. Returns the report."""
     from mcore_rl.launch.startup_gc import gc_paused
-    from mcore_rl.trainer.demo import model_dir_while_ray_starts
+    from mcore_rl.run.train import model_dir_while_ray_starts
 
     rl = cfg.rl_config()
     start = time.perf_counter()
@@ -332,8 +332,8 @@ def _warm_up(controller, rl, model_dir: Path, scratch: Path) -> tuple[Path, floa
     directory, seconds); without a warm-up the starting model itself and 0."""
     if not rl.warmup.max_steps:
         return Path(model_dir), 0.0
-    from mcore_rl.trainer.hf_export import export_actor_hf
-    from mcore_rl.trainer.metrics import MetricsWriter
+    from mcore_rl.run.hf_export import export_actor_hf
+    from mcore_rl.run.metrics import MetricsWriter
 
     start = time.perf_counter()
     writer = MetricsWriter(scratch / "run", phase="warmup")

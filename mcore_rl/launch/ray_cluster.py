@@ -1,5 +1,5 @@
 """A Ray cluster over a SLURM allocation, for one driver (an RL run) — used by
-scripts/slurm/train.sbatch through `python -m mcore_rl.launch.slurm ray-run -- ...`.
+scripts/slurm/train.sbatch through `python -m mcore_rl.cli ray-run -- ...`.
 
 Layout: the batch script's node (the allocation's first node) runs the Ray head and the
 driver; every other node runs one `ray start --block` worker, all from one
@@ -17,6 +17,7 @@ Ray processes; they also die with the launcher (PR_SET_PDEATHSIG) if it is kille
 
 from __future__ import annotations
 
+import argparse
 import ctypes
 import os
 import signal
@@ -26,7 +27,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
 from mcore_rl.launch.slurm import expand_nodelist, node_address, this_node_address
 
@@ -214,7 +215,7 @@ class SlurmRayCluster:
         return ["srun", "--overlap", f"--job-name={WORKER_STEP_NAME}",
                 f"--nodes={len(others)}", f"--ntasks={len(others)}", "--ntasks-per-node=1",
                 f"--nodelist={','.join(others)}",
-                "--kill-on-bad-exit=0", sys.executable, "-m", "mcore_rl.launch.slurm",
+                "--kill-on-bad-exit=0", sys.executable, "-m", "mcore_rl.launch.ray_cluster",
                 "ray-node", f"--address={self.address}", f"--port={self.cfg.port}",
                 *([f"--cpus-per-node={self.cfg.cpus_per_node}"]
                   if self.cfg.cpus_per_node is not None else [])]
@@ -315,7 +316,7 @@ def _terminate(proc: subprocess.Popen | None, timeout_s: float, *,
 class Terminated(Exception):
     """SIGTERM (scancel) or SIGUSR1 (the time limit's `--signal=B:USR1@N`, forwarded by
     train.sbatch) reached the launcher outside the training's own handlers (which stop at a
-    safe point with a checkpoint: trainer/run_control.py)."""
+    safe point with a checkpoint: run/signals.py)."""
 
     def __init__(self, signum: int):
         super().__init__(f"signal {signum}")
@@ -332,14 +333,14 @@ def _stop_handlers() -> None:
         signal.signal(sig, _raise_terminated)
 
 
-def run_with_cluster(cfg: RayClusterConfig, argv: Sequence[str]) -> int:
-    """Bring the cluster up, run `mcore-rl ARGV` in this process as its driver (its
+def run_with_cluster(cfg: RayClusterConfig, argv: Sequence[str],
+                     run_command: Callable[[list[str]], int]) -> int:
+    """Bring the cluster up, run `run_command(ARGV)` (the mcore-rl CLI: `mcore-rl ray-run`
+    passes its own entry point) in this process as its driver (its
     `init_local_ray` finds Ray initialized and keeps it), stop the cluster. Returns the
     command's exit code (128 + 15 on SIGTERM outside the training, 75 on SIGUSR1 before it
     started, 3 if the cluster did not come up); an exception
     from the command propagates after the cluster is stopped."""
-    from mcore_rl.cli import main as cli_main
-
     previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGUSR1)}
     _stop_handlers()
     try:
@@ -348,7 +349,7 @@ def run_with_cluster(cfg: RayClusterConfig, argv: Sequence[str]) -> int:
             _stop_handlers()
             print(f"running: mcore-rl {' '.join(argv)}", flush=True)
             try:
-                return int(cli_main(list(argv)) or 0)
+                return int(run_command(list(argv)) or 0)
             except SystemExit as exit_:  # argparse errors, sys.exit in a command
                 code = exit_.code
                 return code if isinstance(code, int) else (0 if code is None else 1)
@@ -358,7 +359,7 @@ def run_with_cluster(cfg: RayClusterConfig, argv: Sequence[str]) -> int:
     except Terminated as stop:
         name = signal.Signals(stop.signum).name
         if stop.signum == signal.SIGUSR1:  # before training started: nothing to save, requeue
-            from mcore_rl.trainer.run_control import STOP_EXIT_CODE
+            from mcore_rl.launch.exit_codes import STOP_EXIT_CODE
 
             print(f"mcore-rl ray-run: {name} before the run started; Ray stopped (exit "
                   f"{STOP_EXIT_CODE}: requeue)", file=sys.stderr, flush=True)
@@ -373,3 +374,64 @@ def run_with_cluster(cfg: RayClusterConfig, argv: Sequence[str]) -> int:
 
 __all__ = ["RayClusterConfig", "RayClusterError", "SlurmRayCluster", "connect_from_env",
            "head_command", "node_command", "ray_env", "run_node", "run_with_cluster"]
+
+
+# --------------------------------------------------------------------------- entry point
+
+def _add_cluster_parser(sub, name: str) -> argparse.ArgumentParser:
+    """`ray-run` (the batch script's node: Ray head + driver) or `ray-node` (run by srun on
+    every other node). Options default from the environment (MCORE_RL_RAY_PORT,
+    MCORE_RL_RAY_JOIN_TIMEOUT, MCORE_RL_RAY_CPUS or SLURM_CPUS_ON_NODE, MCORE_RL_RAY_TMPDIR)."""
+    helps = {"ray-run": "start Ray over a SLURM allocation, run the mcore-rl command after -- "
+                        "as its driver, stop Ray; exits with the command's code "
+                        "(scripts/slurm/train.sbatch)",
+             "ray-node": "join the Ray head (one srun task per worker node)"}
+    p = sub.add_parser(name, help=helps[name])
+    p.add_argument("--port", type=int, default=None, help="head GCS port")
+    p.add_argument("--cpus-per-node", type=int, default=None)
+    if name == "ray-run":
+        p.add_argument("--join-timeout", type=float, default=None,
+                       help="seconds for every node to join (default 180)")
+        p.add_argument("args", nargs=argparse.REMAINDER, help="-- mcore-rl arguments")
+    else:
+        p.add_argument("--address", required=True, help="head HOST:PORT")
+    return p
+
+
+def _run_cluster_command(parser: argparse.ArgumentParser, args: argparse.Namespace,
+                         run_command: Callable[[list[str]], int] | None) -> int:
+    try:
+        cfg = RayClusterConfig.from_env(port=args.port, cpus_per_node=args.cpus_per_node,
+                                        join_timeout_s=getattr(args, "join_timeout", None))
+    except ValueError as err:
+        parser.error(str(err))
+    if args.command == "ray-node":
+        run_node(cfg, args.address)  # does not return
+        return 1
+    command = args.args[1:] if args.args[:1] == ["--"] else args.args
+    if not command:
+        parser.error("ray-run: give the mcore-rl command after --, e.g. -- train --config X")
+    return run_with_cluster(cfg, command, run_command)
+
+
+def add_parser(sub) -> None:
+    """`mcore-rl ray-run [options] -- COMMAND ...`: the CLI hands its own entry point in
+    (`cli_main`), so the command runs in this process as the cluster's driver."""
+    p = _add_cluster_parser(sub, "ray-run")
+    p.set_defaults(func=lambda args: _run_cluster_command(p, args, args.cli_main))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m mcore_rl.launch.ray_cluster ray-node --address HOST:PORT` (run by srun on every
+    node but the batch script's, which runs `mcore-rl ray-run`)."""
+    parser = argparse.ArgumentParser(prog="python -m mcore_rl.launch.ray_cluster",
+                                     description="a worker node of Ray over a SLURM "
+                                                 "allocation (scripts/slurm/train.sbatch)")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_cluster_parser(sub, "ray-node")
+    args = parser.parse_args(argv)
+    return _run_cluster_command(parser, args, None)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -3,8 +3,8 @@ expansion into shard maps."""
 
 from mcore_rl.layouts.expert_placement import vllm_local_experts
 from mcore_rl.layouts.families import FAMILIES, family_table
-from mcore_rl.layouts.layout import (LAYER_SPECS, Box, LayerSpec, LocalTensor, Piece, Row,
-                                     ShardMap, Side)
+from mcore_rl.models.spec import LAYER_SPECS, LayerSpec
+from mcore_rl.layouts.layout import Box, LocalTensor, Piece, Row, ShardMap, Side
 from mcore_rl.layouts.shards import (LayoutError, assemble_hf, extra_state_modules, hf_shards,
                                      materialize_rank, megatron_shards, validate_megatron_grid,
                                      vllm_shards)

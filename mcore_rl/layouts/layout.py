@@ -15,17 +15,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from mcore_rl.models.spec import LAYER_SPECS, LayerSpec, check_layer_spec  # noqa: F401  (re-exported)
+
 # A box is a half-open range per tensor dim: ((start0, stop0), (start1, stop1), ...).
 Box = tuple[tuple[int, int], ...]
 
 # Symbolic dimension names used in HF shapes; sizes come from ModelSpec (see shards.dim_size).
 Dim = Literal["hidden", "ffn", "vocab", "heads", "kv_heads", "labels", "head_dim", "experts",
               "expert_ffn"]
-
-# megatron-core's layer specs: "local" (pure PyTorch modules, what runs on CPU) and "te"
-# (TransformerEngine modules, GPU). They hold the same tensors; only some names differ.
-LayerSpec = Literal["local", "te"]
-LAYER_SPECS: tuple[str, ...] = ("local", "te")
 
 
 @dataclass(frozen=True)
@@ -72,12 +69,6 @@ class Side:
         if layer_spec == "te" and self.te_fused_into is not None:
             return f"{self.te_fused_into}.layer_norm_{self.name.rsplit('.', 1)[1]}"
         return self.name
-
-
-def check_layer_spec(layer_spec: str) -> None:
-    if layer_spec not in LAYER_SPECS:
-        raise ValueError(f"layer_spec={layer_spec!r}: one of {', '.join(LAYER_SPECS)} "
-                         "(megatron-core's local or TransformerEngine layer spec)")
 
 
 @dataclass(frozen=True)

@@ -25,8 +25,8 @@ import torch
 
 from mcore_rl.layouts.expert_placement import vllm_local_experts
 from mcore_rl.layouts.families import family_table
-from mcore_rl.layouts.layout import (LayerSpec, LocalTensor, Piece, Row, ShardMap, Side,
-                                     box_slices, check_layer_spec)
+from mcore_rl.models.spec import LayerSpec, check_layer_spec
+from mcore_rl.layouts.layout import LocalTensor, Piece, Row, ShardMap, Side, box_slices
 from mcore_rl.config import ConfigError
 from mcore_rl.models.spec import ModelSpec
 from mcore_rl.parallel.config import ParallelConfig

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 # HF architectures → layout family. Mistral uses Llama's tensor names and layouts.
 # *ForSequenceClassification: the same decoder with a `score` head [num_labels, hidden] (no
@@ -242,3 +242,17 @@ def _reject_unsupported(cfg: dict) -> None:
         problems.append(f"pretraining_tp={cfg['pretraining_tp']}")
     if problems:
         raise UnsupportedModelError("unsupported HF config fields: " + "; ".join(problems))
+
+
+# megatron-core's layer specs: "local" (pure PyTorch modules, what runs on CPU) and "te"
+# (TransformerEngine modules, GPU). They hold the same tensors; only some names differ.
+LayerSpec = Literal["local", "te"]
+
+
+LAYER_SPECS: tuple[str, ...] = ("local", "te")
+
+
+def check_layer_spec(layer_spec: str) -> None:
+    if layer_spec not in LAYER_SPECS:
+        raise ValueError(f"layer_spec={layer_spec!r}: one of {', '.join(LAYER_SPECS)} "
+                         "(megatron-core's local or TransformerEngine layer spec)")

@@ -172,8 +172,8 @@ def measure_case(spec_name: str, parallel_kw: dict, *, dtype: str = "float32",
     from mcore_rl.models.presets import get_preset
     from mcore_rl.parallel.config import ParallelConfig
     from mcore_rl.parallel.groups import init_training_groups
-    from mcore_rl.trainer.config import TrainConfig
-    from mcore_rl.trainer.megatron_train import MicroBatch, setup_trainer, train_step
+    from mcore_rl.megatron.config import TrainConfig
+    from mcore_rl.megatron.train import MicroBatch, setup_trainer, train_step
 
     spec = get_preset(spec_name)
     parallel = ParallelConfig(**parallel_kw)

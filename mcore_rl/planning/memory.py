@@ -54,7 +54,7 @@ from mcore_rl.planning.activations import (ActivationModel, in_flight_layers,
 from mcore_rl.planning.sized import GiB, TRAINER_GRAD_DTYPE, SizedRun
 
 if TYPE_CHECKING:
-    from mcore_rl.trainer.config import TrainConfig
+    from mcore_rl.megatron.config import TrainConfig
 
 
 # --- parameters per rank ----------------------------------------------------------------------

@@ -14,7 +14,7 @@ Rules (shared/FINDINGS.md, ../shared/STYLE.md "Resolve once, then obey"):
 - layer_spec: "te" (TransformerEngine) on cuda, "local" (megatron's pure-PyTorch spec) on cpu.
 - sync_backend: `cluster.sync_backend` as configured; when null, the device's own (nccl on
   cuda, gloo on cpu). A configured backend the device cannot run (nccl on cpu) is kept here
-  and refused by preflight (`mcore_rl.planning.preflight.check_sync_backend`).
+  and refused by preflight (`mcore_rl.planning.grid_checks.check_sync_backend`).
 - cluster: the allocation the run is sized for, with a "local" cluster resolved to this
   machine (its memory; the devices the placement uses) or, with `assume_gpu` and no GPU
   here, to the cluster section's own GPU defaults.
@@ -44,7 +44,7 @@ from mcore_rl.launch.placement import PlacementPlan, plan_placement
 from mcore_rl.rollout.expert_parallel import check_expert_parallel
 
 if TYPE_CHECKING:  # the run config imports the planner; the planner only reads it
-    from mcore_rl.trainer.rl_config import RLConfig
+    from mcore_rl.run.config import RLConfig
 
 Device = Literal["cpu", "cuda"]
 Transport = Literal["p2p", "ipc"]

@@ -18,16 +18,17 @@ from mcore_rl.config import ConfigError, from_dict, parse_overrides, to_dict
 from mcore_rl.launch.cluster import ClusterConfig
 from mcore_rl.models.presets import PRESETS
 from mcore_rl.models.spec import ModelSpec
+from mcore_rl.rollout.config import vllm_batch_defaults
 from mcore_rl.planning.resolve import (Device, layer_spec_of, local_devices, resolved_cluster,
                                        run_device, sync_backend_of)
 
 if TYPE_CHECKING:
-    from mcore_rl.trainer.config import TrainConfig
-    from mcore_rl.trainer.rl_config import RLConfig
+    from mcore_rl.megatron.config import TrainConfig
+    from mcore_rl.run.config import RLConfig
 
 GiB = 1 << 30
 
-# `trainer.megatron_train` reduces gradients in fp32 (megatron's grad_reduce_in_fp32) whatever
+# `megatron.train` reduces gradients in fp32 (megatron's grad_reduce_in_fp32) whatever
 # train.dtype is; the planner sizes the DDP grad buffer the same way.
 TRAINER_GRAD_DTYPE = "float32"
 
@@ -54,17 +55,6 @@ def model_name(model: str | ModelSpec) -> str:
     if isinstance(model, ModelSpec):
         return f"{model.architecture} (hidden {model.hidden}, {model.layers} layers)"
     return model
-
-
-def vllm_batch_defaults(device: Device, device_gib: float, tp: int) -> tuple[int, int]:
-    """(max_num_batched_tokens, max_num_seqs) vLLM 0.32 picks for an offline `LLM` when they
-    are not set (`EngineArgs.get_batch_defaults`, LLM_CLASS): CPU 4096·tp and 256·tp; GPUs of
-    >= 70 GiB 16384 and 1024 (A100s excepted, which vLLM names and we cannot); else 8192, 256."""
-    if device == "cpu":
-        return 4096 * tp, 256 * tp
-    if device_gib >= 70:
-        return 16384, 1024
-    return 8192, 256
 
 
 @dataclass(frozen=True)
@@ -164,8 +154,6 @@ def sized_run(cfg: "RLConfig", *, assume_gpu: bool = False, cuda_available: bool
 def with_overrides(run: SizedRun, overrides: list[str] | tuple[str, ...]) -> SizedRun:
     """`run` with RLConfig overrides (`a.b.c=value`) applied, validated like a loaded config
     and re-sized on the same device; the model's shapes are kept."""
-    from mcore_rl.trainer.rl_config import RLConfig
-
     def merge(base: dict, extra: dict) -> dict:
         out = dict(base)
         for k, v in extra.items():
@@ -173,7 +161,7 @@ def with_overrides(run: SizedRun, overrides: list[str] | tuple[str, ...]) -> Siz
                                                                              dict) else v
         return out
 
-    cfg = from_dict(RLConfig, merge(to_dict(run.cfg), parse_overrides(list(overrides))))
+    cfg = from_dict(type(run.cfg), merge(to_dict(run.cfg), parse_overrides(list(overrides))))
     on_gpu = run.device == "cuda"
     device = run_device(cfg, assume_gpu=on_gpu, cuda_available=on_gpu)
     if cfg.cluster.device == "local" and device == run.device:  # this machine, measured once
@@ -186,4 +174,4 @@ def with_overrides(run: SizedRun, overrides: list[str] | tuple[str, ...]) -> Siz
 
 
 __all__ = ["GiB", "SizedRun", "TRAINER_GRAD_DTYPE", "model_name", "resolve_model", "sized_run",
-           "vllm_batch_defaults", "with_overrides"]
+           "with_overrides"]

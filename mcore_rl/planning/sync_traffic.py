@@ -1,5 +1,5 @@
 """What one weight sync of a resolved run moves, by engine and transport: the real plan (the
-one `trainer.weight_sync` builds: the actor's layout, the engines', the run's node of every
+one `rl.weight_sync` builds: the actor's layout, the engines', the run's node of every
 sync rank) walked with the transport rule the channels obey (`SyncGroupSpec.pair_transport`:
 an engine's IPC only from its own node). `mcore-rl explain` prints it; nothing is started.
 
@@ -17,7 +17,7 @@ if TYPE_CHECKING:
     from mcore_rl.models.spec import ModelSpec
     from mcore_rl.planning.resolve import ResolvedRun
     from mcore_rl.resharding.planner import Plan
-    from mcore_rl.trainer.rl_config import RLConfig
+    from mcore_rl.run.config import RLConfig
 
 
 def sync_plan(cfg: "RLConfig", run: "ResolvedRun", spec: "ModelSpec") -> "Plan":

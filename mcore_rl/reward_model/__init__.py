@@ -19,7 +19,7 @@ The controller combines it with the rule reward as `rule + coeff * score`
 `.score(prompts, responses, pad_id) -> Tensor[n]`, `.shutdown()`.
 """
 
-from mcore_rl.reward_model.checkpoint import SCORE_TENSOR, check_reward_model_dir
+from mcore_rl.reward_model.weights import SCORE_TENSOR, check_reward_model_dir
 from mcore_rl.reward_model.config import RewardModelConfig, RewardModelError
 from mcore_rl.reward_model.scoring import (RewardModel, ScoreBatch, check_score_inputs,
                                            load_reward_model, pad_sequences, score_batch)

@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from mcore_rl.config.dtypes import torch_dtype
 from mcore_rl.models.spec import ModelSpec
-from mcore_rl.reward_model.checkpoint import check_reward_model_dir
+from mcore_rl.reward_model.weights import check_reward_model_dir
 from mcore_rl.reward_model.config import RewardModelConfig, RewardModelError
 
 
@@ -53,7 +53,7 @@ def load_reward_model(cfg: RewardModelConfig, groups, spec: ModelSpec | None = N
     from mcore_rl.models.gpt import build_gpt_model, load_chunks
     from mcore_rl.models.hf_weights import SafetensorsWeights
     from mcore_rl.parallel.groups import Axis
-    from mcore_rl.trainer.critic import attach_value_head
+    from mcore_rl.megatron.value import attach_value_head
 
     spec = spec or check_reward_model_dir(cfg.hf_dir)
     parallel, dtype = groups.config, torch_dtype(cfg.dtype)
@@ -98,8 +98,8 @@ def score_batch(model: RewardModel, tokens: torch.Tensor,
     stage, dp 0), None elsewhere, on the model's device (the rows are moved there).
     """
     from mcore_rl.parallel.groups import Axis
-    from mcore_rl.trainer.megatron_train import _run_schedule
-    from mcore_rl.trainer.packing import model_inputs
+    from mcore_rl.megatron.train import _run_schedule
+    from mcore_rl.megatron.packing import model_inputs
 
     groups, mbs = model.groups, model.micro_batch_size
     check_score_inputs(tokens, lengths, model.spec.vocab)  # on the host, as they arrive

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from mcore_rl.config import ConfigError
-from mcore_rl.reward_model.checkpoint import check_reward_model_dir
+from mcore_rl.reward_model.weights import check_reward_model_dir
 from mcore_rl.reward_model.config import RewardModelConfig, RewardModelError
 from mcore_rl.reward_model.scoring import (check_score_inputs, load_reward_model, pad_sequences,
                                            score_batch)
@@ -70,7 +70,7 @@ class RewardModelGroup:
         import ray
 
         from mcore_rl.resharding import host_store
-        from mcore_rl.rollout.ray_engines import init_local_ray
+        from mcore_rl.launch.ray_runtime import init_local_ray
 
         if not cfg.enabled:
             raise ConfigError("enabled", False, "RewardModelGroup needs an enabled reward model")

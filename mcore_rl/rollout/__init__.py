@@ -5,9 +5,9 @@ from mcore_rl.rollout.config import RolloutConfig, SamplingConfig
 from mcore_rl.rollout.engine import Completion, RolloutEngine
 from mcore_rl.rollout.errors import RolloutError
 from mcore_rl.rollout.sync_client import RankSync, SyncReport
-from mcore_rl.rollout.ray_engines import RayEngines, init_local_ray
+from mcore_rl.rollout.ray_engines import RayEngines
 from mcore_rl.rollout.worker_extension import install_from_iterator, rank_shapes
 
 __all__ = ["Completion", "RankSync", "RayEngines", "RolloutConfig", "RolloutEngine",
-           "RolloutError", "SamplingConfig", "SyncReport", "init_local_ray",
+           "RolloutError", "SamplingConfig", "SyncReport",
            "install_from_iterator", "rank_shapes"]

@@ -35,7 +35,7 @@ class RolloutConfig:
     max_num_seqs: sequences batched per step (vLLM's default when None).
     max_num_batched_tokens: tokens scheduled per engine step, which sizes vLLM's activation peak
         (vLLM's default when None: it depends on the device, see
-        `mcore_rl.planning.sized.vllm_batch_defaults`; CPU: 4096). On CPU keep it >= the prompt
+        `vllm_batch_defaults`; CPU: 4096). On CPU keep it >= the prompt
         tokens of one generate call: vLLM 0.32 fails a seeded request whose prefill is split
         over steps ("CPU Generator does not use offset").
     block_size: KV-cache block (tokens); prefix caching reuses whole blocks. vLLM's default
@@ -59,7 +59,7 @@ class RolloutConfig:
         cpu_threads_bind (`in_process_threads` is what applies).
     cpus_per_engine: Ray CPUs reserved per engine actor.
     host_ip: address vLLM and Ray bind to (`VLLM_HOST_IP`); loopback for one machine.
-    mode: when the engines generate relative to training (`mcore_rl.trainer.async_rollout`):
+    mode: when the engines generate relative to training (`mcore_rl.rollout.pipeline`):
         "sync" (on-policy: each step generates its batch on the weights just synced),
         "one_step" (step n+1's batch is generated while step n trains: staleness 1) or
         "async" (batches are generated up to max_staleness steps ahead). one_step and async
@@ -67,7 +67,7 @@ class RolloutConfig:
     max_staleness: async only — k: a batch generated on weight version v trains at a version
         <= v + k (>= 0; one_step is 1, sync 0).
     partial_chunk_tokens: one_step / async only — partial rollouts
-        (`mcore_rl.trainer.partial_rollout`): a batch ahead is generated at most this many new
+        (`mcore_rl.rollout.partial_pipeline`): a batch ahead is generated at most this many new
         tokens per weight version, the weights are synced between chunks, and an unfinished
         sample continues from its prefix on the new weights; every token records the version
         that produced it. null (default): each batch is generated whole on one version.
@@ -246,4 +246,15 @@ class SamplingConfig:
         return None if self.seed is None else self.seed + index * self.n
 
 
-__all__ = ["RolloutConfig", "SamplingConfig"]
+def vllm_batch_defaults(device: Literal["cpu", "cuda"], device_gib: float, tp: int) -> tuple[int, int]:
+    """(max_num_batched_tokens, max_num_seqs) vLLM 0.32 picks for an offline `LLM` when they
+    are not set (`EngineArgs.get_batch_defaults`, LLM_CLASS): CPU 4096·tp and 256·tp; GPUs of
+    >= 70 GiB 16384 and 1024 (A100s excepted, which vLLM names and we cannot); else 8192, 256."""
+    if device == "cpu":
+        return 4096 * tp, 256 * tp
+    if device_gib >= 70:
+        return 16384, 1024
+    return 8192, 256
+
+
+__all__ = ["RolloutConfig", "SamplingConfig", "vllm_batch_defaults"]

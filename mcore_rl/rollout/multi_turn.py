@@ -1,5 +1,5 @@
 """Multi-turn rollouts: the engines generate turn by turn for the whole batch, environments
-answer between turns (`mcore_rl.envs`), and every token carries a loss mask.
+answer between turns (`mcore_rl.tasks.envs`), and every token carries a loss mask.
 
 Per turn, every episode still running gets one sampled turn, all in ONE batched call of
 `generate` (the controller's `RayEngines.generate` under its deadline); episodes that finish
@@ -27,8 +27,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
-from mcore_rl.envs.base import Environment, EpisodeConfig
-from mcore_rl.envs.tool_format import TagFormat
+from mcore_rl.tasks.envs.base import Environment, EpisodeConfig
+from mcore_rl.tasks.envs.tool_format import TagFormat
 from mcore_rl.rollout.config import SamplingConfig
 from mcore_rl.rollout.engine import Completion
 from mcore_rl.tasks.base import Example
@@ -219,9 +219,9 @@ def build_multi_turn(task_cfg, tokenizer, reward_fn) -> MultiTurnRollout | None:
     """The task's multi-turn rollout (None for a single-turn task)."""
     if not task_cfg.multi_turn:
         return None
-    from mcore_rl.envs.base import load_env_factory
+    from mcore_rl.tasks.envs.base import load_env_factory
 
-    from mcore_rl.envs.tool_format import tool_format
+    from mcore_rl.tasks.envs.tool_format import tool_format
 
     return MultiTurnRollout(load_env_factory(task_cfg.env_path), reward_fn, task_cfg.episode,
                             tokenizer, fmt=tool_format(tokenizer, task_cfg.chat_template))

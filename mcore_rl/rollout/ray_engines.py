@@ -11,9 +11,9 @@ Every call has a deadline (`start_timeout_s` for start-up, `call_timeout_s` or t
 An engine that dies or misses it raises `RolloutError` naming the engine index and the phase.
 `restart(indices)` replaces dead engines with fresh ones in the same slots; a fresh engine
 holds the weights of `model_dir` and is in no sync group, so the caller re-forms the group and
-syncs it (`mcore_rl.trainer.recovery` does). Late engines (`RolloutConfig.startup_engines`)
+syncs it (`mcore_rl.rl.recovery` does). Late engines (`RolloutConfig.startup_engines`)
 are the same: `start_late_engines` starts them, `admit_late_engines` adds those that are up,
-and the caller re-forms the group and syncs them (`mcore_rl.trainer.weight_sync`).
+and the caller re-forms the group and syncs them (`mcore_rl.rl.weight_sync`).
 """
 
 from __future__ import annotations
@@ -39,44 +39,6 @@ from mcore_rl.rollout.vllm_env import IDLE_THREADS_SLEEP
 _FORWARDED = frozenset({"describe_shards", "check_shapes", "start_join_sync_group",
                         "finish_join_sync_group", "leave_sync_group", "begin_sync",
                         "finish_sync", "sleep", "wake_up", "reset_prefix_cache", "shutdown"})
-
-
-def init_local_ray(num_cpus: int | None = None, host_ip: str = "127.0.0.1") -> None:
-    """Start a one-machine Ray instance bound to `host_ip` unless Ray is already initialized.
-
-    Loopback really binds loopback only if `RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0` is in the
-    environment before `ray` is first imported (vLLM imports it): on Linux, Ray 2.60 otherwise
-    turns `_node_ip_address="127.0.0.1"` into the machine's routable address and its GCS,
-    raylet and workers listen on all interfaces. This sets it (when not set) and checks the
-    result: a Ray that ended up on another address is shut down and reported. Token auth is
-    turned off (Ray 2.60 enables it when ~/.ray/auth_token exists) unless RAY_AUTH_MODE is set.
-    """
-    loopback = host_ip.startswith("127.") or host_ip in ("localhost", "::1")
-    if loopback:
-        os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    os.environ.setdefault("VLLM_HOST_IP", host_ip)
-    import ray
-
-    if ray.is_initialized():
-        return
-    from mcore_rl.launch.ray_cluster import connect_from_env
-
-    if connect_from_env():  # a cluster named by RAY_ADDRESS (e.g. started by the sbatch script)
-        return
-    # library INFO lines of every worker stay in their RUN_DIR/logs files unless --verbose;
-    # `import ray` gave the driver's "ray" logger its console handler back
-    from mcore_rl.launch.logs import reapply_process_logs
-
-    reapply_process_logs()
-    ray.init(num_cpus=num_cpus or os.cpu_count(), include_dashboard=False,
-             _node_ip_address=host_ip, log_to_driver=verbose())
-    actual = ray.util.get_node_ip_address()
-    if loopback and actual != host_ip:
-        ray.shutdown()
-        raise RuntimeError(
-            f"Ray came up on {actual}, not {host_ip}: set RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 "
-            "in the environment before anything imports ray (vLLM does), or init Ray yourself")
 
 
 class EngineHost:
@@ -468,4 +430,4 @@ def _actor_error(err: BaseException) -> str:
     return "engine process died: " + (lines[0] if lines else type(err).__name__)
 
 
-__all__ = ["EngineHost", "RayEngines", "init_local_ray"]
+__all__ = ["EngineHost", "RayEngines"]

@@ -6,14 +6,14 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from mcore_rl.config import ConfigError
-from mcore_rl.envs.base import EpisodeConfig, load_env_factory
+from mcore_rl.tasks.envs.base import EpisodeConfig, load_env_factory
 from mcore_rl.tasks.base import RewardFn, Task, load_reward_fn
 
 DEFAULT_REWARDS = {"addition": "mcore_rl.tasks.addition:reward",
                    "jsonl": "mcore_rl.tasks.math:answer_reward",
                    "tool_calc": "mcore_rl.tasks.tool_calc:reward"}
 # kinds that are multi-turn by default, and their environment
-DEFAULT_ENVS = {"tool_calc": "mcore_rl.envs.tool_env:calculator_env"}
+DEFAULT_ENVS = {"tool_calc": "mcore_rl.tasks.envs.tool_env:calculator_env"}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -37,8 +37,8 @@ class TaskConfig:
         jsonl: mcore_rl.tasks.math:answer_reward, tool_calc: mcore_rl.tasks.tool_calc:reward).
         In a multi-turn task the environment calls it on the whole transcript after the prompt.
     env: "module:factory" of the environment that makes the task multi-turn
-        (`mcore_rl.envs.base`: factory(example, reward_fn) -> Environment), e.g.
-        mcore_rl.envs.tool_env:calculator_env; null: the kind's default (tool_calc: that
+        (`mcore_rl.tasks.envs.base`: factory(example, reward_fn) -> Environment), e.g.
+        mcore_rl.tasks.envs.tool_env:calculator_env; null: the kind's default (tool_calc: that
         calculator environment; addition and jsonl: single-turn).
     episode: bounds of a multi-turn episode (turns, total tokens; see EpisodeConfig).
     overlong_prompts: what a prompt longer than the run's max_prompt_tokens (after

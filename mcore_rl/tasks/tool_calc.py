@@ -1,7 +1,7 @@
 """A task that needs a tool: multiply two `digits`-digit numbers, `"37*45="` → `"1665"` + EOS.
 
 The demo's 0.5 M-parameter model cannot multiply 2-digit numbers by itself; with the calculator
-(`mcore_rl.envs.tool_env:calculator_env`) it only has to call it and copy the result:
+(`mcore_rl.tasks.envs.tool_env:calculator_env`) it only has to call it and copy the result:
 
     prompt  37*45=
     model   <call>calc: 37*45</call>          (generation stops at </call>)
@@ -27,7 +27,7 @@ import re
 from dataclasses import dataclass
 
 from mcore_rl.config import ConfigError
-from mcore_rl.envs.tool_format import TagFormat
+from mcore_rl.tasks.envs.tool_format import TagFormat
 from mcore_rl.tasks.addition import EOS_TEXT
 from mcore_rl.tasks.base import Example
 
@@ -130,7 +130,7 @@ class ToolCalcTask:
     def corpus(self, n: int = 2000, *, seed: int = 0) -> list[str]:
         """Tokenizer input: prompts with whole traces, direct answers, and the error
         observations the calculator environment can show."""
-        from mcore_rl.envs.tool_env import calculator_env
+        from mcore_rl.tasks.envs.tool_env import calculator_env
 
         lines = [self.prompt(a, b) + self.trace(a, b, tool=i % 4 != 0)
                  for i, (a, b) in enumerate(self.sample_pairs(n, seed=seed, split="train"))]

@@ -9,7 +9,7 @@ import torch
 from mcore_rl.algorithms import (RolloutCorrectionConfig, correction_weights, mis_mask,
                                  policy_loss, tis_weights)
 from mcore_rl.config import ConfigError, load_config
-from tests.trainer import DEMO_SIZED
+from tests.support import DEMO_SIZED
 
 
 def t(rows):
@@ -93,7 +93,7 @@ def test_policy_loss_with_tis_weights_is_the_weighted_loss():
     ("level=seq", "level", "allowed values: token, sequence, geometric"),
 ])
 def test_bad_config_names_the_field(override, field, problem):
-    from mcore_rl.trainer.rl_config import RLConfig
+    from mcore_rl.run.config import RLConfig
 
     with pytest.raises(ConfigError) as err:
         load_config(RLConfig, DEMO_SIZED, [f"algorithm.rollout_correction.{override}"])

@@ -16,7 +16,7 @@ from mcore_rl.launch.spawn import run_on_ranks
 def _import_megatron_trainer(rank, world):
     import torch
 
-    import mcore_rl.trainer.megatron_train  # noqa: F401 — imports megatron-core's fusions
+    import mcore_rl.megatron.train  # noqa: F401 — imports megatron-core's fusions
     from megatron.core.fusions import fused_bias_gelu
 
     from mcore_rl.compat.lazy_compile import DeferredCompile

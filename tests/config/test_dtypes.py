@@ -8,7 +8,7 @@ import torch
 
 from mcore_rl.config import ConfigError, load_config
 from mcore_rl.config.dtypes import dtype_bytes, dtype_name, torch_dtype
-from mcore_rl.trainer.rl_config import RLConfig
+from mcore_rl.run.config import RLConfig
 
 
 @pytest.mark.parametrize("spelling,canonical,torch_type", [

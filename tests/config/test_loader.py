@@ -3,7 +3,7 @@
 import pytest
 
 from mcore_rl.config import ConfigError, load_config
-from mcore_rl.trainer.rl_config import RLConfig
+from mcore_rl.run.config import RLConfig
 
 
 @pytest.mark.parametrize("override, expected", [

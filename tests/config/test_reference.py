@@ -7,7 +7,7 @@ import dataclasses
 from pathlib import Path
 
 from mcore_rl.config.reference import field_docs, render_reference, rows
-from mcore_rl.trainer.rl_config import RLConfig
+from mcore_rl.run.config import RLConfig
 
 REFERENCE = Path(__file__).resolve().parents[2] / "docs" / "reference" / "config.md"
 

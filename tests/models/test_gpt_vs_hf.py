@@ -53,7 +53,7 @@ def _megatron_logits(rank, world, cases):
     from mcore_rl.models.gpt import build_gpt_model, load_chunks
     from mcore_rl.parallel.config import ParallelConfig
     from mcore_rl.parallel.groups import init_training_groups
-    from mcore_rl.trainer.megatron_train import token_logprobs
+    from mcore_rl.megatron.train import token_logprobs
 
     parallel = ParallelConfig(tp=world)
     groups = init_training_groups(parallel)

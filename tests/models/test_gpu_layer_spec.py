@@ -54,7 +54,7 @@ def _names_on_device(rank, world, device, layer_spec_name):
     from megatron.core.dist_checkpointing.mapping import (ShardedObject, ShardedTensor,
                                                           ShardedTensorFactory)
 
-    from mcore_rl.checkpoint.layout import _extra_state_objects, checkpoint_layout
+    from mcore_rl.conversion.layout import _extra_state_objects, checkpoint_layout
     from mcore_rl.layouts import materialize_rank, megatron_shards
     from mcore_rl.models.gpt import build_gpt_model, load_chunks
     from mcore_rl.parallel import ParallelConfig

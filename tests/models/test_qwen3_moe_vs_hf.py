@@ -62,7 +62,7 @@ def _megatron_logits(rank, world, cases):
                                      transformer_config_from_spec)
     from mcore_rl.parallel.config import ParallelConfig
     from mcore_rl.parallel.groups import init_training_groups
-    from mcore_rl.trainer.megatron_train import MicroBatch, forward_logits
+    from mcore_rl.megatron.train import MicroBatch, forward_logits
 
     out = {}
     for name, (spec, parallel_kw, dispatcher, weights) in cases.items():

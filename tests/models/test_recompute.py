@@ -18,7 +18,7 @@ def _step(rank: int, world: int) -> dict:
     from mcore_rl.models.presets import get_preset
     from mcore_rl.parallel.config import ParallelConfig
     from mcore_rl.parallel.groups import Axis, init_training_groups
-    from mcore_rl.trainer.megatron_train import token_logprobs
+    from mcore_rl.megatron.train import token_logprobs
 
     spec, parallel = get_preset("micro"), ParallelConfig(tp=2)
     groups = init_training_groups(parallel)
@@ -44,8 +44,8 @@ def _step(rank: int, world: int) -> dict:
                      "sq_norm": sum(float(g.float().pow(2).sum()) for g in grads.values()),
                      "grads": grads}
     # the trainer builds its model config from TrainConfig.recompute
-    from mcore_rl.trainer.config import TrainConfig
-    from mcore_rl.trainer.megatron_train import setup_trainer
+    from mcore_rl.megatron.config import TrainConfig
+    from mcore_rl.megatron.train import setup_trainer
 
     out["trainer_granularity"] = {
         mode: setup_trainer(spec, groups, TrainConfig(recompute=mode)).config.recompute_granularity

@@ -1,14 +1,14 @@
 """`init_training_groups` puts every rank where `ParallelConfig.rank_of` says, on the two
 4-rank grids of the layout table (TP2·PP2 and DP2·TP2): each rank's TP / PP / DP group holds
 exactly the ranks that differ from it only along that axis, in our groups and in megatron's
-ProcessGroupCollection. Reads the layout table's launches (tests/trainer/layout_run.py)."""
+ProcessGroupCollection. Reads the layout table's launches (tests/support/layout_run.py)."""
 
 from __future__ import annotations
 
 import pytest
 
 from mcore_rl.parallel.config import ParallelConfig
-from trainer.layout_run import layout_results
+from tests.support.layout_run import layout_results
 
 GRIDS = {"tp2pp2": dict(tp=2, pp=2),
          "dp2tp2": dict(dp=2, tp=2, use_distributed_optimizer=True)}

@@ -16,8 +16,8 @@ import pytest
 from mcore_rl.cli import main
 from mcore_rl.config import ConfigError, load_config
 from mcore_rl.planning.sized import sized_run
-from mcore_rl.trainer.preflight import preflight_config
-from mcore_rl.trainer.rl_config import RLConfig
+from mcore_rl.run.preflight import preflight_config
+from mcore_rl.run.config import RLConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = ROOT / "configs" / "gpu"
@@ -241,7 +241,7 @@ def test_dataset_files_are_read_as_the_run_reads_them(tmp_path):
     """A jsonl task's files: read (errors name the field, file and line) when they are here;
     a file that is not on this machine is an error, and only a warning with remote_paths
     (a config checked away from its data)."""
-    from mcore_rl.trainer.preflight import dataset_problems
+    from mcore_rl.run.preflight import dataset_problems
 
     _, problems = preflight_config(L8, remote_paths=True)  # /data/gsm8k is not here
     data = [p for p in problems if p.check == "dataset"]
@@ -450,7 +450,7 @@ def test_prompt_lengths_are_measured_with_the_runs_tokenizer(tmp_path, capsys):
 
 
 def test_overlong_prompts_filter_is_a_warning_with_the_count(tmp_path):
-    from mcore_rl.trainer.preflight import prompt_length_problems
+    from mcore_rl.run.preflight import prompt_length_problems
 
     hf = _tokenizer_model_dir(tmp_path / "m")
     cfg = load_config(RLConfig, GRPO, _jsonl_run(tmp_path, hf, tmp_path / "d.jsonl")

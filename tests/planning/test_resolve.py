@@ -6,7 +6,7 @@ import pytest
 
 from mcore_rl.config import ConfigError, load_config
 from mcore_rl.planning.resolve import resolve_run
-from mcore_rl.trainer.rl_config import RLConfig
+from mcore_rl.run.config import RLConfig
 
 CONFIGS = Path(__file__).parents[2] / "configs"
 

@@ -26,5 +26,5 @@ def micro_dir(tmp_path_factory):
 
 
 # Ray binds loopback only if this is set before ray is first imported (vLLM imports it); see
-# mcore_rl.rollout.ray_engines.init_local_ray. Collected before any rollout test runs.
+# mcore_rl.launch.ray_runtime.init_local_ray. Collected before any rollout test runs.
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")

@@ -7,13 +7,13 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from mcore_rl.envs import EpisodeConfig, calculator_env
+from mcore_rl.tasks.envs import EpisodeConfig, calculator_env
 from mcore_rl.rollout.engine import Completion, SamplingConfig
 from mcore_rl.rollout.multi_turn import Episode, MultiTurnRollout, episode_metrics, loss_masks
 from mcore_rl.tasks import tokenizer as tk
 from mcore_rl.tasks.base import Example
 from mcore_rl.tasks.tool_calc import ToolCalcTask, reward
-from mcore_rl.trainer.batches import build_batch
+from mcore_rl.rollout.batches import build_batch
 
 
 @pytest.fixture(scope="module")
@@ -197,7 +197,7 @@ def test_tool_episode_mechanics_end_to_end(tok, estimator):
     a well-formed call is parsed and answered with the true product; the loss mask is exactly
     the model's tokens; every estimator puts advantages on those tokens and nowhere else."""
     from mcore_rl.algorithms import AlgorithmConfig
-    from mcore_rl.trainer.advantages import compute_advantages
+    from mcore_rl.rl.advantages import compute_advantages
 
     # one group: the episode that calls and copies (reward 1), one that answers 0 (reward 0)
     def policy(text):

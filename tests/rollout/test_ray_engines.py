@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from mcore_rl.models.hf_reference import greedy_generate
-from mcore_rl.rollout import (RayEngines, RolloutConfig, RolloutError, SamplingConfig,
-                              init_local_ray)
+from mcore_rl.launch.ray_runtime import init_local_ray
+from mcore_rl.rollout import RayEngines, RolloutConfig, RolloutError, SamplingConfig
 
 from .helpers import MAX_MODEL_LEN, Trainer, hf_model_with, hf_state, perturbed, prompts
 

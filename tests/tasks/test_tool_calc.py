@@ -62,15 +62,15 @@ def test_tokenizer_keeps_the_tags_whole(tmp_path):
 
 def test_task_config():
     cfg = TaskConfig(kind="tool_calc")
-    assert cfg.multi_turn and cfg.env_path == "mcore_rl.envs.tool_env:calculator_env"
+    assert cfg.multi_turn and cfg.env_path == "mcore_rl.tasks.envs.tool_env:calculator_env"
     assert cfg.reward_path == "mcore_rl.tasks.tool_calc:reward" and cfg.has_targets
     assert isinstance(build_task(cfg), ToolCalcTask)
     assert not TaskConfig().multi_turn  # addition stays single-turn
-    assert TaskConfig(env="mcore_rl.envs.tool_env:tools_env").multi_turn
+    assert TaskConfig(env="mcore_rl.tasks.envs.tool_env:tools_env").multi_turn
     with pytest.raises(ConfigError, match="digits"):
         TaskConfig(kind="tool_calc", digits=5)
     with pytest.raises(ConfigError, match="env.*must accept"):
-        TaskConfig(env="mcore_rl.envs.tools:lookup")
+        TaskConfig(env="mcore_rl.tasks.envs.tools:lookup")
     with pytest.raises(ConfigError, match="env"):
         TaskConfig(env="no.such.module:f")
     with pytest.raises(ConfigError, match="chat_template"):

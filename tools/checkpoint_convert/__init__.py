@@ -1,2 +1,2 @@
 """Checkpoint conversion HF <-> megatron-core dist checkpoint: the `convert` CLI (cli.py) over
-mcore_rl.checkpoint."""
+mcore_rl.conversion."""

@@ -1,6 +1,6 @@
 """Convert checkpoints between HF safetensors and megatron-core dist checkpoints.
 
-`mcore-rl convert ...` and `python -m tools.checkpoint_convert ...` (library: mcore_rl.checkpoint):
+`mcore-rl convert ...` and `python -m tools.checkpoint_convert ...` (library: mcore_rl.conversion):
 
   mcore-rl convert hf-to-mcore SRC_HF_DIR DST_DIR [--dtype D] [--force] [--verify ...]
   mcore-rl convert mcore-to-hf SRC_DIR DST_HF_DIR [--hf-config DIR] [--max-shard-size 5GB] ...
@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _bad_input_errors() -> tuple[type[BaseException], ...]:
-    from mcore_rl.checkpoint.errors import ConversionError
+    from mcore_rl.conversion.errors import ConversionError
     from mcore_rl.config import ConfigError
     from mcore_rl.layouts import LayoutError
     from mcore_rl.models.hf_weights import WeightsError
@@ -125,7 +125,7 @@ def _large_allocations_unmapped(threshold: int = 1 << 20) -> None:
 
 
 def run(args) -> int:
-    from mcore_rl.checkpoint.ranks import current_ranks, leave
+    from mcore_rl.conversion.ranks import current_ranks, leave
 
     _large_allocations_unmapped()
     if args.workers < 1:
@@ -141,7 +141,7 @@ def run(args) -> int:
 def _convert_on_ranks(args, joined_here: bool) -> int:
     """Join the job's ranks, convert this rank's share, leave the group together (if this
     command joined it), and report (first rank)."""
-    from mcore_rl.checkpoint.ranks import RankFailed, Ranks, init_from_env, leave
+    from mcore_rl.conversion.ranks import RankFailed, Ranks, init_from_env, leave
 
     ranks = Ranks()
     try:
@@ -179,7 +179,7 @@ def _convert_on_ranks(args, joined_here: bool) -> int:
 
 
 def _kwargs(args) -> dict:
-    from mcore_rl.checkpoint.safetensors_io import parse_size
+    from mcore_rl.conversion.safetensors_io import parse_size
 
     kwargs = dict(src=args.src, dst=args.dst, dtype=_dtype(args), force=args.force,
                   progress=not args.no_progress)
@@ -188,20 +188,20 @@ def _kwargs(args) -> dict:
             kwargs.update(hf_config=args.hf_config,
                           max_shard_bytes=parse_size(args.max_shard_size))
         except ValueError as err:
-            from mcore_rl.checkpoint.errors import ConversionError
+            from mcore_rl.conversion.errors import ConversionError
 
             raise ConversionError(f"--max-shard-size: {err}") from None
     return kwargs
 
 
 def _convert(verb: str, kwargs: dict, **extra):
-    from mcore_rl.checkpoint.convert import hf_to_mcore, mcore_to_hf
+    from mcore_rl.conversion.convert import hf_to_mcore, mcore_to_hf
 
     return (hf_to_mcore if verb == "hf-to-mcore" else mcore_to_hf)(**kwargs, **extra)
 
 
 def _convert_rank(rank: int, world: int, verb: str, kwargs: dict, tmp: Path):
-    from mcore_rl.checkpoint.ranks import current_ranks
+    from mcore_rl.conversion.ranks import current_ranks
 
     _large_allocations_unmapped()
     kwargs = dict(kwargs, progress=kwargs["progress"] and rank == 0)
@@ -211,7 +211,7 @@ def _convert_rank(rank: int, world: int, verb: str, kwargs: dict, tmp: Path):
 def _spawn(args, kwargs: dict):
     """`--workers N`: N spawned gloo ranks; the temp dir is chosen here so it is removed even
     if the ranks are killed."""
-    from mcore_rl.checkpoint import output
+    from mcore_rl.conversion import output
     from mcore_rl.launch.spawn import DistributedRunError, run_on_ranks
 
     output.check_paths(args.src.absolute(), args.dst.absolute(), force=args.force)
@@ -220,7 +220,7 @@ def _spawn(args, kwargs: dict):
         return run_on_ranks(_convert_rank, args.workers, args.verb, kwargs, tmp,
                             timeout_s=24 * 3600)[0]
     except DistributedRunError as err:
-        from mcore_rl.checkpoint.errors import ConversionError
+        from mcore_rl.conversion.errors import ConversionError
 
         first = str(err).strip().splitlines()[-1]
         raise ConversionError(f"a worker failed: {first}") from None
@@ -229,8 +229,8 @@ def _spawn(args, kwargs: dict):
 
 
 def _spec_for(args):
-    from mcore_rl.checkpoint.convert import HF_CONFIG_DIR
-    from mcore_rl.checkpoint.hf_source import read_spec
+    from mcore_rl.conversion.convert import HF_CONFIG_DIR
+    from mcore_rl.conversion.hf_source import read_spec
 
     if args.verb == "hf-to-mcore":
         return read_spec(args.src)
@@ -265,7 +265,7 @@ def _dtype(args):
 
 
 def _run_verify(args, grid) -> tuple[int, dict]:
-    from mcore_rl.checkpoint.verify import verify_conversion
+    from mcore_rl.conversion.verify import verify_conversion
 
     spec, parallel = grid
     hf_dir, ckpt = (args.src, args.dst) if args.verb == "hf-to-mcore" else (args.dst, args.src)

@@ -1,0 +1,160 @@
+"""Config of a Megatron-Core training step, and the model × grid compatibility check.
+
+`check_model_fits_parallel` is the one place that decides whether a model can be split on a
+training grid; the trainer calls it at start-up and a preflight can call it without importing
+megatron.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import ClassVar, Literal
+
+from mcore_rl.config import ConfigError
+from mcore_rl.config.dtypes import DtypeName, normalize_dtype_fields
+from mcore_rl.config.seeds import USE_THE_RUN_SEED
+from mcore_rl.models.spec import ModelSpec
+from mcore_rl.parallel.config import ParallelConfig
+
+
+@dataclass(frozen=True, kw_only=True)
+class OptimizerConfig:
+    """Adam (decoupled weight decay, as megatron-core's `adam`) with gradient clipping.
+
+    lr / min_lr: peak and floor learning rate (the default lr, 1e-6, is an RL actor's for a
+    1-70B model, as verl's and NeMo-RL's); warmup_steps: linear warm-up from 0 to lr;
+    decay: after warm-up, "constant" or "cosine" down to min_lr over decay_steps.
+    clip_grad: clip the global gradient norm to this.
+    Weight decay skips biases and norms (megatron's default).
+    """
+
+    lr: float = 1e-6
+    min_lr: float = 0.0
+    warmup_steps: int = 0
+    decay: Literal["constant", "cosine"] = "constant"
+    decay_steps: int = 1
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.95
+    adam_eps: float = 1e-8
+    weight_decay: float = 0.0
+    clip_grad: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not self.lr > 0:
+            raise ConfigError("lr", self.lr, "must be > 0")
+        if not 0 <= self.min_lr <= self.lr:
+            raise ConfigError("min_lr", self.min_lr, f"must be in [0, lr={self.lr}]")
+        for name in ("adam_beta1", "adam_beta2"):
+            if not 0 <= getattr(self, name) < 1:
+                raise ConfigError(name, getattr(self, name), "must be in [0, 1)")
+        for name in ("adam_eps", "weight_decay", "warmup_steps"):
+            if getattr(self, name) < 0:
+                raise ConfigError(name, getattr(self, name), "must be >= 0")
+        if not self.clip_grad > 0:
+            # megatron computes the grad norm only while clipping; the step reports it.
+            raise ConfigError("clip_grad", self.clip_grad,
+                              "must be > 0 (a large value effectively turns clipping off)")
+        if self.decay_steps < 1:
+            raise ConfigError("decay_steps", self.decay_steps, "must be >= 1")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    """One training step through megatron-core's schedules.
+
+    Per step and data-parallel rank: num_micro_batches micro batches of micro_batch_size
+    sequences of seq_len tokens (global batch = dp * num_micro_batches * micro_batch_size).
+    The loss is the mean over all loss-masked tokens of the global batch.
+    micro_batch_size / seq_len: null = derived by the run that owns this config (an RL run,
+    `RLConfig`: seq_len from max_prompt_tokens + max_new_tokens, micro_batch_size from the
+    sequences each DP rank gets per update); a standalone step (`train-lm`) needs both set.
+    num_micro_batches: `train-lm`'s micro batches per step; an RL run splits each DP rank's
+    rows by micro_batch_size instead.
+    dtype: "float32", or "bfloat16" (bf16 weights and activations, fp32 main weights, grads
+    reduced in fp32); "fp32"/"bf16" are accepted (`mcore_rl.config.dtypes`).
+    (megatron's weight init and RNG tracker are seeded by the run's seed, stream "train":
+    `setup_trainer(..., seed=derive_seed(seed, "train"))`, `mcore_rl.config.seeds`.)
+    recompute: activation recomputation — "none", "selective" (megatron's core-attention
+    recompute) or "full" (every layer's activations recomputed in backward, uniform, 1 layer
+    per unit); trades compute for memory, same loss and gradients.
+    max_tokens_per_micro_batch: None keeps fixed micro batches of micro_batch_size padded rows;
+    an int packs the actor/critic passes' rows (first-fit-decreasing on each row's valid length)
+    into micro batches of at most this many tokens, one [1, T] row each
+    (`mcore_rl.megatron.packing`); micro_batch_size is then unused. >= seq_len, so every row
+    fits; with sequence parallelism a multiple of tp.
+    forward_micro_batch_size: rows per micro batch of the forward-only passes (old and
+    reference log-probs, values) with fixed micro batches; None: micro_batch_size. They keep
+    no activations for a backward, so larger micro batches fit and cost fewer schedule
+    iterations and TP collectives. Used when it divides the DP rank's rows (with interleaved
+    pipelining: into a multiple of pp micro batches), else micro_batch_size is.
+    moe_dispatcher: mixture-of-experts token dispatcher, "allgather" or "alltoall".
+    moe_aux_loss_coeff: MoE load-balancing aux loss weight; 0 = off (the loss is the LM loss).
+    """
+
+    micro_batch_size: int | None = None
+    num_micro_batches: int = 1
+    seq_len: int | None = None
+    dtype: DtypeName = "float32"
+    recompute: Literal["none", "selective", "full"] = "none"
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    max_tokens_per_micro_batch: int | None = None
+    forward_micro_batch_size: int | None = None
+    moe_dispatcher: Literal["allgather", "alltoall"] = "allgather"
+    moe_aux_loss_coeff: float = 0.0
+
+    MOVED: ClassVar[dict[str, str]] = {"seed": USE_THE_RUN_SEED.format(stream="train")}
+
+    def __post_init__(self) -> None:
+        normalize_dtype_fields(self, "dtype", allowed=("float32", "bfloat16"))
+        if self.moe_dispatcher not in ("allgather", "alltoall"):
+            raise ConfigError("moe_dispatcher", self.moe_dispatcher, "allgather or alltoall")
+        if self.moe_aux_loss_coeff < 0:
+            raise ConfigError("moe_aux_loss_coeff", self.moe_aux_loss_coeff, "must be >= 0")
+        if self.num_micro_batches < 1:
+            raise ConfigError("num_micro_batches", self.num_micro_batches, "must be >= 1")
+        for name in ("micro_batch_size", "seq_len"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ConfigError(name, getattr(self, name), "must be null (derived) or >= 1")
+        if self.forward_micro_batch_size is not None and self.forward_micro_batch_size < 1:
+            raise ConfigError("forward_micro_batch_size", self.forward_micro_batch_size,
+                              "must be null or >= 1")
+        budget = self.max_tokens_per_micro_batch
+        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int)
+                                   or budget < (self.seq_len or 1)):
+            raise ConfigError("max_tokens_per_micro_batch", budget,
+                              f"must be null or an int >= seq_len={self.seq_len} (a whole "
+                              "row must fit in one micro batch)")
+
+
+def check_model_fits_parallel(spec: ModelSpec, parallel: ParallelConfig,
+                              train: TrainConfig | None = None) -> None:
+    """Raise ConfigError (field named as in the YAML: `parallel.tp`, ...) unless `spec` can be
+    split on `parallel` (and, with `train`, its batches fit the grid).
+
+    tp must divide the attention heads, the key-value heads (megatron splits whole query
+    groups; replicating kv heads across TP is not supported here) and the FFN width; the
+    layers must split over pp (· vpp) stages as `ParallelConfig.stage_layer_counts` says.
+    """
+    tp = parallel.tp
+    try:
+        parallel.check_model(spec)
+    except ConfigError as err:
+        raise err.under("parallel") from None
+    if train is None:
+        return
+    if spec.is_moe and tp > 1 and not parallel.sequence_parallel:
+        raise ConfigError("parallel.sequence_parallel", False, "training a mixture-of-experts "
+                          "model at tp > 1 needs it (megatron-core's MoELayer refuses otherwise)")
+    if parallel.sequence_parallel and train.seq_len is not None and train.seq_len % tp:
+        raise ConfigError("train.seq_len", train.seq_len,
+                          f"sequence_parallel needs it divisible by parallel.tp={tp}")
+    budget = train.max_tokens_per_micro_batch
+    if parallel.sequence_parallel and budget is not None and budget % tp:
+        raise ConfigError("train.max_tokens_per_micro_batch", budget,
+                          f"sequence_parallel needs it divisible by parallel.tp={tp}")
+    if train.seq_len is not None and train.seq_len > spec.max_positions:
+        raise ConfigError("train.seq_len", train.seq_len,
+                          f"exceeds the model's max_position_embeddings={spec.max_positions}")
+    if parallel.vpp is not None and train.num_micro_batches % parallel.pp:
+        raise ConfigError("train.num_micro_batches", train.num_micro_batches,
+                          f"interleaved pipelining needs a multiple of parallel.pp={parallel.pp}")

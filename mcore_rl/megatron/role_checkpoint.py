@@ -1,0 +1,59 @@
+"""Save and resume a training role (actor or critic) as a megatron-core dist checkpoint.
+
+Model and optimizer go through `dist_checkpointing` (each rank writes only its shards: no
+whole-model gather); the few per-rank Python states (LR schedule, RNG) go in a small
+`rank{r}.pt` next to them, read back with `torch.load(weights_only=True)`. The controller
+writes into a temporary directory and renames it once every rank is done, so a crash never
+leaves a half-written checkpoint under the final name.
+
+Keys are the modules' own (`sharded_state_dict`), so they follow the run's layer spec; the
+controller records that spec in `controller.json`, and `check_resume` refuses a checkpoint of
+the other spec before any worker starts.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from mcore_rl.config import ConfigError
+
+
+from mcore_rl.megatron.dist_checkpoint import load_chunk_states, megatron_sharded_state_dict
+
+
+def _model_sharded_state_dict(trainer) -> dict:
+    # The bare GPTModel chunks (not the DDP wrappers, which would prefix every key with
+    # "module."): checkpoint keys then match what `mcore-rl convert mcore-to-hf` reads. The
+    # optimizer finds its params among these same Parameter objects.
+    return megatron_sharded_state_dict(trainer.unwrapped())
+
+
+def save_role(trainer, ckpt_dir: Path, rank: int) -> None:
+    """Every rank of the role's grid calls this (megatron saves collectively)."""
+    from megatron.core import dist_checkpointing
+
+    ckpt_dir.mkdir(parents=True, exist_ok=True)
+    model_sd = _model_sharded_state_dict(trainer)
+    state = {"model": model_sd, "optimizer": trainer.optimizer.sharded_state_dict(model_sd)}
+    dist_checkpointing.save(state, str(ckpt_dir))
+    torch.save({"scheduler": trainer.scheduler.state_dict(), "rng": torch.get_rng_state()},
+               ckpt_dir / f"rank{rank}.pt")
+
+
+def load_role(trainer, ckpt_dir: Path, rank: int) -> None:
+    """Restore model, optimizer, LR schedule and RNG saved by `save_role`."""
+    from megatron.core import dist_checkpointing
+
+    model_sd = _model_sharded_state_dict(trainer)
+    opt_sd = trainer.optimizer.sharded_state_dict(model_sd, is_loading=True)
+    state = dist_checkpointing.load({"model": model_sd, "optimizer": opt_sd}, str(ckpt_dir))
+    load_chunk_states(trainer.unwrapped(), state["model"])
+    trainer.optimizer.load_state_dict(state["optimizer"])
+    local = torch.load(ckpt_dir / f"rank{rank}.pt", weights_only=True)
+    trainer.scheduler.load_state_dict(local["scheduler"])
+    torch.set_rng_state(local["rng"])
+
+

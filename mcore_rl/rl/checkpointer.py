@@ -1,0 +1,64 @@
+"""The controller's checkpoints of a run: every role's shards (each actor rank writes its
+own; no gather), the rollout buffer ahead of training, and the step — written to a temporary
+directory, renamed when complete, marked complete last (rl/checkpoint_dirs.py).
+
+`Checkpointing` is a part of `RLController` (rl/controller.py).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+
+from mcore_rl.rl import checkpoint_dirs
+from mcore_rl.rollout.batches import Rollouts
+
+
+class Checkpointing:
+    """Save, load and digest the run's state (module doc)."""
+
+    def save_checkpoint(self, step: int) -> Path:
+        """RUN_DIR/checkpoints/step_<k>: every rank writes into a temporary directory, which is
+        renamed when all are done and only then marked complete (rl/checkpoint_dirs.py);
+        a save that cannot write raises CheckpointWriteError naming the path."""
+        root = self.run_dir / "checkpoints"
+        final = root / f"step_{step}"
+        tmp = root / f".step_{step}.tmp"
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        with checkpoint_dirs.writing(root, tmp, step, self.cfg.checkpoint.inject_error):
+            self._actor("save_checkpoint", str(tmp), phase="save")
+            if self.pipeline is not None:
+                # the batches ahead were generated on weights this checkpoint no longer holds;
+                # saved with it (and their versions), a resumed run trains on exactly them
+                torch.save(self.pipeline.state(), tmp / "rollout_buffer.pt")
+            (tmp / "controller.json").write_text(json.dumps({"step": step,
+                                                             "layer_spec": self.run.layer_spec}))
+        return checkpoint_dirs.publish(tmp, final, step)
+
+    def load_checkpoint(self, path: Path) -> int:
+        """Restore every role from a checkpoint (a complete one: `path` or, for a run's
+        checkpoints root, its newest); returns the step it was taken after. The data position
+        is the step: prompts and sampling seeds derive from it."""
+        path = checkpoint_dirs.resolve_checkpoint(Path(path))
+        meta = path / "controller.json"
+        if not meta.is_file():
+            raise FileNotFoundError(f"{path}: not a checkpoint (no controller.json)")
+        self._actor("load_checkpoint", str(path), phase="load")
+        if self.pipeline is not None and (path / "rollout_buffer.pt").is_file():
+            self.pipeline.load_state(torch.load(path / "rollout_buffer.pt", weights_only=True),
+                                     Rollouts.from_state)
+        return int(json.loads(meta.read_text())["step"])
+
+    def weights_digests(self) -> list[str]:
+        return self._actor("weights_digest", phase="save")
+
+    def actor_weights(self) -> list[dict[str, torch.Tensor]]:
+        """Each actor rank's parameters (megatron_shards keys): `run.hf_export`."""
+        return self._actor("export_weights", phase="save")
+
+
+__all__ = ["Checkpointing"]

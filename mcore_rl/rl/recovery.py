@@ -1,0 +1,275 @@
+"""Rollout engines that die are restarted, and the run goes on (issue #16).
+
+When an engine call fails — a generate call, or a weight sync — the controller hands the
+error to `EngineRecovery.recover`, which, step by step:
+
+1. finds the broken engines: every engine whose process is gone (`RayEngines.dead_engines`),
+   and the engine the error names if it cannot generate one token (`RayEngines.probe`: its
+   engine core or a TP worker process can die under a live engine actor). None broken: the
+   error was not an engine failure (a bad prompt, a stuck engine — the watchdog's) and is
+   raised as it was;
+2. out of restarts (`max_engine_restarts` for the whole run), or partial rollouts → writes a
+   checkpoint (once an RL step has begun; not with partial rollouts), then raises
+   `EngineFailed` naming the engine(s) and carrying the original error's message;
+3. waits the backoff and restarts the broken engines in their slots (fresh vLLM, loading the
+   model directory: not yet the trainer's weights);
+4. re-forms the sync group, which lost a member and so is broken for everyone: the actor
+   ranks leave it, the surviving engines wait out their failed install and leave, and a new
+   group (a new store on a bound socket, a new prefix) is joined by all;
+5. syncs the actor's current weights into every engine;
+6. returns: a failed generate call is then repeated as it was (same prompts, same seeds — the
+   samples an undisturbed run draws, since the engines now hold the same weights); a failed
+   sync needs nothing more (step 5 was it).
+A failure during 3-5 goes back to 1 with the next, longer backoff.
+
+The weights the actor holds — what a checkpoint in step 2 saves — are those after the last
+update: step k - 1's while step k generates, step k's once it has trained (its sync).
+
+one_step / async (`rollout/pipeline.py`): generation runs on the pipeline's thread
+beside training. A batch ahead that an engine failure loses cannot be regenerated as it was
+(it was drawn on weights the actor no longer holds): the pipeline hands the failure to the
+main thread, which recovers as above (steps 1-5) once no generation runs, and generates every
+lost batch again on the weights the engines then hold (`actor_version`). A failed sync is
+recovered as in sync mode. Partial rollouts (`rollout.partial_chunk_tokens`) are not
+restarted — their generations in flight live in the dead engine: the run stops with
+`EngineFailed`, and re-running the same command resumes from the last checkpoint.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+from dataclasses import dataclass
+
+from mcore_rl.config import ConfigError
+from mcore_rl.rl.checkpoint_dirs import CheckpointWriteError
+
+INJECT_PHASES = ("gen", "sync")
+
+
+class EngineFailed(RuntimeError):
+    """A rollout engine died and was not restarted (out of restarts, or a rollout mode that
+    does not restart). `engines`: their indices; `checkpoint`: the checkpoint written before
+    the error (None when none was); `step_metrics`: the metrics of the step that had trained
+    when its sync failed (the run loop writes them, so a resumed run misses no step)."""
+
+    def __init__(self, message: str, engines: list[int], checkpoint=None):
+        super().__init__(message)
+        self.engines, self.checkpoint = engines, checkpoint
+        self.step_metrics: dict[str, float] | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class RecoveryConfig:
+    """Restarting rollout engines that die (rollout.mode sync; see rl/recovery.py).
+
+    max_engine_restarts: engine restarts the whole run may make (each engine restarted counts
+        one); past them an engine failure writes a checkpoint and ends the run naming the
+        engine. 0: never restart.
+    restart_backoff_s: wait before the first restart of a failure; each further attempt at
+        the same failure waits twice as long, at most restart_backoff_max_s.
+    inject_kill: fault injection for tests: comma-separated "<phase>@<step>" — phase gen (as
+        the step's first generate call starts) or sync (while the step's weight sync is in
+        flight: engines receiving, trainer not yet sending) — SIGKILLs engine 0's processes
+        then. Leave null.
+    """
+
+    max_engine_restarts: int = 3
+    restart_backoff_s: float = 1.0
+    restart_backoff_max_s: float = 30.0
+    inject_kill: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_engine_restarts < 0:
+            raise ConfigError("max_engine_restarts", self.max_engine_restarts, "must be >= 0")
+        if not self.restart_backoff_s >= 0:
+            raise ConfigError("restart_backoff_s", self.restart_backoff_s, "must be >= 0")
+        if not self.restart_backoff_max_s >= self.restart_backoff_s:
+            raise ConfigError("restart_backoff_max_s", self.restart_backoff_max_s,
+                              f"must be >= restart_backoff_s={self.restart_backoff_s}")
+        self.injected_kills()  # raises on a malformed inject_kill
+
+    def injected_kills(self) -> set[tuple[str, int]]:
+        """inject_kill as {(phase, step)}."""
+        if self.inject_kill is None:
+            return set()
+        kills = set()
+        for item in self.inject_kill.split(","):
+            phase, _, step = item.strip().partition("@")
+            if phase not in INJECT_PHASES or not step.isdigit() or int(step) < 1:
+                raise ConfigError("inject_kill", self.inject_kill,
+                                  'expected comma-separated "<gen|sync>@<step>", step >= 1')
+            kills.add((phase, int(step)))
+        return kills
+
+    def backoff(self, attempt: int) -> float:
+        """Seconds to wait before attempt `attempt` (0, 1, ...) at restarting one failure."""
+        return min(self.restart_backoff_s * 2 ** attempt, self.restart_backoff_max_s)
+
+
+def kill_process_tree(pid: int) -> list[int]:
+    """SIGKILL `pid` and every process under it (vLLM's engine-core / TP worker processes);
+    returns the pids signalled once they are gone."""
+    import psutil
+
+    try:
+        root = psutil.Process(pid)
+        victims = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return []
+    for proc in victims:
+        try:
+            proc.send_signal(signal.SIGKILL)
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(victims, timeout=10.0)
+    return [proc.pid for proc in victims]
+
+
+class EngineRecovery:
+    """The controller's engine-failure handling (module doc). `controller`: the RLController
+    whose engines, actor ranks, sync group and checkpoints it uses."""
+
+    def __init__(self, controller, cfg: RecoveryConfig):
+        self.controller, self.cfg = controller, cfg
+        self.restarts_used = 0
+        self.step: int | None = None  # the RL step in progress (None before the first)
+        self.trained = False  # whether that step's update has happened
+        self._kills = cfg.injected_kills()
+        self._since_report = {"restarts": 0, "seconds": 0.0}
+
+    # --- what the controller tells it -------------------------------------------------------
+
+    def begin_step(self, step: int) -> None:
+        self.step, self.trained = step, False
+
+    def step_trained(self) -> None:
+        self.trained = True
+
+    def actor_version(self) -> int:
+        """The weight version the actor holds (= RL updates made): what a recovery syncs."""
+        if self.step is None:
+            return 0
+        return self.step if self.trained else self.step - 1
+
+    def metrics(self) -> dict[str, float]:
+        """Per step: `recovery/engine_restarts` — engines restarted since the last report (in
+        this step, or before step 1 for the first); `recovery/seconds` — time spent
+        recovering (backoff, restart, re-forming the group, re-sync), inside the gen or sync
+        phase it interrupted."""
+        out = {"recovery/engine_restarts": float(self._since_report["restarts"]),
+               "recovery/seconds": self._since_report["seconds"]}
+        self._since_report = {"restarts": 0, "seconds": 0.0}
+        return out
+
+    # --- fault injection (tests) ------------------------------------------------------------
+
+    def inject(self, phase: str) -> None:
+        """inject_kill: SIGKILL engine 0's processes if (phase, this step) is due — for gen on
+        a thread, so that it lands as the generate call goes out."""
+        if (phase, self.step) not in self._kills:
+            return
+        self._kills.discard((phase, self.step))
+        pid = self.controller.engines.pids[0]
+
+        def kill() -> None:
+            killed = kill_process_tree(pid)
+            print(f"mcore-rl: inject_kill: SIGKILL rollout engine 0 (pids {killed}) during "
+                  f"{phase} of step {self.step}", flush=True)
+
+        if phase == "gen":
+            threading.Thread(target=kill, name="mcore-rl-inject-kill", daemon=True).start()
+        else:
+            kill()
+
+    # --- recovery -----------------------------------------------------------------------------
+
+    def recover(self, err: Exception, phase: str, named: int | None = None) -> dict[str, float]:
+        """Restart the engines `err` broke, re-form the sync group and re-sync the actor's
+        weights (module doc); returns that sync's metrics. Raises `err` when no engine is
+        broken, EngineFailed when they cannot be restarted. `named`: the engine the error
+        names, if any."""
+        start, attempt = time.perf_counter(), 0
+        try:
+            while True:
+                broken = self._broken(named)
+                if not broken:
+                    raise err
+                self._give_up_unless_allowed(broken, err, phase)
+                wait = self.cfg.backoff(attempt)
+                print(f"mcore-rl: rollout engine(s) {broken} failed during {phase}"
+                      f"{self._where()} ({err}); restarting in {wait:.1f} s "
+                      f"(restart {self.restarts_used + 1} of "
+                      f"{self.cfg.max_engine_restarts})", flush=True)
+                time.sleep(wait)
+                self.restarts_used += len(broken)
+                self._since_report["restarts"] += len(broken)
+                try:
+                    return self._restart_and_resync(broken)
+                except Exception as again:  # noqa: BLE001 — decided by the next round's check
+                    err, named, phase, attempt = again, getattr(again, "engine", None), \
+                        "restart", attempt + 1
+        finally:
+            self._since_report["seconds"] += time.perf_counter() - start
+
+    def _broken(self, named: int | None) -> list[int]:
+        engines = self.controller.engines
+        broken = set(engines.dead_engines())
+        if named is not None and named not in broken and engines.probe(named) is not None:
+            broken.add(named)
+        return sorted(broken)
+
+    def _where(self) -> str:
+        return "" if self.step is None else f" of step {self.step}"
+
+    def _give_up_unless_allowed(self, broken: list[int], err: Exception, phase: str) -> None:
+        controller = self.controller
+        if controller.cfg.rollout.partial_chunk_tokens is not None:
+            raise EngineFailed(
+                f"rollout engine(s) {broken} died during {phase}{self._where()}: {err}; engines "
+                "are not restarted with partial rollouts (rollout.partial_chunk_tokens: the "
+                "generations in flight lived in the engine); the run stops — re-run the same "
+                "command to resume from the last complete checkpoint", broken)
+        if self.restarts_used + len(broken) <= self.cfg.max_engine_restarts:
+            return
+        checkpoint, note = None, "no checkpoint (no RL step has begun)"
+        if self.step is not None:
+            weights_step = self.step if self.trained else self.step - 1
+            try:
+                checkpoint = self._checkpoint(weights_step)
+                note = f"checkpoint {checkpoint} written (the actor after step {weights_step})"
+            except CheckpointWriteError as save_err:
+                note = f"no checkpoint: {save_err}"
+        raise EngineFailed(
+            f"rollout engine(s) {broken} died during {phase}{self._where()}: {err}; out of "
+            f"restarts (recovery.max_engine_restarts={self.cfg.max_engine_restarts}, "
+            f"{self.restarts_used} used); {note}", broken, checkpoint)
+
+    def _checkpoint(self, step: int):
+        """The checkpoint of the actor after `step` (an existing complete one is kept)."""
+        from mcore_rl.rl import checkpoint_dirs
+
+        existing = checkpoint_dirs.checkpoint_root(self.controller.run_dir) / f"step_{step}"
+        if checkpoint_dirs.is_complete(existing):
+            return existing
+        saved = self.controller.save_checkpoint(step)
+        checkpoint_dirs.prune(saved.parent, self.controller.cfg.checkpoint.keep_last)
+        return saved
+
+    def _restart_and_resync(self, broken: list[int]) -> dict[str, float]:
+        controller = self.controller
+        restarted = time.perf_counter()
+        controller.engines.restart(broken)
+        survivors = [i for i in range(controller.engines.num_engines) if i not in broken]
+        controller._actor("leave_sync_group", phase="sync-join")
+        controller.engines.abandon_sync(survivors)
+        controller._join_sync_group()
+        sync = controller._sync_once()
+        print(f"mcore-rl: rollout engine(s) {broken} restarted (new pids "
+              f"{[controller.engines.pids[i] for i in broken]}), sync group re-formed and "
+              f"weights re-synced in {time.perf_counter() - restarted:.1f} s", flush=True)
+        return sync
+
+
+__all__ = ["EngineFailed", "EngineRecovery", "RecoveryConfig", "kill_process_tree"]

@@ -1,0 +1,224 @@
+"""The controller's generation side: prompts and their sampling, generate calls on the
+engines (multi-turn episodes included), scoring, DAPO dynamic sampling, held-out accuracy,
+and the batches generated ahead of training (`rollout.mode` one_step / async, partial
+rollouts).
+
+`Generation` is a part of `RLController` (rl/controller.py); it uses the controller's
+config, tokenizer, task, engines, reward model and engine recovery.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+
+from mcore_rl.rollout.engine import Completion, RolloutError, SamplingConfig
+from mcore_rl.rollout.multi_turn import Episode
+from mcore_rl.tasks.base import Example
+from mcore_rl.tasks.tokenizer import encode_prompts, response_text
+from mcore_rl.rollout.pipeline import RolloutPipeline, on_generation_thread
+from mcore_rl.rollout.batches import Rollouts
+from mcore_rl.launch.timing import PhaseTimer
+
+
+class Generation:
+    """Generating, scoring and buffering the batches a run trains on (module doc)."""
+
+    def _start_pipeline(self):
+        """one_step / async: the pipeline that generates batches ahead (None in sync mode)."""
+        cfg = self.cfg
+        if cfg.rollout.partial_chunk_tokens is not None:  # generations span weight syncs
+            from mcore_rl.rollout.partial_pipeline import partial_pipeline
+
+            return partial_pipeline(self)
+        if cfg.rollout.mode == "sync":
+            return None
+        return RolloutPipeline(self.collect, max_staleness=cfg.rollout.staleness_bound,
+                               last_step=cfg.steps, wait=self._wait_in_flight,
+                               recover=self._recover_lost_batch,
+                               deterministic=cfg.rollout.deterministic)
+
+    def _recover_lost_batch(self, err: RolloutError) -> int:
+        """A batch ahead lost with an engine: restart it and sync the actor's weights
+        (rl/recovery.py); the weight version the engines then hold."""
+        self.recovery.recover(err, "generate", err.engine)
+        return self.recovery.actor_version()
+
+    def _generate(self, prompts: list[list[int]], sampling: SamplingConfig):
+        """One generate call. An engine that died is restarted and re-synced, and the call
+        repeated as it was: same prompts and seeds, so the same samples (rl/recovery.py).
+        On the pipeline's generating thread the failure is raised instead: the main thread
+        recovers when it waits for the batch (rollout/pipeline.py)."""
+        deadline = self.cfg.deadlines.gen_s
+        self.recovery.inject("gen")
+        while True:
+            try:
+                return self.engines.generate(prompts, sampling, timeout_s=deadline)
+            except RolloutError as err:
+                if "no reply within" in str(err):
+                    raise self._watchdog("gen", deadline, [f"rollout engine {err.engine}"],
+                                         str(err)) from err
+                if on_generation_thread():
+                    raise
+                self.recovery.recover(err, "generate", err.engine)
+
+    def encode(self, prompt_text: str) -> list[int]:
+        return self.encode_all([prompt_text])[0]
+
+    def encode_all(self, prompt_texts: list[str]) -> list[list[int]]:
+        """`encode` of each text, in one tokenizer call. A prompt longer than
+        max_prompt_tokens is an error naming it (never cut: the lengths of the trainer's rows
+        and the engines' context are derived from max_prompt_tokens)."""
+        ids = encode_prompts(self.tokenizer, prompt_texts,
+                             chat_template=self.cfg.task.chat_template)
+        limit = self.cfg.max_prompt_tokens
+        for i, row in enumerate(ids):
+            if len(row) > limit:
+                raise ValueError(f"prompt {i} of this call ({prompt_texts[i][:60]!r}...) is "
+                                 f"{len(row)} tokens, longer than max_prompt_tokens={limit}: "
+                                 "raise max_prompt_tokens")
+        return ids
+
+    def fit_prompts(self) -> dict[str, float]:
+        """A jsonl task's prompts against max_prompt_tokens, tokenized once as the engines get
+        them: task.overlong_prompts "error" stops the run naming the first longer one (file,
+        line, tokens), "filter" drops them. Returns the step metrics that report it
+        (`prompts/filtered_overlong`: training rows dropped; `..._heldout`: held-out rows)."""
+        from mcore_rl.tasks.jsonl import JsonlTask
+
+        if not isinstance(self.task, JsonlTask):  # generated prompts: checked as encoded
+            return {"prompts/filtered_overlong": 0.0}
+        dropped = self.task.fit_prompts(
+            lambda texts: [len(ids) for ids in encode_prompts(
+                self.tokenizer, texts, chat_template=self.cfg.task.chat_template)],
+            self.cfg.max_prompt_tokens, drop=self.cfg.task.overlong_prompts == "filter")
+        metrics = {"prompts/filtered_overlong": float(dropped.get("train", 0))}
+        if "heldout" in dropped:
+            metrics["prompts/filtered_overlong_heldout"] = float(dropped["heldout"])
+        return metrics
+
+    def _rollout(self, examples: list[Example], sampling: SamplingConfig):
+        """(prompt ids, completions per prompt): one generation call, or the episodes of a
+        multi-turn task (one batched call per turn, environments between turns)."""
+        if self.multi_turn is not None:
+            return self.multi_turn.rollout(self._generate, examples, self.encode, sampling)
+        prompts = self.encode_all([e.prompt for e in examples])
+        return prompts, self._generate(prompts, sampling)
+
+    def accuracy(self, n: int, temperature: float = 0.0) -> float:
+        """Exact-match accuracy on n held-out examples, greedy or sampled at `temperature`
+        (seeded by the run's seed: the same samples for the same weights); multi-turn: the
+        episodes' mean reward, scored by the task's reward function."""
+        examples = self.task.heldout_examples(n, seed=self.cfg.seed)
+        sampling = SamplingConfig(temperature=temperature, max_tokens=self.cfg.max_new_tokens,
+                                  seed=self.cfg.seed if temperature else None,
+                                  stop_token_ids=[self.tokenizer.eos_token_id])
+        _, outs = self._rollout(examples, sampling)
+        return sum(o[0].reward if isinstance(o[0], Episode) else
+                   self.exact_match(e.prompt, response_text(o[0].token_ids, self.tokenizer),
+                                    e.answer) for e, o in zip(examples, outs)) / n
+
+    def _draw(self, step: int, attempt: int) -> tuple[list[Example], SamplingConfig]:
+        """prompts_per_step fresh prompts and their sampling (seeded by step and attempt: the
+        data position is the step)."""
+        cfg = self.cfg
+        examples = self.task.train_examples(cfg.prompts_per_step, step=step, attempt=attempt,
+                                            seed=cfg.seed)
+        sampling = SamplingConfig(temperature=cfg.temperature, max_tokens=cfg.max_new_tokens,
+                                  min_tokens=cfg.min_new_tokens, n=cfg.samples_per_prompt,
+                                  seed=cfg.seed * 1000 + step + 1_000_003 * attempt,
+                                  stop_token_ids=[self.tokenizer.eos_token_id])
+        return examples, sampling
+
+    def _sample(self, step: int, attempt: int):
+        """Generate samples_per_prompt responses for `_draw`'s prompts; returns (examples,
+        their prompt token ids, completions)."""
+        examples, sampling = self._draw(step, attempt)
+        return examples, *self._rollout(examples, sampling)
+
+    def score(self, examples: list[Example], prompt_ids: list[list[int]],
+              outs: list[list[Completion]]) -> list[list[float]]:
+        """Each sample's reward: the rule function's (prompt, response, answer), plus
+        reward_model.coeff times the reward model's score of prompt + response ids."""
+        scores = [[c.reward if isinstance(c, Episode) else  # the environment scored it
+                   float(self.reward(e.prompt, response_text(c.token_ids, self.tokenizer),
+                                     e.answer)) for c in o] for e, o in zip(examples, outs)]
+        if self.reward_model is None:
+            return scores
+        prompts = [ids for ids, o in zip(prompt_ids, outs) for _ in o]
+        responses = [list(c.token_ids) for o in outs for c in o]
+        model = self.reward_model.score(prompts, responses, self.tokenizer.pad_token_id).tolist()
+        coeff, flat = self.cfg.reward_model.coeff, iter(model)
+        return [[s + coeff * next(flat) for s in group] for group in scores]
+
+    def _start_reward_model(self):
+        """The reward model's worker group (None without one). It scores the policy's token
+        ids, so its vocabulary must cover the policy tokenizer's."""
+        rm = self.cfg.reward_model
+        if not rm.enabled:
+            return None
+        from mcore_rl.reward_model import RewardModelGroup, check_reward_model_dir
+
+        vocab = check_reward_model_dir(rm.hf_dir).vocab
+        if vocab < len(self.tokenizer):
+            raise ValueError(f"reward_model.hf_dir={rm.hf_dir}: vocabulary of {vocab} tokens "
+                             f"does not cover the policy tokenizer's {len(self.tokenizer)}; the "
+                             "reward model must share the policy's tokenizer")
+        return RewardModelGroup(rm, timeout_s=self.cfg.deadlines.reward_model_s,
+                                host=self.host, stack_dir=self.stack_dir,
+                                placement=self.placement, layer_spec=self.run.layer_spec)
+
+    def _generate_groups(self, step: int, timer: PhaseTimer):
+        """The step's groups. With DAPO dynamic sampling, groups whose rewards are all equal
+        (no gradient) are dropped and more prompts are drawn — up to `max_sampling_rounds`
+        — until prompts_per_step informative groups exist; short of that, dropped groups
+        refill the batch (zero advantage) so its shape stays fixed."""
+        cfg = self.cfg
+        kept, dropped, rounds = [], [], 0
+        while len(kept) < cfg.prompts_per_step and rounds < cfg.max_sampling_rounds:
+            with timer("gen"):
+                examples, prompt_ids, outs = self._sample(step, rounds)
+            with timer("reward"):
+                scores = self.score(examples, prompt_ids, outs)
+            rounds += 1
+            for group in zip(examples, prompt_ids, outs, scores):
+                informative = len(set(group[3])) > 1
+                (kept if informative or not cfg.algorithm.dynamic_sampling
+                 else dropped).append(group)
+            if not cfg.algorithm.dynamic_sampling:
+                break
+        groups = (kept + dropped)[:cfg.prompts_per_step]
+        stats = {"informative_groups_frac": sum(len(set(g[3])) > 1 for g in groups)
+                 / len(groups), "sampling_rounds": rounds}
+        return groups, stats
+
+    def collect(self, step: int, timer: PhaseTimer) -> Rollouts:
+        """Generate and score the batch of `step` (phases gen and reward on `timer`)."""
+        groups, stats = self._generate_groups(step, timer)
+        return Rollouts(step=step, examples=[g[0] for g in groups],
+                        prompt_ids=[list(g[1]) for g in groups],
+                        completions=[list(g[2]) for g in groups],
+                        scores=[list(g[3]) for g in groups], stats=stats)
+
+    def _rollouts_for(self, step: int, timer: PhaseTimer) -> tuple[Rollouts, dict[str, float]]:
+        """The batch step trains on, and the generation-side metrics to report with it.
+
+        sync: generated now, on the weights synced at the end of the last step. one_step /
+        async: generated ahead by the rollout pipeline (`rollout.pipeline`) on weights
+        at most `rollout.staleness_bound` updates old; `timing_s/gen_wait` is what the step
+        spent blocked on generation."""
+        if self.pipeline is None:
+            return self.collect(step, timer), {}
+        return self.pipeline.take(step, timer)
+
+    def _wait_in_flight(self, future):
+        """future.result under a deadline beyond the generation's own (which names the late
+        engine): this one catches a wedged reward function."""
+        deadline = self.cfg.deadlines.gen_s * self.cfg.max_sampling_rounds + 60.0
+        try:
+            return future.result(timeout=deadline)
+        except concurrent.futures.TimeoutError:
+            raise self._watchdog("gen", deadline, ["the rollout pipeline's generation thread"],
+                                 "generation + reward of a batch ahead did not finish") from None
+
+
+__all__ = ["Generation"]

@@ -1,0 +1,121 @@
+"""The controller's weight sync: the sync group of actor ranks and engine ranks, the plan of
+shard transfers between them, and the sync itself — the actor ranks stream their shards,
+each engine rank receives only what it holds (mcore_rl/resharding). Timed as its own phase,
+never billed to the actor.
+
+`WeightSync` is a part of `RLController` (rl/controller.py).
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+
+from mcore_rl.config.dtypes import torch_dtype
+from mcore_rl.launch.watchdog import WatchdogTimeout
+from mcore_rl.layouts import megatron_shards, vllm_shards
+from mcore_rl.resharding import build_plan, host_store, sync_group_spec
+from mcore_rl.resharding.plan_cache import PlanSender
+from mcore_rl.rollout.engine import RolloutError
+
+
+class SyncFailed(RuntimeError):
+    """A weight sync failed; names the engines that died."""
+
+
+def _last_line(err: BaseException) -> str:
+    lines = [line for line in str(err).splitlines() if line.strip()]
+    return lines[-1][:300] if lines else ""
+
+
+class WeightSync:
+    """The sync group, the plan and the sync (module doc)."""
+
+    def _build_plan(self) -> None:
+        """Every shard transfer of a sync, from the actor's layout to the engines' (`plan`),
+        and its sender (resharding/plan_cache.py: sent whole once per sync group)."""
+        cfg = self.cfg
+        actor = megatron_shards(self.spec, cfg.actor, layer_spec=self.run.layer_spec)
+        engines = vllm_shards(self.spec, cfg.rollout.tp, self.engines.num_engines,
+                              expert_parallel=self.run.expert_parallel)
+        self.plan = build_plan(actor, engines, bucket_bytes=int(cfg.sync_bucket_mb * (1 << 20)),
+                               element_size=torch_dtype(cfg.wire_dtype).itemsize,
+                               nodes=self.run.sync_nodes(self.engines.num_engines))
+        self._plan_sender = PlanSender(self.plan)
+
+    def _join_sync_group(self) -> None:
+        """Form the sync group (again after an engine restart: a new store and prefix)."""
+        world = self.cfg.actor.world_size + self.cfg.rollout.tp * self.engines.num_engines
+        self._store = host_store(self.host, world_size=world,
+                                 timeout_s=self.cfg.deadlines.startup_s)
+        spec = sync_group_spec(self.run, host=self.host, port=self._store.port,
+                               prefix=f"sync/{self._sync_groups_formed}/",
+                               timeout_s=self.cfg.deadlines.sync_s,
+                               engines=self.engines.num_engines)
+        self._sync_groups_formed += 1
+        self._plan_sender.joined()  # members may be new: the next sync sends the whole plan
+        self.engines.start_join_sync_group(spec, self.cfg.actor.world_size,
+                                           devices=self.run.engine_devices)
+        self._wait([w.join_sync_group.remote(spec, self.run.actor_devices[rank])
+                    for rank, w in enumerate(self.workers)], "sync-join")
+        self.engines.finish_join_sync_group()
+
+    def sync_weights(self) -> dict[str, float]:
+        """Stream the actor's shards into every engine; checks each engine got every name.
+        An engine that died is restarted and synced (rl/recovery.py)."""
+        # never change weights under a running generation
+        with nullcontext() if self.pipeline is None else self.pipeline.weights_changing():
+            self.admit_late_engines()
+            try:
+                return self._sync_once()
+            except (SyncFailed, RolloutError) as err:
+                return self.recovery.recover(err, "sync", getattr(err, "engine", None))
+
+    def admit_late_engines(self, wait: bool = False) -> list[int]:
+        """Late engines (rollout.startup_engines) that are up join the run: the sync group is
+        re-formed with them and the plan rebuilt for the new engine count; the sync that
+        follows gives them the actor's weights (call it only where a sync follows). wait:
+        until every late engine is up. Returns the engines that joined."""
+        joined = self.engines.admit_late_engines(wait=wait)
+        if not joined:
+            return joined
+        self._actor("leave_sync_group", phase="sync-join")
+        self.engines.leave_sync_group()  # a no-op on the engines that just joined
+        self._build_plan()
+        self._join_sync_group()
+        print(f"mcore-rl: rollout engine(s) {joined} up (start-up "
+              f"{', '.join(f'{self.engines.startup_s[i]:.1f}' for i in joined)} s) and "
+              f"joined: {self.engines.num_engines} of {self.cfg.rollout.engines} engines "
+              "generate from this sync on", flush=True)
+        return joined
+
+    def _sync_once(self) -> dict[str, float]:
+        plan = self._plan_sender.payload()  # the whole plan once per group, then its reference
+        self.engines.begin_sync(plan, dtype=torch_dtype(self.cfg.wire_dtype),
+                                timeout_s=self.cfg.deadlines.sync_s)
+        self.recovery.inject("sync")
+        stats = self._finish_sync(plan)
+        self._plan_sender.delivered()
+        return stats
+
+    def _finish_sync(self, plan) -> dict[str, float]:
+        """The trainer side of a started sync. A failure is blamed on the engines that died,
+        by name, when there are any (a bare transport error only says a peer left)."""
+        try:
+            stats = self._actor("send_weights", plan, self.cfg.wire_dtype,
+                                self.cfg.deadlines.sync_s,
+                                phase="sync")
+            self.engines.finish_sync()
+        except WatchdogTimeout:
+            raise
+        except Exception as err:
+            dead = self.engines.dead_engines()
+            if dead:
+                raise SyncFailed(f"weight sync failed: rollout engine(s) {dead} died or stopped "
+                                 f"answering during the sync ({type(err).__name__}: "
+                                 f"{_last_line(err)})") from err
+            raise
+        return {"sync_bytes": float(sum(s["bytes_sent"] for s in stats)),
+                "sync_bytes_ipc": float(sum(s.get("bytes_sent_ipc", 0) for s in stats))}
+
+
+__all__ = ["SyncFailed", "WeightSync"]

@@ -1,0 +1,523 @@
+"""Config of an RL run: the model, the task, the roles' grids and optimizers, rollout, algorithm,
+schedule, and the cluster it is sized for — one YAML that `mcore-rl train`, `mcore-rl preflight`
+and `mcore-rl plan-memory` all read."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import ClassVar, Literal
+
+from mcore_rl.algorithms import AlgorithmConfig
+from mcore_rl.config import ConfigError, raise_errors, run_checks
+from mcore_rl.config.dtypes import DtypeName, normalize_dtype_fields
+from mcore_rl.config.seeds import USE_THE_RUN_SEED
+from mcore_rl.launch.cluster import ClusterConfig
+from mcore_rl.models.presets import PRESETS
+from mcore_rl.models.spec import ModelSpec
+from mcore_rl.parallel import ParallelConfig
+from mcore_rl.rollout.config import RolloutConfig
+from mcore_rl.tasks.base import load_reward_fn  # noqa: F401 — callers import it from here
+from mcore_rl.tasks.config import TaskConfig
+from mcore_rl.megatron.config import OptimizerConfig, TrainConfig
+from mcore_rl.rl.checkpoint_dirs import CheckpointConfig
+from mcore_rl.run.metrics import LoggingConfig
+from mcore_rl.reward_model import RewardModelConfig
+from mcore_rl.rl.recovery import RecoveryConfig
+
+# The demo tokenizer (mcore_rl.tasks.tokenizer, trained on the addition task) has 16 pieces.
+DEMO_VOCAB = 16
+DEMO_MAX_POSITIONS = 64
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    """The model the run starts from. The rule:
+
+    - hf_dir null: the demo builds a small random Llama locally (no download) from hidden,
+      heads, kv_heads, layers, ffn (head_dim = hidden / heads; vLLM's CPU attention
+      needs >= 32), with the addition task's tokenizer.
+    - hf_dir set: train from that HF checkpoint directory (config.json + safetensors +
+      tokenizer); the demo fields are ignored. Preflight sizes the run from hf_dir's
+      config.json when the directory is on this machine, else from `preset` (a planner preset
+      of the same shapes, `mcore_rl.models.presets`) — so a GPU config is checked on a CPU
+      machine without its weights. Preflight warns when both exist and disagree.
+    preset: only with hf_dir (see above).
+    experts: 0 = the dense demo Llama; > 0 = a demo Qwen3-MoE instead (q/k norms, every layer
+      a mixture of `experts` routed experts, `experts_per_token` active per token, each an MLP
+      of `expert_ffn`; renormalized top-k). `mcore-rl demo --model moe` sets these.
+    Its weights are seeded by the run's seed (stream "model", `mcore_rl.config.seeds`).
+    """
+
+    hf_dir: str | None = None
+    preset: str | None = None
+    hidden: int = 128
+    heads: int = 4
+    kv_heads: int = 2
+    layers: int = 2
+    ffn: int = 512
+    experts: int = 0
+    experts_per_token: int = 2
+    expert_ffn: int = 128
+
+    MOVED: ClassVar[dict[str, str]] = {"seed": USE_THE_RUN_SEED.format(stream="model")}
+
+    def __post_init__(self) -> None:
+        if self.preset is not None and self.preset not in PRESETS:
+            raise ConfigError("preset", self.preset,
+                              f"unknown preset; known: {', '.join(sorted(PRESETS))}")
+        if self.preset is not None and self.hf_dir is None:
+            raise ConfigError("preset", self.preset, "sizes preflight for an hf_dir checkpoint "
+                              "that is not on this machine: set hf_dir too")
+        if self.hf_dir is not None:
+            return
+        if self.hidden % self.heads or self.hidden // self.heads < 32:
+            raise ConfigError("hidden", self.hidden, f"hidden / heads must be a whole number "
+                                                     f">= 32 (vLLM CPU attention), heads={self.heads}")
+        if self.heads % self.kv_heads:
+            raise ConfigError("kv_heads", self.kv_heads, f"must divide heads={self.heads}")
+        if self.experts < 0:
+            raise ConfigError("experts", self.experts, "must be >= 0 (0: a dense model)")
+        if self.experts and not 1 <= self.experts_per_token <= self.experts:
+            raise ConfigError("experts_per_token", self.experts_per_token,
+                              f"must be in [1, experts={self.experts}]")
+
+    def demo_spec(self) -> ModelSpec:
+        """Shapes of the locally built demo model (hf_dir null)."""
+        if self.experts:
+            return ModelSpec(family="qwen3_moe", architecture="Qwen3MoeForCausalLM",
+                             hidden=self.hidden, ffn=self.ffn, heads=self.heads,
+                             kv_heads=self.kv_heads, head_dim=self.hidden // self.heads,
+                             layers=self.layers, vocab=DEMO_VOCAB,
+                             max_positions=DEMO_MAX_POSITIONS, qk_norm=True, norm_eps=1e-6,
+                             num_experts=self.experts, moe_ffn=self.expert_ffn,
+                             experts_per_token=self.experts_per_token, norm_topk_prob=True)
+        return ModelSpec(family="llama", architecture="LlamaForCausalLM", hidden=self.hidden,
+                         ffn=self.ffn, heads=self.heads, kv_heads=self.kv_heads,
+                         head_dim=self.hidden // self.heads, layers=self.layers,
+                         vocab=DEMO_VOCAB, max_positions=DEMO_MAX_POSITIONS)
+
+    def planning_model(self) -> str | ModelSpec:
+        """What preflight sizes from: the demo spec, hf_dir when its config.json is here,
+        else the preset. Raises ConfigError when there is nothing to size from."""
+        if self.hf_dir is None:
+            return self.demo_spec()
+        if (Path(self.hf_dir) / "config.json").is_file():
+            return self.hf_dir
+        if self.preset is not None:
+            return self.preset
+        raise ConfigError("model.hf_dir", self.hf_dir, "has no config.json on this machine: set "
+                          "model.preset to the planner preset of the same shapes "
+                          f"({', '.join(sorted(PRESETS))}) to check the run without it")
+
+
+@dataclass(frozen=True, kw_only=True)
+class WarmupConfig:
+    """Supervised warm-up on the task's targets, off unless `max_steps` > 0: steps of
+    `batch_size` examples (each answer digit replaced with probability `label_noise`) until
+    accuracy on `eval_prompts` held-out prompts reaches `target_accuracy` (checked every
+    `eval_every` steps) or `max_steps` pass.
+    eval_temperature: the temperature of that held-out evaluation (0: greedy). RL learns only
+        from groups whose samples differ in reward: a warm-up meant to start RL should stop on
+        the accuracy RL will sample (at its `temperature`). Greedy accuracy can be high while
+        sampled answers are almost all wrong; a step's gradient then comes from one or two
+        rewarded samples, which Adam still turns into a full-size step.
+    train: its optimizer and micro batches; seq_len and micro_batch_size null are derived
+    (the RL rows' seq_len; the rule of `derived_micro_batch` on batch_size / actor.dp rows).
+    """
+
+    batch_size: int = 64
+    label_noise: float = 0.0
+    target_accuracy: float = 0.7
+    eval_temperature: float = 0.0
+    max_steps: int = 0
+    eval_every: int = 50
+    eval_prompts: int = 256
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.label_noise < 1:
+            raise ConfigError("label_noise", self.label_noise, "must be in [0, 1)")
+        if self.max_steps < 0:
+            raise ConfigError("max_steps", self.max_steps, "must be >= 0")
+        if self.eval_temperature < 0:
+            raise ConfigError("eval_temperature", self.eval_temperature, "must be >= 0")
+        if self.batch_size < 1:
+            raise ConfigError("batch_size", self.batch_size, "must be >= 1")
+
+
+# A derived micro batch holds at most this many tokens (rows x seq_len; verl's
+# ppo_max_token_len_per_gpu default): small rows get one micro batch per update, long ones
+# fewer rows per micro batch.
+DERIVED_MICRO_BATCH_TOKENS = 16384
+
+
+def derived_micro_batch(rows: int, seq_len: int) -> int:
+    """The micro batch size a null `micro_batch_size` resolves to: the largest divisor of
+    `rows` (the sequences each DP rank gets per update) whose rows hold at most
+    DERIVED_MICRO_BATCH_TOKENS tokens; at least 1."""
+    cap = max(1, DERIVED_MICRO_BATCH_TOKENS // seq_len)
+    return max(d for d in range(1, min(rows, cap) + 1) if rows % d == 0)
+
+
+@dataclass(frozen=True, kw_only=True)
+class DeadlineConfig:
+    """Every deadline of a run, in seconds: the watchdog stops a phase that overruns (naming
+    the phase, the workers that did not arrive, and their stack dumps), and each wait on a
+    worker, engine or store reads its deadline from here.
+
+    startup_s: workers, engines and the sync group coming up (also each rollout engine's own
+        start-up wait).
+    gen_s: one generation call. train_s: each actor/critic/reference pass (log-probs, values,
+        updates, warm-up steps). sync_s: one weight sync.
+    engine_call_s: any other rollout-engine call (Ray calls, worker RPCs, joining the sync
+        group, probes) that has no phase deadline of its own.
+    reward_model_s: the reward model's start-up, each of its `score` calls, and its workers'
+        collective timeout.
+    """
+
+    startup_s: float = 600.0
+    gen_s: float = 300.0
+    train_s: float = 300.0
+    sync_s: float = 120.0
+    engine_call_s: float = 600.0
+    reward_model_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        for name in ("startup_s", "gen_s", "train_s", "sync_s", "engine_call_s",
+                     "reward_model_s"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(name, getattr(self, name), "must be > 0")
+
+    def for_phase(self, phase: str) -> float:
+        if phase in ("startup", "sync-join", "setup", "shutdown"):
+            return self.startup_s
+        if phase == "gen":
+            return self.gen_s
+        if phase == "sync":
+            return self.sync_s
+        return self.train_s
+
+
+@dataclass(frozen=True, kw_only=True)
+class RLConfig:
+    """A GRPO-family RL run.
+
+    model: the starting model (HF checkpoint or the built demo model; see ModelConfig).
+    task: prompts, reference answers and the rule reward function (see TaskConfig).
+    reward_model: an optional HF sequence-classification reward model, scored on its own
+        Megatron worker group (reward = rule reward + reward_model.coeff * model score; for
+        the model alone, task.reward_fn "mcore_rl.tasks.base:no_reward"). It must share the
+        policy's tokenizer.
+    cluster: the allocation preflight sizes the run for (default: this machine).
+    The defaults are a real run's (a 1-70B model, as verl's ppo_trainer.yaml and NeMo-RL's
+    grpo_math_1B.yaml); the demos' small values are written in their YAMLs (configs/).
+    actor: the actor's Megatron grid. warmup: supervised warm-up (off: max_steps 0).
+    train: the RL optimizer (a fresh one after warm-up) and micro batch size.
+    critic_train: the critic's optimizer and micro batch size (advantage_estimator "gae").
+    rollout: vLLM engines. algorithm: advantages and loss.
+    steps: RL steps. prompts_per_step x samples_per_prompt sequences per step.
+    updates_per_batch: optimizer steps (mini-batches x epochs) per generated batch.
+    max_prompt_tokens: the longest prompt, in tokens after tokenization (chat template
+        included); a longer one is an error or dropped (task.overlong_prompts).
+    temperature / max_new_tokens: sampling. sync_bucket_mb: weight-sync bucket.
+    min_new_tokens: the shortest response of an RL step's samples (EOS cannot end one
+        earlier; vLLM's `min_tokens`); 0 = off. Benchmarks use it to fix response lengths
+        (`mcore-rl bench step shape=...`). Single-turn, whole-batch generation only.
+    Lengths are declared once, here: `sample_tokens` is max_prompt_tokens + max_new_tokens
+    (a multi-turn task: task.episode.max_total_tokens). rollout.max_model_len null is
+    derived as sample_tokens, train.seq_len null (and warmup's, critic_train's) as
+    sample_tokens - 1 (a row holds seq_len + 1 tokens: inputs and the last label; rounded up
+    to a multiple of actor.tp under sequence parallelism); an explicit one too small for a
+    sample is refused. Micro batch sizes null are derived (`derived_micro_batch`) from the sequences
+    each DP rank gets per update. The loaded config holds the resolved values.
+    sync_dtype: the weight sync's wire dtype — "auto" (bfloat16 when rollout.dtype is
+        bfloat16, else float32), "float32" or "bfloat16" (half the bytes; the engines install
+        the rounded weights into their own dtype); "fp32"/"bf16" are accepted.
+    deadlines: per-phase deadlines of the watchdog.
+    inject_stall: fault injection for watchdog tests: "<phase>@rank<r>" stalls actor rank r
+        in that phase, "gen@engine<i>" stalls engine i's generation. Leave null.
+    checkpoint: when checkpoints are written and how many are kept (see CheckpointConfig).
+    recovery: restarting rollout engines that die (see RecoveryConfig).
+    logging: optional loggers beside TensorBoard (see LoggingConfig): logging.wandb.
+    max_sampling_rounds: with algorithm.dynamic_sampling, generation rounds per step at most.
+    off_policy_steps: deprecated alias of rollout.mode (0: sync, 1: one_step); leave null.
+    seed: the run's one seed: prompts and sampling, and through `derive_seed(seed, stream)`
+        (`mcore_rl.config.seeds`) the demo model's weights ("model"), megatron's init and
+        RNG tracker ("train") and vLLM's engine seed ("engine"). The default 0 gives model 0,
+        train 1234, engine 0.
+    """
+
+    actor: ParallelConfig = field(default_factory=ParallelConfig)
+    warmup: WarmupConfig = field(default_factory=WarmupConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    # the critic learns faster than the policy (verl's critic lr)
+    critic_train: TrainConfig = field(default_factory=lambda: TrainConfig(
+        optimizer=OptimizerConfig(lr=1e-5)))
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    task: TaskConfig = field(default_factory=TaskConfig)
+    reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    steps: int = 200
+    prompts_per_step: int = 32
+    samples_per_prompt: int = 8
+    updates_per_batch: int = 1
+    temperature: float = 1.0
+    max_prompt_tokens: int = 1024
+    max_new_tokens: int = 1024
+    min_new_tokens: int = 0
+    sync_bucket_mb: float = 16.0
+    sync_dtype: Literal["auto"] | DtypeName = "auto"
+    deadlines: DeadlineConfig = field(default_factory=DeadlineConfig)
+    inject_stall: str | None = None
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    recovery: RecoveryConfig = field(default_factory=RecoveryConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    max_sampling_rounds: int = 4
+    off_policy_steps: int | None = None
+    seed: int = 0
+
+    def _map_off_policy_steps(self) -> None:
+        """The deprecated `off_policy_steps` becomes rollout.mode (and is then cleared)."""
+        import warnings
+
+        modes = {0: "sync", 1: "one_step"}
+        if self.off_policy_steps not in modes:
+            raise ConfigError("off_policy_steps", self.off_policy_steps,
+                              "must be 0 or 1 (deprecated: use rollout.mode)")
+        mode = modes[self.off_policy_steps]
+        if self.rollout.mode not in ("sync", mode):
+            raise ConfigError("off_policy_steps", self.off_policy_steps,
+                              f"contradicts rollout.mode={self.rollout.mode}: drop it")
+        warnings.warn(f"off_policy_steps={self.off_policy_steps} is deprecated: use "
+                      f"rollout.mode={mode}", DeprecationWarning, stacklevel=3)
+        try:
+            rollout = dataclasses.replace(self.rollout, mode=mode)
+        except ConfigError as err:
+            raise ConfigError("off_policy_steps", self.off_policy_steps, str(err)) from None
+        object.__setattr__(self, "rollout", rollout)
+        object.__setattr__(self, "off_policy_steps", None)
+
+    @property
+    def wire_dtype(self) -> str:
+        """The weight sync's dtype, "float32" or "bfloat16" (sync_dtype resolved)."""
+        if self.sync_dtype != "auto":
+            return self.sync_dtype
+        return "bfloat16" if self.rollout.dtype == "bfloat16" else "float32"
+
+    @property
+    def sample_tokens(self) -> int:
+        """The most tokens one sample holds: max_prompt_tokens + max_new_tokens, or a
+        multi-turn task's task.episode.max_total_tokens (prompt and every turn)."""
+        if self.task.multi_turn:
+            return self.task.episode.max_total_tokens
+        return self.max_prompt_tokens + self.max_new_tokens
+
+    def _resolve_lengths(self) -> int:
+        """train.seq_len and rollout.max_model_len: null ones derived from `sample_tokens`,
+        explicit ones checked against it (multi-turn: `_check_episode_fits`). Returns the
+        resolved seq_len (the rows of every role)."""
+        need = self.sample_tokens
+        if self.task.multi_turn and self.max_prompt_tokens >= need:
+            raise ConfigError("max_prompt_tokens", self.max_prompt_tokens,
+                              f"must leave room for a model token in task.episode."
+                              f"max_total_tokens={need}")
+        what = (f"max_prompt_tokens + max_new_tokens = {self.max_prompt_tokens} + "
+                f"{self.max_new_tokens} = {need}")
+        seq_len = self.train.seq_len
+        if seq_len is None:  # a row holds seq_len + 1 tokens: the inputs and the last label
+            tp = self.actor.tp if self.actor.sequence_parallel else 1
+            seq_len = -(-(need - 1) // tp) * tp
+        elif seq_len + 1 < need and not self.task.multi_turn:
+            raise ConfigError("train.seq_len", seq_len,
+                              f"rows of seq_len + 1 = {seq_len + 1} tokens cannot hold a sample "
+                              f"of {what} tokens: set train.seq_len >= {need - 1} (or null: "
+                              "derived)")
+        max_model_len = self.rollout.max_model_len
+        if max_model_len is None:
+            max_model_len = need
+        elif max_model_len < need and not self.task.multi_turn:
+            raise ConfigError("rollout.max_model_len", max_model_len,
+                              f"the engines cannot hold a sample of {what} tokens: set "
+                              f"rollout.max_model_len >= {need} (or null: derived)")
+        if max_model_len != self.rollout.max_model_len:
+            try:
+                rollout = dataclasses.replace(self.rollout, max_model_len=max_model_len)
+            except ConfigError as err:
+                raise err.under("rollout") from None
+            object.__setattr__(self, "rollout", rollout)
+        return seq_len
+
+    def _resolve_train(self, role: str, train: TrainConfig, *, rows: int,
+                       seq_len: int) -> TrainConfig:
+        """`train` with a null seq_len set to the run's and a null micro_batch_size derived
+        for `rows` sequences per DP rank (`derived_micro_batch`)."""
+        seq_len = train.seq_len or seq_len
+        mbs = train.micro_batch_size or derived_micro_batch(rows, seq_len)
+        if (train.seq_len, train.micro_batch_size) == (seq_len, mbs):
+            return train
+        try:
+            return dataclasses.replace(train, seq_len=seq_len, micro_batch_size=mbs)
+        except ConfigError as err:
+            raise err.under(role) from None
+
+    def _resolve_sizes(self) -> None:
+        """Every derived length and micro batch size, resolved once (the loaded config holds
+        them; workers, planning and benches read plain values)."""
+        per_dp = self.rows_per_dp
+        seq_len = self._resolve_lengths()
+        object.__setattr__(self, "train", self._resolve_train(
+            "train", self.train, rows=per_dp, seq_len=seq_len))
+        object.__setattr__(self, "critic_train", self._resolve_train(
+            "critic_train", self.critic_train, rows=per_dp, seq_len=seq_len))
+        warm = self._resolve_train("warmup.train", self.warmup.train, seq_len=seq_len,
+                                   rows=max(1, self.warmup.batch_size // self.actor.dp))
+        if warm is not self.warmup.train:
+            object.__setattr__(self, "warmup", dataclasses.replace(self.warmup, train=warm))
+
+    def _check_episode_fits(self) -> None:
+        """A whole episode must fit the trainer's rows and the engines' context."""
+        total = self.task.episode.max_total_tokens
+        for name, limit in (("train.seq_len + 1", self.train.seq_len + 1),
+                            ("rollout.max_model_len", self.rollout.max_model_len)):
+            if total > limit:
+                raise ConfigError("task.episode.max_total_tokens", total,
+                                  f"an episode must fit {name}={limit}")
+        # later turns send whole contexts: their prefill must not be split over engine steps;
+        # until late engines join (rollout.startup_engines), fewer engines share each call
+        per_call = -(-self.prompts_per_step * self.samples_per_prompt
+                     // self.rollout.engines_at_startup)
+        budget = self.rollout.max_num_batched_tokens
+        if budget is None or budget < per_call * total:
+            raise ConfigError("rollout.max_num_batched_tokens", budget,
+                              f"a multi-turn turn sends each engine up to {per_call} contexts "
+                              f"of up to {total} tokens: set >= {per_call * total} (vLLM 0.32 "
+                              "on CPU fails a seeded prefill split over steps)")
+
+    def _check_partial_rollouts(self) -> None:
+        """Partial rollouts continue single-turn samples of one draw; refused with what they
+        do not cover (yet): multi-turn episodes and dynamic sampling's redraws."""
+        chunk = self.rollout.partial_chunk_tokens
+        if chunk is None:
+            return
+        if self.task.multi_turn:
+            raise ConfigError("rollout.partial_chunk_tokens", chunk,
+                              f"partial rollouts are single-turn; task.kind={self.task.kind} is "
+                              "multi-turn (task.multi_turn): set rollout.partial_chunk_tokens "
+                              "to null")
+        if self.algorithm.dynamic_sampling:
+            raise ConfigError("rollout.partial_chunk_tokens", chunk,
+                              "partial rollouts draw each batch once; "
+                              "algorithm.dynamic_sampling redraws groups: use one or the other")
+
+    def _check_min_new_tokens(self) -> None:
+        """min_new_tokens within [0, max_new_tokens], on single-turn whole-batch generation
+        (a turn or a partial-rollout chunk has its own, smaller cap)."""
+        n = self.min_new_tokens
+        if not 0 <= n <= self.max_new_tokens:
+            raise ConfigError("min_new_tokens", n,
+                              f"must be in [0, max_new_tokens={self.max_new_tokens}]")
+        if n and self.task.multi_turn:
+            raise ConfigError("min_new_tokens", n, f"task.kind={self.task.kind} is multi-turn "
+                              "(a turn's cap is what the episode has left): set 0")
+        if n and self.rollout.partial_chunk_tokens is not None:
+            raise ConfigError("min_new_tokens", n, "partial rollouts generate chunks of "
+                              "rollout.partial_chunk_tokens: set 0 or turn them off")
+
+    # The cross-field checks: each small, independent, raising ConfigError that names its
+    # field. __post_init__ runs every one that applies and raises what they found together
+    # (`config.run_checks`): `mcore-rl preflight` lists each problem, not the first.
+
+    def _check_sync_dtype(self) -> None:
+        if self.sync_dtype != "auto":
+            normalize_dtype_fields(self, "sync_dtype", allowed=("float32", "bfloat16"))
+
+    def _check_counts(self) -> None:
+        for name in ("steps", "prompts_per_step", "samples_per_prompt", "updates_per_batch",
+                     "max_prompt_tokens", "max_new_tokens"):
+            if getattr(self, name) < 1:
+                raise ConfigError(name, getattr(self, name), "must be >= 1")
+
+    def _check_off_policy_steps(self) -> None:
+        if self.off_policy_steps is not None:
+            self._map_off_policy_steps()
+
+    @property
+    def rows_per_dp(self) -> int:
+        """The sequences each actor DP rank gets per update."""
+        batch = self.prompts_per_step * self.samples_per_prompt
+        return batch // self.updates_per_batch // self.actor.dp
+
+    def _check_batch_split(self) -> None:
+        batch = self.prompts_per_step * self.samples_per_prompt
+        if batch % self.updates_per_batch:
+            raise ConfigError("updates_per_batch", self.updates_per_batch,
+                              f"must divide prompts_per_step*samples_per_prompt={batch}")
+        if self.rows_per_dp < 1:
+            raise ConfigError("updates_per_batch", self.updates_per_batch,
+                              f"leaves no sequences for each of actor.dp={self.actor.dp} ranks")
+
+    def _check_warmup_targets(self) -> None:
+        if self.warmup.max_steps and not self.task.has_targets:
+            raise ConfigError("warmup.max_steps", self.warmup.max_steps,
+                              f"task.kind={self.task.kind} has no supervised targets: set 0")
+
+    def _check_demo_model_task(self) -> None:
+        if self.model.hf_dir is None and self.task.kind not in ("addition", "tool_calc"):
+            raise ConfigError("model.hf_dir", None, "the built demo model has a synthetic "
+                              f"task's tokenizer; task.kind={self.task.kind} needs an HF "
+                              "checkpoint")
+
+    def _check_multi_turn_episode(self) -> None:
+        if self.task.multi_turn:
+            self._check_episode_fits()
+
+    def _check_colocated_sleep(self) -> None:
+        if self.cluster.placement == "colocated" and not self.rollout.enable_sleep:
+            raise ConfigError("rollout.enable_sleep", False, "cluster.placement=colocated "
+                              "shares every device with the trainer: the engines must sleep")
+
+    def _check_micro_batches(self) -> None:
+        per_dp = self.rows_per_dp
+        roles = [("train", self.train)]
+        if self.algorithm.advantage_estimator == "gae":
+            roles.append(("critic_train", self.critic_train))
+        errors = []
+        for role, train in roles:
+            # packed micro batches (max_tokens_per_micro_batch) take any number of rows
+            if train.max_tokens_per_micro_batch is None and per_dp % train.micro_batch_size:
+                errors.append(ConfigError(f"{role}.micro_batch_size", train.micro_batch_size,
+                                          f"must divide the {per_dp} sequences each DP rank "
+                                          "gets per update"))
+        raise_errors(errors)
+
+    def _check_kl_in_reward(self) -> None:
+        if self.algorithm.kl_in_reward and \
+                self.algorithm.advantage_estimator in ("grpo", "rloo"):
+            raise ConfigError("algorithm.kl_mode", "reward",
+                              "group estimators (grpo, rloo) take the KL as a loss term")
+
+    # checks of the fields as given; the first three must pass for the batch split to be
+    # checked, and it for the sizes to be derived (`_resolve_sizes`)
+    BASIC_CHECKS: ClassVar[tuple] = (_check_sync_dtype, _check_counts, _check_off_policy_steps)
+    # every other check, in the order they are reported; those of the derived sizes run only
+    # once the sizes are derived, the rest whether or not any check above failed
+    CHECKS: ClassVar[tuple] = (
+        _check_warmup_targets, _check_demo_model_task, _check_partial_rollouts,
+        _check_min_new_tokens, _check_multi_turn_episode, _check_colocated_sleep,
+        _check_micro_batches, _check_kl_in_reward)
+    SIZED_CHECKS: ClassVar[frozenset] = frozenset({_check_multi_turn_episode,
+                                                   _check_micro_batches})
+
+    def __post_init__(self) -> None:
+        errors = run_checks(self, self.BASIC_CHECKS)
+        if not errors:
+            errors = run_checks(self, [RLConfig._check_batch_split])
+        if not errors:
+            errors = run_checks(self, [RLConfig._resolve_sizes])
+        sized = not errors
+        raise_errors(errors + run_checks(self, [check for check in self.CHECKS
+                                                if sized or check not in self.SIZED_CHECKS]))

@@ -1,0 +1,102 @@
+"""Stopping a run cleanly on a signal: SIGTERM (preemption, `kill`, `scancel --batch`) or
+SIGUSR1 (`#SBATCH --signal=B:USR1@N`, N seconds before the time limit).
+
+The handler only records the request; the RL loop asks `stop.requested` at its safe point
+(between steps: a step in progress finishes), writes a checkpoint and exits with
+`STOP_EXIT_CODE` = 75 (EX_TEMPFAIL, "try again": scripts/slurm/train.sbatch requeues the job
+on it, and the requeued run resumes from that checkpoint by itself). If the safe point is not
+reached within `grace_s` of the signal (a step wedged beyond its own deadlines), the process
+exits with `STOP_TIMEOUT_EXIT_CODE` without a checkpoint rather than hang until SIGKILL.
+
+Ray's driver installs its own SIGTERM handler (a native crash handler that aborts, exit 134),
+so `install()` must run after Ray is up; it is called again then.
+
+Who else gets the signal: `kill PID` reaches the driver only. A shell's or batch system's
+signal to the process group also reaches the local Ray's gcs_server, raylet and helper
+processes, which ray.init starts in the driver's group (its actor workers get their own
+groups) — the GCS then dies at once and the run cannot even checkpoint (measured, Ray 2.60).
+`start_local_ray` therefore starts them with SIGTERM blocked (inherited through fork/exec, as
+Ray itself does for SIGINT): they live until the run shuts them down. `stop_local_ray` then
+stops them with SIGKILL at once: ray.shutdown's SIGTERM cannot reach them, and Ray waits a
+second on each (5.4 s of every demo's shutdown, measured) before it sends SIGKILL itself.
+Under SLURM, Ray runs as `ray start --block` and the batch script forwards only to the driver
+(train.sbatch).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import sys
+import threading
+import time
+
+from mcore_rl.launch.exit_codes import STOP_EXIT_CODE, STOP_TIMEOUT_EXIT_CODE
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+
+class RunStopped(Exception):
+    """The run stopped at a safe point on a signal (after its checkpoint, if one was due)."""
+
+    def __init__(self, step: int, signal_name: str, checkpoint):
+        self.step, self.signal_name, self.checkpoint = step, signal_name, checkpoint
+        where = f"checkpoint {checkpoint}" if checkpoint else "no checkpoint (nothing trained)"
+        super().__init__(f"stopped on {signal_name} after step {step}; {where}; exit code "
+                         f"{STOP_EXIT_CODE} (re-run the same command to resume)")
+
+
+class StopControl:
+    """Records SIGTERM/SIGUSR1 for the loop's next safe point; arms the grace deadline."""
+
+    def __init__(self, grace_s: float):
+        self.grace_s = grace_s
+        self.signal_name: str | None = None
+        self.signalled_at: float | None = None
+        self._previous: dict[int, object] = {}
+        self._done = threading.Event()
+
+    @property
+    def requested(self) -> bool:
+        return self.signal_name is not None
+
+    def install(self) -> "StopControl":
+        """(Re)install the handlers (call again after anything else installed its own)."""
+        if threading.current_thread() is not threading.main_thread():
+            return self
+        for sig in STOP_SIGNALS:
+            previous = signal.signal(sig, self._handle)
+            self._previous.setdefault(sig, previous)
+        return self
+
+    def restore(self) -> None:
+        """Give the signals back to whoever had them; disarm the grace deadline."""
+        self._done.set()
+        for sig, previous in self._previous.items():
+            signal.signal(sig, previous if previous is not None else signal.SIG_DFL)
+        self._previous.clear()
+
+    def _handle(self, signum, frame) -> None:
+        name = signal.Signals(signum).name
+        if self.requested:  # e.g. scancel's SIGTERM also forwarded by the batch script
+            print(f"mcore-rl: {name} again; already stopping", file=sys.stderr, flush=True)
+            return
+        self.signal_name, self.signalled_at = name, time.monotonic()
+        print(f"mcore-rl: {name} received: stopping at the end of the current step, then "
+              f"checkpoint (deadline {self.grace_s:.0f} s)", file=sys.stderr, flush=True)
+        threading.Thread(target=self._deadline, name="mcore-rl-stop-deadline",
+                         daemon=True).start()
+
+    def _deadline(self) -> None:
+        if self._done.wait(self.grace_s):
+            return
+        print(f"mcore-rl: no safe point within {self.grace_s:.0f} s of {self.signal_name}: "
+              f"exiting without a checkpoint (exit code {STOP_TIMEOUT_EXIT_CODE})",
+              file=sys.stderr, flush=True)
+        os._exit(STOP_TIMEOUT_EXIT_CODE)
+
+    def seconds_since_signal(self) -> float:
+        return 0.0 if self.signalled_at is None else time.monotonic() - self.signalled_at
+
+

@@ -1,0 +1,380 @@
+"""`mcore-rl demo` / `mcore-rl train`: an RL run from one config (`RLConfig`).
+
+The model follows `ModelConfig`'s rule: with `model.hf_dir` null (the demo's default) a
+sentencepiece tokenizer trained on the addition task's own text and a small random Llama are
+built locally, nothing downloaded; with `model.hf_dir` set the run loads that HF checkpoint
+directory. The Megatron actor (TP2 by default) warms up on noisy answers, then GRPO
+runs with vLLM rollouts and streamed weight sync. The run directory gets config.yaml (the
+resolved config: `load_config(RLConfig, RUN_DIR/config.yaml)` reads it back equal),
+metrics.jsonl, TensorBoard logs (and wandb's, with logging.wandb set), reward.png /
+phases.png and summary.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import time
+from pathlib import Path
+
+from mcore_rl.config.seeds import derive_seed
+from mcore_rl.config import CONFIG_ERROR_EXIT, ConfigError, load_config, to_dict, write_config
+from mcore_rl.launch.logs import add_verbose_argument, set_verbose
+from mcore_rl.rl import checkpoint_dirs
+
+
+# sentencepiece vocabulary (a soft limit) of the demo tokenizer per task kind: addition needs
+# 16 pieces; the tool task's traces and error messages need 52 characters, and 64 lets BPE
+# merge its tool name ("calc") into one piece
+DEMO_TOKENIZER_VOCAB = {"addition": 16, "tool_calc": 64}
+# OUT/<this>: the actor after the warm-up as an HF directory (`run.hf_export`); a run
+# with model.hf_dir=OUT/warmup_hf warmup.max_steps=0 starts from the same weights
+WARMUP_HF = "warmup_hf"
+# OUT/<this>: the run's resolved config (every derived value filled in), written when it starts
+RESOLVED_CONFIG = "config.yaml"
+
+
+def build_demo_model(cfg, out: Path) -> Path:
+    """Tokenizer trained on the task's own text + random-weight HF Llama in out/model (shapes:
+    `cfg.model.demo_spec()`; the vocabulary is the tokenizer's)."""
+    from mcore_rl.models.hf_factory import make_hf_model_dir
+    from mcore_rl.tasks.config import build_task
+    from mcore_rl.tasks.tokenizer import build_tokenizer_dir
+
+    tok_dir = build_tokenizer_dir(out / "tokenizer", build_task(cfg.task),
+                                  vocab_size=DEMO_TOKENIZER_VOCAB[cfg.task.kind])
+    return make_hf_model_dir(cfg.model.demo_spec(), out / "model",
+                             seed=derive_seed(cfg.seed, "model"),
+                             tokenizer_dir_or_obj=tok_dir)
+
+
+def model_dir_of(cfg, out: Path) -> Path:
+    """The model the run loads: model.hf_dir, or the demo model built into `out`."""
+    if cfg.model.hf_dir is None:
+        return build_demo_model(cfg, out)
+    hf_dir = Path(cfg.model.hf_dir)
+    missing = [name for name in ("config.json",) if not (hf_dir / name).is_file()]
+    if missing or not any(hf_dir.glob("*.safetensors")):
+        raise ConfigError("model.hf_dir", str(hf_dir), "expected an HF checkpoint directory "
+                          "(config.json, *.safetensors, tokenizer files)")
+    return hf_dir
+
+
+def model_dir_while_ray_starts(cfg, out: Path) -> Path:
+    """`model_dir_of(cfg, out)` with the driver's Ray started (`start_local_ray`). The demo
+    model is built in a thread meanwhile: ray.init mostly waits on the processes it launches,
+    and the build (transformers' import, the tokenizer's training) is ~3.5 s of driver CPU.
+    A given model.hf_dir is checked first, so a bad one fails before Ray starts."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from mcore_rl.launch.ray_runtime import start_local_ray
+
+    if cfg.model.hf_dir is not None:
+        model_dir = model_dir_of(cfg, out)
+        start_local_ray()
+        return model_dir
+    with ThreadPoolExecutor(1, thread_name_prefix="demo-model") as pool:
+        model_dir = pool.submit(model_dir_of, cfg, out)
+        start_local_ray()
+        return model_dir.result()
+
+
+def check_layer_spec_here(cfg, resume: Path | None = None) -> None:
+    """Before any worker starts: the resolved layer spec can be built here (a run on this
+    machine that resolves "te" needs TransformerEngine), and a resumed checkpoint was saved
+    under the same spec (`megatron.role_checkpoint.check_resume`). Raises ConfigError."""
+    from mcore_rl.planning.resolve import resolve_run
+
+    run = resolve_run(cfg)
+    if cfg.cluster.device == "local" and run.layer_spec == "te":
+        from mcore_rl.models.gpt import te_importable
+
+        if not te_importable():
+            raise ConfigError("cluster.device", cfg.cluster.device, (
+                "runs on this machine's CUDA, so the resolved layer_spec is 'te', but "
+                "TransformerEngine (transformer_engine.pytorch) is not importable: install it "
+                "(pip install .[gpu]), or set cluster.device=cpu for the local layer spec"))
+    if resume is not None:  # a checkpoint of the other layer spec fails here, not in a worker
+        from mcore_rl.rl.checkpoint_dirs import check_resume
+
+        check_resume(resume, run.layer_spec)
+
+
+def run_demo(cfg, out: Path, resume: str | Path = "auto", command: str = "demo") -> dict:
+    """The run; `resume`: "auto" (the newest complete checkpoint in OUT/checkpoints, if any),
+    "never" (start over: OUT's checkpoints and metrics are removed) or a checkpoint path.
+    SIGTERM/SIGUSR1 stop it at the next safe point with a checkpoint (raises RunStopped)."""
+    from mcore_rl.rl.controller import RLController
+    from mcore_rl.run.metrics import plot_run
+    from mcore_rl.launch.logs import configure_process_logs
+    from mcore_rl.launch.process_cpu import cpu_by_role, cpu_floor_s
+    from mcore_rl.launch.startup_gc import gc_paused
+    from mcore_rl.run.signals import RunStopped, StopControl
+
+    start = time.perf_counter()
+    out.mkdir(parents=True, exist_ok=True)
+    configure_process_logs(out, "driver")  # library logs to OUT/logs unless --verbose
+    checkpoint = _preflight(cfg, out, resume)
+    if checkpoint is not None and checkpoint_dirs.step_of(checkpoint) >= cfg.steps:
+        print(f"run already complete: {checkpoint} is after step {cfg.steps} of {cfg.steps}; "
+              f"nothing to do (run dir {out})")
+        return {"already_complete": True, "checkpoint": str(checkpoint)}
+    write_config(cfg, out / RESOLVED_CONFIG)  # a refused run leaves an earlier one's in place
+    stop = StopControl(cfg.checkpoint.stop_grace_s).install()
+    with gc_paused():  # transformers' import, the tokenizer's training (launch/startup_gc.py)
+        model_dir = model_dir_while_ray_starts(cfg, out)  # the controller's init_local_ray: no-op
+        controller = RLController(cfg, model_dir, out)
+    startup_s = seconds_since_process_start()  # every worker and engine up: step 1 can start
+    startup_cpu = cpu_by_role()  # what that start-up cost every process it started
+    stop.install()  # again: Ray's driver installed its own (aborting) SIGTERM handler
+    try:
+        accuracy, first_step = _start_or_resume(controller, cfg, out, model_dir, checkpoint)
+        if stop.requested:  # during start-up or warm-up: nothing to save yet
+            raise RunStopped(first_step - 1, stop.signal_name, checkpoint)
+        controller.sync_weights()
+        _train(controller, cfg, out, stop, first_step)
+        digests = controller.weights_digests()
+    finally:
+        controller.shutdown()
+        stop.restore()
+    plot_run(out)
+    summary = _summary(cfg, out, accuracy=accuracy, first_step=first_step, digests=digests,
+                       wall_s=time.perf_counter() - start)
+    summary["startup_s"] = startup_s
+    summary["startup_cpu_s"] = startup_cpu
+    summary["startup_cpu_floor_s"] = cpu_floor_s(startup_cpu["total"])
+    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    k = min(5, summary["steps"])
+    print(f"{command} done in {summary['wall_s']:.0f} s: reward {summary['reward_first5']:.3f} "
+          f"(mean of first {k} steps) -> {summary['reward_last5']:.3f} (last {k}); "
+          f"run dir {out}")
+    return summary
+
+
+def seconds_since_process_start() -> float:
+    """Wall time since this process started (imports included, which run_demo's own clock
+    misses)."""
+    import psutil
+
+    return time.time() - psutil.Process().create_time()
+
+
+def _preflight(cfg, out: Path, resume: str | Path) -> Path | None:
+    """Check the run before anything is built and return the checkpoint it starts from.
+    Preflight sizes from the config alone (the demo spec, or hf_dir / preset); it raises
+    PreflightFailed listing every error. An explicit --resume is checked (layer spec,
+    converted checkpoint) before anything moves; with "auto", the found checkpoint too."""
+    from mcore_rl.run.preflight import check_run
+
+    for said in check_run(cfg):  # warnings and notes
+        fix = "vs" if said.severity == "note" else "fix"
+        print(f"preflight {said.severity} [{said.check}] {said.message} ({fix}: {said.fix})")
+    explicit = None if str(resume) in ("auto", "never") else Path(resume)
+    check_layer_spec_here(cfg, explicit)
+    checkpoint = start_point(out, resume)
+    if explicit is None and checkpoint is not None:
+        check_layer_spec_here(cfg, checkpoint)
+    return checkpoint
+
+
+def _start_or_resume(controller, cfg, out: Path, model_dir: Path,
+                     checkpoint: Path | None) -> tuple[float | None, int]:
+    """From scratch: warm-up (its metrics, the warmed-up HF export), a fresh RL optimizer.
+    From a checkpoint: its weights and optimizer, metrics cut back to its step. Returns the
+    warm-up accuracy (None when skipped or resumed) and the first RL step to run."""
+    from mcore_rl.run.metrics import MetricsWriter
+
+    if checkpoint is not None:
+        controller.reset_optimizer()
+        first_step = controller.load_checkpoint(checkpoint) + 1
+        checkpoint_dirs.truncate_metrics(out, first_step - 1)
+        print(f"resumed from {checkpoint} (step {first_step - 1})")
+        return None, first_step
+    checkpoint_dirs.truncate_metrics(out, 0)
+    warm = MetricsWriter(out, phase="warmup", **_loggers(cfg))
+    accuracy = controller.warmup(warm) if cfg.warmup.max_steps else None
+    warm.close()
+    if cfg.warmup.max_steps:  # the warmed-up model, for runs that start from it
+        from mcore_rl.run.hf_export import export_actor_hf
+
+        export_actor_hf(controller, model_dir, out / WARMUP_HF)
+    controller.reset_optimizer()
+    return accuracy, 1
+
+
+def _train(controller, cfg, out: Path, stop, first_step: int) -> None:
+    """RL steps first_step..cfg.steps, each one's metrics written; checkpoints when due and at
+    a stop request (then RunStopped)."""
+    from mcore_rl.run.metrics import MetricsWriter
+    from mcore_rl.rl.recovery import EngineFailed
+    from mcore_rl.run.signals import RunStopped
+
+    writer = MetricsWriter(out, **_loggers(cfg))
+    for step in range(first_step, cfg.steps + 1):
+        try:
+            writer.write(step, controller.rl_step(step))
+        except EngineFailed as failed:  # checkpointed after this step: log it too
+            if failed.step_metrics is not None:
+                writer.write(step, failed.step_metrics)
+            raise
+        if cfg.checkpoint.due(step, cfg.steps) or stop.requested:
+            saved = controller.save_checkpoint(step)
+            checkpoint_dirs.prune(saved.parent, cfg.checkpoint.keep_last)
+        if stop.requested:
+            print(f"checkpoint {saved} written {stop.seconds_since_signal():.1f} s after "
+                  f"{stop.signal_name}")
+            raise RunStopped(step, stop.signal_name, saved)
+    writer.close()
+
+
+def _loggers(cfg) -> dict:
+    """MetricsWriter's optional loggers of this run (logging.wandb, with the resolved config)."""
+    wandb = cfg.logging.wandb
+    return {"wandb": wandb, "run_config": to_dict(cfg) if wandb is not None else None}
+
+
+def _summary(cfg, out: Path, *, accuracy, first_step: int, digests, wall_s: float) -> dict:
+    """summary.json's content: reward (and tool calls) over the first and last 5 steps."""
+    rewards = [row["reward_mean"] for row in _metrics_rows(out)]
+    k = min(5, len(rewards))
+    summary = {"warmup_accuracy": accuracy, "reward_first5": sum(rewards[:k]) / max(k, 1),
+               "reward_last5": sum(rewards[-k:]) / max(k, 1), "steps": len(rewards),
+               "resumed_from_step": first_step - 1, "wall_s": wall_s,
+               "weights_digests": digests}
+    if cfg.task.multi_turn:
+        tool_calls = [row.get("tool_calls/mean", 0.0) for row in _metrics_rows(out)]
+        summary["tool_calls_first5"] = sum(tool_calls[:k]) / max(k, 1)
+        summary["tool_calls_last5"] = sum(tool_calls[-k:]) / max(k, 1)
+    return summary
+
+
+def start_point(out: Path, resume: str | Path) -> Path | None:
+    """The checkpoint a run in `out` starts from (None: from scratch). Saves that never
+    completed are removed first; "never" removes OUT/checkpoints altogether."""
+    root = checkpoint_dirs.checkpoint_root(out)
+    if str(resume) == "never":
+        if root.exists():
+            print(f"--resume never: removing the earlier run's checkpoints in {root}")
+            shutil.rmtree(root)
+        return None
+    checkpoint_dirs.clean_incomplete(root)
+    if str(resume) == "auto":
+        return checkpoint_dirs.newest_complete(root)
+    return checkpoint_dirs.resolve_checkpoint(Path(resume))
+
+
+def _metrics_rows(out: Path) -> list[dict]:
+    path = out / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    demo = sub.add_parser("demo", help="end-to-end GRPO on CPU (addition task, tiny Llama)")
+    demo.add_argument("--out", type=Path, default=Path("runs/demo"))
+    demo.add_argument("--config", type=Path, default=None,
+                      help="YAML (default: configs/grpo_addition.yaml, the GRPO demo; may "
+                           "also be the first positional argument)")
+    demo.add_argument("--task", choices=sorted(DEMO_TASKS), default=None,
+                      help="a built-in demo task's config (tool_calc: multi-turn tool use); "
+                           "default: the addition demo")
+    demo.add_argument("--model", choices=sorted(DEMO_MODELS), default="dense",
+                      help="moe: the addition demo on a tiny Qwen3-MoE (EP2 actor)")
+    demo.add_argument("overrides", nargs="*", help="a.b.c=value")
+    add_verbose_argument(demo)
+    demo.set_defaults(func=_run)
+    train = sub.add_parser("train", help="an RL run from a YAML config (task, model, grids)")
+    train.add_argument("--config", type=Path, default=None,
+                       help="run config YAML (or give it as the first positional argument)")
+    train.add_argument("--out", type=Path, default=Path("runs/train"))
+    train.add_argument("--resume", default="auto",
+                       help="auto (default: the newest complete checkpoint in --out, if any), "
+                            "never (start over), or a checkpoint dir (or a run's checkpoints "
+                            "dir: its newest)")
+    train.add_argument("overrides", nargs="*", help="a.b.c=value")
+    add_verbose_argument(train)
+    train.set_defaults(func=_run)
+    plot = sub.add_parser("plot", help="reward.png and phases.png from RUN_DIR/metrics.jsonl")
+    plot.add_argument("run_dir", type=Path)
+    plot.add_argument("--compare", type=Path, default=None, metavar="OTHER_RUN_DIR",
+                      help="also RUN_DIR/reward_compare.png: both runs' rewards overlaid")
+    plot.set_defaults(func=_plot)
+
+
+CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
+# `mcore-rl demo` as is (and `bench step` without --config): the GRPO addition demo
+DEMO_CONFIG = CONFIG_DIR / "grpo_addition.yaml"
+# `mcore-rl demo --task NAME`: the config each built-in demo task runs with
+DEMO_TASKS = {"addition": DEMO_CONFIG.name, "tool_calc": "tool_calc.yaml"}
+# `mcore-rl demo --model NAME`: the config the addition demo runs with per model kind
+DEMO_MODELS = {"dense": DEMO_CONFIG.name, "moe": "demo_moe.yaml"}
+
+
+def _config_path(args) -> Path:
+    """--config (or the positional config), else the built-in demo's for --task / --model
+    (`mcore-rl train` requires a config: mcore_rl.cli refuses it without one)."""
+    task = getattr(args, "task", None)
+    model = getattr(args, "model", "dense")
+    if args.config is not None:
+        return args.config
+    if model != "dense":
+        if task not in (None, "addition"):
+            raise ConfigError("--model", model, f"the {model} demo runs the addition task, "
+                                                f"not --task {task}")
+        return CONFIG_DIR / DEMO_MODELS[model]
+    return CONFIG_DIR / DEMO_TASKS[task or "addition"]
+
+
+def _run(args) -> int:
+    """Exit 0 when the run completes; on a config error (the file, a field, a preflight
+    problem, a --resume that cannot be used) its message on stderr and CONFIG_ERROR_EXIT."""
+    from mcore_rl.run.config import RLConfig
+
+    if args.verbose:  # before Ray starts: workers inherit it (as they do MCORE_RL_VERBOSE=1)
+        set_verbose(True)
+
+    def refuse(message: str) -> int:
+        print(f"mcore-rl {args.command}: {message}", file=sys.stderr, flush=True)
+        return CONFIG_ERROR_EXIT
+
+    try:
+        cfg = load_config(RLConfig, _config_path(args), args.overrides)
+    except ConfigError as err:
+        return refuse(f"config error: {err}")
+    from mcore_rl.launch.watchdog import WatchdogTimeout, WorkerDied
+    from mcore_rl.run.preflight import PreflightFailed
+
+    from mcore_rl.rl.checkpoint_dirs import CheckpointNotFound, CheckpointWriteError
+    from mcore_rl.launch.exit_codes import STOP_EXIT_CODE
+    from mcore_rl.run.signals import RunStopped
+    from mcore_rl.rl.recovery import EngineFailed
+
+    try:
+        run_demo(cfg, args.out, getattr(args, "resume", "auto"), command=args.command)
+    except RunStopped as stopped:  # SIGTERM/SIGUSR1: checkpointed, "requeue me"
+        print(f"mcore-rl {args.command}: {stopped}", flush=True)
+        return STOP_EXIT_CODE
+    except CheckpointNotFound as err:
+        return refuse(f"--resume: {err}")
+    except CheckpointWriteError as err:
+        print(f"mcore-rl {args.command}: checkpoint error: {err}")
+        return 4
+    except ConfigError as err:  # e.g. model.hf_dir that is not a checkpoint
+        return refuse(f"config error: {err}")
+    except PreflightFailed as err:
+        return refuse(str(err))
+    except (WatchdogTimeout, WorkerDied, EngineFailed) as err:  # a hang or a dead worker
+        print(f"mcore-rl {args.command}: {err}")
+        return 3
+    return 0
+
+
+def _plot(args) -> int:
+    from mcore_rl.run.metrics import plot_compare, plot_run
+
+    for path in plot_run(args.run_dir):
+        print(path)
+    if args.compare is not None:
+        print(plot_compare(args.run_dir, args.compare))
+    return 0

@@ -1,0 +1,370 @@
+"""The actor role: one Ray actor per Megatron rank, driven by the single controller.
+
+Each worker joins the actor's own gloo/NCCL world, builds megatron-core's groups for the grid
+and the model chunks (weights streamed from the HF directory: each rank reads only its own
+slices), and then runs what the controller asks: supervised steps, log-prob passes, policy
+updates, and weight sync sends. Batches arrive whole; each worker keeps its DP slice and cuts
+it into micro batches (the pipeline needs equal shapes).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+from mcore_rl.config.seeds import derive_seed
+from mcore_rl.algorithms import AlgorithmConfig
+from mcore_rl.launch.logs import configure_process_logs
+from mcore_rl.launch.startup_gc import gc_paused
+from mcore_rl.launch.watchdog import arm_stack_dump, maybe_stall
+from mcore_rl.layouts import materialize_rank, megatron_shards
+from mcore_rl.models.hf_weights import SafetensorsWeights
+from mcore_rl.models.spec import ModelSpec
+from mcore_rl.parallel import ParallelConfig
+from mcore_rl.parallel.groups import Axis, join_worker_world, leave_worker_world
+from mcore_rl.resharding import Plan, SyncGroupSpec
+from mcore_rl.resharding.plan_cache import PlanCache, PlanRef
+from mcore_rl.config.dtypes import torch_dtype
+from mcore_rl.megatron.config import TrainConfig
+
+
+class ActorWorker:
+    """One Megatron rank of the actor. Methods return plain, picklable values."""
+
+    @gc_paused()  # megatron's import and the model build: mcore_rl/launch/startup_gc.py
+    def __init__(self, rank: int, world_size: int, store_address: tuple[str, int],
+                 spec: ModelSpec,
+                 parallel: ParallelConfig, train: TrainConfig, hf_dir: str,
+                 timeout_s: float = 600.0, *, critic_train: TrainConfig | None = None,
+                 reference: bool = False, stack_dir: str | None = None,
+                 inject_stall: str | None = None, device: int | None = None,
+                 layer_spec: str = "local", seed: int = derive_seed(0, "train")):
+        """Roles colocated on this rank: the actor always; a critic (PPO) when
+        `critic_train` is given; a frozen reference policy when `reference`.
+        seed: megatron's weight init and RNG tracker of every model here (the run's
+        `derive_seed(seed, "train")`).
+        layer_spec: megatron's layer spec of every model here, as the run resolved it
+        (`ResolvedRun.layer_spec`: "local" or "te"); it also names the tensors loaded and sent.
+        stack_dir: where this process dumps its stacks on SIGUSR1 (the watchdog).
+        inject_stall: fault injection for watchdog tests ("<phase>@rank<r>").
+        device: this rank's device on its node (the run's placement plan); on GPU it becomes
+        the current CUDA device before anything is allocated."""
+        if stack_dir:  # the run directory: stacks for the watchdog, library logs (quiet console)
+            configure_process_logs(Path(stack_dir).parent, f"rank{rank}")
+            self._stack_file = arm_stack_dump(stack_dir, f"rank{rank}")
+        self.inject_stall = inject_stall
+        from mcore_rl.models.gpt import build_gpt_model, load_chunks
+        from mcore_rl.megatron.value import FrozenModel, attach_value_head
+        from mcore_rl.megatron.train import setup_trainer
+
+        self.device = device
+        self.groups = join_worker_world(rank, world_size, store_address, parallel,
+                                        timeout_s=timeout_s, device=device)
+        self.rank, self.spec, self.parallel = rank, spec, parallel
+        self.layer_spec = layer_spec
+        self.shards = megatron_shards(spec, parallel, layer_spec=layer_spec)
+        weights = SafetensorsWeights(hf_dir)
+        dtype = torch_dtype(train.dtype)
+
+        def load(chunks):
+            load_chunks(chunks, materialize_rank(self.shards, rank, weights.__getitem__, dtype),
+                        parallel.vpp)
+
+        def load_critic(chunks):  # initialized from the policy, then a fresh value head
+            load(chunks)
+            attach_value_head(chunks, spec.hidden, self.groups.is_last_stage,
+                              tp_group=self.groups.group(Axis.TP))
+
+        self.trainer = setup_trainer(spec, self.groups, train, load_weights=load, seed=seed,
+                                     layer_spec=layer_spec)
+        self.train_cfg = train
+        self.critic = (setup_trainer(spec, self.groups, critic_train, load_weights=load_critic,
+                                     layer_spec=layer_spec, seed=seed)
+                       if critic_train is not None else None)
+        self.reference = None
+        if reference:
+            chunks = build_gpt_model(spec, parallel, self.groups, params_dtype=dtype,
+                                     seed=seed, layer_spec=layer_spec)
+            load(chunks)
+            for chunk in chunks:
+                chunk.eval().requires_grad_(False)
+            self.reference = FrozenModel(spec, chunks, self.groups)
+        self.sync_group = None
+        self._plans = PlanCache()  # the sync plans sent to this rank, by fingerprint
+
+    # --- batches ----------------------------------------------------------------------------
+
+    def _my_rows(self, n: int) -> slice:
+        dp, dp_rank = self.parallel.dp, self.groups.rank_in(Axis.DP)
+        if n % dp:
+            raise ValueError(f"batch of {n} sequences does not split over dp={dp}")
+        per = n // dp
+        return slice(dp_rank * per, (dp_rank + 1) * per)
+
+    def _micro(self, tensors: dict[str, torch.Tensor], cls, *, train: TrainConfig | None = None,
+               mask: str | None = None):
+        """This DP rank's rows as micro batches of `cls`, and the PackPlan: packed by
+        `train.max_tokens_per_micro_batch` if set (each row's valid length ends at the last
+        nonzero of `tensors[mask]`; mask None keeps rows whole), else None and fixed micro
+        batches of micro_batch_size rows."""
+        train = train or self.train_cfg
+        rows = self._my_rows(next(iter(tensors.values())).shape[0])
+        # batches arrive from the controller on the host; the model's device is where they run
+        on = self._model_device()
+        mine = {k: v[rows].to(on) for k, v in tensors.items()}
+        n, s = mine["tokens"].shape
+        if train.max_tokens_per_micro_batch is not None:
+            from mcore_rl.megatron.packing import pack, plan_for_grid, valid_lengths
+
+            lengths = valid_lengths(mine[mask]) if mask else [s] * n
+            plan = plan_for_grid(lengths, train.max_tokens_per_micro_batch, seq_len=s,
+                                 parallel=self.parallel)
+            return [cls(**packed) for packed in pack(mine, plan)], plan
+        mbs = train.micro_batch_size
+        if n % mbs:
+            raise ValueError(f"{n} sequences per DP rank do not split into micro batches of "
+                             f"micro_batch_size={mbs}")
+        return [cls(**{k: v[i:i + mbs] for k, v in mine.items()})
+                for i in range(0, n, mbs)], None
+
+    def _forward_train(self, train: TrainConfig | None, n: int) -> TrainConfig:
+        """`train` whose micro_batch_size is the forward-only passes' for `n` rows
+        (`packing.forward_micro_rows`); packed passes are unchanged."""
+        from dataclasses import replace
+
+        from mcore_rl.megatron.packing import forward_micro_rows
+
+        train = train or self.train_cfg
+        if train.max_tokens_per_micro_batch is not None:
+            return train
+        size = forward_micro_rows(n // self.parallel.dp, micro_batch_size=train.micro_batch_size,
+                                  forward_micro_batch_size=train.forward_micro_batch_size,
+                                  parallel=self.parallel)
+        return replace(train, micro_batch_size=size)
+
+    def _model_device(self) -> torch.device:
+        """Where this rank's actor parameters live (its placed CUDA device, or the CPU)."""
+        return next(self.trainer.unwrapped()[0].parameters()).device
+
+    @staticmethod
+    def _packing_metrics(plan) -> dict:
+        """This DP rank's packing: real tokens / tokens run, and the same for padded rows."""
+        if plan is None:
+            return {}
+        return {"pack_efficiency": plan.efficiency,
+                "pad_efficiency": plan.padded_efficiency, "micro_batches": len(plan.bins)}
+
+    # --- passes -----------------------------------------------------------------------------
+
+    def sft_step(self, tokens, labels, loss_mask) -> dict:
+        maybe_stall("warmup", f"rank{self.rank}", self.inject_stall)
+        from mcore_rl.megatron.train import MicroBatch, train_step
+
+        batches, _ = self._micro({"tokens": tokens, "labels": labels, "loss_mask": loss_mask},
+                                 MicroBatch, mask="loss_mask")
+        return asdict(train_step(self.trainer, batches))
+
+    def _forward_only(self, fn, model, tokens, labels, response_mask=None,
+                      train: TrainConfig | None = None) -> torch.Tensor | None:
+        """Run a forward-only pass over this DP slice; the last stage's TP rank 0 returns the
+        [n, s] result (others return None: the controller takes one copy per DP slice).
+        Packed passes are unpacked back to [n, s] (zeros after each row's valid tokens);
+        `response_mask` bounds the valid tokens (without it rows are packed whole)."""
+        from mcore_rl.megatron.train import MicroBatch
+
+        mask = torch.ones_like(labels) if response_mask is None else response_mask
+        batches, plan = self._micro({"tokens": tokens, "labels": labels, "loss_mask": mask},
+                                    MicroBatch, train=self._forward_train(train, len(tokens)),
+                                    mask=None if response_mask is None else "loss_mask")
+        out = fn(model, batches)
+        if out is None or self.groups.rank_in(Axis.TP) != 0:
+            return None
+        if plan is not None:
+            from mcore_rl.megatron.packing import unpack
+
+            return unpack(out, plan).cpu()  # to the controller as a host tensor
+        return torch.cat(out).cpu()
+
+    def logprobs(self, tokens, labels, response_mask=None) -> torch.Tensor | None:
+        """The actor's log-probs of the labels (old log-probs). With `response_mask` packed
+        passes skip each row's padding (0 there)."""
+        maybe_stall("old_logprob", f"rank{self.rank}", self.inject_stall)
+        from mcore_rl.megatron.policy import compute_logprobs
+
+        return self._forward_only(compute_logprobs, self.trainer, tokens, labels, response_mask)
+
+    def ref_logprobs(self, tokens, labels, response_mask=None) -> torch.Tensor | None:
+        """The frozen reference policy's log-probs of the labels."""
+        from mcore_rl.megatron.policy import compute_logprobs
+
+        if self.reference is None:
+            raise RuntimeError(f"actor rank {self.rank}: no reference model on this worker")
+        return self._forward_only(compute_logprobs, self.reference, tokens, labels,
+                                  response_mask)
+
+    def values(self, tokens, labels, response_mask=None) -> torch.Tensor | None:
+        """The critic's values V(state before label t), [n, s]."""
+        from mcore_rl.megatron.value import compute_values
+
+        critic = self._critic()
+        return self._forward_only(compute_values, critic, tokens, labels, response_mask,
+                                  train=critic.train)
+
+    def update(self, batch: dict[str, torch.Tensor], algo: AlgorithmConfig,
+               mini_batches: int = 1) -> list[dict]:
+        """The policy update: `batch` cut into `mini_batches` equal, contiguous mini-batches,
+        one optimizer step each, in order. One call per step, not per mini-batch: the batch
+        crosses once and the controller waits once (a Ray round trip is ~3-4 ms on the CPU
+        demo, measured). Returns each mini-batch's report."""
+        maybe_stall("update_actor", f"rank{self.rank}", self.inject_stall)
+        from mcore_rl.megatron.policy import PolicyBatch, policy_update
+
+        return self._each_mini_batch(batch, mini_batches, PolicyBatch, self.trainer,
+                                     policy_update, algo)
+
+    def critic_update(self, batch: dict[str, torch.Tensor], algo: AlgorithmConfig,
+                      mini_batches: int = 1) -> list[dict]:
+        """The critic's value update, cut and reported as `update`'s."""
+        maybe_stall("update_critic", f"rank{self.rank}", self.inject_stall)
+        from mcore_rl.megatron.value import ValueBatch, value_update
+
+        return self._each_mini_batch(batch, mini_batches, ValueBatch, self._critic(),
+                                     value_update, algo)
+
+    def _critic(self):
+        if self.critic is None:
+            raise RuntimeError(f"actor rank {self.rank}: no critic on this worker")
+        return self.critic
+
+    def _each_mini_batch(self, batch: dict[str, torch.Tensor], count: int, cls, role,
+                         update, algo: AlgorithmConfig) -> list[dict]:
+        """`update(role, micro batches, algo)` (one optimizer step) on each of `count`
+        mini-batches of `batch` — this rank's rows of each, cut into `role`'s micro batches of
+        `cls`; each one's report with its packing."""
+        from mcore_rl.rollout.batches import mini_batches
+
+        reports = []
+        for mini in mini_batches(batch, count):
+            micro, plan = self._micro(mini, cls, train=role.train, mask="response_mask")
+            reports.append({**update(role, micro, algo), **self._packing_metrics(plan)})
+        return reports
+
+    def reset_optimizer(self, train: TrainConfig) -> bool:
+        """A fresh optimizer and LR schedule (e.g. RL after the supervised warm-up)."""
+        from mcore_rl.megatron.train import (_configure_schedule, build_optimizer,
+                                                     build_scheduler)
+
+        dtype = torch_dtype(train.dtype)
+        trainer = self.trainer
+        trainer.optimizer = build_optimizer(trainer.model, train.optimizer, dtype, self.groups)
+        trainer.scheduler = build_scheduler(trainer.optimizer, train.optimizer)
+        trainer.train = train
+        _configure_schedule(trainer.config, trainer.model, trainer.optimizer)
+        self.train_cfg = train
+        return True
+
+    def dp_rank_of_output(self) -> int | None:
+        """Which DP slice this rank's `logprobs` output covers (None: it returns nothing)."""
+        if self.groups.is_last_stage and self.groups.rank_in(Axis.TP) == 0:
+            return self.groups.rank_in(Axis.DP)
+        return None
+
+    # --- weight sync ------------------------------------------------------------------------
+
+    def join_sync_group(self, spec: SyncGroupSpec, device: str = "cpu") -> bool:
+        """Join the weight-sync world. device: this rank's device from the resolved run
+        (`actor_devices[rank]`): where IPC staging lives for colocated engines."""
+        from mcore_rl.resharding.channels import SyncChannels
+
+        self.sync_group = SyncChannels.join(spec, self.rank, device)
+        return True
+
+    def leave_sync_group(self) -> bool:
+        """Shut this rank's sync-group handles down: a member died, so the group is broken for
+        everyone and the controller forms a new one (rl/recovery.py)."""
+        group, self.sync_group = self.sync_group, None
+        if group is None:
+            return True
+        try:
+            group.close()
+        except Exception:  # noqa: BLE001 — a group that lost a member may not shut down cleanly
+            return False  # it is dropped either way
+        return True
+
+    def local_tensors(self) -> dict[str, torch.Tensor]:
+        """This rank's parameters keyed as `megatron_shards` names them (the run's layer spec);
+        `_extra_state` entries are not weights and are never synced."""
+        out = {}
+        prefix_chunks = self.parallel.vpp is not None
+        for v, chunk in enumerate(self.trainer.unwrapped()):
+            for name, tensor in chunk.state_dict(keep_vars=True).items():
+                if name.endswith("_extra_state"):
+                    continue
+                out[f"model{v}.{name}" if prefix_chunks else name] = tensor.detach()
+        return out
+
+    def send_weights(self, plan: Plan | PlanRef, dtype: str = "float32", timeout_s: float = 120.0) -> dict:
+        """Stream this rank's shards to the inference ranks (the plan says which bytes go
+        where), to each engine by its transport. Returns this rank's transport stats
+        (`bytes_sent_ipc` / `bytes_sent_p2p`: bytes by transport)."""
+        if self.sync_group is None:
+            raise RuntimeError(f"actor rank {self.rank}: join_sync_group was not called")
+        wire = torch_dtype(dtype)
+        plan = self._plans.resolve(plan)  # sent whole once per sync group, then by reference
+        maybe_stall("sync", f"rank{self.rank}", self.inject_stall)
+        self.sync_group.verify(plan)
+        return self.sync_group.send(plan, self.local_tensors(), dtype=wire,
+                                    timeout_s=timeout_s)
+
+    # --- checkpoints --------------------------------------------------------------------------
+
+    def save_checkpoint(self, ckpt_dir: str) -> bool:
+        """Actor (and critic) model + optimizer + schedule + RNG into ckpt_dir (collective)."""
+        from mcore_rl.megatron.role_checkpoint import save_role
+
+        save_role(self.trainer, Path(ckpt_dir) / "actor", self.rank)
+        if self.critic is not None:
+            save_role(self.critic, Path(ckpt_dir) / "critic", self.rank)
+        return True
+
+    def load_checkpoint(self, ckpt_dir: str) -> bool:
+        from mcore_rl.megatron.role_checkpoint import load_role
+
+        load_role(self.trainer, Path(ckpt_dir) / "actor", self.rank)
+        if self.critic is not None:
+            load_role(self.critic, Path(ckpt_dir) / "critic", self.rank)
+        return True
+
+    def export_weights(self) -> dict[str, torch.Tensor]:
+        """A copy of this rank's actor parameters (megatron_shards keys), for checks that
+        rebuild HF tensors with `layouts.assemble_hf` on small models."""
+        return {k: v.detach().clone() for k, v in self.local_tensors().items()}
+
+    def weights_digest(self) -> str:
+        """sha256 of this rank's actor parameters (resume tests compare runs bit for bit)."""
+        import hashlib
+
+        digest = hashlib.sha256()
+        for key, tensor in sorted(self.local_tensors().items()):
+            digest.update(key.encode())
+            digest.update(tensor.detach().cpu().contiguous().view(torch.uint8).numpy()
+                          .tobytes())
+        return digest.hexdigest()
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def where(self) -> dict:
+        """Node, placement group and device of this rank (placement checks)."""
+        import ray
+
+        context = ray.get_runtime_context()
+        return {"node_id": context.get_node_id(), "device": self.device,
+                "placement_group": context.get_placement_group_id()}
+
+    def shutdown(self) -> bool:
+        leave_worker_world()
+        return True

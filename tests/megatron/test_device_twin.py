@@ -1,0 +1,185 @@
+"""Device twins of the trainer's GPU path (see tests/device_twin.py): the RL loss step, packing,
+the critic's value head, the actor's digest and train-lm's batches and device."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+from device_twin import TWIN, assert_on_twin, twin
+from mcore_rl.algorithms import AlgorithmConfig
+from mcore_rl.megatron import packing
+from mcore_rl.megatron.value import ValueBatch, _value_loss, attach_value_head
+from mcore_rl.megatron.policy import PolicyBatch, _masked_vocab_logits, _policy_loss
+
+pytestmark = pytest.mark.device_twin
+
+B, S, VOCAB = 2, 5, 13  # padded to 16 over tp=2: rank 1 holds ids 8..15, three of them padding
+
+
+def _fake_trainer(tp_rank: int = 0):
+    """What `logp_and_entropy` reads of a MegatronTrainer (tp=1: no process group)."""
+    groups = types.SimpleNamespace(rank_in=lambda axis: tp_rank,
+                                   config=types.SimpleNamespace(tp=1))
+    return types.SimpleNamespace(spec=types.SimpleNamespace(vocab=VOCAB), groups=groups)
+
+
+def _policy_batch(kl: bool) -> PolicyBatch:
+    g = torch.Generator().manual_seed(0)
+    mask = twin(torch.tensor([[0, 1, 1, 1, 0], [0, 0, 1, 1, 1]], dtype=torch.float32))
+    old = -torch.rand(B, S, generator=g)
+    old[0, 1] = float("nan")  # π_old from the update's own forward
+    return PolicyBatch(tokens=twin(torch.randint(0, VOCAB, (B, S), generator=g)),
+                       labels=twin(torch.randint(0, VOCAB, (B, S), generator=g)),
+                       response_mask=mask, old_logp=twin(old),
+                       advantages=twin(torch.randn(B, S, generator=g)),
+                       ref_logp=twin(-torch.rand(B, S, generator=g)) if kl else None,
+                       is_weights=mask if kl else None)
+
+
+def test_masked_vocab_logits_on_a_rank_holding_padding():
+    """rl_step._masked_vocab_logits built its keep-mask with a CPU arange (TP rank 1 of 2)."""
+    logits = twin(torch.randn(B, S, 8))
+    assert_on_twin(_masked_vocab_logits(logits, VOCAB, tp_rank=1),
+                   _masked_vocab_logits(logits, VOCAB, tp_rank=0))
+
+
+@pytest.mark.parametrize("kl", [False, True], ids=["kl_off", "kl_loss"])
+def test_policy_loss_step(kl):
+    """rl_step._policy_loss: with the KL term off its report stacked a CPU zero (kl_sum)."""
+    algo = AlgorithmConfig(kl_coeff=0.1 if kl else 0.0, entropy_coeff=0.01, clip_c=3.0)
+    logits = twin(torch.randn(B, S, 16)).requires_grad_()
+    loss, weight, report = _policy_loss(_policy_batch(kl), algo, _fake_trainer(1), logits)
+    loss.backward()
+    assert_on_twin(loss, weight, report["policy"], report["logp_moved"], logits.grad)
+
+
+def test_sequence_rows_of_a_packed_row():
+    """packing.per_sequence's offsets were a CPU arange (its pure piece: `sequence_rows`;
+    bincount, the host sync before it, has no meta kernel)."""
+    x = twin(torch.arange(7, dtype=torch.float32).unsqueeze(0)).requires_grad_()
+    rows = packing.sequence_rows(x, twin(torch.tensor([3, 2, 2])), 3)
+    rows.sum().backward()
+    assert_on_twin(rows, x.grad)
+
+
+def test_valid_lengths_on_device():
+    """packing.valid_lengths compared a CPU arange with the mask."""
+    assert_on_twin(packing.valid_lengths(twin(torch.tensor([[1, 1, 0], [0, 0, 0]]))))
+
+
+def test_pack_unpack_and_model_inputs_on_device():
+    """packing.pack built segment_ids on the CPU next to device rows."""
+    plan = packing.plan_packing([3, 2, 4], 6, seq_len=4)
+    rows = {"tokens": twin(torch.randint(0, 9, (3, 4))),
+            "response_mask": twin(torch.ones(3, 4))}
+    packed = packing.pack(rows, plan)
+    config = types.SimpleNamespace(transformer_impl="local")
+    for mb in packed:
+        assert_on_twin(*mb.values(), packing.block_causal_mask(mb["segment_ids"]))
+    unpacked = packing.unpack([mb["response_mask"] for mb in packed], plan)
+    plain = packing.model_inputs(types.SimpleNamespace(tokens=rows["tokens"]), config)
+    assert_on_twin(unpacked, plain["input_ids"], plain["position_ids"])
+
+
+class _Chunk(torch.nn.Module):
+    """The last pipeline chunk as far as `attach_value_head` looks: parameters and config."""
+
+    def __init__(self, hidden: int, device, sequence_parallel: bool = False):
+        super().__init__()
+        self.config = types.SimpleNamespace(sequence_parallel=sequence_parallel)
+        self.norm = torch.nn.Parameter(torch.ones(hidden, device=device))
+
+
+@pytest.mark.parametrize("bias", [True, False], ids=["critic", "reward_model"])
+def test_value_head_on_the_chunk_device(bias):
+    """critic.attach_value_head built the head on the CPU whatever the chunk's device."""
+    chunk = _Chunk(8, TWIN)
+    attach_value_head([chunk], 8, is_last_stage=True, bias=bias)
+    head = chunk.output_layer
+    values, _ = head(twin(torch.randn(S, B, 8)))
+    assert_on_twin(*head.parameters(), values)
+
+
+def test_sequence_parallel_value_head_needs_the_tp_group():
+    """Under SP the head gathers its values over TP (tests/megatron/test_value_sp.py): it needs
+    the group, and its parameters are marked for finalize_model_grads' TP all-reduce."""
+    with pytest.raises(ValueError, match="tp_group"):
+        attach_value_head([_Chunk(8, TWIN, sequence_parallel=True)], 8, is_last_stage=True)
+    chunk, group = _Chunk(8, TWIN, sequence_parallel=True), object()
+    attach_value_head([chunk], 8, is_last_stage=True, tp_group=group)
+    assert chunk.output_layer.sequence_parallel_group is group
+    assert all(p.sequence_parallel for p in chunk.output_layer.parameters())
+    assert_on_twin(*chunk.output_layer.parameters())
+
+
+def test_value_loss_step():
+    mask = twin(torch.tensor([[0, 1, 1, 1, 0], [0, 0, 1, 1, 1]], dtype=torch.float32))
+    batch = ValueBatch(tokens=twin(torch.zeros(B, S, dtype=torch.long)), labels=mask.long(),
+                       response_mask=mask, old_values=twin(torch.randn(B, S)),
+                       returns=twin(torch.randn(B, S)))
+    for clip in (None, 0.2):
+        values = twin(torch.randn(B, S, 1)).requires_grad_()
+        loss, tokens, report = _value_loss(batch, AlgorithmConfig(value_clip=clip), values)
+        loss.backward()
+        assert_on_twin(loss, tokens, report["value"], values.grad)
+
+
+class _DeviceTensor:
+    """Stands in for a CUDA tensor on meta (whose .cpu() cannot copy): `.numpy()` raises
+    unless `.cpu()` came first, as torch does for a CUDA tensor."""
+
+    def __init__(self, on_host: bool = False):
+        self.on_host = on_host
+
+    def detach(self):
+        return self
+
+    def contiguous(self):
+        return self
+
+    def cpu(self):
+        return _DeviceTensor(on_host=True)
+
+    def view(self, dtype):
+        return self
+
+    def numpy(self):
+        if not self.on_host:
+            raise TypeError("can't convert cuda:0 device type tensor to numpy. Use "
+                            "Tensor.cpu() to copy the tensor to host memory first.")
+        return torch.zeros(4, dtype=torch.uint8).numpy()
+
+
+def test_actor_weights_digest_of_device_tensors():
+    """ActorWorker.weights_digest called .numpy() on device tensors."""
+    from mcore_rl.workers.actor import ActorWorker
+
+    worker = ActorWorker.__new__(ActorWorker)
+    tensors = ({"w": _DeviceTensor()} if TWIN.type == "meta"
+               else {"w": twin(torch.ones(2, 3))})
+    worker.local_tensors = lambda: tensors
+    assert len(worker.weights_digest()) == 64
+
+
+def test_train_lm_batches_on_the_model_device():
+    """train-lm built its micro batches on the CPU whatever the model's device."""
+    from mcore_rl.train_lm import LMRunConfig, _micro_batches
+
+    for mb in _micro_batches(LMRunConfig(), 0, 0, TWIN):
+        assert_on_twin(mb.tokens, mb.labels, mb.loss_mask)
+
+
+def test_train_lm_rank_device(monkeypatch):
+    """train-lm under torchrun on GPUs: each rank makes its LOCAL_RANK current (it made none,
+    so every rank's NCCL and model went to cuda:0); over gloo it selects nothing."""
+    from mcore_rl import train_lm as lm
+
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: False)
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    monkeypatch.setattr("mcore_rl.parallel.groups.default_backend", lambda: "nccl")
+    assert lm.rank_device(7) == 3
+    monkeypatch.setattr("mcore_rl.parallel.groups.default_backend", lambda: "gloo")
+    assert lm.rank_device(7) is None

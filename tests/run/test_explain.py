@@ -1,0 +1,104 @@
+"""`mcore-rl explain`: the resolved run as tables, and as the last line one JSON object with
+the layer spec, the sync backend and one transport per engine — for the shipped GPU configs
+(as on their GPUs) and the CPU configs (on this machine, where no CUDA device is seen)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+import mcore_rl.planning.resolve as resolve
+from mcore_rl.cli import main
+
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+
+CASES = [
+    # config, --assume-gpu, layer spec, sync backend, transports (one per engine)
+    ("gpu/llama3-70b.yaml", True, "te", "nccl", ["p2p"] * 4),   # disaggregated, 8 nodes
+    ("gpu/llama3-8b.yaml", True, "te", "nccl", ["ipc"] * 4),    # colocated: shared devices
+    ("gpu/llama2-13b.yaml", False, "te", "nccl", ["p2p"] * 4),  # cluster.device gpu decides
+    ("tiny_ci.yaml", False, "local", "gloo", ["p2p"]),
+    ("grpo_addition.yaml", False, "local", "gloo", ["p2p"] * 2),  # the second starts late
+    ("tiny_ci.yaml", True, "te", "nccl", ["p2p"]),              # a local run, planned for GPUs
+]
+
+
+@pytest.fixture
+def no_cuda(monkeypatch):
+    """This machine as a CPU-only one, whatever it has."""
+    monkeypatch.setattr(resolve, "cuda_present", lambda: False)
+
+
+@pytest.mark.parametrize("name,assume_gpu,layer_spec,backend,transports", CASES,
+                         ids=[f"{c[0]}{'+gpu' if c[1] else ''}" for c in CASES])
+def test_explain_prints_the_resolved_run(no_cuda, capsys, name, assume_gpu, layer_spec,
+                                         backend, transports):
+    argv = ["explain", str(CONFIGS / name)] + (["--assume-gpu"] if assume_gpu else [])
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    summary = json.loads(out.strip().splitlines()[-1])
+    assert (summary["layer_spec"], summary["sync_backend"], summary["transports"]) == (
+        layer_spec, backend, transports)
+    device = "cuda" if layer_spec == "te" else "cpu"
+    assert summary["device"] == device
+    assert all(d.startswith(device) for d in summary["actor_devices"])
+    # one sync's bytes per engine by transport, from the real plan: IPC never crosses a node
+    traffic = summary["sync_traffic"]
+    assert summary["cross_node_ipc_bytes"] == traffic["cross_node_ipc_bytes"] == 0
+    assert len(traffic["engines"]) == len(transports)
+    for engine, transport in zip(traffic["engines"], transports):
+        assert engine["ipc_bytes" if transport == "ipc" else "p2p_bytes"] > 0
+        if transport == "p2p":
+            assert engine["ipc_bytes"] == 0
+    # the table says the same
+    assert f"sync backend │ {backend}" in out and f"layer spec   │ {layer_spec}" in out
+    assert out.count(f"│ {transports[0]} (") == len(transports)
+
+
+def test_explain_overrides_and_bad_input(no_cuda, capsys):
+    l8 = str(CONFIGS / "gpu" / "llama3-8b.yaml")
+    # disaggregated on two nodes: the engines get their own devices, so p2p
+    assert main(["explain", l8, "cluster.placement=disaggregated", "cluster.nodes=2",
+                 "rollout.enable_sleep=false"]) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert summary["transports"] == ["p2p"] * 4 and summary["nodes"] == 2
+    # colocated on two nodes: what the other node holds comes over the network, never IPC
+    a3b = str(CONFIGS / "gpu" / "qwen3-30b-a3b.yaml")
+    assert main(["explain", a3b, "--assume-gpu"]) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    traffic = summary["sync_traffic"]
+    assert summary["cross_node_ipc_bytes"] == 0 and traffic["network_bytes"] > 0
+    assert all(e["ipc_bytes"] > 0 and e["network_bytes"] > 0 for e in traffic["engines"])
+    assert main(["explain", l8, "rollout.engines=8"]) == 2  # 16 engine ranks on 8 devices
+    assert "rollout.engines=8: colocated placement" in capsys.readouterr().err
+
+
+def test_explain_shows_vllm_expert_parallel(no_cuda, capsys):
+    a3b = str(CONFIGS / "gpu" / "qwen3-30b-a3b.yaml")
+    assert main(["explain", a3b, "rollout.expert_parallel=true"]) == 0
+    out = capsys.readouterr().out
+    assert json.loads(out.strip().splitlines()[-1])["expert_parallel"] is True
+    assert "vLLM experts │ expert parallel (each engine rank holds whole experts" in out
+    assert main(["explain", a3b]) == 0
+    assert "vLLM experts │ split over TP" in capsys.readouterr().out
+    # a CPU run refuses it, naming the field and why
+    assert main(["explain", str(CONFIGS / "demo_moe.yaml"), "rollout.expert_parallel=true"]) == 2
+    assert "rollout.expert_parallel=True: the run resolves to cpu" in capsys.readouterr().err
+
+
+def test_explain_refuses_a_grid_preflight_refuses(no_cuda, capsys):
+    """actor.tp=3 on the demo's 4-head model: explain does not draw the ranks; it exits 2 with
+    preflight's own message for it, one line."""
+    from mcore_rl.run.preflight import preflight_config
+
+    demo = str(CONFIGS / "grpo_addition.yaml")
+    assert main(["explain", demo, "actor.tp=3"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    (line,) = captured.err.splitlines()
+    _, problems = preflight_config(demo, ["actor.tp=3"])
+    (tp,) = [p for p in problems if p.check == "train-tp"]
+    assert line == f"mcore-rl explain: [train-tp] {tp.message} (fix: {tp.fix})"
+    assert "actor.tp=3: does not divide num_attention_heads=4" in line

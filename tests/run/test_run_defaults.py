@@ -1,0 +1,124 @@
+"""Issue #29: a config for your own model and data resolves to real-run values (the demos'
+small ones live in their YAMLs), lengths are declared once and derived, micro batches are
+derived, and nothing is cut silently."""
+
+import json
+
+import pytest
+import torch
+
+from mcore_rl.config import ConfigError, load_config
+from mcore_rl.rollout.engine import Completion
+from mcore_rl.rollout.batches import build_batch, trained_tokens
+from mcore_rl.run.config import RLConfig, derived_micro_batch
+
+DATA = "configs/data/word_problems.jsonl"
+# model, data and its keys, reward function, response length, steps and batch sizes: nothing else
+MINIMAL = ["model.hf_dir=/models/my-model", "task.kind=jsonl", f"task.path={DATA}",
+           "task.prompt_key=question", "task.answer_key=answer",
+           "task.reward_fn=mcore_rl.tasks.math:answer_reward", "max_new_tokens=48", "steps=50",
+           "prompts_per_step=16", "samples_per_prompt=8"]
+
+
+def test_minimal_user_config_resolves_with_no_demo_values():
+    cfg = load_config(RLConfig, None, MINIMAL)
+    # lengths: the prompt budget (default 1024) + the responses; a row holds seq_len + 1
+    assert cfg.max_prompt_tokens == 1024
+    assert cfg.train.seq_len == cfg.critic_train.seq_len == cfg.warmup.train.seq_len == 1071
+    assert cfg.rollout.max_model_len == 1072
+    # 128 sequences per DP rank and update; derived micro batches hold <= 16384 tokens
+    assert cfg.train.micro_batch_size == derived_micro_batch(128, 1071) == 8
+    assert cfg.train.forward_micro_batch_size is None  # the forward passes use the same
+    assert cfg.warmup.max_steps == 0 and cfg.warmup.label_noise == 0.0
+    assert cfg.actor.tp == cfg.actor.dp == 1 and cfg.updates_per_batch == 1
+    assert cfg.train.optimizer.lr == 1e-6 and cfg.critic_train.optimizer.lr == 1e-5
+    assert cfg.algorithm.clip_c == 3.0 and cfg.algorithm.grpo_eps == 1e-6  # verl's
+    # none of the demo's values (seq_len 11, context 64, micro batches 128 / 256, lr 5e-4,
+    # 1500 warm-up steps on actor TP2) leaks into it
+    assert (cfg.train.seq_len, cfg.rollout.max_model_len) != (11, 64)
+    assert cfg.train.micro_batch_size not in (64, 128)
+
+
+def test_the_worked_example_config_loads():
+    cfg = load_config(RLConfig, "configs/grpo_jsonl.yaml", [])
+    assert (cfg.max_prompt_tokens, cfg.max_new_tokens) == (512, 1024)
+    assert (cfg.train.seq_len, cfg.rollout.max_model_len) == (1535, 1536)
+    assert cfg.task.chat_template and cfg.task.overlong_prompts == "error"
+
+
+@pytest.mark.parametrize("overrides,field,problem", [
+    (["train.seq_len=1000"], "train.seq_len",
+     r"rows of seq_len \+ 1 = 1001 tokens cannot hold a sample of max_prompt_tokens \+ "
+     r"max_new_tokens = 1024 \+ 48 = 1072 tokens: set train.seq_len >= 1071"),
+    (["rollout.max_model_len=1071"], "rollout.max_model_len",
+     r"cannot hold a sample of max_prompt_tokens \+ max_new_tokens = 1024 \+ 48 = 1072"),
+    (["train.micro_batch_size=3"], "train.micro_batch_size",
+     "must divide the 128 sequences each DP rank gets per update"),
+    (["train.max_tokens_per_micro_batch=512"], "train.max_tokens_per_micro_batch",
+     "seq_len=1071"),
+    (["task.overlong_prompts=cut"], "task.overlong_prompts", "allowed values: error, filter"),
+])
+def test_explicit_values_are_checked_against_the_derived_ones(overrides, field, problem):
+    with pytest.raises(ConfigError, match=problem) as err:
+        load_config(RLConfig, None, MINIMAL + overrides)
+    assert err.value.field == field
+
+
+def test_lengths_fit_exactly_and_sequence_parallel_rounds_up():
+    cfg = load_config(RLConfig, None, MINIMAL + ["train.seq_len=1071",
+                                                 "rollout.max_model_len=1072"])
+    assert cfg.train.seq_len == 1071  # explicit and just large enough
+    sp = load_config(RLConfig, None, MINIMAL + ["actor.tp=2", "actor.sequence_parallel=true"])
+    assert sp.train.seq_len == 1072 and sp.rollout.max_model_len == 1072
+
+
+def test_derived_micro_batch_is_a_divisor_under_the_token_cap():
+    assert derived_micro_batch(64, 11) == 64          # small rows: one micro batch
+    assert derived_micro_batch(256, 4095) == 4        # 4 x 4095 <= 16384
+    assert derived_micro_batch(12, 2000) == 6         # the largest divisor of 12 <= 8
+    assert derived_micro_batch(7, 100_000) == 1
+
+
+def test_build_batch_refuses_a_sequence_longer_than_its_row():
+    batch = build_batch([[1, 2, 3]], [[4, 5, 6]], 5, 0)  # 6 tokens: exactly seq_len + 1
+    assert batch.mask.sum() == 3
+    with pytest.raises(ValueError, match=r"row 1: prompt 3 \+ response 4 = 7 tokens do not fit "
+                                         r"a row of train.seq_len \+ 1 = 6"):
+        build_batch([[1, 2, 3], [1, 2, 3]], [[4, 5, 6], [4, 5, 6, 7]], 5, 0)
+
+
+def test_trained_tokens_counts_and_refuses_an_empty_loss():
+    completions = [Completion((4, 5, 6), (-0.1,) * 3, "stop"), Completion((7,), (-0.2,), "stop")]
+    batch = build_batch([[1, 2], [1, 2]], [c.token_ids for c in completions], 8, 0)
+    assert trained_tokens(completions, batch.mask) == {"response_tokens": 4.0,
+                                                       "loss_tokens": 4.0}
+    with pytest.raises(ValueError, match="4 sampled tokens but its loss mask none"):
+        trained_tokens(completions, torch.zeros_like(batch.mask))
+
+
+def _jsonl(path, prompts):
+    path.write_text("".join(json.dumps({"question": p, "answer": "#### 1"}) + "\n"
+                            for p in prompts))
+    return path
+
+
+def test_overlong_prompts_are_an_error_naming_the_line_or_filtered(tmp_path):
+    from mcore_rl.tasks.jsonl import DatasetError, JsonlTask
+
+    data = _jsonl(tmp_path / "d.jsonl", ["a b", "a b c d e f", "a", "a b c d e f g h"])
+    words = lambda texts: [len(t.split()) for t in texts]  # noqa: E731 — one token a word
+    with pytest.raises(DatasetError, match=rf"{data}:2: the prompt is 6 tokens .* longer than "
+                                           r"max_prompt_tokens=4 \(2 of 4 prompts are\)"):
+        JsonlTask(data).fit_prompts(words, 4, drop=False)
+    task = JsonlTask(data, heldout_path=data)
+    assert task.fit_prompts(words, 4, drop=True) == {"train": 2, "heldout": 2}
+    drawn = task.train_examples(4, step=1, attempt=0, seed=0)
+    assert sorted({e.prompt for e in drawn}) == ["a", "a b"]
+    with pytest.raises(DatasetError, match="every prompt is longer than max_prompt_tokens=0"):
+        JsonlTask(data).fit_prompts(words, 0, drop=True)
+
+
+def test_filtering_is_for_jsonl_data_only():
+    with pytest.raises(ConfigError, match="task.overlong_prompts='filter': drops rows of a "
+                                          "jsonl dataset"):
+        load_config(RLConfig, None, ["task.overlong_prompts=filter"])

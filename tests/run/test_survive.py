@@ -1,0 +1,276 @@
+"""Runs that survive, with real `mcore-rl train` processes and real signals.
+
+One uninterrupted run is the reference (and, while it runs, every listening socket of its
+whole process tree — driver, Ray, actor ranks, vLLM — is checked to be on loopback). A second
+run of the same command gets SIGTERM (to its whole process group, as a shell or SLURM would
+send it) at a random step: it finishes that step, checkpoints and exits 75; the same command
+again resumes by itself and ends with the reference's metrics (every step once) and final
+actor weights, bit for bit. The finished run re-run reports "already complete" at once.
+In-process: a full disk at save time and a dead actor rank are named.
+The rollout engine's processes are SIGKILLed as step 2's generation goes out and while step
+3's weight sync is in flight: the run restarts the engine both times; a third kill, past the
+allowed restarts, writes a checkpoint and ends the run naming the engine (exit 3); the steps
+before it equal the reference's bit for bit.
+"""
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from mcore_rl.launch.listen import is_loopback
+from mcore_rl.rl import checkpoint_dirs
+from mcore_rl.launch.exit_codes import STOP_EXIT_CODE
+
+from tests.support.rl_runs import DETERMINISTIC
+from tests.support import DEMO_SIZED
+
+ROOT = Path(__file__).resolve().parents[2]
+STEPS = 5
+OVERRIDES = ["warmup.max_steps=0", f"steps={STEPS}", "prompts_per_step=4",
+             "samples_per_prompt=4", "updates_per_batch=2", "train.micro_batch_size=4",
+             "actor.tp=2", "train.optimizer.lr=0.01",
+             "task.reward_fn=mcore_rl.tasks.addition:digit_reward",
+             "checkpoint.every=2", "checkpoint.keep_last=1"]
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
+
+def _train(out: Path, *extra: str) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "mcore_rl.cli", "train", "--config", "configs/tiny_ci.yaml",
+           "--out", str(out), *OVERRIDES, *extra]
+    log = open(out.parent / f"{out.name}.log", "a")
+    # its own session: signalling the group reaches the driver and every process it started
+    # in its group, as a shell's Ctrl-C or a batch system would
+    return subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+
+
+def _finish(proc: subprocess.Popen, out: Path, timeout: float = 400) -> tuple[int, str]:
+    try:
+        code = proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise
+    return code, (out.parent / f"{out.name}.log").read_text()
+
+
+def _steps_logged(out: Path) -> list[int]:
+    path = out / "metrics.jsonl"
+    if not path.is_file():
+        return []
+    return [json.loads(line)["step"] for line in path.read_text().splitlines()
+            if line.endswith("}")]
+
+
+def _metrics(out: Path) -> dict[int, dict]:
+    return {row["step"]: row for row in map(json.loads, (out / "metrics.jsonl").open())}
+
+
+def _wait_for_step(proc, out: Path, step: int, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while len(_steps_logged(out)) < step:
+        assert proc.poll() is None, f"run ended (code {proc.returncode}) before step {step}"
+        assert time.monotonic() < deadline, f"no step {step} within {timeout} s"
+        time.sleep(0.2)
+
+
+def _listeners(pid: int) -> dict[str, set[str]]:
+    """Every listening TCP socket of the process tree under `pid`: address -> processes."""
+    found: dict[str, set[str]] = {}
+    root = psutil.Process(pid)
+    for proc in [root, *root.children(recursive=True)]:
+        try:
+            conns = proc.net_connections(kind="inet")
+            name = f"{proc.pid}:{proc.name()}"
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+        for conn in conns:
+            if conn.status == psutil.CONN_LISTEN:
+                found.setdefault(f"{conn.laddr.ip}:{conn.laddr.port}", set()).add(name)
+    return found
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The uninterrupted run; its listening sockets sampled after its first step."""
+    out = tmp_path_factory.mktemp("survive") / "full"
+    proc = _train(out)
+    try:
+        _wait_for_step(proc, out, 1)
+        listeners = _listeners(proc.pid)
+    finally:
+        code, log = _finish(proc, out)
+    assert code == 0, log[-4000:]
+    return out, listeners
+
+
+def test_nothing_listens_beyond_loopback(reference):
+    _, listeners = reference
+    assert listeners, "found no listening socket at all: the probe is broken"
+    beyond = {addr: procs for addr, procs in listeners.items()
+              if not is_loopback(addr.rsplit(":", 1)[0])}
+    assert not beyond, f"listening beyond loopback: {beyond}"
+
+
+def test_the_summary_accounts_for_the_start_up_cpu_of_every_process(reference):
+    out, _ = reference
+    summary = json.loads((out / "summary.json").read_text())
+    cpu = summary["startup_cpu_s"]
+    # two actor ranks and one engine, each importing torch and its library: seconds each
+    assert cpu["actor ranks"] > 1.0 and cpu["engines"] > 1.0 and cpu["driver"] > 1.0, cpu
+    assert cpu["total"] == pytest.approx(sum(v for k, v in cpu.items() if k != "total"),
+                                         abs=0.05)
+    # wall time since process start cannot beat the CPU work spread over the cores
+    assert summary["startup_cpu_floor_s"] <= summary["startup_s"] + 0.5, summary
+    print(f"start-up {summary['startup_s']:.1f} s, CPU {cpu}")
+
+
+def test_sigterm_checkpoints_and_the_same_command_resumes_exactly(reference, tmp_path):
+    full, _ = reference
+    out = tmp_path / "run"
+    after = random.Random().randint(1, STEPS - 2)  # the signal lands during step after+1
+    print(f"SIGTERM after step {after} is logged")
+    proc = _train(out)
+    _wait_for_step(proc, out, after)
+    os.killpg(proc.pid, signal.SIGTERM)
+    signalled = time.monotonic()
+    code, log = _finish(proc, out)
+    stop_s = time.monotonic() - signalled
+    assert code == STOP_EXIT_CODE, log[-4000:]
+    stopped_at = _steps_logged(out)[-1]
+    assert stopped_at in (after, after + 1), (after, _steps_logged(out))
+    saved = checkpoint_dirs.newest_complete(out / "checkpoints")
+    assert saved.name == f"step_{stopped_at}", log[-2000:]
+    assert "SIGTERM received" in log and f"stopped on SIGTERM after step {stopped_at}" in log
+    print(f"stopped {stop_s:.1f} s after SIGTERM at step {stopped_at}")
+
+    code, log = _finish(_train(out), out)
+    assert code == 0, log[-4000:]
+    assert f"resumed from {saved} (step {stopped_at})" in log
+    assert _steps_logged(out) == list(range(1, STEPS + 1))  # none missing, none repeated
+    want, got = _metrics(full), _metrics(out)
+    for step in range(1, STEPS + 1):
+        for key in DETERMINISTIC:
+            assert got[step][key] == want[step][key], (step, key)
+    digests = json.loads((out / "summary.json").read_text())["weights_digests"]
+    assert digests == json.loads((full / "summary.json").read_text())["weights_digests"]
+    assert got[STEPS]["grad_norm"] > 0  # the resumed steps trained
+    # keep_last=1: only the final checkpoint remains, complete
+    assert [p.name for p in (out / "checkpoints").iterdir() if p.is_dir()] == [f"step_{STEPS}"]
+
+    started = time.monotonic()
+    code, log = _finish(_train(out), out, timeout=120)
+    assert code == 0 and "run already complete" in log, log[-2000:]
+    assert time.monotonic() - started < 60  # no Ray, no workers
+
+
+def test_a_full_disk_and_a_dead_actor_rank_are_named(tmp_path):
+    """One controller: a save that finds the disk full (injected after the ranks wrote their
+    shards) fails naming the path and leaves the previous checkpoint complete and loadable;
+    then SIGKILL of actor rank 1: the next step fails at once (not after its TP peer's
+    collective timeout) with an error naming the rank, its pid and the phase."""
+    from mcore_rl.config import load_config
+    from mcore_rl.launch.watchdog import WorkerDied
+    from mcore_rl.rl.checkpoint_dirs import CheckpointWriteError
+    from mcore_rl.rl.controller import RLController
+    from mcore_rl.run.train import build_demo_model
+    from mcore_rl.run.config import RLConfig
+
+    cfg = load_config(RLConfig, DEMO_SIZED, [*OVERRIDES, "deadlines.train_s=120",
+                                       "checkpoint.inject_error=save@step2"])
+    controller = RLController(cfg, build_demo_model(cfg, tmp_path / "model"), tmp_path)
+    root = tmp_path / "checkpoints"
+    try:
+        controller.reset_optimizer()
+        controller.sync_weights()
+        controller.rl_step(1)
+        first = controller.save_checkpoint(1)
+        controller.rl_step(2)
+        with pytest.raises(CheckpointWriteError) as full_disk:
+            controller.save_checkpoint(2)
+        assert controller.load_checkpoint(root) == 1  # the previous one, still loadable
+        pid = controller.worker_pids[1]
+        os.kill(pid, signal.SIGKILL)
+        start = time.monotonic()
+        with pytest.raises(WorkerDied) as died:
+            controller.rl_step(2)
+        elapsed = time.monotonic() - start
+    finally:
+        controller.shutdown()
+    message = str(full_disk.value)
+    assert f"checkpoint after step 2 not written: {root / '.step_2.tmp'}" in message
+    assert "No space left on device" in message and f"{root} is intact" in message
+    assert checkpoint_dirs.newest_complete(root) == first
+    assert not list(root.glob(".step_*")) and not (root / "step_2").exists()
+    assert f"actor rank 1 (pid {pid}) died during phase 'old_logprob'" in str(died.value)
+    assert elapsed < 60, elapsed  # not the 120 s collective deadline
+
+
+
+def test_engine_killed_in_generation_and_in_a_sync_is_restarted_then_out_of_restarts(
+        reference, tmp_path):
+    """inject_kill SIGKILLs engine 0's process tree (the EngineHost actor's pid from Ray, and
+    any vLLM process under it) as step 2's generate call goes out, while step 3's sync is in
+    flight (the engine receiving, the trainer about to send), and again in step 4's sync.
+    The first two times the controller restarts the engine, re-forms the sync group,
+    re-syncs the actor's weights and repeats what was lost (the generate call with its seeds,
+    or the sync): steps 1-4 equal the reference's bit for bit (the regenerated batch is the
+    one an undisturbed run draws). The third kill finds max_engine_restarts=2 used up: a
+    complete checkpoint of step 4 is written, step 4's metrics are logged, and the run exits
+    3 naming the engine. (Resuming from a checkpoint is test_sigterm_...'s.)"""
+    full, _ = reference
+    out = tmp_path / "run"
+    started = time.monotonic()
+    code, log = _finish(_train(out, "recovery.inject_kill=gen@2,sync@3,sync@4",
+                               "recovery.max_engine_restarts=2",
+                               "recovery.restart_backoff_s=0.1"), out)
+    first_s = time.monotonic() - started
+    assert code == 3, log[-4000:]
+    assert log.count("inject_kill: SIGKILL rollout engine 0 (pids [") == 3, log[-4000:]
+    assert "failed during generate of step 2" in log and "failed during sync of step 3" in log
+    assert log.count("restarted (new pids") == 2, log[-4000:]
+    assert "rollout engine(s) [0] died during sync of step 4" in log, log[-4000:]
+    assert "out of restarts (recovery.max_engine_restarts=2, 2 used)" in log
+    saved = checkpoint_dirs.newest_complete(out / "checkpoints")
+    assert saved is not None and saved.name == "step_4", log[-4000:]
+    assert f"checkpoint {saved} written (the actor after step 4)" in log
+    assert _steps_logged(out) == [1, 2, 3, 4]
+    want, got = _metrics(full), _metrics(out)
+    restarts = [got[step]["recovery/engine_restarts"] for step in range(1, 5)]
+    assert restarts == [0, 1, 1, 0], restarts  # per step (step 4's kill was not restarted)
+    for step in range(1, 5):
+        for key in DETERMINISTIC:
+            assert got[step][key] == want[step][key], (step, key)
+    recovery_s = [round(got[s]["recovery/seconds"], 1) for s in (2, 3)]
+    print(f"engine restarts: recovery {recovery_s} s (steps 2, 3); run {first_s:.1f} s")
+
+
+def test_async_run_restarts_an_engine_killed_under_a_batch_ahead_and_in_a_sync(tmp_path):
+    """rollout.mode=async (k = 2): engine 0 is SIGKILLed as a batch ahead goes out during
+    step 2 (generation runs on the pipeline's thread beside training) and while step 3's sync
+    is in flight. The lost batch surfaces when the main thread waits for the batches ahead;
+    the engine is restarted, the actor's weights synced, and the batch generated again on
+    them; the failed sync is recovered as in sync mode. The run completes every step, the
+    restarts in its metrics, no batch staler than k."""
+    out, steps = tmp_path / "async", 4  # step 2 queues batch 4: a generation during step 2
+    code, log = _finish(_train(out, f"steps={steps}", "rollout.mode=async",
+                               "rollout.max_staleness=2",
+                               "recovery.inject_kill=gen@2,sync@3",
+                               "recovery.restart_backoff_s=0.1"), out)
+    assert code == 0, log[-4000:]
+    assert log.count("inject_kill: SIGKILL rollout engine 0 (pids [") == 2, log[-4000:]
+    assert log.count("restarted (new pids") == 2, log[-4000:]
+    assert "failed during generate of step 2" in log and "failed during sync of step 3" in log
+    assert "lost with the engine; generating them again on weight version 2" in log
+    assert _steps_logged(out) == list(range(1, steps + 1))
+    got = _metrics(out)
+    assert sum(got[s]["recovery/engine_restarts"] for s in got) == 2
+    assert all(got[s]["staleness/max"] <= 2 for s in got), got
