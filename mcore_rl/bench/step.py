@@ -280,6 +280,7 @@ def _measure(cfg: StepBenchConfig) -> dict:
     locally), run the supervised warm-up if warmup.max_steps > 0, then unmeasured + measured
     RL steps; with `baseline`, TRL from the same starting weights. Returns the report."""
     from mcore_rl.launch.startup_gc import gc_paused
+    from mcore_rl.run.loop import run_steps
     from mcore_rl.run.train import model_dir_while_ray_starts
 
     rl = cfg.rl_config()
@@ -298,12 +299,14 @@ def _measure(cfg: StepBenchConfig) -> dict:
             controller.admit_late_engines(wait=True)
             controller.sync_weights()
             steps, prompts, lens = [], [], []
-            for step in range(1, cfg.warmup_steps + cfg.repeats + 1):
-                metrics = controller.rl_step(step)
+
+            def record(step: int, metrics: dict) -> None:
                 prompts.append(controller.step_prompts)
                 if step > cfg.warmup_steps:
                     steps.append((metrics, list(controller.gen_seq_lens)))
                     lens.append(controller.gen_lens)
+
+            run_steps(controller, range(1, cfg.warmup_steps + cfg.repeats + 1), record)
         finally:
             controller.shutdown()
         process_s = time.perf_counter() - start

@@ -205,27 +205,15 @@ def _start_or_resume(controller, cfg, out: Path, model_dir: Path,
 
 
 def _train(controller, cfg, out: Path, stop, first_step: int) -> None:
-    """RL steps first_step..cfg.steps, each one's metrics written; checkpoints when due and at
-    a stop request (then RunStopped)."""
+    """RL steps first_step..cfg.steps through the run loop (`run.loop.run_steps`), each one's
+    metrics written; checkpoints when due and at a stop request (then RunStopped)."""
+    from mcore_rl.run.loop import run_steps
     from mcore_rl.run.metrics import MetricsWriter
-    from mcore_rl.rl.recovery import EngineFailed
-    from mcore_rl.run.signals import RunStopped
 
     writer = MetricsWriter(out, **_loggers(cfg))
-    for step in range(first_step, cfg.steps + 1):
-        try:
-            writer.write(step, controller.rl_step(step))
-        except EngineFailed as failed:  # checkpointed after this step: log it too
-            if failed.step_metrics is not None:
-                writer.write(step, failed.step_metrics)
-            raise
-        if cfg.checkpoint.due(step, cfg.steps) or stop.requested:
-            saved = controller.save_checkpoint(step)
-            checkpoint_dirs.prune(saved.parent, cfg.checkpoint.keep_last)
-        if stop.requested:
-            print(f"checkpoint {saved} written {stop.seconds_since_signal():.1f} s after "
-                  f"{stop.signal_name}")
-            raise RunStopped(step, stop.signal_name, saved)
+    run_steps(controller, range(first_step, cfg.steps + 1), writer.write,
+              checkpoint_due=lambda step: cfg.checkpoint.due(step, cfg.steps),
+              keep_last=cfg.checkpoint.keep_last, stop=stop)
     writer.close()
 
 

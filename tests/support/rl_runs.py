@@ -12,6 +12,7 @@ def run_steps(cfg, model_dir, out, steps, *, resume_from=None, save_at=None):
     after steps[0] - 1). Returns (metrics by step, actor weight digests, the checkpoint written
     after step `save_at` or None)."""
     from mcore_rl.rl.controller import RLController
+    from mcore_rl.run.loop import run_steps
 
     controller = RLController(cfg, model_dir, out)
     try:
@@ -19,11 +20,9 @@ def run_steps(cfg, model_dir, out, steps, *, resume_from=None, save_at=None):
         if resume_from is not None:
             assert controller.load_checkpoint(resume_from) == steps[0] - 1
         controller.sync_weights()
-        metrics, checkpoint = {}, None
-        for step in steps:
-            metrics[step] = controller.rl_step(step)
-            if step == save_at:
-                checkpoint = controller.save_checkpoint(step)
+        metrics = {}
+        checkpoint = run_steps(controller, steps, metrics.__setitem__,
+                               checkpoint_due=lambda step: step == save_at)
         return metrics, controller.weights_digests(), checkpoint
     finally:
         controller.shutdown()

@@ -1,0 +1,48 @@
+"""The RL loop: every command that trains — `train`, `demo`, `bench step` — and the tests run
+their RL steps through `run_steps`, so a step is recorded, checkpointed and stopped the same
+way everywhere. What one step does is `RLController.rl_step` (mcore_rl/rl/controller.py)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+from mcore_rl.rl import checkpoint_dirs
+from mcore_rl.rl.recovery import EngineFailed
+from mcore_rl.run.signals import RunStopped, StopControl
+
+
+def never(step: int) -> bool:
+    return False
+
+
+def run_steps(controller, steps: Iterable[int], record: Callable[[int, dict], None], *,
+              checkpoint_due: Callable[[int], bool] = never, keep_last: int | None = None,
+              stop: StopControl | None = None) -> Path | None:
+    """RL steps `steps` in order; each one's metrics go to `record(step, metrics)`, also those
+    of a step whose sync lost an engine for good (recorded, then EngineFailed is raised).
+    After a step a checkpoint is written when `checkpoint_due(step)` or a stop was requested
+    (older ones pruned to `keep_last`); a stop request then ends the run with RunStopped.
+    Returns the last checkpoint written (None: none was)."""
+    saved = None
+    for step in steps:
+        try:
+            metrics = controller.rl_step(step)
+        except EngineFailed as failed:  # checkpointed after this step: its metrics count too
+            if failed.step_metrics is not None:
+                record(step, failed.step_metrics)
+            raise
+        record(step, metrics)
+        stopping = stop is not None and stop.requested
+        if checkpoint_due(step) or stopping:
+            saved = controller.save_checkpoint(step)
+            if keep_last is not None:
+                checkpoint_dirs.prune(saved.parent, keep_last)
+        if stopping:
+            print(f"checkpoint {saved} written {stop.seconds_since_signal():.1f} s after "
+                  f"{stop.signal_name}")
+            raise RunStopped(step, stop.signal_name, saved)
+    return saved
+
+
+__all__ = ["never", "run_steps"]
