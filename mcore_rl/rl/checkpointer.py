@@ -30,7 +30,7 @@ class Checkpointing:
         if tmp.exists():
             shutil.rmtree(tmp)
         with checkpoint_dirs.writing(root, tmp, step, self.cfg.checkpoint.inject_error):
-            self._actor("save_checkpoint", str(tmp), phase="save")
+            self.call_actors("save_checkpoint", str(tmp), phase="save")
             if self.pipeline is not None:
                 # the batches ahead were generated on weights this checkpoint no longer holds;
                 # saved with it (and their versions), a resumed run trains on exactly them
@@ -47,18 +47,18 @@ class Checkpointing:
         meta = path / "controller.json"
         if not meta.is_file():
             raise FileNotFoundError(f"{path}: not a checkpoint (no controller.json)")
-        self._actor("load_checkpoint", str(path), phase="load")
+        self.call_actors("load_checkpoint", str(path), phase="load")
         if self.pipeline is not None and (path / "rollout_buffer.pt").is_file():
             self.pipeline.load_state(torch.load(path / "rollout_buffer.pt", weights_only=True),
                                      Rollouts.from_state)
         return int(json.loads(meta.read_text())["step"])
 
     def weights_digests(self) -> list[str]:
-        return self._actor("weights_digest", phase="save")
+        return self.call_actors("weights_digest", phase="save")
 
     def actor_weights(self) -> list[dict[str, torch.Tensor]]:
         """Each actor rank's parameters (megatron_shards keys): `run.hf_export`."""
-        return self._actor("export_weights", phase="save")
+        return self.call_actors("export_weights", phase="save")
 
 
 __all__ = ["Checkpointing"]

@@ -40,7 +40,7 @@ from mcore_rl.rollout.batches import (Batch, Rollouts, build_batch, engine_logpr
 from mcore_rl.rl.checkpointer import Checkpointing
 from mcore_rl.rl.sampler import Generation
 from mcore_rl.launch.timing import PhaseTimer
-from mcore_rl.rollout.partial_pipeline import current_version_logprob_diff
+from mcore_rl.rollout.partial import current_version_logprob_diff
 from mcore_rl.rl.recovery import EngineFailed, EngineRecovery
 from mcore_rl.rl.weight_sync import SyncFailed, WeightSync
 
@@ -65,6 +65,10 @@ class RLController(Generation, WeightSync, Checkpointing):
         from mcore_rl.launch.ray_runtime import init_local_ray
 
         self.cfg, self.run_dir = cfg, Path(run_dir)
+        # the watchdog names whoever has started so far: nothing yet
+        self.worker_pids: list[int] = []
+        self.engines = self.reward_model = None
+        self._output_slots: list[int | None] | None = None  # fixed by the grid: asked once
         self.spec = ModelSpec.from_hf_dir(model_dir)
         self.tokenizer = load_tokenizer(model_dir)
         self.task = build_task(cfg.task)
@@ -95,7 +99,7 @@ class RLController(Generation, WeightSync, Checkpointing):
                                   inject_stall=cfg.inject_stall, placement=self.placement,
                                   seed=derive_seed(cfg.seed, "engine"), wait=False)
         try:
-            self.worker_pids = self._actor("pid", phase="startup")
+            self.worker_pids = self.call_actors("pid", phase="startup")
             self.reward_model = self._start_reward_model()
         except BaseException:  # no engine outlives a start-up that failed
             self.engines.shutdown(grace_s=5.0)
@@ -104,7 +108,7 @@ class RLController(Generation, WeightSync, Checkpointing):
         self.recovery = EngineRecovery(self, cfg.recovery)  # engines that die are restarted
         self._build_plan()
         self._sync_groups_formed = 0
-        self._join_sync_group()
+        self.join_sync_group()
         self.pipeline = self._start_pipeline()  # one_step / async: the batches ahead
         # rollout.startup_engines: the rest start now that the run is up, and join at a sync
         self.engines.start_late_engines()
@@ -138,8 +142,7 @@ class RLController(Generation, WeightSync, Checkpointing):
         deadline = self.cfg.deadlines.for_phase(phase)
         # results as they arrive: a rank that died fails the phase at once, by name, rather
         # than after its peers' collective timeout
-        values = collect_or_name_dead(refs, deadline, phase,
-                                      getattr(self, "worker_pids", None))
+        values = collect_or_name_dead(refs, deadline, phase, self.worker_pids or None)
         if len(values) < len(refs):
             late = [f"actor rank {i}" for i in range(len(refs)) if i not in values]
             raise self._watchdog(phase, deadline, late)
@@ -149,22 +152,22 @@ class RLController(Generation, WeightSync, Checkpointing):
                   detail: str = "") -> WatchdogTimeout:
         """Every worker (actor ranks and engines) dumps its stacks; the error names the phase,
         the late workers and the dump files."""
-        pids = {f"rank{i}": pid for i, pid in enumerate(getattr(self, "worker_pids", []))}
-        if getattr(self, "reward_model", None) is not None:
+        pids = {f"rank{i}": pid for i, pid in enumerate(self.worker_pids)}
+        if self.reward_model is not None:
             pids.update({f"reward_rank{i}": pid for i, pid in enumerate(self.reward_model.pids)})
-        if hasattr(self, "engines"):
+        if self.engines is not None:
             pids.update({f"engine{i}": pid for i, pid in enumerate(self.engines.pids)})
         return WatchdogTimeout(phase, deadline, late, dump_stacks(pids, self.stack_dir),
                                detail)
 
-    def _actor(self, method: str, *args, phase: str) -> list:
+    def call_actors(self, method: str, *args, phase: str) -> list:
         return self._wait([getattr(w, method).remote(*args) for w in self.workers], phase)
 
     def _per_token(self, method: str, batch: Batch, phase: str) -> torch.Tensor:
         """A forward-only pass on every worker; one [n, s] result, assembled over DP. The
         response mask tells packed passes where each row's real tokens end."""
-        outs = self._actor(method, batch.tokens, batch.labels, batch.mask, phase=phase)
-        if not hasattr(self, "_output_slots"):  # fixed by the grid: asked once per run
+        outs = self.call_actors(method, batch.tokens, batch.labels, batch.mask, phase=phase)
+        if self._output_slots is None:
             self._output_slots = self._wait([w.dp_rank_of_output.remote()
                                              for w in self.workers], phase)
         by_dp = {dp: out for dp, out in zip(self._output_slots, outs) if dp is not None}
@@ -189,7 +192,7 @@ class RLController(Generation, WeightSync, Checkpointing):
             batch = build_batch(prompts, answers, w.train.seq_len, self.tokenizer.pad_token_id,
                                 masks)
             with timer("update_actor"):
-                result = self._actor("sft_step", batch.tokens, batch.labels, batch.mask,
+                result = self.call_actors("sft_step", batch.tokens, batch.labels, batch.mask,
                                      phase="warmup")[0]
             metrics = {"loss": result["loss"], "grad_norm": result["grad_norm"]}
             if step % w.eval_every == 0:
@@ -206,7 +209,7 @@ class RLController(Generation, WeightSync, Checkpointing):
     # --- RL ---------------------------------------------------------------------------------
 
     def reset_optimizer(self) -> None:
-        self._actor("reset_optimizer", self.cfg.train, phase="setup")
+        self.call_actors("reset_optimizer", self.cfg.train, phase="setup")
 
     def rl_step(self, step: int) -> dict[str, float]:
         """One RL step (module doc); its metrics. An engine lost for good in the step's sync
@@ -339,7 +342,7 @@ class RLController(Generation, WeightSync, Checkpointing):
         if is_weights is not None:
             policy["is_weights"] = is_weights
         with timer("update_actor"):  # every mini-batch in one call (ActorWorker.update)
-            per_rank = self._actor("update", policy, cfg.algorithm, cfg.updates_per_batch,
+            per_rank = self.call_actors("update", policy, cfg.algorithm, cfg.updates_per_batch,
                                    phase="update_actor")
         return [_global_update_report([rank[k] for rank in per_rank])
                 for k in range(cfg.updates_per_batch)]
@@ -351,7 +354,7 @@ class RLController(Generation, WeightSync, Checkpointing):
         value = {"tokens": batch.tokens, "labels": batch.labels, "response_mask": batch.mask,
                  "old_values": extra["values"], "returns": returns}
         with timer("update_critic"):
-            return self._actor("critic_update", value, self.cfg.algorithm,
+            return self.call_actors("critic_update", value, self.cfg.algorithm,
                                self.cfg.updates_per_batch, phase="update_critic")[0]
 
     def shutdown(self) -> None:

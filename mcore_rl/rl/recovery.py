@@ -262,10 +262,10 @@ class EngineRecovery:
         restarted = time.perf_counter()
         controller.engines.restart(broken)
         survivors = [i for i in range(controller.engines.num_engines) if i not in broken]
-        controller._actor("leave_sync_group", phase="sync-join")
+        controller.call_actors("leave_sync_group", phase="sync-join")
         controller.engines.abandon_sync(survivors)
-        controller._join_sync_group()
-        sync = controller._sync_once()
+        controller.join_sync_group()
+        sync = controller.sync_once()
         print(f"mcore-rl: rollout engine(s) {broken} restarted (new pids "
               f"{[controller.engines.pids[i] for i in broken]}), sync group re-formed and "
               f"weights re-synced in {time.perf_counter() - restarted:.1f} s", flush=True)

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import concurrent.futures
 
+from mcore_rl.rollout.config import vllm_batch_defaults
 from mcore_rl.rollout.engine import Completion, RolloutError, SamplingConfig
 from mcore_rl.rollout.multi_turn import Episode
+from mcore_rl.rollout.partial import PartialBatch, PartialRolloutPipeline, advance
 from mcore_rl.tasks.base import Example
 from mcore_rl.tasks.tokenizer import encode_prompts, response_text
 from mcore_rl.rollout.pipeline import RolloutPipeline, on_generation_thread
@@ -27,13 +29,11 @@ class Generation:
         """one_step / async: the pipeline that generates batches ahead (None in sync mode)."""
         cfg = self.cfg
         if cfg.rollout.partial_chunk_tokens is not None:  # generations span weight syncs
-            from mcore_rl.rollout.partial_pipeline import partial_pipeline
-
             return partial_pipeline(self)
         if cfg.rollout.mode == "sync":
             return None
         return RolloutPipeline(self.collect, max_staleness=cfg.rollout.staleness_bound,
-                               last_step=cfg.steps, wait=self._wait_in_flight,
+                               last_step=cfg.steps, wait=self.wait_in_flight,
                                recover=self._recover_lost_batch,
                                deterministic=cfg.rollout.deterministic)
 
@@ -43,7 +43,7 @@ class Generation:
         self.recovery.recover(err, "generate", err.engine)
         return self.recovery.actor_version()
 
-    def _generate(self, prompts: list[list[int]], sampling: SamplingConfig):
+    def generate(self, prompts: list[list[int]], sampling: SamplingConfig):
         """One generate call. An engine that died is restarted and re-synced, and the call
         repeated as it was: same prompts and seeds, so the same samples (rl/recovery.py).
         On the pipeline's generating thread the failure is raised instead: the main thread
@@ -102,7 +102,7 @@ class Generation:
         if self.multi_turn is not None:
             return self.multi_turn.rollout(self._generate, examples, self.encode, sampling)
         prompts = self.encode_all([e.prompt for e in examples])
-        return prompts, self._generate(prompts, sampling)
+        return prompts, self.generate(prompts, sampling)
 
     def accuracy(self, n: int, temperature: float = 0.0) -> float:
         """Exact-match accuracy on n held-out examples, greedy or sampled at `temperature`
@@ -117,7 +117,7 @@ class Generation:
                    self.exact_match(e.prompt, response_text(o[0].token_ids, self.tokenizer),
                                     e.answer) for e, o in zip(examples, outs)) / n
 
-    def _draw(self, step: int, attempt: int) -> tuple[list[Example], SamplingConfig]:
+    def draw(self, step: int, attempt: int) -> tuple[list[Example], SamplingConfig]:
         """prompts_per_step fresh prompts and their sampling (seeded by step and attempt: the
         data position is the step)."""
         cfg = self.cfg
@@ -130,9 +130,9 @@ class Generation:
         return examples, sampling
 
     def _sample(self, step: int, attempt: int):
-        """Generate samples_per_prompt responses for `_draw`'s prompts; returns (examples,
+        """Generate samples_per_prompt responses for `draw`'s prompts; returns (examples,
         their prompt token ids, completions)."""
-        examples, sampling = self._draw(step, attempt)
+        examples, sampling = self.draw(step, attempt)
         return examples, *self._rollout(examples, sampling)
 
     def score(self, examples: list[Example], prompt_ids: list[list[int]],
@@ -210,7 +210,7 @@ class Generation:
             return self.collect(step, timer), {}
         return self.pipeline.take(step, timer)
 
-    def _wait_in_flight(self, future):
+    def wait_in_flight(self, future):
         """future.result under a deadline beyond the generation's own (which names the late
         engine): this one catches a wedged reward function."""
         deadline = self.cfg.deadlines.gen_s * self.cfg.max_sampling_rounds + 60.0
@@ -221,4 +221,40 @@ class Generation:
                                  "generation + reward of a batch ahead did not finish") from None
 
 
-__all__ = ["Generation"]
+def partial_pipeline(controller) -> PartialRolloutPipeline:
+    """The pipeline of an RLController run with partial rollouts: prompts and seeds as the
+    controller draws them (`draw`), generation through its engines under its deadline,
+    rewards by its `score`."""
+    cfg = controller.cfg
+    budget = cfg.rollout.max_num_batched_tokens or vllm_batch_defaults(
+        controller.run.device, 0.0, cfg.rollout.tp)[0]
+
+    def start(step: int):
+        examples, sampling = controller.draw(step, 0)
+        prompts = controller.encode_all([e.prompt for e in examples])
+        return examples, PartialBatch.start(prompts, sampling)
+
+    def advance_on(batch: PartialBatch, version: int, max_tokens: int | None) -> None:
+        advance(batch, controller.generate, version=version, max_tokens=max_tokens,
+                max_model_len=cfg.rollout.max_model_len, token_budget=budget,
+                engines=cfg.rollout.engines)
+
+    def finish(step: int, examples, batch: PartialBatch, timer: PhaseTimer):
+        outs = batch.completions()
+        with timer("reward"):
+            scores = controller.score(examples, batch.prompt_ids, outs)
+        stats = {"informative_groups_frac": sum(len(set(s)) > 1 for s in scores) / len(scores),
+                 "sampling_rounds": 1}
+        return Rollouts(step=step, examples=list(examples), prompt_ids=batch.prompt_ids,
+                        completions=outs, scores=scores, stats=stats)
+
+    return PartialRolloutPipeline(
+        start=start, advance=advance_on, finish=finish,
+        chunk_tokens=cfg.rollout.partial_chunk_tokens,
+        max_staleness=cfg.rollout.staleness_bound, last_step=cfg.steps,
+        wait=controller.wait_in_flight,
+        examples_to_state=lambda examples: [[e.prompt, e.answer] for e in examples],
+        examples_from_state=lambda saved: [Example(p, a) for p, a in saved])
+
+
+__all__ = ["Generation", "partial_pipeline"]

@@ -42,7 +42,7 @@ class WeightSync:
                                nodes=self.run.sync_nodes(self.engines.num_engines))
         self._plan_sender = PlanSender(self.plan)
 
-    def _join_sync_group(self) -> None:
+    def join_sync_group(self) -> None:
         """Form the sync group (again after an engine restart: a new store and prefix)."""
         world = self.cfg.actor.world_size + self.cfg.rollout.tp * self.engines.num_engines
         self._store = host_store(self.host, world_size=world,
@@ -66,7 +66,7 @@ class WeightSync:
         with nullcontext() if self.pipeline is None else self.pipeline.weights_changing():
             self.admit_late_engines()
             try:
-                return self._sync_once()
+                return self.sync_once()
             except (SyncFailed, RolloutError) as err:
                 return self.recovery.recover(err, "sync", getattr(err, "engine", None))
 
@@ -78,17 +78,17 @@ class WeightSync:
         joined = self.engines.admit_late_engines(wait=wait)
         if not joined:
             return joined
-        self._actor("leave_sync_group", phase="sync-join")
+        self.call_actors("leave_sync_group", phase="sync-join")
         self.engines.leave_sync_group()  # a no-op on the engines that just joined
         self._build_plan()
-        self._join_sync_group()
+        self.join_sync_group()
         print(f"mcore-rl: rollout engine(s) {joined} up (start-up "
               f"{', '.join(f'{self.engines.startup_s[i]:.1f}' for i in joined)} s) and "
               f"joined: {self.engines.num_engines} of {self.cfg.rollout.engines} engines "
               "generate from this sync on", flush=True)
         return joined
 
-    def _sync_once(self) -> dict[str, float]:
+    def sync_once(self) -> dict[str, float]:
         plan = self._plan_sender.payload()  # the whole plan once per group, then its reference
         self.engines.begin_sync(plan, dtype=torch_dtype(self.cfg.wire_dtype),
                                 timeout_s=self.cfg.deadlines.sync_s)
@@ -101,7 +101,7 @@ class WeightSync:
         """The trainer side of a started sync. A failure is blamed on the engines that died,
         by name, when there are any (a bare transport error only says a peer left)."""
         try:
-            stats = self._actor("send_weights", plan, self.cfg.wire_dtype,
+            stats = self.call_actors("send_weights", plan, self.cfg.wire_dtype,
                                 self.cfg.deadlines.sync_s,
                                 phase="sync")
             self.engines.finish_sync()

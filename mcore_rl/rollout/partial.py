@@ -21,14 +21,46 @@ Continuations are sent in calls whose prefill fits the engines' token budget
 (`max_num_batched_tokens` per engine): vLLM 0.32 on CPU fails a seeded request whose prefill is
 split over engine steps ("CPU Generator does not use offset"). The seed offset of each call is
 its first sample's position, so the seeds do not depend on how the calls are cut.
+
+## The pipeline
+
+Partial rollouts (`rollout.partial_chunk_tokens: N` with mode one_step / async): the rollout
+pipeline's schedule with generations that span weight syncs.
+
+Versions as in `rollout.pipeline`: at step n the engines hold version n - 1, and batch m
+is started at step max(1, m - k) (k = `rollout.staleness_bound`). Deterministic schedule —
+step and version counts only, never wall-clock races:
+- at step n, batch n is finished on version n - 1: every unfinished sample continues from its
+  prefix to the end in one call (the weights do not change before the step trains on it);
+  then every batch ahead (n + 1 .. n + k) gets ONE chunk of at most N new tokens per
+  unfinished sample on version n - 1, on the pipeline's thread beside the actor's work;
+- before the weight sync the pipeline waits for those chunks only (`quiesce`), never for whole
+  generations; after it, the unfinished samples continue on the new weights at the next step.
+So batch m's tokens come from versions max(0, m-1-k) .. m-1, each token records its version
+(`Completion.versions`) and the engine's raw log-prob under it (`Completion.logprobs`, what
+the rollout correction's π_rollout is), and a sample is never staler than k.
+
+Staleness is per token: `staleness/max` is the oldest token's (trainer version - its version,
+max over the batch), `staleness/mean` the mean over all generated tokens. A batch whose oldest
+token is more than k versions old (only possible when a buffer saved with a larger k is resumed
+with a smaller one) is dropped whole, counted in `staleness/dropped`, and regenerated.
+
+The checkpoint after step n carries the unfinished batches n + 1 .. n + k (tokens, log-probs,
+versions, chunk counts), so a resumed run continues them exactly as the uninterrupted run does.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
+import contextlib
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
+from typing import Any, Iterator
 
+import torch
+
+from mcore_rl.launch.timing import PhaseTimer
 from mcore_rl.rollout.config import SamplingConfig
 from mcore_rl.rollout.engine import Completion
 
@@ -165,4 +197,177 @@ def _mark_finished(batch: PartialBatch, max_model_len: int) -> None:
             # "stop" / "abort" end the sample as they are
 
 
-__all__ = ["CHUNK_SEED_STRIDE", "PartialBatch", "PartialSample", "advance"]
+# (the step's batch, generation timings) as the controller's rl_step takes them
+Taken = tuple[Any, dict[str, float]]
+
+
+@dataclass
+class _InFlight:
+    """A batch ahead: its examples (whatever `start` returned), its generation so far, and
+    the version it was started on (its oldest token's)."""
+
+    examples: Any
+    batch: PartialBatch
+    version: int
+
+
+class PartialRolloutPipeline:
+    """The batches ahead, generated chunk by chunk across weight syncs.
+
+    start(step): (examples, PartialBatch) of that step's prompts (no generation).
+    advance(batch, version, max_tokens): generate the next chunk (None: to the end) on the
+        engines' current weights, `version`.
+    finish(step, examples, batch, timer): score the finished batch; returns the step's
+        batch for training (phase reward on `timer`).
+    chunk_tokens: N. max_staleness: k. last_step: no batch after it is started.
+    wait(future): the future's result under the caller's deadline.
+    examples_to_state / examples_from_state: a batch's examples as plain values and back
+        (checkpoints)."""
+
+    def __init__(self, *, start: Callable[[int], tuple[Any, PartialBatch]],
+                 advance: Callable[[PartialBatch, int, int | None], None],
+                 finish: Callable[[int, Any, PartialBatch, PhaseTimer], Any],
+                 chunk_tokens: int, max_staleness: int, last_step: int,
+                 wait: Callable[[concurrent.futures.Future], Any],
+                 examples_to_state: Callable[[Any], Any] = lambda e: e,
+                 examples_from_state: Callable[[Any], Any] = lambda e: e):
+        if max_staleness < 0:
+            raise ValueError(f"max_staleness={max_staleness}: must be >= 0")
+        if chunk_tokens < 1:
+            raise ValueError(f"chunk_tokens={chunk_tokens}: must be >= 1")
+        self.start, self.advance, self.finish = start, advance, finish
+        self.chunk_tokens, self.k, self.last_step, self._wait = (chunk_tokens, max_staleness,
+                                                                 last_step, wait)
+        self._examples_to_state, self._examples_from_state = (examples_to_state,
+                                                              examples_from_state)
+        self.batches: dict[int, _InFlight] = {}
+        self.next_step = 1  # the first step whose batch has not been started
+        self._chunks: list[concurrent.futures.Future] = []  # chunks running beside training
+        self._executor: concurrent.futures.ThreadPoolExecutor | None = None
+
+    def _submit(self, fn, *args) -> concurrent.futures.Future:
+        if self._executor is None:  # one thread: calls reach the engines in submission order
+            self._executor = concurrent.futures.ThreadPoolExecutor(1, "mcore-rl-gen")
+        return self._executor.submit(fn, *args)
+
+    def _chunk(self, flight: _InFlight, version: int) -> tuple[float, float]:
+        start = time.perf_counter()
+        self.advance(flight.batch, version, self.chunk_tokens)
+        return start, time.perf_counter()
+
+    def _complete(self, step: int, flight: _InFlight, version: int) -> Taken:
+        self.advance(flight.batch, version, None)
+        timer = PhaseTimer()
+        rollouts = self.finish(step, flight.examples, flight.batch, timer)
+        timing = {k: v for k, v in timer.as_metrics().items() if k != "timing_s/step"}
+        return rollouts, {**timing, "timing_s/gen": flight.batch.gen_s}
+
+    def take(self, step: int, timer: PhaseTimer) -> Taken:
+        """The batch step `step` trains on (the engines hold version step - 1), finished now,
+        and its metrics (generation timings, `timing_s/gen_wait`, staleness/{mean,max,dropped});
+        then one chunk of every batch ahead starts on this version."""
+        version = step - 1
+        self.next_step = max(self.next_step, step)
+        while self.next_step <= min(step + self.k, self.last_step):
+            self.batches[self.next_step] = _InFlight(*self.start(self.next_step), version)
+            self.next_step += 1
+        dropped = 0
+        flight = self.batches.pop(step, None)
+        if flight is not None and version - flight.version > self.k:
+            dropped, flight = 1, None
+        if flight is None:  # dropped, or its buffer was not saved: generate it now
+            flight = _InFlight(*self.start(step), version)
+        done = self._submit(self._complete, step, flight, version)
+        self._chunks = [self._submit(self._chunk, ahead, version)
+                        for _, ahead in sorted(self.batches.items())]
+        with timer("gen_wait"):
+            rollouts, timing = self._wait(done)
+        if getattr(rollouts, "step", step) != step:
+            raise RuntimeError(f"batch of step {rollouts.step} offered to step {step}")
+        return rollouts, {**timing, **staleness_metrics(flight.batch.versions(), version),
+                          "staleness/dropped": float(dropped)}
+
+    def quiesce(self, timer: PhaseTimer | None = None,
+                train_window: tuple[float, float] | None = None) -> dict[str, float]:
+        """Wait for the chunks in flight (before the weights change; the generations they
+        belong to go on after the sync). Returns `gen_overlap_s`, the seconds of generation
+        that ran while the step trained (absent when no chunk ran)."""
+        if not self._chunks:
+            return {}
+        chunks, self._chunks = self._chunks, []
+        if timer is not None and not all(f.done() for f in chunks):
+            with timer("gen_wait"):
+                windows = [self._wait(f) for f in chunks]
+        else:
+            windows = [self._wait(f) for f in chunks]
+        if train_window is None:
+            return {}
+        overlap = sum(max(min(end, train_window[1]) - max(start, train_window[0]), 0.0)
+                      for start, end in windows)
+        return {"gen_overlap_s": overlap}
+
+    @contextlib.contextmanager
+    def weights_changing(self) -> Iterator[None]:
+        """Around a weight sync: the chunks in flight are waited for first."""
+        self.quiesce()
+        yield
+
+    # --- checkpoints --------------------------------------------------------------------------
+
+    def state(self) -> dict:
+        """The unfinished batches ahead (plain values: `torch.load(weights_only=True)` reads
+        them back)."""
+        self.quiesce()
+        return {"partial": [{"step": step, "version": f.version,
+                             "examples": self._examples_to_state(f.examples),
+                             "batch": f.batch.to_state()}
+                            for step, f in sorted(self.batches.items())],
+                "next_step": self.next_step}
+
+    def load_state(self, state: dict, from_state: Callable[[dict], Any] | None = None) -> None:
+        """Restore `state()`'s batches. from_state: unused (the whole-batch pipeline's
+        argument; no finished batch is ever saved here)."""
+        if "partial" not in state:
+            raise ValueError("the checkpoint's rollout buffer holds whole batches (saved "
+                             "without rollout.partial_chunk_tokens); resume with the same "
+                             "rollout settings")
+        self.batches = {int(saved["step"]): _InFlight(self._examples_from_state(saved["examples"]),
+                                                      PartialBatch.from_state(saved["batch"]),
+                                                      int(saved["version"]))
+                        for saved in state["partial"]}
+        self.next_step = int(state["next_step"])
+
+    def shutdown(self) -> None:
+        if self._executor is not None:
+            self._executor.shutdown(wait=False, cancel_futures=True)
+
+
+def staleness_metrics(versions: list[int], version: int) -> dict[str, float]:
+    """Per-token staleness of a batch trained at `version`: max (the oldest token's) and mean
+    over the generated tokens."""
+    if not versions:
+        return {"staleness/mean": 0.0, "staleness/max": 0.0}
+    ages = [version - v for v in versions]
+    return {"staleness/mean": sum(ages) / len(ages), "staleness/max": float(max(ages))}
+
+
+def current_version_logprob_diff(completions, actor_logp: torch.Tensor, mask: torch.Tensor,
+                                 version: int) -> dict[str, float]:
+    """Max |engine log-prob − actor log-prob| over the tokens the engines produced on the
+    actor's own weights (`version`): ~0 shows each token's recorded log-prob is its
+    version's even when the sample also holds older tokens. Empty without partial rollouts
+    or without such tokens."""
+    worst, seen = 0.0, False
+    for row, c in enumerate(completions):
+        if not c.versions:
+            continue
+        positions = mask[row].nonzero().flatten()
+        for t, (v, lp) in enumerate(zip(c.versions, c.logprobs)):
+            if v == version and t < len(positions):
+                seen = True
+                worst = max(worst, abs(lp - float(actor_logp[row, positions[t]])))
+    return {"partial/current_version_logprob_max_diff": worst} if seen else {}
+
+
+__all__ = ["CHUNK_SEED_STRIDE", "PartialBatch", "PartialRolloutPipeline", "PartialSample",
+           "advance", "current_version_logprob_diff", "staleness_metrics"]

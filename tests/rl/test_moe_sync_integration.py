@@ -48,10 +48,10 @@ def test_megatron_ep2_to_vllm_matches_hf(tmp_path):
         controller.sync_weights()
         step = controller.rl_step(1)  # updates the actor, then syncs
         assert step["grad_norm"] > 0
-        shards = controller._actor("export_weights", phase="save")
+        shards = controller.call_actors("export_weights", phase="save")
         texts = controller.task.heldout_prompts(8, seed=3)
         prompts = [encode_prompt(controller.tokenizer, t) for t in texts]
-        sampled = controller._generate(prompts, SamplingConfig(temperature=1.0, n=2, seed=5,
+        sampled = controller.generate(prompts, SamplingConfig(temperature=1.0, n=2, seed=5,
                                                                max_tokens=5))
     finally:
         controller.shutdown()

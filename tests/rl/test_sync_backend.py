@@ -67,7 +67,7 @@ def test_controller_builds_the_sync_group_of_the_resolved_run(name, assume_gpu, 
     controller._wait = lambda refs, phase: refs
     controller._sync_groups_formed = 0  # the first group of the run
     controller._plan_sender = PlanSender(_Plan())
-    controller._join_sync_group()
+    controller.join_sync_group()
     (spec,) = controller.engines.specs
     # actor ranks and engines join the same group, each rank on its resolved device
     assert to_actors == [(spec, device) for device in run.actor_devices]

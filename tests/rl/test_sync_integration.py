@@ -49,12 +49,12 @@ def test_megatron_tp2pp2_to_vllm_tp2_matches_hf(tmp_path):
         assert step["grad_norm"] > 0
         # disaggregated: every byte goes point to point over the sync group
         assert controller.run.transports == ("p2p",) and step["sync_bytes_ipc"] == 0
-        shards = controller._actor("export_weights", phase="save")
+        shards = controller.call_actors("export_weights", phase="save")
         texts = controller.task.heldout_prompts(8, seed=3)
         prompts = [encode_prompt(controller.tokenizer, t) for t in texts]
-        sampled = controller._generate(prompts, SamplingConfig(temperature=1.0, n=2, seed=5,
+        sampled = controller.generate(prompts, SamplingConfig(temperature=1.0, n=2, seed=5,
                                                                max_tokens=5))
-        greedy = controller._generate(prompts, SamplingConfig(temperature=0.0, max_tokens=5))
+        greedy = controller.generate(prompts, SamplingConfig(temperature=0.0, max_tokens=5))
     finally:
         controller.shutdown()
     hf_state = assemble_hf(megatron_shards(controller.spec, cfg.actor), dict(enumerate(shards)))

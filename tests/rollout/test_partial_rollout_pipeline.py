@@ -14,7 +14,7 @@ from mcore_rl.config import ConfigError, load_config
 from mcore_rl.rollout.engine import Completion, SamplingConfig
 from mcore_rl.rollout.partial import CHUNK_SEED_STRIDE, PartialBatch, advance
 from mcore_rl.launch.timing import PhaseTimer
-from mcore_rl.rollout.partial_pipeline import PartialRolloutPipeline
+from mcore_rl.rollout.partial import PartialRolloutPipeline
 from mcore_rl.run.config import RLConfig
 from tests.support import DEMO_SIZED
 
