@@ -25,9 +25,10 @@ import torch
 from mcore_rl.algorithms import AlgorithmConfig, aggregate_loss, kl_loss, policy_loss
 from mcore_rl.algorithms.vocab_parallel import vocab_parallel_log_probs_and_entropy
 from mcore_rl.parallel.groups import Axis
-from mcore_rl.megatron.train import (MegatronTrainer, MicroBatch, _run_schedule,
-                                             global_report_sum, optimizer_step)
+from mcore_rl.megatron.train import (MegatronTrainer, MicroBatch, global_report_sum,
+                                     optimizer_step)
 from mcore_rl.megatron.packing import model_inputs, per_sequence
+from mcore_rl.megatron.schedule import run_schedule
 
 # Megatron's padded vocab rows are not part of the model: their logits are pushed far below
 # any real logit (finite, so the entropy's p·logit stays 0·x = 0 rather than 0·inf = nan).
@@ -88,8 +89,8 @@ def compute_logprobs(trainer: MegatronTrainer,
         return chunk(**model_inputs(batch, chunk.config)), functools.partial(collect, batch.labels)
 
     with torch.no_grad():
-        out = _run_schedule(trainer.model, trainer.groups, micro_batches, forward_step=step,
-                            forward_only=True, collect_non_loss_data=True)
+        out = run_schedule(trainer.model, trainer.groups, micro_batches, forward_step=step,
+                           forward_only=True, collect_non_loss_data=True)
     return out if trainer.groups.is_last_stage else None
 
 

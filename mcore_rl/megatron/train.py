@@ -4,11 +4,11 @@ Per step each data-parallel rank gets its own micro batches (tokens, labels, los
 [micro_batch_size, seq_len] rows, or packed [1, T] rows (`mcore_rl.megatron.packing`; T may vary
 between micro batches without pipeline parallelism, and a DP rank may get more or fewer micro
 batches than another: the gradient reduce and the token-count all-reduce run once per step, in
-`finalize_model_grads`). megatron's schedule runs them through this rank's model
-chunks (no pipelining, 1F1B, or interleaved 1F1B with VPP); DDP reduces the gradients over DP
-(reduce-scatter with the distributed optimizer), `finalize_model_grads` adds the TP/PP
-reductions (SP norms, tied embeddings) and divides by the number of loss tokens of the global
-batch; the megatron optimizer clips and steps. The loss is the token mean over the global
+`finalize_model_grads`). megatron's schedule (`mcore_rl.megatron.schedule`) runs them through
+this rank's model chunks (no pipelining, 1F1B, or interleaved 1F1B with VPP); DDP reduces the
+gradients over DP (reduce-scatter with the distributed optimizer), `finalize_model_grads` adds
+the TP/PP reductions (SP norms, tied embeddings) and divides by the number of loss tokens of the
+global batch; the megatron optimizer clips and steps. The loss is the token mean over the global
 batch, the same number a one-process run over all micro batches gives.
 
 Process groups are passed explicitly (`ParallelGroups`); megatron's own layers still read the
@@ -24,26 +24,22 @@ from typing import Callable, Iterator
 import torch
 import torch.distributed as dist
 from megatron.core import tensor_parallel
-from megatron.core.distributed import (DistributedDataParallel, DistributedDataParallelConfig,
-                                       finalize_model_grads)
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 from megatron.core.optimizer import OptimizerConfig as MegatronOptimizerConfig
 from megatron.core.optimizer import get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
-from megatron.core.pipeline_parallel import get_forward_backward_func
-from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.module import Float16Module
-from megatron.core.utils import get_model_config
 
 from mcore_rl.config.seeds import derive_seed
 from mcore_rl.compat import apply_cpu_compat
 from mcore_rl.models.gpt import MoEOptions, build_gpt_model, transformer_config_from_spec
 from mcore_rl.models.spec import ModelSpec
-from mcore_rl.parallel.config import ParallelConfig
 from mcore_rl.parallel.groups import Axis, ParallelGroups
 from mcore_rl.config.dtypes import torch_dtype
 from mcore_rl.megatron.config import OptimizerConfig, TrainConfig, check_model_fits_parallel
 from mcore_rl.megatron.packing import model_inputs
+from mcore_rl.megatron.schedule import configure_schedule, run_schedule
 
 
 
@@ -112,7 +108,7 @@ def setup_trainer(spec: ModelSpec, groups: ParallelGroups, train: TrainConfig,
     model = wrap_ddp(chunks, config, groups)
     optimizer = build_optimizer(model, train.optimizer, dtype, groups)
     scheduler = build_scheduler(optimizer, train.optimizer)
-    _configure_schedule(config, model, optimizer)
+    configure_schedule(config, model, optimizer)
     return MegatronTrainer(spec=spec, config=config, model=model, optimizer=optimizer,
                            scheduler=scheduler, groups=groups, train=train)
 
@@ -162,17 +158,6 @@ def build_scheduler(optimizer, cfg: OptimizerConfig) -> OptimizerParamScheduler:
     return scheduler
 
 
-def _configure_schedule(config: TransformerConfig, model: list[DistributedDataParallel],
-                        optimizer) -> None:
-    """The schedules read their hooks from the model config (megatron-core's API). Its p2p
-    settings (batch_p2p_comm off with VPP) come from transformer_config_from_spec."""
-    config.no_sync_func = [chunk.no_sync for chunk in model]
-    if len(model) == 1:
-        config.no_sync_func = config.no_sync_func[0]
-    config.finalize_model_grads_func = finalize_model_grads
-    config.grad_scale_func = optimizer.scale_loss
-
-
 # --- loss -------------------------------------------------------------------------------------
 
 
@@ -211,46 +196,6 @@ def _forward_step(data_iterator: Iterator[MicroBatch], model, *, vocab: int, tp_
 # --- the step ---------------------------------------------------------------------------------
 
 
-def _run_schedule(model: list[torch.nn.Module], groups: ParallelGroups,
-                  micro_batches: list[MicroBatch], *, forward_step, forward_only: bool,
-                  collect_non_loss_data: bool = False):
-    """megatron's forward-backward schedule for this grid over `micro_batches`."""
-    parallel = groups.config
-    b, s = _check_micro_batches(micro_batches, parallel)
-    config = get_model_config(model[0])
-    data = [iter(micro_batches) for _ in model]
-    schedule = get_forward_backward_func(pp_size=parallel.pp, vp_size=parallel.vpp)
-    p2p = P2PCommunicator(pp_group=groups.group(Axis.PP), config=config)
-    return schedule(
-        forward_step_func=forward_step,
-        data_iterator=data if len(data) > 1 else data[0],
-        model=model if len(model) > 1 else model[0],
-        num_microbatches=len(micro_batches), seq_length=s, micro_batch_size=b,
-        forward_only=forward_only, collect_non_loss_data=collect_non_loss_data,
-        p2p_communicator=p2p, pg_collection=groups.megatron)
-
-
-def _check_micro_batches(micro_batches: list[MicroBatch],
-                         parallel: ParallelConfig) -> tuple[int, int]:
-    """(micro batch size, longest sequence length). Pipeline stages exchange fixed-shape
-    activations, so with pp > 1 all micro batches must have one shape; with sequence
-    parallelism the sequence splits over tp."""
-    if not micro_batches:
-        raise ValueError("micro_batches: need at least one micro batch")
-    first = micro_batches[0].tokens.shape
-    for i, mb in enumerate(micro_batches):
-        shape = mb.tokens.shape if parallel.pp == 1 else first
-        for name in ("tokens", "labels", "loss_mask"):
-            if getattr(mb, name).shape != shape:
-                raise ValueError(f"micro_batches[{i}].{name}: shape "
-                                 f"{tuple(getattr(mb, name).shape)} != {tuple(shape)} (the "
-                                 "schedule sends fixed-shape activations between stages)")
-        if parallel.sequence_parallel and shape[1] % parallel.tp:
-            raise ValueError(f"micro_batches[{i}].tokens: length {shape[1]} not divisible by "
-                             f"tp={parallel.tp} (sequence parallel)")
-    return first[0], max(mb.tokens.shape[1] for mb in micro_batches)
-
-
 def optimizer_step(trainer: MegatronTrainer, micro_batches: list, forward_step,
                    what: str = "optimizer step") -> tuple[list[dict], float]:
     """Zero the grads, run the forward-backward schedule over `micro_batches`, step the
@@ -259,8 +204,8 @@ def optimizer_step(trainer: MegatronTrainer, micro_batches: list, forward_step,
     for chunk in trainer.model:
         chunk.zero_grad_buffer()
     trainer.optimizer.zero_grad()
-    reports = _run_schedule(trainer.model, trainer.groups, micro_batches, forward_only=False,
-                            forward_step=forward_step)
+    reports = run_schedule(trainer.model, trainer.groups, micro_batches, forward_only=False,
+                           forward_step=forward_step)
     ok, grad_norm, _ = trainer.optimizer.step()
     if not ok:
         raise FloatingPointError(f"{what} skipped: gradients overflowed")
@@ -311,6 +256,6 @@ def forward_logits(model: list[torch.nn.Module], micro_batches: list[MicroBatch]
         return chunk(**model_inputs(next(data_iterator), chunk.config)), collect
 
     with torch.no_grad():
-        out = _run_schedule(model, groups, micro_batches, forward_step=step, forward_only=True,
-                            collect_non_loss_data=True)
+        out = run_schedule(model, groups, micro_batches, forward_step=step, forward_only=True,
+                           collect_non_loss_data=True)
     return out if groups.is_last_stage else None

@@ -19,9 +19,9 @@ import torch
 from megatron.core import tensor_parallel
 
 from mcore_rl.algorithms import AlgorithmConfig, value_loss
-from mcore_rl.megatron.train import (MegatronTrainer, _run_schedule,
-                                             global_report_sum, optimizer_step)
+from mcore_rl.megatron.train import MegatronTrainer, global_report_sum, optimizer_step
 from mcore_rl.megatron.packing import model_inputs
+from mcore_rl.megatron.schedule import run_schedule
 
 
 class ValueHead(torch.nn.Module):
@@ -105,8 +105,8 @@ def compute_values(trainer: MegatronTrainer, micro_batches) -> list[torch.Tensor
         return chunk(**model_inputs(next(data_iterator), chunk.config)), collect
 
     with torch.no_grad():
-        out = _run_schedule(trainer.model, trainer.groups, micro_batches, forward_step=step,
-                            forward_only=True, collect_non_loss_data=True)
+        out = run_schedule(trainer.model, trainer.groups, micro_batches, forward_step=step,
+                           forward_only=True, collect_non_loss_data=True)
     return out if trainer.groups.is_last_stage else None
 
 

@@ -23,7 +23,7 @@ class ScoreBatch:
     tokens: torch.Tensor
     lengths: torch.Tensor
 
-    # what megatron_train._check_micro_batches compares shapes of
+    # what megatron.schedule.check_micro_batches compares shapes of
     @property
     def labels(self) -> torch.Tensor:
         return self.tokens
@@ -98,7 +98,7 @@ def score_batch(model: RewardModel, tokens: torch.Tensor,
     stage, dp 0), None elsewhere, on the model's device (the rows are moved there).
     """
     from mcore_rl.parallel.groups import Axis
-    from mcore_rl.megatron.train import _run_schedule
+    from mcore_rl.megatron.schedule import run_schedule
     from mcore_rl.megatron.packing import model_inputs
 
     groups, mbs = model.groups, model.micro_batch_size
@@ -126,8 +126,8 @@ def score_batch(model: RewardModel, tokens: torch.Tensor,
         return out, functools.partial(last_token_scores, batch.lengths)
 
     with torch.no_grad():
-        out = _run_schedule(model.chunks, groups, batches, forward_step=step,
-                            forward_only=True, collect_non_loss_data=True)
+        out = run_schedule(model.chunks, groups, batches, forward_step=step,
+                           forward_only=True, collect_non_loss_data=True)
     if not groups.is_last_stage:
         return None
     mine = torch.cat(out)

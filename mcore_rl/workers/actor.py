@@ -254,15 +254,15 @@ class ActorWorker:
 
     def reset_optimizer(self, train: TrainConfig) -> bool:
         """A fresh optimizer and LR schedule (e.g. RL after the supervised warm-up)."""
-        from mcore_rl.megatron.train import (_configure_schedule, build_optimizer,
-                                                     build_scheduler)
+        from mcore_rl.megatron.schedule import configure_schedule
+        from mcore_rl.megatron.train import build_optimizer, build_scheduler
 
         dtype = torch_dtype(train.dtype)
         trainer = self.trainer
         trainer.optimizer = build_optimizer(trainer.model, train.optimizer, dtype, self.groups)
         trainer.scheduler = build_scheduler(trainer.optimizer, train.optimizer)
         trainer.train = train
-        _configure_schedule(trainer.config, trainer.model, trainer.optimizer)
+        configure_schedule(trainer.config, trainer.model, trainer.optimizer)
         self.train_cfg = train
         return True
 

@@ -44,7 +44,7 @@ def test_score_batch_moves_the_rows_to_the_model(monkeypatch):
             outs.append(collect(values))
         return outs
 
-    monkeypatch.setattr("mcore_rl.megatron.train._run_schedule", run_schedule)
+    monkeypatch.setattr("mcore_rl.megatron.schedule.run_schedule", run_schedule)
     groups = types.SimpleNamespace(config=ParallelConfig(), rank_in=lambda axis: 0,
                                    is_last_stage=True)
     model = scoring.RewardModel(types.SimpleNamespace(vocab=VOCAB), [_ScoreChunk()], groups,
