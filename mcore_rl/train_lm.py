@@ -29,6 +29,33 @@ from mcore_rl.megatron.config import OptimizerConfig, TrainConfig, check_model_f
 
 
 @dataclass(frozen=True, kw_only=True)
+class LMOptimizerConfig(OptimizerConfig):
+    """train-lm's optimizer: `OptimizerConfig` with its own learning rate.
+
+    lr: peak learning rate; 1e-3, not an RL actor's 1e-6: train-lm trains a small preset from
+        its random init.
+    """
+
+    lr: float = 1e-3
+
+
+@dataclass(frozen=True, kw_only=True)
+class LMTrainConfig(TrainConfig):
+    """train-lm's training step: a `TrainConfig` with its own batch shape set, since train-lm
+    derives nothing (an RL run derives micro_batch_size and seq_len).
+
+    micro_batch_size / num_micro_batches / seq_len: per step and DP rank, 2 micro batches of
+        4 sequences of 32 tokens.
+    optimizer: see LMOptimizerConfig.
+    """
+
+    micro_batch_size: int | None = 4
+    num_micro_batches: int = 2
+    seq_len: int | None = 32
+    optimizer: LMOptimizerConfig = field(default_factory=LMOptimizerConfig)
+
+
+@dataclass(frozen=True, kw_only=True)
 class LMRunConfig:
     """model: a preset name (mcore_rl.models.presets). steps: optimizer steps.
     seed: the run's one seed: the permutation the synthetic task walks and its batches
@@ -38,10 +65,7 @@ class LMRunConfig:
     steps: int = 30
     seed: int = 0
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
-    # train-lm derives nothing: its own batch shape and learning rate
-    train: TrainConfig = field(default_factory=lambda: TrainConfig(
-        micro_batch_size=4, num_micro_batches=2, seq_len=32,
-        optimizer=OptimizerConfig(lr=1e-3)))
+    train: LMTrainConfig = field(default_factory=LMTrainConfig)
 
     MOVED: ClassVar[dict[str, str]] = {"task_seed": USE_THE_RUN_SEED.format(stream="data")}
 

@@ -3,10 +3,11 @@
 A config class documents its fields in its docstring as `name: text` entries (several names
 may share one: `temperature / max_new_tokens: sampling.`); an entry runs until the next entry,
 a blank line, or an unindented line that starts a new sentence. A field with no entry gets
-the first sentence that names it. `render_reference(RLConfig)` walks the class and every
-nested config dataclass and writes one Markdown table row per dotted key: its type, its
-default (a nested section's defaults are those of the parent's default instance, e.g.
-`critic_train`'s lr) and its text. `scripts/gen_config_reference.py` writes
+its base class's text (a subclass that changes a default, e.g. `CriticOptimizerConfig`,
+documents only that field), else the first sentence that names it.
+`render_reference(RLConfig)` walks the class and every nested config dataclass and writes one
+Markdown table row per dotted key: its type, its default (a nested section's defaults are
+those of the parent's default instance) and its text. `scripts/gen_config_reference.py` writes
 docs/reference/config.md with it; tests/config/test_reference.py checks the file is current.
 """
 
@@ -35,7 +36,9 @@ micro batch sizes) is filled in in `RUN_DIR/config.yaml`.
 
 
 def field_docs(cls: type) -> dict[str, str]:
-    """Each field of `cls` → the text its class docstring gives it ("" when none)."""
+    """Each field of `cls` → the text its class docstring gives it, else its nearest base
+    config class's, else the first sentence of its own docstring that names it ("" when
+    none)."""
     doc = inspect.cleandoc(cls.__doc__ or "")
     names = {f.name for f in dataclasses.fields(cls)}
     entries = [m for m in _ENTRY.finditer(doc)
@@ -49,6 +52,11 @@ def field_docs(cls: type) -> dict[str, str]:
         for name in (n.strip() for n in m.group("names").split("/")):
             if name in names and name not in out:
                 out[name] = text
+    for base in cls.__mro__[1:]:  # a field a subclass inherits: the base's text
+        if dataclasses.is_dataclass(base):
+            for name, text in field_docs(base).items():
+                if name in names and name not in out and text:
+                    out[name] = text
     # A field with no entry of its own: the first sentence of the docstring that names it.
     flat = " ".join(doc.split())
     sentences = re.split(r"(?<=\.)\s+(?=[A-Z`(a-z])", flat)
