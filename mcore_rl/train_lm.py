@@ -22,7 +22,7 @@ from typing import ClassVar
 import torch
 
 from mcore_rl.config.seeds import USE_THE_RUN_SEED, derive_seed
-from mcore_rl.config import ConfigError, load_config, to_dict
+from mcore_rl.config import ConfigError, load_config, require_at_least, to_dict
 from mcore_rl.models.presets import PRESETS, get_preset
 from mcore_rl.parallel.config import ParallelConfig
 from mcore_rl.megatron.config import OptimizerConfig, TrainConfig, check_model_fits_parallel
@@ -70,13 +70,11 @@ class LMRunConfig:
     MOVED: ClassVar[dict[str, str]] = {"task_seed": USE_THE_RUN_SEED.format(stream="data")}
 
     def __post_init__(self) -> None:
-        if self.seed < 0:
-            raise ConfigError("seed", self.seed, "must be >= 0")
+        require_at_least(self, 0, "seed")
         if self.model not in PRESETS:
             raise ConfigError("model", self.model, f"unknown preset; known: "
                                                    f"{', '.join(sorted(PRESETS))}")
-        if self.steps < 1:
-            raise ConfigError("steps", self.steps, "must be >= 1")
+        require_at_least(self, 1, "steps")
         for name in ("micro_batch_size", "seq_len"):
             if getattr(self.train, name) is None:
                 raise ConfigError(f"train.{name}", None, "train-lm needs it set (>= 1)")

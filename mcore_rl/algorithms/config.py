@@ -7,7 +7,7 @@ from typing import Literal
 
 from mcore_rl.algorithms.losses import KL_ESTIMATORS, LOSS_AGGS
 from mcore_rl.algorithms.rollout_correction import RolloutCorrectionConfig
-from mcore_rl.config import ConfigError
+from mcore_rl.config import require_above, require_at_least, require_in_range, require_one_of
 
 ADVANTAGE_ESTIMATORS: tuple[str, ...] = ("gae", "grpo", "rloo", "reinforce_pp")
 KL_MODES: tuple[str, ...] = ("loss", "reward")
@@ -68,28 +68,18 @@ class AlgorithmConfig:
     old_logprob_from_update: bool = True
 
     def __post_init__(self) -> None:
-        for name, allowed in (("advantage_estimator", ADVANTAGE_ESTIMATORS),
-                              ("loss_agg", LOSS_AGGS), ("kl_estimator", KL_ESTIMATORS),
-                              ("kl_mode", KL_MODES)):
-            if getattr(self, name) not in allowed:
-                raise ConfigError(name, getattr(self, name),
-                                  f"allowed values: {', '.join(allowed)}")
-        if not 0.0 <= self.clip_eps_low < 1.0:
-            raise ConfigError("clip_eps_low", self.clip_eps_low, "must be in [0, 1)")
-        if self.clip_eps_high < 0.0:
-            raise ConfigError("clip_eps_high", self.clip_eps_high, "must be >= 0")
-        if self.clip_c is not None and self.clip_c <= 1.0:
-            raise ConfigError("clip_c", self.clip_c, "must be > 1 (null turns dual-clip off)")
-        for name in ("entropy_coeff", "kl_coeff", "overlong_buffer", "overlong_penalty"):
-            if getattr(self, name) < 0:
-                raise ConfigError(name, getattr(self, name), "must be >= 0")
-        for name in ("gamma", "lam"):
-            if not 0.0 <= getattr(self, name) <= 1.0:
-                raise ConfigError(name, getattr(self, name), "must be in [0, 1]")
-        if self.value_clip is not None and self.value_clip <= 0.0:
-            raise ConfigError("value_clip", self.value_clip, "must be > 0 (null turns it off)")
-        if self.grpo_eps <= 0.0:
-            raise ConfigError("grpo_eps", self.grpo_eps, "must be > 0")
+        require_one_of(self, "advantage_estimator", ADVANTAGE_ESTIMATORS)
+        require_one_of(self, "loss_agg", LOSS_AGGS)
+        require_one_of(self, "kl_estimator", KL_ESTIMATORS)
+        require_one_of(self, "kl_mode", KL_MODES)
+        require_in_range(self, 0, 1, "clip_eps_low", high_open=True)
+        require_at_least(self, 0, "clip_eps_high")
+        require_above(self, 1, "clip_c", optional=True, note="null turns dual-clip off")
+        require_at_least(self, 0, "entropy_coeff", "kl_coeff", "overlong_buffer",
+                         "overlong_penalty")
+        require_in_range(self, 0, 1, "gamma", "lam")
+        require_above(self, 0, "value_clip", optional=True, note="null turns it off")
+        require_above(self, 0, "grpo_eps")
 
     @property
     def kl_in_reward(self) -> bool:

@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass
 
-from mcore_rl.config import ConfigError
+from mcore_rl.config import require_above, require_at_least
 from mcore_rl.layouts import ShardMap
 from mcore_rl.parallel import ParallelConfig
 from mcore_rl.resharding import Plan
@@ -32,13 +32,9 @@ class LinkModel:
     latency_s: float = 20e-6
 
     def __post_init__(self) -> None:
-        if self.gpus_per_node < 1:
-            raise ConfigError("gpus_per_node", self.gpus_per_node, "must be >= 1")
-        for name in ("intra_node_gbs", "inter_node_gbs"):
-            if not getattr(self, name) > 0:
-                raise ConfigError(name, getattr(self, name), "must be > 0")
-        if self.latency_s < 0:
-            raise ConfigError("latency_s", self.latency_s, "must be >= 0")
+        require_at_least(self, 1, "gpus_per_node")
+        require_above(self, 0, "intra_node_gbs", "inter_node_gbs")
+        require_at_least(self, 0, "latency_s")
 
     def node_of(self, sync_rank: int, num_src: int) -> int:
         if sync_rank < num_src:

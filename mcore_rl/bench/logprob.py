@@ -35,7 +35,7 @@ import torch.distributed as dist
 from mcore_rl.algorithms.vocab_parallel import (log_probs_and_entropy,
                                                 vocab_parallel_log_probs_and_entropy)
 from mcore_rl.bench.report import Table, bar_with_spread, spread
-from mcore_rl.config import ConfigError
+from mcore_rl.config import ConfigError, require_at_least
 from mcore_rl.config.dtypes import normalize_dtype_fields, torch_dtype
 
 PATHS = ("ours", "baseline")
@@ -59,11 +59,8 @@ class LogprobBenchConfig:
     timeout_s: float = 300.0
 
     def __post_init__(self) -> None:
-        for name in ("tokens", "vocab", "tp", "repeats"):
-            if getattr(self, name) < 1:
-                raise ConfigError(name, getattr(self, name), "must be >= 1")
-        if self.tp < 2:
-            raise ConfigError("tp", self.tp, "must be >= 2 (vocab-parallel needs a split)")
+        require_at_least(self, 1, "tokens", "vocab", "tp", "repeats")
+        require_at_least(self, 2, "tp", note="vocab-parallel needs a split")
         if self.vocab % self.tp:
             raise ConfigError("vocab", self.vocab, f"must be divisible by tp={self.tp}")
         normalize_dtype_fields(self, "dtype", allowed=("float32", "bfloat16"))

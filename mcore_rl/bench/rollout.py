@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from mcore_rl.bench.report import Table, bar_with_spread, spread
-from mcore_rl.config import ConfigError
+from mcore_rl.config import ConfigError, require_above, require_at_least
 
 PATHS = ("vllm", "hf")
 
@@ -48,15 +48,10 @@ class RolloutBenchConfig:
     timeout_s: float = 600.0
 
     def __post_init__(self) -> None:
-        if not self.timeout_s > 0:
-            raise ConfigError("timeout_s", self.timeout_s, "must be > 0")
-        for name in ("prompts", "prompt_len", "max_new_tokens", "repeats"):
-            if getattr(self, name) < 1:
-                raise ConfigError(name, getattr(self, name), "must be >= 1")
-        if self.temperature < 0:
-            raise ConfigError("temperature", self.temperature, "must be >= 0 (0 = greedy)")
-        if self.threads < 0:
-            raise ConfigError("threads", self.threads, "must be >= 0 (0 = all cores)")
+        require_above(self, 0, "timeout_s")
+        require_at_least(self, 1, "prompts", "prompt_len", "max_new_tokens", "repeats")
+        require_at_least(self, 0, "temperature", note="0 = greedy")
+        require_at_least(self, 0, "threads", note="0 = all cores")
 
     @property
     def max_model_len(self) -> int:

@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from mcore_rl.bench.link_model import LinkModel
 from mcore_rl.bench.sync_link import LinkBaseline, byte_matrix
-from mcore_rl.config import ConfigError
+from mcore_rl.config import ConfigError, require_above, require_at_least, require_one_of
 from mcore_rl.config.dtypes import DtypeName, normalize_dtype_fields, torch_dtype
 from mcore_rl.layouts import ShardMap, materialize_rank, megatron_shards, vllm_shards
 from mcore_rl.layouts.layout import box_numel, box_slices
@@ -52,9 +52,7 @@ class InferenceGrid:
     ep: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("tp", "engines"):
-            if getattr(self, name) < 1:
-                raise ConfigError(name, getattr(self, name), "must be >= 1")
+        require_at_least(self, 1, "tp", "engines")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -100,18 +98,11 @@ class SyncBenchConfig:
 
     def __post_init__(self):
         normalize_dtype_fields(self, "dtype", allowed=("float32", "bfloat16"))
-        if self.transport not in ("p2p", "ipc"):
-            raise ConfigError("transport", self.transport, "allowed values: p2p, ipc")
-        if self.device not in ("cpu", "cuda"):
-            raise ConfigError("device", self.device, "allowed values: cpu, cuda")
-        for name in ("repeats",):
-            if getattr(self, name) < 1:
-                raise ConfigError(name, getattr(self, name), "must be >= 1")
-        if self.warmup < 0:
-            raise ConfigError("warmup", self.warmup, "must be >= 0")
-        for name in ("bucket_mb", "timeout_s"):
-            if not getattr(self, name) > 0:
-                raise ConfigError(name, getattr(self, name), "must be > 0")
+        require_one_of(self, "transport", ("p2p", "ipc"))
+        require_one_of(self, "device", ("cpu", "cuda"))
+        require_at_least(self, 1, "repeats")
+        require_at_least(self, 0, "warmup")
+        require_above(self, 0, "bucket_mb", "timeout_s")
         unknown = [b for b in self.baseline if b not in ("gather", "link")]
         if unknown:
             raise ConfigError("baseline", list(self.baseline), "allowed values: gather, link")

@@ -4,7 +4,10 @@ from mcore_rl.config.loader import (CONFIG_ERROR_EXIT, ConfigError, ConfigErrors
                                     ConfigFileError, check_config, from_dict, load_config,
                                     parse_overrides, raise_errors, run_checks, to_dict,
                                     write_config)
+from mcore_rl.config.checks import (require_above, require_at_least, require_in_range,
+                                    require_one_of)
 
 __all__ = ["CONFIG_ERROR_EXIT", "ConfigError", "ConfigErrors", "ConfigFileError", "check_config",
-           "from_dict", "load_config", "parse_overrides", "raise_errors", "run_checks", "to_dict",
+           "from_dict", "load_config", "parse_overrides", "raise_errors", "require_above",
+           "require_at_least", "require_in_range", "require_one_of", "run_checks", "to_dict",
            "write_config"]

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Literal
 
-from mcore_rl.config import ConfigError
+from mcore_rl.config import ConfigError, require_above, require_at_least
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -41,13 +41,9 @@ class ClusterConfig:
     sync_backend: Literal["nccl", "gloo"] | None = None
 
     def __post_init__(self) -> None:
-        for name in ("nodes", "gpus_per_node"):
-            if getattr(self, name) < 1:
-                raise ConfigError(name, getattr(self, name), "must be >= 1")
-        if not self.device_gib > 0:
-            raise ConfigError("device_gib", self.device_gib, "must be > 0")
-        if self.reserve_gib < 0:
-            raise ConfigError("reserve_gib", self.reserve_gib, "must be >= 0")
+        require_at_least(self, 1, "nodes", "gpus_per_node")
+        require_above(self, 0, "device_gib")
+        require_at_least(self, 0, "reserve_gib")
         changed = [f.name for f in fields(self) if f.name not in ("device", "sync_backend")
                    and getattr(self, f.name) != f.default]
         if self.device == "local" and changed:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import ClassVar, Literal
 
-from mcore_rl.config import ConfigError
+from mcore_rl.config import ConfigError, require_above, require_at_least, require_in_range
 from mcore_rl.config.dtypes import DtypeName, normalize_dtype_fields
 from mcore_rl.config.seeds import USE_THE_RUN_SEED
 from mcore_rl.models.spec import ModelSpec
@@ -40,22 +40,13 @@ class OptimizerConfig:
     clip_grad: float = 1.0
 
     def __post_init__(self) -> None:
-        if not self.lr > 0:
-            raise ConfigError("lr", self.lr, "must be > 0")
-        if not 0 <= self.min_lr <= self.lr:
-            raise ConfigError("min_lr", self.min_lr, f"must be in [0, lr={self.lr}]")
-        for name in ("adam_beta1", "adam_beta2"):
-            if not 0 <= getattr(self, name) < 1:
-                raise ConfigError(name, getattr(self, name), "must be in [0, 1)")
-        for name in ("adam_eps", "weight_decay", "warmup_steps"):
-            if getattr(self, name) < 0:
-                raise ConfigError(name, getattr(self, name), "must be >= 0")
-        if not self.clip_grad > 0:
-            # megatron computes the grad norm only while clipping; the step reports it.
-            raise ConfigError("clip_grad", self.clip_grad,
-                              "must be > 0 (a large value effectively turns clipping off)")
-        if self.decay_steps < 1:
-            raise ConfigError("decay_steps", self.decay_steps, "must be >= 1")
+        require_above(self, 0, "lr")
+        require_in_range(self, 0, "lr", "min_lr")
+        require_in_range(self, 0, 1, "adam_beta1", "adam_beta2", high_open=True)
+        require_at_least(self, 0, "adam_eps", "weight_decay", "warmup_steps")
+        # megatron computes the grad norm only while clipping; the step reports it.
+        require_above(self, 0, "clip_grad", note="a large value effectively turns clipping off")
+        require_at_least(self, 1, "decay_steps")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -108,16 +99,12 @@ class TrainConfig:
         normalize_dtype_fields(self, "dtype", allowed=("float32", "bfloat16"))
         if self.moe_dispatcher not in ("allgather", "alltoall"):
             raise ConfigError("moe_dispatcher", self.moe_dispatcher, "allgather or alltoall")
-        if self.moe_aux_loss_coeff < 0:
-            raise ConfigError("moe_aux_loss_coeff", self.moe_aux_loss_coeff, "must be >= 0")
-        if self.num_micro_batches < 1:
-            raise ConfigError("num_micro_batches", self.num_micro_batches, "must be >= 1")
-        for name in ("micro_batch_size", "seq_len"):
-            if getattr(self, name) is not None and getattr(self, name) < 1:
-                raise ConfigError(name, getattr(self, name), "must be null (derived) or >= 1")
-        if self.forward_micro_batch_size is not None and self.forward_micro_batch_size < 1:
-            raise ConfigError("forward_micro_batch_size", self.forward_micro_batch_size,
-                              "must be null or >= 1")
+        require_at_least(self, 0, "moe_aux_loss_coeff")
+        require_at_least(self, 1, "num_micro_batches")
+        require_at_least(self, 1, "micro_batch_size", "seq_len", optional=True,
+                         problem="must be null (derived) or >= 1")
+        require_at_least(self, 1, "forward_micro_batch_size", optional=True,
+                         problem="must be null or >= 1")
         budget = self.max_tokens_per_micro_batch
         if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int)
                                    or budget < (self.seq_len or 1)):

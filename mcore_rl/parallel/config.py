@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mcore_rl.config import ConfigError
+from mcore_rl.config import ConfigError, require_at_least
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -40,14 +40,11 @@ class ParallelConfig:
     etp: int | None = None
 
     def __post_init__(self) -> None:
-        for name in ("tp", "pp", "dp", "ep"):
-            if getattr(self, name) < 1:
-                raise ConfigError(name, getattr(self, name), "must be >= 1")
+        require_at_least(self, 1, "tp", "pp", "dp", "ep")
         if self.vpp is not None and (self.vpp < 2 or self.pp < 2):
             raise ConfigError("vpp", self.vpp, "virtual pipeline needs vpp >= 2 and pp >= 2 "
                                                "(use null to turn it off)")
-        if self.etp is not None and self.etp < 1:
-            raise ConfigError("etp", self.etp, "must be >= 1 (or null: the same as tp)")
+        require_at_least(self, 1, "etp", optional=True, note="or null: the same as tp")
         if (self.tp * self.dp) % (self.expert_tp * self.ep):
             raise ConfigError("ep", self.ep, f"etp * ep = {self.expert_tp}*{self.ep} must divide "
                                              f"tp * dp = {self.tp}*{self.dp} (the expert grid "
@@ -61,9 +58,7 @@ class ParallelConfig:
                                   "uneven stages need pp >= 2")
             if self.vpp is not None:
                 raise ConfigError("vpp", self.vpp, "uneven stages and vpp cannot be combined")
-            for name, value in zip(("first_stage_layers", "last_stage_layers"), uneven):
-                if value is not None and value < 1:
-                    raise ConfigError(name, value, "must be >= 1")
+            require_at_least(self, 1, "first_stage_layers", "last_stage_layers", optional=True)
 
     def check_model(self, spec) -> None:
         """Raise ConfigError unless a model of `spec`'s shape splits on this grid: tp divides

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar
 
-from mcore_rl.config import ConfigError
+from mcore_rl.config import ConfigError, require_at_least
 from mcore_rl.config.dtypes import DtypeName, normalize_dtype_fields
 from mcore_rl.parallel import ParallelConfig
 
@@ -51,8 +51,7 @@ class RewardModelConfig:
         if self.enabled and not self.hf_dir:
             raise ConfigError("hf_dir", self.hf_dir, "the reward model is enabled: set the HF "
                                                      "*ForSequenceClassification directory")
-        if self.micro_batch_size < 1:
-            raise ConfigError("micro_batch_size", self.micro_batch_size, "must be >= 1")
+        require_at_least(self, 1, "micro_batch_size")
         normalize_dtype_fields(self, "dtype", allowed=("float32", "bfloat16"))
         if not math.isfinite(self.coeff):
             raise ConfigError("coeff", self.coeff, "must be a finite number")

@@ -11,7 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar, Literal
 
-from mcore_rl.config import ConfigError
+from mcore_rl.config import (ConfigError, require_above, require_at_least, require_in_range,
+                             require_one_of)
 from mcore_rl.config.dtypes import DtypeName, normalize_dtype_fields
 from mcore_rl.config.seeds import USE_THE_RUN_SEED
 
@@ -136,23 +137,17 @@ class RolloutConfig:
         return {"sync": 0, "one_step": 1}.get(self.mode, self.max_staleness)
 
     def __post_init__(self) -> None:
-        for name in ("tp", "engines"):
-            if getattr(self, name) < 1:
-                raise ConfigError(name, getattr(self, name), "must be >= 1")
-        if self.max_model_len is not None and self.max_model_len < 1:
-            raise ConfigError("max_model_len", self.max_model_len,
-                              "must be null (derived by the RL run) or >= 1")
-        if self.startup_engines is not None and not 1 <= self.startup_engines <= self.engines:
-            raise ConfigError("startup_engines", self.startup_engines,
-                              f"must be in [1, engines={self.engines}] (or null: all engines "
-                              "start with the run)")
+        require_at_least(self, 1, "tp", "engines")
+        require_at_least(self, 1, "max_model_len", optional=True,
+                         problem="must be null (derived by the RL run) or >= 1")
+        require_in_range(self, 1, "engines", "startup_engines", optional=True,
+                         note="or null: all engines start with the run")
         if self.late_engines and self.partial_chunk_tokens is not None:
             raise ConfigError("startup_engines", self.startup_engines,
                               f"{self.late_engines} engine(s) would join mid-run, but partial "
                               "rollouts (partial_chunk_tokens) keep generations in flight in the "
                               "engines across syncs: set startup_engines to null")
-        if self.max_num_seqs is not None and self.max_num_seqs < 1:
-            raise ConfigError("max_num_seqs", self.max_num_seqs, "must be >= 1 (or null)")
+        require_at_least(self, 1, "max_num_seqs", optional=True, note="or null")
         if self.max_num_batched_tokens is not None and self.max_model_len is not None and \
                 self.max_num_batched_tokens < self.max_model_len:
             raise ConfigError("max_num_batched_tokens", self.max_num_batched_tokens,
@@ -161,22 +156,15 @@ class RolloutConfig:
             raise ConfigError("block_size", self.block_size,
                               "must be a multiple of 16 (CPU prefers multiples of 32)")
         normalize_dtype_fields(self, "dtype")
-        if not 0.0 < self.gpu_memory_utilization <= 1.0:
-            raise ConfigError("gpu_memory_utilization", self.gpu_memory_utilization,
-                              "must be in (0, 1]")
-        if not self.kv_cache_gib > 0:
-            raise ConfigError("kv_cache_gib", self.kv_cache_gib, "must be > 0")
-        if self.sleep_level not in (1, 2):
-            raise ConfigError("sleep_level", self.sleep_level, "allowed values: 1, 2")
-        if self.cpus_per_engine < 0:
-            raise ConfigError("cpus_per_engine", self.cpus_per_engine, "must be >= 0")
-        if self.mode not in ("sync", "one_step", "async"):
-            raise ConfigError("mode", self.mode, "allowed values: sync, one_step, async")
-        if self.max_staleness < 0:
-            raise ConfigError("max_staleness", self.max_staleness, "must be >= 0")
-        if self.partial_chunk_tokens is not None and self.partial_chunk_tokens < 1:
-            raise ConfigError("partial_chunk_tokens", self.partial_chunk_tokens,
-                              "must be >= 1 new tokens per chunk (or null: no partial rollouts)")
+        require_in_range(self, 0, 1, "gpu_memory_utilization", low_open=True)
+        require_above(self, 0, "kv_cache_gib")
+        require_one_of(self, "sleep_level", (1, 2))
+        require_at_least(self, 0, "cpus_per_engine")
+        require_one_of(self, "mode", ("sync", "one_step", "async"))
+        require_at_least(self, 0, "max_staleness")
+        require_at_least(self, 1, "partial_chunk_tokens", optional=True,
+                         problem="must be >= 1 new tokens per chunk (or null: no partial "
+                                 "rollouts)")
         if self.partial_chunk_tokens is not None and self.mode == "sync":
             raise ConfigError("partial_chunk_tokens", self.partial_chunk_tokens,
                               "partial rollouts continue generations across weight syncs; "
@@ -191,8 +179,7 @@ class RolloutConfig:
             raise ConfigError("mode", self.mode, "overlaps generation with training, so the "
                               "engines cannot sleep during training (enable_sleep=true): use "
                               "one or the other")
-        if self.cpu_threads is not None and self.cpu_threads < 1:
-            raise ConfigError("cpu_threads", self.cpu_threads, "must be >= 1 (or null)")
+        require_at_least(self, 1, "cpu_threads", optional=True, note="or null")
         if self.cpu_threads_bind and self.cpu_threads_bind not in ("auto", "nobind") \
                 and len(self.cpu_threads_bind.split("|")) != self.tp:
             raise ConfigError("cpu_threads_bind", self.cpu_threads_bind,
@@ -223,21 +210,13 @@ class SamplingConfig:
     logprobs: bool = True
 
     def __post_init__(self) -> None:
-        if self.temperature < 0:
-            raise ConfigError("temperature", self.temperature, "must be >= 0 (0 = greedy)")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ConfigError("top_p", self.top_p, "must be in (0, 1]")
-        if self.top_k < 0:
-            raise ConfigError("top_k", self.top_k, "must be >= 0 (0 = off)")
-        if self.max_tokens < 1:
-            raise ConfigError("max_tokens", self.max_tokens, "must be >= 1")
-        if not 0 <= self.min_tokens <= self.max_tokens:
-            raise ConfigError("min_tokens", self.min_tokens,
-                              f"must be in [0, max_tokens={self.max_tokens}]")
-        if self.n < 1:
-            raise ConfigError("n", self.n, "must be >= 1")
-        if self.seed is not None and self.seed < 0:
-            raise ConfigError("seed", self.seed, "must be >= 0 (or null)")
+        require_at_least(self, 0, "temperature", note="0 = greedy")
+        require_in_range(self, 0, 1, "top_p", low_open=True)
+        require_at_least(self, 0, "top_k", note="0 = off")
+        require_at_least(self, 1, "max_tokens")
+        require_in_range(self, 0, "max_tokens", "min_tokens")
+        require_at_least(self, 1, "n")
+        require_at_least(self, 0, "seed", optional=True, note="or null")
         if any(t < 0 for t in self.stop_token_ids):
             raise ConfigError("stop_token_ids", self.stop_token_ids, "ids must be >= 0")
 

@@ -10,7 +10,8 @@ from pathlib import Path
 from typing import ClassVar, Literal
 
 from mcore_rl.algorithms import AlgorithmConfig
-from mcore_rl.config import ConfigError, raise_errors, run_checks
+from mcore_rl.config import (ConfigError, raise_errors, require_above, require_at_least,
+                             require_in_range, run_checks)
 from mcore_rl.config.dtypes import DtypeName, normalize_dtype_fields
 from mcore_rl.config.seeds import USE_THE_RUN_SEED
 from mcore_rl.launch.cluster import ClusterConfig
@@ -77,11 +78,9 @@ class ModelConfig:
                                                      f">= 32 (vLLM CPU attention), heads={self.heads}")
         if self.heads % self.kv_heads:
             raise ConfigError("kv_heads", self.kv_heads, f"must divide heads={self.heads}")
-        if self.experts < 0:
-            raise ConfigError("experts", self.experts, "must be >= 0 (0: a dense model)")
-        if self.experts and not 1 <= self.experts_per_token <= self.experts:
-            raise ConfigError("experts_per_token", self.experts_per_token,
-                              f"must be in [1, experts={self.experts}]")
+        require_at_least(self, 0, "experts", note="0: a dense model")
+        if self.experts:
+            require_in_range(self, 1, "experts", "experts_per_token")
 
     def demo_spec(self) -> ModelSpec:
         """Shapes of the locally built demo model (hf_dir null)."""
@@ -137,14 +136,9 @@ class WarmupConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
 
     def __post_init__(self) -> None:
-        if not 0 <= self.label_noise < 1:
-            raise ConfigError("label_noise", self.label_noise, "must be in [0, 1)")
-        if self.max_steps < 0:
-            raise ConfigError("max_steps", self.max_steps, "must be >= 0")
-        if self.eval_temperature < 0:
-            raise ConfigError("eval_temperature", self.eval_temperature, "must be >= 0")
-        if self.batch_size < 1:
-            raise ConfigError("batch_size", self.batch_size, "must be >= 1")
+        require_in_range(self, 0, 1, "label_noise", high_open=True)
+        require_at_least(self, 0, "max_steps", "eval_temperature")
+        require_at_least(self, 1, "batch_size")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -206,10 +200,8 @@ class DeadlineConfig:
     reward_model_s: float = 600.0
 
     def __post_init__(self) -> None:
-        for name in ("startup_s", "gen_s", "train_s", "sync_s", "engine_call_s",
-                     "reward_model_s"):
-            if not getattr(self, name) > 0:
-                raise ConfigError(name, getattr(self, name), "must be > 0")
+        require_above(self, 0, "startup_s", "gen_s", "train_s", "sync_s", "engine_call_s",
+                      "reward_model_s")
 
     def for_phase(self, phase: str) -> float:
         if phase in ("startup", "sync-join", "setup", "shutdown"):
@@ -436,9 +428,7 @@ class RLConfig:
         """min_new_tokens within [0, max_new_tokens], on single-turn whole-batch generation
         (a turn or a partial-rollout chunk has its own, smaller cap)."""
         n = self.min_new_tokens
-        if not 0 <= n <= self.max_new_tokens:
-            raise ConfigError("min_new_tokens", n,
-                              f"must be in [0, max_new_tokens={self.max_new_tokens}]")
+        require_in_range(self, 0, "max_new_tokens", "min_new_tokens")
         if n and self.task.multi_turn:
             raise ConfigError("min_new_tokens", n, f"task.kind={self.task.kind} is multi-turn "
                               "(a turn's cap is what the episode has left): set 0")
@@ -455,10 +445,8 @@ class RLConfig:
             normalize_dtype_fields(self, "sync_dtype", allowed=("float32", "bfloat16"))
 
     def _check_counts(self) -> None:
-        for name in ("steps", "prompts_per_step", "samples_per_prompt", "updates_per_batch",
-                     "max_prompt_tokens", "max_new_tokens"):
-            if getattr(self, name) < 1:
-                raise ConfigError(name, getattr(self, name), "must be >= 1")
+        require_at_least(self, 1, "steps", "prompts_per_step", "samples_per_prompt",
+                         "updates_per_batch", "max_prompt_tokens", "max_new_tokens")
 
     def _check_off_policy_steps(self) -> None:
         if self.off_policy_steps is not None:

@@ -25,7 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
-from mcore_rl.config import ConfigError
+from mcore_rl.config import require_at_least
 
 if TYPE_CHECKING:  # tasks.config imports this module: no import of tasks at load time
     from mcore_rl.tasks.base import Example, RewardFn
@@ -47,11 +47,8 @@ class EpisodeConfig:
     max_total_tokens: int = 64
 
     def __post_init__(self) -> None:
-        if self.max_turns < 1:
-            raise ConfigError("max_turns", self.max_turns, "must be >= 1")
-        if self.max_total_tokens < 2:
-            raise ConfigError("max_total_tokens", self.max_total_tokens,
-                              "must be >= 2 (a prompt token and a model token)")
+        require_at_least(self, 1, "max_turns")
+        require_at_least(self, 2, "max_total_tokens", note="a prompt token and a model token")
 
 
 @dataclass(frozen=True)

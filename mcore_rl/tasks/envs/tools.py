@@ -47,13 +47,10 @@ class CalculatorLimits:
     time_limit_s: float = 0.05
 
     def __post_init__(self) -> None:
-        from mcore_rl.config import ConfigError
+        from mcore_rl.config import require_above, require_at_least
 
-        for name in ("max_input_chars", "max_nodes", "max_exponent", "max_digits"):
-            if getattr(self, name) < 1:
-                raise ConfigError(name, getattr(self, name), "must be >= 1")
-        if not self.time_limit_s > 0:
-            raise ConfigError("time_limit_s", self.time_limit_s, "must be > 0")
+        require_at_least(self, 1, "max_input_chars", "max_nodes", "max_exponent", "max_digits")
+        require_above(self, 0, "time_limit_s")
 
 
 _BINARY = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
