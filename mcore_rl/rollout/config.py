@@ -68,7 +68,7 @@ class RolloutConfig:
     max_staleness: async only — k: a batch generated on weight version v trains at a version
         <= v + k (>= 0; one_step is 1, sync 0).
     partial_chunk_tokens: one_step / async only — partial rollouts
-        (`mcore_rl.rollout.partial_pipeline`): a batch ahead is generated at most this many new
+        (`mcore_rl.rollout.partial`): a batch ahead is generated at most this many new
         tokens per weight version, the weights are synced between chunks, and an unfinished
         sample continues from its prefix on the new weights; every token records the version
         that produced it. null (default): each batch is generated whole on one version.
