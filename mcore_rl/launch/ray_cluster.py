@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Mapping, Sequence
 
+from mcore_rl.launch.exit_codes import STOP_EXIT_CODE, WORKER_FAILED_EXIT_CODE
 from mcore_rl.launch.slurm import expand_nodelist, node_address, this_node_address
 
 WORKER_STEP_NAME = "mcore-rl-ray-workers"
@@ -355,12 +356,10 @@ def run_with_cluster(cfg: RayClusterConfig, argv: Sequence[str],
                 return code if isinstance(code, int) else (0 if code is None else 1)
     except RayClusterError as err:
         print(f"mcore-rl ray-run: {err}", file=sys.stderr, flush=True)
-        return 3
+        return WORKER_FAILED_EXIT_CODE
     except Terminated as stop:
         name = signal.Signals(stop.signum).name
         if stop.signum == signal.SIGUSR1:  # before training started: nothing to save, requeue
-            from mcore_rl.launch.exit_codes import STOP_EXIT_CODE
-
             print(f"mcore-rl ray-run: {name} before the run started; Ray stopped (exit "
                   f"{STOP_EXIT_CODE}: requeue)", file=sys.stderr, flush=True)
             return STOP_EXIT_CODE

@@ -1,6 +1,15 @@
-"""The driver's Ray: a one-machine instance bound to loopback, or the cluster RAY_ADDRESS
-names; started with its processes shielded from the process group's SIGTERM and stopped
-without Ray's per-process SIGTERM grace (see mcore_rl/run/signals.py for why)."""
+"""The driver's Ray: a one-machine instance bound to loopback, or the cluster RAY_ADDRESS names.
+
+A shell's or batch system's signal to the process group also reaches the local Ray's
+gcs_server, raylet and helper processes, which ray.init starts in the driver's group (its actor
+workers get their own groups): the GCS would die at once and the run could not even write its
+checkpoint (mcore_rl/run/signals.py stops a run cleanly on SIGTERM). `start_local_ray`
+therefore starts them with SIGTERM blocked (inherited through fork/exec, as Ray itself does for
+SIGINT): they live until the run shuts them down. `stop_local_ray` then stops them with SIGKILL
+at once: ray.shutdown's SIGTERM cannot reach them, and Ray would wait a second on each before
+it sends SIGKILL itself. Under SLURM, Ray runs as `ray start --block` and the batch script
+forwards signals only to the driver (train.sbatch).
+"""
 
 from __future__ import annotations
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from mcore_rl.models.spec import LAYER_SPECS, LayerSpec, check_layer_spec  # noqa: F401  (re-exported)
+from mcore_rl.models.spec import LayerSpec, check_layer_spec
 
 # A box is a half-open range per tensor dim: ((start0, stop0), (start1, stop1), ...).
 Box = tuple[tuple[int, int], ...]

@@ -7,19 +7,15 @@ writes into a temporary directory and renames it once every rank is done, so a c
 leaves a half-written checkpoint under the final name.
 
 Keys are the modules' own (`sharded_state_dict`), so they follow the run's layer spec; the
-controller records that spec in `controller.json`, and `check_resume` refuses a checkpoint of
-the other spec before any worker starts.
+controller records that spec in `controller.json`, and `rl.checkpoint_dirs.check_resume`
+refuses a checkpoint of the other spec before any worker starts.
 """
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
-
-from mcore_rl.config import ConfigError
-
 
 from mcore_rl.megatron.dist_checkpoint import load_chunk_states, megatron_sharded_state_dict
 

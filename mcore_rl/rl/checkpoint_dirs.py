@@ -21,10 +21,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mcore_rl.conversion.output import fsync_dir, fsync_tree
-from mcore_rl.config import ConfigError
+from mcore_rl.config import ConfigError, require_above, require_at_least
 
 MARKER = "complete.json"
 _PREFIX = "step_"
+# the controller's record in each step directory: its step and the run's layer spec
+CONTROLLER_FILE = "controller.json"
+# What checkpoints written before the field existed were saved with (CPU runs only).
+LEGACY_LAYER_SPEC = "local"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -43,11 +47,8 @@ class CheckpointConfig:
     inject_error: str | None = None
 
     def __post_init__(self) -> None:
-        for name in ("every", "keep_last"):
-            if getattr(self, name) < 0:
-                raise ConfigError(name, getattr(self, name), "must be >= 0")
-        if self.stop_grace_s <= 0:
-            raise ConfigError("stop_grace_s", self.stop_grace_s, "must be > 0")
+        require_at_least(self, 0, "every", "keep_last")
+        require_above(self, 0, "stop_grace_s")
         if self.inject_error is not None and not (
                 self.inject_error.startswith("save@step")
                 and self.inject_error.removeprefix("save@step").isdigit()):
@@ -215,13 +216,6 @@ def truncate_metrics(run_dir: Path, last_step: int) -> None:
     tmp = path.with_name(".metrics.jsonl.tmp")
     tmp.write_text("".join(line + "\n" for line in kept))
     os.replace(tmp, path)
-
-
-CONTROLLER_FILE = "controller.json"
-
-
-# What checkpoints written before the field existed were saved with (CPU runs only).
-LEGACY_LAYER_SPEC = "local"
 
 
 def checkpoint_dir(path: str | Path) -> Path:

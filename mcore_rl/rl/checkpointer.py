@@ -35,8 +35,8 @@ class Checkpointing:
                 # the batches ahead were generated on weights this checkpoint no longer holds;
                 # saved with it (and their versions), a resumed run trains on exactly them
                 torch.save(self.pipeline.state(), tmp / "rollout_buffer.pt")
-            (tmp / "controller.json").write_text(json.dumps({"step": step,
-                                                             "layer_spec": self.run.layer_spec}))
+            record = {"step": step, "layer_spec": self.run.layer_spec}
+            (tmp / checkpoint_dirs.CONTROLLER_FILE).write_text(json.dumps(record))
         return checkpoint_dirs.publish(tmp, final, step)
 
     def load_checkpoint(self, path: Path) -> int:
@@ -44,9 +44,9 @@ class Checkpointing:
         checkpoints root, its newest); returns the step it was taken after. The data position
         is the step: prompts and sampling seeds derive from it."""
         path = checkpoint_dirs.resolve_checkpoint(Path(path))
-        meta = path / "controller.json"
+        meta = path / checkpoint_dirs.CONTROLLER_FILE
         if not meta.is_file():
-            raise FileNotFoundError(f"{path}: not a checkpoint (no controller.json)")
+            raise FileNotFoundError(f"{path}: not a checkpoint (no {meta.name})")
         self.call_actors("load_checkpoint", str(path), phase="load")
         if self.pipeline is not None and (path / "rollout_buffer.pt").is_file():
             self.pipeline.load_state(torch.load(path / "rollout_buffer.pt", weights_only=True),

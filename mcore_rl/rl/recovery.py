@@ -42,7 +42,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from mcore_rl.config import ConfigError
+from mcore_rl.config import ConfigError, require_at_least
 from mcore_rl.rl.checkpoint_dirs import CheckpointWriteError
 
 INJECT_PHASES = ("gen", "sync")
@@ -81,13 +81,8 @@ class RecoveryConfig:
     inject_kill: str | None = None
 
     def __post_init__(self) -> None:
-        if self.max_engine_restarts < 0:
-            raise ConfigError("max_engine_restarts", self.max_engine_restarts, "must be >= 0")
-        if not self.restart_backoff_s >= 0:
-            raise ConfigError("restart_backoff_s", self.restart_backoff_s, "must be >= 0")
-        if not self.restart_backoff_max_s >= self.restart_backoff_s:
-            raise ConfigError("restart_backoff_max_s", self.restart_backoff_max_s,
-                              f"must be >= restart_backoff_s={self.restart_backoff_s}")
+        require_at_least(self, 0, "max_engine_restarts", "restart_backoff_s")
+        require_at_least(self, "restart_backoff_s", "restart_backoff_max_s")
         self.injected_kills()  # raises on a malformed inject_kill
 
     def injected_kills(self) -> set[tuple[str, int]]:

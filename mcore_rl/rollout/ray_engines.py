@@ -27,7 +27,7 @@ from typing import Any, Sequence
 import torch
 
 from mcore_rl.config import ConfigError
-from mcore_rl.launch.logs import configure_process_logs, verbose
+from mcore_rl.launch.logs import configure_process_logs
 from mcore_rl.launch.watchdog import arm_stack_dump, maybe_stall
 from mcore_rl.rollout.config import RolloutConfig, SamplingConfig
 from mcore_rl.rollout.engine import Completion, RolloutEngine

@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import time
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal

@@ -11,21 +11,13 @@ exits with `STOP_TIMEOUT_EXIT_CODE` without a checkpoint rather than hang until 
 Ray's driver installs its own SIGTERM handler (a native crash handler that aborts, exit 134),
 so `install()` must run after Ray is up; it is called again then.
 
-Who else gets the signal: `kill PID` reaches the driver only. A shell's or batch system's
-signal to the process group also reaches the local Ray's gcs_server, raylet and helper
-processes, which ray.init starts in the driver's group (its actor workers get their own
-groups) — the GCS then dies at once and the run cannot even checkpoint (measured, Ray 2.60).
-`start_local_ray` therefore starts them with SIGTERM blocked (inherited through fork/exec, as
-Ray itself does for SIGINT): they live until the run shuts them down. `stop_local_ray` then
-stops them with SIGKILL at once: ray.shutdown's SIGTERM cannot reach them, and Ray waits a
-second on each (5.4 s of every demo's shutdown, measured) before it sends SIGKILL itself.
-Under SLURM, Ray runs as `ray start --block` and the batch script forwards only to the driver
-(train.sbatch).
+Who else gets the signal: `kill PID` reaches the driver only. What a signal to the whole
+process group does to the local Ray's processes, and why they start with SIGTERM blocked, is
+in mcore_rl/launch/ray_runtime.py.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
 import sys

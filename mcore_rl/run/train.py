@@ -334,7 +334,8 @@ def _run(args) -> int:
     from mcore_rl.run.preflight import PreflightFailed
 
     from mcore_rl.rl.checkpoint_dirs import CheckpointNotFound, CheckpointWriteError
-    from mcore_rl.launch.exit_codes import STOP_EXIT_CODE
+    from mcore_rl.launch.exit_codes import (CHECKPOINT_WRITE_EXIT_CODE, STOP_EXIT_CODE,
+                                            WORKER_FAILED_EXIT_CODE)
     from mcore_rl.run.signals import RunStopped
     from mcore_rl.rl.recovery import EngineFailed
 
@@ -347,14 +348,14 @@ def _run(args) -> int:
         return refuse(f"--resume: {err}")
     except CheckpointWriteError as err:
         print(f"mcore-rl {args.command}: checkpoint error: {err}")
-        return 4
+        return CHECKPOINT_WRITE_EXIT_CODE
     except ConfigError as err:  # e.g. model.hf_dir that is not a checkpoint
         return refuse(f"config error: {err}")
     except PreflightFailed as err:
         return refuse(str(err))
     except (WatchdogTimeout, WorkerDied, EngineFailed) as err:  # a hang or a dead worker
         print(f"mcore-rl {args.command}: {err}")
-        return 3
+        return WORKER_FAILED_EXIT_CODE
     return 0
 
 
