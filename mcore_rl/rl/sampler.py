@@ -100,7 +100,7 @@ class Generation:
         """(prompt ids, completions per prompt): one generation call, or the episodes of a
         multi-turn task (one batched call per turn, environments between turns)."""
         if self.multi_turn is not None:
-            return self.multi_turn.rollout(self._generate, examples, self.encode, sampling)
+            return self.multi_turn.rollout(self.generate, examples, self.encode, sampling)
         prompts = self.encode_all([e.prompt for e in examples])
         return prompts, self.generate(prompts, sampling)
 
