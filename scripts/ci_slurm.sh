@@ -23,7 +23,10 @@
 #   SLURM_CI_START_TIMEOUT=60           seconds to wait for the node to become idle
 #
 # Settings follow shared/FINDINGS.md ("SLURM"): root, no systemd, no cgroups
-# (proctrack/linuxproc, task/none); MinJobAge=6 so that `sbatch --wait` returns promptly;
+# (proctrack/linuxproc, task/none); MinJobAge=15: `sbatch --wait` polls the job after 2 s and
+# then every 8 s while MinJobAge/2 <= 8 (every 32 s with the default 300), and a finished job
+# whose record slurmctld purged between two polls makes it return 0 whatever the job's exit
+# code, so MinJobAge must outlast one poll interval;
 # cred_expire=10 and sched_interval=2 so that a requeued job starts again within seconds.
 set -euo pipefail
 
@@ -103,7 +106,7 @@ SelectType=select/cons_tres
 SelectTypeParameters=CR_Core
 ReturnToService=2
 MailProg=/bin/true
-MinJobAge=6
+MinJobAge=15
 KillWait=10
 # a requeued job may start again once its credential expired (default 120 s) and the
 # scheduler next runs (default every 60 s): short, so a requeue test takes seconds
