@@ -23,6 +23,8 @@ from functools import lru_cache
 from importlib import resources
 from typing import Callable
 
+from mcore_rl.config import require_above, require_at_least
+
 ToolFn = Callable[[str], str]
 
 
@@ -47,8 +49,6 @@ class CalculatorLimits:
     time_limit_s: float = 0.05
 
     def __post_init__(self) -> None:
-        from mcore_rl.config import require_above, require_at_least
-
         require_at_least(self, 1, "max_input_chars", "max_nodes", "max_exponent", "max_digits")
         require_above(self, 0, "time_limit_s")
 
