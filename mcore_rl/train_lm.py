@@ -145,7 +145,8 @@ def run_rank(rank: int, world: int, cfg: LMRunConfig) -> list[dict]:
     device = rank_device(rank)
     if device is not None:  # before NCCL or megatron allocate anything on the device
         torch.cuda.set_device(device)
-    groups = init_training_groups(cfg.parallel)
+    groups = init_training_groups(cfg.parallel,
+                                  device="cpu" if device is None else f"cuda:{device}")
     trainer = setup_trainer(get_preset(cfg.model), groups, cfg.train,
                             seed=derive_seed(cfg.seed, "train"))
     on = next(trainer.unwrapped()[0].parameters()).device  # where the batches run

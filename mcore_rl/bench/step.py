@@ -221,11 +221,11 @@ def step_bench_config(config: str | None, overrides: Sequence[str], *,
     return replace(cfg, config=config, overrides=rest)
 
 
-def _controller_cls():
-    from mcore_rl.rl.controller import RLController
+def _measured_sampler_cls():
+    from mcore_rl.rl.sampler import Sampler
 
-    class MeasuredController(RLController):
-        """RLController that records the lengths of the sequences it generates (for the
+    class MeasuredSampler(Sampler):
+        """The run's Sampler, recording the lengths of the sequences it generates (for the
         generation FLOPs and the token count) — nothing else changes."""
 
         def generate(self, prompts, sampling):
@@ -241,7 +241,7 @@ def _controller_cls():
             self.step_prompts = sorted({e.prompt for e in rollouts.examples})
             return rollouts
 
-    return MeasuredController
+    return MeasuredSampler
 
 
 def run_step_bench(cfg: StepBenchConfig) -> dict:
@@ -280,6 +280,7 @@ def _measure(cfg: StepBenchConfig) -> dict:
     locally), run the supervised warm-up if warmup.max_steps > 0, then unmeasured + measured
     RL steps; with `baseline`, TRL from the same starting weights. Returns the report."""
     from mcore_rl.launch.startup_gc import gc_paused
+    from mcore_rl.rl.controller import RLController
     from mcore_rl.run.loop import run_steps
     from mcore_rl.run.train import model_dir_while_ray_starts
 
@@ -289,7 +290,8 @@ def _measure(cfg: StepBenchConfig) -> dict:
         with gc_paused():  # as the demo starts (launch/startup_gc.py)
             model_dir = model_dir_while_ray_starts(rl, Path(scratch))
             spec = ModelSpec.from_hf_dir(model_dir)
-            controller = _controller_cls()(rl, model_dir, Path(scratch) / "run")
+            controller = RLController(rl, model_dir, Path(scratch) / "run",
+                                      sampler_cls=_measured_sampler_cls())
         try:
             startup_s = time.perf_counter() - start
             startup_cpu = cpu_by_role()  # the CPU work behind it, in every process started
@@ -301,10 +303,11 @@ def _measure(cfg: StepBenchConfig) -> dict:
             steps, prompts, lens = [], [], []
 
             def record(step: int, metrics: dict) -> None:
-                prompts.append(controller.step_prompts)
+                measured = controller.sampler
+                prompts.append(measured.step_prompts)
                 if step > cfg.warmup_steps:
-                    steps.append((metrics, list(controller.gen_seq_lens)))
-                    lens.append(controller.gen_lens)
+                    steps.append((metrics, list(measured.gen_seq_lens)))
+                    lens.append(measured.gen_lens)
 
             run_steps(controller, range(1, cfg.warmup_steps + cfg.repeats + 1), record)
         finally:

@@ -7,17 +7,16 @@ All monkeypatching of upstream code lives here and nowhere else. See `megatron_c
 from __future__ import annotations
 
 
-def apply_cpu_compat() -> list[str]:
-    """Make megatron-core usable without CUDA; a no-op when CUDA is available.
+def apply_cpu_compat(device: str = "cpu") -> list[str]:
+    """Make megatron-core usable without CUDA, for ranks computing on `device` (the run
+    plan's: `ParallelGroups.device`); a no-op for a CUDA device.
 
     Idempotent: call it at every entry point that builds or runs megatron modules. Returns the
     shims installed by this call (empty when already applied or on GPU). The device rewrite is
     per thread (torch function modes are thread-local): call it in the thread that runs
     megatron.
     """
-    import torch  # not at module level: `import mcore_rl` stays free of torch
-
-    if torch.cuda.is_available():
+    if str(device).startswith("cuda"):
         return []
     from mcore_rl.compat import megatron_cpu
 

@@ -15,7 +15,7 @@ import os
 import signal
 import time
 from pathlib import Path
-from typing import Mapping
+from typing import Callable, Mapping
 
 STACK_SIGNAL = signal.SIGUSR1
 
@@ -92,6 +92,30 @@ def dump_stacks(pids: Mapping[str, int], stack_dir: str | Path,
             break
         time.sleep(0.1)
     return [p for p in paths.values() if p.is_file() and p.stat().st_size]
+
+
+class Watchdog:
+    """The run's processes, by name, as they start: a missed deadline (`timeout`) makes
+    every one of them dump its stacks and names the phase and who is late. Usable from the
+    first worker on: whatever has not started yet is simply not named."""
+
+    def __init__(self, stack_dir: str | Path):
+        self.stack_dir = Path(stack_dir)
+        self._groups: list[tuple[str, Callable[[], list[int]]]] = []
+
+    def watch(self, prefix: str, pids: Callable[[], list[int]]) -> None:
+        """A group of workers named `<prefix><i>`; `pids()` is asked at each timeout (an
+        engine restarted since has a new pid)."""
+        self._groups.append((prefix, pids))
+
+    def timeout(self, phase: str, deadline_s: float, late: list[str],
+                detail: str = "") -> WatchdogTimeout:
+        """Every watched worker dumps its stacks; the error names the phase, the late
+        workers and the dump files."""
+        pids = {f"{prefix}{i}": pid for prefix, group in self._groups
+                for i, pid in enumerate(group())}
+        return WatchdogTimeout(phase, deadline_s, late, dump_stacks(pids, self.stack_dir),
+                               detail)
 
 
 def maybe_stall(phase: str, worker: str, inject: str | None) -> None:

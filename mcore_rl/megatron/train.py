@@ -93,14 +93,15 @@ def setup_trainer(spec: ModelSpec, groups: ParallelGroups, train: TrainConfig,
     """Build model chunks with megatron's `layer_spec` (the run's `ResolvedRun.layer_spec`),
     load weights (`load_weights(chunks)`, before the optimizer copies them into its fp32 main
     params), wrap them in DDP and build the optimizer."""
-    apply_cpu_compat()
+    apply_cpu_compat(groups.device)
     parallel = groups.config
     check_model_fits_parallel(spec, parallel, train)
     dtype = torch_dtype(train.dtype)
     config = transformer_config_from_spec(spec, parallel, params_dtype=dtype,
                                           recompute=train.recompute, layer_spec=layer_spec,
                                           moe=MoEOptions(train.moe_dispatcher,
-                                                         train.moe_aux_loss_coeff))
+                                                         train.moe_aux_loss_coeff),
+                                          device=groups.device)
     chunks = build_gpt_model(spec, parallel, groups, params_dtype=dtype, seed=seed,
                              config=config, layer_spec=layer_spec)
     if load_weights is not None:

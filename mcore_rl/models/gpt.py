@@ -47,7 +47,8 @@ def transformer_config_from_spec(spec: ModelSpec, parallel: ParallelConfig, *,
                                  calculate_per_token_loss: bool = True,
                                  recompute: str = "none",
                                  layer_spec: LayerSpec = "local",
-                                 moe: "MoEOptions | None" = None) -> TransformerConfig:
+                                 moe: "MoEOptions | None" = None,
+                                 device: str) -> TransformerConfig:
     """The TransformerConfig that reproduces the HF model of `spec` on the grid `parallel`.
 
     Llama-family decoder: pre-RMSNorm, SwiGLU MLP, GQA (num_query_groups = kv heads), rotary
@@ -67,7 +68,7 @@ def transformer_config_from_spec(spec: ModelSpec, parallel: ParallelConfig, *,
         raise ValueError(f"params_dtype={params_dtype}: only torch.float32 and torch.bfloat16")
     if recompute not in _RECOMPUTE:
         raise ValueError(f"recompute={recompute!r}: one of {', '.join(_RECOMPUTE)}")
-    on_cpu = not torch.cuda.is_available()
+    on_cpu = not device.startswith("cuda")  # the rank's device, as the run plan resolved it
     return TransformerConfig(
         transformer_impl=TRANSFORMER_IMPL[layer_spec],
         **_decoder_fields(spec, init_method_std),
@@ -277,10 +278,10 @@ def build_gpt_model(spec: ModelSpec, parallel: ParallelConfig, groups: ParallelG
     """
     # fails clearly (no TE) before anything is built
     transformer_layer_spec = _layer_spec(layer_spec, spec)
-    apply_cpu_compat()
+    apply_cpu_compat(groups.device)
     seed_rngs(seed, groups)
     config = config or transformer_config_from_spec(spec, parallel, params_dtype=params_dtype,
-                                                    layer_spec=layer_spec)
+                                                    layer_spec=layer_spec, device=groups.device)
     if config.transformer_impl != TRANSFORMER_IMPL[layer_spec]:
         raise LayerSpecError(f"layer_spec={layer_spec!r} but the given config was made for "
                              f"transformer_impl={config.transformer_impl!r} "

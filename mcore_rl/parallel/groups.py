@@ -29,9 +29,25 @@ class Axis(str, enum.Enum):
     EDP = "edp"   # expert data parallel: replicas of an expert (tp·dp / (etp·ep) per stage)
 
 
+def backend_for(device: str) -> str:
+    """The training world's backend for ranks computing on `device`: NCCL for CUDA, gloo
+    for the host — chosen here and nowhere else."""
+    return "nccl" if str(device).startswith("cuda") else "gloo"
+
+
 def default_backend() -> str:
-    """gloo on CPU, NCCL on GPU — chosen here and nowhere else."""
-    return "nccl" if torch.cuda.is_available() else "gloo"
+    """The backend of a program that has no resolved run (train-lm, ranks spawned by
+    torchrun or the test helper): NCCL where CUDA is, gloo elsewhere. An RL run's workers
+    are handed their device by the run plan instead (`join_worker_world`)."""
+    return backend_for("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def _device_of_world() -> str:
+    """The device of this rank in a world joined without a resolved run: the current CUDA
+    device under NCCL, else the host."""
+    if dist.get_backend() == "nccl":
+        return f"cuda:{torch.cuda.current_device()}"
+    return "cpu"
 
 
 @dataclass(frozen=True)
@@ -41,6 +57,8 @@ class ParallelGroups:
     `megatron` is megatron-core's `ProcessGroupCollection` for the same groups, for the
     megatron modules that take a `pg_collection` argument. `expert_coords`: this rank's place
     on the expert grid ({"etp", "ep", "edp", "pp"}, see ParallelConfig.expert_coords_of).
+    `device`: the torch device this rank computes on ("cpu" or "cuda:<i>"): what models are
+    built on, read by everything that would otherwise ask torch whether CUDA exists.
     """
 
     config: ParallelConfig
@@ -49,6 +67,11 @@ class ParallelGroups:
     groups: dict
     megatron: object
     expert_coords: dict = field(default_factory=lambda: {"etp": 0, "ep": 0, "edp": 0})
+    device: str = "cpu"
+
+    @property
+    def on_cpu(self) -> bool:
+        return not self.device.startswith("cuda")
 
     def group(self, axis: Axis) -> dist.ProcessGroup:
         return self.groups[Axis(axis)]
@@ -71,11 +94,13 @@ class ParallelGroups:
         return self.rank_in(Axis.PP) == self.config.pp - 1
 
 
-def init_training_groups(config: ParallelConfig, *, timeout_s: float = 600.0) -> ParallelGroups:
+def init_training_groups(config: ParallelConfig, *, timeout_s: float = 600.0,
+                         device: str | None = None) -> ParallelGroups:
     """Create megatron-core's model-parallel state for `config` and return it as groups.
 
     The default process group must exist (torchrun / the test helper / the Ray worker sets it
-    up) and its world size must equal tp * pp * dp.
+    up) and its world size must equal tp * pp * dp. device: this rank's torch device as the
+    run plan resolved it (None: the world's, see `_device_of_world`).
     """
     from megatron.core import parallel_state as mpu
     from megatron.core.process_groups_config import ProcessGroupCollection
@@ -117,7 +142,7 @@ def init_training_groups(config: ParallelConfig, *, timeout_s: float = 600.0) ->
               Axis.EDP: mpu.get_expert_data_parallel_group()}
     return ParallelGroups(config=config, rank=rank, coords=coords, groups=groups,
                           megatron=ProcessGroupCollection.use_mpu_process_groups(),
-                          expert_coords=expert_coords)
+                          expert_coords=expert_coords, device=device or _device_of_world())
 
 
 def destroy_training_groups() -> None:
@@ -129,23 +154,24 @@ def destroy_training_groups() -> None:
 
 def join_worker_world(rank: int, world_size: int, store_address: tuple[str, int],
                       parallel: ParallelConfig, *, timeout_s: float,
-                      device: int | None = None) -> ParallelGroups:
+                      device: str) -> ParallelGroups:
     """A role's Ray worker joins its role's world: one intra-op thread (the workers share the
-    machine's cores), its device made current on GPU (before anything is allocated), the
-    process group through the TCPStore the driver hosts at `store_address` (world_size + 1
-    members: the driver holds one), then megatron's groups for `parallel`."""
+    machine's cores), `device` (the run plan's torch device of this rank: "cpu" or
+    "cuda:<i>") made current before anything is allocated, the process group on that device's
+    backend through the TCPStore the driver hosts at `store_address` (world_size + 1 members:
+    the driver holds one), then megatron's groups for `parallel`."""
     import os
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
-    if device is not None and torch.cuda.is_available():
-        torch.cuda.set_device(device)
+    if device.startswith("cuda"):
+        torch.cuda.set_device(torch.device(device))
     timeout = datetime.timedelta(seconds=timeout_s)
     host, port = store_address
     store = dist.TCPStore(host, port, world_size + 1, is_master=False, timeout=timeout)
-    join_default_group(default_backend(), store=store, rank=rank, world_size=world_size,
+    join_default_group(backend_for(device), store=store, rank=rank, world_size=world_size,
                        timeout=timeout)
-    return init_training_groups(parallel, timeout_s=timeout_s)
+    return init_training_groups(parallel, timeout_s=timeout_s, device=device)
 
 
 def leave_worker_world() -> None:

@@ -69,6 +69,11 @@ class ResolvedRun:
     cluster: the allocation as sized (device "gpu" or "cpu"; a "local" cluster resolved).
     expert_parallel: the engines run vLLM's expert parallelism (the weight sync's vLLM layout
     holds whole experts per rank).
+    trainers_first: the actor ranks are built (weights and optimizer allocated) before any
+    engine starts — where they share devices with the engines. vLLM sizes itself against the
+    free device memory it measures at start-up and asserts that no other process frees
+    memory while it profiles, so trainers still allocating beside it would fail its start.
+    Elsewhere both start together.
     """
 
     device: Device
@@ -84,6 +89,7 @@ class ResolvedRun:
     cluster: ClusterConfig
     expert_parallel: bool = False
     engine_visible_devices: tuple[tuple[int, ...], ...] = ()
+    trainers_first: bool = False
 
     def sync_nodes(self, engines: int | None = None) -> tuple[int, ...]:
         """The node of every sync rank: the actor ranks, then the TP ranks of the first
@@ -217,6 +223,7 @@ def resolve_run(cfg: "RLConfig", *, assume_gpu: bool = False,
         cluster=resolved_cluster(cfg, device, cuda_available=cuda_available),
         expert_parallel=cfg.rollout.expert_parallel,
         engine_visible_devices=tuple(tuple(s.device for s in slots) for slots in plan.engines),
+        trainers_first=any(s in actor_slots for slots in plan.engines for s in slots),
     )
 
 

@@ -4,6 +4,7 @@ starts them, scores under a deadline, and names late ranks."""
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -20,8 +21,9 @@ class RewardWorker:
 
     def __init__(self, rank: int, world_size: int, store_address: tuple[str, int],
                  cfg: RewardModelConfig, stack_dir: str | None = None,
-                 device: int | None = None, layer_spec: str = "local", *, timeout_s: float):
-        """device: this rank's device on its node (on GPU, the current CUDA device).
+                 device: str = "cpu", layer_spec: str = "local", *, timeout_s: float):
+        """device: the torch device this rank computes on, as the run plan resolved it ("cpu"
+        or "cuda:<i>", made the current CUDA device).
         layer_spec: megatron's layer spec, as the run resolved it (`ResolvedRun.layer_spec`).
         timeout_s: the workers' collective timeout (the run's deadlines.reward_model_s)."""
         from mcore_rl.launch.watchdog import arm_stack_dump
@@ -62,11 +64,13 @@ class RewardModelGroup:
 
     def __init__(self, cfg: RewardModelConfig, *, timeout_s: float, host: str = "127.0.0.1",
                  stack_dir: str | Path | None = None, placement=None,
-                 layer_spec: str = "local"):
+                 devices: Sequence[str] = ("cpu",), layer_spec: str = "local"):
         """timeout_s: deadline of start-up and of each `score` call, and the workers'
         collective timeout (a run passes its deadlines.reward_model_s). placement: the run's `launch.placement.RayPlacement`; reward rank r then shares
         the device (and node) of actor rank r mod the actor's world, as the reference model
-        does. None: wherever Ray puts it. layer_spec: the run's (`ResolvedRun.layer_spec`)."""
+        does. None: wherever Ray puts it. devices: the torch device of each actor rank
+        (`ResolvedRun.actor_devices`); reward rank r computes on devices[r mod len(devices)].
+        layer_spec: the run's (`ResolvedRun.layer_spec`)."""
         import ray
 
         from mcore_rl.resharding import host_store
@@ -86,10 +90,10 @@ class RewardModelGroup:
         remote_cls = ray.remote(num_cpus=0)(RewardWorker)
         self.workers = []
         for rank in range(world):
-            options, device = {}, None
+            options, device = {}, devices[rank % len(devices)]
             if placement is not None:
                 slot = placement.plan.actor[rank % len(placement.plan.actor)]
-                options, device = placement.options_for_node(slot.node), slot.device
+                options = placement.options_for_node(slot.node)
             self.workers.append(remote_cls.options(**options).remote(
                 rank, world, (host, self._store.port), cfg,
                 str(stack_dir) if stack_dir else None, device, layer_spec,

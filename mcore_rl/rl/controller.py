@@ -7,11 +7,11 @@ its own phase, never billed to the actor). Every remote wait has a deadline; a p
 misses it ends the run with a `WatchdogTimeout` naming the phase, the workers that did not
 arrive, and the stack dumps every worker wrote (mcore_rl/launch/watchdog.py).
 
-The controller is split by concern: generation, scoring and the batches ahead
-(rl/sampler.py), the weight sync (rl/weight_sync.py), checkpoints
-(rl/checkpointer.py), batch building (rollout/batches.py), advantages
-(rl/advantages.py), engine recovery (rl/recovery.py). This module starts the
-workers and runs the step's phases.
+The controller starts the workers and hands them to its components, each built with what
+it uses: the actor ranks (rl/actor_ranks.py), generation and scoring (rl/sampler.py), the
+weight sync (rl/weight_sync.py), checkpoints (rl/checkpointer.py) and engine recovery
+(rl/recovery.py). This module runs the step's phases; batch building is
+rollout/batches.py, advantages rl/advantages.py.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 import os
 import time
+from contextlib import nullcontext
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -26,23 +27,23 @@ import torch
 
 from mcore_rl.algorithms import correction_weights, overlong_penalty
 from mcore_rl.config.seeds import derive_seed
-from mcore_rl.launch.watchdog import WatchdogTimeout, collect_or_name_dead, dump_stacks
+from mcore_rl.launch.watchdog import Watchdog
 from mcore_rl.models.spec import ModelSpec
 from mcore_rl.planning.resolve import resolve_run
-from mcore_rl.resharding import host_store
 from mcore_rl.rollout.multi_turn import build_multi_turn, episode_metrics, loss_masks
-from mcore_rl.tasks.base import load_reward_fn
-from mcore_rl.tasks.config import DEFAULT_REWARDS, build_reward, build_task
+from mcore_rl.tasks.config import build_reward, build_task
 from mcore_rl.tasks.tokenizer import encode_answers, load_tokenizer
 from mcore_rl.rl.advantages import compute_advantages, critic_metrics, packing_metrics
 from mcore_rl.rollout.batches import (Batch, Rollouts, build_batch, engine_logprobs,
                                       rollout_logprob_diff, trained_tokens)
-from mcore_rl.rl.checkpointer import Checkpointing
-from mcore_rl.rl.sampler import Generation
+from mcore_rl.rl.actor_ranks import ActorRanks
+from mcore_rl.rl.checkpointer import Checkpointer
+from mcore_rl.rl.sampler import Sampler, fit_prompts, start_pipeline, start_reward_model
 from mcore_rl.launch.timing import PhaseTimer
 from mcore_rl.rollout.partial import current_version_logprob_diff
-from mcore_rl.rl.recovery import EngineFailed, EngineRecovery
+from mcore_rl.rl.recovery import EngineFailed, EngineRecovery, InjectedKills
 from mcore_rl.rl.weight_sync import SyncFailed, WeightSync
+from mcore_rl.rollout.engine import RolloutError
 
 if TYPE_CHECKING:  # the run layer above builds both and hands them in
     from mcore_rl.run.config import RLConfig
@@ -55,32 +56,25 @@ def driver_address() -> str:
     return os.environ.get("MCORE_RL_NODE_IP", "127.0.0.1")
 
 
-class RLController(Generation, WeightSync, Checkpointing):
-    """Owns the Ray workers (actor ranks, rollout engines, reward model), the sync plan and
-    the loop."""
+class RLController:
+    """Owns the Ray workers (actor ranks, rollout engines, reward model), the components
+    that use them (sampler, weight sync, checkpointer, engine recovery) and the RL step."""
 
-    def __init__(self, cfg: RLConfig, model_dir: Path, run_dir: Path):
+    def __init__(self, cfg: RLConfig, model_dir: Path, run_dir: Path,
+                 sampler_cls: type[Sampler] = Sampler):
         from mcore_rl.launch.placement import RayPlacement
         from mcore_rl.rollout.ray_engines import RayEngines
         from mcore_rl.launch.ray_runtime import init_local_ray
 
         self.cfg, self.run_dir = cfg, Path(run_dir)
-        # the watchdog names whoever has started so far: nothing yet
-        self.worker_pids: list[int] = []
-        self.engines = self.reward_model = None
-        self._output_slots: list[int | None] | None = None  # fixed by the grid: asked once
         self.spec = ModelSpec.from_hf_dir(model_dir)
-        self.tokenizer = load_tokenizer(model_dir)
-        self.task = build_task(cfg.task)
+        tokenizer = load_tokenizer(model_dir)
+        task, reward = build_task(cfg.task), build_reward(cfg.task)
         # prompts over max_prompt_tokens: an error now, or dropped (task.overlong_prompts)
-        self.prompt_metrics = self.fit_prompts()
-        self.reward = build_reward(cfg.task)
-        # held-out accuracy is the task's exact-match reward, whatever reward RL trains on
-        self.exact_match = load_reward_fn(DEFAULT_REWARDS[cfg.task.kind])
-        # multi-turn tasks: episodes with an environment between turns (None: single-turn)
-        self.multi_turn = build_multi_turn(cfg.task, self.tokenizer, self.reward)
+        self.prompt_metrics = fit_prompts(cfg, task, tokenizer)
+        multi_turn = build_multi_turn(cfg.task, tokenizer, reward)
         init_local_ray(num_cpus=max(2, os.cpu_count() or 2))
-        self.host = driver_address()
+        host = driver_address()
         # every device, backend and transport choice of the run, decided once
         self.run = resolve_run(cfg)
         self.placement = RayPlacement(self.run.placement,
@@ -89,89 +83,93 @@ class RLController(Generation, WeightSync, Checkpointing):
                                       timeout_s=cfg.deadlines.startup_s)
         self.use_critic = cfg.algorithm.advantage_estimator == "gae"
         self.use_reference = cfg.algorithm.kl_coeff > 0
-        self.stack_dir = self.run_dir / "stacks"
-        self.workers = self._start_actor_ranks(model_dir)
-        # the engines start while the actor ranks initialise; both waits keep their deadline
+        # names every worker started so far when a phase misses its deadline
+        self.watchdog = Watchdog(self.run_dir / "stacks")
+        self.actors = ActorRanks(cfg, model_dir, spec=self.spec, run=self.run,
+                                 placement=self.placement, host=host, watchdog=self.watchdog,
+                                 critic=self.use_critic, reference=self.use_reference)
+        self.reward_model = None
+
+        def start_trainers() -> None:
+            """The actor ranks up, then the reward model's ranks (on the actor's devices)."""
+            self.actors.wait_started()
+            self.reward_model = start_reward_model(cfg, tokenizer, host=host,
+                                                   stack_dir=self.watchdog.stack_dir,
+                                                   placement=self.placement, run=self.run)
+            if self.reward_model is not None:
+                self.watchdog.watch("reward_rank", lambda: self.reward_model.pids)
+
+        if self.run.trainers_first:  # devices shared with the engines: see ResolvedRun
+            start_trainers()
+        # otherwise the engines start while the trainers initialise; each wait keeps its
+        # deadline
         self.engines = RayEngines(model_dir, cfg.rollout,
                                   start_timeout_s=cfg.deadlines.startup_s,
                                   call_timeout_s=cfg.deadlines.engine_call_s,
-                                  stack_dir=self.stack_dir,
+                                  stack_dir=self.watchdog.stack_dir,
                                   inject_stall=cfg.inject_stall, placement=self.placement,
                                   seed=derive_seed(cfg.seed, "engine"), wait=False)
-        try:
-            self.worker_pids = self.call_actors("pid", phase="startup")
-            self.reward_model = self._start_reward_model()
-        except BaseException:  # no engine outlives a start-up that failed
-            self.engines.shutdown(grace_s=5.0)
-            raise
+        self.watchdog.watch("engine", lambda: self.engines.pids)
+        if not self.run.trainers_first:
+            try:
+                start_trainers()
+            except BaseException:  # no engine outlives a start-up that failed
+                self.engines.shutdown(grace_s=5.0)
+                raise
         self.engines.wait_ready()
-        self.recovery = EngineRecovery(self, cfg.recovery)  # engines that die are restarted
-        self._build_plan()
-        self._sync_groups_formed = 0
-        self.join_sync_group()
-        self.pipeline = self._start_pipeline()  # one_step / async: the batches ahead
+        self.kills = InjectedKills(cfg.recovery, self.engines)  # fault injection (tests)
+        self.weight_sync = WeightSync(cfg, spec=self.spec, run=self.run, host=host,
+                                      actors=self.actors, engines=self.engines,
+                                      kills=self.kills)
+        self.checkpointer = Checkpointer(self.run_dir, actors=self.actors,
+                                         layer_spec=self.run.layer_spec,
+                                         inject_error=cfg.checkpoint.inject_error)
+        # engines that die are restarted and re-synced; out of restarts, a checkpoint
+        self.recovery = EngineRecovery(cfg.recovery, engines=self.engines,
+                                       weight_sync=self.weight_sync,
+                                       save_checkpoint=self.save_checkpoint,
+                                       checkpoint_root=self.checkpointer.root,
+                                       keep_last=cfg.checkpoint.keep_last,
+                                       restartable=cfg.rollout.partial_chunk_tokens is None)
+        self.sampler = sampler_cls(cfg, tokenizer=tokenizer, task=task, reward=reward,
+                                   multi_turn=multi_turn, engines=self.engines,
+                                   reward_model=self.reward_model, recovery=self.recovery,
+                                   kills=self.kills, watchdog=self.watchdog)
+        # one_step / async: the batches generated ahead of training (None: sync)
+        self.pipeline = start_pipeline(cfg, self.sampler, self.recovery, self.run.device)
         # rollout.startup_engines: the rest start now that the run is up, and join at a sync
         self.engines.start_late_engines()
 
-    def _start_actor_ranks(self, model_dir: Path) -> list:
-        """The actor's Ray workers, one per rank, in the placement's slots. The actor world
-        meets at a store the controller hosts (not on whichever node rank 0 lands), so no
-        worker needs to know another node's address."""
-        import ray
-
-        from mcore_rl.workers.actor import ActorWorker
-
-        cfg, world = self.cfg, self.cfg.actor.world_size
-        self._actor_store = host_store(self.host, world_size=world + 1,
-                                       timeout_s=cfg.deadlines.startup_s)
-        slots, remote_cls = self.placement.plan.actor, ray.remote(num_cpus=0)(ActorWorker)
-        return [remote_cls.options(**self.placement.options_for_node(slots[rank].node)).remote(
-            rank, world, (self.host, self._actor_store.port), self.spec, cfg.actor,
-            cfg.warmup.train, str(model_dir),
-            cfg.deadlines.train_s, critic_train=cfg.critic_train if self.use_critic else None,
-            reference=self.use_reference, stack_dir=str(self.stack_dir),
-            inject_stall=cfg.inject_stall, device=slots[rank].device,
-            layer_spec=self.run.layer_spec, seed=derive_seed(cfg.seed, "train"))
-            for rank in range(world)]
-
-    # --- plumbing ---------------------------------------------------------------------------
-
-    def _wait(self, refs: list, phase: str) -> list:
-        """The workers' results under the phase's deadline; past it, the watchdog names who is
-        late (a worker that died is named at once)."""
-        deadline = self.cfg.deadlines.for_phase(phase)
-        # results as they arrive: a rank that died fails the phase at once, by name, rather
-        # than after its peers' collective timeout
-        values = collect_or_name_dead(refs, deadline, phase, self.worker_pids or None)
-        if len(values) < len(refs):
-            late = [f"actor rank {i}" for i in range(len(refs)) if i not in values]
-            raise self._watchdog(phase, deadline, late)
-        return [values[i] for i in range(len(refs))]
-
-    def _watchdog(self, phase: str, deadline: float, late: list[str],
-                  detail: str = "") -> WatchdogTimeout:
-        """Every worker (actor ranks and engines) dumps its stacks; the error names the phase,
-        the late workers and the dump files."""
-        pids = {f"rank{i}": pid for i, pid in enumerate(self.worker_pids)}
-        if self.reward_model is not None:
-            pids.update({f"reward_rank{i}": pid for i, pid in enumerate(self.reward_model.pids)})
-        if self.engines is not None:
-            pids.update({f"engine{i}": pid for i, pid in enumerate(self.engines.pids)})
-        return WatchdogTimeout(phase, deadline, late, dump_stacks(pids, self.stack_dir),
-                               detail)
+    # --- what the run loop calls ------------------------------------------------------------
 
     def call_actors(self, method: str, *args, phase: str) -> list:
-        return self._wait([getattr(w, method).remote(*args) for w in self.workers], phase)
+        return self.actors.call(method, *args, phase=phase)
 
-    def _per_token(self, method: str, batch: Batch, phase: str) -> torch.Tensor:
-        """A forward-only pass on every worker; one [n, s] result, assembled over DP. The
-        response mask tells packed passes where each row's real tokens end."""
-        outs = self.call_actors(method, batch.tokens, batch.labels, batch.mask, phase=phase)
-        if self._output_slots is None:
-            self._output_slots = self._wait([w.dp_rank_of_output.remote()
-                                             for w in self.workers], phase)
-        by_dp = {dp: out for dp, out in zip(self._output_slots, outs) if dp is not None}
-        return torch.cat([by_dp[d] for d in range(self.cfg.actor.dp)])
+    def sync_weights(self) -> dict[str, float]:
+        """Stream the actor's shards into every engine (late engines that are up join
+        first); checks each engine got every name. Never under a running generation. An
+        engine that died is restarted and synced (rl/recovery.py)."""
+        with nullcontext() if self.pipeline is None else self.pipeline.weights_changing():
+            self.weight_sync.admit_late_engines()
+            try:
+                return self.weight_sync.sync_once()
+            except (SyncFailed, RolloutError) as err:
+                return self.recovery.recover(err, "sync", getattr(err, "engine", None))
+
+    def admit_late_engines(self, wait: bool = False) -> list[int]:
+        return self.weight_sync.admit_late_engines(wait=wait)
+
+    def save_checkpoint(self, step: int) -> Path:
+        return self.checkpointer.save(step, self.pipeline)
+
+    def load_checkpoint(self, path: Path) -> int:
+        return self.checkpointer.load(path, self.pipeline)
+
+    def weights_digests(self) -> list[str]:
+        return self.checkpointer.weights_digests()
+
+    def actor_weights(self) -> list[dict[str, torch.Tensor]]:
+        return self.checkpointer.actor_weights()
 
     # --- warm-up ----------------------------------------------------------------------------
 
@@ -182,14 +180,15 @@ class RLController(Generation, WeightSync, Checkpointing):
         acc = 0.0
         for step in range(1, w.max_steps + 1):
             timer = PhaseTimer()
-            examples = self.task.warmup_examples(w.batch_size, seed=self.cfg.seed * 100003 + step,
+            examples = self.sampler.task.warmup_examples(w.batch_size, seed=self.cfg.seed * 100003 + step,
                                                  p=w.label_noise)
-            prompts = self.encode_all([p for p, _ in examples])
-            if self.multi_turn is None:
-                answers, masks = encode_answers(self.tokenizer, [a for _, a in examples]), None
+            prompts = self.sampler.encode_all([p for p, _ in examples])
+            multi_turn, tokenizer = self.sampler.multi_turn, self.sampler.tokenizer
+            if multi_turn is None:
+                answers, masks = encode_answers(tokenizer, [a for _, a in examples]), None
             else:  # whole traces; their observations are masked out of the loss
-                answers, masks = zip(*(self.multi_turn.encode_trace(a) for _, a in examples))
-            batch = build_batch(prompts, answers, w.train.seq_len, self.tokenizer.pad_token_id,
+                answers, masks = zip(*(multi_turn.encode_trace(a) for _, a in examples))
+            batch = build_batch(prompts, answers, w.train.seq_len, tokenizer.pad_token_id,
                                 masks)
             with timer("update_actor"):
                 result = self.call_actors("sft_step", batch.tokens, batch.labels, batch.mask,
@@ -199,7 +198,7 @@ class RLController(Generation, WeightSync, Checkpointing):
                 with timer("sync"):
                     self.sync_weights()
                 with timer("gen"):
-                    acc = self.accuracy(w.eval_prompts, w.eval_temperature)
+                    acc = self.sampler.accuracy(w.eval_prompts, w.eval_temperature)
                 metrics["accuracy"] = acc
                 writer.write(step, {**metrics, **timer.as_metrics()})
                 if acc >= w.target_accuracy:
@@ -216,6 +215,7 @@ class RLController(Generation, WeightSync, Checkpointing):
         is raised after the step's metrics are attached to it (the run loop logs them)."""
         cfg, timer = self.cfg, PhaseTimer()
         self.recovery.begin_step(step)
+        self.kills.begin_step(step)
         engines = self.engines.num_engines  # in the run as the step starts (late ones join)
         rollouts, gen_timing = self._rollouts_for(step, timer)
         if cfg.rollout.enable_sleep:  # colocated on GPU: free the KV cache while training
@@ -265,6 +265,17 @@ class RLController(Generation, WeightSync, Checkpointing):
             raise lost
         return metrics
 
+    def _rollouts_for(self, step: int, timer: PhaseTimer) -> tuple[Rollouts, dict[str, float]]:
+        """The batch step trains on, and the generation-side metrics to report with it.
+
+        sync: generated now, on the weights synced at the end of the last step. one_step /
+        async: generated ahead by the rollout pipeline (`rollout.pipeline`) on weights
+        at most `rollout.staleness_bound` updates old; `timing_s/gen_wait` is what the step
+        spent blocked on generation."""
+        if self.pipeline is None:
+            return self.sampler.collect(step, timer), {}
+        return self.pipeline.take(step, timer)
+
     def _train_batch(self, rollouts: Rollouts):
         """(batch, completions, scores): the rollouts as one [n, s] batch, a row per sample,
         and the samples' scores (with DAPO's overlong penalty when configured)."""
@@ -274,7 +285,7 @@ class RLController(Generation, WeightSync, Checkpointing):
         completions = [c for o in outs for c in o]
         scores = torch.tensor([s for group in rollouts.scores for s in group])
         batch = build_batch(flat_prompts, [c.token_ids for c in completions],
-                            cfg.train.seq_len, self.tokenizer.pad_token_id,
+                            cfg.train.seq_len, self.sampler.tokenizer.pad_token_id,
                             loss_masks(completions))
         if cfg.algorithm.overlong_buffer:
             scores = scores + overlong_penalty(
@@ -294,7 +305,7 @@ class RLController(Generation, WeightSync, Checkpointing):
         skip = self._old_logp_rows_from_update(batch.tokens.shape[0])
         rest = Batch(batch.tokens[skip:], batch.labels[skip:], batch.mask[skip:])
         with timer("old_logprob"):
-            passed = self._per_token("logprobs", rest, "old_logprob")
+            passed = self.actors.per_token("logprobs", rest, "old_logprob")
         # the first `skip` rows: NaN, the update's own forward (rl_step.PolicyBatch)
         old_logp = torch.cat([torch.full((skip, passed.shape[1]), float("nan")), passed])
         completions, mask = completions[skip:], rest.mask
@@ -325,10 +336,10 @@ class RLController(Generation, WeightSync, Checkpointing):
         extra: dict[str, torch.Tensor] = {}
         if self.use_reference:
             with timer("ref"):
-                extra["ref_logp"] = self._per_token("ref_logprobs", batch, "ref")
+                extra["ref_logp"] = self.actors.per_token("ref_logprobs", batch, "ref")
         if self.use_critic:
             with timer("values"):
-                extra["values"] = self._per_token("values", batch, "values")
+                extra["values"] = self.actors.per_token("values", batch, "values")
         return extra
 
     def _update_actor(self, batch: Batch, old_logp, adv, extra, is_weights,
@@ -359,15 +370,12 @@ class RLController(Generation, WeightSync, Checkpointing):
 
     def shutdown(self) -> None:
         """Stop workers and engines; a worker stuck in a collective is killed with Ray."""
-        import ray
-
         from mcore_rl.launch.ray_runtime import stop_local_ray
 
         if self.pipeline is not None:
             self.pipeline.shutdown()
         try:
-            ray.wait([w.shutdown.remote() for w in self.workers],
-                     num_returns=len(self.workers), timeout=10.0)
+            self.actors.shutdown()
             self.engines.shutdown()
             if self.reward_model is not None:
                 self.reward_model.shutdown()

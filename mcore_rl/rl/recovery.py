@@ -40,9 +40,12 @@ from __future__ import annotations
 import signal
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 from mcore_rl.config import ConfigError, require_at_least
+from mcore_rl.rl import checkpoint_dirs
 from mcore_rl.rl.checkpoint_dirs import CheckpointWriteError
 
 INJECT_PHASES = ("gen", "sync")
@@ -122,16 +125,52 @@ def kill_process_tree(pid: int) -> list[int]:
     return [proc.pid for proc in victims]
 
 
-class EngineRecovery:
-    """The controller's engine-failure handling (module doc). `controller`: the RLController
-    whose engines, actor ranks, sync group and checkpoints it uses."""
+class InjectedKills:
+    """recovery.inject_kill (tests): SIGKILLs engine 0's processes at the configured
+    (phase, step) points. The controller tells it the step; the generate call and the weight
+    sync call `inject` where a kill lands."""
 
-    def __init__(self, controller, cfg: RecoveryConfig):
-        self.controller, self.cfg = controller, cfg
+    def __init__(self, cfg: RecoveryConfig, engines):
+        self.engines, self.step = engines, None
+        self._due = cfg.injected_kills()
+
+    def begin_step(self, step: int) -> None:
+        self.step = step
+
+    def inject(self, phase: str) -> None:
+        """SIGKILL engine 0's processes if (phase, this step) is due — for gen on a thread,
+        so that it lands as the generate call goes out."""
+        if (phase, self.step) not in self._due:
+            return
+        self._due.discard((phase, self.step))
+        pid, step = self.engines.pids[0], self.step
+
+        def kill() -> None:
+            killed = kill_process_tree(pid)
+            print(f"mcore-rl: inject_kill: SIGKILL rollout engine 0 (pids {killed}) during "
+                  f"{phase} of step {step}", flush=True)
+
+        if phase == "gen":
+            threading.Thread(target=kill, name="mcore-rl-inject-kill", daemon=True).start()
+        else:
+            kill()
+
+
+class EngineRecovery:
+    """The controller's engine-failure handling (module doc). `engines`: the rollout
+    engines; `weight_sync`: re-forms the sync group and re-syncs (rl/weight_sync.py);
+    `save_checkpoint(step)`: writes the run's checkpoint before giving up; `restartable`:
+    False with partial rollouts (the generations in flight die with the engine)."""
+
+    def __init__(self, cfg: RecoveryConfig, *, engines, weight_sync,
+                 save_checkpoint: Callable[[int], Path], checkpoint_root: Path,
+                 keep_last: int, restartable: bool = True):
+        self.cfg, self.engines, self.weight_sync = cfg, engines, weight_sync
+        self.save_checkpoint, self.checkpoint_root = save_checkpoint, checkpoint_root
+        self.keep_last, self.restartable = keep_last, restartable
         self.restarts_used = 0
         self.step: int | None = None  # the RL step in progress (None before the first)
         self.trained = False  # whether that step's update has happened
-        self._kills = cfg.injected_kills()
         self._since_report = {"restarts": 0, "seconds": 0.0}
 
     # --- what the controller tells it -------------------------------------------------------
@@ -157,26 +196,6 @@ class EngineRecovery:
                "recovery/seconds": self._since_report["seconds"]}
         self._since_report = {"restarts": 0, "seconds": 0.0}
         return out
-
-    # --- fault injection (tests) ------------------------------------------------------------
-
-    def inject(self, phase: str) -> None:
-        """inject_kill: SIGKILL engine 0's processes if (phase, this step) is due — for gen on
-        a thread, so that it lands as the generate call goes out."""
-        if (phase, self.step) not in self._kills:
-            return
-        self._kills.discard((phase, self.step))
-        pid = self.controller.engines.pids[0]
-
-        def kill() -> None:
-            killed = kill_process_tree(pid)
-            print(f"mcore-rl: inject_kill: SIGKILL rollout engine 0 (pids {killed}) during "
-                  f"{phase} of step {self.step}", flush=True)
-
-        if phase == "gen":
-            threading.Thread(target=kill, name="mcore-rl-inject-kill", daemon=True).start()
-        else:
-            kill()
 
     # --- recovery -----------------------------------------------------------------------------
 
@@ -209,9 +228,8 @@ class EngineRecovery:
             self._since_report["seconds"] += time.perf_counter() - start
 
     def _broken(self, named: int | None) -> list[int]:
-        engines = self.controller.engines
-        broken = set(engines.dead_engines())
-        if named is not None and named not in broken and engines.probe(named) is not None:
+        broken = set(self.engines.dead_engines())
+        if named is not None and named not in broken and self.engines.probe(named) is not None:
             broken.add(named)
         return sorted(broken)
 
@@ -219,8 +237,7 @@ class EngineRecovery:
         return "" if self.step is None else f" of step {self.step}"
 
     def _give_up_unless_allowed(self, broken: list[int], err: Exception, phase: str) -> None:
-        controller = self.controller
-        if controller.cfg.rollout.partial_chunk_tokens is not None:
+        if not self.restartable:
             raise EngineFailed(
                 f"rollout engine(s) {broken} died during {phase}{self._where()}: {err}; engines "
                 "are not restarted with partial rollouts (rollout.partial_chunk_tokens: the "
@@ -241,30 +258,26 @@ class EngineRecovery:
             f"restarts (recovery.max_engine_restarts={self.cfg.max_engine_restarts}, "
             f"{self.restarts_used} used); {note}", broken, checkpoint)
 
-    def _checkpoint(self, step: int):
+    def _checkpoint(self, step: int) -> Path:
         """The checkpoint of the actor after `step` (an existing complete one is kept)."""
-        from mcore_rl.rl import checkpoint_dirs
-
-        existing = checkpoint_dirs.checkpoint_root(self.controller.run_dir) / f"step_{step}"
+        existing = self.checkpoint_root / f"step_{step}"
         if checkpoint_dirs.is_complete(existing):
             return existing
-        saved = self.controller.save_checkpoint(step)
-        checkpoint_dirs.prune(saved.parent, self.controller.cfg.checkpoint.keep_last)
+        saved = self.save_checkpoint(step)
+        checkpoint_dirs.prune(saved.parent, self.keep_last)
         return saved
 
     def _restart_and_resync(self, broken: list[int]) -> dict[str, float]:
-        controller = self.controller
         restarted = time.perf_counter()
-        controller.engines.restart(broken)
-        survivors = [i for i in range(controller.engines.num_engines) if i not in broken]
-        controller.call_actors("leave_sync_group", phase="sync-join")
-        controller.engines.abandon_sync(survivors)
-        controller.join_sync_group()
-        sync = controller.sync_once()
+        self.engines.restart(broken)
+        self.weight_sync.rejoin_after_restart(
+            [i for i in range(self.engines.num_engines) if i not in broken])
+        sync = self.weight_sync.sync_once()
         print(f"mcore-rl: rollout engine(s) {broken} restarted (new pids "
-              f"{[controller.engines.pids[i] for i in broken]}), sync group re-formed and "
+              f"{[self.engines.pids[i] for i in broken]}), sync group re-formed and "
               f"weights re-synced in {time.perf_counter() - restarted:.1f} s", flush=True)
         return sync
 
 
-__all__ = ["EngineFailed", "EngineRecovery", "RecoveryConfig", "kill_process_tree"]
+__all__ = ["EngineFailed", "EngineRecovery", "InjectedKills", "RecoveryConfig",
+           "kill_process_tree"]

@@ -3,13 +3,14 @@ engines (multi-turn episodes included), scoring, DAPO dynamic sampling, held-out
 and the batches generated ahead of training (`rollout.mode` one_step / async, partial
 rollouts).
 
-`Generation` is a part of `RLController` (rl/controller.py); it uses the controller's
-config, tokenizer, task, engines, reward model and engine recovery.
+`Sampler` is a component of `RLController` (rl/controller.py): it is handed the task, the
+tokenizer, the engines, the reward model and the engine recovery it uses.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+from typing import TYPE_CHECKING
 
 from mcore_rl.rollout.config import vllm_batch_defaults
 from mcore_rl.rollout.engine import Completion, RolloutError, SamplingConfig
@@ -20,28 +21,28 @@ from mcore_rl.tasks.tokenizer import encode_prompts, response_text
 from mcore_rl.rollout.pipeline import RolloutPipeline, on_generation_thread
 from mcore_rl.rollout.batches import Rollouts
 from mcore_rl.launch.timing import PhaseTimer
+from mcore_rl.launch.watchdog import Watchdog
+from mcore_rl.rl.recovery import EngineRecovery, InjectedKills
+from mcore_rl.tasks.base import load_reward_fn
+from mcore_rl.tasks.config import DEFAULT_REWARDS
+
+if TYPE_CHECKING:  # the run layer above builds the config
+    from mcore_rl.run.config import RLConfig
 
 
-class Generation:
-    """Generating, scoring and buffering the batches a run trains on (module doc)."""
+class Sampler:
+    """Generating and scoring the batches a run trains on (module doc)."""
 
-    def _start_pipeline(self):
-        """one_step / async: the pipeline that generates batches ahead (None in sync mode)."""
-        cfg = self.cfg
-        if cfg.rollout.partial_chunk_tokens is not None:  # generations span weight syncs
-            return partial_pipeline(self)
-        if cfg.rollout.mode == "sync":
-            return None
-        return RolloutPipeline(self.collect, max_staleness=cfg.rollout.staleness_bound,
-                               last_step=cfg.steps, wait=self.wait_in_flight,
-                               recover=self._recover_lost_batch,
-                               deterministic=cfg.rollout.deterministic)
-
-    def _recover_lost_batch(self, err: RolloutError) -> int:
-        """A batch ahead lost with an engine: restart it and sync the actor's weights
-        (rl/recovery.py); the weight version the engines then hold."""
-        self.recovery.recover(err, "generate", err.engine)
-        return self.recovery.actor_version()
+    def __init__(self, cfg: RLConfig, *, tokenizer, task, reward, multi_turn, engines,
+                 reward_model, recovery: EngineRecovery, kills: InjectedKills,
+                 watchdog: Watchdog):
+        self.cfg, self.tokenizer, self.task, self.reward = cfg, tokenizer, task, reward
+        # multi-turn tasks: episodes with an environment between turns (None: single-turn)
+        self.multi_turn = multi_turn
+        # held-out accuracy is the task's exact-match reward, whatever reward RL trains on
+        self.exact_match = load_reward_fn(DEFAULT_REWARDS[cfg.task.kind])
+        self.engines, self.reward_model = engines, reward_model
+        self.recovery, self.kills, self.watchdog = recovery, kills, watchdog
 
     def generate(self, prompts: list[list[int]], sampling: SamplingConfig):
         """One generate call. An engine that died is restarted and re-synced, and the call
@@ -49,13 +50,13 @@ class Generation:
         On the pipeline's generating thread the failure is raised instead: the main thread
         recovers when it waits for the batch (rollout/pipeline.py)."""
         deadline = self.cfg.deadlines.gen_s
-        self.recovery.inject("gen")
+        self.kills.inject("gen")
         while True:
             try:
                 return self.engines.generate(prompts, sampling, timeout_s=deadline)
             except RolloutError as err:
                 if "no reply within" in str(err):
-                    raise self._watchdog("gen", deadline, [f"rollout engine {err.engine}"],
+                    raise self.watchdog.timeout("gen", deadline, [f"rollout engine {err.engine}"],
                                          str(err)) from err
                 if on_generation_thread():
                     raise
@@ -77,24 +78,6 @@ class Generation:
                                  f"{len(row)} tokens, longer than max_prompt_tokens={limit}: "
                                  "raise max_prompt_tokens")
         return ids
-
-    def fit_prompts(self) -> dict[str, float]:
-        """A jsonl task's prompts against max_prompt_tokens, tokenized once as the engines get
-        them: task.overlong_prompts "error" stops the run naming the first longer one (file,
-        line, tokens), "filter" drops them. Returns the step metrics that report it
-        (`prompts/filtered_overlong`: training rows dropped; `..._heldout`: held-out rows)."""
-        from mcore_rl.tasks.jsonl import JsonlTask
-
-        if not isinstance(self.task, JsonlTask):  # generated prompts: checked as encoded
-            return {"prompts/filtered_overlong": 0.0}
-        dropped = self.task.fit_prompts(
-            lambda texts: [len(ids) for ids in encode_prompts(
-                self.tokenizer, texts, chat_template=self.cfg.task.chat_template)],
-            self.cfg.max_prompt_tokens, drop=self.cfg.task.overlong_prompts == "filter")
-        metrics = {"prompts/filtered_overlong": float(dropped.get("train", 0))}
-        if "heldout" in dropped:
-            metrics["prompts/filtered_overlong_heldout"] = float(dropped["heldout"])
-        return metrics
 
     def _rollout(self, examples: list[Example], sampling: SamplingConfig):
         """(prompt ids, completions per prompt): one generation call, or the episodes of a
@@ -150,23 +133,6 @@ class Generation:
         coeff, flat = self.cfg.reward_model.coeff, iter(model)
         return [[s + coeff * next(flat) for s in group] for group in scores]
 
-    def _start_reward_model(self):
-        """The reward model's worker group (None without one). It scores the policy's token
-        ids, so its vocabulary must cover the policy tokenizer's."""
-        rm = self.cfg.reward_model
-        if not rm.enabled:
-            return None
-        from mcore_rl.reward_model import RewardModelGroup, check_reward_model_dir
-
-        vocab = check_reward_model_dir(rm.hf_dir).vocab
-        if vocab < len(self.tokenizer):
-            raise ValueError(f"reward_model.hf_dir={rm.hf_dir}: vocabulary of {vocab} tokens "
-                             f"does not cover the policy tokenizer's {len(self.tokenizer)}; the "
-                             "reward model must share the policy's tokenizer")
-        return RewardModelGroup(rm, timeout_s=self.cfg.deadlines.reward_model_s,
-                                host=self.host, stack_dir=self.stack_dir,
-                                placement=self.placement, layer_spec=self.run.layer_spec)
-
     def _generate_groups(self, step: int, timer: PhaseTimer):
         """The step's groups. With DAPO dynamic sampling, groups whose rewards are all equal
         (no gradient) are dropped and more prompts are drawn — up to `max_sampling_rounds`
@@ -199,17 +165,6 @@ class Generation:
                         completions=[list(g[2]) for g in groups],
                         scores=[list(g[3]) for g in groups], stats=stats)
 
-    def _rollouts_for(self, step: int, timer: PhaseTimer) -> tuple[Rollouts, dict[str, float]]:
-        """The batch step trains on, and the generation-side metrics to report with it.
-
-        sync: generated now, on the weights synced at the end of the last step. one_step /
-        async: generated ahead by the rollout pipeline (`rollout.pipeline`) on weights
-        at most `rollout.staleness_bound` updates old; `timing_s/gen_wait` is what the step
-        spent blocked on generation."""
-        if self.pipeline is None:
-            return self.collect(step, timer), {}
-        return self.pipeline.take(step, timer)
-
     def wait_in_flight(self, future):
         """future.result under a deadline beyond the generation's own (which names the late
         engine): this one catches a wedged reward function."""
@@ -217,32 +172,87 @@ class Generation:
         try:
             return future.result(timeout=deadline)
         except concurrent.futures.TimeoutError:
-            raise self._watchdog("gen", deadline, ["the rollout pipeline's generation thread"],
+            raise self.watchdog.timeout("gen", deadline,
+                                        ["the rollout pipeline's generation thread"],
                                  "generation + reward of a batch ahead did not finish") from None
 
 
-def partial_pipeline(controller) -> PartialRolloutPipeline:
-    """The pipeline of an RLController run with partial rollouts: prompts and seeds as the
-    controller draws them (`draw`), generation through its engines under its deadline,
-    rewards by its `score`."""
-    cfg = controller.cfg
+def fit_prompts(cfg: RLConfig, task, tokenizer) -> dict[str, float]:
+    """A jsonl task's prompts against max_prompt_tokens, tokenized once as the engines get
+    them: task.overlong_prompts "error" stops the run naming the first longer one (file,
+    line, tokens), "filter" drops them. Returns the step metrics that report it
+    (`prompts/filtered_overlong`: training rows dropped; `..._heldout`: held-out rows)."""
+    from mcore_rl.tasks.jsonl import JsonlTask
+
+    if not isinstance(task, JsonlTask):  # generated prompts: checked as encoded
+        return {"prompts/filtered_overlong": 0.0}
+    dropped = task.fit_prompts(
+        lambda texts: [len(ids) for ids in encode_prompts(
+            tokenizer, texts, chat_template=cfg.task.chat_template)],
+        cfg.max_prompt_tokens, drop=cfg.task.overlong_prompts == "filter")
+    metrics = {"prompts/filtered_overlong": float(dropped.get("train", 0))}
+    if "heldout" in dropped:
+        metrics["prompts/filtered_overlong_heldout"] = float(dropped["heldout"])
+    return metrics
+
+
+def start_reward_model(cfg: RLConfig, tokenizer, *, host: str, stack_dir, placement, run):
+    """The reward model's worker group (None without one). It scores the policy's token
+    ids, so its vocabulary must cover the policy tokenizer's."""
+    rm = cfg.reward_model
+    if not rm.enabled:
+        return None
+    from mcore_rl.reward_model import RewardModelGroup, check_reward_model_dir
+
+    vocab = check_reward_model_dir(rm.hf_dir).vocab
+    if vocab < len(tokenizer):
+        raise ValueError(f"reward_model.hf_dir={rm.hf_dir}: vocabulary of {vocab} tokens "
+                         f"does not cover the policy tokenizer's {len(tokenizer)}; the "
+                         "reward model must share the policy's tokenizer")
+    return RewardModelGroup(rm, timeout_s=cfg.deadlines.reward_model_s, host=host,
+                            stack_dir=stack_dir, placement=placement,
+                            devices=run.actor_devices, layer_spec=run.layer_spec)
+
+
+def start_pipeline(cfg: RLConfig, sampler: Sampler, recovery: EngineRecovery, device: str):
+    """one_step / async: the pipeline that generates batches ahead (None in sync mode)."""
+    if cfg.rollout.partial_chunk_tokens is not None:  # generations span weight syncs
+        return partial_pipeline(cfg, sampler, device)
+    if cfg.rollout.mode == "sync":
+        return None
+
+    def recover_lost_batch(err: RolloutError) -> int:
+        """A batch ahead lost with an engine: restart it and sync the actor's weights
+        (rl/recovery.py); the weight version the engines then hold."""
+        recovery.recover(err, "generate", err.engine)
+        return recovery.actor_version()
+
+    return RolloutPipeline(sampler.collect, max_staleness=cfg.rollout.staleness_bound,
+                           last_step=cfg.steps, wait=sampler.wait_in_flight,
+                           recover=recover_lost_batch, deterministic=cfg.rollout.deterministic)
+
+
+def partial_pipeline(cfg: RLConfig, sampler: Sampler, device: str) -> PartialRolloutPipeline:
+    """The pipeline of a run with partial rollouts: prompts and seeds as the sampler draws
+    them (`draw`), generation through its engines under its deadline, rewards by its
+    `score`."""
     budget = cfg.rollout.max_num_batched_tokens or vllm_batch_defaults(
-        controller.run.device, 0.0, cfg.rollout.tp)[0]
+        device, 0.0, cfg.rollout.tp)[0]
 
     def start(step: int):
-        examples, sampling = controller.draw(step, 0)
-        prompts = controller.encode_all([e.prompt for e in examples])
+        examples, sampling = sampler.draw(step, 0)
+        prompts = sampler.encode_all([e.prompt for e in examples])
         return examples, PartialBatch.start(prompts, sampling)
 
     def advance_on(batch: PartialBatch, version: int, max_tokens: int | None) -> None:
-        advance(batch, controller.generate, version=version, max_tokens=max_tokens,
+        advance(batch, sampler.generate, version=version, max_tokens=max_tokens,
                 max_model_len=cfg.rollout.max_model_len, token_budget=budget,
                 engines=cfg.rollout.engines)
 
     def finish(step: int, examples, batch: PartialBatch, timer: PhaseTimer):
         outs = batch.completions()
         with timer("reward"):
-            scores = controller.score(examples, batch.prompt_ids, outs)
+            scores = sampler.score(examples, batch.prompt_ids, outs)
         stats = {"informative_groups_frac": sum(len(set(s)) > 1 for s in scores) / len(scores),
                  "sampling_rounds": 1}
         return Rollouts(step=step, examples=list(examples), prompt_ids=batch.prompt_ids,
@@ -252,9 +262,10 @@ def partial_pipeline(controller) -> PartialRolloutPipeline:
         start=start, advance=advance_on, finish=finish,
         chunk_tokens=cfg.rollout.partial_chunk_tokens,
         max_staleness=cfg.rollout.staleness_bound, last_step=cfg.steps,
-        wait=controller.wait_in_flight,
+        wait=sampler.wait_in_flight,
         examples_to_state=lambda examples: [[e.prompt, e.answer] for e in examples],
         examples_from_state=lambda saved: [Example(p, a) for p, a in saved])
 
 
-__all__ = ["Generation", "partial_pipeline"]
+__all__ = ["Sampler", "fit_prompts", "partial_pipeline", "start_pipeline",
+           "start_reward_model"]

@@ -3,19 +3,24 @@ shard transfers between them, and the sync itself — the actor ranks stream the
 each engine rank receives only what it holds (mcore_rl/resharding). Timed as its own phase,
 never billed to the actor.
 
-`WeightSync` is a part of `RLController` (rl/controller.py).
+`WeightSync` is a component of `RLController` (rl/controller.py), which wraps `sync_once`
+with the rollout pipeline's pause and engine recovery (`RLController.sync_weights`).
 """
 
 from __future__ import annotations
 
-from contextlib import nullcontext
+from typing import TYPE_CHECKING
 
 from mcore_rl.config.dtypes import torch_dtype
 from mcore_rl.launch.watchdog import WatchdogTimeout
 from mcore_rl.layouts import megatron_shards, vllm_shards
 from mcore_rl.resharding import build_plan, host_store, sync_group_spec
 from mcore_rl.resharding.plan_cache import PlanSender
-from mcore_rl.rollout.engine import RolloutError
+from mcore_rl.rl.actor_ranks import ActorRanks
+from mcore_rl.rl.recovery import InjectedKills
+
+if TYPE_CHECKING:  # the run layer above builds the config
+    from mcore_rl.run.config import RLConfig
 
 
 class SyncFailed(RuntimeError):
@@ -28,7 +33,17 @@ def _last_line(err: BaseException) -> str:
 
 
 class WeightSync:
-    """The sync group, the plan and the sync (module doc)."""
+    """The sync group, the plan and the sync (module doc). `actors`: the actor ranks that
+    send; `engines`: the rollout engines that receive; `kills`: fault injection (tests)."""
+
+    def __init__(self, cfg: RLConfig, *, spec, run, host: str, actors: ActorRanks, engines,
+                 kills: InjectedKills):
+        self.cfg, self.spec, self.run, self.host = cfg, spec, run, host
+        self.actors, self.engines, self.kills = actors, engines, kills
+        self.groups_formed = 0
+        self._store = None
+        self._build_plan()
+        self.join_group()
 
     def _build_plan(self) -> None:
         """Every shard transfer of a sync, from the actor's layout to the engines' (`plan`),
@@ -42,33 +57,29 @@ class WeightSync:
                                nodes=self.run.sync_nodes(self.engines.num_engines))
         self._plan_sender = PlanSender(self.plan)
 
-    def join_sync_group(self) -> None:
+    def join_group(self) -> None:
         """Form the sync group (again after an engine restart: a new store and prefix)."""
         world = self.cfg.actor.world_size + self.cfg.rollout.tp * self.engines.num_engines
         self._store = host_store(self.host, world_size=world,
                                  timeout_s=self.cfg.deadlines.startup_s)
         spec = sync_group_spec(self.run, host=self.host, port=self._store.port,
-                               prefix=f"sync/{self._sync_groups_formed}/",
+                               prefix=f"sync/{self.groups_formed}/",
                                timeout_s=self.cfg.deadlines.sync_s,
                                engines=self.engines.num_engines)
-        self._sync_groups_formed += 1
+        self.groups_formed += 1
         self._plan_sender.joined()  # members may be new: the next sync sends the whole plan
         self.engines.start_join_sync_group(spec, self.cfg.actor.world_size,
                                            devices=self.run.engine_devices)
-        self._wait([w.join_sync_group.remote(spec, self.run.actor_devices[rank])
-                    for rank, w in enumerate(self.workers)], "sync-join")
+        self.actors.wait([w.join_sync_group.remote(spec, self.run.actor_devices[rank])
+                          for rank, w in enumerate(self.actors.workers)], "sync-join")
         self.engines.finish_join_sync_group()
 
-    def sync_weights(self) -> dict[str, float]:
-        """Stream the actor's shards into every engine; checks each engine got every name.
-        An engine that died is restarted and synced (rl/recovery.py)."""
-        # never change weights under a running generation
-        with nullcontext() if self.pipeline is None else self.pipeline.weights_changing():
-            self.admit_late_engines()
-            try:
-                return self.sync_once()
-            except (SyncFailed, RolloutError) as err:
-                return self.recovery.recover(err, "sync", getattr(err, "engine", None))
+    def rejoin_after_restart(self, survivors: list[int]) -> None:
+        """A member was lost, so the group is broken for everyone: the actor ranks leave it,
+        the surviving engines wait out their failed install and leave, and all join anew."""
+        self.actors.call("leave_sync_group", phase="sync-join")
+        self.engines.abandon_sync(survivors)
+        self.join_group()
 
     def admit_late_engines(self, wait: bool = False) -> list[int]:
         """Late engines (rollout.startup_engines) that are up join the run: the sync group is
@@ -78,10 +89,10 @@ class WeightSync:
         joined = self.engines.admit_late_engines(wait=wait)
         if not joined:
             return joined
-        self.call_actors("leave_sync_group", phase="sync-join")
+        self.actors.call("leave_sync_group", phase="sync-join")
         self.engines.leave_sync_group()  # a no-op on the engines that just joined
         self._build_plan()
-        self.join_sync_group()
+        self.join_group()
         print(f"mcore-rl: rollout engine(s) {joined} up (start-up "
               f"{', '.join(f'{self.engines.startup_s[i]:.1f}' for i in joined)} s) and "
               f"joined: {self.engines.num_engines} of {self.cfg.rollout.engines} engines "
@@ -89,21 +100,22 @@ class WeightSync:
         return joined
 
     def sync_once(self) -> dict[str, float]:
+        """One sync into every engine of the group; raises SyncFailed naming the engines
+        that died (rl/recovery.py restarts them)."""
         plan = self._plan_sender.payload()  # the whole plan once per group, then its reference
         self.engines.begin_sync(plan, dtype=torch_dtype(self.cfg.wire_dtype),
                                 timeout_s=self.cfg.deadlines.sync_s)
-        self.recovery.inject("sync")
-        stats = self._finish_sync(plan)
+        self.kills.inject("sync")
+        stats = self.finish_sync(plan)
         self._plan_sender.delivered()
         return stats
 
-    def _finish_sync(self, plan) -> dict[str, float]:
+    def finish_sync(self, plan) -> dict[str, float]:
         """The trainer side of a started sync. A failure is blamed on the engines that died,
         by name, when there are any (a bare transport error only says a peer left)."""
         try:
-            stats = self.call_actors("send_weights", plan, self.cfg.wire_dtype,
-                                self.cfg.deadlines.sync_s,
-                                phase="sync")
+            stats = self.actors.call("send_weights", plan, self.cfg.wire_dtype,
+                                     self.cfg.deadlines.sync_s, phase="sync")
             self.engines.finish_sync()
         except WatchdogTimeout:
             raise

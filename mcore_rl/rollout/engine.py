@@ -70,7 +70,9 @@ class Completion:
     versions: tuple[int, ...] = ()
 
 
-def _on_cpu() -> bool:
+def _standalone_on_cpu() -> bool:
+    """Whether an engine started outside a run (no run plan: tests, `bench rollout`) runs on
+    the host: no CUDA here."""
     return not torch.cuda.is_available()
 
 
@@ -81,18 +83,20 @@ class RolloutEngine(EngineSync):
     sync ranks). call_timeout_s: deadline of every worker RPC and of the sync's receives that
     is not given per call (a run passes its deadlines.engine_call_s). seed: vLLM's engine seed
     (unseeded sampling only; per-request seeds come from SamplingConfig; a run passes
-    `derive_seed(seed, "engine")`). Start-up time is in `startup_s`.
+    `derive_seed(seed, "engine")`). device: "cpu" or "cuda", the device kind the run plan
+    resolved (None: an engine outside a run, on CUDA where there is one). Start-up time is in
+    `startup_s`.
     """
 
     def __init__(self, model_dir: str | Path, cfg: RolloutConfig, *, call_timeout_s: float,
-                 engine_index: int = 0, seed: int = 0):
+                 engine_index: int = 0, seed: int = 0, device: str | None = None):
         if not call_timeout_s > 0:
             raise ConfigError("call_timeout_s", call_timeout_s, "must be > 0 seconds")
         if seed < 0:
             raise ConfigError("seed", seed, "must be >= 0")
         self.cfg, self.index, self.call_timeout_s = cfg, engine_index, call_timeout_s
         self.seed = seed
-        self.on_cpu = _on_cpu()
+        self.on_cpu = _standalone_on_cpu() if device is None else not device.startswith("cuda")
         self._sync_thread: threading.Thread | None = None
         self._sync_result: dict[str, Any] = {}
         self._sync_plan = None

@@ -51,7 +51,8 @@ class EngineHost:
         """devices: this engine's TP device slots on its node, from the run's placement plan
         (None without one). narrow_visible_devices (a GPU placement): CUDA_VISIBLE_DEVICES is
         narrowed to those slots before anything here touches CUDA, so vLLM's TP rank t then
-        computes on cuda:t."""
+        computes on cuda:t. With a placement plan the engine's device kind is the plan's (a GPU
+        placement: CUDA), never re-derived here."""
         if stack_dir:  # the controller's watchdog asks for stacks with SIGUSR1
             configure_process_logs(Path(stack_dir).parent, f"engine{index}")
             self._stack_file = arm_stack_dump(stack_dir, f"engine{index}")
@@ -61,8 +62,9 @@ class EngineHost:
             from mcore_rl.launch.placement import restrict_visible_devices
 
             restrict_visible_devices(devices)
+        planned = None if devices is None else ("cuda" if narrow_visible_devices else "cpu")
         self.engine = RolloutEngine(model_dir, cfg, engine_index=index,
-                                    call_timeout_s=call_timeout_s, seed=seed)
+                                    call_timeout_s=call_timeout_s, seed=seed, device=planned)
 
     def ready(self) -> dict[str, Any]:
         import ray

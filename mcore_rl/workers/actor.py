@@ -40,8 +40,9 @@ class ActorWorker:
                  parallel: ParallelConfig, train: TrainConfig, hf_dir: str,
                  timeout_s: float = 600.0, *, critic_train: TrainConfig | None = None,
                  reference: bool = False, stack_dir: str | None = None,
-                 inject_stall: str | None = None, device: int | None = None,
-                 layer_spec: str = "local", seed: int = derive_seed(0, "train")):
+                 inject_stall: str | None = None, slot: int | None = None,
+                 device: str = "cpu", layer_spec: str = "local",
+                 seed: int = derive_seed(0, "train")):
         """Roles colocated on this rank: the actor always; a critic (PPO) when
         `critic_train` is given; a frozen reference policy when `reference`.
         seed: megatron's weight init and RNG tracker of every model here (the run's
@@ -50,8 +51,10 @@ class ActorWorker:
         (`ResolvedRun.layer_spec`: "local" or "te"); it also names the tensors loaded and sent.
         stack_dir: where this process dumps its stacks on SIGUSR1 (the watchdog).
         inject_stall: fault injection for watchdog tests ("<phase>@rank<r>").
-        device: this rank's device on its node (the run's placement plan); on GPU it becomes
-        the current CUDA device before anything is allocated."""
+        slot: this rank's device index on its node (the run's placement plan; reported by
+        `where`). device: the torch device it computes on, as the run plan resolved it
+        (`ResolvedRun.actor_devices[rank]`: "cpu" or "cuda:<i>"); a CUDA device becomes the
+        current one before anything is allocated."""
         if stack_dir:  # the run directory: stacks for the watchdog, library logs (quiet console)
             configure_process_logs(Path(stack_dir).parent, f"rank{rank}")
             self._stack_file = arm_stack_dump(stack_dir, f"rank{rank}")
@@ -60,7 +63,7 @@ class ActorWorker:
         from mcore_rl.megatron.value import FrozenModel, attach_value_head
         from mcore_rl.megatron.train import setup_trainer
 
-        self.device = device
+        self.slot, self.device = slot, device
         self.groups = join_worker_world(rank, world_size, store_address, parallel,
                                         timeout_s=timeout_s, device=device)
         self.rank, self.spec, self.parallel = rank, spec, parallel
@@ -362,7 +365,7 @@ class ActorWorker:
         import ray
 
         context = ray.get_runtime_context()
-        return {"node_id": context.get_node_id(), "device": self.device,
+        return {"node_id": context.get_node_id(), "slot": self.slot, "device": self.device,
                 "placement_group": context.get_placement_group_id()}
 
     def shutdown(self) -> bool:

@@ -62,7 +62,7 @@ def _names_on_device(rank, world, device, layer_spec_name):
 
     on = join_world(rank, world, device)
     parallel = ParallelConfig()
-    groups = init_training_groups(parallel)
+    groups = init_training_groups(parallel, device=str(on))
     out = {}
     for name, spec in SPECS.items():
         (chunk,) = build_gpt_model(spec, parallel, groups, layer_spec=layer_spec_name)

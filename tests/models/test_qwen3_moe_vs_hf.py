@@ -69,7 +69,8 @@ def _megatron_logits(rank, world, cases):
         parallel = ParallelConfig(**parallel_kw)
         groups = init_training_groups(parallel)
         config = transformer_config_from_spec(
-            spec, parallel, moe=MoEOptions(dispatcher=dispatcher or "allgather"))
+            spec, parallel, moe=MoEOptions(dispatcher=dispatcher or "allgather"),
+            device=groups.device)
         chunks = build_gpt_model(spec, parallel, groups, config=config)
         shards = materialize_rank(megatron_shards(spec, parallel), rank,
                                   lambda n: torch.from_numpy(weights[n]))

@@ -27,7 +27,8 @@ def _step(rank: int, world: int) -> dict:
     positions = torch.arange(16).expand(2, 16)
     out = {}
     for mode in MODES:
-        config = transformer_config_from_spec(spec, parallel, recompute=mode)
+        config = transformer_config_from_spec(spec, parallel, recompute=mode,
+                                              device=groups.device)
         (model,) = build_gpt_model(spec, parallel, groups, seed=7, config=config)
         model.train()
         calls = {"attn": 0, "layer": 0}
@@ -84,4 +85,5 @@ def test_bad_recompute_value():
     from mcore_rl.parallel.config import ParallelConfig
 
     with pytest.raises(ValueError, match="recompute='some'"):
-        transformer_config_from_spec(get_preset("micro"), ParallelConfig(), recompute="some")
+        transformer_config_from_spec(get_preset("micro"), ParallelConfig(), recompute="some",
+                                     device="cpu")

@@ -140,3 +140,29 @@ def test_ipc_never_crosses_a_node(name, overrides):
     if name == "qwen3-30b-a3b.yaml" or overrides:  # colocated on 2 nodes: half of it can
         # only come from the other node's pipeline stage — over the network now
         assert traffic["network_bytes"] == traffic["p2p_bytes"] > 0
+
+
+@pytest.mark.parametrize("name,overrides", GPU_RUNS)
+def test_trainers_are_built_before_engines_start_on_shared_devices(name, overrides):
+    """B6: vLLM sizes itself against the free memory it measures at start-up and asserts that
+    no other process frees memory while it profiles (vllm/v1/worker/utils.py request_memory,
+    gpu_worker.py determine_available_memory), so trainers still allocating on the same
+    devices fail its start. Where devices are shared the run builds the trainers first;
+    disaggregated runs start both at once."""
+    cfg = _load(CONFIGS / "gpu" / name, *overrides)
+    run = resolve_run(cfg, cuda_available=False)
+    shared = {s for e in run.placement.engines for s in e} & set(run.placement.actor)
+    assert run.trainers_first is bool(shared)
+    assert run.trainers_first is (cfg.cluster.placement == "colocated")
+    assert run.summary()["trainers_first"] is run.trainers_first
+
+
+def test_a_cpu_colocated_run_follows_the_gpu_start_up_order():
+    """The CPU twin of B6: the colocated CPU controller test starts the same way."""
+    run = resolve_run(_load(CONFIGS / "tiny_ci.yaml", "cluster.device=cpu",
+                            "cluster.gpus_per_node=2", "cluster.device_gib=8",
+                            "cluster.reserve_gib=0", "cluster.placement=colocated",
+                            "actor.tp=2", "rollout.engines=2", "rollout.enable_sleep=true"),
+                     cuda_available=False)
+    assert run.trainers_first
+    assert not resolve_run(_load(CONFIGS / "tiny_ci.yaml"), cuda_available=False).trainers_first

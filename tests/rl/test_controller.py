@@ -107,14 +107,17 @@ def test_colocated_placement_sleeps_engines_and_packs(tmp_path):
         controller.reset_optimizer()
         controller.sync_weights()
         steps = [controller.rl_step(step) for step in (1, 2)]
-        ranks = controller._wait([w.where.remote() for w in controller.workers], "startup")
+        ranks = controller.actors.call("where", phase="startup")
         engines = controller.engines.where
     finally:
         controller.shutdown()
     group = ranks[0]["placement_group"]
     assert group is not None
     assert all(r["placement_group"] == group for r in ranks + engines)
-    assert [r["device"] for r in ranks] == [0, 1]
+    assert controller.run.trainers_first  # built before the engines start (issue #30, B6)
+    assert [r["slot"] for r in ranks] == [0, 1]
+    # each rank computes on the device the run plan resolved for it (C2, issue #30)
+    assert [r["device"] for r in ranks] == list(controller.run.actor_devices) == ["cpu"] * 2
     assert [e["devices"] for e in engines] == [[0], [1]]  # engine rank d on actor device d
     for m in steps:
         assert m["timing_s/sleep"] >= 0 and m["timing_s/wake"] >= 0
@@ -152,10 +155,10 @@ def test_reward_model_scores_rollouts_in_the_loop(tmp_path):
     try:
         controller.reset_optimizer()
         controller.sync_weights()
-        rollouts = controller.collect(1, PhaseTimer())
+        rollouts = controller.sampler.collect(1, PhaseTimer())
         metrics = controller.rl_step(2)
         prompts = rollouts.prompt_ids
-        assert prompts == [controller.encode(e.prompt) for e in rollouts.examples]
+        assert prompts == [controller.sampler.encode(e.prompt) for e in rollouts.examples]
     finally:
         controller.shutdown()
     hf = AutoModelForSequenceClassification.from_pretrained(rm_dir, torch_dtype=torch.float32)
@@ -185,10 +188,10 @@ def test_bf16_wire_sync_halves_the_bytes(tmp_path):
         controller.reset_optimizer()
         first = controller.sync_weights()
         step = controller.rl_step(1)
-        elements = sum(t.numel for round_ in controller.plan.rounds for t in round_)
+        elements = sum(t.numel for round_ in controller.weight_sync.plan.rounds for t in round_)
     finally:
         controller.shutdown()
-    assert controller.plan.element_size == 2
+    assert controller.weight_sync.plan.element_size == 2
     assert first["sync_bytes"] == step["sync_bytes"] == 2 * elements
     # bf16 keeps 8 mantissa bits: the engine's weights are the actor's, rounded
     assert 0 < step["rollout_logprob_max_diff"] < 0.1, step["rollout_logprob_max_diff"]
@@ -232,13 +235,13 @@ def test_a_late_engine_joins_at_a_sync_and_samples_from_the_actors_weights(tmp_p
     try:
         # admission happens only at a sync: engine 1 is started, not in the run
         assert controller.engines.num_engines == 1 and controller.engines.late_pending == 1
-        assert controller.plan.num_dst == 1
+        assert controller.weight_sync.plan.num_dst == 1
         controller.reset_optimizer()
         first = controller.rl_step(1)  # engine 0 alone (the engines hold model_dir's weights)
         joined = controller.admit_late_engines(wait=True)  # the bench's steady state
         sync = controller.sync_weights()
         second = controller.rl_step(2)
-        num_dst, late = controller.plan.num_dst, controller.engines.late_pending
+        num_dst, late = controller.weight_sync.plan.num_dst, controller.engines.late_pending
     finally:
         controller.shutdown()
     assert first["rollout_engines"] == 1 and first["grad_norm"] > 0

@@ -10,6 +10,7 @@ from mcore_rl.run.config import RLConfig
 
 from .test_sync_integration import BASE
 from tests.support import DEMO_SIZED
+from tests.support.rl_runs import step_then_sample
 
 
 def hf_model_from_state(model_dir, state, out):
@@ -34,28 +35,15 @@ MOE = ["model.experts=4", "model.experts_per_token=2", "model.expert_ffn=64", "m
 def test_megatron_ep2_to_vllm_matches_hf(tmp_path):
     from mcore_rl.layouts import assemble_hf, megatron_shards
     from mcore_rl.models.hf_reference import load_hf_model, token_logprobs
-    from mcore_rl.rollout.engine import SamplingConfig
-    from mcore_rl.tasks.tokenizer import encode_prompt
-    from mcore_rl.rl.controller import RLController
     from mcore_rl.run.train import build_demo_model
 
     cfg = load_config(RLConfig, DEMO_SIZED, BASE + MOE + ["actor.tp=1", "actor.dp=2", "actor.ep=2",
                                                     "rollout.tp=2"])
     model_dir = build_demo_model(cfg, tmp_path)
-    controller = RLController(cfg, model_dir, tmp_path)
-    try:
-        controller.reset_optimizer()
-        controller.sync_weights()
-        step = controller.rl_step(1)  # updates the actor, then syncs
-        assert step["grad_norm"] > 0
-        shards = controller.call_actors("export_weights", phase="save")
-        texts = controller.task.heldout_prompts(8, seed=3)
-        prompts = [encode_prompt(controller.tokenizer, t) for t in texts]
-        sampled = controller.generate(prompts, SamplingConfig(temperature=1.0, n=2, seed=5,
-                                                               max_tokens=5))
-    finally:
-        controller.shutdown()
-    hf_state = assemble_hf(megatron_shards(controller.spec, cfg.actor), dict(enumerate(shards)))
+    run = step_then_sample(cfg, model_dir, tmp_path)
+    prompts, sampled = run["prompts"], run["sampled"]
+    assert run["step"]["grad_norm"] > 0  # the actor updated, then synced
+    hf_state = assemble_hf(megatron_shards(run["spec"], cfg.actor), run["shards"])
     model = hf_model_from_state(model_dir, hf_state, tmp_path / "synced")
     before = load_hf_model(model_dir)              # the weights vLLM started from
     worst, stale = 0.0, 0.0

@@ -49,9 +49,9 @@ def test_multi_turn_steps_through_the_controller(tmp_path):
     try:
         controller.reset_optimizer()
         controller.sync_weights()
-        rollouts = controller.collect(1, PhaseTimer())
+        rollouts = controller.sampler.collect(1, PhaseTimer())
         steps = [controller.rl_step(step) for step in (1, 2)]
-        obs = controller.tokenizer(OBSERVATION, add_special_tokens=False)["input_ids"]
+        obs = controller.sampler.tokenizer(OBSERVATION, add_special_tokens=False)["input_ids"]
     finally:
         controller.shutdown()
     episodes = [e for group in rollouts.completions for e in group]

@@ -1,6 +1,7 @@
 """Defect 1 of issue #12: the sync group's backend is the resolved run's, so a GPU run's
 `cluster.sync_backend: nccl` reaches the group the controller builds (it used to be gloo
-always). No Ray, no workers: the controller's own join step runs against stub engines."""
+always). No Ray, no workers: the weight sync's own join step runs against stub engines and
+actor ranks."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from mcore_rl.config import load_config
 from mcore_rl.planning.resolve import resolve_run
 from mcore_rl.resharding import SyncGroupSpec, sync_group_spec
 from mcore_rl.resharding.plan_cache import PlanSender
-from mcore_rl.rl.controller import RLController
+from mcore_rl.rl.weight_sync import WeightSync
 from mcore_rl.run.config import RLConfig
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
@@ -37,6 +38,16 @@ class _Worker:
         return spec
 
 
+class _Actors:
+    """ActorRanks' handles and wait (the refs are the results here)."""
+
+    def __init__(self, workers: list):
+        self.workers = workers
+
+    def wait(self, refs, phase):
+        return refs
+
+
 class _Engines:
     def __init__(self, num_engines: int):
         self.specs: list[SyncGroupSpec] = []
@@ -59,24 +70,23 @@ class _Plan:
 def test_controller_builds_the_sync_group_of_the_resolved_run(name, assume_gpu, backend):
     cfg = load_config(RLConfig, CONFIGS / name)
     run = resolve_run(cfg, assume_gpu=assume_gpu, cuda_available=False)
-    controller = object.__new__(RLController)  # its join step only; no workers
-    controller.cfg, controller.run, controller.host = cfg, run, "127.0.0.1"
-    controller.engines = _Engines(cfg.rollout.engines)
+    sync = object.__new__(WeightSync)  # its join step only; no plan, no workers
+    sync.cfg, sync.run, sync.host = cfg, run, "127.0.0.1"
+    sync.engines = _Engines(cfg.rollout.engines)
     to_actors: list = []
-    controller.workers = [_Worker(to_actors) for _ in range(cfg.actor.world_size)]
-    controller._wait = lambda refs, phase: refs
-    controller._sync_groups_formed = 0  # the first group of the run
-    controller._plan_sender = PlanSender(_Plan())
-    controller.join_sync_group()
-    (spec,) = controller.engines.specs
+    sync.actors = _Actors([_Worker(to_actors) for _ in range(cfg.actor.world_size)])
+    sync.groups_formed = 0  # the first group of the run
+    sync._plan_sender = PlanSender(_Plan())
+    sync.join_group()
+    (spec,) = sync.engines.specs
     # actor ranks and engines join the same group, each rank on its resolved device
     assert to_actors == [(spec, device) for device in run.actor_devices]
-    assert controller.engines.devices == run.engine_devices
+    assert sync.engines.devices == run.engine_devices
     assert spec.transports == run.transports
     assert spec.backend == backend == run.sync_backend
     assert spec.world_size == cfg.actor.world_size + cfg.rollout.tp * cfg.rollout.engines
     assert spec.timeout_s == cfg.deadlines.sync_s
-    controller._store = None  # the TCPStore it hosted
+    sync._store = None  # the TCPStore it hosted
 
 
 def test_sync_group_spec_reads_only_the_resolved_run():

@@ -16,6 +16,7 @@ import torch
 from mcore_rl.config import load_config
 from mcore_rl.run.config import RLConfig
 from tests.support import DEMO_SIZED
+from tests.support.rl_runs import step_then_sample
 
 BASE = ["warmup.max_steps=0", "steps=1", "prompts_per_step=4", "samples_per_prompt=4",
         "updates_per_batch=1", "train.micro_batch_size=8", "train.optimizer.lr=0.05",
@@ -34,30 +35,16 @@ def hf_model_with(model_dir, state):
 def test_megatron_tp2pp2_to_vllm_tp2_matches_hf(tmp_path):
     from mcore_rl.layouts import assemble_hf, megatron_shards
     from mcore_rl.models.hf_reference import greedy_generate, token_logprobs, top2_margin
-    from mcore_rl.rollout.engine import SamplingConfig
-    from mcore_rl.tasks.tokenizer import encode_prompt
-    from mcore_rl.rl.controller import RLController
     from mcore_rl.run.train import build_demo_model
 
     cfg = load_config(RLConfig, DEMO_SIZED, BASE + ["actor.tp=2", "actor.pp=2", "rollout.tp=2"])
     model_dir = build_demo_model(cfg, tmp_path)
-    controller = RLController(cfg, model_dir, tmp_path)
-    try:
-        controller.reset_optimizer()
-        controller.sync_weights()
-        step = controller.rl_step(1)  # updates the actor, then syncs
-        assert step["grad_norm"] > 0
-        # disaggregated: every byte goes point to point over the sync group
-        assert controller.run.transports == ("p2p",) and step["sync_bytes_ipc"] == 0
-        shards = controller.call_actors("export_weights", phase="save")
-        texts = controller.task.heldout_prompts(8, seed=3)
-        prompts = [encode_prompt(controller.tokenizer, t) for t in texts]
-        sampled = controller.generate(prompts, SamplingConfig(temperature=1.0, n=2, seed=5,
-                                                               max_tokens=5))
-        greedy = controller.generate(prompts, SamplingConfig(temperature=0.0, max_tokens=5))
-    finally:
-        controller.shutdown()
-    hf_state = assemble_hf(megatron_shards(controller.spec, cfg.actor), dict(enumerate(shards)))
+    run = step_then_sample(cfg, model_dir, tmp_path, greedy=True)
+    step, prompts, sampled, greedy = run["step"], run["prompts"], run["sampled"], run["greedy"]
+    assert step["grad_norm"] > 0  # the actor updated, then synced
+    # disaggregated: every byte goes point to point over the sync group
+    assert run["run"].transports == ("p2p",) and step["sync_bytes_ipc"] == 0
+    hf_state = assemble_hf(megatron_shards(run["spec"], cfg.actor), run["shards"])
     model = hf_model_with(model_dir, hf_state)
     worst = 0.0
     for prompt, outs in zip(prompts, sampled):
@@ -81,11 +68,11 @@ def test_engine_killed_mid_sync_is_named_within_the_deadline(tmp_path):
     cfg = load_config(RLConfig, DEMO_SIZED, BASE + ["actor.tp=2", "deadlines.sync_s=20"])
     controller = RLController(cfg, build_demo_model(cfg, tmp_path), tmp_path)
     try:
-        controller.engines.begin_sync(controller.plan, timeout_s=20)
+        controller.engines.begin_sync(controller.weight_sync.plan, timeout_s=20)
         os.kill(controller.engines.pids[0], signal.SIGKILL)
         start = time.monotonic()
         with pytest.raises(SyncFailed, match=r"rollout engine\(s\) \[0\] died") as info:
-            controller._finish_sync(controller.plan)
+            controller.weight_sync.finish_sync(controller.weight_sync.plan)
         elapsed = time.monotonic() - start
     finally:
         controller.shutdown()

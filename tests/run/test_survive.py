@@ -197,7 +197,7 @@ def test_a_full_disk_and_a_dead_actor_rank_are_named(tmp_path):
         with pytest.raises(CheckpointWriteError) as full_disk:
             controller.save_checkpoint(2)
         assert controller.load_checkpoint(root) == 1  # the previous one, still loadable
-        pid = controller.worker_pids[1]
+        pid = controller.actors.pids[1]
         os.kill(pid, signal.SIGKILL)
         start = time.monotonic()
         with pytest.raises(WorkerDied) as died:

@@ -136,7 +136,7 @@ def train_layout(rank: int, spec: ModelSpec, parallel_kw: dict, dtype: str = "fp
                                                  train_step)
 
     parallel = ParallelConfig(**parallel_kw)
-    groups = init_training_groups(parallel)
+    groups = init_training_groups(parallel, device=str(on))
     shard_map = megatron_shards(spec, parallel, layer_spec=layer_spec)
     hf = hf_init(spec)
     initial = materialize_rank(shard_map, rank, hf.__getitem__)

@@ -26,3 +26,32 @@ def run_steps(cfg, model_dir, out, steps, *, resume_from=None, save_at=None):
         return metrics, controller.weights_digests(), checkpoint
     finally:
         controller.shutdown()
+
+
+def step_then_sample(cfg, model_dir, out, *, greedy: bool = False) -> dict:
+    """One RL step (the actor updates, then syncs), then the engines sample 8 held-out prompts
+    (T=1, two samples each; with `greedy`, also greedy). Returns the step's metrics, the
+    actor's shards per rank, the prompts, the samples, the greedy outputs (or None), the
+    model spec and the resolved run — what the sync-vs-HF checks compare."""
+    from mcore_rl.rl.controller import RLController
+    from mcore_rl.rollout.engine import SamplingConfig
+    from mcore_rl.tasks.tokenizer import encode_prompt
+
+    controller = RLController(cfg, model_dir, out)
+    try:
+        controller.reset_optimizer()
+        controller.sync_weights()
+        step = controller.rl_step(1)
+        shards = controller.call_actors("export_weights", phase="save")
+        sampler = controller.sampler
+        prompts = [encode_prompt(sampler.tokenizer, t)
+                   for t in sampler.task.heldout_prompts(8, seed=3)]
+        sampled = sampler.generate(prompts, SamplingConfig(temperature=1.0, n=2, seed=5,
+                                                           max_tokens=5))
+        greedy_outs = (sampler.generate(prompts, SamplingConfig(temperature=0.0, max_tokens=5))
+                       if greedy else None)
+    finally:
+        controller.shutdown()
+    return {"step": step, "shards": dict(enumerate(shards)), "prompts": prompts,
+            "sampled": sampled, "greedy": greedy_outs, "spec": controller.spec,
+            "run": controller.run}

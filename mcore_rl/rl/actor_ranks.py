@@ -1,0 +1,86 @@
+"""The actor's Ray workers, one per Megatron rank (mcore_rl/workers/actor.py), as the
+controller sees them: a call on every rank under the phase's deadline, and per-token passes
+assembled over data parallelism."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from mcore_rl.config.seeds import derive_seed
+from mcore_rl.launch.watchdog import Watchdog, collect_or_name_dead
+from mcore_rl.resharding import host_store
+from mcore_rl.rollout.batches import Batch
+
+if TYPE_CHECKING:  # the run layer above builds the config
+    from mcore_rl.run.config import RLConfig
+
+
+class ActorRanks:
+    """Starts the ranks in the placement's slots and calls them. The actor world meets at a
+    store the controller hosts (not on whichever node rank 0 lands), so no worker needs to
+    know another node's address."""
+
+    def __init__(self, cfg: RLConfig, model_dir: Path, *, spec, run, placement, host: str,
+                 watchdog: Watchdog, critic: bool, reference: bool):
+        import ray
+
+        from mcore_rl.workers.actor import ActorWorker
+
+        self.deadlines, self.watchdog, self.dp = cfg.deadlines, watchdog, cfg.actor.dp
+        self.pids: list[int] = []  # known once the ranks answer (`wait_started`)
+        self._output_slots: list[int | None] | None = None  # fixed by the grid: asked once
+        world = cfg.actor.world_size
+        self._store = host_store(host, world_size=world + 1, timeout_s=cfg.deadlines.startup_s)
+        slots, remote_cls = placement.plan.actor, ray.remote(num_cpus=0)(ActorWorker)
+        self.workers = [remote_cls.options(**placement.options_for_node(slots[rank].node)).remote(
+            rank, world, (host, self._store.port), spec, cfg.actor,
+            cfg.warmup.train, str(model_dir),
+            cfg.deadlines.train_s, critic_train=cfg.critic_train if critic else None,
+            reference=reference, stack_dir=str(watchdog.stack_dir),
+            inject_stall=cfg.inject_stall, slot=slots[rank].device,
+            device=run.actor_devices[rank],
+            layer_spec=run.layer_spec, seed=derive_seed(cfg.seed, "train"))
+            for rank in range(world)]
+        watchdog.watch("rank", lambda: self.pids)
+
+    def wait_started(self) -> None:
+        """Every rank up (model built, weights loaded), under the start-up deadline."""
+        self.pids = self.call("pid", phase="startup")
+
+    def wait(self, refs: list, phase: str) -> list:
+        """The ranks' results under the phase's deadline; past it, the watchdog names who is
+        late (a rank that died is named at once)."""
+        deadline = self.deadlines.for_phase(phase)
+        # results as they arrive: a rank that died fails the phase at once, by name, rather
+        # than after its peers' collective timeout
+        values = collect_or_name_dead(refs, deadline, phase, self.pids or None)
+        if len(values) < len(refs):
+            late = [f"actor rank {i}" for i in range(len(refs)) if i not in values]
+            raise self.watchdog.timeout(phase, deadline, late)
+        return [values[i] for i in range(len(refs))]
+
+    def call(self, method: str, *args, phase: str) -> list:
+        """`method(*args)` on every rank; their results in rank order."""
+        return self.wait([getattr(w, method).remote(*args) for w in self.workers], phase)
+
+    def per_token(self, method: str, batch: Batch, phase: str) -> torch.Tensor:
+        """A forward-only pass on every rank; one [n, s] result, assembled over DP. The
+        response mask tells packed passes where each row's real tokens end."""
+        outs = self.call(method, batch.tokens, batch.labels, batch.mask, phase=phase)
+        if self._output_slots is None:
+            self._output_slots = self.call("dp_rank_of_output", phase=phase)
+        by_dp = {dp: out for dp, out in zip(self._output_slots, outs) if dp is not None}
+        return torch.cat([by_dp[d] for d in range(self.dp)])
+
+    def shutdown(self, timeout_s: float = 10.0) -> None:
+        """Ask every rank to stop; one stuck in a collective is left to Ray's shutdown."""
+        import ray
+
+        ray.wait([w.shutdown.remote() for w in self.workers], num_returns=len(self.workers),
+                 timeout=timeout_s)
+
+
+__all__ = ["ActorRanks"]
