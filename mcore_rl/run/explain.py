@@ -23,10 +23,26 @@ LAYER_SPECS = {"te": "te (TransformerEngine: fused norm + linear names, flash at
 # "ipc": the engine's ranks share devices with actor ranks (CUDA IPC on GPU, shared memory on
 # CPU); "p2p": sends and receives over the sync group.
 TRANSPORTS = {"p2p": "p2p (sync group)", "ipc": "ipc (devices shared with actor ranks)"}
-# rollout.expert_parallel (MoE models; dense models have no experts either way)
+# rollout.expert_parallel (MoE models only: a dense model has no experts to place)
 EXPERTS = {False: "split over TP (every engine rank holds a slice of every expert)",
            True: "expert parallel (each engine rank holds whole experts, vLLM's linear "
                  "placement)"}
+START_UP = {True: "trainers first, then the engines (devices shared: vLLM sizes itself "
+                  "against the free memory it measures at start-up)",
+            False: "trainers and engines together"}
+
+
+def hosted_roles(cfg) -> str:
+    """What the actor ranks host besides the policy, and where the reward model runs."""
+    roles = [name for name, on in (
+        ("critic (GAE)", cfg.algorithm.advantage_estimator == "gae"),
+        ("reference policy (KL)", cfg.algorithm.kl_coeff > 0)) if on]
+    hosted = (" and ".join(roles) + " on the actor ranks' devices, beside the policy"
+              if roles else "the policy only")
+    if cfg.reward_model.enabled:
+        hosted += ("; reward model: its own ranks on the actor ranks' devices "
+                   f"(tp {cfg.reward_model.parallel.tp})")
+    return hosted
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -44,8 +60,9 @@ def _where(slot, device: str) -> str:
     return f"node {slot.node} · {device}"
 
 
-def render(run, title: str):
-    """The resolved run as rich renderables: the run, its engines, its actor ranks."""
+def render(run, title: str, *, moe: bool, roles: str):
+    """The resolved run as rich renderables: the run, its engines, its actor ranks. moe: the
+    model has experts (the engines' expert placement is shown); roles: `hosted_roles`."""
     from rich.table import Table
 
     c = run.cluster
@@ -62,7 +79,9 @@ def render(run, title: str):
                            f"each ({c.reserve_gib:g} reserved)"),
             ("dtypes", f"actor params {run.param_dtype} · engines {run.rollout_dtype} · "
                        f"weight sync {run.wire_dtype}"),
-            ("vLLM experts", EXPERTS[run.expert_parallel])):
+            ("start-up", START_UP[run.trainers_first]),
+            ("roles", roles),
+            *([("vLLM experts", EXPERTS[run.expert_parallel])] if moe else [])):
         facts.add_row(what, value)
     engines = Table(title="engines", title_justify="left")
     for name in ("engine", "tp", "transport", "devices (tp rank order)"):
@@ -91,8 +110,8 @@ def run_explain(args) -> int:
 
     try:
         cfg = load_config(RLConfig, args.config, list(args.overrides))
-        errors = [p for p in preflight(sized_run(cfg, assume_gpu=args.assume_gpu),
-                                       only=GRID_CHECKS) if p.severity == "error"]
+        sized = sized_run(cfg, assume_gpu=args.assume_gpu)
+        errors = [p for p in preflight(sized, only=GRID_CHECKS) if p.severity == "error"]
         if not errors:
             run = resolve_run(cfg, assume_gpu=args.assume_gpu)
     except ConfigError as err:
@@ -104,7 +123,8 @@ def run_explain(args) -> int:
         return CONFIG_ERROR_EXIT
     how = " (GPU assumed)" if args.assume_gpu else ""
     console = Console(width=120, soft_wrap=False)
-    for table in render(run, f"{args.config}{how}: what will run"):
+    for table in render(run, f"{args.config}{how}: what will run", moe=sized.spec.is_moe,
+                        roles=hosted_roles(cfg)):
         console.print(table)
     sys.stdout.flush()
     from mcore_rl.planning.sync_traffic import explain_traffic

@@ -102,3 +102,25 @@ def test_explain_refuses_a_grid_preflight_refuses(no_cuda, capsys):
     (tp,) = [p for p in problems if p.check == "train-tp"]
     assert line == f"mcore-rl explain: [train-tp] {tp.message} (fix: {tp.fix})"
     assert "actor.tp=3: does not divide num_attention_heads=4" in line
+
+
+def test_explain_shows_start_up_order_and_roles_and_no_experts_for_dense(no_cuda, capsys):
+    """A dense model has no expert placement to show; the start-up order follows the
+    placement (issue #30, B6) and the roles say where the critic, the reference policy and
+    the reward model run."""
+    l8 = str(CONFIGS / "gpu" / "llama3-8b.yaml")  # dense, colocated
+    assert main(["explain", l8, "--assume-gpu", "algorithm.advantage_estimator=gae",
+                 "algorithm.kl_coeff=0.05"]) == 0
+    out = capsys.readouterr().out
+    assert "vLLM experts" not in out
+    assert "start-up     │ trainers first, then the engines" in out
+    assert ("roles        │ critic (GAE) and reference policy (KL) on the actor ranks' "
+            "devices") in out
+    assert json.loads(out.strip().splitlines()[-1])["trainers_first"] is True
+    seventy = str(CONFIGS / "gpu" / "llama3-70b.yaml")  # disaggregated, GRPO with a KL term
+    assert main(["explain", seventy]) == 0
+    out = capsys.readouterr().out
+    assert "start-up     │ trainers and engines together" in out
+    assert "roles        │ reference policy (KL) on the actor ranks' devices" in out
+    assert main(["explain", seventy, "algorithm.kl_coeff=0"]) == 0
+    assert "roles        │ the policy only" in capsys.readouterr().out
