@@ -386,12 +386,15 @@ def _add_cluster_parser(sub, name: str) -> argparse.ArgumentParser:
                         "(scripts/slurm/train.sbatch)",
              "ray-node": "join the Ray head (one srun task per worker node)"}
     p = sub.add_parser(name, help=helps[name])
-    p.add_argument("--port", type=int, default=None, help="head GCS port")
-    p.add_argument("--cpus-per-node", type=int, default=None)
+    p.add_argument("--port", type=int, default=None,
+                   help="the head's GCS port (default: Ray's)")
+    p.add_argument("--cpus-per-node", type=int, default=None,
+                   help="CPUs each node offers Ray (default: SLURM_CPUS_ON_NODE)")
     if name == "ray-run":
         p.add_argument("--join-timeout", type=float, default=None,
                        help="seconds for every node to join (default 180)")
-        p.add_argument("args", nargs=argparse.REMAINDER, help="-- mcore-rl arguments")
+        p.add_argument("args", nargs=argparse.REMAINDER, help="-- then the mcore-rl command to run as the driver, "
+                       "e.g. -- train configs/x.yaml")
     else:
         p.add_argument("--address", required=True, help="head HOST:PORT")
     return p
