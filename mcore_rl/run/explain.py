@@ -1,7 +1,12 @@
-"""`mcore-rl explain CONFIG [a.b=c ...] [--assume-gpu]`: what the run will do on this machine
-(or on an assumed GPU machine) — the resolved run (`mcore_rl.planning.resolve.ResolvedRun`)
-the controller hands to every worker, printed as tables, and as the last line one JSON object
-(`ResolvedRun.summary()`: at least layer_spec, sync_backend, transports — one per engine).
+"""`mcore-rl explain CONFIG [a.b=c ...] [--assume-gpu] [--ranks] [--json]`: what the run
+will do on this machine (or on an assumed GPU machine) — the resolved run
+(`mcore_rl.planning.resolve.ResolvedRun`) the controller hands to every worker.
+
+By default one short table: the run's shape (model, algorithm, batch, lengths), how it is
+resolved (device, layer spec, sync backend, dtypes, start-up order, roles) and its devices
+grouped by role. `--ranks` adds a row per engine and per actor rank. `--json` prints only one
+JSON object (`ResolvedRun.summary()` and one sync's bytes per engine by transport) — for
+scripts.
 
 Nothing is started and nothing is downloaded: the same pure resolution the controller runs.
 A run preflight's grid checks refuse (`planning.grid_checks.GRID_CHECKS`: a TP that does not
@@ -27,8 +32,8 @@ TRANSPORTS = {"p2p": "p2p (sync group)", "ipc": "ipc (devices shared with actor 
 EXPERTS = {False: "split over TP (every engine rank holds a slice of every expert)",
            True: "expert parallel (each engine rank holds whole experts, vLLM's linear "
                  "placement)"}
-START_UP = {True: "trainers first, then the engines (devices shared: vLLM sizes itself "
-                  "against the free memory it measures at start-up)",
+# vLLM sizes itself against the free memory it measures at start-up (ResolvedRun.trainers_first)
+START_UP = {True: "trainers first, then the engines (devices shared)",
             False: "trainers and engines together"}
 
 
@@ -48,11 +53,16 @@ def hosted_roles(cfg) -> str:
 def add_parser(sub: argparse._SubParsersAction) -> None:
     from mcore_rl.run.plan_cli import add_assume_gpu
 
-    p = sub.add_parser("explain", help="what a run config will run here: device, layer spec, "
-                                       "sync backend, transports, devices per rank")
+    p = sub.add_parser("explain", help="what a run config will run here: its shape, device, "
+                                       "layer spec, sync backend and devices by role")
     p.add_argument("config", help="run config YAML (e.g. configs/gpu/llama3-70b.yaml)")
     p.add_argument("overrides", nargs="*", help="a.b.c=value overrides")
     add_assume_gpu(p)
+    p.add_argument("--ranks", action="store_true",
+                   help="also a row per engine and per actor rank")
+    p.add_argument("--json", action="store_true",
+                   help="print only one JSON object (the resolved run and one sync's bytes "
+                        "per engine by transport) instead of the tables")
     p.set_defaults(func=run_explain)
 
 
@@ -60,41 +70,96 @@ def _where(slot, device: str) -> str:
     return f"node {slot.node} · {device}"
 
 
-def render(run, title: str, *, moe: bool, roles: str):
-    """The resolved run as rich renderables: the run, its engines, its actor ranks. moe: the
-    model has experts (the engines' expert placement is shown); roles: `hosted_roles`."""
+def _span(values: list[int]) -> str:
+    """Sorted integers as ranges: [0, 1, 2, 3, 6] -> "0–3, 6"."""
+    runs: list[list[int]] = []
+    for v in sorted(values):
+        if runs and v == runs[-1][-1] + 1:
+            runs[-1].append(v)
+        else:
+            runs.append([v])
+    return ", ".join(f"{r[0]}–{r[-1]}" if len(r) > 2 else ", ".join(map(str, r)) for r in runs)
+
+
+def _grouped(slots) -> str:
+    """Device slots grouped: nodes holding the same devices share one entry
+    ("nodes 0–3: devices 0–7")."""
+    by_node: dict[int, list[int]] = {}
+    for slot in slots:
+        by_node.setdefault(slot.node, []).append(slot.device)
+    groups: dict[str, list[int]] = {}
+    for node, devices in by_node.items():
+        groups.setdefault(_span(devices), []).append(node)
+    return "; ".join(f"{'nodes' if len(nodes) > 1 else 'node'} {_span(nodes)}: devices {devs}"
+                     for devs, nodes in groups.items())
+
+
+def shape_of(cfg, spec) -> list[tuple[str, str]]:
+    """The run's shape: model, algorithm, batch and lengths."""
+    kind = (f"MoE, {spec.num_experts} experts ({spec.experts_per_token} per token)"
+            if spec.is_moe else "dense")
+    algo = cfg.algorithm
+    kl = f", KL {algo.kl_coeff:g} ({algo.kl_mode})" if algo.kl_coeff > 0 else ""
+    return [
+        ("model", f"{spec.family} · {spec.num_params() / 1e9:.2f} B params · {kind} · "
+                  f"{spec.layers} layers · vocab {spec.vocab}"),
+        ("algorithm", f"{algo.advantage_estimator}{kl} · {cfg.steps} steps · "
+                      f"rollout {cfg.rollout.mode}"),
+        ("batch", f"{cfg.prompts_per_step} prompts × {cfg.samples_per_prompt} samples · "
+                  f"{cfg.updates_per_batch} update(s) per batch"),
+        ("lengths", f"prompt ≤ {cfg.max_prompt_tokens} · response ≤ {cfg.max_new_tokens} · "
+                    f"train seq_len {cfg.train.seq_len}"),
+    ]
+
+
+def render(run, title: str, *, cfg, spec, ranks: bool = False):
+    """The resolved run as rich renderables: one table of the run's shape, resolution and
+    devices by role; with `ranks`, a row per engine and per actor rank too."""
     from rich.table import Table
 
-    c = run.cluster
+    c, a = run.cluster, cfg.actor
     facts = Table(title=title, show_header=False, title_justify="left")
     facts.add_column("what", style="bold")
     facts.add_column("resolved")
-    for what, value in (
-            ("device", run.device),
-            ("layer spec", LAYER_SPECS[run.layer_spec]),
-            ("sync backend", run.sync_backend),
-            ("placement", f"{run.placement.placement}: {run.placement.nodes} node(s) × "
-                          f"{run.placement.devices_per_node} devices"),
-            ("allocation", f"{c.nodes} × {c.gpus_per_node} {c.device}, {c.device_gib:g} GiB "
-                           f"each ({c.reserve_gib:g} reserved)"),
-            ("dtypes", f"actor params {run.param_dtype} · engines {run.rollout_dtype} · "
-                       f"weight sync {run.wire_dtype}"),
-            ("start-up", START_UP[run.trainers_first]),
-            ("roles", roles),
-            *([("vLLM experts", EXPERTS[run.expert_parallel])] if moe else [])):
+    engines = run.placement.engines
+    transports = sorted(set(run.transports))
+    rows = [
+        *shape_of(cfg, spec),
+        ("device", run.device),
+        ("layer spec", LAYER_SPECS[run.layer_spec]),
+        ("sync backend", run.sync_backend),
+        ("placement", f"{run.placement.placement}: {run.placement.nodes} node(s) × "
+                      f"{run.placement.devices_per_node} devices"),
+        ("allocation", f"{c.nodes} × {c.gpus_per_node} {c.device}, {c.device_gib:g} GiB "
+                       f"each ({c.reserve_gib:g} reserved)"),
+        ("dtypes", f"actor params {run.param_dtype} · engines {run.rollout_dtype} · "
+                   f"weight sync {run.wire_dtype}"),
+        ("start-up", START_UP[run.trainers_first]),
+        ("roles", hosted_roles(cfg)),
+        *([("vLLM experts", EXPERTS[run.expert_parallel])] if spec.is_moe else []),
+        ("actor ranks", f"{a.world_size} (tp {a.tp} · pp {a.pp} · dp {a.dp}"
+                        f"{f' · ep {a.ep}' if a.ep > 1 else ''}) · "
+                        f"{_grouped(run.placement.actor)}"),
+        ("engines", f"{len(engines)} × tp {cfg.rollout.tp} · "
+                    f"{', '.join(TRANSPORTS[t] for t in transports)} · "
+                    f"{_grouped([s for e in engines for s in e])}"),
+    ]
+    for what, value in rows:
         facts.add_row(what, value)
-    engines = Table(title="engines", title_justify="left")
+    if not ranks:
+        return (facts,)
+    per_engine = Table(title="engines", title_justify="left")
     for name in ("engine", "tp", "transport", "devices (tp rank order)"):
-        engines.add_column(name)
-    for e, (slots, devices) in enumerate(zip(run.placement.engines, run.engine_devices)):
-        engines.add_row(str(e), str(len(slots)), TRANSPORTS[run.transports[e]],
-                        ", ".join(_where(s, d) for s, d in zip(slots, devices)))
+        per_engine.add_column(name)
+    for e, (slots, devices) in enumerate(zip(engines, run.engine_devices)):
+        per_engine.add_row(str(e), str(len(slots)), TRANSPORTS[run.transports[e]],
+                           ", ".join(_where(s, d) for s, d in zip(slots, devices)))
     actor = Table(title="actor ranks", title_justify="left")
     for name in ("rank", "device"):
         actor.add_column(name)
     for r, (slot, device) in enumerate(zip(run.placement.actor, run.actor_devices)):
         actor.add_row(str(r), _where(slot, device))
-    return facts, engines, actor
+    return facts, per_engine, actor
 
 
 def run_explain(args) -> int:
@@ -121,16 +186,18 @@ def run_explain(args) -> int:
         print(f"mcore-rl explain: [{p.check}] {p.message} (fix: {p.fix})", file=sys.stderr)
     if errors:
         return CONFIG_ERROR_EXIT
+    if args.json:
+        from mcore_rl.planning.sync_traffic import explain_traffic
+
+        # one sync's bytes per engine by transport, from the real plan (IPC never crosses a
+        # node)
+        print(json.dumps({**run.summary(), **explain_traffic(cfg, run)}, separators=(",", ":")))
+        return 0
     how = " (GPU assumed)" if args.assume_gpu else ""
     console = Console(width=120, soft_wrap=False)
-    for table in render(run, f"{args.config}{how}: what will run", moe=sized.spec.is_moe,
-                        roles=hosted_roles(cfg)):
+    for table in render(run, f"{args.config}{how}: what will run", cfg=cfg, spec=sized.spec,
+                        ranks=args.ranks):
         console.print(table)
-    sys.stdout.flush()
-    from mcore_rl.planning.sync_traffic import explain_traffic
-
-    # one sync's bytes per engine by transport, from the real plan (IPC never crosses a node)
-    print(json.dumps({**run.summary(), **explain_traffic(cfg, run)}, separators=(",", ":")))
     return 0
 
 

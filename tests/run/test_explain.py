@@ -1,6 +1,7 @@
-"""`mcore-rl explain`: the resolved run as tables, and as the last line one JSON object with
-the layer spec, the sync backend and one transport per engine — for the shipped GPU configs
-(as on their GPUs) and the CPU configs (on this machine, where no CUDA device is seen)."""
+"""`mcore-rl explain`: the resolved run as one concise table (a row per rank with `--ranks`),
+and with `--json` only one JSON object with the layer spec, the sync backend and one transport
+per engine — for the shipped GPU configs (as on their GPUs) and the CPU configs (on this
+machine, where no CUDA device is seen)."""
 
 from __future__ import annotations
 
@@ -36,9 +37,9 @@ def no_cuda(monkeypatch):
 def test_explain_prints_the_resolved_run(no_cuda, capsys, name, assume_gpu, layer_spec,
                                          backend, transports):
     argv = ["explain", str(CONFIGS / name)] + (["--assume-gpu"] if assume_gpu else [])
-    assert main(argv) == 0
-    out = capsys.readouterr().out
-    summary = json.loads(out.strip().splitlines()[-1])
+    assert main(argv + ["--json"]) == 0
+    (line,) = capsys.readouterr().out.strip().splitlines()  # nothing but the JSON object
+    summary = json.loads(line)
     assert (summary["layer_spec"], summary["sync_backend"], summary["transports"]) == (
         layer_spec, backend, transports)
     device = "cuda" if layer_spec == "te" else "cpu"
@@ -52,21 +53,26 @@ def test_explain_prints_the_resolved_run(no_cuda, capsys, name, assume_gpu, laye
         assert engine["ipc_bytes" if transport == "ipc" else "p2p_bytes"] > 0
         if transport == "p2p":
             assert engine["ipc_bytes"] == 0
-    # the table says the same
+    # the table says the same, concisely: devices by role, no JSON
+    assert main(argv) == 0
+    out = capsys.readouterr().out
     assert f"sync backend │ {backend}" in out and f"layer spec   │ {layer_spec}" in out
-    assert out.count(f"│ {transports[0]} (") == len(transports)
+    assert f"engines      │ {len(transports)} × tp " in out and "{" not in out
+    assert out.count(f"│ {transports[0]} (") == 0  # no row per engine ...
+    assert main(argv + ["--ranks"]) == 0  # ... unless asked
+    assert capsys.readouterr().out.count(f"│ {transports[0]} (") == len(transports)
 
 
 def test_explain_overrides_and_bad_input(no_cuda, capsys):
     l8 = str(CONFIGS / "gpu" / "llama3-8b.yaml")
     # disaggregated on two nodes: the engines get their own devices, so p2p
     assert main(["explain", l8, "cluster.placement=disaggregated", "cluster.nodes=2",
-                 "rollout.enable_sleep=false"]) == 0
+                 "rollout.enable_sleep=false", "--json"]) == 0
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert summary["transports"] == ["p2p"] * 4 and summary["nodes"] == 2
     # colocated on two nodes: what the other node holds comes over the network, never IPC
     a3b = str(CONFIGS / "gpu" / "qwen3-30b-a3b.yaml")
-    assert main(["explain", a3b, "--assume-gpu"]) == 0
+    assert main(["explain", a3b, "--assume-gpu", "--json"]) == 0
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     traffic = summary["sync_traffic"]
     assert summary["cross_node_ipc_bytes"] == 0 and traffic["network_bytes"] > 0
@@ -77,9 +83,11 @@ def test_explain_overrides_and_bad_input(no_cuda, capsys):
 
 def test_explain_shows_vllm_expert_parallel(no_cuda, capsys):
     a3b = str(CONFIGS / "gpu" / "qwen3-30b-a3b.yaml")
+    assert main(["explain", a3b, "rollout.expert_parallel=true", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["expert_parallel"] is True
     assert main(["explain", a3b, "rollout.expert_parallel=true"]) == 0
     out = capsys.readouterr().out
-    assert json.loads(out.strip().splitlines()[-1])["expert_parallel"] is True
+    assert "model        │ qwen3_moe · " in out and "MoE, 128 experts (8 per token)" in out
     assert "vLLM experts │ expert parallel (each engine rank holds whole experts" in out
     assert main(["explain", a3b]) == 0
     assert "vLLM experts │ split over TP" in capsys.readouterr().out
@@ -112,11 +120,15 @@ def test_explain_shows_start_up_order_and_roles_and_no_experts_for_dense(no_cuda
     assert main(["explain", l8, "--assume-gpu", "algorithm.advantage_estimator=gae",
                  "algorithm.kl_coeff=0.05"]) == 0
     out = capsys.readouterr().out
-    assert "vLLM experts" not in out
+    assert "vLLM experts" not in out and "│ llama · " in out and " dense " in out
     assert "start-up     │ trainers first, then the engines" in out
     assert ("roles        │ critic (GAE) and reference policy (KL) on the actor ranks' "
             "devices") in out
-    assert json.loads(out.strip().splitlines()[-1])["trainers_first"] is True
+    assert "actor ranks  │ 8 (tp 4 · pp 1 · dp 2) · node 0: devices 0–7" in out
+    assert ("engines      │ 4 × tp 2 · ipc (devices shared with actor ranks) · node 0: "
+            "devices 0–7") in out
+    assert main(["explain", l8, "--assume-gpu", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["trainers_first"] is True
     seventy = str(CONFIGS / "gpu" / "llama3-70b.yaml")  # disaggregated, GRPO with a KL term
     assert main(["explain", seventy]) == 0
     out = capsys.readouterr().out
