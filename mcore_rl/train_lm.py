@@ -3,7 +3,7 @@ megatron-core on a local gloo grid — the smallest end-to-end run of the traini
 
 The task: every sequence walks a fixed random permutation of the vocabulary from a random
 start (next token = perm[token]), so the loss can fall from ln(vocab) towards 0 in a few dozen
-steps. Without WORLD_SIZE in the environment the command spawns `parallel.world_size` local
+steps. Without WORLD_SIZE in the environment the command spawns `actor.world_size` local
 ranks itself; under torchrun/srun (WORLD_SIZE, RANK, MASTER_ADDR/PORT set) each process is a
 rank.
 """
@@ -64,10 +64,13 @@ class LMRunConfig:
     model: str = "micro"
     steps: int = 30
     seed: int = 0
-    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    actor: ParallelConfig = field(default_factory=ParallelConfig)
     train: LMTrainConfig = field(default_factory=LMTrainConfig)
 
-    MOVED: ClassVar[dict[str, str]] = {"task_seed": USE_THE_RUN_SEED.format(stream="data")}
+    MOVED: ClassVar[dict[str, str]] = {
+        "task_seed": USE_THE_RUN_SEED.format(stream="data"),
+        "parallel": "actor (the training grid, named as in the RL run config: actor.tp, "
+                    "actor.pp, actor.dp, ...)"}
 
     def __post_init__(self) -> None:
         require_at_least(self, 0, "seed")
@@ -78,7 +81,7 @@ class LMRunConfig:
         for name in ("micro_batch_size", "seq_len"):
             if getattr(self.train, name) is None:
                 raise ConfigError(f"train.{name}", None, "train-lm needs it set (>= 1)")
-        check_model_fits_parallel(get_preset(self.model), self.parallel, self.train)
+        check_model_fits_parallel(get_preset(self.model), self.actor, self.train)
 
 
 def permutation_batch(vocab: int, *, task_seed: int, step: int, sequences: int,
@@ -103,7 +106,7 @@ def _micro_batches(cfg: LMRunConfig, step: int, dp_rank: int,
     per_rank = t.num_micro_batches * t.micro_batch_size
     walks = permutation_batch(get_preset(cfg.model).vocab,
                               task_seed=derive_seed(cfg.seed, "data"), step=step,
-                              sequences=per_rank * cfg.parallel.dp, seq_len=t.seq_len)
+                              sequences=per_rank * cfg.actor.dp, seq_len=t.seq_len)
     mine = walks[dp_rank * per_rank:(dp_rank + 1) * per_rank].to(device)
     return [MicroBatch(tokens=mb[:, :-1], labels=mb[:, 1:],
                        loss_mask=torch.ones(mb[:, 1:].shape, device=mb.device))
@@ -145,7 +148,7 @@ def run_rank(rank: int, world: int, cfg: LMRunConfig) -> list[dict]:
     device = rank_device(rank)
     if device is not None:  # before NCCL or megatron allocate anything on the device
         torch.cuda.set_device(device)
-    groups = init_training_groups(cfg.parallel,
+    groups = init_training_groups(cfg.actor,
                                   device="cpu" if device is None else f"cuda:{device}")
     trainer = setup_trainer(get_preset(cfg.model), groups, cfg.train,
                             seed=derive_seed(cfg.seed, "train"))
@@ -170,13 +173,13 @@ def run(cfg: LMRunConfig) -> list[dict]:
     """Under torchrun/srun: this process is one rank. Otherwise spawn the grid locally."""
     if "WORLD_SIZE" in os.environ:
         world = int(os.environ["WORLD_SIZE"])
-        if world != cfg.parallel.world_size:
-            raise ConfigError("parallel", to_dict(cfg.parallel),
-                              f"needs {cfg.parallel.world_size} ranks, the job has {world}")
+        if world != cfg.actor.world_size:
+            raise ConfigError("actor", to_dict(cfg.actor),
+                              f"needs {cfg.actor.world_size} ranks, the job has {world}")
         return run_rank(int(os.environ["RANK"]), world, cfg)
     from mcore_rl.launch.spawn import run_on_ranks
 
-    return run_on_ranks(run_rank, cfg.parallel.world_size, cfg, timeout_s=900)[0]
+    return run_on_ranks(run_rank, cfg.actor.world_size, cfg, timeout_s=900)[0]
 
 
 def _main(args: argparse.Namespace) -> int:
@@ -185,7 +188,7 @@ def _main(args: argparse.Namespace) -> int:
     except ConfigError as err:
         print(f"config error: {err}", file=sys.stderr)
         return 2
-    p = cfg.parallel
+    p = cfg.actor
     leader = os.environ.get("RANK", "0") == "0"
     if leader:
         print(f"train-lm: {cfg.model} on tp={p.tp} pp={p.pp} vpp={p.vpp} dp={p.dp} "
@@ -202,5 +205,5 @@ def add_parser(subparsers) -> None:
         description=" ".join(__doc__.split("\n\n")[0].split()))
     parser.add_argument("--config", help="YAML file (configs/lm_micro.yaml)")
     parser.add_argument("overrides", nargs="*", metavar="a.b=value",
-                        help="override config fields, e.g. parallel.tp=1 parallel.pp=2")
+                        help="override config fields, e.g. actor.tp=1 actor.pp=2")
     parser.set_defaults(func=_main)

@@ -25,7 +25,7 @@ def test_train_lm_runs_and_learns():
 def test_train_lm_reports_config_errors():
     proc = subprocess.run(
         [sys.executable, "-m", "mcore_rl.cli", "train-lm", "--config",
-         str(ROOT / "configs" / "lm_micro.yaml"), "parallel.tp=3"],
+         str(ROOT / "configs" / "lm_micro.yaml"), "actor.tp=3"],
         cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
-    assert "parallel.tp=3: does not divide num_attention_heads=4" in proc.stderr
+    assert "actor.tp=3: does not divide num_attention_heads=4" in proc.stderr

@@ -114,9 +114,10 @@ class TrainConfig:
 
 
 def check_model_fits_parallel(spec: ModelSpec, parallel: ParallelConfig,
-                              train: TrainConfig | None = None) -> None:
-    """Raise ConfigError (field named as in the YAML: `parallel.tp`, ...) unless `spec` can be
-    split on `parallel` (and, with `train`, its batches fit the grid).
+                              train: TrainConfig | None = None, *, grid: str = "actor") -> None:
+    """Raise ConfigError (field named as in the YAML: `actor.tp`, ... — `grid` is the key the
+    grid has in the config) unless `spec` can be split on `parallel` (and, with `train`, its
+    batches fit the grid).
 
     tp must divide the attention heads, the key-value heads (megatron splits whole query
     groups; replicating kv heads across TP is not supported here) and the FFN width; the
@@ -126,22 +127,22 @@ def check_model_fits_parallel(spec: ModelSpec, parallel: ParallelConfig,
     try:
         parallel.check_model(spec)
     except ConfigError as err:
-        raise err.under("parallel") from None
+        raise err.under(grid) from None
     if train is None:
         return
     if spec.is_moe and tp > 1 and not parallel.sequence_parallel:
-        raise ConfigError("parallel.sequence_parallel", False, "training a mixture-of-experts "
+        raise ConfigError(f"{grid}.sequence_parallel", False, "training a mixture-of-experts "
                           "model at tp > 1 needs it (megatron-core's MoELayer refuses otherwise)")
     if parallel.sequence_parallel and train.seq_len is not None and train.seq_len % tp:
         raise ConfigError("train.seq_len", train.seq_len,
-                          f"sequence_parallel needs it divisible by parallel.tp={tp}")
+                          f"sequence_parallel needs it divisible by {grid}.tp={tp}")
     budget = train.max_tokens_per_micro_batch
     if parallel.sequence_parallel and budget is not None and budget % tp:
         raise ConfigError("train.max_tokens_per_micro_batch", budget,
-                          f"sequence_parallel needs it divisible by parallel.tp={tp}")
+                          f"sequence_parallel needs it divisible by {grid}.tp={tp}")
     if train.seq_len is not None and train.seq_len > spec.max_positions:
         raise ConfigError("train.seq_len", train.seq_len,
                           f"exceeds the model's max_position_embeddings={spec.max_positions}")
     if parallel.vpp is not None and train.num_micro_batches % parallel.pp:
         raise ConfigError("train.num_micro_batches", train.num_micro_batches,
-                          f"interleaved pipelining needs a multiple of parallel.pp={parallel.pp}")
+                          f"interleaved pipelining needs a multiple of {grid}.pp={parallel.pp}")
