@@ -105,7 +105,7 @@ def test_bad_moe_source_is_refused(hf_dirs, tmp_path, capsys, mutate, config, ex
 def test_expert_parallel_that_does_not_divide_the_experts_is_refused(hf_dirs, tmp_path, capsys):
     code, err = _run(capsys, "hf-to-mcore", hf_dirs["qwen3_moe"], tmp_path / "out", "--verify",
                      "--verify-ep", "3")
-    assert code == 2 and "parallel.ep=3: does not divide num_experts=4" in err, err
+    assert code == 2 and "--verify-ep=3: does not divide num_experts=4" in err, err
     code, err = _run(capsys, "hf-to-mcore", hf_dirs["qwen3_moe"], tmp_path / "out", "--verify",
                      "--verify-tp", "2", "--verify-etp", "3")
     assert code == 2 and "etp" in err, err
@@ -127,9 +127,10 @@ def test_damaged_safetensors_is_refused(src, tmp_path, capsys, damage, expected)
 
 
 @pytest.mark.parametrize("verb, args, expected", [
-    ("hf-to-mcore", ["--verify-tp", "3"], "parallel.tp=3: does not divide num_attention_heads=4"),
-    ("hf-to-mcore", ["--verify-tp", "4"], "parallel.tp=4: does not divide num_key_value_heads=2"),
-    ("hf-to-mcore", ["--verify-pp", "3"], "does not divide num_layers=4"),
+    ("hf-to-mcore", ["--verify-tp", "3"], "--verify-tp=3: does not divide num_attention_heads=4"),
+    ("hf-to-mcore", ["--verify-tp", "4"], "--verify-tp=4: does not divide num_key_value_heads=2"),
+    ("hf-to-mcore", ["--verify-pp", "3"],
+     "--verify-pp=3: pp * vpp = 3 does not divide num_layers=4"),
     ("mcore-to-hf", ["--verify-pp", "2", "--verify-vpp", "4"], "does not divide num_layers=4"),
 ], ids=["tp_heads", "tp_kv_heads", "pp_layers", "vpp_layers"])
 def test_verify_grid_that_does_not_divide_is_refused_before_converting(

@@ -244,6 +244,7 @@ def _verify_grid(args):
         return None
     import math
 
+    from mcore_rl.config import ConfigError
     from mcore_rl.layouts import validate_megatron_grid
     from mcore_rl.parallel.config import ParallelConfig
 
@@ -253,6 +254,11 @@ def _verify_grid(args):
     grid = ParallelConfig(tp=args.verify_tp, pp=args.verify_pp, vpp=args.verify_vpp,
                           dp=max(dp, 1), ep=args.verify_ep, etp=args.verify_etp)
     spec = _spec_for(args)
+    try:
+        grid.check_model(spec)
+    except ConfigError as err:  # named as the user spelled it: --verify-tp=3, not parallel.tp
+        raise ConfigError(f"--verify-{err.field.replace('_', '-')}", err.value,
+                          err.problem) from None
     validate_megatron_grid(spec, grid)
     return spec, grid
 
