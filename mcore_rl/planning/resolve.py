@@ -49,6 +49,11 @@ if TYPE_CHECKING:  # the run config imports the planner; the planner only reads 
 Device = Literal["cpu", "cuda"]
 Transport = Literal["p2p", "ipc"]
 
+# The weight sync's bucket by device, MB. On GPU every transfer round is a group of NCCL
+# launches, so a large model's sync wants few, large rounds; on CPU (gloo) small buckets keep
+# the staging buffers small and cost little.
+SYNC_BUCKET_MB = {"cpu": 16.0, "cuda": 512.0}
+
 
 @dataclass(frozen=True)
 class ResolvedRun:
@@ -69,6 +74,8 @@ class ResolvedRun:
     cluster: the allocation as sized (device "gpu" or "cpu"; a "local" cluster resolved).
     expert_parallel: the engines run vLLM's expert parallelism (the weight sync's vLLM layout
     holds whole experts per rank).
+    sync_bucket_mb: the weight sync's bucket, MB (`sync_bucket_mb`, or the device's default:
+    `SYNC_BUCKET_MB`).
     trainers_first: the actor ranks are built (weights and optimizer allocated) before any
     engine starts — where they share devices with the engines. vLLM sizes itself against the
     free device memory it measures at start-up and asserts that no other process frees
@@ -90,6 +97,7 @@ class ResolvedRun:
     expert_parallel: bool = False
     engine_visible_devices: tuple[tuple[int, ...], ...] = ()
     trainers_first: bool = False
+    sync_bucket_mb: float = 16.0
 
     def sync_nodes(self, engines: int | None = None) -> tuple[int, ...]:
         """The node of every sync rank: the actor ranks, then the TP ranks of the first
@@ -224,6 +232,8 @@ def resolve_run(cfg: "RLConfig", *, assume_gpu: bool = False,
         expert_parallel=cfg.rollout.expert_parallel,
         engine_visible_devices=tuple(tuple(s.device for s in slots) for slots in plan.engines),
         trainers_first=any(s in actor_slots for slots in plan.engines for s in slots),
+        sync_bucket_mb=(SYNC_BUCKET_MB[device] if cfg.sync_bucket_mb is None
+                        else cfg.sync_bucket_mb),
     )
 
 

@@ -29,7 +29,7 @@ def sync_plan(cfg: "RLConfig", run: "ResolvedRun", spec: "ModelSpec") -> "Plan":
     actor = megatron_shards(spec, cfg.actor, layer_spec=run.layer_spec)
     engines = vllm_shards(spec, cfg.rollout.tp, len(run.engine_devices),
                           expert_parallel=run.expert_parallel)
-    return build_plan(actor, engines, bucket_bytes=int(cfg.sync_bucket_mb * (1 << 20)),
+    return build_plan(actor, engines, bucket_bytes=int(run.sync_bucket_mb * (1 << 20)),
                       element_size=torch_dtype(cfg.wire_dtype).itemsize,
                       nodes=run.sync_nodes())
 

@@ -52,7 +52,8 @@ class WeightSync:
         actor = megatron_shards(self.spec, cfg.actor, layer_spec=self.run.layer_spec)
         engines = vllm_shards(self.spec, cfg.rollout.tp, self.engines.num_engines,
                               expert_parallel=self.run.expert_parallel)
-        self.plan = build_plan(actor, engines, bucket_bytes=int(cfg.sync_bucket_mb * (1 << 20)),
+        bucket_bytes = int(self.run.sync_bucket_mb * (1 << 20))
+        self.plan = build_plan(actor, engines, bucket_bytes=bucket_bytes,
                                element_size=torch_dtype(cfg.wire_dtype).itemsize,
                                nodes=self.run.sync_nodes(self.engines.num_engines))
         self._plan_sender = PlanSender(self.plan)

@@ -234,7 +234,10 @@ class RLConfig:
     updates_per_batch: optimizer steps (mini-batches x epochs) per generated batch.
     max_prompt_tokens: the longest prompt, in tokens after tokenization (chat template
         included); a longer one is an error or dropped (task.overlong_prompts).
-    temperature / max_new_tokens: sampling. sync_bucket_mb: weight-sync bucket.
+    temperature / max_new_tokens: sampling.
+    sync_bucket_mb: the weight sync's bucket (the bytes one transfer round moves per
+        sender); null: the run plan's default for the device — 16 on CPU, 512 on GPU (fewer,
+        larger rounds of NCCL launches).
     min_new_tokens: the shortest response of an RL step's samples (EOS cannot end one
         earlier; vLLM's `min_tokens`); 0 = off. Benchmarks use it to fix response lengths
         (`mcore-rl bench step shape=...`). Single-turn, whole-batch generation only.
@@ -280,7 +283,7 @@ class RLConfig:
     max_prompt_tokens: int = 1024
     max_new_tokens: int = 1024
     min_new_tokens: int = 0
-    sync_bucket_mb: float = 16.0
+    sync_bucket_mb: float | None = None
     sync_dtype: Literal["auto"] | DtypeName = "auto"
     deadlines: DeadlineConfig = field(default_factory=DeadlineConfig)
     inject_stall: str | None = None
@@ -447,6 +450,8 @@ class RLConfig:
     def _check_counts(self) -> None:
         require_at_least(self, 1, "steps", "prompts_per_step", "samples_per_prompt",
                          "updates_per_batch", "max_prompt_tokens", "max_new_tokens")
+        require_above(self, 0, "sync_bucket_mb", optional=True, note="null: the device's "
+                      "default")
 
     def _check_off_policy_steps(self) -> None:
         if self.off_policy_steps is not None:

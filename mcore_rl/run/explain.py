@@ -134,6 +134,7 @@ def render(run, title: str, *, cfg, spec, ranks: bool = False):
                        f"each ({c.reserve_gib:g} reserved)"),
         ("dtypes", f"actor params {run.param_dtype} · engines {run.rollout_dtype} · "
                    f"weight sync {run.wire_dtype}"),
+        ("sync buckets", f"{run.sync_bucket_mb:g} MB"),
         ("start-up", START_UP[run.trainers_first]),
         ("roles", hosted_roles(cfg)),
         *([("vLLM experts", EXPERTS[run.expert_parallel])] if spec.is_moe else []),

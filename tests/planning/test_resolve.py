@@ -166,3 +166,27 @@ def test_a_cpu_colocated_run_follows_the_gpu_start_up_order():
                      cuda_available=False)
     assert run.trainers_first
     assert not resolve_run(_load(CONFIGS / "tiny_ci.yaml"), cuda_available=False).trainers_first
+
+
+@pytest.mark.parametrize("name,overrides", GPU_RUNS)
+def test_gpu_runs_sync_in_large_buckets(name, overrides):
+    """S1: on GPU every transfer round is a group of NCCL launches; the plan's default bucket
+    there is 512 MB (16 MB on CPU), and a configured one is kept. The plan explain reports is
+    cut with it: fewer rounds than at the CPU default."""
+    from mcore_rl.planning.sized import sized_run
+    from mcore_rl.planning.sync_traffic import sync_plan
+
+    cfg = _load(CONFIGS / "gpu" / name, *overrides)
+    run = resolve_run(cfg, cuda_available=False)
+    assert run.sync_bucket_mb == 512.0 and run.summary()["sync_bucket_mb"] == 512.0
+    spec = sized_run(cfg, cuda_available=False).spec
+    small = resolve_run(_load(CONFIGS / "gpu" / name, *overrides, "sync_bucket_mb=16"),
+                        cuda_available=False)
+    assert small.sync_bucket_mb == 16.0
+    assert len(sync_plan(cfg, run, spec).rounds) < len(sync_plan(cfg, small, spec).rounds)
+
+
+def test_cpu_runs_keep_small_buckets_and_a_bad_bucket_is_refused():
+    assert resolve_run(_load(CONFIGS / "tiny_ci.yaml"), cuda_available=False).sync_bucket_mb == 16
+    with pytest.raises(ConfigError, match="sync_bucket_mb=0"):
+        _load(CONFIGS / "tiny_ci.yaml", "sync_bucket_mb=0")
