@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _parse(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
     """Like `parse_args`, but `a.b=c` overrides may also follow options
-    (`bench sync train.tp=2 --out x infer.tp=2`); argparse alone stops at the first option."""
+    (`bench sync actor.tp=2 --out x rollout.tp=2`); argparse alone stops at the first option."""
     args, extra = parser.parse_known_args(argv)
     stray = [e for e in extra if e.startswith("-") or "=" not in e]
     if stray or (extra and not hasattr(args, "overrides")):

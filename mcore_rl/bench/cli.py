@@ -20,9 +20,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     kinds = bench.add_subparsers(dest="bench", required=True, metavar="BENCH")
     for name, help_, doc in (
             ("sync", "weight sync: streamed shards vs gather+broadcast",
-             "SyncBenchConfig in mcore_rl/bench/sync.py, e.g. train.tp=2 train.pp=2 "
-             "infer.tp=2 bucket_mb=16 baseline=[gather,link] check=true; plan_only=true "
-             "projects any size with link_model.*"),
+             "SyncBenchConfig in mcore_rl/bench/sync.py (the run config's names), e.g. "
+             "actor.tp=2 actor.pp=2 rollout.tp=2 sync_bucket_mb=16 baseline=[gather,link] "
+             "check=true; plan_only=true projects any size with link_model.*"),
             ("logprob", "vocab-parallel log-prob+entropy vs gathered logits",
              "LogprobBenchConfig in mcore_rl/bench/logprob.py, e.g. tokens=4096 vocab=32000 "
              "tp=2 backward=true"),
@@ -171,8 +171,9 @@ def run_sync(args) -> int:
 def _print_summary(report: dict) -> None:
     gib = 1 << 30
     print(f"model {report['model']} ({report['params'] / 1e9:.3f} B params, "
-          f"{report['model_bytes'] / gib:.2f} GiB), train {report['train']} -> "
-          f"infer {report['infer']}, bucket {report['bucket_mb']} MB, {report['rounds']} rounds")
+          f"{report['model_bytes'] / gib:.2f} GiB), actor {report['actor']} -> "
+          f"rollout {report['rollout']}, bucket {report['sync_bucket_mb']} MB, "
+          f"{report['rounds']} rounds")
     if "assumptions" in report:
         print(f"link model: {report['assumptions']}")
         print(f"projected: ours {report['projected_s']:.3f} s, baseline "
@@ -210,7 +211,7 @@ def _write(out: Path, name: str, report: dict) -> None:
                    [report["projected_s"], report["baseline_projected_s"]],
                    color=["tab:blue", "tab:orange"])
             ax.set_ylabel("projected seconds")
-            ax.set_title(f"{report['model']}: {report['train']} -> {report['infer']}")
+            ax.set_title(f"{report['model']}: {report['actor']} -> {report['rollout']}")
             return
         base, link = report.get("baseline"), report.get("link")
         labels = ["streamed (ours)"] + (["gather+broadcast"] if base else [])

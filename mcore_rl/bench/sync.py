@@ -1,9 +1,10 @@
 """`mcore-rl bench sync`: the streaming resharding transport against the gather-then-broadcast
 baseline, on the same model, ranks and buckets, in one launch.
 
-Ranks: training ranks 0..T-1 (Megatron layout of the chosen grid), inference ranks T..T+D-1
-(vLLM layout, `infer.engines` engines of `infer.tp` ranks). Weights come from an HF directory (read
-lazily, each rank only its own slices) or are made on the fly from a preset's shapes.
+Ranks: training ranks 0..T-1 (Megatron layout of the `actor` grid), inference ranks T..T+D-1
+(vLLM layout, `rollout.engines` engines of `rollout.tp` ranks). Weights come from an HF
+directory (read lazily, each rank only its own slices) or are made on the fly from a preset's
+shapes.
 `transport`: "p2p" (sends on the sync group) or "ipc" (colocated: inference rank d shares
 training rank d's device and copies out of its shared staging buffer). `device`: "cpu", or
 "cuda" (rank devices as a colocated / disaggregated placement would give them; NCCL for p2p
@@ -21,7 +22,7 @@ import statistics
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import ClassVar, Literal
 
 import psutil
 import torch
@@ -43,13 +44,17 @@ from mcore_rl.resharding.channels import SyncChannels
 
 @dataclass(frozen=True, kw_only=True)
 class InferenceGrid:
-    """The vLLM side. tp: tensor-parallel size of each engine. engines: how many engines.
-    ep: vLLM expert parallelism (`rollout.expert_parallel`: each inference rank holds whole
-    experts, vLLM's placement, instead of a 1/tp slice of every expert; MoE models only)."""
+    """The vLLM side (`rollout.*`, the run config's names). tp: tensor-parallel size of each
+    engine. engines: how many engines. expert_parallel: vLLM expert parallelism (each inference
+    rank holds whole experts, vLLM's placement, instead of a 1/tp slice of every expert; MoE
+    models only)."""
 
     tp: int = 1
     engines: int = 1
-    ep: bool = False
+    expert_parallel: bool = False
+
+    #: old spellings (the loader names their new place)
+    MOVED: ClassVar[dict[str, str]] = {"ep": "rollout.expert_parallel"}
 
     def __post_init__(self) -> None:
         require_at_least(self, 1, "tp", "engines")
@@ -57,13 +62,15 @@ class InferenceGrid:
 
 @dataclass(frozen=True, kw_only=True)
 class SyncBenchConfig:
-    """`mcore-rl bench sync a.b=c ...`.
+    """`mcore-rl bench sync a.b=c ...`. The grid and sync keys are the run config's
+    (`RLConfig`) names.
 
     model: preset name (micro, micro-moe, tiny, llama3-70b, qwen3-30b-a3b, ...) or HF model
         directory.
-    train: the training grid (tp, pp, vpp, dp, ep, etp; etp * ep must divide tp * dp).
-    infer: the vLLM side (infer.tp, infer.engines, infer.ep).
-    bucket_mb: transport bucket. dtype: float32 | bfloat16 (fp32/bf16 accepted).
+    actor: the training grid (actor.tp, actor.pp, actor.vpp, actor.dp, actor.ep, actor.etp;
+        etp * ep must divide tp * dp).
+    rollout: the vLLM side (rollout.tp, rollout.engines, rollout.expert_parallel).
+    sync_bucket_mb: transport bucket. sync_dtype: float32 | bfloat16 (fp32/bf16 accepted).
     baseline: baselines also run, a list of: "gather" (gather every shard to training rank 0,
         which broadcasts whole tensors), "link" (the plan's byte matrix as plain sends on the
         same group, `sync_link.py`; the report gains `link_efficiency` = link time / sync time).
@@ -81,10 +88,10 @@ class SyncBenchConfig:
     """
 
     model: str = "tiny"
-    train: ParallelConfig = field(default_factory=ParallelConfig)
-    infer: InferenceGrid = field(default_factory=InferenceGrid)
-    bucket_mb: float = 64.0
-    dtype: DtypeName = "float32"
+    actor: ParallelConfig = field(default_factory=ParallelConfig)
+    rollout: InferenceGrid = field(default_factory=InferenceGrid)
+    sync_bucket_mb: float = 64.0
+    sync_dtype: DtypeName = "float32"
     baseline: tuple[Literal["gather", "link"], ...] = ()
     check: bool = False
     repeats: int = 1
@@ -96,22 +103,29 @@ class SyncBenchConfig:
     plan_only: bool = False
     link_model: LinkModel = field(default_factory=LinkModel)
 
+    #: the bench's old spellings, now the run config's (the loader names their new place)
+    MOVED: ClassVar[dict[str, str]] = {
+        "train": "actor (the run config's name: actor.tp, actor.pp, ...)",
+        "infer": "rollout (rollout.tp, rollout.engines, rollout.expert_parallel)",
+        "bucket_mb": "sync_bucket_mb",
+        "dtype": "sync_dtype"}
+
     def __post_init__(self):
-        normalize_dtype_fields(self, "dtype", allowed=("float32", "bfloat16"))
+        normalize_dtype_fields(self, "sync_dtype", allowed=("float32", "bfloat16"))
         require_one_of(self, "transport", ("p2p", "ipc"))
         require_one_of(self, "device", ("cpu", "cuda"))
         require_at_least(self, 1, "repeats")
         require_at_least(self, 0, "warmup")
-        require_above(self, 0, "bucket_mb", "timeout_s")
+        require_above(self, 0, "sync_bucket_mb", "timeout_s")
         unknown = [b for b in self.baseline if b not in ("gather", "link")]
         if unknown:
             raise ConfigError("baseline", list(self.baseline), "allowed values: gather, link")
-        inference_ranks = self.infer.tp * self.infer.engines
-        if self.transport == "ipc" and inference_ranks > self.train.world_size:
+        inference_ranks = self.rollout.tp * self.rollout.engines
+        if self.transport == "ipc" and inference_ranks > self.actor.world_size:
             raise ConfigError("transport", self.transport,
                               f"ipc is colocated (inference rank d on training rank d's "
                               f"device): {inference_ranks} inference ranks need at most "
-                              f"{self.train.world_size} training ranks' devices")
+                              f"{self.actor.world_size} training ranks' devices")
 
     @property
     def gather_baseline(self) -> bool:
@@ -129,13 +143,13 @@ class SyncBenchConfig:
         """Sync rank `rank`'s device: colocated for ipc, one device per rank for p2p."""
         if self.device == "cpu":
             return "cpu"
-        train = self.train.world_size
+        train = self.actor.world_size
         slot = rank - train if self.transport == "ipc" and rank >= train else rank
         return f"cuda:{slot % torch.cuda.device_count()}"
 
     @property
     def bucket_bytes(self) -> int:
-        return int(self.bucket_mb * (1 << 20))
+        return int(self.sync_bucket_mb * (1 << 20))
 
 
 def resolve_model(model: str) -> ModelSpec:
@@ -149,19 +163,21 @@ def resolve_model(model: str) -> ModelSpec:
 
 
 def make_plan(cfg: SyncBenchConfig, spec: ModelSpec) -> tuple[ShardMap, ShardMap, Plan]:
-    src = megatron_shards(spec, cfg.train)
+    src = megatron_shards(spec, cfg.actor)
     dst = inference_shards(cfg, spec)
-    element_size = torch_dtype(cfg.dtype).itemsize
+    element_size = torch_dtype(cfg.sync_dtype).itemsize
     return src, dst, build_plan(src, dst, bucket_bytes=cfg.bucket_bytes,
                                 element_size=element_size)
 
 
 def inference_shards(cfg: SyncBenchConfig, spec: ModelSpec) -> ShardMap:
-    return vllm_shards(spec, cfg.infer.tp, cfg.infer.engines, expert_parallel=cfg.infer.ep)
+    return vllm_shards(spec, cfg.rollout.tp, cfg.rollout.engines,
+                       expert_parallel=cfg.rollout.expert_parallel)
 
 
-def infer_label(cfg: SyncBenchConfig) -> str:
-    return f"tp{cfg.infer.tp}{' ep' if cfg.infer.ep else ''} x{cfg.infer.engines}"
+def rollout_label(cfg: SyncBenchConfig) -> str:
+    rollout = cfg.rollout
+    return f"tp{rollout.tp}{' ep' if rollout.expert_parallel else ''} x{rollout.engines}"
 
 
 def _weights(cfg: SyncBenchConfig, src: ShardMap):
@@ -178,7 +194,7 @@ def rank_main(rank: int, world_size: int, cfg: SyncBenchConfig) -> dict:
     """One process of the benchmark. Returns this rank's measurements."""
     spec = resolve_model(cfg.model)
     src, dst, plan = make_plan(cfg, spec)
-    dtype = torch_dtype(cfg.dtype)
+    dtype = torch_dtype(cfg.sync_dtype)
     weights = _weights(cfg, src)
     port = int(os.environ["MCORE_RL_STORE_PORT"])
     # the rendezvous store: rank 0's (the local launcher's on one machine, srun's first node)
@@ -194,7 +210,7 @@ def rank_main(rank: int, world_size: int, cfg: SyncBenchConfig) -> dict:
     out: dict = {"rank": rank, "role": "train" if is_src else "infer",
                  "rss_bytes": psutil.Process().memory_info().rss}
     spec = SyncGroupSpec(host, port, "ours/", world_size, cfg.timeout_s, backend=cfg.backend,
-                         transports=(cfg.transport,) * cfg.infer.engines)
+                         transports=(cfg.transport,) * cfg.rollout.engines)
     channels = SyncChannels.join(spec, rank, device)
     channels.verify(plan)
     gloo_control = channels.control is not channels.bulk or channels.spec.backend == "gloo"
@@ -375,9 +391,9 @@ def summarize(cfg: SyncBenchConfig, spec: ModelSpec, plan: Plan, per_rank: list[
         "max_train_peak_extra_bytes": max(train_peaks),
         "model": cfg.model, "params": spec.num_params(),
         "model_bytes": spec.num_params() * plan.element_size,
-        "train": train_label(cfg.train),
-        "infer": infer_label(cfg), "bucket_mb": cfg.bucket_mb,
-        "dtype": cfg.dtype, "rounds": len(plan.rounds), **ours,
+        "actor": actor_label(cfg.actor),
+        "rollout": rollout_label(cfg), "sync_bucket_mb": cfg.sync_bucket_mb,
+        "sync_dtype": cfg.sync_dtype, "rounds": len(plan.rounds), **ours,
         "max_peak_extra_bytes": max(ours["peak_extra_bytes"].values()),
         "rss_bytes": {r["rank"]: r["rss_bytes"] for r in per_rank},
         **_ideal(plan, dst),
@@ -440,13 +456,13 @@ def plan_only_report(cfg: SyncBenchConfig) -> dict:
     return {
         "model": cfg.model, "params": spec.num_params(),
         "model_bytes": spec.num_params() * plan.element_size,
-        "train": train_label(cfg.train),
-        "infer": infer_label(cfg), "bucket_mb": cfg.bucket_mb,
-        "dtype": cfg.dtype, "rounds": len(plan.rounds),
+        "actor": actor_label(cfg.actor),
+        "rollout": rollout_label(cfg), "sync_bucket_mb": cfg.sync_bucket_mb,
+        "sync_dtype": cfg.sync_dtype, "rounds": len(plan.rounds),
         "transfers": sum(len(r) for r in plan.rounds),
         "assumptions": link.describe(),
         "projected_s": project_transport(plan, link),
-        "baseline_projected_s": project_baseline(plan, src, cfg.train, link),
+        "baseline_projected_s": project_baseline(plan, src, cfg.actor, link),
         "max_rank_bytes_received": max(received.values()),
         "max_rank_bytes_sent": max(sent.values()),
         "baseline_rank0_bytes": sum(_numel(s) for s in src.hf_shapes.values())
@@ -456,9 +472,9 @@ def plan_only_report(cfg: SyncBenchConfig) -> dict:
     }
 
 
-def train_label(train: ParallelConfig) -> str:
-    label = f"tp{train.tp} pp{train.pp} vpp{train.vpp or 1} dp{train.dp}"
-    return label + (f" ep{train.ep} etp{train.expert_tp}" if train.ep > 1 or train.etp else "")
+def actor_label(actor: ParallelConfig) -> str:
+    label = f"tp{actor.tp} pp{actor.pp} vpp{actor.vpp or 1} dp{actor.dp}"
+    return label + (f" ep{actor.ep} etp{actor.expert_tp}" if actor.ep > 1 or actor.etp else "")
 
 
 def _ideal(plan: Plan, dst: ShardMap) -> dict:

@@ -15,8 +15,8 @@ def run_cli(capsys, *argv):
 
 
 def test_sync_with_baseline_checks_bytes_and_memory(capsys, tmp_path):
-    code, report, _ = run_cli(capsys, "bench", "sync", "model=micro", "train.tp=2",
-                              "train.pp=2", "infer.tp=2", "bucket_mb=0.0625",
+    code, report, _ = run_cli(capsys, "bench", "sync", "model=micro", "actor.tp=2",
+                              "actor.pp=2", "rollout.tp=2", "sync_bucket_mb=0.0625",
                               "baseline=[gather,link]", "check=true", "--out", str(tmp_path))
     assert code == 0
     assert report["check"] == "pass" and report["baseline"]["check"] == "pass"
@@ -39,8 +39,8 @@ def _check_link_baseline(report):
     from mcore_rl.bench.sync_link import byte_matrix
     from mcore_rl.parallel import ParallelConfig
 
-    cfg = SyncBenchConfig(model="micro", train=ParallelConfig(tp=2, pp=2),
-                          infer=InferenceGrid(tp=2), bucket_mb=0.0625)
+    cfg = SyncBenchConfig(model="micro", actor=ParallelConfig(tp=2, pp=2),
+                          rollout=InferenceGrid(tp=2), sync_bucket_mb=0.0625)
     _, _, plan = make_plan(cfg, resolve_model("micro"))
     link = report["link"]
     assert link["byte_matrix"] == {f"{s}->{d}": n for (s, d), n in byte_matrix(plan).items()}
@@ -56,8 +56,8 @@ def _check_link_baseline(report):
 
 def test_plan_only_projects_70b_against_the_baseline(capsys):
     code, report, out = run_cli(capsys, "bench", "sync", "plan_only=true", "model=llama3-70b",
-                                "train.tp=8", "train.pp=2", "infer.tp=8", "infer.engines=2",
-                                "dtype=bf16", "bucket_mb=512")
+                                "actor.tp=8", "actor.pp=2", "rollout.tp=8", "rollout.engines=2",
+                                "sync_dtype=bf16", "sync_bucket_mb=512")
     assert code == 0
     assert report["projected_s"] > 0 and report["baseline_projected_s"] > report["projected_s"]
     # one inference rank needs ~1/8 of the bf16 weights, never the whole 141 GB
@@ -67,18 +67,19 @@ def test_plan_only_projects_70b_against_the_baseline(capsys):
 
 def test_moe_sync_tp2ep2_is_bit_exact_and_each_rank_gets_only_its_shards(capsys):
     # TP2·EP2 (experts whole on each EP rank) → vLLM TP2: stacked w13/w2 per inference rank
-    code, report, _ = run_cli(capsys, "bench", "sync", "model=micro-moe", "train.tp=2",
-                              "train.ep=2", "train.etp=1", "infer.tp=2", "bucket_mb=0.0625",
-                              "check=true")
+    code, report, _ = run_cli(capsys, "bench", "sync", "model=micro-moe", "actor.tp=2",
+                              "actor.ep=2", "actor.etp=1", "rollout.tp=2",
+                              "sync_bucket_mb=0.0625", "check=true")
     assert code == 0 and report["check"] == "pass"
-    assert report["train"] == "tp2 pp1 vpp1 dp1 ep2 etp1"
+    assert report["actor"] == "tp2 pp1 vpp1 dp1 ep2 etp1"
     assert report["received_over_ideal"] == 1.0
 
 
 def test_plan_only_projects_qwen3_30b_a3b_with_expert_parallel(capsys):
     code, report, out = run_cli(capsys, "bench", "sync", "plan_only=true",
-                                "model=qwen3-30b-a3b", "train.tp=4", "train.dp=2", "train.ep=8",
-                                "train.etp=1", "infer.tp=8", "dtype=bf16", "bucket_mb=512")
+                                "model=qwen3-30b-a3b", "actor.tp=4", "actor.dp=2", "actor.ep=8",
+                                "actor.etp=1", "rollout.tp=8", "sync_dtype=bf16",
+                                "sync_bucket_mb=512")
     assert code == 0
     assert report["baseline_projected_s"] > report["projected_s"] > 0
     # every inference rank receives exactly its own shards: 1/8 of the ~61 GB, nothing more
@@ -88,18 +89,18 @@ def test_plan_only_projects_qwen3_30b_a3b_with_expert_parallel(capsys):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["model=micro-moe", "train.dp=3", "train.ep=3"],
+    (["model=micro-moe", "actor.dp=3", "actor.ep=3"],
      "parallel.ep=3: does not divide num_experts=4"),
-    (["train.dp=2", "train.ep=2"], "parallel.ep=2: needs a mixture-of-experts model"),
-    (["train.tp=3"], "parallel.tp=3: does not divide num_attention_heads=4"),
-    (["infer.tp=3"], "vLLM tp=3 does not divide num_attention_heads=4"),
+    (["actor.dp=2", "actor.ep=2"], "parallel.ep=2: needs a mixture-of-experts model"),
+    (["actor.tp=3"], "parallel.tp=3: does not divide num_attention_heads=4"),
+    (["rollout.tp=3"], "vLLM tp=3 does not divide num_attention_heads=4"),
     (["model=no-such-model"], "model='no-such-model': neither a preset"),
-    (["transport=ipc", "infer.tp=2"], "transport='ipc': ipc is colocated"),
+    (["transport=ipc", "rollout.tp=2"], "transport='ipc': ipc is colocated"),
     # the override machinery names the field of a bad spelling, a bad value or a bad type
-    (["train.tpp=2"], "train.tpp=2: unknown field"),
-    (["infer.engines=0"], "infer.engines=0: must be >= 1"),
+    (["actor.tpp=2"], "actor.tpp=2: unknown field"),
+    (["rollout.engines=0"], "rollout.engines=0: must be >= 1"),
     (["baseline=[gather,nccl]"], "baseline[1]='nccl': allowed values: gather, link"),
-    (["bucket_mb=big"], "bucket_mb='big': expected a number"),
+    (["sync_bucket_mb=big"], "sync_bucket_mb='big': expected a number"),
     (["link_model.gpus_per_node=0"], "link_model.gpus_per_node=0: must be >= 1"),
 ])
 def test_bad_input_fails_before_any_rank_starts(capsys, argv, message):
@@ -109,25 +110,43 @@ def test_bad_input_fails_before_any_rank_starts(capsys, argv, message):
     assert message in err and len(err.strip().splitlines()) == 1
 
 
+@pytest.mark.parametrize("argv, key, moved_to", [
+    (["train.tp=2"], "train", "actor (the run config's name: actor.tp, actor.pp, ...)"),
+    (["infer.tp=2"], "infer", "rollout (rollout.tp, rollout.engines, rollout.expert_parallel)"),
+    (["rollout.ep=true"], "rollout.ep", "rollout.expert_parallel"),
+    (["bucket_mb=16"], "bucket_mb", "sync_bucket_mb"),
+    (["dtype=bf16"], "dtype", "sync_dtype"),
+])
+def test_old_spellings_say_where_they_moved(capsys, argv, key, moved_to):
+    """The bench's own names of before (train.*, infer.*, infer.ep, bucket_mb, dtype) are
+    refused with the run config's name that replaced them."""
+    code = main(["bench", "sync", "model=micro", *argv])
+    assert code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    assert f"config error: {key}=" in err and f"this key moved: {moved_to}" in err, err
+
+
 def test_config_file_then_overrides_then_repeats_flag(tmp_path):
     """`--config FILE` sets fields, overrides win over it, `--repeats` over both."""
     from mcore_rl.bench.cli import bench_config
     from mcore_rl.bench.sync import SyncBenchConfig
     from mcore_rl.cli import build_parser
 
-    (tmp_path / "sync.yaml").write_text("model: micro\ninfer: {tp: 2}\nrepeats: 5\n")
+    (tmp_path / "sync.yaml").write_text("model: micro\nrollout: {tp: 2}\nrepeats: 5\n")
     args = build_parser().parse_args(["bench", "sync", "--config", str(tmp_path / "sync.yaml"),
-                                      "infer.engines=2", "train.tp=2", "--repeats", "3"])
+                                      "rollout.engines=2", "actor.tp=2", "--repeats", "3"])
     cfg = bench_config(SyncBenchConfig, args)
-    assert (cfg.model, cfg.infer.tp, cfg.infer.engines, cfg.train.tp, cfg.repeats) == \
+    assert (cfg.model, cfg.rollout.tp, cfg.rollout.engines, cfg.actor.tp, cfg.repeats) == \
         ("micro", 2, 2, 2, 3)
 
 
 def test_ipc_transport_is_exact_with_one_bucket_of_staging(capsys):
     """Colocated ranks (inference rank d on training rank d's device): the refit goes through
     one shared staging buffer per training rank, bit-exact."""
-    code, report, _ = run_cli(capsys, "bench", "sync", "model=micro", "train.tp=2",
-                              "infer.tp=2", "bucket_mb=0.0625", "transport=ipc", "check=true")
+    code, report, _ = run_cli(capsys, "bench", "sync", "model=micro", "actor.tp=2",
+                              "rollout.tp=2", "sync_bucket_mb=0.0625", "transport=ipc",
+                              "check=true")
     assert code == 0
     assert report["transport"] == "ipc" and report["check"] == "pass"
     bucket = 0.0625 * (1 << 20)
@@ -138,15 +157,16 @@ def test_ipc_transport_is_exact_with_one_bucket_of_staging(capsys):
 
 
 def test_plan_only_with_vllm_expert_parallel(capsys):
-    """`infer.ep=true` plans into vLLM's expert-parallel layout (each inference rank holds
-    whole experts): each rank still receives exactly its own shards, in fewer transfers."""
+    """`rollout.expert_parallel=true` plans into vLLM's expert-parallel layout (each inference
+    rank holds whole experts): each rank still receives exactly its own shards, in fewer
+    transfers."""
     reports = {}
     for ep in ("false", "true"):
         code, reports[ep], _ = run_cli(capsys, "bench", "sync", "plan_only=true",
-                                       "model=micro-moe", "train.dp=2", "train.ep=2",
-                                       "infer.tp=2", f"infer.ep={ep}")
+                                       "model=micro-moe", "actor.dp=2", "actor.ep=2",
+                                       "rollout.tp=2", f"rollout.expert_parallel={ep}")
         assert code == 0
-    assert reports["true"]["infer"] == "tp2 ep x1" and reports["false"]["infer"] == "tp2 x1"
+    assert reports["true"]["rollout"] == "tp2 ep x1" and reports["false"]["rollout"] == "tp2 x1"
     for report in reports.values():
         assert report["received_over_ideal"] == 1.0
     # whole experts from whole-expert training shards: fewer, larger transfers
@@ -162,9 +182,9 @@ def test_gather_baseline_collects_experts_spread_over_expert_dp():
                                      make_plan, resolve_model, run_sync_bench)
     from mcore_rl.parallel import ParallelConfig
 
-    cfg = SyncBenchConfig(model="micro-moe", train=ParallelConfig(dp=2, ep=2),
-                          infer=InferenceGrid(tp=2), bucket_mb=0.0625, baseline=("gather",),
-                          check=True)
+    cfg = SyncBenchConfig(model="micro-moe", actor=ParallelConfig(dp=2, ep=2),
+                          rollout=InferenceGrid(tp=2), sync_bucket_mb=0.0625,
+                          baseline=("gather",), check=True)
     src, _, _ = make_plan(cfg, resolve_model(cfg.model))
     senders = _gather_senders(src)
     assert senders[1] and all("experts" in key for key in senders[1]), senders

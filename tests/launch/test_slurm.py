@@ -153,8 +153,8 @@ def test_failing_job_returns_its_exit_code(slurm, tmp_path):
 
 
 def test_bench_job_runs_one_rank_per_task(slurm, tmp_path):
-    code, _, log = sbatch(slurm, "bench.sbatch", "model=micro", "train.tp=1",
-                          "infer.tp=1", "check=true", out=tmp_path / "bench.out",
+    code, _, log = sbatch(slurm, "bench.sbatch", "model=micro", "actor.tp=1",
+                          "rollout.tp=1", "check=true", out=tmp_path / "bench.out",
                           options=["--ntasks=2"], timeout=240)
     assert code == 0, log[-4000:]
     for rank in (0, 1):
