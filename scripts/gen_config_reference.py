@@ -16,16 +16,10 @@ TARGET = Path(__file__).resolve().parent.parent / "docs" / "reference" / "config
 
 
 def main(argv: list[str]) -> int:
-    text = render_reference(RLConfig)
-    if "--check" in argv:
-        current = TARGET.read_text() if TARGET.exists() else ""
-        if current != text:
-            print(f"{TARGET} is out of date: run python scripts/gen_config_reference.py")
-            return 1
-        return 0
-    TARGET.write_text(text)
-    print(f"wrote {TARGET}")
-    return 0
+    from generated_page import write_or_check
+
+    return write_or_check(TARGET, lambda: render_reference(RLConfig), argv,
+                          "gen_config_reference.py")
 
 
 if __name__ == "__main__":

@@ -163,6 +163,10 @@ def resolve_model(model: str) -> ModelSpec:
 
 
 def make_plan(cfg: SyncBenchConfig, spec: ModelSpec) -> tuple[ShardMap, ShardMap, Plan]:
+    try:  # a grid that does not fit the model, named as the user wrote it (actor.tp=3)
+        cfg.actor.check_model(spec)
+    except ConfigError as err:
+        raise err.under("actor") from None
     src = megatron_shards(spec, cfg.actor)
     dst = inference_shards(cfg, spec)
     element_size = torch_dtype(cfg.sync_dtype).itemsize
