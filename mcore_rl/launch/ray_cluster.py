@@ -393,8 +393,9 @@ def _add_cluster_parser(sub, name: str) -> argparse.ArgumentParser:
     if name == "ray-run":
         p.add_argument("--join-timeout", type=float, default=None,
                        help="seconds for every node to join (default 180)")
-        p.add_argument("args", nargs=argparse.REMAINDER, help="-- then the mcore-rl command to run as the driver, "
-                       "e.g. -- train configs/gpu/llama3-70b.yaml")
+        p.add_argument("args", nargs=argparse.REMAINDER,
+                       help="-- then the mcore-rl command to run as the driver, e.g. -- train "
+                            "configs/gpu/llama3-70b.yaml")
     else:
         p.add_argument("--address", required=True, help="head HOST:PORT")
     return p
