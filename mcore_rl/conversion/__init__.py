@@ -10,7 +10,7 @@ from importlib import import_module
 
 # name → module: imported on first use, so that a process needing only a light part of the
 # package (the RL driver's checkpoint bookkeeping imports `checkpoint.output`) does not pay for
-# torch.distributed.checkpoint and megatron (~1 s of the driver's start-up, measured)
+# torch.distributed.checkpoint and megatron (a noticeable part of the driver's start-up)
 _LAZY = {
     "ConvertReport": "convert", "hf_to_mcore": "convert", "mcore_to_hf": "convert",
     "ConversionError": "errors",

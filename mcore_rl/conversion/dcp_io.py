@@ -111,7 +111,8 @@ class OneTensorPerFileWriter(FileSystemWriter):
     module docstring for why. Files are `__<rank>_<i>.distcp` as DCP names them."""
 
     def __init__(self, path: str | Path):
-        # No fsync per file (2x slower here): `save_chunks` flushes the rank's files at the end.
+        # No fsync per file (it slows every save down): `save_chunks` flushes the rank's files at
+        # the end.
         super().__init__(path, single_file_per_rank=False, sync_files=False, thread_count=1)
 
     def write_data(self, plan: SavePlan, planner):

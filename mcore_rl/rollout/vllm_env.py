@@ -63,8 +63,8 @@ def compiler_off(enforce_eager: bool) -> Iterator[None]:
 
     Why: vLLM's sampler compiles helpers with torch.compile even in eager mode — the log-prob
     ranks (`batched_count_greater_than`), top-k/top-p — on their first call. On CPU inductor
-    builds a C++ kernel there, and the first time in a venv a 154 MB precompiled header:
-    measured 1.5 s of a run's first generation, 8.4 s of it on a fresh set-up."""
+    builds a C++ kernel there, and the first time in a venv a large precompiled header: a
+    visible share of a run's first generation, most of it on a fresh set-up."""
     if not enforce_eager:
         yield
         return
@@ -89,9 +89,8 @@ def model_inspected_in_process(on_cpu: bool) -> Iterator[None]:
 
     Why: the first time an architecture is seen under a `VLLM_CACHE_ROOT` (every fresh machine,
     container or SLURM node) `LLM()` runs `python -m vllm.model_executor.models.registry`,
-    which imports torch and vLLM again just to import the model module: measured 6.5 s of
-    the engine's start-up here, against 0.7 s in-process — and the in-process import is paid
-    anyway when the engine loads the model a second later. vLLM spawns it so that the model
+    which imports torch and vLLM again just to import the model module — several times the
+    in-process import, which is paid anyway when the engine loads the model a second later. vLLM spawns it so that the model
     import cannot initialize CUDA in a process that forks GPU workers; a CPU engine has no
     CUDA to initialize, so on GPU vLLM's subprocess is kept. The result still goes to vLLM's
     model-info cache. Pinned to vLLM 0.32 (`registry._run_in_subprocess`); a vLLM without it

@@ -65,7 +65,7 @@ def model_dir_of(cfg, out: Path) -> Path:
 def model_dir_while_ray_starts(cfg, out: Path) -> Path:
     """`model_dir_of(cfg, out)` with the driver's Ray started (`start_local_ray`). The demo
     model is built in a thread meanwhile: ray.init mostly waits on the processes it launches,
-    and the build (transformers' import, the tokenizer's training) is ~3.5 s of driver CPU.
+    and the build (transformers' import, the tokenizer's training) is seconds of driver CPU.
     A given model.hf_dir is checked first, so a bad one fails before Ray starts."""
     from concurrent.futures import ThreadPoolExecutor
 

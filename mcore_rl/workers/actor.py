@@ -220,8 +220,8 @@ class ActorWorker:
                mini_batches: int = 1) -> list[dict]:
         """The policy update: `batch` cut into `mini_batches` equal, contiguous mini-batches,
         one optimizer step each, in order. One call per step, not per mini-batch: the batch
-        crosses once and the controller waits once (a Ray round trip is ~3-4 ms on the CPU
-        demo, measured). Returns each mini-batch's report."""
+        crosses once and the controller waits once (a Ray round trip per mini-batch adds up on
+        small batches). Returns each mini-batch's report."""
         maybe_stall("update_actor", f"rank{self.rank}", self.inject_stall)
         from mcore_rl.megatron.policy import PolicyBatch, policy_update
 
