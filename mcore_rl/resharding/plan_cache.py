@@ -5,9 +5,9 @@ to every actor rank, every engine and, through vLLM's RPC, every engine worker �
 every receiver unpickle it and recompute its fingerprint at each sync, and a large model's
 plan is big. So the controller sends the whole plan the first time after a sync group forms
 (every member may be new: an engine restart re-forms the group) and a `PlanRef` — its
-fingerprint — afterwards; each receiver keeps the plans it got in a small `PlanCache` and resolves the
-reference. A reference to a plan a receiver never got is an error naming the fingerprint,
-never a silent mismatch. Every rank's fingerprint is compared (`verify_plan`) before the
+fingerprint — afterwards; each receiver keeps the plans it got in a small `PlanCache` and
+resolves the reference. A reference to a plan a receiver never got is an error naming the
+fingerprint, never a silent mismatch. Every rank's fingerprint is compared (`verify_plan`) before the
 first byte of a plan moves in a group; a plan the group's ranks already agreed on is not
 compared again (`SyncChannels.verify`).
 """

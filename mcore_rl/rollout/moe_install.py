@@ -97,7 +97,8 @@ def _install_layer(module: nn.Module, w13: torch.Tensor, w2: torch.Tensor) -> No
         # vLLM 0.32 (`UnquantizedFusedMoEMethod._setup_kernel`) runs the experts' own
         # preparation — on CPU the pad + grouped-gemm prepack — only on the first load; on a
         # weight update it copies the unpacked tensors in and stops, and the CPU kernel would
-        # read them as packed (wrong log-probs: tests/rl/test_moe_sync_integration.py). Redo it as the first load did.
+        # read them as packed (wrong log-probs: tests/rl/test_moe_sync_integration.py). Redo
+        # it as the first load did.
         kernel.fused_experts.process_weights_after_loading(module)
 
 
