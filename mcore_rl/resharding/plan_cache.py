@@ -7,9 +7,9 @@ plan is big. So the controller sends the whole plan the first time after a sync 
 (every member may be new: an engine restart re-forms the group) and a `PlanRef` — its
 fingerprint — afterwards; each receiver keeps the plans it got in a small `PlanCache` and
 resolves the reference. A reference to a plan a receiver never got is an error naming the
-fingerprint, never a silent mismatch. Every rank's fingerprint is compared (`verify_plan`) before the
-first byte of a plan moves in a group; a plan the group's ranks already agreed on is not
-compared again (`SyncChannels.verify`).
+fingerprint, never a silent mismatch. Every rank's fingerprint is compared (`verify_plan`)
+before the first byte of a plan moves in a group; a plan the group's ranks already agreed on
+is not compared again (`SyncChannels.verify`).
 """
 
 from __future__ import annotations

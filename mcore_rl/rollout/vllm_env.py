@@ -91,8 +91,8 @@ def model_inspected_in_process(on_cpu: bool) -> Iterator[None]:
     container or SLURM node) `LLM()` runs `python -m vllm.model_executor.models.registry`,
     which imports torch and vLLM again just to import the model module — several times the
     in-process import, which is paid anyway when the engine loads the model a second later.
-    vLLM spawns it so that the model import cannot initialize CUDA in a process that forks GPU workers; a CPU engine has no
-    CUDA to initialize, so on GPU vLLM's subprocess is kept. The result still goes to vLLM's
+    vLLM spawns it so that the model import cannot initialize CUDA in a process that forks
+    GPU workers; a CPU engine has no CUDA to initialize, so on GPU vLLM's subprocess is kept. The result still goes to vLLM's
     model-info cache. Pinned to vLLM 0.32 (`registry._run_in_subprocess`); a vLLM without it
     keeps its own behaviour."""
     if not on_cpu:  # pragma: no cover - GPU only
