@@ -92,9 +92,9 @@ def model_inspected_in_process(on_cpu: bool) -> Iterator[None]:
     which imports torch and vLLM again just to import the model module — several times the
     in-process import, which is paid anyway when the engine loads the model a second later.
     vLLM spawns it so that the model import cannot initialize CUDA in a process that forks
-    GPU workers; a CPU engine has no CUDA to initialize, so on GPU vLLM's subprocess is kept. The result still goes to vLLM's
-    model-info cache. Pinned to vLLM 0.32 (`registry._run_in_subprocess`); a vLLM without it
-    keeps its own behaviour."""
+    GPU workers; a CPU engine has no CUDA to initialize, so on GPU vLLM's subprocess is kept.
+    The result still goes to vLLM's model-info cache. Pinned to vLLM 0.32
+    (`registry._run_in_subprocess`); a vLLM without it keeps its own behaviour."""
     if not on_cpu:  # pragma: no cover - GPU only
         yield
         return
