@@ -13,7 +13,8 @@ own node holds through CUDA IPC and the rest over the sync group. A rank whose p
 drives them through one `RoutedCopy`, round by round.
 
 Groups: `bulk` is the sync group (gloo / NCCL) that p2p messages travel on; `control` is a
-gloo group for IPC handles and signals — the bulk group itself when that is gloo. When every
+gloo group for IPC handles, signals and plan fingerprints — the bulk group itself when that
+is gloo (fingerprints on an NCCL group would build a communicator over the whole world). When every
 engine is colocated on one node (`SyncGroupSpec.all_ipc`) no bytes use the bulk group, so it
 is built as gloo whatever the backend: NCCL would refuse the colocated ranks (two ranks of a
 group on one device) in a collective. On more nodes the bulk group carries the cross-node
@@ -99,10 +100,7 @@ class SyncChannels:
         fingerprint = plan.fingerprint()
         if fingerprint in self._verified:
             return
-        if self.control is not self.bulk or self.spec.backend == "gloo":
-            verify_plan(plan, self.control, self.rank, device="cpu")
-        else:
-            verify_plan(plan, self.bulk, self.rank, device=self.device)
+        verify_plan(plan, self.control, self.rank, device="cpu")  # gloo, whatever the bulk
         self._verified.add(fingerprint)
 
     def send(self, plan: Plan, tensors: Mapping[str, torch.Tensor], *, dtype: torch.dtype,

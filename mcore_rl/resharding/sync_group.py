@@ -24,9 +24,8 @@ class SyncGroupSpec:
     world_size: trainer ranks + inference ranks. timeout_s: every send/recv deadline.
     backend: the group's ("gloo" on CPU, "nccl" on GPU; the resolved run's `sync_backend`).
     transports: per engine, how it receives — "p2p" (sends on this group) or "ipc" (shared
-    staging buffers, colocated ranks; the resolved run's `transports`); empty: all p2p. With
-    any "ipc" on a non-gloo group every rank also joins a gloo control group
-    (`join_control_group`).
+    staging buffers, colocated ranks; the resolved run's `transports`); empty: all p2p. On a
+    non-gloo group every rank also joins a gloo control group (`join_control_group`).
     nodes: the node of every sync rank (the resolved run's `sync_nodes`); empty: one node.
     An "ipc" engine receives by IPC only from sources on its own node (`pair_transport`):
     a staging buffer's handle cannot be opened on another node.
@@ -79,8 +78,10 @@ class SyncGroupSpec:
 
     @property
     def needs_control_group(self) -> bool:
-        """IPC signals and handles need a gloo group; the group itself is one when gloo."""
-        return self.backend != "gloo" and "ipc" in self.transports
+        """A gloo group beside a non-gloo sync group: IPC signals and handles need one, and
+        the plan fingerprints travel on it so that comparing them never builds a full-world
+        NCCL communicator. A gloo sync group is its own."""
+        return self.backend != "gloo"
 
 
 def host_store(host: str = "127.0.0.1", port: int = 0, world_size: int = 1,
@@ -132,9 +133,8 @@ def sync_group_spec(run, *, host: str, port: int, prefix: str, timeout_s: float,
 
 def join_control_group(spec: SyncGroupSpec, rank: int, bulk: dist.ProcessGroup,
                        store: dist.Store | None = None) -> dist.ProcessGroup:
-    """The gloo group that carries IPC handles and round signals (and the plan fingerprints,
-    when the bulk group is NCCL over colocated ranks and so unusable): `bulk` itself when that
-    is gloo or no engine uses IPC; else a gloo group over the same ranks (prefix + "ctl/").
+    """The gloo group that carries IPC handles, round signals and the plan fingerprints:
+    `bulk` itself when that is gloo; else a gloo group over the same ranks (prefix + "ctl/").
     Every rank of the sync world calls it, right after `join_sync_group`."""
     if not spec.needs_control_group:
         return bulk

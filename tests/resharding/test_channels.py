@@ -70,3 +70,23 @@ def test_a_plan_is_compared_once_per_group_and_a_differing_rank_is_named():
             assert "training rank 0" in named and "inference rank 0" in named
         else:
             assert "training rank 1" in named and "inference rank" not in named
+
+
+def test_fingerprints_travel_on_the_gloo_control_group_beside_nccl(monkeypatch):
+    """Issue #30, S1: comparing fingerprints on an NCCL sync group builds a communicator over
+    the whole world (one more NCCL init on every rank). Beside a non-gloo group every rank
+    joins a gloo control group, with or without IPC engines, and the fingerprints go there."""
+    import torch
+
+    import mcore_rl.resharding.channels as channels_module
+    from mcore_rl.resharding.channels import SyncChannels
+
+    p2p_only = SyncGroupSpec("127.0.0.1", 1, "fp/", 3, backend="nccl", transports=("p2p",))
+    assert p2p_only.needs_control_group
+    assert not SyncGroupSpec("127.0.0.1", 1, "fp/", 3, backend="gloo").needs_control_group
+    seen = []
+    monkeypatch.setattr(channels_module, "verify_plan",
+                        lambda plan, group, rank, **kw: seen.append((group, kw)))
+    bulk, control = object(), object()  # stand for the NCCL group and its gloo companion
+    SyncChannels(p2p_only, 0, torch.device("cpu"), bulk, control).verify(_plan(64))
+    assert seen == [(control, {"device": "cpu"})]
