@@ -94,6 +94,14 @@ def _grouped(slots) -> str:
                      for devs, nodes in groups.items())
 
 
+def _params(n: int) -> str:
+    """A parameter count as people write it: 70.55 B, 0.5 M, 12 K."""
+    for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.3g} {unit}"
+    return str(n)
+
+
 def shape_of(cfg, spec) -> list[tuple[str, str]]:
     """The run's shape: model, algorithm, batch and lengths."""
     kind = (f"MoE, {spec.num_experts} experts ({spec.experts_per_token} per token)"
@@ -101,7 +109,7 @@ def shape_of(cfg, spec) -> list[tuple[str, str]]:
     algo = cfg.algorithm
     kl = f", KL {algo.kl_coeff:g} ({algo.kl_mode})" if algo.kl_coeff > 0 else ""
     return [
-        ("model", f"{spec.family} · {spec.num_params() / 1e9:.2f} B params · {kind} · "
+        ("model", f"{spec.family} · {_params(spec.num_params())} params · {kind} · "
                   f"{spec.layers} layers · vocab {spec.vocab}"),
         ("algorithm", f"{algo.advantage_estimator}{kl} · {cfg.steps} steps · "
                       f"rollout {cfg.rollout.mode}"),

@@ -120,7 +120,7 @@ def test_explain_shows_start_up_order_and_roles_and_no_experts_for_dense(no_cuda
     assert main(["explain", l8, "--assume-gpu", "algorithm.advantage_estimator=gae",
                  "algorithm.kl_coeff=0.05"]) == 0
     out = capsys.readouterr().out
-    assert "vLLM experts" not in out and "│ llama · " in out and " dense " in out
+    assert "vLLM experts" not in out and "│ llama · 8.03 B params · dense · 32 layers" in out
     assert "start-up     │ trainers first, then the engines" in out
     assert ("roles        │ critic (GAE) and reference policy (KL) on the actor ranks' "
             "devices") in out
