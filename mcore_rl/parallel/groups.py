@@ -69,10 +69,6 @@ class ParallelGroups:
     expert_coords: dict = field(default_factory=lambda: {"etp": 0, "ep": 0, "edp": 0})
     device: str = "cpu"
 
-    @property
-    def on_cpu(self) -> bool:
-        return not self.device.startswith("cuda")
-
     def group(self, axis: Axis) -> dist.ProcessGroup:
         return self.groups[Axis(axis)]
 

@@ -20,18 +20,21 @@ if TYPE_CHECKING:
     from mcore_rl.run.config import RLConfig
 
 
-def sync_plan(cfg: "RLConfig", run: "ResolvedRun", spec: "ModelSpec") -> "Plan":
-    """The plan of one sync to every engine, as the controller builds it."""
+def sync_plan(cfg: "RLConfig", run: "ResolvedRun", spec: "ModelSpec",
+              engines: int | None = None) -> "Plan":
+    """The plan of one sync from the actor's layout to the first `engines` engines' (default
+    all) — the one the controller's weight sync builds (rl/weight_sync.py)."""
     from mcore_rl.config.dtypes import torch_dtype
     from mcore_rl.layouts import megatron_shards, vllm_shards
     from mcore_rl.resharding import build_plan
 
+    engines = len(run.engine_devices) if engines is None else engines
     actor = megatron_shards(spec, cfg.actor, layer_spec=run.layer_spec)
-    engines = vllm_shards(spec, cfg.rollout.tp, len(run.engine_devices),
-                          expert_parallel=run.expert_parallel)
-    return build_plan(actor, engines, bucket_bytes=int(run.sync_bucket_mb * (1 << 20)),
+    inference = vllm_shards(spec, cfg.rollout.tp, engines,
+                            expert_parallel=run.expert_parallel)
+    return build_plan(actor, inference, bucket_bytes=int(run.sync_bucket_mb * (1 << 20)),
                       element_size=torch_dtype(cfg.wire_dtype).itemsize,
-                      nodes=run.sync_nodes())
+                      nodes=run.sync_nodes(engines))
 
 
 def sync_traffic(run: "ResolvedRun", plan: "Plan") -> dict:

@@ -32,7 +32,7 @@ from mcore_rl.models.spec import ModelSpec
 from mcore_rl.planning.resolve import resolve_run
 from mcore_rl.rollout.multi_turn import build_multi_turn, episode_metrics, loss_masks
 from mcore_rl.tasks.config import build_reward, build_task
-from mcore_rl.tasks.tokenizer import encode_answers, load_tokenizer
+from mcore_rl.tasks.tokenizer import load_tokenizer
 from mcore_rl.rl.advantages import compute_advantages, critic_metrics, packing_metrics
 from mcore_rl.rollout.batches import (Batch, Rollouts, build_batch, engine_logprobs,
                                       rollout_logprob_diff, trained_tokens)
@@ -180,16 +180,7 @@ class RLController:
         acc = 0.0
         for step in range(1, w.max_steps + 1):
             timer = PhaseTimer()
-            examples = self.sampler.task.warmup_examples(w.batch_size, seed=self.cfg.seed * 100003 + step,
-                                                 p=w.label_noise)
-            prompts = self.sampler.encode_all([p for p, _ in examples])
-            multi_turn, tokenizer = self.sampler.multi_turn, self.sampler.tokenizer
-            if multi_turn is None:
-                answers, masks = encode_answers(tokenizer, [a for _, a in examples]), None
-            else:  # whole traces; their observations are masked out of the loss
-                answers, masks = zip(*(multi_turn.encode_trace(a) for _, a in examples))
-            batch = build_batch(prompts, answers, w.train.seq_len, tokenizer.pad_token_id,
-                                masks)
+            batch = self.sampler.warmup_batch(step)
             with timer("update_actor"):
                 result = self.call_actors("sft_step", batch.tokens, batch.labels, batch.mask,
                                      phase="warmup")[0]

@@ -17,9 +17,9 @@ from mcore_rl.rollout.engine import Completion, RolloutError, SamplingConfig
 from mcore_rl.rollout.multi_turn import Episode
 from mcore_rl.rollout.partial import PartialBatch, PartialRolloutPipeline, advance
 from mcore_rl.tasks.base import Example
-from mcore_rl.tasks.tokenizer import encode_prompts, response_text
+from mcore_rl.tasks.tokenizer import encode_answers, encode_prompts, response_text
 from mcore_rl.rollout.pipeline import RolloutPipeline, on_generation_thread
-from mcore_rl.rollout.batches import Rollouts
+from mcore_rl.rollout.batches import Batch, Rollouts, build_batch
 from mcore_rl.launch.timing import PhaseTimer
 from mcore_rl.launch.watchdog import Watchdog
 from mcore_rl.rl.recovery import EngineRecovery, InjectedKills
@@ -99,6 +99,20 @@ class Sampler:
         return sum(o[0].reward if isinstance(o[0], Episode) else
                    self.exact_match(e.prompt, response_text(o[0].token_ids, self.tokenizer),
                                     e.answer) for e, o in zip(examples, outs)) / n
+
+    def warmup_batch(self, step: int) -> Batch:
+        """Warm-up step `step`'s supervised batch: `warmup.batch_size` prompts with noisy
+        answers (`warmup.label_noise`), as [n, s] rows of `warmup.train.seq_len`. Multi-turn:
+        whole traces, their observations masked out of the loss."""
+        w = self.cfg.warmup
+        examples = self.task.warmup_examples(w.batch_size, seed=self.cfg.seed * 100003 + step,
+                                             p=w.label_noise)
+        prompts = self.encode_all([p for p, _ in examples])
+        if self.multi_turn is None:
+            answers, masks = encode_answers(self.tokenizer, [a for _, a in examples]), None
+        else:
+            answers, masks = zip(*(self.multi_turn.encode_trace(a) for _, a in examples))
+        return build_batch(prompts, answers, w.train.seq_len, self.tokenizer.pad_token_id, masks)
 
     def draw(self, step: int, attempt: int) -> tuple[list[Example], SamplingConfig]:
         """prompts_per_step fresh prompts and their sampling (seeded by step and attempt: the

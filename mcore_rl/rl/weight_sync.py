@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING
 
 from mcore_rl.config.dtypes import torch_dtype
 from mcore_rl.launch.watchdog import WatchdogTimeout
-from mcore_rl.layouts import megatron_shards, vllm_shards
-from mcore_rl.resharding import build_plan, host_store, sync_group_spec
+from mcore_rl.planning.sync_traffic import sync_plan
+from mcore_rl.resharding import host_store, sync_group_spec
 from mcore_rl.resharding.plan_cache import PlanSender
 from mcore_rl.rl.actor_ranks import ActorRanks
 from mcore_rl.rl.recovery import InjectedKills
@@ -48,14 +48,7 @@ class WeightSync:
     def _build_plan(self) -> None:
         """Every shard transfer of a sync, from the actor's layout to the engines' (`plan`),
         and its sender (resharding/plan_cache.py: sent whole once per sync group)."""
-        cfg = self.cfg
-        actor = megatron_shards(self.spec, cfg.actor, layer_spec=self.run.layer_spec)
-        engines = vllm_shards(self.spec, cfg.rollout.tp, self.engines.num_engines,
-                              expert_parallel=self.run.expert_parallel)
-        bucket_bytes = int(self.run.sync_bucket_mb * (1 << 20))
-        self.plan = build_plan(actor, engines, bucket_bytes=bucket_bytes,
-                               element_size=torch_dtype(cfg.wire_dtype).itemsize,
-                               nodes=self.run.sync_nodes(self.engines.num_engines))
+        self.plan = sync_plan(self.cfg, self.run, self.spec, self.engines.num_engines)
         self._plan_sender = PlanSender(self.plan)
 
     def join_group(self) -> None:
