@@ -6,7 +6,7 @@ from mcore_rl.rollout.engine import Completion, RolloutEngine
 from mcore_rl.rollout.errors import RolloutError
 from mcore_rl.rollout.sync_client import RankSync, SyncReport
 from mcore_rl.rollout.ray_engines import RayEngines
-from mcore_rl.rollout.worker_extension import install_from_iterator, rank_shapes
+from mcore_rl.rollout.install import install_from_iterator, rank_shapes
 
 __all__ = ["Completion", "RankSync", "RayEngines", "RolloutConfig", "RolloutEngine",
            "RolloutError", "SamplingConfig", "SyncReport",

@@ -28,9 +28,11 @@ what HF `transformers` gives (`log_softmax(model(ids).logits)`), i.e. what the t
 recomputes; with temperature != 1 or top-k/top-p it is *not* the distribution the token was
 drawn from ("processed_logprobs" would be). The trainer must use the same definition.
 
-Modules: `config.py` (RolloutConfig, SamplingConfig and its seeds), `vllm_env.py` (the process
-environment vLLM reads), `sync_client.py` (the weight-sync RPCs, mixed into RolloutEngine;
-worker_extension.py is the worker side), `errors.py` (RolloutError).
+Weight sync: through vLLM's weight-transfer API (sync_client.py, mixed into RolloutEngine), whose
+backend in every worker is mcore-rl's (weight_transfer.py, registered by the
+`vllm.general_plugins` entry point in vllm_plugin.py). Modules: `config.py` (RolloutConfig,
+SamplingConfig and its seeds), `vllm_env.py` (the process environment vLLM reads),
+`worker_extension.py` (read-only worker RPCs), `errors.py` (RolloutError).
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ from mcore_rl.rollout.config import RolloutConfig, SamplingConfig
 from mcore_rl.rollout.sync_client import EngineSync
 from mcore_rl.rollout.vllm_env import (compiler_off, configure_vllm_env,
                                        model_inspected_in_process)
+from mcore_rl.rollout.vllm_plugin import BACKEND, plugin_installed
 
 WORKER_EXTENSION = "mcore_rl.rollout.worker_extension.WorkerExtension"
 GiB = 1 << 30
@@ -97,14 +100,18 @@ class RolloutEngine(EngineSync):
         self.cfg, self.index, self.call_timeout_s = cfg, engine_index, call_timeout_s
         self.seed = seed
         self.on_cpu = _standalone_on_cpu() if device is None else not device.startswith("cuda")
-        self._sync_thread: threading.Thread | None = None
-        self._sync_result: dict[str, Any] = {}
+        self._sync_thread = None  # sync_client._Background: the update in flight
+        self._join = None  # sync_client._Background: the sync-group join in flight
         self._sync_plan = None
         self._plans = PlanCache()  # the sync plans sent to this engine, by fingerprint
         self._first_sync_rank: int | None = None
         self._lock = threading.Lock()
         if not (Path(model_dir) / "config.json").is_file():
             raise RolloutError(engine_index, "start-up", f"{model_dir}: no config.json")
+        if not plugin_installed():
+            raise RolloutError(engine_index, "start-up", "vLLM's workers cannot find mcore-rl's "
+                               f"weight-transfer backend: the {BACKEND!r} entry point of "
+                               "vllm.general_plugins is not installed (run scripts/setup.sh)")
         start = time.perf_counter()
         configure_vllm_env(cfg, self.on_cpu)
         if self.on_cpu and cfg.in_process_threads is not None:
@@ -130,6 +137,7 @@ class RolloutEngine(EngineSync):
             enable_prefix_caching=cfg.enable_prefix_caching,
             distributed_executor_backend="uni" if cfg.tp == 1 else "mp",
             worker_extension_cls=WORKER_EXTENSION,
+            weight_transfer_config={"backend": BACKEND},
             skip_tokenizer_init=True,  # token ids in, token ids out
             logprobs_mode="raw_logprobs",
         )

@@ -1,11 +1,14 @@
-"""The engine side of the shard-to-shard weight sync: the RPCs that drive an engine's workers
-(worker_extension.py) through joining the sync group and receiving and installing a plan.
+"""The engine side of the shard-to-shard weight sync, driven through vLLM's weight-transfer API
+(`LLM.init_weight_transfer_engine`, `start_weight_update`, `update_weights`,
+`finish_weight_update`, `shutdown_weight_transfer_engine`); weight_transfer.py is the backend
+those calls reach in every worker.
 
 The trainer hosts the sync group's store; `start_join_sync_group` / `finish_join_sync_group`
-bracket the trainer's own join; `begin_sync(plan)` starts the workers' receive-and-install RPC
-in a thread and returns at once (the RPC blocks until the trainer's sends arrive, so the two
-must overlap); `finish_sync()` waits for it, checks each rank installed exactly the plan's
-names, and resets the prefix cache.
+bracket the trainer's own join; `begin_sync(plan)` starts the update in a thread and returns
+at once (the workers' receives block until the trainer's sends arrive, so the two must
+overlap); `finish_sync()` waits for it, checks each rank installed exactly the plan's names,
+and resets the prefix cache. vLLM's calls return nothing and the backend never raises (see
+weight_transfer.py), so each outcome is read back per rank (`weight_transfer_outcome`).
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 
@@ -45,79 +48,115 @@ class SyncReport:
                           | {"tensors": len(r.names)} for r in self.ranks]}
 
 
+class _Background:
+    """A blocking vLLM call in a daemon thread, waited for with a deadline."""
+
+    def __init__(self, name: str, work: Callable[[], None]):
+        self.error: str | None = None
+        self.started = time.perf_counter()
+
+        def run() -> None:
+            try:
+                work()
+            except BaseException as err:  # noqa: BLE001 — reported by the waiter
+                self.error = f"{type(err).__name__}: {err}"
+
+        self.thread = threading.Thread(target=run, daemon=True, name=name)
+        self.thread.start()
+
+    def finished(self, timeout_s: float) -> bool:
+        self.thread.join(timeout_s)
+        return not self.thread.is_alive()
+
+
 class EngineSync:
     """The weight-sync methods of `RolloutEngine` (mixed into it). Uses the engine's `llm`,
-    `index`, `cfg`, `call_timeout_s`, `call_workers`, `_check_replies`, `_check_idle` and
+    `index`, `cfg`, `call_timeout_s`, `_check_replies`, `_check_idle` and
     `reset_prefix_cache`."""
 
     def start_join_sync_group(self, spec, first_sync_rank: int,
                               devices: tuple[str, ...] | None = None) -> None:
         """Every worker starts joining the sync group `spec` (a `SyncGroupSpec`) as sync rank
-        `first_sync_rank + tp_rank` in a background thread; returns at once. The trainer then
-        joins (rank 0 blocks until everyone is in) and calls `finish_join_sync_group`.
-        devices: per TP rank, its device (the resolved run's `engine_devices[e]`)."""
-        self.call_workers("start_join_sync_group", spec, first_sync_rank, devices,
-                          phase="sync")
+        `first_sync_rank + tp_rank`; returns at once. The trainer then joins (rank 0 blocks
+        until everyone is in) and calls `finish_join_sync_group`.
+        devices: per TP rank, its device (the resolved run's `engine_devices[e]`), which each
+        worker checks against the device vLLM gave it."""
+        self._check_idle("sync")
+        if self._join is not None:
+            raise RolloutError(self.index, "sync", "already joining a sync group")
+        init = {"spec": spec, "first_sync_rank": first_sync_rank,
+                "devices": None if devices is None else tuple(devices)}
+        self._join = _Background(f"mcore-rl-join-engine{self.index}",
+                                 lambda: self.llm.init_weight_transfer_engine(
+                                     {"init_info": init}))
         self._first_sync_rank = first_sync_rank
 
     def finish_join_sync_group(self, timeout_s: float | None = None) -> None:
         timeout = self.call_timeout_s if timeout_s is None else timeout_s
-        self.call_workers("finish_join_sync_group", timeout, phase="sync",
-                          timeout_s=timeout + 10.0)
+        join, self._join = self._join, None
+        if join is None:
+            raise RolloutError(self.index, "sync", "finish_join_sync_group without "
+                                                   "start_join_sync_group")
+        if not join.finished(timeout):
+            raise RolloutError(self.index, "sync", f"still joining the sync group after "
+                                                   f"{timeout:.0f} s")
+        if join.error is not None:
+            raise RolloutError(self.index, "sync", f"init_weight_transfer_engine failed: "
+                                                   f"{join.error}")
+        self._outcomes("init", "init_weight_transfer_engine")
 
     def leave_sync_group(self) -> None:
-        """Shut the workers' sync-group handles down (after a failed sync: re-form the group
-        with a new prefix)."""
-        self.call_workers("leave_sync_group", phase="sync")
+        """The workers leave the sync group (after a failed sync: it is formed anew with a new
+        prefix)."""
+        self._check_idle("sync")
+        leave = _Background(f"mcore-rl-leave-engine{self.index}",
+                            self.llm.shutdown_weight_transfer_engine)
+        if not leave.finished(self.call_timeout_s):
+            raise RolloutError(self.index, "sync", f"shutdown_weight_transfer_engine still "
+                                                   f"running after {self.call_timeout_s:.0f} s")
+        if leave.error is not None:
+            raise RolloutError(self.index, "sync", f"shutdown_weight_transfer_engine failed: "
+                                                   f"{leave.error}")
         self._first_sync_rank = None
 
     def begin_sync(self, plan, *, dtype: torch.dtype = torch.float32, verify: bool = True,
                    timeout_s: float | None = None) -> None:
-        """Start every worker's receive-and-install of its shards (`install_shards`) in a
-        thread and return at once; the trainer's sends must run while it is in flight.
+        """Start the workers' receive-and-install of their shards in a thread and return at
+        once; the trainer's sends must run while it is in flight.
         verify: workers take part in `verify_plan` (the trainer ranks must call it too)."""
         self._check_idle("sync")
         if self._first_sync_rank is None:
             raise RolloutError(self.index, "sync", "begin_sync before start_join_sync_group")
         timeout = self.call_timeout_s if timeout_s is None else timeout_s
         # the workers get what came (the plan, or its reference: they keep plans too)
-        sent, plan = plan, self._plans.resolve(plan)
-        result: dict[str, Any] = {}
-        dtype_name = str(dtype).removeprefix("torch.")
-
-        def run() -> None:
-            try:
-                result["replies"] = self.llm.collective_rpc(
-                    "install_shards", timeout=timeout + 10.0,
-                    args=(sent,), kwargs={"dtype": dtype_name, "timeout_s": timeout,
-                                          "verify": verify})
-            except BaseException as err:  # noqa: BLE001 — reported by finish_sync
-                result["error"] = f"{type(err).__name__}: {err}"
-
-        self._sync_plan, self._sync_result = plan, result
-        self._sync_started = time.perf_counter()
+        sent, self._sync_plan = plan, self._plans.resolve(plan)
+        update = {"plan": sent, "dtype": str(dtype).removeprefix("torch."),
+                  "timeout_s": timeout, "verify": verify}
         self._sync_timeout = timeout
-        self._sync_thread = threading.Thread(target=run, daemon=True,
-                                             name=f"mcore-rl-sync-engine{self.index}")
-        self._sync_thread.start()
+        self._sync_thread = _Background(f"mcore-rl-sync-engine{self.index}",
+                                        lambda: self._update(update))
+
+    def _update(self, update_info: dict[str, Any]) -> None:
+        """One weight update through vLLM's API (every worker's backend never raises)."""
+        self.llm.start_weight_update()
+        self.llm.update_weights({"update_info": update_info})
+        self.llm.finish_weight_update()
 
     def finish_sync(self, timeout_s: float | None = None) -> SyncReport:
-        """Wait for `begin_sync`'s RPC; check that each rank installed exactly the plan's names
-        for its sync rank; reset the prefix cache. Raises RolloutError naming the engine, the
-        rank and the missing / unexpected names."""
-        if self._sync_thread is None:
+        """Wait for `begin_sync`'s update; check that each rank installed exactly the plan's
+        names for its sync rank; reset the prefix cache. Raises RolloutError naming the engine,
+        the rank and the missing / unexpected names."""
+        sync = self._sync_thread
+        if sync is None:
             raise RolloutError(self.index, "sync", "finish_sync without begin_sync")
         timeout = self._sync_timeout + 20.0 if timeout_s is None else timeout_s
-        self._sync_thread.join(timeout)
-        if self._sync_thread.is_alive():
-            raise RolloutError(self.index, "sync", f"install_shards still running after "
+        if not sync.finished(timeout):
+            raise RolloutError(self.index, "sync", f"update_weights still running after "
                                                    f"{timeout:.0f} s (engine is stuck)")
-        plan, result = self._sync_plan, self._sync_result
-        self._sync_thread = None
-        if "error" in result:
-            raise RolloutError(self.index, "sync", f"install_shards RPC failed: "
-                                                   f"{result['error']}")
-        replies = self._check_replies("install_shards", "sync", result["replies"])
+        plan, self._sync_thread = self._sync_plan, None
+        if sync.error is not None:
+            raise RolloutError(self.index, "sync", f"weight update failed: {sync.error}")
+        replies = self._outcomes("update", "update_weights")
         report = SyncReport(self.index)
         for rank, reply in enumerate(replies):
             expected = plan.expected_names(reply["sync_rank"])
@@ -128,7 +167,7 @@ class EngineSync:
                 rank, reply["sync_rank"], reply["names"], reply["bytes_received"],
                 reply["peak_extra_bytes"], reply["seconds"], reply["install_seconds"]))
         self.reset_prefix_cache()
-        report.seconds = time.perf_counter() - self._sync_started
+        report.seconds = time.perf_counter() - sync.started
         return report
 
     def install_tensors(self, items: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
@@ -139,9 +178,25 @@ class EngineSync:
             raise RolloutError(self.index, "sync", "install_tensors is for tp=1; use "
                                                    "begin_sync/finish_sync with tp > 1")
         self._check_idle("sync")
-        reply, = self.call_workers("install_tensors", list(items), phase="sync")
+        try:
+            self._update({"tensors": list(items)})
+        except Exception as err:
+            raise RolloutError(self.index, "sync", f"weight update failed: "
+                                                   f"{type(err).__name__}: {err}") from err
+        reply, = self._outcomes("update", "update_weights")
         self.reset_prefix_cache()
         return reply["names"]
+
+    def _outcomes(self, call: str, api: str) -> list[dict[str, Any]]:
+        """Every worker's outcome of the backend's last `call`, checked: a failed rank raises
+        RolloutError naming it and `api`, the vLLM call that failed."""
+        try:
+            replies = self.llm.collective_rpc("weight_transfer_outcome",
+                                              timeout=self.call_timeout_s, args=(call,))
+        except Exception as err:
+            raise RolloutError(self.index, "sync", f"weight_transfer_outcome RPC failed: "
+                                                   f"{type(err).__name__}: {err}") from err
+        return self._check_replies(api, "sync", replies)
 
 
 def _names_problem(expected: set[str], got: set[str]) -> str:

@@ -87,7 +87,7 @@ def test_engine_workers_get_process_local_devices(name, overrides):
     run = resolve_run(_load(CONFIGS / "gpu" / name, *overrides), cuda_available=False)
     for e, (slots, devices) in enumerate(zip(run.placement.engines, run.engine_devices)):
         assert list(devices) == [f"cuda:{t}" for t in range(len(slots))], (e, devices)
-    from mcore_rl.rollout.worker_extension import worker_device
+    from mcore_rl.rollout.install import worker_device
 
     for slots, devices, visible in zip(run.placement.engines, run.engine_devices,
                                        run.engine_visible_devices):
@@ -101,7 +101,7 @@ def test_engine_workers_get_process_local_devices(name, overrides):
 
 
 def test_worker_device_refuses_a_resolved_device_it_does_not_hold():
-    from mcore_rl.rollout.worker_extension import worker_device
+    from mcore_rl.rollout.install import worker_device
 
     assert worker_device("cpu", None, 0) == "cpu"
     with pytest.raises(RuntimeError, match=r"gives it cuda:2, but vLLM's worker holds cuda:0"):

@@ -167,5 +167,11 @@ def test_worker_errors_come_back_as_named_replies(engine):
     wrong = dict(shapes, **{"lm_head.weight": (250, 128)})
     with pytest.raises(RolloutError, match=r"lm_head.weight: vLLM \(256, 128\) vs plan"):
         engine.check_shapes([wrong])
-    with pytest.raises(RolloutError, match="before start_join_sync_group|not in a sync group"):
-        engine.call_workers("install_shards", None, phase="sync")
+    with pytest.raises(RolloutError, match="begin_sync before start_join_sync_group"):
+        engine.begin_sync(None)
+    # The worker's backend refuses a plan outside a sync group, and says so when asked.
+    engine.llm.start_weight_update()
+    engine.llm.update_weights({"update_info": {"plan": None}})
+    engine.llm.finish_weight_update()
+    with pytest.raises(RolloutError, match="RuntimeError: not in a sync group"):
+        engine.call_workers("weight_transfer_outcome", "update", phase="sync")

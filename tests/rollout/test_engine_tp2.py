@@ -32,6 +32,11 @@ def engine(micro_dir):
     print(f"TP=2 shutdown: {time.perf_counter() - start:.1f} s")
 
 
+def _backend(worker):
+    engine = worker.weight_transfer_engine
+    return type(engine).__name__, str(engine.device)
+
+
 def greedy_tokens(engine, ps):
     return [list(samples[0].token_ids) for samples in engine.generate(ps, GREEDY)]
 
@@ -49,6 +54,9 @@ def test_tp2_sync_gives_each_rank_only_its_shard(engine, micro_dir):
 
     trainer = Trainer(tp=2)
     engine.check_shapes([trainer.plan.dst_shapes[1 + r] for r in range(2)])
+    # Each worker process (spawned by vLLM) built mcore-rl's backend through the entry point,
+    # on the device vLLM gave it.
+    assert engine.llm.collective_rpc(_backend) == [("ShardTransferEngine", "cpu")] * 2
     start = time.perf_counter()
     trainer.connect(engine)
     joined = time.perf_counter() - start
@@ -86,7 +94,7 @@ def test_failures_are_named_and_the_group_can_be_re_formed(engine, micro_dir):
     # The trainer never sends: the workers' deadline fires and the error names the phase.
     start = time.perf_counter()
     engine.begin_sync(trainer.plan, timeout_s=3.0)
-    with pytest.raises(RolloutError, match=r"tp rank 0, sync: install_shards failed: SyncError"):
+    with pytest.raises(RolloutError, match=r"tp rank 0, sync: update_weights failed: SyncError"):
         engine.finish_sync()
     assert time.perf_counter() - start < 15.0
 

@@ -1,0 +1,131 @@
+"""Installing received shards into a vLLM worker's model, in place and each as it lands, and
+the per-rank shapes a plan is checked against (weight_transfer.py calls these inside the
+worker).
+
+Installing on CPU: vLLM repacks unquantized linear weights at load time into a kernel format
+and replaces `layer.weight` by an empty tensor (`numel() == 0`), so a plain `param.copy_`
+cannot work. For such a parameter we set a fresh `nn.Parameter` holding the per-rank tensor
+and call the module's own `quant_method.process_weights_after_loading(module)`, which packs
+it again exactly as at load. Modules that keep their weight (embedding, LM head, fallback
+linears) are copied in place and repacked too (the LM head computes from a packed copy).
+Memory stays bounded: each tensor is installed (and packed, freeing the unpacked copy) as it
+arrives, nothing is accumulated.
+
+Per-rank layouts (vLLM's, what `mcore_rl.layouts.vllm_shards` describes), rank r of t:
+  qkv_proj.weight  [q_r; k_r; v_r]   (q_r: heads/t heads; k_r, v_r: kv_heads/t heads, or the
+                                      replicated head r // (t / kv_heads) when t > kv_heads)
+  o_proj.weight    [hidden, heads·head_dim / t]          gate_up_proj.weight [gate_r; up_r]
+  down_proj.weight [hidden, ffn / t]                     norms: whole on every rank
+  embed_tokens / lm_head [padded_vocab / t, hidden]      (vocab padded to a multiple of 64)
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+from torch import nn
+
+from mcore_rl.rollout.moe_install import MoEInstaller, moe_logical_shape
+
+
+def logical_shape(module: nn.Module, leaf: str, param: torch.Tensor) -> tuple[int, ...]:
+    """A parameter's per-rank shape. A CPU-packed linear weight is empty; its shape is then
+    `(output_size_per_partition, input_size_per_partition)` of the layer. Fused MoE experts:
+    the logical (unpadded, unpacked) per-rank shape (`moe_install`)."""
+    moe_shape = moe_logical_shape(module, leaf)
+    if moe_shape is not None:
+        return moe_shape
+    if param.numel() == 0 and leaf == "weight" and hasattr(module, "output_size_per_partition"):
+        return (int(module.output_size_per_partition), int(module.input_size_per_partition))
+    if param.numel() == 0 and leaf == "weight" and hasattr(module, "output_size"):
+        return (int(module.output_size), int(module.input_size))  # ReplicatedLinear (MoE gate)
+    return tuple(param.shape)
+
+
+def rank_shapes(model: nn.Module) -> dict[str, tuple[int, ...]]:
+    """Every parameter of this rank's model → its per-rank shape (vLLM names)."""
+    out = {}
+    for name, param in model.named_parameters():
+        module_name, _, leaf = name.rpartition(".")
+        out[name] = logical_shape(model.get_submodule(module_name), leaf, param)
+    return out
+
+
+def _quant_owners(model: nn.Module) -> dict[int, list[nn.Module]]:
+    """id(parameter) → modules that hold it and repack it (tied weights have two)."""
+    owners: dict[int, list[nn.Module]] = {}
+    for module in model.modules():
+        if getattr(module, "quant_method", None) is None:
+            continue
+        for param in module._parameters.values():
+            if param is not None:
+                owners.setdefault(id(param), []).append(module)
+    return owners
+
+
+@torch.no_grad()
+def install_from_iterator(model: nn.Module,
+                          items: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
+    """Install `(vllm_param_name, per_rank_tensor)` items into this rank's model, each as it
+    arrives, repacking every module whose weight changed; returns the sorted names installed.
+
+    Each item must be one whole per-rank parameter (shape = `rank_shapes(model)[name]`).
+    Raises ValueError for an unknown name, a wrong shape or a name given twice. The caller
+    resets the prefix cache afterwards (it lives in the scheduler, not in the worker).
+    """
+    owners = _quant_owners(model)
+    experts = MoEInstaller()       # fused MoE layers repack once both their tensors are in
+    installed: set[str] = set()
+    for name, tensor in items:
+        if name in installed:
+            raise ValueError(f"{name}: received twice")
+        module_name, _, leaf = name.rpartition(".")
+        try:
+            module = model.get_submodule(module_name)
+        except AttributeError:
+            raise ValueError(f"{name}: no such module in the vLLM model") from None
+        param = module._parameters.get(leaf)
+        if param is None:
+            raise ValueError(f"{name}: no such parameter in the vLLM model")
+        expected = logical_shape(module, leaf, param)
+        if tuple(tensor.shape) != expected:
+            raise ValueError(f"{name}: got shape {tuple(tensor.shape)}, this rank holds "
+                             f"{expected}")
+        if experts.accepts(module, leaf):
+            experts.add(name, module, leaf, tensor)
+            installed.add(name)
+            continue
+        if param.numel() == 0 and tensor.numel() > 0:  # CPU-packed: weight was replaced
+            fresh = tensor.detach().to(device=param.device, dtype=param.dtype, copy=True)
+            setattr(module, leaf, nn.Parameter(fresh, requires_grad=False))
+            repack = [module]
+        else:
+            param.copy_(tensor)
+            repack = owners.get(id(param), [])
+        if leaf == "weight":  # biases are read at call time; weights are packed copies
+            for owner in repack:
+                owner.quant_method.process_weights_after_loading(owner)
+        installed.add(name)
+        del tensor
+    experts.finish()
+    return sorted(installed)
+
+
+def worker_device(resolved: str, held, tp_rank: int) -> str:
+    """The device a vLLM worker assembles shards on: the one it holds itself (`Worker.device`,
+    vLLM's cuda:<local rank> within the engine's narrowed CUDA_VISIBLE_DEVICES), which must be
+    the resolved run's `engine_devices[e][tp_rank]`. A disagreement (a run that addresses the
+    node's physical device index, or a CPU run on a CUDA worker) raises naming both."""
+    want = torch.device(resolved)
+    have = torch.device(held) if held is not None else torch.device("cpu")
+    if want.type == "cuda" and want.index is None:
+        want = torch.device("cuda", 0)
+    if want != have:
+        raise RuntimeError(f"engine TP rank {tp_rank}: the resolved run gives it {resolved}, "
+                           f"but vLLM's worker holds {have} — the plan and the process's "
+                           "visible devices disagree")
+    return str(have)
+
+
+__all__ = ["install_from_iterator", "logical_shape", "rank_shapes", "worker_device"]

@@ -1,0 +1,203 @@
+"""The shard-only weight sync as a vLLM weight-transfer backend (`vllm_plugin.BACKEND`).
+
+vLLM builds one `WeightTransferEngine` per worker when it loads the model
+(`Worker.load_model` → `WeightTransferEngineFactory.create_engine(config, vllm_config,
+self.device, model)`; the CPU worker inherits it) and drives it through
+`LLM.init_weight_transfer_engine`, `start_weight_update`, `update_weights`,
+`finish_weight_update` and `shutdown_weight_transfer_engine`, one collective RPC each
+(sync_client.py makes those calls). So the engine computes on the device and the model that
+vLLM's worker holds: inside an engine whose CUDA_VISIBLE_DEVICES is narrowed, TP rank t is
+`cuda:t`, whatever the node's physical index.
+
+  init   join the sync group (`SyncChannels`) as sync rank `first_sync_rank + worker rank`
+  update receive this rank's shards of a plan (or a reference to a plan sent before) by the
+         engine's transport and install each in place as it lands (install.py); or install
+         tensors passed in the call itself (one-rank engines in the caller's process)
+  finish nothing: the shards are installed already
+  shutdown leave the sync group (before it is formed again)
+
+None of these raises. A worker RPC that raises leaves the other workers' replies queued in
+vLLM's MultiprocExecutor and the next `collective_rpc` reads a stale one; so each call records
+its outcome, and `WorkerExtension.weight_transfer_outcome` returns it — an error included —
+for the caller to check.
+"""
+
+from __future__ import annotations
+
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Any, Iterable, Iterator
+
+import torch
+from vllm.distributed.weight_transfer.base import (WeightTransferEngine,
+                                                   WeightTransferInitInfo,
+                                                   WeightTransferUpdateInfo)
+
+from mcore_rl.resharding.channels import SyncChannels, engine_transport
+from mcore_rl.resharding.plan_cache import PlanCache
+from mcore_rl.resharding.transport import SyncStats
+from mcore_rl.rollout.install import install_from_iterator, rank_shapes, worker_device
+
+
+@dataclass
+class ShardInitInfo(WeightTransferInitInfo):
+    """spec: the sync group (`SyncGroupSpec`); first_sync_rank: this engine's TP rank 0;
+    devices: the run plan's device per TP rank, checked against the worker's own (None: the
+    engine runs on the host)."""
+
+    spec: Any
+    first_sync_rank: int
+    devices: tuple[str, ...] | None = None
+
+
+@dataclass
+class ShardUpdateInfo(WeightTransferUpdateInfo):
+    """One of: `plan` (a `Plan`, or the `PlanRef` of one sent to this group before), received
+    over the sync group; `tensors`, `(vLLM name, per-rank tensor)` pairs passed in the call.
+    dtype: the wire dtype; timeout_s: the receive deadline; verify: take part in the plan
+    check (every rank of the group does)."""
+
+    plan: Any = None
+    tensors: list | None = None
+    dtype: str = "float32"
+    timeout_s: float = 120.0
+    verify: bool = True
+
+
+def _dtype(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"dtype {name!r} is not a torch dtype")
+    return dtype
+
+
+def _timed(items: Iterable, spent: list[float]) -> Iterator:
+    """Yield from `items`, adding the time spent waiting for each item to `spent[0]`."""
+    iterator = iter(items)
+    while True:
+        start = time.perf_counter()
+        try:
+            item = next(iterator)
+        except StopIteration:
+            spent[0] += time.perf_counter() - start
+            return
+        spent[0] += time.perf_counter() - start
+        yield item
+
+
+class ShardTransferEngine(WeightTransferEngine[ShardInitInfo, ShardUpdateInfo]):
+    """One vLLM worker's side of the weight sync (module doc)."""
+
+    init_info_cls = ShardInitInfo
+    update_info_cls = ShardUpdateInfo
+    supports_draft_weight_update = False
+
+    def __init__(self, config, vllm_config, device: torch.device, model: torch.nn.Module):
+        super().__init__(config, vllm_config, device, model)
+        self.worker_rank = int(vllm_config.parallel_config.rank)
+        self.channels: SyncChannels | None = None
+        self.sync_rank: int | None = None
+        self.plans = PlanCache()  # the plans sent to this group, by fingerprint
+        self.outcomes: dict[str, dict[str, Any]] = {}
+
+    def _record(self, call: str, work) -> None:
+        """Run `work()` and keep its result (or its error) as the outcome of `call`."""
+        self.outcomes.pop(call, None)
+        try:
+            self.outcomes[call] = {"ok": True, **work()}
+        except BaseException as err:  # noqa: BLE001 — must never propagate into vLLM
+            self.outcomes[call] = {"ok": False, "err": f"{type(err).__name__}: {err}",
+                                   "trace": traceback.format_exc(limit=8)}
+
+    # ------------------------------------------------------------------ the API's calls
+
+    def parse_init_info(self, init_dict: dict[str, Any]) -> ShardInitInfo | dict:
+        try:
+            return super().parse_init_info(init_dict)
+        except ValueError as err:  # reported by init_transfer_engine
+            return {"error": str(err)}
+
+    def init_transfer_engine(self, init_info: ShardInitInfo | dict) -> None:
+        self._record("init", lambda: self._join(init_info))
+
+    def start_weight_update(self) -> None:
+        self.outcomes.pop("update", None)
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        self._record("update", lambda: self._update(update_info))
+
+    def receive_weights(self, update_info: ShardUpdateInfo) -> dict[str, Any]:
+        if update_info.tensors is not None:
+            start = time.perf_counter()
+            names = install_from_iterator(self.model, update_info.tensors)
+            return {"names": names, "seconds": time.perf_counter() - start}
+        return self._receive_plan(update_info)
+
+    def finish_weight_update(self) -> None:
+        """Nothing to do: every shard was installed in place as it landed."""
+
+    def shutdown(self) -> None:
+        channels, self.channels, self.sync_rank = self.channels, None, None
+        if channels is not None:
+            try:
+                channels.close()
+            except Exception:  # noqa: BLE001 — the group is being abandoned anyway
+                pass
+
+    # ------------------------------------------------------------------ the work
+
+    def _join(self, info: ShardInitInfo | dict) -> dict[str, Any]:
+        if isinstance(info, dict):
+            raise ValueError(info["error"])
+        if self.channels is not None:
+            raise RuntimeError("already in a sync group (shutdown_weight_transfer_engine "
+                               "first)")
+        resolved = info.devices[self.worker_rank] if info.devices else "cpu"
+        device = worker_device(resolved, self.device, self.worker_rank)
+        sync_rank = info.first_sync_rank + self.worker_rank
+        self.channels = SyncChannels.join(info.spec, sync_rank, device)
+        self.sync_rank = sync_rank
+        return {"sync_rank": sync_rank, "device": device}
+
+    def _update(self, update_dict: dict[str, Any]) -> dict[str, Any]:
+        result = self.receive_weights(self.parse_update_info(update_dict))
+        if self.device.type == "cuda":  # NCCL receives and IPC copies may still be queued
+            torch.cuda.synchronize(self.device)
+        return result
+
+    def _receive_plan(self, info: ShardUpdateInfo) -> dict[str, Any]:
+        """Receive this rank's shards of the plan by its engine's transport (the sync group
+        spec's: p2p sends, or the colocated trainer ranks' shared staging buffers) and install
+        each as it lands. Checks up front that the plan's tensors and shapes for this rank are
+        this model's."""
+        if self.channels is None:
+            raise RuntimeError("not in a sync group (init_weight_transfer_engine first)")
+        channels, sync_rank = self.channels, self.sync_rank
+        plan = self.plans.resolve(info.plan)  # the plan, or a reference to one sent before
+        want = plan.dst_shapes.get(sync_rank)
+        if not want:
+            raise ValueError(f"the plan has nothing for sync rank {sync_rank}")
+        have = rank_shapes(self.model)
+        wrong = [f"{n}: plan {tuple(s)} vs vLLM {have.get(n)}" for n, s in sorted(want.items())
+                 if have.get(n) != tuple(s)]
+        if wrong:
+            raise ValueError(f"sync rank {sync_rank}: the plan does not match this rank's "
+                             f"parameters: {wrong[:5]}")
+        start = time.perf_counter()
+        if info.verify:
+            channels.verify(plan)
+        stats, waiting = SyncStats(), [time.perf_counter() - start]  # not installing
+        transport = engine_transport(channels.spec, plan, sync_rank)
+        items = channels.receive(plan, transport, dtype=_dtype(info.dtype),
+                                 timeout_s=info.timeout_s, stats=stats)
+        names = install_from_iterator(self.model, _timed(items, waiting))
+        seconds = time.perf_counter() - start
+        return {"sync_rank": sync_rank, "names": names, "seconds": seconds,
+                "install_seconds": seconds - waiting[0],
+                "bytes_received": stats.bytes_received,
+                "peak_extra_bytes": stats.peak_extra_bytes, "transport": transport,
+                "transports": channels.transports_used(plan)}
+
+
+__all__ = ["ShardInitInfo", "ShardTransferEngine", "ShardUpdateInfo"]
