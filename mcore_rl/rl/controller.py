@@ -103,7 +103,7 @@ class RLController:
             start_trainers()
         # otherwise the engines start while the trainers initialise; each wait keeps its
         # deadline
-        self.engines = RayEngines(model_dir, cfg.rollout,
+        self.engines = RayEngines(model_dir, self.run.engine_config(cfg.rollout),
                                   start_timeout_s=cfg.deadlines.startup_s,
                                   call_timeout_s=cfg.deadlines.engine_call_s,
                                   stack_dir=self.watchdog.stack_dir,
@@ -232,15 +232,18 @@ class RLController:
         # weights must not change under a running generation: wait for the batches ahead
         overlap = ({} if self.pipeline is None else
                    self.pipeline.quiesce(timer, (train_start, time.perf_counter())))
-        if cfg.rollout.enable_sleep:
+        if cfg.rollout.enable_sleep:  # the weights only: the sync overwrites them next
             with timer("wake"):
-                self.engines.wake_up()
+                self.engines.wake_up(["weights"])
         lost = None  # an engine failed past its restarts in the sync: report the step first
         with timer("sync"):
             try:
                 sync = self.sync_weights()
             except EngineFailed as failed:
                 lost, sync = failed, {}
+        if cfg.rollout.enable_sleep:  # mapped after the sync, so the two never hold together
+            with timer("wake_kv"):
+                self.engines.wake_up(["kv_cache"])
         metrics = {"reward_mean": float(scores.mean()), "reward_std": float(scores.std()),
                    "rollout_engines": float(engines),
                    **_update_metrics(updates), **mismatch, **adv_metrics,

@@ -45,11 +45,17 @@ class RolloutConfig:
         accepted).
     gpu_memory_utilization: GPU only — fraction of GPU memory vLLM may take.
     kv_cache_gib: CPU only — KV cache size per worker.
-    enforce_eager: no CUDA graphs / torch.compile (required on CPU).
+    enforce_eager: no CUDA graphs / torch.compile. null: the run plan's choice — CUDA graphs
+        on GPU (false), eager on CPU (true, required there).
+    compile: torch.compile the engine's model (vLLM's own compilation, piecewise CUDA graphs);
+        GPU only, with CUDA graphs. Off (default): nothing is compiled — with CUDA graphs on,
+        vLLM captures whole decode steps (`cudagraph_mode` FULL_DECODE_ONLY) without compiling.
     enable_prefix_caching: reuse KV of shared prompt prefixes (reset after every sync).
     enable_sleep: GPU only — `sleep()` frees weights/KV for colocated training; a no-op on CPU.
     sleep_level: vLLM sleep level (1: offload weights to host, 2: discard them — the next
-        weight sync must then restore every tensor).
+        weight sync restores every tensor). null: the run plan's choice, 2 (the sync that
+        follows a sleep overwrites every weight, so copying them to the host is wasted).
+        Waking is weights first, then the sync, then the KV cache.
     cpu_threads_bind: CPU only, tp > 1 — `VLLM_CPU_OMP_THREADS_BIND` ("0|1": rank 0 on core 0,
         rank 1 on core 1); "" splits this process's allowed cores evenly over the TP ranks.
     cpu_threads: CPU only, tp == 1 — the engine's OpenMP threads; null: Ray's default for its
@@ -94,10 +100,11 @@ class RolloutConfig:
     dtype: DtypeName = "float32"
     gpu_memory_utilization: float = 0.5
     kv_cache_gib: float = 1.0
-    enforce_eager: bool = True
+    enforce_eager: bool | None = None
+    compile: bool = False
     enable_prefix_caching: bool = True
     enable_sleep: bool = False
-    sleep_level: int = 1
+    sleep_level: int | None = None
     cpu_threads_bind: str = ""
     cpu_threads: int | None = None
     cpus_per_engine: float = 1.0
@@ -158,7 +165,7 @@ class RolloutConfig:
         normalize_dtype_fields(self, "dtype")
         require_in_range(self, 0, 1, "gpu_memory_utilization", low_open=True)
         require_above(self, 0, "kv_cache_gib")
-        require_one_of(self, "sleep_level", (1, 2))
+        require_one_of(self, "sleep_level", (1, 2), optional=True)
         require_at_least(self, 0, "cpus_per_engine")
         require_one_of(self, "mode", ("sync", "one_step", "async"))
         require_at_least(self, 0, "max_staleness")

@@ -14,9 +14,10 @@ and is removed from the environment). Side effects on the host process of an in-
 becomes a no-op for the rest of the process; `vllm.envs` caches env reads (we clear that cache
 before each engine starts).
 
-Nothing is compiled unless asked: with `enforce_eager` (the default; required on CPU) the engine
-starts and generates inside `vllm_env.compiler_off`, so the helpers vLLM's sampler wraps in
-torch.compile run as written (on CPU inductor would build a C++ kernel on the first generation).
+Nothing is compiled unless asked (`compile`): the engine starts and generates inside
+`vllm_env.compiler_off`, so the helpers vLLM's sampler wraps in torch.compile run as written (on
+CPU inductor would build a C++ kernel on the first generation); with CUDA graphs (GPU,
+`enforce_eager` false) vLLM captures whole decode steps without compiling the model.
 `cpu_threads` (CPU, tp 1) sets the engine's torch threads before vLLM starts.
 
 Deadlines: worker RPCs (sync, describe) and every Ray call (ray_engines.py) have one; an
@@ -100,6 +101,10 @@ class RolloutEngine(EngineSync):
         self.cfg, self.index, self.call_timeout_s = cfg, engine_index, call_timeout_s
         self.seed = seed
         self.on_cpu = _standalone_on_cpu() if device is None else not device.startswith("cuda")
+        # a run's engines get the plan's choices in cfg (ResolvedRun.engine_config); an engine
+        # outside a run takes the same defaults for its device
+        self.enforce_eager = self.on_cpu if cfg.enforce_eager is None else cfg.enforce_eager
+        self.sleep_level = 2 if cfg.sleep_level is None else cfg.sleep_level
         self._sync_thread = None  # sync_client._Background: the update in flight
         self._join = None  # sync_client._Background: the sync-group join in flight
         self._sync_plan = None
@@ -121,7 +126,7 @@ class RolloutEngine(EngineSync):
             # two blocks: the imported heap is frozen before LLM() runs its five gc.collect()s
             with gc_paused():
                 from vllm import LLM
-            with (gc_paused(), compiler_off(cfg.enforce_eager),  # TP workers start in here
+            with (gc_paused(), compiler_off(not cfg.compile),  # TP workers start in here
                   model_inspected_in_process(self.on_cpu)):
                 self.llm = LLM(**self._llm_kwargs(str(model_dir)))
         except Exception as err:
@@ -133,7 +138,7 @@ class RolloutEngine(EngineSync):
         cfg = self.cfg
         kwargs: dict[str, Any] = dict(
             model=model_dir, tensor_parallel_size=cfg.tp, dtype=cfg.dtype, seed=self.seed,
-            max_model_len=cfg.max_model_len, enforce_eager=cfg.enforce_eager,
+            max_model_len=cfg.max_model_len, enforce_eager=self.enforce_eager,
             enable_prefix_caching=cfg.enable_prefix_caching,
             distributed_executor_backend="uni" if cfg.tp == 1 else "mp",
             worker_extension_cls=WORKER_EXTENSION,
@@ -142,6 +147,9 @@ class RolloutEngine(EngineSync):
             logprobs_mode="raw_logprobs",
         )
         kwargs.update(expert_parallel_args(cfg.expert_parallel, on_cpu=self.on_cpu))
+        if not self.enforce_eager and not cfg.compile:
+            # CUDA graphs without torch.compile: vLLM captures whole decode steps
+            kwargs["compilation_config"] = {"mode": "NONE", "cudagraph_mode": "FULL_DECODE_ONLY"}
         if cfg.max_num_seqs is not None:
             kwargs["max_num_seqs"] = cfg.max_num_seqs
         if cfg.max_num_batched_tokens is not None:
@@ -184,7 +192,7 @@ class RolloutEngine(EngineSync):
             for i in range(len(requests))]
         if not requests:
             return []
-        with self._lock, compiler_off(self.cfg.enforce_eager):
+        with self._lock, compiler_off(not self.cfg.compile):
             outputs = self.llm.generate(requests, params, use_tqdm=False)
         return [[_completion(c, sampling.logprobs)
                  for c in sorted(out.outputs, key=lambda c: c.index)] for out in outputs]
@@ -198,12 +206,19 @@ class RolloutEngine(EngineSync):
     def sleep(self) -> None:
         """GPU with enable_sleep: free weights (level 2) or offload them (level 1) and the KV
         cache while training runs. A no-op on CPU (vLLM's CPU worker has no sleep mode)."""
-        if self.cfg.enable_sleep and not self.on_cpu:  # pragma: no cover - GPU only
-            self.llm.sleep(level=self.cfg.sleep_level)
+        if self.cfg.enable_sleep and not self.on_cpu:
+            self.llm.sleep(level=self.sleep_level)
 
-    def wake_up(self) -> None:
-        if self.cfg.enable_sleep and not self.on_cpu:  # pragma: no cover - GPU only
-            self.llm.wake_up()
+    def wake_up(self, tags: Sequence[str] | None = None) -> None:
+        """Undo `sleep` for `tags` ("weights", "kv_cache"; None: all): a run wakes the weights,
+        syncs into them, then wakes the KV cache. Once everything is awake vLLM resumes
+        scheduling; an engine still partly asleep after a wake of everything raises."""
+        if not (self.cfg.enable_sleep and not self.on_cpu):
+            return
+        awake = self.llm.wake_up(None if tags is None else list(tags))
+        if not awake and (tags is None or "kv_cache" in tags):
+            raise RolloutError(self.index, "wake-up", f"vLLM is still partly asleep after "
+                                                      f"wake_up({tags})")
 
     # ---------------------------------------------------------------- worker RPCs
 

@@ -350,8 +350,9 @@ class RayEngines:
         """Colocated training: free GPU memory (enable_sleep); a no-op on CPU."""
         self._call_all("sleep", "sleep")
 
-    def wake_up(self) -> None:
-        self._call_all("wake-up", "wake_up")
+    def wake_up(self, tags: Sequence[str] | None = None) -> None:
+        """Undo `sleep` for `tags` ("weights", "kv_cache"; None: all) on every engine."""
+        self._call_all("wake-up", "wake_up", None if tags is None else list(tags))
 
     def shutdown(self, grace_s: float = 30.0) -> None:
         """Stop every engine (cleanly when it answers within `grace_s`) and kill its actor."""

@@ -56,8 +56,8 @@ IDLE_THREADS_SLEEP = {"OMP_WAIT_POLICY": "PASSIVE"}
 
 
 @contextmanager
-def compiler_off(enforce_eager: bool) -> Iterator[None]:
-    """With `enforce_eager` (the default, and required on CPU: nothing compiled unless asked),
+def compiler_off(off: bool) -> Iterator[None]:
+    """With `off` (unless `rollout.compile` asks for compilation: nothing compiled unless asked),
     torch.compile runs functions as written inside the block, here and in the TP worker
     processes started inside it (`TORCH_COMPILE_DISABLE`, read when they import torch).
 
@@ -65,7 +65,7 @@ def compiler_off(enforce_eager: bool) -> Iterator[None]:
     ranks (`batched_count_greater_than`), top-k/top-p — on their first call. On CPU inductor
     builds a C++ kernel there, and the first time in a venv a large precompiled header: a
     visible share of a run's first generation, most of it on a fresh set-up."""
-    if not enforce_eager:
+    if not off:
         yield
         return
     import torch._dynamo

@@ -37,6 +37,20 @@ START_UP = {True: "trainers first, then the engines (devices shared)",
             False: "trainers and engines together"}
 
 
+def engine_mode(cfg, run) -> str:
+    """How the engines execute and sleep, as the plan resolved it."""
+    if run.enforce_eager:
+        mode = "eager (no CUDA graphs)"
+    elif cfg.rollout.compile:
+        mode = "torch.compile + CUDA graphs"
+    else:
+        mode = "CUDA graphs of decode steps, nothing compiled"
+    if cfg.rollout.enable_sleep and run.device == "cuda":
+        mode += (f" · sleep level {run.sleep_level} while training; wake weights, sync, "
+                 "then the KV cache")
+    return mode
+
+
 def hosted_roles(cfg) -> str:
     """What the actor ranks host besides the policy, and where the reward model runs."""
     roles = [name for name, on in (
@@ -143,6 +157,7 @@ def render(run, title: str, *, cfg, spec, ranks: bool = False):
         ("dtypes", f"actor params {run.param_dtype} · engines {run.rollout_dtype} · "
                    f"weight sync {run.wire_dtype}"),
         ("sync buckets", f"{run.sync_bucket_mb:g} MB"),
+        ("engines run", engine_mode(cfg, run)),
         ("start-up", START_UP[run.trainers_first]),
         ("roles", hosted_roles(cfg)),
         *([("vLLM experts", EXPERTS[run.expert_parallel])] if spec.is_moe else []),

@@ -190,3 +190,29 @@ def test_cpu_runs_keep_small_buckets_and_a_bad_bucket_is_refused():
     assert resolve_run(_load(CONFIGS / "tiny_ci.yaml"), cuda_available=False).sync_bucket_mb == 16
     with pytest.raises(ConfigError, match="sync_bucket_mb=0"):
         _load(CONFIGS / "tiny_ci.yaml", "sync_bucket_mb=0")
+
+
+@pytest.mark.parametrize("name,overrides", GPU_RUNS)
+def test_gpu_engines_capture_cuda_graphs_and_sleep_at_level_2(name, overrides):
+    """S2: on GPU the plan runs the engines with CUDA graphs (enforce_eager false) and, where
+    they sleep, at level 2: the weights are discarded rather than copied to the host, since
+    the sync that follows overwrites every one. A configured value is kept."""
+    run = resolve_run(_load(CONFIGS / "gpu" / name, *overrides), cuda_available=False)
+    assert (run.enforce_eager, run.sleep_level) == (False, 2)
+    assert run.summary()["enforce_eager"] is False and run.summary()["sleep_level"] == 2
+    kept = resolve_run(_load(CONFIGS / "gpu" / name, *overrides, "rollout.enforce_eager=true",
+                             "rollout.sleep_level=1"), cuda_available=False)
+    assert (kept.enforce_eager, kept.sleep_level) == (True, 1)
+    engine_cfg = run.engine_config(_load(CONFIGS / "gpu" / name, *overrides).rollout)
+    assert (engine_cfg.enforce_eager, engine_cfg.sleep_level) == (False, 2)
+
+
+def test_cpu_engines_run_eager_and_cuda_graphs_on_cpu_are_refused():
+    cfg = _load(CONFIGS / "tiny_ci.yaml")
+    run = resolve_run(cfg, cuda_available=False)
+    assert run.enforce_eager is True
+    assert run.engine_config(cfg.rollout).enforce_eager is True
+    with pytest.raises(ConfigError, match=r"rollout.enforce_eager=False: CUDA graphs need a "
+                                          r"GPU run"):
+        resolve_run(_load(CONFIGS / "tiny_ci.yaml", "rollout.enforce_eager=false"),
+                    cuda_available=False)

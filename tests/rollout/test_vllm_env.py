@@ -28,7 +28,7 @@ def test_compiled_functions_run_as_written_inside_and_compile_again_outside():
         assert torch.equal(inside(x), x * 2 + 1)
     assert _frames_compiled() == before
     assert os.environ.get("TORCH_COMPILE_DISABLE") == env
-    with compiler_off(False):  # enforce_eager false: the user asked for compilation
+    with compiler_off(False):  # rollout.compile: the user asked for compilation
         assert torch.equal(outside(x), x * 3 - 1)
     assert _frames_compiled() > before
 

@@ -10,15 +10,16 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from mcore_rl.rollout import weight_transfer
 from mcore_rl.rollout.config import RolloutConfig
 from mcore_rl.rollout.engine import RolloutEngine
 from mcore_rl.rollout.errors import RolloutError
 from mcore_rl.rollout.vllm_plugin import BACKEND, PLUGIN_GROUP, register
-from mcore_rl.rollout.weight_transfer import ShardTransferEngine
 
 
-def _engine(device: str, worker_rank: int) -> ShardTransferEngine:
+
+def _engine(device: str, worker_rank: int):
+    from mcore_rl.rollout.weight_transfer import ShardTransferEngine  # imports vLLM
+
     vllm_config = SimpleNamespace(parallel_config=SimpleNamespace(rank=worker_rank),
                                   model_config=None)
     return ShardTransferEngine(SimpleNamespace(backend=BACKEND), vllm_config,
@@ -28,6 +29,8 @@ def _engine(device: str, worker_rank: int) -> ShardTransferEngine:
 def test_the_entry_point_registers_the_backend_once_per_process():
     from vllm.distributed.weight_transfer import WeightTransferEngineFactory
     from vllm.plugins import load_plugins_by_group
+
+    from mcore_rl.rollout.weight_transfer import ShardTransferEngine
 
     points = [ep for ep in entry_points(group=PLUGIN_GROUP) if ep.name == BACKEND]
     assert [ep.value for ep in points] == ["mcore_rl.rollout.vllm_plugin:register"]
@@ -45,6 +48,8 @@ def test_it_joins_on_the_device_vllm_gave_the_worker(monkeypatch):
     """B1 by construction: TP rank 1 of an engine whose CUDA_VISIBLE_DEVICES is narrowed holds
     cuda:1 (vLLM's `Worker.device`); that is where it joins. A plan that addresses the node's
     physical index (cuda:5) is refused, naming both, and recorded — not raised into vLLM."""
+    from mcore_rl.rollout import weight_transfer
+
     joined = []
     monkeypatch.setattr(weight_transfer.SyncChannels, "join",
                         lambda spec, rank, device: joined.append((rank, device)) or "group")
