@@ -80,6 +80,12 @@ class TrainConfig:
     pipelining: into a multiple of pp micro batches), else micro_batch_size is.
     moe_dispatcher: mixture-of-experts token dispatcher, "allgather" or "alltoall".
     moe_aux_loss_coeff: MoE load-balancing aux loss weight; 0 = off (the loss is the LM loss).
+    fused_kernels: TransformerEngine's fused RoPE and fused weight-gradient accumulation (into
+    the fp32 grad buffers); same maths, fewer passes over memory. overlap_grad_reduce: the DP
+    grad reduction runs bucket by bucket during the backward instead of after it. null: the
+    run plan's choice (both on GPU, the overlap where dp > 1; off on CPU, where fused kernels
+    do not exist); a trainer outside a run (`train-lm`) leaves both off. In an RL config the
+    `train` section's values hold for every trainer of the run.
     """
 
     micro_batch_size: int | None = None
@@ -92,6 +98,8 @@ class TrainConfig:
     forward_micro_batch_size: int | None = None
     moe_dispatcher: Literal["allgather", "alltoall"] = "allgather"
     moe_aux_loss_coeff: float = 0.0
+    fused_kernels: bool | None = None
+    overlap_grad_reduce: bool | None = None
 
     MOVED: ClassVar[dict[str, str]] = {"seed": USE_THE_RUN_SEED.format(stream="train")}
 

@@ -30,8 +30,14 @@ def configure_schedule(config: TransformerConfig, model: list[DistributedDataPar
     """The schedules read their hooks from the model config (megatron-core's API). Its p2p
     settings (batch_p2p_comm off with VPP) come from transformer_config_from_spec."""
     config.no_sync_func = [chunk.no_sync for chunk in model]
+    if any(chunk.ddp_config.overlap_grad_reduce for chunk in model):
+        # the pipeline schedules start each chunk's reduction once its last backward is done,
+        # as Megatron-LM does with overlap_grad_reduce (and align_grad_reduce, its default)
+        config.grad_sync_func = [chunk.start_grad_sync for chunk in model]
     if len(model) == 1:
         config.no_sync_func = config.no_sync_func[0]
+        if config.grad_sync_func is not None:
+            config.grad_sync_func = config.grad_sync_func[0]
     config.finalize_model_grads_func = finalize_model_grads
     config.grad_scale_func = optimizer.scale_loss
 

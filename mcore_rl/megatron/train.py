@@ -88,11 +88,16 @@ class MegatronTrainer:
 
 def setup_trainer(spec: ModelSpec, groups: ParallelGroups, train: TrainConfig,
                   load_weights: Callable[[list[torch.nn.Module]], None] | None = None, *,
-                  layer_spec: str = "local",
+                  layer_spec: str = "local", fused_kernels: bool | None = None,
+                  overlap_grad_reduce: bool | None = None,
                   seed: int = derive_seed(0, "train")) -> MegatronTrainer:
     """Build model chunks with megatron's `layer_spec` (the run's `ResolvedRun.layer_spec`),
     load weights (`load_weights(chunks)`, before the optimizer copies them into its fp32 main
-    params), wrap them in DDP and build the optimizer."""
+    params), wrap them in DDP and build the optimizer. fused_kernels / overlap_grad_reduce: the
+    run plan's (`ResolvedRun`); None: `train`'s, where unset off."""
+    fused = bool(train.fused_kernels if fused_kernels is None else fused_kernels)
+    overlap = bool(train.overlap_grad_reduce if overlap_grad_reduce is None
+                   else overlap_grad_reduce)
     apply_cpu_compat(groups.device)
     parallel = groups.config
     check_model_fits_parallel(spec, parallel, train)
@@ -101,12 +106,12 @@ def setup_trainer(spec: ModelSpec, groups: ParallelGroups, train: TrainConfig,
                                           recompute=train.recompute, layer_spec=layer_spec,
                                           moe=MoEOptions(train.moe_dispatcher,
                                                          train.moe_aux_loss_coeff),
-                                          device=groups.device)
+                                          fused_kernels=fused, device=groups.device)
     chunks = build_gpt_model(spec, parallel, groups, params_dtype=dtype, seed=seed,
                              config=config, layer_spec=layer_spec)
     if load_weights is not None:
         load_weights(chunks)
-    model = wrap_ddp(chunks, config, groups)
+    model = wrap_ddp(chunks, config, groups, overlap_grad_reduce=overlap)
     optimizer = build_optimizer(model, train.optimizer, dtype, groups)
     scheduler = build_scheduler(optimizer, train.optimizer)
     configure_schedule(config, model, optimizer)
@@ -115,12 +120,15 @@ def setup_trainer(spec: ModelSpec, groups: ParallelGroups, train: TrainConfig,
 
 
 def wrap_ddp(chunks: list[torch.nn.Module], config: TransformerConfig,
-             groups: ParallelGroups) -> list[DistributedDataParallel]:
+             groups: ParallelGroups, *,
+             overlap_grad_reduce: bool = False) -> list[DistributedDataParallel]:
     """megatron's DDP around each chunk: grads accumulate into fp32 contiguous buffers and are
-    reduced over DP once, after the last micro batch (no overlap: nothing to overlap on CPU).
-    Only chunk 0 gets buckets, as in Megatron-LM (later chunks reduce as one)."""
+    reduced over DP after the last micro batch — bucket by bucket as the backward produces
+    them with `overlap_grad_reduce`, else all at its end. Only chunk 0 gets buckets, as in
+    Megatron-LM (later chunks reduce as one)."""
     ddp_config = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True, overlap_grad_reduce=False, overlap_param_gather=False,
+        grad_reduce_in_fp32=True, overlap_grad_reduce=overlap_grad_reduce,
+        overlap_param_gather=False,
         use_distributed_optimizer=groups.config.use_distributed_optimizer,
         check_for_nan_in_grad=True)
     if config.bf16:

@@ -48,14 +48,16 @@ def transformer_config_from_spec(spec: ModelSpec, parallel: ParallelConfig, *,
                                  recompute: str = "none",
                                  layer_spec: LayerSpec = "local",
                                  moe: "MoEOptions | None" = None,
+                                 fused_kernels: bool = False,
                                  device: str) -> TransformerConfig:
     """The TransformerConfig that reproduces the HF model of `spec` on the grid `parallel`.
 
     Llama-family decoder: pre-RMSNorm, SwiGLU MLP, GQA (num_query_groups = kv heads), rotary
     embeddings in HF's non-interleaved (rotate_half) form, no biases except Qwen2's q/k/v bias.
     Dropout is off: RL needs the trainer's log-probabilities to be a deterministic function of
-    the weights. Fusions that need TE/apex kernels are off; on CPU weights are initialized on
-    the host (`use_cpu_initialization`). `params_dtype` is fp32 or bf16 (bf16 turns on
+    the weights. `fused_kernels` (the run plan's, GPU with TransformerEngine) turns on TE's
+    fused RoPE and fused weight-gradient accumulation; every other fusion stays off (`kernel_fields`);
+    on CPU weights are initialized on the host (`use_cpu_initialization`). `params_dtype` is fp32 or bf16 (bf16 turns on
     megatron's mixed precision: bf16 params, fp32 main params in the optimizer).
     `recompute` (TrainConfig.recompute): "none"; "selective" recomputes core attention (the
     s² softmax part); "full" recomputes every layer ("uniform", one layer per checkpoint).
@@ -79,7 +81,7 @@ def transformer_config_from_spec(spec: ModelSpec, parallel: ParallelConfig, *,
         calculate_per_token_loss=calculate_per_token_loss,
         **_grid_fields(parallel, params_dtype, on_cpu),
         use_cpu_initialization=on_cpu,
-        **_UNFUSED,
+        **kernel_fields(fused_kernels),
         **_RECOMPUTE[recompute],
         **moe_config_fields(spec, parallel, moe or MoEOptions()),
     )
@@ -134,6 +136,16 @@ def _grid_fields(parallel: ParallelConfig, params_dtype: torch.dtype, on_cpu: bo
 _UNFUSED = dict(bias_activation_fusion=False, bias_dropout_fusion=False,
                 masked_softmax_fusion=False, apply_rope_fusion=False, persist_layer_norm=False,
                 gradient_accumulation_fusion=False, cross_entropy_loss_fusion=False)
+
+
+def kernel_fields(fused: bool) -> dict:
+    """megatron's fusion switches. `fused`: TransformerEngine's RoPE kernel and its weight-grad
+    accumulation into the fp32 main grads (the DDP buffers every trainer here has). The rest
+    stay off: megatron wraps its SwiGLU and bias-dropout fusions in torch.compile (nothing is
+    compiled unless asked), masked-softmax fusion serves only the unfused attention that TE's
+    flash attention replaces, persist_layer_norm needs apex, and the loss is mcore-rl's own."""
+    return {**_UNFUSED, **(dict(apply_rope_fusion=True, gradient_accumulation_fusion=True)
+                           if fused else {})}
 
 
 @dataclass(frozen=True)
@@ -262,7 +274,8 @@ def seed_rngs(seed: int, groups: ParallelGroups) -> None:
 def build_gpt_model(spec: ModelSpec, parallel: ParallelConfig, groups: ParallelGroups, *,
                     params_dtype: torch.dtype = torch.float32, seed: int = 1234,
                     config: TransformerConfig | None = None,
-                    layer_spec: LayerSpec = "local") -> list[GPTModel]:
+                    layer_spec: LayerSpec = "local",
+                    fused_kernels: bool = False) -> list[GPTModel]:
     """This rank's model chunks: one GPTModel per VPP chunk (one without VPP), built with
     megatron-core's `layer_spec` ("local" or "te": the run's `ResolvedRun.layer_spec`; its
     parameter names are `layouts.megatron_shards(..., layer_spec=layer_spec)`'s).
@@ -274,14 +287,17 @@ def build_gpt_model(spec: ModelSpec, parallel: ParallelConfig, groups: ParallelG
     split over TP ([b, s, V_pad / tp]).
 
     `seed` seeds the weight init (same on every rank, so replicas start equal) and megatron's
-    RNG tracker (which attention enters on every forward).
+    RNG tracker (which attention enters on every forward). fused_kernels: as
+    `transformer_config_from_spec`'s (when no `config` is given).
     """
     # fails clearly (no TE) before anything is built
     transformer_layer_spec = _layer_spec(layer_spec, spec)
     apply_cpu_compat(groups.device)
     seed_rngs(seed, groups)
     config = config or transformer_config_from_spec(spec, parallel, params_dtype=params_dtype,
-                                                    layer_spec=layer_spec, device=groups.device)
+                                                    layer_spec=layer_spec,
+                                                    fused_kernels=fused_kernels,
+                                                    device=groups.device)
     if config.transformer_impl != TRANSFORMER_IMPL[layer_spec]:
         raise LayerSpecError(f"layer_spec={layer_spec!r} but the given config was made for "
                              f"transformer_impl={config.transformer_impl!r} "

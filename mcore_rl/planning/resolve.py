@@ -91,6 +91,9 @@ class ResolvedRun:
     where vLLM runs eager; not on GPU, where decode steps are captured as CUDA graphs).
     sleep_level: vLLM's sleep level where the engines sleep (`rollout.sleep_level`, or
     `SLEEP_LEVEL`); they wake weights first, take the sync, then wake the KV cache.
+    fused_kernels / overlap_grad_reduce: every trainer of the run (`train.fused_kernels`,
+    `train.overlap_grad_reduce`, or: TransformerEngine's fused kernels with the te layer spec;
+    the DP grad reduction overlapped with the backward on GPU where dp > 1).
     """
 
     device: Device
@@ -110,6 +113,8 @@ class ResolvedRun:
     sync_bucket_mb: float = 16.0
     enforce_eager: bool = True
     sleep_level: int = SLEEP_LEVEL
+    fused_kernels: bool = False
+    overlap_grad_reduce: bool = False
 
     def engine_config(self, rollout: "RolloutConfig") -> "RolloutConfig":
         """The engines' config with this plan's choices in it (what every engine is given)."""
@@ -253,7 +258,21 @@ def resolve_run(cfg: "RLConfig", *, assume_gpu: bool = False,
         enforce_eager=engines_run_eager(cfg.rollout, device),
         sleep_level=(SLEEP_LEVEL if cfg.rollout.sleep_level is None
                      else cfg.rollout.sleep_level),
+        fused_kernels=trainers_fuse_kernels(cfg.train.fused_kernels, layer_spec_of(device)),
+        overlap_grad_reduce=(device == "cuda" and cfg.actor.dp > 1
+                             if cfg.train.overlap_grad_reduce is None
+                             else cfg.train.overlap_grad_reduce),
     )
+
+
+def trainers_fuse_kernels(configured: bool | None, layer_spec: str) -> bool:
+    """`train.fused_kernels`, or whether TransformerEngine's kernels are there (the te layer
+    spec, GPU); asked of a run without them it is refused."""
+    fused = layer_spec == "te" if configured is None else configured
+    if fused and layer_spec != "te":
+        raise ConfigError("train.fused_kernels", True, "needs TransformerEngine's kernels: a "
+                          "GPU run (layer spec te); leave it unset or false")
+    return fused
 
 
 def engines_run_eager(rollout: "RolloutConfig", device: str) -> bool:
@@ -269,5 +288,5 @@ def engines_run_eager(rollout: "RolloutConfig", device: str) -> bool:
     return eager
 
 
-__all__ = ["ResolvedRun", "cuda_present", "engines_run_eager", "layer_spec_of", "placement_plan_of", "resolve_run",
+__all__ = ["ResolvedRun", "cuda_present", "engines_run_eager", "trainers_fuse_kernels", "layer_spec_of", "placement_plan_of", "resolve_run",
            "local_devices", "resolved_cluster", "run_device", "sync_backend_of"]

@@ -51,6 +51,15 @@ def engine_mode(cfg, run) -> str:
     return mode
 
 
+def trainer_kernels(run) -> str:
+    """What the trainers fuse and overlap, as the plan resolved it."""
+    kernels = ("TransformerEngine fused RoPE + weight-grad accumulation" if run.fused_kernels
+               else "unfused")
+    reduce = ("overlapped with the backward" if run.overlap_grad_reduce
+              else "after the backward")
+    return f"{kernels} · DP grad reduce {reduce}"
+
+
 def hosted_roles(cfg) -> str:
     """What the actor ranks host besides the policy, and where the reward model runs."""
     roles = [name for name, on in (
@@ -158,6 +167,7 @@ def render(run, title: str, *, cfg, spec, ranks: bool = False):
                    f"weight sync {run.wire_dtype}"),
         ("sync buckets", f"{run.sync_bucket_mb:g} MB"),
         ("engines run", engine_mode(cfg, run)),
+        ("trainers run", trainer_kernels(run)),
         ("start-up", START_UP[run.trainers_first]),
         ("roles", hosted_roles(cfg)),
         *([("vLLM experts", EXPERTS[run.expert_parallel])] if spec.is_moe else []),

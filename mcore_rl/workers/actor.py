@@ -42,6 +42,7 @@ class ActorWorker:
                  reference: bool = False, stack_dir: str | None = None,
                  inject_stall: str | None = None, slot: int | None = None,
                  device: str = "cpu", layer_spec: str = "local",
+                 fused_kernels: bool = False, overlap_grad_reduce: bool = False,
                  seed: int = derive_seed(0, "train")):
         """Roles colocated on this rank: the actor always; a critic (PPO) when
         `critic_train` is given; a frozen reference policy when `reference`.
@@ -49,6 +50,7 @@ class ActorWorker:
         `derive_seed(seed, "train")`).
         layer_spec: megatron's layer spec of every model here, as the run resolved it
         (`ResolvedRun.layer_spec`: "local" or "te"); it also names the tensors loaded and sent.
+        fused_kernels / overlap_grad_reduce: the run plan's, for every trainer here.
         stack_dir: where this process dumps its stacks on SIGUSR1 (the watchdog).
         inject_stall: fault injection for watchdog tests ("<phase>@rank<r>").
         slot: this rank's device index on its node (the run's placement plan; reported by
@@ -81,16 +83,19 @@ class ActorWorker:
             attach_value_head(chunks, spec.hidden, self.groups.is_last_stage,
                               tp_group=self.groups.group(Axis.TP))
 
+        kernels = dict(layer_spec=layer_spec, fused_kernels=fused_kernels,
+                       overlap_grad_reduce=overlap_grad_reduce)  # the run plan's
         self.trainer = setup_trainer(spec, self.groups, train, load_weights=load, seed=seed,
-                                     layer_spec=layer_spec)
+                                     **kernels)
         self.train_cfg = train
         self.critic = (setup_trainer(spec, self.groups, critic_train, load_weights=load_critic,
-                                     layer_spec=layer_spec, seed=seed)
+                                     seed=seed, **kernels)
                        if critic_train is not None else None)
         self.reference = None
         if reference:
             chunks = build_gpt_model(spec, parallel, self.groups, params_dtype=dtype,
-                                     seed=seed, layer_spec=layer_spec)
+                                     seed=seed, layer_spec=layer_spec,
+                                     fused_kernels=fused_kernels)  # the actor's numerics
             load(chunks)
             for chunk in chunks:
                 chunk.eval().requires_grad_(False)

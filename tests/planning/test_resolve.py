@@ -216,3 +216,28 @@ def test_cpu_engines_run_eager_and_cuda_graphs_on_cpu_are_refused():
                                           r"GPU run"):
         resolve_run(_load(CONFIGS / "tiny_ci.yaml", "rollout.enforce_eager=false"),
                     cuda_available=False)
+
+
+@pytest.mark.parametrize("name,overrides", GPU_RUNS)
+def test_gpu_trainers_fuse_kernels_and_overlap_the_grad_reduce(name, overrides):
+    """S3: on GPU (te layer spec) the trainers use TransformerEngine's fused RoPE and fused
+    weight-grad accumulation, and overlap the DP grad reduction with the backward where
+    dp > 1; a configured value is kept."""
+    cfg = _load(CONFIGS / "gpu" / name, *overrides)
+    run = resolve_run(cfg, cuda_available=False)
+    assert run.fused_kernels is True
+    assert run.overlap_grad_reduce is (cfg.actor.dp > 1)
+    off = resolve_run(_load(CONFIGS / "gpu" / name, *overrides, "train.fused_kernels=false",
+                            "train.overlap_grad_reduce=false"), cuda_available=False)
+    assert (off.fused_kernels, off.overlap_grad_reduce) == (False, False)
+
+
+def test_cpu_trainers_run_unfused_and_fused_kernels_on_cpu_are_refused():
+    run = resolve_run(_load(CONFIGS / "tiny_ci.yaml"), cuda_available=False)
+    assert (run.fused_kernels, run.overlap_grad_reduce) == (False, False)
+    overlap = resolve_run(_load(CONFIGS / "tiny_ci.yaml", "train.overlap_grad_reduce=true"),
+                          cuda_available=False)
+    assert overlap.overlap_grad_reduce is True  # it runs on gloo too
+    with pytest.raises(ConfigError, match=r"train.fused_kernels=True: needs TransformerEngine"):
+        resolve_run(_load(CONFIGS / "tiny_ci.yaml", "train.fused_kernels=true"),
+                    cuda_available=False)
