@@ -214,7 +214,8 @@ def rank_main(rank: int, world_size: int, cfg: SyncBenchConfig) -> dict:
     out: dict = {"rank": rank, "role": "train" if is_src else "infer",
                  "rss_bytes": psutil.Process().memory_info().rss}
     spec = SyncGroupSpec(host, port, "ours/", world_size, cfg.timeout_s, backend=cfg.backend,
-                         transports=(cfg.transport,) * cfg.rollout.engines)
+                         transports=(cfg.transport,) * cfg.rollout.engines,
+                         actor_ranks=plan.num_src)
     channels = SyncChannels.join(spec, rank, device)
     channels.verify(plan)
     gloo_control = channels.control is not channels.bulk or channels.spec.backend == "gloo"

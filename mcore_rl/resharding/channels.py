@@ -12,7 +12,8 @@ destination engine's, except that IPC never crosses a node — a colocated engin
 own node holds through CUDA IPC and the rest over the sync group. A rank whose peers use both
 drives them through one `RoutedCopy`, round by round.
 
-Groups: `bulk` is the sync group (gloo / NCCL) that p2p messages travel on; `control` is a
+Groups: `bulk` is the sync group that p2p messages travel on (gloo, or on NCCL vLLM's PyNccl
+communicators, `nccl_group.py`); `control` is a
 gloo group for IPC handles, signals and plan fingerprints — the bulk group itself when that
 is gloo (fingerprints on an NCCL group would build a communicator over the whole world). When every
 engine is colocated on one node (`SyncGroupSpec.all_ipc`) no bytes use the bulk group, so it
@@ -35,7 +36,9 @@ from mcore_rl.resharding.ipc_copy import IpcCopy
 from mcore_rl.resharding.planner import Plan
 from mcore_rl.resharding.routed_copy import RoutedCopy
 from mcore_rl.resharding.schedule import ScheduleCache
-from mcore_rl.resharding.sync_group import SyncGroupSpec, join_control_group, join_sync_group
+from mcore_rl.resharding.nccl_group import NcclP2PGroup
+from mcore_rl.resharding.sync_group import (SyncGroupSpec, join_control_group, join_sync_group,
+                                            prefixed_store)
 from mcore_rl.resharding.transport import SyncStats, receive_shards, send_shards, verify_plan
 
 
@@ -76,7 +79,10 @@ class SyncChannels:
         device ("cpu" or "cuda:<local index>")."""
         if spec.all_ipc:
             spec = replace(spec, backend="gloo")
-        bulk = join_sync_group(spec, rank, store)
+        if spec.backend == "nccl":  # p2p on vLLM's PyNccl: no c10d watchdog (nccl_group.py)
+            bulk = NcclP2PGroup(spec, rank, prefixed_store(spec, store), torch.device(device))
+        else:
+            bulk = join_sync_group(spec, rank, store)
         control = join_control_group(spec, rank, bulk, store)
         return cls(spec, rank, torch.device(device), bulk, control)
 

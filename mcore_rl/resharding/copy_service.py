@@ -157,6 +157,9 @@ class P2PCopy(PostingCopyService):
 
     def __init__(self, group: dist.ProcessGroup, *, wire_device: str | None = None):
         self.group = group
+        # a group that queues its ops (nccl_group.NcclP2PGroup) issues each round's as one
+        # NCCL group launch; gloo's ops go out as they are posted
+        self._launch = getattr(group, "launch_round", None)
         self.wire_device = None if wire_device is None else torch.device(wire_device)
         self._slots: list[torch.Tensor | None] = [None] * self.window
 
@@ -226,6 +229,8 @@ class P2PCopy(PostingCopyService):
                 self.stats.messages += 1
                 self.stats.bytes_sent += buf.numel() * buf.element_size()
         self._posted[k] = posted
+        if self._launch is not None:
+            self._launch()
 
     def wait_send(self, k: int) -> None:
         for dst, work in self._posted.pop(k):
@@ -247,6 +252,8 @@ class P2PCopy(PostingCopyService):
                 self.stats.messages += 1
             posted.append((src, segments))
         self._posted[k] = posted
+        if self._launch is not None:
+            self._launch()
 
     def wait_recv(self, k: int) -> Iterator[int]:
         for i, (src, segments) in enumerate(self._posted.pop(k)):

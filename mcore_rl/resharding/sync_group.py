@@ -29,6 +29,8 @@ class SyncGroupSpec:
     nodes: the node of every sync rank (the resolved run's `sync_nodes`); empty: one node.
     An "ipc" engine receives by IPC only from sources on its own node (`pair_transport`):
     a staging buffer's handle cannot be opened on another node.
+    actor_ranks: how many of the sync ranks are actor ranks (the senders; 0: not given) —
+    what the NCCL p2p group (`nccl_group.py`) cuts its communicators by.
     """
 
     host: str
@@ -39,6 +41,7 @@ class SyncGroupSpec:
     backend: str = "gloo"
     transports: tuple[str, ...] = ()
     nodes: tuple[int, ...] = ()
+    actor_ranks: int = 0
 
     def __post_init__(self):
         bad = [t for t in self.transports if t not in ("p2p", "ipc")]
@@ -94,15 +97,23 @@ def host_store(host: str = "127.0.0.1", port: int = 0, world_size: int = 1,
     return listening_store(host, port, world_size, timeout_s=timeout_s)
 
 
-def join_sync_group(spec: SyncGroupSpec, rank: int,
-                    store: dist.Store | None = None) -> dist.ProcessGroup:
-    """Build this rank's handle on the sync group. Blocks until all ranks have joined or the
-    timeout passes. Rank 0 passes the store it hosts; everyone else connects as a client."""
-    timeout = datetime.timedelta(seconds=spec.timeout_s)
+def prefixed_store(spec: SyncGroupSpec, store: dist.Store | None = None) -> dist.Store:
+    """The sync group's store under its prefix: `store` (rank 0 passes the one it hosts), else
+    a client of the spec's TCPStore."""
     if store is None:
         store = dist.TCPStore(spec.host, spec.port, spec.world_size, is_master=False,
-                              timeout=timeout)
-    prefixed = dist.PrefixStore(spec.prefix, store)
+                              timeout=datetime.timedelta(seconds=spec.timeout_s))
+    return dist.PrefixStore(spec.prefix, store)
+
+
+def join_sync_group(spec: SyncGroupSpec, rank: int,
+                    store: dist.Store | None = None) -> dist.ProcessGroup:
+    """Build this rank's handle on the sync group as a torch process group (collectives too:
+    the benchmark's baseline). Blocks until all ranks have joined or the timeout passes. Rank
+    0 passes the store it hosts; everyone else connects as a client. The weight sync's own
+    bytes on NCCL travel on `nccl_group.NcclP2PGroup` instead (`SyncChannels.join`)."""
+    timeout = datetime.timedelta(seconds=spec.timeout_s)
+    prefixed = prefixed_store(spec, store)
     if spec.backend == "gloo":
         opts = dist.ProcessGroupGloo._Options()
         opts._timeout = timeout
@@ -128,7 +139,7 @@ def sync_group_spec(run, *, host: str, port: int, prefix: str, timeout_s: float,
     world = len(run.actor_devices) + sum(len(e) for e in run.engine_devices[:engines])
     return SyncGroupSpec(host, port, prefix, world, timeout_s, backend=run.sync_backend,
                          transports=tuple(run.transports)[:engines],
-                         nodes=run.sync_nodes(engines))
+                         nodes=run.sync_nodes(engines), actor_ranks=len(run.actor_devices))
 
 
 def join_control_group(spec: SyncGroupSpec, rank: int, bulk: dist.ProcessGroup,
