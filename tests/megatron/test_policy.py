@@ -8,15 +8,7 @@ from mcore_rl.launch.spawn import run_on_ranks
 from mcore_rl.models.presets import get_preset
 from mcore_rl.parallel import ParallelConfig
 from mcore_rl.megatron.config import OptimizerConfig, TrainConfig
-
-
-def fixed_batch(spec, n=8, s=12, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    tokens = torch.randint(0, spec.vocab, (n, s + 1), generator=g)
-    mask = torch.zeros(n, s)
-    mask[:, 6:] = 1.0
-    adv = torch.where(torch.arange(n) % 2 == 0, 1.0, -1.0).unsqueeze(-1).expand(n, s) * mask
-    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous(), mask, adv.contiguous()
+from tests.support.batches import fixed_batch
 
 
 def updates_on_fixed_batch(rank, world_size):
