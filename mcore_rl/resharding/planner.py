@@ -4,8 +4,10 @@
 HF tensor. Source replicas (DP copies, TP-replicated norms, the tied output-layer copy) hold
 identical regions; each region is taken from a replica on the destination's own node when one
 holds it (`nodes`: a same-node pair can use CUDA IPC / NVLink, a cross-node one only the
-network), and among those from the least-loaded so sends spread over them; each destination
-rank gets each region once — so a training rank never sends the
+network); a sharded region from the least-loaded of its (DP) replicas so sends spread over
+them; a region more ranks replicate (TP-replicated norms) from a source already sending to
+that destination — the matching TP rank —, which adds no sender/receiver pair; each
+destination rank gets each region once — so a training rank never sends the
 same bytes to one engine twice. Transfers are cut to fit buckets and packed into rounds in
 which no rank sends or receives more than `bucket_bytes`: that bounds every rank's staging
 memory. No process group, no tensors: a 70B plan needs only shapes, and every rank builds the
@@ -148,17 +150,30 @@ def build_plan(src: ShardMap, dst: ShardMap, *, bucket_bytes: int = 64 << 20,
     for d in sorted(dst.ranks):
         sync_d = num_src + d
         dst_shapes[sync_d] = {}
+        needs = []  # (key, piece, region, holders) of everything rank d receives
         for key, local in dst.ranks[d].items():
             dst_shapes[sync_d][key] = local.shape
             for piece in local.pieces:
-                for region, holders in _regions(by_hf, piece.hf_name, piece.hf_box, key,
-                                                dst.label(d)):
-                    s, s_key, s_local_box, s_hf_box = min(holders, key=lambda h: (
-                        nodes is not None and nodes[h[0]] != nodes[sync_d], load[h[0]], h[0]))
-                    load[s] += box_numel(region) * element_size
-                    transfers.append(Transfer(
-                        s, s_key, translate(region, s_hf_box, s_local_box),
-                        sync_d, key, translate(region, piece.hf_box, piece.local_box)))
+                needs += [(key, piece, region, holders) for region, holders in _regions(
+                    by_hf, piece.hf_name, piece.hf_box, key, dst.label(d))]
+        # Sharded regions first (the fewest holders: one per DP replica), spread over their
+        # replicas by load; then the regions more ranks replicate (norms over TP, the tied
+        # output layer) from a source that already sends to d — the matching TP rank — so
+        # replicated tensors open no extra sender/receiver pairs.
+        fewest = min((len(n[3]) for n in needs), default=0)
+        paired: set[int] = set()
+        for replicated in (False, True):
+            for key, piece, region, holders in needs:
+                if (len(holders) > fewest) != replicated:
+                    continue
+                s, s_key, s_local_box, s_hf_box = min(holders, key=lambda h: (
+                    nodes is not None and nodes[h[0]] != nodes[sync_d],
+                    replicated and h[0] not in paired, load[h[0]], h[0]))
+                load[s] += box_numel(region) * element_size
+                paired.add(s)
+                transfers.append(Transfer(
+                    s, s_key, translate(region, s_hf_box, s_local_box),
+                    sync_d, key, translate(region, piece.hf_box, piece.local_box)))
     rounds = _pack_rounds(_split_to_fit(transfers, bucket_bytes, element_size), bucket_bytes,
                           element_size)
     return Plan(rounds, dst_shapes, num_src, len(dst.ranks), element_size, bucket_bytes,

@@ -175,3 +175,28 @@ def test_mismatched_families_and_shapes_are_refused_before_planning():
     wider = micro.with_(hidden=256)
     with pytest.raises(PlanError, match=r"tensor model\.embed_tokens\.weight: source shape"):
         build_plan(megatron_shards(micro, ParallelConfig()), vllm_shards(wider, 1))
+
+
+WIDE = get_preset("micro").with_(heads=8, kv_heads=4, head_dim=16, hidden=128)
+
+
+@pytest.mark.parametrize("spec,parallel,infer_tp", [
+    (get_preset("micro"), ParallelConfig(tp=2), 2),
+    (get_preset("micro"), ParallelConfig(tp=2, dp=2), 2),
+    (WIDE, ParallelConfig(tp=4), 2)])
+def test_replicated_tensors_come_from_a_rank_already_sending_there(spec, parallel, infer_tp):
+    """S1: TP-replicated norms (held by every TP rank) go to an inference rank from a training
+    rank that already sends it its shards — the matching TP rank — so they add no
+    sender/receiver pair; sharded regions still spread over the DP replicas."""
+    src, dst = megatron_shards(spec, parallel), vllm_shards(spec, infer_tp)
+    plan = build_plan(src, dst, bucket_bytes=1 << 20)
+    pairs = {(t.src_rank, t.dst_rank) for msgs in plan.rounds for t in msgs}
+    sharded_pairs = {(t.src_rank, t.dst_rank) for msgs in plan.rounds for t in msgs
+                     if "norm" not in t.dst_key}
+    assert pairs == sharded_pairs
+    per_dst = {d: {s for s, dd in pairs if dd == d} for d in range(plan.num_src,
+                                                                   plan.world_size)}
+    if parallel.tp == infer_tp:  # rank t from TP rank t of each DP replica, and only from it
+        assert all(len(srcs) == parallel.dp for srcs in per_dst.values()), per_dst
+        sent = plan.bytes_sent()
+        assert max(sent.values()) < 1.3 * min(sent.values())  # the replicas still share it

@@ -94,5 +94,6 @@ def test_sync_group_spec_reads_only_the_resolved_run():
     run = resolve_run(cfg, cuda_available=False)
     spec = sync_group_spec(run, host="10.0.0.1", port=5, prefix="sync/", timeout_s=9.0)
     assert spec == SyncGroupSpec("10.0.0.1", 5, "sync/", 64, 9.0, backend="nccl",
-                                 transports=run.transports, nodes=run.sync_nodes())
+                                 transports=run.transports, nodes=run.sync_nodes(),
+                                 actor_ranks=32)
     assert spec.nodes == tuple([r // 8 for r in range(32)] + [4 + r // 8 for r in range(32)])
