@@ -56,9 +56,10 @@ def transformer_config_from_spec(spec: ModelSpec, parallel: ParallelConfig, *,
     embeddings in HF's non-interleaved (rotate_half) form, no biases except Qwen2's q/k/v bias.
     Dropout is off: RL needs the trainer's log-probabilities to be a deterministic function of
     the weights. `fused_kernels` (the run plan's, GPU with TransformerEngine) turns on TE's
-    fused RoPE and fused weight-gradient accumulation; every other fusion stays off (`kernel_fields`);
-    on CPU weights are initialized on the host (`use_cpu_initialization`). `params_dtype` is fp32 or bf16 (bf16 turns on
-    megatron's mixed precision: bf16 params, fp32 main params in the optimizer).
+    fused RoPE and fused weight-gradient accumulation; every other fusion stays off
+    (`kernel_fields`). On CPU weights are initialized on the host (`use_cpu_initialization`).
+    `params_dtype` is fp32 or bf16 (bf16 turns on megatron's mixed precision: bf16 params, fp32
+    main params in the optimizer).
     `recompute` (TrainConfig.recompute): "none"; "selective" recomputes core attention (the
     s² softmax part); "full" recomputes every layer ("uniform", one layer per checkpoint).
     `layer_spec` is recorded as megatron's own `transformer_impl`, so whatever runs a chunk

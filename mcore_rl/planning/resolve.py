@@ -42,10 +42,11 @@ from typing import TYPE_CHECKING, Literal
 from mcore_rl.config import ConfigError
 from mcore_rl.launch.cluster import ClusterConfig
 from mcore_rl.launch.placement import PlacementPlan, plan_placement
+from mcore_rl.rollout.config import (SLEEP_LEVEL, RolloutConfig, engines_run_eager,
+                                     engines_sleep_level)
 from mcore_rl.rollout.expert_parallel import check_expert_parallel
 
 if TYPE_CHECKING:  # the run config imports the planner; the planner only reads it
-    from mcore_rl.rollout.config import RolloutConfig
     from mcore_rl.run.config import RLConfig
 
 Device = Literal["cpu", "cuda"]
@@ -55,10 +56,6 @@ Transport = Literal["p2p", "ipc"]
 # launches, so a large model's sync wants few, large rounds; on CPU (gloo) small buckets keep
 # the staging buffers small and cost little.
 SYNC_BUCKET_MB = {"cpu": 16.0, "cuda": 512.0}
-
-# vLLM's sleep level where the engines sleep and nothing is configured: 2 discards the weights
-# (level 1 copies them to the host), since the sync that follows a sleep overwrites every one.
-SLEEP_LEVEL = 2
 
 
 @dataclass(frozen=True)
@@ -90,7 +87,7 @@ class ResolvedRun:
     enforce_eager: the engines run without CUDA graphs (`rollout.enforce_eager`, or: on CPU,
     where vLLM runs eager; not on GPU, where decode steps are captured as CUDA graphs).
     sleep_level: vLLM's sleep level where the engines sleep (`rollout.sleep_level`, or
-    `SLEEP_LEVEL`); they wake weights first, take the sync, then wake the KV cache.
+    `rollout.config.SLEEP_LEVEL`); they wake weights first, take the sync, then wake the KV cache.
     fused_kernels / overlap_grad_reduce: every trainer of the run (`train.fused_kernels`,
     `train.overlap_grad_reduce`, or: TransformerEngine's fused kernels with the te layer spec;
     the DP grad reduction overlapped with the backward on GPU where dp > 1).
@@ -116,7 +113,7 @@ class ResolvedRun:
     fused_kernels: bool = False
     overlap_grad_reduce: bool = False
 
-    def engine_config(self, rollout: "RolloutConfig") -> "RolloutConfig":
+    def engine_config(self, rollout: RolloutConfig) -> RolloutConfig:
         """The engines' config with this plan's choices in it (what every engine is given)."""
         return replace(rollout, enforce_eager=self.enforce_eager, sleep_level=self.sleep_level)
 
@@ -256,8 +253,7 @@ def resolve_run(cfg: "RLConfig", *, assume_gpu: bool = False,
         sync_bucket_mb=(SYNC_BUCKET_MB[device] if cfg.sync_bucket_mb is None
                         else cfg.sync_bucket_mb),
         enforce_eager=engines_run_eager(cfg.rollout, device),
-        sleep_level=(SLEEP_LEVEL if cfg.rollout.sleep_level is None
-                     else cfg.rollout.sleep_level),
+        sleep_level=engines_sleep_level(cfg.rollout),
         fused_kernels=trainers_fuse_kernels(cfg.train.fused_kernels, layer_spec_of(device)),
         overlap_grad_reduce=(device == "cuda" and cfg.actor.dp > 1
                              if cfg.train.overlap_grad_reduce is None
@@ -275,18 +271,6 @@ def trainers_fuse_kernels(configured: bool | None, layer_spec: str) -> bool:
     return fused
 
 
-def engines_run_eager(rollout: "RolloutConfig", device: str) -> bool:
-    """`rollout.enforce_eager`, or the device's choice: CUDA graphs on GPU, eager on CPU (all
-    vLLM's CPU engines can do). CUDA graphs or compilation asked of a CPU run are refused."""
-    eager = device != "cuda" if rollout.enforce_eager is None else rollout.enforce_eager
-    if device != "cuda" and not eager:
-        raise ConfigError("rollout.enforce_eager", False, "CUDA graphs need a GPU run; vLLM's "
-                          "CPU engines run eager (leave it unset or true)")
-    if rollout.compile and eager:
-        raise ConfigError("rollout.compile", True, "compiling the engine's model needs CUDA "
-                          "graphs: a GPU run with rollout.enforce_eager unset or false")
-    return eager
-
-
-__all__ = ["ResolvedRun", "cuda_present", "engines_run_eager", "trainers_fuse_kernels", "layer_spec_of", "placement_plan_of", "resolve_run",
+__all__ = ["ResolvedRun", "cuda_present", "layer_spec_of", "placement_plan_of", "resolve_run",
+           "trainers_fuse_kernels",
            "local_devices", "resolved_cluster", "run_device", "sync_backend_of"]

@@ -36,10 +36,10 @@ from mcore_rl.resharding.sync_group import SyncGroupSpec
 _POLL_S = 0.0002
 
 
-def communicators(spec: SyncGroupSpec, num_src: int) -> list[tuple[int, ...]]:
+def communicators(spec: SyncGroupSpec) -> list[tuple[int, ...]]:
     """The member sync ranks of every communicator this world needs, in creation order
-    (module doc). num_src: the actor ranks (sync ranks 0..num_src-1); engines follow."""
-    world = tuple(range(spec.world_size))
+    (module doc). The actor ranks are sync ranks 0..spec.actor_ranks-1; engines follow."""
+    world, num_src = tuple(range(spec.world_size)), spec.actor_ranks
     if "ipc" not in spec.transports:  # no device holds two sync ranks
         return [world]
     if not 0 < num_src < spec.world_size:
@@ -87,14 +87,13 @@ class NcclP2PGroup:
     vLLM's (`PyNcclCommunicator.from_unique_id_bytes`, `NCCLLibrary.ncclGetUniqueId`)."""
 
     def __init__(self, spec: SyncGroupSpec, rank: int, store, device: torch.device, *,
-                 num_src: int | None = None, make_comm: Callable | None = None,
+                 make_comm: Callable | None = None,
                  mint_id: Callable[[], bytes] | None = None):
         self.rank, self.device = rank, torch.device(device)
         make_comm, mint_id = make_comm or _pynccl_comm, mint_id or _new_unique_id
         self.comms: list = []
         self.peer: dict[int, tuple[int, int]] = {}  # sync rank → (communicator, its rank)
-        num_src = spec.actor_ranks if num_src is None else num_src
-        for c, members in enumerate(communicators(spec, num_src)):
+        for c, members in enumerate(communicators(spec)):
             if rank not in members:
                 continue
             key = f"nccl/{c}"

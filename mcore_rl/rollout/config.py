@@ -243,4 +243,29 @@ def vllm_batch_defaults(device: Literal["cpu", "cuda"], device_gib: float, tp: i
     return 8192, 256
 
 
-__all__ = ["RolloutConfig", "SamplingConfig", "vllm_batch_defaults"]
+# vLLM's sleep level where the engines sleep and nothing is configured: 2 discards the weights
+# (level 1 copies them to the host), since the sync that follows a sleep overwrites every one.
+SLEEP_LEVEL = 2
+
+
+def engines_run_eager(rollout: RolloutConfig, device: str) -> bool:
+    """`rollout.enforce_eager`, or the device's choice: CUDA graphs on GPU ("cuda"), eager on
+    CPU (all vLLM's CPU engines can do). CUDA graphs or compilation asked of a CPU engine are
+    refused. The run plan decides with it; an engine outside a run too."""
+    eager = device != "cuda" if rollout.enforce_eager is None else rollout.enforce_eager
+    if device != "cuda" and not eager:
+        raise ConfigError("rollout.enforce_eager", False, "CUDA graphs need a GPU run; vLLM's "
+                          "CPU engines run eager (leave it unset or true)")
+    if rollout.compile and eager:
+        raise ConfigError("rollout.compile", True, "compiling the engine's model needs CUDA "
+                          "graphs: a GPU run with rollout.enforce_eager unset or false")
+    return eager
+
+
+def engines_sleep_level(rollout: RolloutConfig) -> int:
+    """`rollout.sleep_level`, or `SLEEP_LEVEL`."""
+    return SLEEP_LEVEL if rollout.sleep_level is None else rollout.sleep_level
+
+
+__all__ = ["RolloutConfig", "SLEEP_LEVEL", "SamplingConfig", "engines_run_eager",
+           "engines_sleep_level", "vllm_batch_defaults"]

@@ -51,7 +51,8 @@ from mcore_rl.launch.startup_gc import gc_paused
 from mcore_rl.resharding.plan_cache import PlanCache
 from mcore_rl.rollout.errors import RolloutError
 from mcore_rl.rollout.expert_parallel import engine_args as expert_parallel_args
-from mcore_rl.rollout.config import RolloutConfig, SamplingConfig
+from mcore_rl.rollout.config import (RolloutConfig, SamplingConfig, engines_run_eager,
+                                     engines_sleep_level)
 from mcore_rl.rollout.sync_client import EngineSync
 from mcore_rl.rollout.vllm_env import (compiler_off, configure_vllm_env,
                                        model_inspected_in_process)
@@ -102,9 +103,9 @@ class RolloutEngine(EngineSync):
         self.seed = seed
         self.on_cpu = _standalone_on_cpu() if device is None else not device.startswith("cuda")
         # a run's engines get the plan's choices in cfg (ResolvedRun.engine_config); an engine
-        # outside a run takes the same defaults for its device
-        self.enforce_eager = self.on_cpu if cfg.enforce_eager is None else cfg.enforce_eager
-        self.sleep_level = 2 if cfg.sleep_level is None else cfg.sleep_level
+        # outside a run takes the same rules for its device
+        self.enforce_eager = engines_run_eager(cfg, "cpu" if self.on_cpu else "cuda")
+        self.sleep_level = engines_sleep_level(cfg)
         self._sync_thread = None  # sync_client._Background: the update in flight
         self._join = None  # sync_client._Background: the sync-group join in flight
         self._sync_plan = None
@@ -203,17 +204,21 @@ class RolloutEngine(EngineSync):
             raise RolloutError(self.index, "sync", "reset_prefix_cache() refused "
                                                    "(requests still running?)")
 
+    @property
+    def _sleeps(self) -> bool:
+        return self.cfg.enable_sleep and not self.on_cpu  # vLLM's CPU worker cannot sleep
+
     def sleep(self) -> None:
         """GPU with enable_sleep: free weights (level 2) or offload them (level 1) and the KV
         cache while training runs. A no-op on CPU (vLLM's CPU worker has no sleep mode)."""
-        if self.cfg.enable_sleep and not self.on_cpu:
+        if self._sleeps:
             self.llm.sleep(level=self.sleep_level)
 
     def wake_up(self, tags: Sequence[str] | None = None) -> None:
         """Undo `sleep` for `tags` ("weights", "kv_cache"; None: all): a run wakes the weights,
         syncs into them, then wakes the KV cache. Once everything is awake vLLM resumes
         scheduling; an engine still partly asleep after a wake of everything raises."""
-        if not (self.cfg.enable_sleep and not self.on_cpu):
+        if not self._sleeps:
             return
         awake = self.llm.wake_up(None if tags is None else list(tags))
         if not awake and (tags is None or "kv_cache" in tags):

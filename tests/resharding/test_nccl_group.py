@@ -45,7 +45,7 @@ def test_communicators_never_hold_two_ranks_of_one_device(name, overrides):
     run = resolve_run(cfg, cuda_available=False)
     spec = _spec_of(run)
     slots = list(run.placement.actor) + [s for e in run.placement.engines for s in e]
-    comms = communicators(spec, spec.actor_ranks)
+    comms = communicators(spec)
     for members in comms:
         devices = [(slots[r].node, slots[r].device) for r in members]
         assert len(set(devices)) == len(devices), (members, devices)
@@ -81,7 +81,7 @@ def test_ranks_join_their_communicators_through_raw_store_bytes():
     6,7 (node 1). Communicators: {0,1,6,7} (node 0 → node 1) and {2,3,4,5}."""
     spec = SyncGroupSpec("127.0.0.1", 1, "p/", 8, backend="nccl", transports=("ipc", "ipc"),
                          nodes=(0, 0, 1, 1, 0, 0, 1, 1), actor_ranks=4)
-    assert communicators(spec, 4) == [(0, 1, 6, 7), (2, 3, 4, 5)]
+    assert communicators(spec) == [(0, 1, 6, 7), (2, 3, 4, 5)]
     store, groups, minted = dist.HashStore(), {}, []
 
     def mint():
@@ -89,7 +89,7 @@ def test_ranks_join_their_communicators_through_raw_store_bytes():
         return bytes([len(minted)]) * 128
 
     def join(rank):
-        groups[rank] = NcclP2PGroup(spec, rank, store, torch.device("cpu"), num_src=4,
+        groups[rank] = NcclP2PGroup(spec, rank, store, torch.device("cpu"),
                                     make_comm=_RecordedComm, mint_id=mint)
 
     threads = [threading.Thread(target=join, args=(r,)) for r in range(8)]
@@ -107,7 +107,7 @@ def test_ranks_join_their_communicators_through_raw_store_bytes():
                                          "rank 4"):
         groups[0].send([torch.zeros(1)], 4)  # refused as it is posted
     with pytest.raises(RuntimeError, match="PyNccl is disabled here"):
-        NcclP2PGroup(spec, 0, dist.HashStore(), torch.device("cpu"), num_src=4,
+        NcclP2PGroup(spec, 0, dist.HashStore(), torch.device("cpu"),
                      make_comm=lambda *a: _RecordedComm(*a, disabled=True), mint_id=mint)
 
 

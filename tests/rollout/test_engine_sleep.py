@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from mcore_rl.rollout.config import RolloutConfig
+from mcore_rl.rollout.config import RolloutConfig, engines_run_eager, engines_sleep_level
 from mcore_rl.rollout.engine import RolloutEngine
 from mcore_rl.rollout.errors import RolloutError
 
@@ -32,8 +32,8 @@ def _gpu_engine(cfg: RolloutConfig, llm=None) -> RolloutEngine:
     """A RolloutEngine as a GPU run builds it, without starting vLLM."""
     engine = RolloutEngine.__new__(RolloutEngine)
     engine.cfg, engine.index, engine.on_cpu, engine.seed = cfg, 0, False, 0
-    engine.enforce_eager = False if cfg.enforce_eager is None else cfg.enforce_eager
-    engine.sleep_level = 2 if cfg.sleep_level is None else cfg.sleep_level
+    engine.enforce_eager = engines_run_eager(cfg, "cuda")  # as RolloutEngine.__init__ does
+    engine.sleep_level = engines_sleep_level(cfg)
     engine.llm = llm
     return engine
 
