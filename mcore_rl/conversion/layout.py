@@ -31,7 +31,10 @@ depend on the grid that saved them:
                          layer axis: global [num_layers, num_experts, *tp1_shape], expert e of
                          layer l at offset (l, e) — whatever EP saved it; each expert's fc1 is
                          [gate; up] and splits over expert-TP like the dense fc1. Extra state:
-                         '<key>/shard_<l>.<e>_<num_layers>.<num_experts>'.
+                         '<key>/shard_<l>.<e>_<num_layers>.<num_experts>'. The TE spec's
+                         TEGroupedMLP holds expert j as 'mlp.experts.linear_fc1.weight<j>' and
+                         stores it under the same key and axes ("interchangeable with
+                         SequentialMLP's", TEGroupedMLP.sharded_state_dict).
   MoE pre-MLP norm       the two specs disagree: the local spec's keys map renames
                          'pre_mlp_layernorm.' to 'mlp.linear_fc1.layer_norm_' in every layer,
                          MoE layers included, while the TE spec has a real pre_mlp_layernorm
@@ -63,6 +66,10 @@ _LAYER_KEY = re.compile(r"^(?P<head>decoder\.layers\.)(?P<layer>\d+)\.(?P<rest>.
 # key prefix f'{prefix}experts.' plus the expert axis (moe/experts.py, megatron-core 0.16.1).
 _EXPERT_KEY = re.compile(r"^(?P<head>.+\.experts\.)local_experts\.(?P<expert>\d+)\."
                          r"(?P<rest>.+)$")
+# TEGroupedMLP.sharded_state_dict: its grouped linear's f'{linear}.weight{j}' ↔ the key
+# SequentialMLP gives expert j's f'{linear}.weight' (f'{prefix}experts.{linear}.weight').
+_GROUPED_EXPERT_KEY = re.compile(r"^(?P<head>.+\.experts\.)(?P<linear>linear_fc[12])\."
+                                 r"(?P<param>weight|bias)(?P<expert>\d+)$")
 
 
 class CheckpointLayoutError(ValueError):
@@ -190,6 +197,10 @@ def _stored_key(name: str, spec: ModelSpec) -> tuple[str, list[int]]:
     e = _EXPERT_KEY.match(key)
     if e:
         key, axes = f"{e['head']}experts.{e['rest']}", axes + [int(e["expert"])]
+    g = _GROUPED_EXPERT_KEY.match(key)
+    if g:
+        key = f"{g['head']}experts.{g['linear']}.{g['param']}"
+        axes = axes + [int(g["expert"])]
     return key, axes
 
 
@@ -216,9 +227,11 @@ def _apply_keys_map(name: str, keys_map: dict[str, str]) -> str:
 
 def _extra_state_objects(spec: ModelSpec) -> list[tuple[str, tuple[int, ...], tuple[int, ...]]]:
     """(stacked key, global shape, offset) of the ShardedObject of every TP-parallel linear:
-    one per layer, and per layer and expert for the routed experts' linears."""
+    one per layer, and per layer and expert for the routed experts' linears. Read from the
+    local spec's modules: the TE spec's linears are named the same except TEGroupedMLP's, which
+    store their extra state per expert under SequentialMLP's keys too."""
     out = []
-    for module in extra_state_modules(spec, CHECKPOINT_SPELLING):
+    for module in extra_state_modules(spec, "local"):
         key, axes = _stored_key(module.format(layer=0, expert=0) + "._extra_state", spec)
         if len(axes) == 1:
             out += [(key, (spec.layers,), (layer,)) for layer in range(spec.layers)]

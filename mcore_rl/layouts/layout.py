@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from mcore_rl.models.spec import LayerSpec, check_layer_spec
+from mcore_rl.models.spec import LayerSpec, check_layer_spec, grouped_expert_gemm
 
 # A box is a half-open range per tensor dim: ((start0, stop0), (start1, stop1), ...).
 Box = tuple[tuple[int, int], ...]
@@ -43,6 +43,10 @@ class Side:
         r // (tp / units) (vLLM's kv-head replication); otherwise TP must divide the units.
     pad_vocab: pad the split dim before splitting: "megatron" (to a multiple of 128·TP) or
         "vllm" (to a multiple of 64, then split evenly); padding rows are zeros.
+    grouped_name: Megatron only, per-expert rows — the name of local expert `{expert}`'s
+        tensor where the layer spec runs the experts as one grouped GEMM (TEGroupedMLP: the
+        grouped linear holds expert j as `weight<j>`, same shape as SequentialMLP's
+        per-expert weight; see `models.spec.grouped_expert_gemm`).
     stack_experts: (per-expert rows) the side holds all of its rank's experts in one tensor,
         stacked on a new leading dim in expert order (vLLM FusedMoE w13/w2); otherwise one
         tensor per expert, `{expert}` in `name` = the rank-local expert index. `split_dim`
@@ -56,6 +60,7 @@ class Side:
     replicate_short: bool = False
     pad_vocab: Literal["megatron", "vllm"] | None = None
     stack_experts: bool = False
+    grouped_name: str | None = None
 
     def megatron_name(self, layer_spec: LayerSpec) -> str:
         """The parameter name under megatron-core's `layer_spec` ("local" or "te").
@@ -63,9 +68,12 @@ class Side:
         "te": a fused norm's `<module>.<param>` becomes `<te_fused_into>.layer_norm_<param>`
         (`input_layernorm.weight` → `self_attention.linear_qkv.layer_norm_weight`) — the same
         renaming megatron-core 0.16.1's local spec declares for its dist checkpoints
-        (`sharded_state_dict_keys_map` in gpt_layer_specs.get_gpt_layer_local_spec).
+        (`sharded_state_dict_keys_map` in gpt_layer_specs.get_gpt_layer_local_spec); a routed
+        expert's tensor becomes its `grouped_name` (TEGroupedMLP's grouped GEMM).
         """
         check_layer_spec(layer_spec)
+        if self.grouped_name is not None and grouped_expert_gemm(layer_spec):
+            return self.grouped_name
         if layer_spec == "te" and self.te_fused_into is not None:
             return f"{self.te_fused_into}.layer_norm_{self.name.rsplit('.', 1)[1]}"
         return self.name

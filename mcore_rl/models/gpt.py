@@ -16,6 +16,8 @@ Sharding of what it builds, per rank (tp rank t, pp stage p, VPP chunk v):
   mlp.router.weight                  [experts, hidden], replicated (MoE)
   mlp.experts.local_experts.{j}      expert ep_rank · experts/ep + j: linear_fc1 [2 ffn / etp,
                                      hidden] = [gate_t; up_t], linear_fc2 [hidden, ffn / etp]
+                                     (TE spec: the same tensors as mlp.experts.linear_fc1.weight{j}
+                                     and linear_fc2.weight{j}, TEGroupedMLP)
 with V_pad = spec.mcore_padded_vocab(tp); layers split over stages as ParallelConfig.layer_ranges.
 """
 
@@ -30,7 +32,7 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer import TransformerConfig
 
 from mcore_rl.compat import apply_cpu_compat
-from mcore_rl.models.spec import LayerSpec, check_layer_spec
+from mcore_rl.models.spec import LayerSpec, check_layer_spec, grouped_expert_gemm
 from mcore_rl.models.spec import ModelSpec, UnsupportedModelError
 from mcore_rl.parallel.config import ParallelConfig
 from mcore_rl.parallel.groups import Axis, ParallelGroups
@@ -84,7 +86,8 @@ def transformer_config_from_spec(spec: ModelSpec, parallel: ParallelConfig, *,
         use_cpu_initialization=on_cpu,
         **kernel_fields(fused_kernels),
         **_RECOMPUTE[recompute],
-        **moe_config_fields(spec, parallel, moe or MoEOptions()),
+        **moe_config_fields(spec, parallel, moe or MoEOptions(),
+                            grouped_gemm=grouped_expert_gemm(layer_spec)),
     )
 
 
@@ -169,15 +172,17 @@ class MoEOptions:
             raise ValueError(f"moe aux_loss_coeff={self.aux_loss_coeff}: must be >= 0")
 
 
-def moe_config_fields(spec: ModelSpec, parallel: ParallelConfig, moe: MoEOptions) -> dict:
+def moe_config_fields(spec: ModelSpec, parallel: ParallelConfig, moe: MoEOptions, *,
+                      grouped_gemm: bool = False) -> dict:
     """TransformerConfig fields of a MoE spec ({} for a dense one).
 
     Routing as HF computes it: logits = router(x); with `norm_topk_prob` (Mixtral, Qwen3-MoE
     when set) the weights are the softmax over the top-k logits — megatron's default order
     (top-k, then softmax) gives exactly that; without it (Qwen3-MoE norm_topk_prob=false) the
     softmax over all experts taken at the top k — `moe_router_pre_softmax`. Experts run as
-    SequentialMLP (one local MLP per expert, `moe_grouped_gemm=False`), no capacity limit,
-    no shared experts.
+    SequentialMLP (one local MLP per expert) or, with `grouped_gemm` (the TE layer spec:
+    `models.spec.grouped_expert_gemm`), as TEGroupedMLP (one grouped GEMM per linear over the
+    rank's experts); no capacity limit, no shared experts.
     """
     if not spec.is_moe:
         return {}
@@ -190,7 +195,7 @@ def moe_config_fields(spec: ModelSpec, parallel: ParallelConfig, moe: MoEOptions
         moe_router_load_balancing_type="aux_loss" if moe.aux_loss_coeff > 0 else "none",
         moe_aux_loss_coeff=moe.aux_loss_coeff,
         moe_token_dispatcher_type=moe.dispatcher,
-        moe_grouped_gemm=False,
+        moe_grouped_gemm=grouped_gemm,
         expert_model_parallel_size=parallel.ep,
         expert_tensor_parallel_size=parallel.expert_tp,
     )
@@ -229,7 +234,8 @@ class LayerSpecError(ValueError):
 def layer_spec(name: LayerSpec, spec: ModelSpec | None = None):
     """megatron-core's layer spec called `name`, as the resolved run chose it (`run.layer_spec`):
     "local" (pure PyTorch; runs anywhere) or "te" (TransformerEngine; needs TE, so CUDA).
-    `spec` adds Qwen3's q/k norms and MoE layers (SequentialMLP experts).
+    `spec` adds Qwen3's q/k norms and MoE layers (experts as `grouped_expert_gemm(name)` says:
+    SequentialMLP under "local", TEGroupedMLP under "te").
 
     The two build the same tensors under partly different names (`layouts.Side.megatron_name`);
     every load and the weight sync name tensors by the same `name`.
@@ -237,7 +243,8 @@ def layer_spec(name: LayerSpec, spec: ModelSpec | None = None):
     from megatron.core.models.gpt import gpt_layer_specs
 
     check_layer_spec(name)
-    arch = {} if spec is None else dict(num_experts=spec.num_experts, moe_grouped_gemm=False,
+    arch = {} if spec is None else dict(num_experts=spec.num_experts,
+                                        moe_grouped_gemm=grouped_expert_gemm(name),
                                         qk_layernorm=spec.qk_norm)
     if name == "local":
         return gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm", **arch)

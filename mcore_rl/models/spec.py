@@ -252,6 +252,15 @@ LayerSpec = Literal["local", "te"]
 LAYER_SPECS: tuple[str, ...] = ("local", "te")
 
 
+def grouped_expert_gemm(layer_spec: str) -> bool:
+    """Whether `layer_spec` runs a MoE layer's local experts as one grouped GEMM per linear
+    (TransformerEngine's `TEGroupedMLP`: fc1/fc2 hold expert j as `weight<j>`) rather than one
+    MLP module per expert (`SequentialMLP`, `local_experts.<j>.linear_fc1.weight`). The TE spec
+    does; its dist-checkpoint keys are SequentialMLP's (TEGroupedMLP.sharded_state_dict)."""
+    check_layer_spec(layer_spec)
+    return layer_spec == "te"
+
+
 def check_layer_spec(layer_spec: str) -> None:
     if layer_spec not in LAYER_SPECS:
         raise ValueError(f"layer_spec={layer_spec!r}: one of {', '.join(LAYER_SPECS)} "

@@ -22,6 +22,7 @@ import json
 import sys
 
 from mcore_rl.config import CONFIG_ERROR_EXIT, ConfigError
+from mcore_rl.models.spec import grouped_expert_gemm
 
 LAYER_SPECS = {"te": "te (TransformerEngine: fused norm + linear names, flash attention)",
                "local": "local (megatron's pure-PyTorch layers and names)"}
@@ -32,6 +33,9 @@ TRANSPORTS = {"p2p": "p2p (sync group)", "ipc": "ipc (devices shared with actor 
 EXPERTS = {False: "split over TP (every engine rank holds a slice of every expert)",
            True: "expert parallel (each engine rank holds whole experts, vLLM's linear "
                  "placement)"}
+# How Megatron runs a MoE layer's local experts: models.spec.grouped_expert_gemm(layer spec).
+MEGATRON_EXPERTS = {True: "TEGroupedMLP (one grouped GEMM per linear over the rank's experts)",
+                    False: "SequentialMLP (one MLP per local expert)"}
 # vLLM sizes itself against the free memory it measures at start-up (ResolvedRun.trainers_first)
 START_UP = {True: "trainers first, then the engines (devices shared)",
             False: "trainers and engines together"}
@@ -58,6 +62,10 @@ def trainer_kernels(run) -> str:
     reduce = ("overlapped with the backward" if run.overlap_grad_reduce
               else "after the backward")
     return f"{kernels} · DP grad reduce {reduce}"
+
+
+def megatron_experts(run) -> str:
+    return MEGATRON_EXPERTS[grouped_expert_gemm(run.layer_spec)]
 
 
 def hosted_roles(cfg) -> str:
@@ -170,7 +178,8 @@ def render(run, title: str, *, cfg, spec, ranks: bool = False):
         ("trainers run", trainer_kernels(run)),
         ("start-up", START_UP[run.trainers_first]),
         ("roles", hosted_roles(cfg)),
-        *([("vLLM experts", EXPERTS[run.expert_parallel])] if spec.is_moe else []),
+        *([("Megatron experts", megatron_experts(run)),
+           ("vLLM experts", EXPERTS[run.expert_parallel])] if spec.is_moe else []),
         ("actor ranks", f"{a.world_size} (tp {a.tp} · pp {a.pp} · dp {a.dp}"
                         f"{f' · ep {a.ep}' if a.ep > 1 else ''}) · "
                         f"{_grouped(run.placement.actor)}"),
@@ -225,7 +234,10 @@ def run_explain(args) -> int:
 
         # one sync's bytes per engine by transport, from the real plan (IPC never crosses a
         # node)
-        print(json.dumps({**run.summary(), **explain_traffic(cfg, run)}, separators=(",", ":")))
+        experts = ({"megatron_experts": megatron_experts(run).split(" ", 1)[0]}
+                   if sized.spec.is_moe else {})
+        print(json.dumps({**run.summary(), **experts, **explain_traffic(cfg, run)},
+                         separators=(",", ":")))
         return 0
     how = " (GPU assumed)" if args.assume_gpu else ""
     console = Console(width=120, soft_wrap=False)

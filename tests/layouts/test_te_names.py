@@ -142,6 +142,70 @@ def test_extra_state_modules_are_the_te_linears(te_layer_tree):
         assert {m.removeprefix("decoder.layers.{layer}.") for m in got} == linears
 
 
+MICRO_MOE = get_preset("micro-moe")
+
+
+@pytest.fixture(scope="module")
+def te_moe_experts():
+    """The experts' module tree of the layer spec our builder asks megatron-core for under
+    "te" (`models.gpt.layer_spec`), for a MoE spec: {path inside the layer: class name}.
+
+    Without TE, megatron-core leaves its grouped TE linears unbound (None, and the provider
+    would fall back to the legacy GroupedMLP); the test binds stand-in classes to those two
+    names so the tree is the one megatron-core builds on a GPU."""
+    import megatron.core.extensions.transformer_engine_spec_provider as provider
+    import megatron.core.models.gpt.gpt_layer_specs as specs
+
+    import mcore_rl.models.gpt as gpt
+
+    grouped = {"TEColumnParallelGroupedLinear": type("TEColumnParallelGroupedLinear", (), {}),
+               "TERowParallelGroupedLinear": type("TERowParallelGroupedLinear", (), {})}
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(specs, "TESpecProvider", provider.TESpecProvider, raising=False)
+        mp.setattr(provider, "is_te_min_version", lambda *a, **k: True)
+        mp.setattr(gpt, "te_importable", lambda: True)
+        for name, cls in grouped.items():
+            mp.setattr(provider, name, cls)
+        layer = gpt.layer_spec("te", MICRO_MOE)
+    experts = layer.submodules.mlp.submodules.experts
+    sub = experts.submodules
+    return {"mlp.experts": experts.module.__name__,
+            "mlp.experts.linear_fc1": sub.linear_fc1.__name__,
+            "mlp.experts.linear_fc2": sub.linear_fc2.__name__}
+
+
+def test_te_spec_runs_the_experts_as_one_grouped_gemm(te_moe_experts):
+    assert te_moe_experts == {"mlp.experts": "TEGroupedMLP",
+                              "mlp.experts.linear_fc1": "TEColumnParallelGroupedLinear",
+                              "mlp.experts.linear_fc2": "TERowParallelGroupedLinear"}
+
+
+@pytest.mark.parametrize("grid", [ParallelConfig(), ParallelConfig(dp=2, ep=2),
+                                  ParallelConfig(tp=2, dp=2, ep=2, etp=2)],
+                         ids=["ep1", "ep2", "tp2-ep2-etp2"])
+def test_te_expert_names_are_te_grouped_linear_parameters(grid):
+    """TE's GroupedLinear registers local expert j's weight as `weight<j>` (grouped_linear.py;
+    megatron-core's TEGroupedLinear reads `weight{gemm_idx}`): under "te" every rank's expert
+    tensors are `mlp.experts.linear_fc<1|2>.weight<j>`, j over its local experts, each the
+    tensor SequentialMLP holds for that expert (same shape, same HF pieces)."""
+    spec = MICRO_MOE
+    local = megatron_shards(spec, grid, layer_spec="local")
+    te = megatron_shards(spec, grid, layer_spec="te")
+    per_rank = spec.num_experts // grid.ep
+    for rank in te.ranks:
+        te_experts = {k for k in te.ranks[rank] if ".experts." in k}
+        assert te_experts == {f"decoder.layers.{layer}.mlp.experts.linear_fc{i}.weight{j}"
+                              for layer in range(spec.layers) for i in (1, 2)
+                              for j in range(per_rank)}
+        for key in te_experts:
+            head, rest = key.split(".mlp.experts.")
+            linear, j = rest.split(".weight")
+            twin = local.ranks[rank][f"{head}.mlp.experts.local_experts.{j}.{linear}.weight"]
+            assert te.ranks[rank][key].shape == twin.shape
+            assert te.ranks[rank][key].pieces == twin.pieces
+        assert len(te.ranks[rank]) == len(local.ranks[rank])
+
+
 def test_unknown_layer_spec_is_refused_with_the_field():
     from mcore_rl.layouts import LayoutError
 

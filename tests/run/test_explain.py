@@ -6,6 +6,7 @@ machine, where no CUDA device is seen)."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -87,10 +88,17 @@ def test_explain_shows_vllm_expert_parallel(no_cuda, capsys):
     assert json.loads(capsys.readouterr().out)["expert_parallel"] is True
     assert main(["explain", a3b, "rollout.expert_parallel=true"]) == 0
     out = capsys.readouterr().out
-    assert "model        │ qwen3_moe · " in out and "MoE, 128 experts (8 per token)" in out
-    assert "vLLM experts │ expert parallel (each engine rank holds whole experts" in out
+    assert re.search(r"model +│ qwen3_moe · ", out) and "MoE, 128 experts (8 per token)" in out
+    assert re.search(r"vLLM experts +│ expert parallel \(each engine rank holds whole experts",
+                     out)
+    # megatron's experts follow the layer spec: one grouped GEMM under te (GPU)
+    assert re.search(r"Megatron experts │ TEGroupedMLP \(one grouped GEMM", out)
     assert main(["explain", a3b]) == 0
-    assert "vLLM experts │ split over TP" in capsys.readouterr().out
+    assert re.search(r"vLLM experts +│ split over TP", capsys.readouterr().out)
+    assert main(["explain", a3b, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["megatron_experts"] == "TEGroupedMLP"
+    assert main(["explain", str(CONFIGS / "demo_moe.yaml")]) == 0
+    assert re.search(r"Megatron experts │ SequentialMLP", capsys.readouterr().out)
     # a CPU run refuses it, naming the field and why
     assert main(["explain", str(CONFIGS / "demo_moe.yaml"), "rollout.expert_parallel=true"]) == 2
     assert "rollout.expert_parallel=True: the run resolves to cpu" in capsys.readouterr().err
