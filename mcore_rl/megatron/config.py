@@ -86,6 +86,10 @@ class TrainConfig:
     run plan's choice (both on GPU, the overlap where dp > 1; off on CPU, where fused kernels
     do not exist); a trainer outside a run (`train-lm`) leaves both off. In an RL config the
     `train` section's values hold for every trainer of the run.
+    compile: megatron's SwiGLU and bias-dropout-add fusions, which megatron compiles with
+    torch.compile on their first call (one compilation per shape, on every rank). Off
+    (default): nothing is compiled. Like the two above, an RL run takes `train`'s value for
+    every trainer.
     """
 
     micro_batch_size: int | None = None
@@ -100,6 +104,7 @@ class TrainConfig:
     moe_aux_loss_coeff: float = 0.0
     fused_kernels: bool | None = None
     overlap_grad_reduce: bool | None = None
+    compile: bool = False
 
     MOVED: ClassVar[dict[str, str]] = {"seed": USE_THE_RUN_SEED.format(stream="train")}
 

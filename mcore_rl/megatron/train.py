@@ -90,14 +90,16 @@ def setup_trainer(spec: ModelSpec, groups: ParallelGroups, train: TrainConfig,
                   load_weights: Callable[[list[torch.nn.Module]], None] | None = None, *,
                   layer_spec: str = "local", fused_kernels: bool | None = None,
                   overlap_grad_reduce: bool | None = None,
+                  compiled_fusions: bool | None = None,
                   seed: int = derive_seed(0, "train")) -> MegatronTrainer:
     """Build model chunks with megatron's `layer_spec` (the run's `ResolvedRun.layer_spec`),
     load weights (`load_weights(chunks)`, before the optimizer copies them into its fp32 main
-    params), wrap them in DDP and build the optimizer. fused_kernels / overlap_grad_reduce: the
-    run plan's (`ResolvedRun`); None: `train`'s, where unset off."""
+    params), wrap them in DDP and build the optimizer. fused_kernels / overlap_grad_reduce /
+    compiled_fusions: the run plan's (`ResolvedRun`); None: `train`'s, where unset off."""
     fused = bool(train.fused_kernels if fused_kernels is None else fused_kernels)
     overlap = bool(train.overlap_grad_reduce if overlap_grad_reduce is None
                    else overlap_grad_reduce)
+    compiled = train.compile if compiled_fusions is None else compiled_fusions
     apply_cpu_compat(groups.device)
     parallel = groups.config
     check_model_fits_parallel(spec, parallel, train)
@@ -106,7 +108,8 @@ def setup_trainer(spec: ModelSpec, groups: ParallelGroups, train: TrainConfig,
                                           recompute=train.recompute, layer_spec=layer_spec,
                                           moe=MoEOptions(train.moe_dispatcher,
                                                          train.moe_aux_loss_coeff),
-                                          fused_kernels=fused, device=groups.device)
+                                          fused_kernels=fused, compiled_fusions=compiled,
+                                          device=groups.device)
     chunks = build_gpt_model(spec, parallel, groups, params_dtype=dtype, seed=seed,
                              config=config, layer_spec=layer_spec)
     if load_weights is not None:

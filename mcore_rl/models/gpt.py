@@ -51,6 +51,7 @@ def transformer_config_from_spec(spec: ModelSpec, parallel: ParallelConfig, *,
                                  layer_spec: LayerSpec = "local",
                                  moe: "MoEOptions | None" = None,
                                  fused_kernels: bool = False,
+                                 compiled_fusions: bool = False,
                                  device: str) -> TransformerConfig:
     """The TransformerConfig that reproduces the HF model of `spec` on the grid `parallel`.
 
@@ -58,7 +59,8 @@ def transformer_config_from_spec(spec: ModelSpec, parallel: ParallelConfig, *,
     embeddings in HF's non-interleaved (rotate_half) form, no biases except Qwen2's q/k/v bias.
     Dropout is off: RL needs the trainer's log-probabilities to be a deterministic function of
     the weights. `fused_kernels` (the run plan's, GPU with TransformerEngine) turns on TE's
-    fused RoPE and fused weight-gradient accumulation; every other fusion stays off
+    fused RoPE and fused weight-gradient accumulation; `compiled_fusions` (`train.compile`)
+    megatron's torch.compile'd SwiGLU and bias-dropout-add; every other fusion stays off
     (`kernel_fields`). On CPU weights are initialized on the host (`use_cpu_initialization`).
     `params_dtype` is fp32 or bf16 (bf16 turns on megatron's mixed precision: bf16 params, fp32
     main params in the optimizer).
@@ -84,7 +86,7 @@ def transformer_config_from_spec(spec: ModelSpec, parallel: ParallelConfig, *,
         calculate_per_token_loss=calculate_per_token_loss,
         **_grid_fields(parallel, params_dtype, on_cpu),
         use_cpu_initialization=on_cpu,
-        **kernel_fields(fused_kernels),
+        **kernel_fields(fused_kernels, compiled_fusions),
         **_RECOMPUTE[recompute],
         **moe_config_fields(spec, parallel, moe or MoEOptions(),
                             grouped_gemm=grouped_expert_gemm(layer_spec)),
@@ -142,14 +144,16 @@ _UNFUSED = dict(bias_activation_fusion=False, bias_dropout_fusion=False,
                 gradient_accumulation_fusion=False, cross_entropy_loss_fusion=False)
 
 
-def kernel_fields(fused: bool) -> dict:
+def kernel_fields(fused: bool, compiled: bool = False) -> dict:
     """megatron's fusion switches. `fused`: TransformerEngine's RoPE kernel and its weight-grad
-    accumulation into the fp32 main grads (the DDP buffers every trainer here has). The rest
-    stay off: megatron wraps its SwiGLU and bias-dropout fusions in torch.compile (nothing is
-    compiled unless asked), masked-softmax fusion serves only the unfused attention that TE's
-    flash attention replaces, persist_layer_norm needs apex, and the loss is mcore-rl's own."""
-    return {**_UNFUSED, **(dict(apply_rope_fusion=True, gradient_accumulation_fusion=True)
-                           if fused else {})}
+    accumulation into the fp32 main grads (the DDP buffers every trainer here has). `compiled`
+    (`train.compile`): the SwiGLU and bias-dropout-add fusions, which megatron wraps in
+    torch.compile — so only when asked. The rest stay off: masked-softmax fusion serves only
+    the unfused attention that TE's flash attention replaces, persist_layer_norm needs apex,
+    and the loss is mcore-rl's own."""
+    return {**_UNFUSED,
+            **(dict(apply_rope_fusion=True, gradient_accumulation_fusion=True) if fused else {}),
+            **(dict(bias_activation_fusion=True, bias_dropout_fusion=True) if compiled else {})}
 
 
 @dataclass(frozen=True)
@@ -283,7 +287,8 @@ def build_gpt_model(spec: ModelSpec, parallel: ParallelConfig, groups: ParallelG
                     params_dtype: torch.dtype = torch.float32, seed: int = 1234,
                     config: TransformerConfig | None = None,
                     layer_spec: LayerSpec = "local",
-                    fused_kernels: bool = False) -> list[GPTModel]:
+                    fused_kernels: bool = False,
+                    compiled_fusions: bool = False) -> list[GPTModel]:
     """This rank's model chunks: one GPTModel per VPP chunk (one without VPP), built with
     megatron-core's `layer_spec` ("local" or "te": the run's `ResolvedRun.layer_spec`; its
     parameter names are `layouts.megatron_shards(..., layer_spec=layer_spec)`'s).
@@ -295,7 +300,7 @@ def build_gpt_model(spec: ModelSpec, parallel: ParallelConfig, groups: ParallelG
     split over TP ([b, s, V_pad / tp]).
 
     `seed` seeds the weight init (same on every rank, so replicas start equal) and megatron's
-    RNG tracker (which attention enters on every forward). fused_kernels: as
+    RNG tracker (which attention enters on every forward). fused_kernels, compiled_fusions: as
     `transformer_config_from_spec`'s (when no `config` is given).
     """
     # fails clearly (no TE) before anything is built
@@ -305,6 +310,7 @@ def build_gpt_model(spec: ModelSpec, parallel: ParallelConfig, groups: ParallelG
     config = config or transformer_config_from_spec(spec, parallel, params_dtype=params_dtype,
                                                     layer_spec=layer_spec,
                                                     fused_kernels=fused_kernels,
+                                                    compiled_fusions=compiled_fusions,
                                                     device=groups.device)
     if config.transformer_impl != TRANSFORMER_IMPL[layer_spec]:
         raise LayerSpecError(f"layer_spec={layer_spec!r} but the given config was made for "

@@ -91,6 +91,8 @@ class ResolvedRun:
     fused_kernels / overlap_grad_reduce: every trainer of the run (`train.fused_kernels`,
     `train.overlap_grad_reduce`, or: TransformerEngine's fused kernels with the te layer spec;
     the DP grad reduction overlapped with the backward on GPU where dp > 1).
+    compiled_fusions: every trainer runs megatron's torch.compile'd SwiGLU and bias-dropout-add
+    fusions (`train.compile`; off unless asked: nothing is compiled by default).
     """
 
     device: Device
@@ -112,6 +114,7 @@ class ResolvedRun:
     sleep_level: int = SLEEP_LEVEL
     fused_kernels: bool = False
     overlap_grad_reduce: bool = False
+    compiled_fusions: bool = False
 
     def engine_config(self, rollout: RolloutConfig) -> RolloutConfig:
         """The engines' config with this plan's choices in it (what every engine is given)."""
@@ -258,6 +261,7 @@ def resolve_run(cfg: "RLConfig", *, assume_gpu: bool = False,
         overlap_grad_reduce=(device == "cuda" and cfg.actor.dp > 1
                              if cfg.train.overlap_grad_reduce is None
                              else cfg.train.overlap_grad_reduce),
+        compiled_fusions=cfg.train.compile,
     )
 
 

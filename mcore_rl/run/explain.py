@@ -59,6 +59,8 @@ def trainer_kernels(run) -> str:
     """What the trainers fuse and overlap, as the plan resolved it."""
     kernels = ("TransformerEngine fused RoPE + weight-grad accumulation" if run.fused_kernels
                else "unfused")
+    if run.compiled_fusions:
+        kernels += " · SwiGLU + bias-dropout-add fused (torch.compile)"
     reduce = ("overlapped with the backward" if run.overlap_grad_reduce
               else "after the backward")
     return f"{kernels} · DP grad reduce {reduce}"

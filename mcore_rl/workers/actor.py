@@ -43,6 +43,7 @@ class ActorWorker:
                  inject_stall: str | None = None, slot: int | None = None,
                  device: str = "cpu", layer_spec: str = "local",
                  fused_kernels: bool = False, overlap_grad_reduce: bool = False,
+                 compiled_fusions: bool = False,
                  seed: int = derive_seed(0, "train")):
         """Roles colocated on this rank: the actor always; a critic (PPO) when
         `critic_train` is given; a frozen reference policy when `reference`.
@@ -50,7 +51,8 @@ class ActorWorker:
         `derive_seed(seed, "train")`).
         layer_spec: megatron's layer spec of every model here, as the run resolved it
         (`ResolvedRun.layer_spec`: "local" or "te"); it also names the tensors loaded and sent.
-        fused_kernels / overlap_grad_reduce: the run plan's, for every trainer here.
+        fused_kernels / overlap_grad_reduce / compiled_fusions: the run plan's, for every
+        trainer here.
         stack_dir: where this process dumps its stacks on SIGUSR1 (the watchdog).
         inject_stall: fault injection for watchdog tests ("<phase>@rank<r>").
         slot: this rank's device index on its node (the run's placement plan; reported by
@@ -84,7 +86,8 @@ class ActorWorker:
                               tp_group=self.groups.group(Axis.TP))
 
         kernels = dict(layer_spec=layer_spec, fused_kernels=fused_kernels,
-                       overlap_grad_reduce=overlap_grad_reduce)  # the run plan's
+                       overlap_grad_reduce=overlap_grad_reduce,
+                       compiled_fusions=compiled_fusions)  # the run plan's
         self.trainer = setup_trainer(spec, self.groups, train, load_weights=load, seed=seed,
                                      **kernels)
         self.train_cfg = train
@@ -95,7 +98,8 @@ class ActorWorker:
         if reference:
             chunks = build_gpt_model(spec, parallel, self.groups, params_dtype=dtype,
                                      seed=seed, layer_spec=layer_spec,
-                                     fused_kernels=fused_kernels)  # the actor's numerics
+                                     fused_kernels=fused_kernels,
+                                     compiled_fusions=compiled_fusions)  # the actor's numerics
             load(chunks)
             for chunk in chunks:
                 chunk.eval().requires_grad_(False)
@@ -314,7 +318,8 @@ class ActorWorker:
                 out[f"model{v}.{name}" if prefix_chunks else name] = tensor.detach()
         return out
 
-    def send_weights(self, plan: Plan | PlanRef, dtype: str = "float32", timeout_s: float = 120.0) -> dict:
+    def send_weights(self, plan: Plan | PlanRef, dtype: str = "float32",
+                     timeout_s: float = 120.0) -> dict:
         """Stream this rank's shards to the inference ranks (the plan says which bytes go
         where), to each engine by its transport. Returns this rank's transport stats
         (`bytes_sent_ipc` / `bytes_sent_p2p`: bytes by transport)."""

@@ -230,6 +230,11 @@ def test_gpu_trainers_fuse_kernels_and_overlap_the_grad_reduce(name, overrides):
     off = resolve_run(_load(CONFIGS / "gpu" / name, *overrides, "train.fused_kernels=false",
                             "train.overlap_grad_reduce=false"), cuda_available=False)
     assert (off.fused_kernels, off.overlap_grad_reduce) == (False, False)
+    # megatron's torch.compile'd fusions: never by default, on when asked
+    assert run.compiled_fusions is False
+    asked = resolve_run(_load(CONFIGS / "gpu" / name, *overrides, "train.compile=true"),
+                        cuda_available=False)
+    assert asked.compiled_fusions is True
 
 
 def test_cpu_trainers_run_unfused_and_fused_kernels_on_cpu_are_refused():

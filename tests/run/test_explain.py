@@ -144,3 +144,26 @@ def test_explain_shows_start_up_order_and_roles_and_no_experts_for_dense(no_cuda
     assert "roles        │ reference policy (KL) on the actor ranks' devices" in out
     assert main(["explain", seventy, "algorithm.kl_coeff=0"]) == 0
     assert "roles        │ the policy only" in capsys.readouterr().out
+
+
+def test_explain_shows_how_trainers_and_engines_run(no_cuda, capsys):
+    """The plan's kernel, compile, CUDA-graph and sleep choices, in the table and the JSON."""
+    gpu = [str(CONFIGS / "gpu" / "llama3-8b.yaml"), "--assume-gpu"]
+    assert main(["explain", *gpu]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"trainers run +│ TransformerEngine fused RoPE \+ weight-grad accumulation "
+                     r"· DP grad reduce overlapped with the backward", out)
+    assert re.search(r"engines run +│ CUDA graphs of decode steps, nothing compiled · sleep "
+                     r"level 2 while training", out)
+    assert "torch.compile" not in out
+    assert main(["explain", *gpu, "train.compile=true", "rollout.compile=true"]) == 0
+    out = capsys.readouterr().out
+    assert "· SwiGLU + bias-dropout-add fused" in out
+    assert re.search(r"engines run +│ torch.compile \+ CUDA graphs", out)
+    assert main(["explain", *gpu, "train.compile=true", "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert (summary["compiled_fusions"], summary["fused_kernels"]) == (True, True)
+    assert main(["explain", str(CONFIGS / "tiny_ci.yaml")]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"trainers run +│ unfused · DP grad reduce after the backward", out)
+    assert re.search(r"engines run +│ eager \(no CUDA graphs\)", out)
