@@ -1,0 +1,186 @@
+"""LoRA adapters on Megatron's tensor-parallel linears, each rank holding only its shard.
+
+An adapter adds `scale · B · A · x` (scale = alpha / rank) to a linear's output, B [out, r],
+A [r, in]. Its two matrices are split over TP the way the linear's weight is, so no rank ever
+needs another's weights:
+
+  column-parallel (linear_qkv, linear_fc1): W rows split. A whole on every TP rank, B split
+    by output rows exactly as W's rows (B's rows follow W's row layout: linear_qkv's query
+    groups, linear_fc1's [gate_t; up_t]). z = A·x is the same on every rank; its gradient sums
+    every rank's B_t-part (an all-reduce in the backward, megatron's
+    `copy_to_tensor_model_parallel_region`).
+  row-parallel (linear_proj, linear_fc2): W columns split. A split by input columns, B whole.
+    z = Σ_t A_t·x_t (an all-reduce in the forward, `reduce_from_tensor_model_parallel_region`),
+    then B·z on every rank.
+
+With sequence parallelism the linears' inputs (column) and outputs (row) are sharded on the
+sequence: the adapter gathers / reduce-scatters its rank-r activation z instead (megatron's
+sequence-parallel mappings), and the whole matrix whose gradient then comes from a sequence
+shard (A of a column adapter, B of a row adapter) is marked `sequence_parallel`, so megatron's
+`finalize_model_grads` sums it over TP as it does the norms'.
+
+The adapter is a child module `lora` of the linear, applied by a forward hook: the linear's own
+parameter names (what the layout tables, checkpoints and the weight sync name) do not change.
+`merged_weight` gives W + scale·B·A on the rank's own shard — the shard of the merged weight,
+with no gather. Initial A is drawn from a generator seeded by the layer's global number and the
+linear's name over A's whole shape, then sliced: every grid starts from the same adapters.
+B starts at zero, so a fresh adapter leaves the model unchanged.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import zlib
+from dataclasses import dataclass
+from typing import Iterator, Literal
+
+import torch
+import torch.nn.functional as F
+from megatron.core import tensor_parallel
+from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
+
+# The linears of a decoder layer an adapter can sit on, and how megatron splits each over TP.
+LINEARS: dict[str, Literal["column", "row"]] = {
+    "self_attention.linear_qkv": "column", "self_attention.linear_proj": "row",
+    "mlp.linear_fc1": "column", "mlp.linear_fc2": "row"}
+
+
+@dataclass(frozen=True)
+class LoRASpec:
+    """rank r and alpha (scale = alpha / r); dropout on the adapter's input while training;
+    targets: the short names of the linears to adapt (keys of `TARGETS`)."""
+
+    rank: int
+    alpha: float
+    dropout: float = 0.0
+    targets: tuple[str, ...] = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+
+    def __post_init__(self) -> None:
+        if self.rank < 1:
+            raise ValueError(f"lora rank={self.rank}: must be >= 1")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"lora dropout={self.dropout}: must be in [0, 1)")
+        unknown = sorted(set(self.targets) - set(TARGETS))
+        if unknown:
+            raise ValueError(f"lora targets {unknown}: not a linear of a decoder layer; "
+                             f"known: {', '.join(TARGETS)}")
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank
+
+
+# short target name → path inside a decoder layer
+TARGETS = {path.rsplit(".", 1)[1]: path for path in LINEARS}
+
+
+class LoRAAdapter(torch.nn.Module):
+    """The adapter of one linear on one TP rank (see the module docstring for the split)."""
+
+    def __init__(self, linear: torch.nn.Module, kind: Literal["column", "row"], spec: LoRASpec,
+                 seed: int):
+        super().__init__()
+        self.kind, self.scale, self.dropout = kind, spec.scale, spec.dropout
+        self.enabled = True
+        self.tp_group = linear.tp_group
+        self.sequence_parallel = bool(linear.sequence_parallel)
+        tp, tp_rank = self.tp_group.size(), self.tp_group.rank()
+        weight = linear.weight
+        out_local, in_local = weight.shape
+        in_full = in_local * tp if kind == "row" else in_local
+        a_full = _kaiming_uniform((spec.rank, in_full), seed)
+        if kind == "row":
+            a_full = a_full[:, tp_rank * in_local:(tp_rank + 1) * in_local]
+        self.lora_a = torch.nn.Parameter(a_full.to(weight.device, weight.dtype).contiguous())
+        # B has W's local rows: a column linear's shard of them, a row linear's whole
+        self.lora_b = torch.nn.Parameter(torch.zeros(out_local, spec.rank, device=weight.device,
+                                                     dtype=weight.dtype))
+        split, whole = ((self.lora_b, self.lora_a) if kind == "column"
+                        else (self.lora_a, self.lora_b))
+        set_tensor_model_parallel_attributes(split, True, 0 if kind == "column" else 1, 1)
+        if self.sequence_parallel:
+            whole.sequence_parallel = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.dropout and self.training:
+            x = F.dropout(x, self.dropout)
+        z = F.linear(x, self.lora_a)
+        if self.kind == "column":
+            z = (tensor_parallel.gather_from_sequence_parallel_region(z, group=self.tp_group)
+                 if self.sequence_parallel
+                 else tensor_parallel.copy_to_tensor_model_parallel_region(z, group=self.tp_group))
+        else:
+            z = (tensor_parallel.reduce_scatter_to_sequence_parallel_region(z, group=self.tp_group)
+                 if self.sequence_parallel
+                 else tensor_parallel.reduce_from_tensor_model_parallel_region(
+                     z, group=self.tp_group))
+        return F.linear(z, self.lora_b) * self.scale
+
+    def delta_weight(self) -> torch.Tensor:
+        """scale · B · A on this rank's shard of the linear's weight (fp32)."""
+        return (self.lora_b.float() @ self.lora_a.float()) * self.scale
+
+
+def _kaiming_uniform(shape: tuple[int, int], seed: int) -> torch.Tensor:
+    """PEFT's default init of lora_A (kaiming-uniform, a = √5) from its own generator."""
+    bound = 1.0 / math.sqrt(shape[1])  # gain·√(3/fan_in) with a = √5
+    gen = torch.Generator().manual_seed(seed)
+    return torch.empty(shape).uniform_(-bound, bound, generator=gen)
+
+
+def _apply_adapter(linear: torch.nn.Module, args: tuple, output):
+    adapter = linear.lora
+    if not adapter.enabled:
+        return output
+    out, bias = output
+    return out + adapter(args[0]).to(out.dtype), bias
+
+
+def attach_lora(chunks: list[torch.nn.Module], spec: LoRASpec) -> list[LoRAAdapter]:
+    """Freeze every parameter of `chunks` and put an adapter on each target linear of every
+    decoder layer (routed experts excluded). Call after loading the base weights and before
+    the DDP wrap, so the grad buffers and the optimizer hold the adapters only."""
+    for chunk in chunks:
+        chunk.requires_grad_(False)
+    adapters = []
+    for chunk in chunks:
+        for layer in chunk.decoder.layers:
+            for target in spec.targets:
+                linear = layer.get_submodule(TARGETS[target])
+                seed = zlib.crc32(f"{layer.layer_number}.{target}".encode())
+                linear.lora = LoRAAdapter(linear, LINEARS[TARGETS[target]], spec, seed)
+                linear.register_forward_hook(_apply_adapter)
+                adapters.append(linear.lora)
+    return adapters
+
+
+def lora_linears(chunks: list[torch.nn.Module]) -> Iterator[tuple[str, torch.nn.Module]]:
+    """(name inside its chunk, linear) of every adapted linear."""
+    for chunk in chunks:
+        for name, module in chunk.named_modules():
+            if isinstance(getattr(module, "lora", None), LoRAAdapter):
+                yield name, module
+
+
+def merged_weight(linear: torch.nn.Module) -> torch.Tensor:
+    """W + scale·B·A on this rank's shard, in W's dtype (the merge happens in fp32)."""
+    return (linear.weight.float() + linear.lora.delta_weight()).to(linear.weight.dtype)
+
+
+@contextlib.contextmanager
+def adapters_disabled(chunks: list[torch.nn.Module]):
+    """The base model: every adapter of `chunks` off inside the block (the reference policy)."""
+    adapters = [linear.lora for _, linear in lora_linears(chunks)]
+    states = [a.enabled for a in adapters]
+    for a in adapters:
+        a.enabled = False
+    try:
+        yield
+    finally:
+        for a, state in zip(adapters, states):
+            a.enabled = state
+
+
+__all__ = ["LINEARS", "LoRAAdapter", "LoRASpec", "TARGETS", "adapters_disabled",
+           "attach_lora", "lora_linears", "merged_weight"]

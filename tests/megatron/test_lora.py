@@ -1,0 +1,169 @@
+"""LoRA adapters on Megatron's TP shards (mcore_rl/megatron/lora.py) against one process:
+the micro Llama with HF weights and adapters on QKV, attention output, FC1 and FC2, at TP1,
+at TP2, and at TP2 with sequence parallelism. Every grid gives TP1's logits and loss, and
+adapter gradients equal to TP1's shard for shard; W + scale·B·A merged on each rank's own shard
+is TP1's merged weight's shard, bit for bit. A fresh adapter (B = 0) and disabled adapters leave
+the base model's logits exactly; only the adapters train.
+
+B is made non-zero before the forward (a fresh B is zero, which would hide a wrong split):
+a column linear's B from its own weight rows (so every grid holds the rows of TP1's B that
+match its rows of W: linear_fc1's [gate_t; up_t] are no contiguous slice of TP1's rows), a row
+linear's whole B from a seeded generator. Rows are matched between grids by W's rows (random
+HF weights: unique)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from mcore_rl.launch.spawn import run_on_ranks
+from mcore_rl.megatron.lora import LoRASpec
+
+LORA = LoRASpec(rank=4, alpha=8.0)
+TOKENS = torch.randint(0, 250, (2, 17), generator=torch.Generator().manual_seed(3))
+
+
+def _lora_step(rank: int, world: int, sequence_parallel: bool) -> dict:
+    from hf_weights import random_hf_weights
+    from megatron.core import tensor_parallel
+
+    from mcore_rl.layouts import materialize_rank, megatron_shards
+    from mcore_rl.megatron.lora import adapters_disabled, attach_lora, lora_linears, \
+        merged_weight
+    from mcore_rl.megatron.train import token_logprobs
+    from mcore_rl.models.gpt import build_gpt_model, load_chunks
+    from mcore_rl.models.presets import get_preset
+    from mcore_rl.parallel.config import ParallelConfig
+    from mcore_rl.parallel.groups import Axis, init_training_groups
+
+    spec = get_preset("micro")
+    parallel = ParallelConfig(tp=world, sequence_parallel=sequence_parallel)
+    groups = init_training_groups(parallel)
+    tp_group = groups.group(Axis.TP)
+    weights = random_hf_weights(spec)
+    chunks = build_gpt_model(spec, parallel, groups)
+    load_chunks(chunks, materialize_rank(megatron_shards(spec, parallel), rank,
+                                         weights.__getitem__), None)
+    (model,) = chunks
+    tokens, labels = TOKENS[:, :-1], TOKENS[:, 1:]
+    positions = torch.arange(tokens.shape[1]).expand_as(tokens)
+
+    def logits_and_loss():
+        local = model(tokens, positions, None)
+        loss = -token_logprobs(local, labels, spec.vocab, groups.rank_in(Axis.TP)).mean()
+        full = tensor_parallel.gather_from_tensor_model_parallel_region(local, group=tp_group)
+        return full[..., :spec.vocab], loss
+
+    with torch.no_grad():
+        base, _ = logits_and_loss()
+    adapters = attach_lora(chunks, LORA)
+    with torch.no_grad():
+        fresh, _ = logits_and_loss()
+        gen = torch.Generator().manual_seed(11)
+        for _, linear in lora_linears(chunks):
+            b = linear.lora.lora_b
+            b.copy_(0.5 * linear.weight[:, :LORA.rank] if linear.lora.kind == "column"
+                    else 0.05 * torch.randn(b.shape, generator=gen))
+    logits, loss = logits_and_loss()
+    loss.backward()
+    if sequence_parallel:  # what megatron's finalize_model_grads does for such parameters
+        for adapter in adapters:
+            for p in adapter.parameters():
+                if getattr(p, "sequence_parallel", False):
+                    torch.distributed.all_reduce(p.grad, group=tp_group)
+    with torch.no_grad(), adapters_disabled(chunks):
+        disabled, _ = logits_and_loss()
+    linears = {}
+    for name, linear in lora_linears(chunks):
+        a = linear.lora
+        linears[name] = {"kind": a.kind, "w": linear.weight.detach().clone(),
+                         "a": a.lora_a.detach().clone(), "b": a.lora_b.detach().clone(),
+                         "da": a.lora_a.grad.clone(), "db": a.lora_b.grad.clone(),
+                         "merged": merged_weight(linear).detach().clone(),
+                         "tp_split": [getattr(p, "tensor_model_parallel", False)
+                                      for p in (a.lora_a, a.lora_b)]}
+    return _as_numpy({
+        "logits": logits.detach(), "loss": float(loss), "base": base, "fresh": fresh,
+        "disabled": disabled, "linears": linears,
+        "trainable": sorted(n for n, p in model.named_parameters() if p.requires_grad)})
+
+
+def _as_numpy(obj):
+    """Tensors leave a rank as numpy arrays (torch's own pickling shares them by fd)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.numpy()
+    if isinstance(obj, dict):
+        return {k: _as_numpy(v) for k, v in obj.items()}
+    return obj
+
+
+def _as_torch(obj):
+    if isinstance(obj, np.ndarray):
+        return torch.from_numpy(obj)
+    if isinstance(obj, dict):
+        return {k: _as_torch(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_as_torch(v) for v in obj]
+    return obj
+
+
+@pytest.fixture(scope="module")
+def runs():
+    return {grid: _as_torch(run_on_ranks(_lora_step, world, sp, timeout_s=240))
+            for grid, world, sp in (("tp1", 1, False), ("tp2", 2, False), ("tp2-sp", 2, True))}
+
+
+def _row_index(reference_w: torch.Tensor, w: torch.Tensor) -> list[int]:
+    """For each row of a shard `w`, its row in the TP1 weight."""
+    where = {tuple(row.tolist()): i for i, row in enumerate(reference_w)}
+    return [where[tuple(row.tolist())] for row in w]
+
+
+@pytest.mark.parametrize("grid", ["tp2", "tp2-sp"])
+def test_adapters_on_tp_shards_equal_one_process(runs, grid):
+    (ref,) = runs["tp1"]
+    for out in runs[grid]:
+        torch.testing.assert_close(out["logits"], ref["logits"], rtol=1e-5, atol=1e-5)
+        assert out["loss"] == pytest.approx(ref["loss"], rel=1e-5)
+        assert out["linears"].keys() == ref["linears"].keys()
+        for name, mine in out["linears"].items():
+            full = ref["linears"][name]
+            if mine["kind"] == "column":  # A whole; B (and W) rows a subset of TP1's
+                rows = _row_index(full["w"], mine["w"])
+                torch.testing.assert_close(mine["da"], full["da"], rtol=1e-4, atol=1e-6)
+                torch.testing.assert_close(mine["db"], full["db"][rows], rtol=1e-4, atol=1e-6)
+                assert torch.equal(mine["merged"], full["merged"][rows]), name
+                assert mine["tp_split"] == [False, True]
+            else:  # A's columns the rank's slice of TP1's; B whole
+                cols = mine["a"].shape[1]
+                start = [i for i in range(0, full["a"].shape[1], cols)
+                         if torch.equal(full["w"][:, i:i + cols], mine["w"])]
+                assert len(start) == 1, name
+                sl = slice(start[0], start[0] + cols)
+                assert torch.equal(mine["a"], full["a"][:, sl])
+                torch.testing.assert_close(mine["da"], full["da"][:, sl], rtol=1e-4, atol=1e-6)
+                torch.testing.assert_close(mine["db"], full["db"], rtol=1e-4, atol=1e-6)
+                assert torch.equal(mine["merged"], full["merged"][:, sl]), name
+                assert mine["tp_split"] == [True, False]
+
+
+def test_fresh_and_disabled_adapters_leave_the_base_model(runs):
+    for grid in runs.values():
+        for out in grid:
+            assert torch.equal(out["fresh"], out["base"])
+            assert torch.equal(out["disabled"], out["base"])
+            assert not torch.equal(out["logits"], out["base"])  # the adapters do act
+
+
+def test_only_the_adapters_train(runs):
+    (ref,) = runs["tp1"]
+    assert len(ref["trainable"]) == 2 * 4 * 4  # A and B, 4 linears, 4 layers
+    assert all(n.endswith((".lora.lora_a", ".lora.lora_b")) for n in ref["trainable"])
+
+
+def test_bad_lora_specs_are_refused_naming_the_field():
+    with pytest.raises(ValueError, match="lora rank=0: must be >= 1"):
+        LoRASpec(rank=0, alpha=1.0)
+    with pytest.raises(ValueError, match=r"lora targets \['q_proj'\]: not a linear"):
+        LoRASpec(rank=4, alpha=8.0, targets=("q_proj",))
