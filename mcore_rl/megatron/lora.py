@@ -163,6 +163,18 @@ def lora_linears(chunks: list[torch.nn.Module]) -> Iterator[tuple[str, torch.nn.
                 yield name, module
 
 
+def named_adapters(chunks: list[torch.nn.Module]) -> Iterator[tuple[str, LoRAAdapter]]:
+    """(grid-independent name, adapter) of every adapter in `chunks`:
+    'decoder.layers.<global layer>.<linear path>.lora' (the layer numbered from 0 across the
+    pipeline stages and VPP chunks, as HF numbers it)."""
+    for chunk in chunks:
+        for layer in chunk.decoder.layers:
+            for path in LINEARS:
+                linear = layer.get_submodule(path)
+                if isinstance(getattr(linear, "lora", None), LoRAAdapter):
+                    yield f"decoder.layers.{layer.layer_number - 1}.{path}.lora", linear.lora
+
+
 def merged_weight(linear: torch.nn.Module) -> torch.Tensor:
     """W + scale·B·A on this rank's shard, in W's dtype (the merge happens in fp32)."""
     return (linear.weight.float() + linear.lora.delta_weight()).to(linear.weight.dtype)
@@ -183,4 +195,4 @@ def adapters_disabled(chunks: list[torch.nn.Module]):
 
 
 __all__ = ["LINEARS", "LoRAAdapter", "LoRASpec", "TARGETS", "adapters_disabled",
-           "attach_lora", "lora_linears", "merged_weight"]
+           "attach_lora", "lora_linears", "merged_weight", "named_adapters"]

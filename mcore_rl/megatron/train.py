@@ -38,6 +38,7 @@ from mcore_rl.models.spec import ModelSpec
 from mcore_rl.parallel.groups import Axis, ParallelGroups
 from mcore_rl.config.dtypes import torch_dtype
 from mcore_rl.megatron.config import OptimizerConfig, TrainConfig, check_model_fits_parallel
+from mcore_rl.megatron.lora import LoRASpec, attach_lora
 from mcore_rl.megatron.packing import model_inputs
 from mcore_rl.megatron.schedule import configure_schedule, run_schedule
 
@@ -91,11 +92,14 @@ def setup_trainer(spec: ModelSpec, groups: ParallelGroups, train: TrainConfig,
                   layer_spec: str = "local", fused_kernels: bool | None = None,
                   overlap_grad_reduce: bool | None = None,
                   compiled_fusions: bool | None = None,
+                  lora: LoRASpec | None = None,
                   seed: int = derive_seed(0, "train")) -> MegatronTrainer:
     """Build model chunks with megatron's `layer_spec` (the run's `ResolvedRun.layer_spec`),
     load weights (`load_weights(chunks)`, before the optimizer copies them into its fp32 main
     params), wrap them in DDP and build the optimizer. fused_kernels / overlap_grad_reduce /
-    compiled_fusions: the run plan's (`ResolvedRun`); None: `train`'s, where unset off."""
+    compiled_fusions: the run plan's (`ResolvedRun`); None: `train`'s, where unset off.
+    lora: adapters on the loaded weights, which are frozen: the grad buffers and the optimizer
+    hold the adapters only (`megatron.lora.attach_lora`)."""
     fused = bool(train.fused_kernels if fused_kernels is None else fused_kernels)
     overlap = bool(train.overlap_grad_reduce if overlap_grad_reduce is None
                    else overlap_grad_reduce)
@@ -114,6 +118,8 @@ def setup_trainer(spec: ModelSpec, groups: ParallelGroups, train: TrainConfig,
                              config=config, layer_spec=layer_spec)
     if load_weights is not None:
         load_weights(chunks)
+    if lora is not None:
+        attach_lora(chunks, lora)
     model = wrap_ddp(chunks, config, groups, overlap_grad_reduce=overlap)
     optimizer = build_optimizer(model, train.optimizer, dtype, groups)
     scheduler = build_scheduler(optimizer, train.optimizer)

@@ -167,3 +167,64 @@ def test_bad_lora_specs_are_refused_naming_the_field():
         LoRASpec(rank=0, alpha=1.0)
     with pytest.raises(ValueError, match=r"lora targets \['q_proj'\]: not a linear"):
         LoRASpec(rank=4, alpha=8.0, targets=("q_proj",))
+
+
+def _lora_updates(rank: int, world: int) -> dict:
+    """Two policy updates of the micro Llama with adapters (and frozen HF weights) on a
+    PP `world` grid: grad norms, every adapter afterwards by global name, and whether the
+    base weights moved."""
+    from hf_weights import random_hf_weights
+
+    from mcore_rl.algorithms import AlgorithmConfig
+    from mcore_rl.layouts import materialize_rank, megatron_shards
+    from mcore_rl.megatron.config import OptimizerConfig, TrainConfig
+    from mcore_rl.megatron.lora import named_adapters
+    from mcore_rl.megatron.policy import PolicyBatch, policy_update
+    from mcore_rl.megatron.train import setup_trainer
+    from mcore_rl.models.gpt import load_chunks
+    from mcore_rl.models.presets import get_preset
+    from mcore_rl.parallel import ParallelConfig
+    from mcore_rl.parallel.groups import init_training_groups
+    from tests.support.batches import fixed_batch
+
+    spec, parallel = get_preset("micro"), ParallelConfig(pp=world)
+    groups = init_training_groups(parallel)
+    weights = random_hf_weights(spec)
+    base = materialize_rank(megatron_shards(spec, parallel), rank, weights.__getitem__)
+    train = TrainConfig(micro_batch_size=2, num_micro_batches=4, seq_len=12,
+                        optimizer=OptimizerConfig(lr=1e-2, adam_eps=1e-3, clip_grad=1e9))
+    trainer = setup_trainer(spec, groups, train, lambda c: load_chunks(c, base, None),
+                            lora=LORA)
+    tokens, labels, mask, adv = fixed_batch(spec)
+    batches = [PolicyBatch(tokens[r], labels[r], mask[r], torch.zeros(2, 12), adv[r])
+               for r in (slice(i, i + 2) for i in range(0, 8, 2))]
+    norms = [policy_update(trainer, batches, AlgorithmConfig(clip_c=None))["grad_norm"]
+             for _ in range(2)]
+    chunks = trainer.unwrapped()
+    state = {k: v.detach() for c in chunks for k, v in c.state_dict().items()
+             if ".lora." not in k and not k.endswith("_extra_state")}
+    return _as_numpy({
+        "grad_norm": norms,
+        "adapters": {f"{name}.{p}": getattr(a, p).detach().clone()
+                     for name, a in named_adapters(chunks) for p in ("lora_a", "lora_b")},
+        "base_moved": sorted(k for k, v in state.items() if not torch.equal(v, base[k])),
+        "optimized": sum(p.numel() for g in trainer.optimizer.param_groups
+                         for p in g["params"])})
+
+
+def test_pp2_lora_updates_equal_one_process_and_leave_the_base():
+    (ref,) = _as_torch(run_on_ranks(_lora_updates, 1, timeout_s=240))
+    pp2 = _as_torch(run_on_ranks(_lora_updates, 2, timeout_s=240))
+    assert ref["grad_norm"][0] > 0 and ref["grad_norm"][1] > 0
+    merged = {}
+    for out in pp2:
+        assert out["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-5)
+        assert out["base_moved"] == []  # frozen
+        merged.update(out["adapters"])
+    assert ref["base_moved"] == []
+    assert merged.keys() == ref["adapters"].keys() and len(merged) == 2 * 4 * 4
+    for name, tensor in ref["adapters"].items():
+        torch.testing.assert_close(merged[name], tensor, rtol=1e-5, atol=1e-6)
+    assert any(t.abs().max() > 0 for k, t in ref["adapters"].items() if k.endswith("lora_b"))
+    # the optimizer holds the adapters only: r·(in + out) per linear
+    assert ref["optimized"] == sum(t.numel() for t in ref["adapters"].values())
