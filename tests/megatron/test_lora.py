@@ -86,6 +86,7 @@ def _lora_step(rank: int, world: int, sequence_parallel: bool) -> dict:
     return _as_numpy({
         "logits": logits.detach(), "loss": float(loss), "base": base, "fresh": fresh,
         "disabled": disabled, "linears": linears,
+        "adapter_keys": sorted(k for k in model.state_dict() if ".lora." in k),
         "trainable": sorted(n for n, p in model.named_parameters() if p.requires_grad)})
 
 
@@ -228,3 +229,40 @@ def test_pp2_lora_updates_equal_one_process_and_leave_the_base():
     assert any(t.abs().max() > 0 for k, t in ref["adapters"].items() if k.endswith("lora_b"))
     # the optimizer holds the adapters only: r·(in + out) per linear
     assert ref["optimized"] == sum(t.numel() for t in ref["adapters"].values())
+
+
+def test_tp2_adapters_export_as_a_peft_adapter_that_gives_the_actors_logits(runs, tmp_path):
+    """The TP2 ranks' adapter shards → PEFT adapter directory (assembled through the layouts
+    derived from the weights') → PEFT loads it onto the HF base (the same HF weights) → HF's
+    logits equal the TP2 actor's."""
+    from hf_weights import random_hf_weights
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from mcore_rl.conversion.peft_adapter import peft_tensors, write_peft_adapter
+    from mcore_rl.layouts import megatron_shards
+    from mcore_rl.layouts.lora import lora_shards
+    from mcore_rl.models.hf_factory import hf_config_from_spec
+    from mcore_rl.models.presets import get_preset
+    from mcore_rl.parallel import ParallelConfig
+
+    spec = get_preset("micro")
+    adapters = lora_shards(megatron_shards(spec, ParallelConfig(tp=2)), LORA.rank, LORA.targets)
+    local = {rank: {f"{name}.lora.lora_{m}": out["linears"][name][m] for name in out["linears"]
+                    for m in ("a", "b")} for rank, out in enumerate(runs["tp2"])}
+    for rank, out in enumerate(runs["tp2"]):  # the layouts name the modules' own parameters
+        assert out["adapter_keys"] == sorted(adapters.ranks[rank])
+    tensors = peft_tensors(adapters, local)
+    assert len(tensors) == 2 * 7 * spec.layers  # A and B of q, k, v, o, gate, up, down
+    dst = write_peft_adapter(tmp_path / "adapter", tensors, rank=LORA.rank, alpha=LORA.alpha)
+    assert sorted(p.name for p in dst.iterdir()) == ["adapter_config.json",
+                                                     "adapter_model.safetensors"]
+    base = AutoModelForCausalLM.from_config(hf_config_from_spec(spec), dtype=torch.float32)
+    base.load_state_dict(random_hf_weights(spec), strict=False)
+    model = PeftModel.from_pretrained(base, str(dst))
+    with torch.no_grad():
+        logits = model(TOKENS[:, :-1]).logits
+    torch.testing.assert_close(logits, runs["tp2"][0]["logits"], rtol=1e-4, atol=1e-4)
+    with torch.no_grad(), model.disable_adapter():  # and the base is the base
+        torch.testing.assert_close(model(TOKENS[:, :-1]).logits, runs["tp2"][0]["base"],
+                                   rtol=1e-4, atol=1e-4)

@@ -1,0 +1,62 @@
+"""A PEFT LoRA adapter directory (`adapter_config.json` + `adapter_model.safetensors`) from
+adapter shards: the ranks' adapter tensors are assembled into PEFT's HF tensors through their
+layouts (`layouts.lora.lora_shards`), and PEFT's own `LoraConfig` writes the config, so
+`PeftModel.from_pretrained(hf_base, dir)` loads it onto the HF base model.
+
+The directory is written all-or-nothing (a temp dir beside it, renamed into place).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Mapping
+
+import torch
+
+from mcore_rl.conversion import output
+from mcore_rl.conversion.errors import ConversionError
+from mcore_rl.layouts.layout import ShardMap
+from mcore_rl.layouts.shards import assemble_hf
+
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+# PEFT stores a causal LM's adapter under the PeftModel's names: `base_model.model.<hf name>`.
+PEFT_PREFIX = "base_model.model."
+
+
+def peft_tensors(adapters: ShardMap,
+                 local: Mapping[int, Mapping[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """PEFT's adapter tensors (names as PEFT saves them) from ranks' adapter shards."""
+    hf = assemble_hf(adapters, local)
+    return {f"{PEFT_PREFIX}{name}": t.contiguous() for name, t in sorted(hf.items())}
+
+
+def target_modules(tensors: Mapping[str, torch.Tensor]) -> list[str]:
+    """The HF modules adapted (q_proj, gate_proj, ...): PEFT's `target_modules`."""
+    return sorted({name.rsplit(".", 3)[-3] for name in tensors})
+
+
+def write_peft_adapter(dst: Path, tensors: Mapping[str, torch.Tensor], *, rank: int,
+                       alpha: float, dropout: float = 0.0, base_model: str | None = None,
+                       force: bool = False) -> Path:
+    """Write `tensors` (`peft_tensors`) as a PEFT LoRA adapter at `dst`."""
+    from peft import LoraConfig
+    from safetensors.torch import save_file
+
+    if (dst.exists() or dst.is_symlink()) and not force:
+        raise ConversionError(f"destination {dst} already exists (pass --force to replace it)")
+    tmp = output.temp_dir_for(dst)
+    try:
+        tmp.mkdir(parents=True)
+        config = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout, bias="none",
+                            target_modules=target_modules(tensors), task_type="CAUSAL_LM",
+                            base_model_name_or_path=base_model, inference_mode=True)
+        config.save_pretrained(str(tmp))
+        save_file(dict(tensors), str(tmp / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+        output.commit(tmp, dst, force=force)
+    finally:
+        output.remove(tmp)
+    return dst
+
+
+__all__ = ["ADAPTER_WEIGHTS", "PEFT_PREFIX", "peft_tensors", "target_modules",
+           "write_peft_adapter"]
