@@ -21,6 +21,9 @@ shard (A of a column adapter, B of a row adapter) is marked `sequence_parallel`,
 
 The adapter is a child module `lora` of the linear, applied by a forward hook: the linear's own
 parameter names (what the layout tables, checkpoints and the weight sync name) do not change.
+In a dist checkpoint the adapter is stored as its weight is: the split matrix with a TP axis
+(linear_fc1's B chunked into [gate; up] by megatron's own SwiGLU factory), so a checkpoint
+loads on any grid, as the model's do (the linear's `sharded_state_dict` is extended for it).
 `merged_weight` gives W + scale·B·A on the rank's own shard — the shard of the merged weight,
 with no gather. Initial A is drawn from a generator seeded by the layer's global number and the
 linear's name over A's whole shape, then sliced: every grid starts from the same adapters.
@@ -39,6 +42,8 @@ import torch
 import torch.nn.functional as F
 from megatron.core import tensor_parallel
 from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
+from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
+from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
 # The linears of a decoder layer an adapter can sit on, and how megatron splits each over TP.
 LINEARS: dict[str, Literal["column", "row"]] = {
@@ -117,6 +122,20 @@ class LoRAAdapter(torch.nn.Module):
                      z, group=self.tp_group))
         return F.linear(z, self.lora_b) * self.scale
 
+    def sharded_state_dict(self, prefix: str, sharded_offsets: tuple, metadata: dict | None,
+                           swiglu: bool) -> dict:
+        """The adapter's sharded tensors, stored like its linear's weight (module docstring);
+        `swiglu`: the linear is a gated MLP's fc1, whose rows megatron stores as [gate; up]."""
+        split = {"lora_b": 0} if self.kind == "column" else {"lora_a": 1}
+        out = make_sharded_tensors_for_checkpoint(
+            self.state_dict(prefix="", keep_vars=True), prefix, split, sharded_offsets,
+            tp_group=self.tp_group, dp_cp_group=(metadata or {}).get("dp_cp_group"))
+        if swiglu:
+            key = f"{prefix}lora_b"
+            out[key] = apply_swiglu_sharded_factory(
+                out[key], sharded_offsets, (metadata or {}).get("singleton_local_shards", False))
+        return out
+
     def delta_weight(self) -> torch.Tensor:
         """scale · B · A on this rank's shard of the linear's weight (fp32)."""
         return (self.lora_b.float() @ self.lora_a.float()) * self.scale
@@ -137,6 +156,21 @@ def _apply_adapter(linear: torch.nn.Module, args: tuple, output):
     return out + adapter(args[0]).to(out.dtype), bias
 
 
+def _with_adapter_checkpoint(linear: torch.nn.Module, swiglu: bool) -> None:
+    """The linear's `sharded_state_dict`, its adapter's entries stored by the adapter's split
+    (megatron's linears treat every state-dict entry but weight and bias as TP-replicated)."""
+    own = linear.sharded_state_dict
+
+    def sharded_state_dict(prefix="", sharded_offsets=(), metadata=None):
+        out = {k: v for k, v in own(prefix, sharded_offsets, metadata).items()
+               if not k.startswith(f"{prefix}lora.")}
+        out.update(linear.lora.sharded_state_dict(f"{prefix}lora.", sharded_offsets, metadata,
+                                                  swiglu))
+        return out
+
+    linear.sharded_state_dict = sharded_state_dict
+
+
 def attach_lora(chunks: list[torch.nn.Module], spec: LoRASpec) -> list[LoRAAdapter]:
     """Freeze every parameter of `chunks` and put an adapter on each target linear of every
     decoder layer (routed experts excluded). Call after loading the base weights and before
@@ -151,6 +185,8 @@ def attach_lora(chunks: list[torch.nn.Module], spec: LoRASpec) -> list[LoRAAdapt
                 seed = zlib.crc32(f"{layer.layer_number}.{target}".encode())
                 linear.lora = LoRAAdapter(linear, LINEARS[TARGETS[target]], spec, seed)
                 linear.register_forward_hook(_apply_adapter)
+                _with_adapter_checkpoint(linear, swiglu=target == "linear_fc1"
+                                         and layer.config.gated_linear_unit)
                 adapters.append(linear.lora)
     return adapters
 

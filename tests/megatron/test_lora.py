@@ -266,3 +266,83 @@ def test_tp2_adapters_export_as_a_peft_adapter_that_gives_the_actors_logits(runs
     with torch.no_grad(), model.disable_adapter():  # and the base is the base
         torch.testing.assert_close(model(TOKENS[:, :-1]).logits, runs["tp2"][0]["base"],
                                    rtol=1e-4, atol=1e-4)
+
+
+def _lora_checkpoint(rank: int, world: int, ckpt_dir: str, mode: str) -> dict:
+    """mode "save": two updates at TP `world`, save the role, then a third update; "resume":
+    a fresh trainer at TP `world` loads it and takes the third update. Returns the adapters
+    (this rank's shards) right after saving / loading and after the third update."""
+    from pathlib import Path
+
+    from hf_weights import random_hf_weights
+
+    from mcore_rl.algorithms import AlgorithmConfig
+    from mcore_rl.layouts import materialize_rank, megatron_shards
+    from mcore_rl.megatron.config import OptimizerConfig, TrainConfig
+    from mcore_rl.megatron.policy import PolicyBatch, policy_update
+    from mcore_rl.megatron.role_checkpoint import load_role, save_role
+    from mcore_rl.megatron.train import setup_trainer
+    from mcore_rl.models.gpt import load_chunks
+    from mcore_rl.models.presets import get_preset
+    from mcore_rl.parallel import ParallelConfig
+    from mcore_rl.parallel.groups import init_training_groups
+    from tests.support.batches import fixed_batch
+
+    spec, parallel = get_preset("micro"), ParallelConfig(tp=world)
+    groups = init_training_groups(parallel)
+    weights = random_hf_weights(spec)
+    base = materialize_rank(megatron_shards(spec, parallel), rank, weights.__getitem__)
+    train = TrainConfig(micro_batch_size=2, num_micro_batches=4, seq_len=12,
+                        optimizer=OptimizerConfig(lr=1e-2, adam_eps=1e-3, clip_grad=1e9))
+    trainer = setup_trainer(spec, groups, train, lambda c: load_chunks(c, base, None),
+                            lora=LORA)
+    tokens, labels, mask, adv = fixed_batch(spec)
+    batches = [PolicyBatch(tokens[r], labels[r], mask[r], torch.zeros(2, 12), adv[r])
+               for r in (slice(i, i + 2) for i in range(0, 8, 2))]
+
+    def update():
+        return policy_update(trainer, batches, AlgorithmConfig(clip_c=None))["grad_norm"]
+
+    def adapters():
+        return {k: v.detach().clone() for k, v in trainer.unwrapped()[0].state_dict().items()
+                if ".lora." in k}
+
+    if mode == "save":
+        update(), update()
+        save_role(trainer, Path(ckpt_dir), rank)
+    else:
+        load_role(trainer, Path(ckpt_dir), rank)
+    at_checkpoint = adapters()
+    norm = update()
+    return _as_numpy({"at_checkpoint": at_checkpoint, "grad_norm": norm, "after": adapters()})
+
+
+def test_lora_checkpoint_resumes_exactly_and_loads_on_another_grid(tmp_path):
+    """Adapters are stored as their weights are (TP axis, fc1's B as [gate; up]): a TP2
+    checkpoint resumes exactly at TP2 and loads at TP1 with the same PEFT tensors."""
+    from mcore_rl.layouts import megatron_shards
+    from mcore_rl.layouts.lora import lora_shards
+    from mcore_rl.conversion.peft_adapter import peft_tensors
+    from mcore_rl.models.presets import get_preset
+    from mcore_rl.parallel import ParallelConfig
+
+    ckpt = str(tmp_path / "ckpt")
+    saved = _as_torch(run_on_ranks(_lora_checkpoint, 2, ckpt, "save", timeout_s=240))
+    resumed = _as_torch(run_on_ranks(_lora_checkpoint, 2, ckpt, "resume", timeout_s=240))
+    for s, r in zip(saved, resumed):
+        assert r["grad_norm"] == s["grad_norm"]
+        for key in s["after"]:
+            assert torch.equal(r["at_checkpoint"][key], s["at_checkpoint"][key]), key
+            assert torch.equal(r["after"][key], s["after"][key]), key
+    (tp1,) = _as_torch(run_on_ranks(_lora_checkpoint, 1, ckpt, "resume", timeout_s=240))
+
+    def peft(grid, outs):
+        adapters = lora_shards(megatron_shards(get_preset("micro"), grid), LORA.rank,
+                               LORA.targets)
+        return peft_tensors(adapters, {r: o["at_checkpoint"] for r, o in enumerate(outs)})
+
+    two, one = peft(ParallelConfig(tp=2), saved), peft(ParallelConfig(), [tp1])
+    assert two.keys() == one.keys()
+    assert all(torch.equal(two[k], one[k]) for k in two)
+    assert any(two[k].abs().max() > 0 for k in two if "lora_B" in k)
+    assert tp1["grad_norm"] == pytest.approx(saved[0]["grad_norm"], rel=1e-5)
