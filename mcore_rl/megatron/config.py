@@ -17,6 +17,61 @@ from mcore_rl.models.spec import ModelSpec
 from mcore_rl.parallel.config import ParallelConfig
 
 
+# The linears of a decoder layer a LoRA adapter can sit on (megatron-core's names).
+LORA_TARGETS: tuple[str, ...] = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoRAConfig:
+    """LoRA adapters on the actor: the base weights frozen (no gradients, no optimizer state),
+    the reference policy the base itself (adapters off; no reference copy of the model).
+
+    rank: the adapters' rank r; 0 (default): off, the whole model trains.
+    alpha: the adapters' scale is alpha / rank.
+    dropout: dropout on the adapters' input while training.
+    targets: the linears adapted in every decoder layer (megatron's names: linear_qkv = HF's
+        q/k/v_proj, linear_proj = o_proj, linear_fc1 = gate/up_proj, linear_fc2 = down_proj).
+    sync: how the engines get the policy: "merged" — each training rank merges
+        W + (alpha / rank)·B·A on its own shard and the weight sync streams the merged shards
+        (engines unchanged).
+    """
+
+    rank: int = 0
+    alpha: float = 32.0
+    dropout: float = 0.0
+    targets: tuple[str, ...] = LORA_TARGETS
+    sync: Literal["merged"] = "merged"
+
+    def __post_init__(self) -> None:
+        require_at_least(self, 0, "rank", note="0: off")
+        require_above(self, 0, "alpha")
+        require_in_range(self, 0.0, 1.0, "dropout", high_open=True)
+        unknown = [t for t in self.targets if t not in LORA_TARGETS]
+        if unknown or not self.targets:
+            raise ConfigError("targets", list(self.targets),
+                              f"each one of {', '.join(LORA_TARGETS)} (at least one)")
+        if self.sync != "merged":
+            raise ConfigError("sync", self.sync, "allowed values: merged")
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank > 0
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank
+
+
+@dataclass(frozen=True, kw_only=True)
+class ActorConfig(ParallelConfig):
+    """The actor: its Megatron grid (ParallelConfig's fields) and what it trains.
+
+    lora: LoRA adapters on the actor's linears, the base frozen (rank 0, the default: off).
+    """
+
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
+
+
 @dataclass(frozen=True, kw_only=True)
 class OptimizerConfig:
     """Adam (decoupled weight decay, as megatron-core's `adam`) with gradient clipping.

@@ -35,7 +35,7 @@ from __future__ import annotations
 import contextlib
 import math
 import zlib
-from dataclasses import dataclass
+from collections.abc import Mapping
 from typing import Iterator, Literal
 
 import torch
@@ -45,46 +45,24 @@ from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attri
 from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
 from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
+from mcore_rl.megatron.config import LORA_TARGETS, LoRAConfig
+
 # The linears of a decoder layer an adapter can sit on, and how megatron splits each over TP.
 LINEARS: dict[str, Literal["column", "row"]] = {
     "self_attention.linear_qkv": "column", "self_attention.linear_proj": "row",
     "mlp.linear_fc1": "column", "mlp.linear_fc2": "row"}
 
 
-@dataclass(frozen=True)
-class LoRASpec:
-    """rank r and alpha (scale = alpha / r); dropout on the adapter's input while training;
-    targets: the short names of the linears to adapt (keys of `TARGETS`)."""
-
-    rank: int
-    alpha: float
-    dropout: float = 0.0
-    targets: tuple[str, ...] = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
-
-    def __post_init__(self) -> None:
-        if self.rank < 1:
-            raise ValueError(f"lora rank={self.rank}: must be >= 1")
-        if not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"lora dropout={self.dropout}: must be in [0, 1)")
-        unknown = sorted(set(self.targets) - set(TARGETS))
-        if unknown:
-            raise ValueError(f"lora targets {unknown}: not a linear of a decoder layer; "
-                             f"known: {', '.join(TARGETS)}")
-
-    @property
-    def scale(self) -> float:
-        return self.alpha / self.rank
-
-
-# short target name → path inside a decoder layer
+# LoRAConfig.targets' short names → path inside a decoder layer
 TARGETS = {path.rsplit(".", 1)[1]: path for path in LINEARS}
+assert tuple(TARGETS) == LORA_TARGETS
 
 
 class LoRAAdapter(torch.nn.Module):
     """The adapter of one linear on one TP rank (see the module docstring for the split)."""
 
-    def __init__(self, linear: torch.nn.Module, kind: Literal["column", "row"], spec: LoRASpec,
-                 seed: int):
+    def __init__(self, linear: torch.nn.Module, kind: Literal["column", "row"],
+                 spec: LoRAConfig, seed: int):
         super().__init__()
         self.kind, self.scale, self.dropout = kind, spec.scale, spec.dropout
         self.enabled = True
@@ -171,10 +149,12 @@ def _with_adapter_checkpoint(linear: torch.nn.Module, swiglu: bool) -> None:
     linear.sharded_state_dict = sharded_state_dict
 
 
-def attach_lora(chunks: list[torch.nn.Module], spec: LoRASpec) -> list[LoRAAdapter]:
+def attach_lora(chunks: list[torch.nn.Module], spec: LoRAConfig) -> list[LoRAAdapter]:
     """Freeze every parameter of `chunks` and put an adapter on each target linear of every
     decoder layer (routed experts excluded). Call after loading the base weights and before
     the DDP wrap, so the grad buffers and the optimizer hold the adapters only."""
+    if not spec.enabled:
+        raise ValueError(f"attach_lora: lora rank={spec.rank} is off")
     for chunk in chunks:
         chunk.requires_grad_(False)
     adapters = []
@@ -216,6 +196,38 @@ def merged_weight(linear: torch.nn.Module) -> torch.Tensor:
     return (linear.weight.float() + linear.lora.delta_weight()).to(linear.weight.dtype)
 
 
+class MergedWeights(Mapping):
+    """A rank's weights as the engines need them: every adapted weight merged (`merged_weight`)
+    and the adapters themselves left out — keyed as `tensors` (the rank's state-dict names).
+    A merged weight is computed when asked and only the last `keep` are held, so a sync never
+    holds a second copy of the model."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor], adapted: dict[str, torch.nn.Module],
+                 keep: int = 2):
+        self._tensors = {k: v for k, v in tensors.items() if ".lora." not in k}
+        self._adapted, self._keep = adapted, keep
+        self._recent: dict[str, torch.Tensor] = {}
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        if key not in self._adapted:
+            return self._tensors[key]
+        if key not in self._recent:
+            if len(self._recent) >= self._keep:
+                self._recent.pop(next(iter(self._recent)))
+            with torch.no_grad():
+                self._recent[key] = merged_weight(self._adapted[key])
+        return self._recent[key]
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._tensors
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._tensors)
+
+    def __len__(self) -> int:
+        return len(self._tensors)
+
+
 @contextlib.contextmanager
 def adapters_disabled(chunks: list[torch.nn.Module]):
     """The base model: every adapter of `chunks` off inside the block (the reference policy)."""
@@ -230,5 +242,5 @@ def adapters_disabled(chunks: list[torch.nn.Module]):
             a.enabled = state
 
 
-__all__ = ["LINEARS", "LoRAAdapter", "LoRASpec", "TARGETS", "adapters_disabled",
+__all__ = ["LINEARS", "LoRAAdapter", "MergedWeights", "TARGETS", "adapters_disabled",
            "attach_lora", "lora_linears", "merged_weight", "named_adapters"]

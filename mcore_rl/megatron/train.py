@@ -37,8 +37,9 @@ from mcore_rl.models.gpt import MoEOptions, build_gpt_model, transformer_config_
 from mcore_rl.models.spec import ModelSpec
 from mcore_rl.parallel.groups import Axis, ParallelGroups
 from mcore_rl.config.dtypes import torch_dtype
-from mcore_rl.megatron.config import OptimizerConfig, TrainConfig, check_model_fits_parallel
-from mcore_rl.megatron.lora import LoRASpec, attach_lora
+from mcore_rl.megatron.config import (LoRAConfig, OptimizerConfig, TrainConfig,
+                                      check_model_fits_parallel)
+from mcore_rl.megatron.lora import attach_lora
 from mcore_rl.megatron.packing import model_inputs
 from mcore_rl.megatron.schedule import configure_schedule, run_schedule
 
@@ -92,7 +93,7 @@ def setup_trainer(spec: ModelSpec, groups: ParallelGroups, train: TrainConfig,
                   layer_spec: str = "local", fused_kernels: bool | None = None,
                   overlap_grad_reduce: bool | None = None,
                   compiled_fusions: bool | None = None,
-                  lora: LoRASpec | None = None,
+                  lora: LoRAConfig | None = None,
                   seed: int = derive_seed(0, "train")) -> MegatronTrainer:
     """Build model chunks with megatron's `layer_spec` (the run's `ResolvedRun.layer_spec`),
     load weights (`load_weights(chunks)`, before the optimizer copies them into its fp32 main
@@ -118,7 +119,7 @@ def setup_trainer(spec: ModelSpec, groups: ParallelGroups, train: TrainConfig,
                              config=config, layer_spec=layer_spec)
     if load_weights is not None:
         load_weights(chunks)
-    if lora is not None:
+    if lora is not None and lora.enabled:
         attach_lora(chunks, lora)
     model = wrap_ddp(chunks, config, groups, overlap_grad_reduce=overlap)
     optimizer = build_optimizer(model, train.optimizer, dtype, groups)

@@ -254,6 +254,18 @@ def check_sync_backend(run: SizedRun, spec: ModelSpec) -> Iterable[Problem]:
                       "cluster.sync_backend=nccl (or null: the device's own)")
 
 
+def check_lora(run: SizedRun, spec: ModelSpec) -> Iterable[Problem]:
+    """actor.lora's targets exist in the model: a mixture-of-experts layer has no dense MLP
+    (its fc1/fc2 are routed experts, which carry no adapters)."""
+    lora = run.cfg.actor.lora
+    missing = [t for t in lora.targets if spec.is_moe and t in ("linear_fc1", "linear_fc2")]
+    if lora.enabled and missing:
+        kept = [t for t in lora.targets if t not in missing]
+        yield Problem("lora", f"actor.lora.targets: {', '.join(missing)} do not exist in "
+                      f"{spec.family} (its MLPs are routed experts, which carry no adapters)",
+                      f"actor.lora.targets=[{', '.join(kept or ['linear_qkv', 'linear_proj'])}]")
+
+
 def check_cpu_engine(run: SizedRun, spec: ModelSpec) -> Iterable[Problem]:
     if run.device == "cpu" and not 32 <= spec.head_dim <= 512:
         yield Problem("cpu-head-dim", f"head_dim={spec.head_dim}: vLLM's CPU attention supports "
@@ -340,6 +352,7 @@ CHECKS: tuple[tuple[str, Callable[[SizedRun, ModelSpec], Iterable[Problem]]], ..
     ("sync-backend", check_sync_backend),
     ("cpu-head-dim", check_cpu_engine),
     ("reward-model", check_reward_model),
+    ("lora", check_lora),
     ("memory", check_memory),
 )
 
@@ -347,7 +360,7 @@ CHECKS: tuple[tuple[str, Callable[[SizedRun, ModelSpec], Iterable[Problem]]], ..
 # the checks of the grids themselves (each split fits the model, the ranks fit the devices):
 # `mcore-rl explain` refuses to draw a run that fails one
 GRID_CHECKS = ("train-tp", "train-pp", "world-size", "placement", "rollout-tp",
-               "reward-model")
+               "reward-model", "lora")
 
 
 def preflight(run: SizedRun, only: Iterable[str] | None = None) -> list[Problem]:

@@ -96,6 +96,20 @@ def mcore_stage_params(spec: ModelSpec, parallel: ParallelConfig, stage: int,
     return n
 
 
+def lora_stage_params(spec: ModelSpec, parallel: ParallelConfig, stage: int, rank: int,
+                      targets: tuple[str, ...]) -> int:
+    """LoRA adapter parameters on one TP rank of pipeline stage `stage`: per adapted linear
+    r·(in + out) with the linear's split side divided by TP (column-parallel: B's rows;
+    row-parallel: A's columns) — `megatron.lora`."""
+    tp, q, kv = parallel.tp, spec.heads * spec.head_dim, spec.kv_heads * spec.head_dim
+    shapes = {"linear_qkv": (spec.hidden, (q + 2 * kv) // tp),  # (A's columns, B's rows)
+              "linear_proj": (q // tp, spec.hidden),
+              "linear_fc1": (spec.hidden, 2 * spec.ffn // tp),
+              "linear_fc2": (spec.ffn // tp, spec.hidden)}
+    per_layer = sum(rank * sum(shapes[t]) for t in targets)
+    return parallel.stage_layer_counts(spec.layers)[stage] * per_layer
+
+
 def vllm_kv_heads_per_rank(spec: ModelSpec, tp: int) -> int:
     """vLLM splits kv heads over TP, or replicates them when tp > kv heads."""
     return max(spec.kv_heads // tp, 1)
@@ -309,6 +323,11 @@ def training_rank(run: SizedRun, spec: ModelSpec, role: str, stage: int) -> Rank
     states = state_bytes_per_param(t.dtype, TRAINER_GRAD_DTYPE, par.use_distributed_optimizer,
                                    par.dp)
     comps = [Component("weights", n * states.weights, f"{t.dtype}, {_g(n)} params")]
+    lora = run.cfg.actor.lora
+    if role == "actor" and lora.enabled:  # the base is frozen: states for the adapters only
+        n = lora_stage_params(spec, par, stage, lora.rank, lora.targets)
+        comps.append(Component("LoRA adapters", n * states.weights,
+                               f"rank {lora.rank}, {_g(n)} params"))
     s, b = t.seq_len, t.micro_batch_size
     act = activation_model(run, t)
     last = stage == par.pp - 1

@@ -94,7 +94,9 @@ class SizedRun:
 
     @property
     def reference(self) -> bool:
-        return self.cfg.algorithm.kl_coeff > 0
+        """A reference model of its own: KL on, and no LoRA (whose reference is the actor's
+        base with the adapters off)."""
+        return self.cfg.algorithm.kl_coeff > 0 and not self.cfg.actor.lora.enabled
 
     @property
     def global_batch(self) -> int:

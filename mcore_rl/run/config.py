@@ -17,11 +17,10 @@ from mcore_rl.config.seeds import USE_THE_RUN_SEED
 from mcore_rl.launch.cluster import ClusterConfig
 from mcore_rl.models.presets import PRESETS
 from mcore_rl.models.spec import ModelSpec
-from mcore_rl.parallel import ParallelConfig
 from mcore_rl.rollout.config import RolloutConfig
 from mcore_rl.tasks.base import load_reward_fn  # noqa: F401 — callers import it from here
 from mcore_rl.tasks.config import TaskConfig
-from mcore_rl.megatron.config import OptimizerConfig, TrainConfig
+from mcore_rl.megatron.config import ActorConfig, OptimizerConfig, TrainConfig
 from mcore_rl.rl.checkpoint_dirs import CheckpointConfig
 from mcore_rl.run.metrics import LoggingConfig
 from mcore_rl.reward_model import RewardModelConfig
@@ -226,7 +225,8 @@ class RLConfig:
     cluster: the allocation preflight sizes the run for (default: this machine).
     The defaults are a real run's (a 1-70B model, as verl's ppo_trainer.yaml and NeMo-RL's
     grpo_math_1B.yaml); the demos' small values are written in their YAMLs (configs/).
-    actor: the actor's Megatron grid. warmup: supervised warm-up (off: max_steps 0).
+    actor: the actor's Megatron grid, and LoRA adapters (`actor.lora`).
+    warmup: supervised warm-up (off: max_steps 0).
     train: the RL optimizer (a fresh one after warm-up) and micro batch size.
     critic_train: the critic's optimizer and micro batch size (advantage_estimator "gae").
     rollout: vLLM engines. algorithm: advantages and loss.
@@ -265,7 +265,7 @@ class RLConfig:
         train 1234, engine 0.
     """
 
-    actor: ParallelConfig = field(default_factory=ParallelConfig)
+    actor: ActorConfig = field(default_factory=ActorConfig)
     warmup: WarmupConfig = field(default_factory=WarmupConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     critic_train: CriticTrainConfig = field(default_factory=CriticTrainConfig)

@@ -66,6 +66,12 @@ def trainer_kernels(run) -> str:
     return f"{kernels} · DP grad reduce {reduce}"
 
 
+def lora_row(lora) -> str:
+    """The actor's adapters, as `actor.lora` sets them."""
+    return (f"rank {lora.rank} · alpha {lora.alpha:g} on {', '.join(lora.targets)} · base "
+            f"frozen, reference = base · engines get W + (alpha/rank)·B·A merged per shard")
+
+
 def megatron_experts(run) -> str:
     return MEGATRON_EXPERTS[grouped_expert_gemm(run.layer_spec)]
 
@@ -178,6 +184,7 @@ def render(run, title: str, *, cfg, spec, ranks: bool = False):
         ("sync buckets", f"{run.sync_bucket_mb:g} MB"),
         ("engines run", engine_mode(cfg, run)),
         ("trainers run", trainer_kernels(run)),
+        *([("LoRA", lora_row(cfg.actor.lora))] if cfg.actor.lora.enabled else []),
         ("start-up", START_UP[run.trainers_first]),
         ("roles", hosted_roles(cfg)),
         *([("Megatron experts", megatron_experts(run)),

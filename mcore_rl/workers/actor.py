@@ -10,6 +10,7 @@ it into micro batches (the pipeline needs equal shapes).
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import asdict
 from pathlib import Path
 
@@ -28,7 +29,7 @@ from mcore_rl.parallel.groups import Axis, join_worker_world, leave_worker_world
 from mcore_rl.resharding import Plan, SyncGroupSpec
 from mcore_rl.resharding.plan_cache import PlanCache, PlanRef
 from mcore_rl.config.dtypes import torch_dtype
-from mcore_rl.megatron.config import TrainConfig
+from mcore_rl.megatron.config import LoRAConfig, TrainConfig
 
 
 class ActorWorker:
@@ -43,7 +44,7 @@ class ActorWorker:
                  inject_stall: str | None = None, slot: int | None = None,
                  device: str = "cpu", layer_spec: str = "local",
                  fused_kernels: bool = False, overlap_grad_reduce: bool = False,
-                 compiled_fusions: bool = False,
+                 compiled_fusions: bool = False, lora: LoRAConfig | None = None,
                  seed: int = derive_seed(0, "train")):
         """Roles colocated on this rank: the actor always; a critic (PPO) when
         `critic_train` is given; a frozen reference policy when `reference`.
@@ -53,6 +54,9 @@ class ActorWorker:
         (`ResolvedRun.layer_spec`: "local" or "te"); it also names the tensors loaded and sent.
         fused_kernels / overlap_grad_reduce / compiled_fusions: the run plan's, for every
         trainer here.
+        lora: LoRA adapters on the actor (`actor.lora`; off with rank 0): the actor's base is
+        frozen, the reference policy is that base (adapters off, no model of its own), and
+        the weights sent to the engines are merged per shard.
         stack_dir: where this process dumps its stacks on SIGUSR1 (the watchdog).
         inject_stall: fault injection for watchdog tests ("<phase>@rank<r>").
         slot: this rank's device index on its node (the run's placement plan; reported by
@@ -88,14 +92,16 @@ class ActorWorker:
         kernels = dict(layer_spec=layer_spec, fused_kernels=fused_kernels,
                        overlap_grad_reduce=overlap_grad_reduce,
                        compiled_fusions=compiled_fusions)  # the run plan's
+        self.lora = lora if lora is not None and lora.enabled else None
         self.trainer = setup_trainer(spec, self.groups, train, load_weights=load, seed=seed,
-                                     **kernels)
+                                     lora=self.lora, **kernels)
         self.train_cfg = train
         self.critic = (setup_trainer(spec, self.groups, critic_train, load_weights=load_critic,
                                      seed=seed, **kernels)
                        if critic_train is not None else None)
         self.reference = None
-        if reference:
+        self.reference_is_base = reference and self.lora is not None
+        if reference and not self.reference_is_base:
             chunks = build_gpt_model(spec, parallel, self.groups, params_dtype=dtype,
                                      seed=seed, layer_spec=layer_spec,
                                      fused_kernels=fused_kernels,
@@ -212,6 +218,12 @@ class ActorWorker:
         """The frozen reference policy's log-probs of the labels."""
         from mcore_rl.megatron.policy import compute_logprobs
 
+        if self.reference_is_base:  # LoRA: the base is the reference
+            from mcore_rl.megatron.lora import adapters_disabled
+
+            with adapters_disabled(self.trainer.unwrapped()):
+                return self._forward_only(compute_logprobs, self.trainer, tokens, labels,
+                                          response_mask)
         if self.reference is None:
             raise RuntimeError(f"actor rank {self.rank}: no reference model on this worker")
         return self._forward_only(compute_logprobs, self.reference, tokens, labels,
@@ -306,17 +318,26 @@ class ActorWorker:
             return False  # it is dropped either way
         return True
 
-    def local_tensors(self) -> dict[str, torch.Tensor]:
+    def local_tensors(self) -> Mapping[str, torch.Tensor]:
         """This rank's parameters keyed as `megatron_shards` names them (the run's layer spec);
-        `_extra_state` entries are not weights and are never synced."""
-        out = {}
-        prefix_chunks = self.parallel.vpp is not None
+        `_extra_state` entries are not weights and are never synced. With LoRA: the policy's
+        weights, each adapted one merged on this shard (`lora.MergedWeights`)."""
+        out, adapted = {}, {}
+        prefix = "model{v}." if self.parallel.vpp is not None else ""
         for v, chunk in enumerate(self.trainer.unwrapped()):
             for name, tensor in chunk.state_dict(keep_vars=True).items():
-                if name.endswith("_extra_state"):
-                    continue
-                out[f"model{v}.{name}" if prefix_chunks else name] = tensor.detach()
-        return out
+                if not name.endswith("_extra_state"):
+                    out[prefix.format(v=v) + name] = tensor.detach()
+            if self.lora is not None:
+                from mcore_rl.megatron.lora import lora_linears
+
+                adapted.update({f"{prefix.format(v=v)}{name}.weight": linear
+                                for name, linear in lora_linears([chunk])})
+        if self.lora is None:
+            return out
+        from mcore_rl.megatron.lora import MergedWeights
+
+        return MergedWeights(out, adapted)
 
     def send_weights(self, plan: Plan | PlanRef, dtype: str = "float32",
                      timeout_s: float = 120.0) -> dict:

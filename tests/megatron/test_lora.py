@@ -18,9 +18,10 @@ import pytest
 import torch
 
 from mcore_rl.launch.spawn import run_on_ranks
-from mcore_rl.megatron.lora import LoRASpec
+from mcore_rl.config import ConfigError
+from mcore_rl.megatron.config import LoRAConfig
 
-LORA = LoRASpec(rank=4, alpha=8.0)
+LORA = LoRAConfig(rank=4, alpha=8.0)
 TOKENS = torch.randint(0, 250, (2, 17), generator=torch.Generator().manual_seed(3))
 
 
@@ -163,11 +164,13 @@ def test_only_the_adapters_train(runs):
     assert all(n.endswith((".lora.lora_a", ".lora.lora_b")) for n in ref["trainable"])
 
 
-def test_bad_lora_specs_are_refused_naming_the_field():
-    with pytest.raises(ValueError, match="lora rank=0: must be >= 1"):
-        LoRASpec(rank=0, alpha=1.0)
-    with pytest.raises(ValueError, match=r"lora targets \['q_proj'\]: not a linear"):
-        LoRASpec(rank=4, alpha=8.0, targets=("q_proj",))
+def test_bad_lora_configs_are_refused_naming_the_field():
+    with pytest.raises(ConfigError, match="rank=-1: must be >= 0"):
+        LoRAConfig(rank=-1)
+    with pytest.raises(ConfigError, match=r"targets=\['q_proj'\]: each one of linear_qkv, "):
+        LoRAConfig(rank=4, targets=("q_proj",))
+    with pytest.raises(ConfigError, match=r"alpha=0.0: must be > 0"):
+        LoRAConfig(rank=4, alpha=0.0)
 
 
 def _lora_updates(rank: int, world: int) -> dict:

@@ -221,3 +221,40 @@ def test_stage_params_count_exactly_each_ranks_shards(spec_name, parallel_kw):
         held = max(sum(box_numel(tuple((0, n) for n in t.shape)) for t in tensors.values())
                    for tensors in smap.ranks.values())
         assert vllm_rank_params(moe_spec, tp, expert_parallel=True) == held
+
+
+@pytest.mark.parametrize("parallel_kw", [dict(), dict(tp=2, pp=2), dict(tp=2, dp=2)])
+def test_lora_params_count_exactly_each_ranks_adapter_shards(parallel_kw):
+    """The planner's LoRA parameter count equals the elements of the rank's adapter shards
+    (layouts/lora.py, derived from the weights' layouts)."""
+    from mcore_rl.layouts import megatron_shards
+    from mcore_rl.layouts.lora import lora_shards
+    from mcore_rl.megatron.config import LORA_TARGETS
+    from mcore_rl.planning.memory import lora_stage_params
+
+    spec, parallel = get_preset("micro"), ParallelConfig(**parallel_kw)
+    adapters = lora_shards(megatron_shards(spec, parallel), 8, LORA_TARGETS)
+    for rank, tensors in adapters.ranks.items():
+        held = sum(t.shape[0] * t.shape[1] for t in tensors.values())
+        stage = parallel.coords_of(rank)["pp"]
+        assert lora_stage_params(spec, parallel, stage, 8, LORA_TARGETS) == held
+    assert lora_stage_params(spec, parallel, 0, 8, ("linear_qkv",)) < held
+
+
+def test_lora_plans_adapter_states_and_no_reference_model():
+    """actor.lora: the actor's grads, fp32 main params and Adam states are the adapters'; the
+    base's weights stay; the KL reference is the base itself (no reference rank)."""
+    full = plan_memory(gpu_shape("llama3-8b"))
+    lora = plan_memory(gpu_shape("llama3-8b", ["actor.lora.rank=16"]))
+
+    def role(plan, name):
+        ranks = [r for r in plan.roles if r.role == name and r.where.startswith("pp stage 0")]
+        return {c.name: c.bytes for c in ranks[0].components} if ranks else None
+
+    a_full, a_lora = role(full, "actor"), role(lora, "actor")
+    assert a_lora["weights"] == a_full["weights"]
+    assert 0 < a_lora["LoRA adapters"] < a_full["weights"] / 100
+    for state in ("grads", "main params", "adam m, v"):
+        assert a_lora[state] < a_full[state] / 100, state
+    assert role(full, "reference") is not None and role(lora, "reference") is None
+    assert lora.peak_bytes < full.peak_bytes

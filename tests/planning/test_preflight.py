@@ -478,3 +478,26 @@ def test_explicit_length_too_small_is_one_line(capsys, override, field, need):
     assert line.startswith(f"ERROR [config] {field}=")
     assert "max_prompt_tokens + max_new_tokens = 7 + 5 = 12" in line and need in line
     assert "Traceback" not in out
+
+
+def test_lora_targets_that_a_moe_model_lacks_are_named_with_a_fix():
+    """A MoE layer has no dense MLP: LoRA on linear_fc1/fc2 of Qwen3-MoE is refused by
+    preflight (and explain), naming the field and the targets that exist; bad LoRA values are
+    one line each, naming actor.lora.<field>."""
+    moe = Path(__file__).resolve().parents[2] / "configs" / "gpu" / "qwen3-30b-a3b.yaml"
+    _, problems = preflight_config(moe, ["actor.lora.rank=8"], remote_paths=True,
+                                   cuda_available=False)
+    (lora,) = [p for p in problems if p.check == "lora"]
+    assert lora.message.startswith("actor.lora.targets: linear_fc1, linear_fc2 do not exist "
+                                   "in qwen3_moe")
+    assert lora.fix == "actor.lora.targets=[linear_qkv, linear_proj]"
+    _, problems = preflight_config(moe, ["actor.lora.rank=8",
+                                         "actor.lora.targets=[linear_qkv,linear_proj]"],
+                                   remote_paths=True, cuda_available=False)
+    assert not [p for p in problems if p.check == "lora"]
+    for override, field in (("actor.lora.rank=-2", "actor.lora.rank"),
+                            ("actor.lora.targets=[q_proj]", "actor.lora.targets"),
+                            ("actor.lora.sync=adapter", "actor.lora.sync")):
+        with pytest.raises(ConfigError) as err:
+            load_config(RLConfig, L8, [override])
+        assert err.value.field == field and "\n" not in str(err.value)
