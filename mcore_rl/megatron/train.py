@@ -129,6 +129,21 @@ def setup_trainer(spec: ModelSpec, groups: ParallelGroups, train: TrainConfig,
                            scheduler=scheduler, groups=groups, train=train)
 
 
+def add_lora(trainer: MegatronTrainer, lora: LoRAConfig) -> None:
+    """Adapters on a trainer built without them (after a full-model warm-up): the chunks are
+    frozen and re-wrapped, so the new grad buffers hold the adapters only and the old ones are
+    dropped. The caller builds the optimizer afterwards (`build_optimizer`)."""
+    chunks = trainer.unwrapped()
+    overlap = trainer.model[0].ddp_config.overlap_grad_reduce
+    attach_lora(chunks, lora)
+    for chunk in chunks:
+        for param in chunk.parameters():
+            if not param.requires_grad and hasattr(param, "main_grad"):
+                del param.main_grad  # a view of the old grad buffer
+    trainer.model = wrap_ddp(chunks, trainer.config, trainer.groups,
+                             overlap_grad_reduce=overlap)
+
+
 def wrap_ddp(chunks: list[torch.nn.Module], config: TransformerConfig,
              groups: ParallelGroups, *,
              overlap_grad_reduce: bool = False) -> list[DistributedDataParallel]:

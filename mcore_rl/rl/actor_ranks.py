@@ -44,7 +44,8 @@ class ActorRanks:
             device=run.actor_devices[rank],
             layer_spec=run.layer_spec, fused_kernels=run.fused_kernels,
             overlap_grad_reduce=run.overlap_grad_reduce, compiled_fusions=run.compiled_fusions,
-            lora=cfg.actor.lora, seed=derive_seed(cfg.seed, "train"))
+            lora=cfg.actor.lora, lora_from_start=cfg.warmup.max_steps == 0,
+            seed=derive_seed(cfg.seed, "train"))
             for rank in range(world)]
         watchdog.watch("rank", lambda: self.pids)
 

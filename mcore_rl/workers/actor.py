@@ -45,7 +45,7 @@ class ActorWorker:
                  device: str = "cpu", layer_spec: str = "local",
                  fused_kernels: bool = False, overlap_grad_reduce: bool = False,
                  compiled_fusions: bool = False, lora: LoRAConfig | None = None,
-                 seed: int = derive_seed(0, "train")):
+                 lora_from_start: bool = True, seed: int = derive_seed(0, "train")):
         """Roles colocated on this rank: the actor always; a critic (PPO) when
         `critic_train` is given; a frozen reference policy when `reference`.
         seed: megatron's weight init and RNG tracker of every model here (the run's
@@ -56,7 +56,9 @@ class ActorWorker:
         trainer here.
         lora: LoRA adapters on the actor (`actor.lora`; off with rank 0): the actor's base is
         frozen, the reference policy is that base (adapters off, no model of its own), and
-        the weights sent to the engines are merged per shard.
+        the weights sent to the engines are merged per shard. lora_from_start: the adapters
+        are there from the start (no full-model warm-up: the base never gets grad buffers or
+        optimizer states); otherwise they are added when RL starts (`reset_optimizer`).
         stack_dir: where this process dumps its stacks on SIGUSR1 (the watchdog).
         inject_stall: fault injection for watchdog tests ("<phase>@rank<r>").
         slot: this rank's device index on its node (the run's placement plan; reported by
@@ -93,8 +95,9 @@ class ActorWorker:
                        overlap_grad_reduce=overlap_grad_reduce,
                        compiled_fusions=compiled_fusions)  # the run plan's
         self.lora = lora if lora is not None and lora.enabled else None
+        self.lora_attached = self.lora is not None and lora_from_start
         self.trainer = setup_trainer(spec, self.groups, train, load_weights=load, seed=seed,
-                                     lora=self.lora, **kernels)
+                                     lora=self.lora if self.lora_attached else None, **kernels)
         self.train_cfg = train
         self.critic = (setup_trainer(spec, self.groups, critic_train, load_weights=load_critic,
                                      seed=seed, **kernels)
@@ -279,10 +282,13 @@ class ActorWorker:
     def reset_optimizer(self, train: TrainConfig) -> bool:
         """A fresh optimizer and LR schedule (e.g. RL after the supervised warm-up)."""
         from mcore_rl.megatron.schedule import configure_schedule
-        from mcore_rl.megatron.train import build_optimizer, build_scheduler
+        from mcore_rl.megatron.train import add_lora, build_optimizer, build_scheduler
 
         dtype = torch_dtype(train.dtype)
         trainer = self.trainer
+        if self.lora is not None and not self.lora_attached:  # RL starts after a warm-up
+            add_lora(trainer, self.lora)
+            self.lora_attached = True
         trainer.optimizer = build_optimizer(trainer.model, train.optimizer, dtype, self.groups)
         trainer.scheduler = build_scheduler(trainer.optimizer, train.optimizer)
         trainer.train = train

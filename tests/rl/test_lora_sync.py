@@ -2,8 +2,11 @@
 actor trains its adapters only, KL against the reference — the base with the adapters off,
 no model of its own — and streams W + scale·B·A merged on each shard. After the sync vLLM
 samples with the log-probs HF computes on the merged weights (the actor's policy), the
-adapted weights moved, and every other weight is still the base's."""
+adapted weights moved, and every other weight is still the base's — with the adapters there
+from the start, and added when RL starts (a run with a full-model warm-up: the trainer is
+re-wrapped so its grad buffers and optimizer hold the adapters only)."""
 
+import pytest
 import torch
 
 from mcore_rl.config import load_config
@@ -11,13 +14,14 @@ from mcore_rl.run.config import RLConfig
 from tests.support import DEMO_SIZED
 from tests.support.rl_runs import step_then_sample
 
-LORA_STEP = ["warmup.max_steps=0", "steps=1", "prompts_per_step=4", "samples_per_prompt=4",
+LORA_STEP = ["steps=1", "prompts_per_step=4", "samples_per_prompt=4",
              "updates_per_batch=2", "train.micro_batch_size=8", "train.optimizer.lr=0.05",
              "task.reward_fn=mcore_rl.tasks.addition:digit_reward", "actor.tp=2",
              "actor.lora.rank=8", "actor.lora.alpha=16", "algorithm.kl_coeff=0.1"]
 
 
-def test_lora_actor_step_syncs_merged_weights_and_keeps_the_base(tmp_path):
+@pytest.mark.parametrize("warmup_steps", [0, 2], ids=["from-start", "after-warmup"])
+def test_lora_actor_step_syncs_merged_weights_and_keeps_the_base(tmp_path, warmup_steps):
     from safetensors.torch import load_file
 
     from mcore_rl.layouts import assemble_hf, megatron_shards
@@ -25,7 +29,7 @@ def test_lora_actor_step_syncs_merged_weights_and_keeps_the_base(tmp_path):
     from mcore_rl.run.train import build_demo_model
     from tests.rl.test_sync_integration import hf_model_with
 
-    cfg = load_config(RLConfig, DEMO_SIZED, LORA_STEP)
+    cfg = load_config(RLConfig, DEMO_SIZED, LORA_STEP + [f"warmup.max_steps={warmup_steps}"])
     model_dir = build_demo_model(cfg, tmp_path)
     run = step_then_sample(cfg, model_dir, tmp_path)
     step, prompts, sampled = run["step"], run["prompts"], run["sampled"]
