@@ -173,25 +173,21 @@ def test_bad_lora_configs_are_refused_naming_the_field():
         LoRAConfig(rank=4, alpha=0.0)
 
 
-def _lora_updates(rank: int, world: int) -> dict:
-    """Two policy updates of the micro Llama with adapters (and frozen HF weights) on a
-    PP `world` grid: grad norms, every adapter afterwards by global name, and whether the
-    base weights moved."""
+def _lora_trainer(rank: int, parallel):
+    """The micro Llama with HF weights (frozen) and LORA adapters on `parallel`, and four
+    micro batches of the fixed policy batch. Returns (trainer, batches, base shards)."""
     from hf_weights import random_hf_weights
 
-    from mcore_rl.algorithms import AlgorithmConfig
     from mcore_rl.layouts import materialize_rank, megatron_shards
     from mcore_rl.megatron.config import OptimizerConfig, TrainConfig
-    from mcore_rl.megatron.lora import named_adapters
-    from mcore_rl.megatron.policy import PolicyBatch, policy_update
+    from mcore_rl.megatron.policy import PolicyBatch
     from mcore_rl.megatron.train import setup_trainer
     from mcore_rl.models.gpt import load_chunks
     from mcore_rl.models.presets import get_preset
-    from mcore_rl.parallel import ParallelConfig
     from mcore_rl.parallel.groups import init_training_groups
     from tests.support.batches import fixed_batch
 
-    spec, parallel = get_preset("micro"), ParallelConfig(pp=world)
+    spec = get_preset("micro")
     groups = init_training_groups(parallel)
     weights = random_hf_weights(spec)
     base = materialize_rank(megatron_shards(spec, parallel), rank, weights.__getitem__)
@@ -202,6 +198,19 @@ def _lora_updates(rank: int, world: int) -> dict:
     tokens, labels, mask, adv = fixed_batch(spec)
     batches = [PolicyBatch(tokens[r], labels[r], mask[r], torch.zeros(2, 12), adv[r])
                for r in (slice(i, i + 2) for i in range(0, 8, 2))]
+    return trainer, batches, base
+
+
+def _lora_updates(rank: int, world: int) -> dict:
+    """Two policy updates of the micro Llama with adapters (and frozen HF weights) on a
+    PP `world` grid: grad norms, every adapter afterwards by global name, and whether the
+    base weights moved."""
+    from mcore_rl.algorithms import AlgorithmConfig
+    from mcore_rl.megatron.lora import named_adapters
+    from mcore_rl.megatron.policy import policy_update
+    from mcore_rl.parallel import ParallelConfig
+
+    trainer, batches, base = _lora_trainer(rank, ParallelConfig(pp=world))
     norms = [policy_update(trainer, batches, AlgorithmConfig(clip_c=None))["grad_norm"]
              for _ in range(2)]
     chunks = trainer.unwrapped()
@@ -277,31 +286,12 @@ def _lora_checkpoint(rank: int, world: int, ckpt_dir: str, mode: str) -> dict:
     (this rank's shards) right after saving / loading and after the third update."""
     from pathlib import Path
 
-    from hf_weights import random_hf_weights
-
     from mcore_rl.algorithms import AlgorithmConfig
-    from mcore_rl.layouts import materialize_rank, megatron_shards
-    from mcore_rl.megatron.config import OptimizerConfig, TrainConfig
-    from mcore_rl.megatron.policy import PolicyBatch, policy_update
+    from mcore_rl.megatron.policy import policy_update
     from mcore_rl.megatron.role_checkpoint import load_role, save_role
-    from mcore_rl.megatron.train import setup_trainer
-    from mcore_rl.models.gpt import load_chunks
-    from mcore_rl.models.presets import get_preset
     from mcore_rl.parallel import ParallelConfig
-    from mcore_rl.parallel.groups import init_training_groups
-    from tests.support.batches import fixed_batch
 
-    spec, parallel = get_preset("micro"), ParallelConfig(tp=world)
-    groups = init_training_groups(parallel)
-    weights = random_hf_weights(spec)
-    base = materialize_rank(megatron_shards(spec, parallel), rank, weights.__getitem__)
-    train = TrainConfig(micro_batch_size=2, num_micro_batches=4, seq_len=12,
-                        optimizer=OptimizerConfig(lr=1e-2, adam_eps=1e-3, clip_grad=1e9))
-    trainer = setup_trainer(spec, groups, train, lambda c: load_chunks(c, base, None),
-                            lora=LORA)
-    tokens, labels, mask, adv = fixed_batch(spec)
-    batches = [PolicyBatch(tokens[r], labels[r], mask[r], torch.zeros(2, 12), adv[r])
-               for r in (slice(i, i + 2) for i in range(0, 8, 2))]
+    trainer, batches, _ = _lora_trainer(rank, ParallelConfig(tp=world))
 
     def update():
         return policy_update(trainer, batches, AlgorithmConfig(clip_c=None))["grad_norm"]

@@ -12,7 +12,7 @@ import torch
 from mcore_rl.config import load_config
 from mcore_rl.run.config import RLConfig
 from tests.support import DEMO_SIZED
-from tests.support.rl_runs import step_then_sample
+from tests.support.rl_runs import sampled_logprob_gap, step_then_sample
 
 LORA_STEP = ["steps=1", "prompts_per_step=4", "samples_per_prompt=4",
              "updates_per_batch=2", "train.micro_batch_size=8", "train.optimizer.lr=0.05",
@@ -25,7 +25,6 @@ def test_lora_actor_step_syncs_merged_weights_and_keeps_the_base(tmp_path, warmu
     from safetensors.torch import load_file
 
     from mcore_rl.layouts import assemble_hf, megatron_shards
-    from mcore_rl.models.hf_reference import token_logprobs
     from mcore_rl.run.train import build_demo_model
     from tests.rl.test_sync_integration import hf_model_with
 
@@ -44,9 +43,5 @@ def test_lora_actor_step_syncs_merged_weights_and_keeps_the_base(tmp_path, warmu
     assert moved and all(k.split(".")[-2] in adapted for k in moved)
     assert any(k.endswith("embed_tokens.weight") for k in set(merged) - moved)
     model = hf_model_with(model_dir, merged)
-    worst = 0.0
-    for prompt, outs in zip(prompts, sampled):
-        for c in outs:
-            hf = token_logprobs(model, [prompt + list(c.token_ids)])[0][len(prompt) - 1:]
-            worst = max(worst, float((torch.tensor(c.logprobs) - hf).abs().max()))
+    worst = sampled_logprob_gap(model, prompts, sampled)
     assert worst < 1e-4, worst

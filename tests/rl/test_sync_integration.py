@@ -11,12 +11,11 @@ import signal
 import time
 
 import pytest
-import torch
 
 from mcore_rl.config import load_config
 from mcore_rl.run.config import RLConfig
 from tests.support import DEMO_SIZED
-from tests.support.rl_runs import step_then_sample
+from tests.support.rl_runs import sampled_logprob_gap, step_then_sample
 
 BASE = ["warmup.max_steps=0", "steps=1", "prompts_per_step=4", "samples_per_prompt=4",
         "updates_per_batch=1", "train.micro_batch_size=8", "train.optimizer.lr=0.05",
@@ -34,7 +33,7 @@ def hf_model_with(model_dir, state):
 
 def test_megatron_tp2pp2_to_vllm_tp2_matches_hf(tmp_path):
     from mcore_rl.layouts import assemble_hf, megatron_shards
-    from mcore_rl.models.hf_reference import greedy_generate, token_logprobs, top2_margin
+    from mcore_rl.models.hf_reference import greedy_generate, top2_margin
     from mcore_rl.run.train import build_demo_model
 
     cfg = load_config(RLConfig, DEMO_SIZED, BASE + ["actor.tp=2", "actor.pp=2", "rollout.tp=2"])
@@ -46,11 +45,7 @@ def test_megatron_tp2pp2_to_vllm_tp2_matches_hf(tmp_path):
     assert run["run"].transports == ("p2p",) and step["sync_bytes_ipc"] == 0
     hf_state = assemble_hf(megatron_shards(run["spec"], cfg.actor), run["shards"])
     model = hf_model_with(model_dir, hf_state)
-    worst = 0.0
-    for prompt, outs in zip(prompts, sampled):
-        for c in outs:
-            hf = token_logprobs(model, [prompt + list(c.token_ids)])[0][len(prompt) - 1:]
-            worst = max(worst, float((torch.tensor(c.logprobs) - hf).abs().max()))
+    worst = sampled_logprob_gap(model, prompts, sampled)
     assert worst < 1e-4, worst
     hf_greedy = greedy_generate(model, prompts, max_new_tokens=5)
     for prompt, outs, ref in zip(prompts, greedy, hf_greedy):

@@ -55,3 +55,18 @@ def step_then_sample(cfg, model_dir, out, *, greedy: bool = False) -> dict:
     return {"step": step, "shards": dict(enumerate(shards)), "prompts": prompts,
             "sampled": sampled, "greedy": greedy_outs, "spec": controller.spec,
             "run": controller.run}
+
+
+def sampled_logprob_gap(model, prompts, sampled) -> float:
+    """The largest |engine log-prob − HF log-prob| over the sampled tokens, HF's computed by
+    `model` (an HF causal LM with the weights the engines should hold)."""
+    import torch
+
+    from mcore_rl.models.hf_reference import token_logprobs
+
+    worst = 0.0
+    for prompt, outs in zip(prompts, sampled):
+        for c in outs:
+            hf = token_logprobs(model, [prompt + list(c.token_ids)])[0][len(prompt) - 1:]
+            worst = max(worst, float((torch.tensor(c.logprobs) - hf).abs().max()))
+    return worst
