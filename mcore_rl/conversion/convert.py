@@ -235,6 +235,7 @@ def mcore_to_hf(src: str | Path, dst: str | Path, *, hf_config: str | Path | Non
     def preflight():
         output.check_paths(src, dst, force=force)
         reader = _open_checkpoint(src)
+        _refuse_adapters(src, reader)
         if not (config_dir / "config.json").is_file():
             raise ConversionError(f"{config_dir}: no config.json; pass --hf-config DIR (a "
                                   "folder with the model's HF config.json and tokenizer)")
@@ -279,6 +280,18 @@ def mcore_to_hf(src: str | Path, dst: str | Path, *, hf_config: str | Path | Non
         ranks.agree(finish)
     return ConvertReport("mcore-to-hf", str(src), str(dst), n, nbytes,
                          time.perf_counter() - t0, ranks.world, "/".join(out_dtypes))
+
+
+def _refuse_adapters(src: Path, reader: ChunkReader) -> None:
+    """A LoRA run's checkpoint (`actor.lora`) holds the frozen base and the adapters: the
+    full-model conversion would silently drop the adapters, so it is refused."""
+    adapters = sorted(k for k in reader.metadata.state_dict_metadata
+                      if ".lora.lora_" in k and not k.startswith("optimizer."))
+    if adapters:
+        raise ConversionError(
+            f"{src}: a LoRA checkpoint ({len(adapters)} adapter tensors, e.g. {adapters[0]}); "
+            "mcore-to-hf converts full models and would write the frozen base without its "
+            "adapters")
 
 
 def _open_checkpoint(src: Path) -> ChunkReader:

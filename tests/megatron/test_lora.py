@@ -339,3 +339,11 @@ def test_lora_checkpoint_resumes_exactly_and_loads_on_another_grid(tmp_path):
     assert all(torch.equal(two[k], one[k]) for k in two)
     assert any(two[k].abs().max() > 0 for k in two if "lora_B" in k)
     assert tp1["grad_norm"] == pytest.approx(saved[0]["grad_norm"], rel=1e-5)
+    # converting it as a full model would drop the adapters: refused, naming them
+    from mcore_rl.conversion.convert import mcore_to_hf
+    from mcore_rl.conversion.errors import ConversionError
+
+    with pytest.raises(ConversionError, match=r"a LoRA checkpoint \(8 adapter tensors, e\.g\. "
+                                              r"decoder\.layers\.mlp\.linear_fc1\.lora\."):
+        mcore_to_hf(ckpt, tmp_path / "hf", progress=False)
+    assert not (tmp_path / "hf").exists()
