@@ -7,7 +7,7 @@ megatron.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import ClassVar, Literal
 
 from mcore_rl.config import ConfigError, require_above, require_at_least, require_in_range
@@ -34,17 +34,21 @@ class LoRAConfig:
     sync: how the engines get the policy: "merged" — each training rank merges
         W + (alpha / rank)·B·A on its own shard and the weight sync streams the merged shards
         (engines unchanged).
+    lr: the RL learning rate with adapters, in place of train.optimizer.lr (a full
+        fine-tune's): adapters start at zero and want a larger step (the default is a 1-70B
+        model's, as PEFT RL recipes use).
     """
 
     rank: int = 0
     alpha: float = 32.0
+    lr: float = 1e-5
     dropout: float = 0.0
     targets: tuple[str, ...] = LORA_TARGETS
     sync: Literal["merged"] = "merged"
 
     def __post_init__(self) -> None:
         require_at_least(self, 0, "rank", note="0: off")
-        require_above(self, 0, "alpha")
+        require_above(self, 0, "alpha", "lr")
         require_in_range(self, 0.0, 1.0, "dropout", high_open=True)
         unknown = [t for t in self.targets if t not in LORA_TARGETS]
         if unknown or not self.targets:
@@ -60,6 +64,12 @@ class LoRAConfig:
     @property
     def scale(self) -> float:
         return self.alpha / self.rank
+
+    def rl_train(self, train: "TrainConfig") -> "TrainConfig":
+        """The RL trainer config: `train`, with the adapters' learning rate when on."""
+        if not self.enabled:
+            return train
+        return replace(train, optimizer=replace(train.optimizer, lr=self.lr))
 
 
 @dataclass(frozen=True, kw_only=True)

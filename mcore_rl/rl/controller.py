@@ -199,7 +199,9 @@ class RLController:
     # --- RL ---------------------------------------------------------------------------------
 
     def reset_optimizer(self) -> None:
-        self.call_actors("reset_optimizer", self.cfg.train, phase="setup")
+        """A fresh RL optimizer on every actor rank (with LoRA at `actor.lora.lr`)."""
+        train = self.cfg.actor.lora.rl_train(self.cfg.train)
+        self.call_actors("reset_optimizer", train, phase="setup")
 
     def rl_step(self, step: int) -> dict[str, float]:
         """One RL step (module doc); its metrics. An engine lost for good in the step's sync

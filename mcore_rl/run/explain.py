@@ -68,8 +68,9 @@ def trainer_kernels(run) -> str:
 
 def lora_row(lora) -> str:
     """The actor's adapters, as `actor.lora` sets them."""
-    return (f"rank {lora.rank} · alpha {lora.alpha:g} on {', '.join(lora.targets)} · base "
-            f"frozen, reference = base · engines get W + (alpha/rank)·B·A merged per shard")
+    return (f"rank {lora.rank} · alpha {lora.alpha:g} · lr {lora.lr:g} on "
+            f"{', '.join(lora.targets)} · base frozen, reference = base · engines get "
+            "W + (alpha/rank)·B·A merged per shard")
 
 
 def megatron_experts(run) -> str:

@@ -347,3 +347,13 @@ def test_lora_checkpoint_resumes_exactly_and_loads_on_another_grid(tmp_path):
                                               r"decoder\.layers\.mlp\.linear_fc1\.lora\."):
         mcore_to_hf(ckpt, tmp_path / "hf", progress=False)
     assert not (tmp_path / "hf").exists()
+
+
+def test_the_rl_optimizer_takes_the_adapters_learning_rate():
+    from mcore_rl.megatron.config import OptimizerConfig, TrainConfig
+
+    train = TrainConfig(optimizer=OptimizerConfig(lr=1e-6, clip_grad=0.5))
+    on = LoRAConfig(rank=4, lr=3e-3).rl_train(train)
+    assert (on.optimizer.lr, on.optimizer.clip_grad) == (3e-3, 0.5)
+    assert LoRAConfig().rl_train(train) is train  # off: the full fine-tune's
+    assert LoRAConfig().lr == 1e-5
