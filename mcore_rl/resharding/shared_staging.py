@@ -7,7 +7,9 @@ of the IPC copy service (CUDA assumptions of the IPC path live here and nowhere 
 - CUDA: a tensor from the caching allocator, shared with `torch.multiprocessing.reductions
   .reduce_tensor` (a cudaIpcMemHandle of its allocation); the receiver rebuilds it with
   `rebuild_cuda_tensor` on its own device index (CUDA_VISIBLE_DEVICES may number the one
-  physical device differently in each process).
+  physical device differently in each process). It is allocated in a classic segment even
+  where the allocator is set to expandable segments (`classic_segments`): an expandable
+  segment is CUDA virtual memory, which exports no cudaIpcMemHandle.
 
 Handles travel as JSON (plain fields, bytes as hex) — never pickled: a receiver calls a fixed
 rebuild function with decoded values, so nothing it receives can name code to run. A receiver
@@ -16,6 +18,7 @@ opens each handle once and caches the mapping (`HandleCache`).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -40,6 +43,32 @@ def _unlink(path: str) -> None:
         pass
 
 
+# torch reads its allocator settings from either variable (PYTORCH_ALLOC_CONF is the newer name)
+_ALLOC_CONF_VARS = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
+
+
+def expandable_segments_on(env=None) -> bool:
+    """Whether the process's allocator settings turn expandable segments on."""
+    env = os.environ if env is None else env
+    return any("expandable_segments:true" in env.get(var, "").replace(" ", "").lower()
+               for var in _ALLOC_CONF_VARS)
+
+
+@contextlib.contextmanager
+def classic_segments(env=None, set_allocator_settings=None):
+    """Allocations inside the block come from classic segments: with expandable segments on,
+    they are turned off for the block (torch's runtime allocator setting), then back on."""
+    if not expandable_segments_on(env):
+        yield
+        return
+    apply = set_allocator_settings or torch.cuda.memory._set_allocator_settings
+    apply("expandable_segments:False")
+    try:
+        yield
+    finally:
+        apply("expandable_segments:True")
+
+
 class SharedStaging:
     """One rank's shared staging buffer of `nbytes` bytes (uint8) on `device`."""
 
@@ -51,7 +80,8 @@ class SharedStaging:
         if self.device.type == "cpu":
             self.tensor = self._create_file(nbytes, owner_rank)
         elif self.device.type == "cuda":  # pragma: no cover - GPU only
-            self.tensor = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+            with classic_segments():
+                self.tensor = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
         else:
             raise ValueError(f"shared staging on {self.device}: expected cpu or cuda")
 
