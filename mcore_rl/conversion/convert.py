@@ -234,7 +234,7 @@ def mcore_to_hf(src: str | Path, dst: str | Path, *, hf_config: str | Path | Non
 
     def preflight():
         output.check_paths(src, dst, force=force)
-        reader = _open_checkpoint(src)
+        reader = open_checkpoint(src)
         _refuse_adapters(src, reader)
         if not (config_dir / "config.json").is_file():
             raise ConversionError(f"{config_dir}: no config.json; pass --hf-config DIR (a "
@@ -294,7 +294,7 @@ def _refuse_adapters(src: Path, reader: ChunkReader) -> None:
             "adapters")
 
 
-def _open_checkpoint(src: Path) -> ChunkReader:
+def open_checkpoint(src: Path) -> ChunkReader:
     if not (src / ".metadata").is_file():
         raise ConversionError(f"{src}: not a megatron-core torch_dist checkpoint (no .metadata)")
     try:

@@ -9,10 +9,17 @@ leaves a half-written checkpoint under the final name.
 Keys are the modules' own (`sharded_state_dict`), so they follow the run's layer spec; the
 controller records that spec in `controller.json`, and `rl.checkpoint_dirs.check_resume`
 refuses a checkpoint of the other spec before any worker starts.
+
+A LoRA role (`trainer.lora`) also gets `lora.json`: the adapters' rank, alpha, dropout and
+targets, and the HF directory of the base — what `mcore-rl convert mcore-to-peft` needs to
+write a PEFT adapter from the checkpoint.
 """
 
 from __future__ import annotations
 
+import json
+import os
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -27,8 +34,12 @@ def _model_sharded_state_dict(trainer) -> dict:
     return megatron_sharded_state_dict(trainer.unwrapped())
 
 
-def save_role(trainer, ckpt_dir: Path, rank: int) -> None:
-    """Every rank of the role's grid calls this (megatron saves collectively)."""
+LORA_FILE = "lora.json"
+
+
+def save_role(trainer, ckpt_dir: Path, rank: int, *, base_model: str | None = None) -> None:
+    """Every rank of the role's grid calls this (megatron saves collectively). base_model: the
+    HF directory the role's weights came from (recorded for a LoRA role)."""
     from megatron.core import dist_checkpointing
 
     ckpt_dir.mkdir(parents=True, exist_ok=True)
@@ -37,6 +48,14 @@ def save_role(trainer, ckpt_dir: Path, rank: int) -> None:
     dist_checkpointing.save(state, str(ckpt_dir))
     torch.save({"scheduler": trainer.scheduler.state_dict(), "rng": torch.get_rng_state()},
                ckpt_dir / f"rank{rank}.pt")
+    if trainer.lora is not None and rank == 0:
+        _write_json(ckpt_dir / LORA_FILE, {**asdict(trainer.lora), "base_model": base_model})
+
+
+def _write_json(path: Path, data: dict) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(data, indent=1))
+    os.replace(tmp, path)
 
 
 def load_role(trainer, ckpt_dir: Path, rank: int) -> None:

@@ -78,6 +78,7 @@ class MegatronTrainer:
     scheduler: OptimizerParamScheduler
     groups: ParallelGroups
     train: TrainConfig
+    lora: LoRAConfig | None = None  # adapters on a frozen base (`megatron.lora`)
 
     def unwrapped(self) -> list[torch.nn.Module]:
         """The GPTModel chunks (state-dict keys as `mcore_rl.layouts.megatron_shards`)."""
@@ -126,7 +127,8 @@ def setup_trainer(spec: ModelSpec, groups: ParallelGroups, train: TrainConfig,
     scheduler = build_scheduler(optimizer, train.optimizer)
     configure_schedule(config, model, optimizer)
     return MegatronTrainer(spec=spec, config=config, model=model, optimizer=optimizer,
-                           scheduler=scheduler, groups=groups, train=train)
+                           scheduler=scheduler, groups=groups, train=train,
+                           lora=lora if lora is not None and lora.enabled else None)
 
 
 def add_lora(trainer: MegatronTrainer, lora: LoRAConfig) -> None:
@@ -142,6 +144,7 @@ def add_lora(trainer: MegatronTrainer, lora: LoRAConfig) -> None:
                 del param.main_grad  # a view of the old grad buffer
     trainer.model = wrap_ddp(chunks, trainer.config, trainer.groups,
                              overlap_grad_reduce=overlap)
+    trainer.lora = lora
 
 
 def wrap_ddp(chunks: list[torch.nn.Module], config: TransformerConfig,

@@ -76,7 +76,7 @@ class ActorWorker:
         self.slot, self.device = slot, device
         self.groups = join_worker_world(rank, world_size, store_address, parallel,
                                         timeout_s=timeout_s, device=device)
-        self.rank, self.spec, self.parallel = rank, spec, parallel
+        self.rank, self.spec, self.parallel, self.hf_dir = rank, spec, parallel, hf_dir
         self.layer_spec = layer_spec
         self.shards = megatron_shards(spec, parallel, layer_spec=layer_spec)
         weights = SafetensorsWeights(hf_dir)
@@ -365,7 +365,7 @@ class ActorWorker:
         """Actor (and critic) model + optimizer + schedule + RNG into ckpt_dir (collective)."""
         from mcore_rl.megatron.role_checkpoint import save_role
 
-        save_role(self.trainer, Path(ckpt_dir) / "actor", self.rank)
+        save_role(self.trainer, Path(ckpt_dir) / "actor", self.rank, base_model=self.hf_dir)
         if self.critic is not None:
             save_role(self.critic, Path(ckpt_dir) / "critic", self.rank)
         return True

@@ -310,7 +310,7 @@ def _lora_checkpoint(rank: int, world: int, ckpt_dir: str, mode: str) -> dict:
     return _as_numpy({"at_checkpoint": at_checkpoint, "grad_norm": norm, "after": adapters()})
 
 
-def test_lora_checkpoint_resumes_exactly_and_loads_on_another_grid(tmp_path):
+def test_lora_checkpoint_resumes_exactly_and_loads_on_another_grid(tmp_path, capsys):
     """Adapters are stored as their weights are (TP axis, fc1's B as [gate; up]): a TP2
     checkpoint resumes exactly at TP2 and loads at TP1 with the same PEFT tensors."""
     from mcore_rl.layouts import megatron_shards
@@ -339,6 +339,28 @@ def test_lora_checkpoint_resumes_exactly_and_loads_on_another_grid(tmp_path):
     assert all(torch.equal(two[k], one[k]) for k in two)
     assert any(two[k].abs().max() > 0 for k in two if "lora_B" in k)
     assert tp1["grad_norm"] == pytest.approx(saved[0]["grad_norm"], rel=1e-5)
+    # `convert mcore-to-peft`: the checkpoint's adapters as a PEFT adapter — PEFT's tensors
+    from safetensors.torch import load_file
+
+    from mcore_rl.conversion.peft_adapter import ADAPTER_WEIGHTS, mcore_to_peft
+    from mcore_rl.models.hf_factory import hf_config_from_spec
+
+    hf_config_from_spec(get_preset("micro")).save_pretrained(tmp_path / "base")
+    peft_dir = mcore_to_peft(ckpt, tmp_path / "peft", hf_config=tmp_path / "base")
+    exported = load_file(peft_dir / ADAPTER_WEIGHTS)
+    assert exported.keys() == two.keys() and all(torch.equal(exported[k], two[k]) for k in two)
+    from mcore_rl.cli import main
+
+    argv = ["convert", "mcore-to-peft", ckpt, str(tmp_path / "peft"), "--hf-config",
+            str(tmp_path / "base")]
+    assert main(argv) == 2  # DST exists
+    assert "already exists (pass --force" in capsys.readouterr().err
+    assert main(argv + ["--force"]) == 0
+    (tmp_path / "ckpt" / "lora.json").unlink()
+    assert main(argv + ["--force"]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.endswith("no lora.json (not a LoRA checkpoint: a run with actor.lora.rank > 0 "
+                         "writes one beside its actor checkpoint)")
     # converting it as a full model would drop the adapters: refused, naming them
     from mcore_rl.conversion.convert import mcore_to_hf
     from mcore_rl.conversion.errors import ConversionError

@@ -4,6 +4,7 @@
 
   mcore-rl convert hf-to-mcore SRC_HF_DIR DST_DIR [--dtype D] [--force] [--verify ...]
   mcore-rl convert mcore-to-hf SRC_DIR DST_HF_DIR [--hf-config DIR] [--max-shard-size 5GB] ...
+  mcore-rl convert mcore-to-peft SRC_ACTOR_DIR DST_ADAPTER_DIR [--hf-config DIR] [--force]
 
 Parallel: `--workers N` spawns N local ranks; under torchrun / srun every process is a rank
 (e.g. `torchrun --nproc-per-node 8 -m tools.checkpoint_convert hf-to-mcore SRC DST`); each
@@ -19,7 +20,7 @@ import json
 import sys
 from pathlib import Path
 
-VERBS = ("hf-to-mcore", "mcore-to-hf")
+VERBS = ("hf-to-mcore", "mcore-to-hf", "mcore-to-peft")
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16", "fp32", "bf16", "fp16")
 
 
@@ -67,6 +68,18 @@ def add_verbs(sub: argparse._SubParsersAction) -> None:
                      help="cap per safetensors file, e.g. 5GB, 500MB, 2GiB")
     _common(m2h)
     m2h.set_defaults(func=run, verb="mcore-to-hf")
+    m2p = sub.add_parser("mcore-to-peft", help="LoRA run checkpoint -> PEFT adapter folder",
+                         description="the adapters of a LoRA run's actor checkpoint "
+                                     "(actor.lora; any grid) -> a PEFT adapter folder "
+                                     "(adapter_config.json + adapter_model.safetensors)")
+    m2p.add_argument("src", type=Path, metavar="SRC_ACTOR_DIR",
+                     help="a run checkpoint's actor/ folder (it holds lora.json)")
+    m2p.add_argument("dst", type=Path, metavar="DST_ADAPTER_DIR")
+    m2p.add_argument("--hf-config", type=Path, default=None,
+                     help="folder with the base model's config.json (default: the base "
+                          "recorded in SRC_ACTOR_DIR/lora.json)")
+    m2p.add_argument("--force", action="store_true", help="replace DST if it exists")
+    m2p.set_defaults(func=run_peft, verb="mcore-to-peft")
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -136,6 +149,18 @@ def run(args) -> int:
         return _convert_on_ranks(args, joined_here=True)
     finally:
         leave(wait_for_all=False)            # after an error; a no-op once left below
+
+
+def run_peft(args) -> int:
+    """`mcore-to-peft`: small (the adapters only), one process."""
+    from mcore_rl.conversion.peft_adapter import mcore_to_peft
+
+    try:
+        dst = mcore_to_peft(args.src, args.dst, hf_config=args.hf_config, force=args.force)
+    except _bad_input_errors() as err:
+        return _error(args, err)
+    print(json.dumps({"verb": args.verb, "src": str(args.src), "dst": str(dst)}))
+    return 0
 
 
 def _convert_on_ranks(args, joined_here: bool) -> int:
