@@ -19,6 +19,10 @@ sequence-parallel mappings), and the whole matrix whose gradient then comes from
 shard (A of a column adapter, B of a row adapter) is marked `sequence_parallel`, so megatron's
 `finalize_model_grads` sums it over TP as it does the norms'.
 
+Under the TransformerEngine layer spec linear_qkv and linear_fc1 are LayerNorm-fused linears
+that take the layer's input before their norm: their adapter multiplies the norm's output, as
+their weight does (`adapter_input`).
+
 The adapter is a child module `lora` of the linear, applied by a forward hook: the linear's own
 parameter names (what the layout tables, checkpoints and the weight sync name) do not change.
 In a dist checkpoint the adapter is stored as its weight is: the split matrix with a TP axis
@@ -126,12 +130,30 @@ def _kaiming_uniform(shape: tuple[int, int], seed: int) -> torch.Tensor:
     return torch.empty(shape).uniform_(-bound, bound, generator=gen)
 
 
+def adapter_input(linear: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """What the adapter multiplies: the linear's input — or, for TransformerEngine's
+    LayerNorm-fused linears (te spec: linear_qkv, linear_fc1 hold the layer's norm as
+    `layer_norm_weight` and take the input before it), the norm's output, as the weight sees
+    it: RMSNorm (the only normalization the model builder configures) computed in fp32."""
+    weight = getattr(linear, "layer_norm_weight", None)
+    if weight is None:
+        return x
+    config = linear.config
+    if config.normalization != "RMSNorm" or config.layernorm_zero_centered_gamma:
+        raise ValueError(f"LoRA on a LayerNorm-fused linear: normalization "
+                         f"{config.normalization!r} (zero-centered gamma "
+                         f"{config.layernorm_zero_centered_gamma}); only RMSNorm is built here")
+    xf = x.float()
+    normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + config.layernorm_epsilon)
+    return (normed * weight.float()).to(x.dtype)
+
+
 def _apply_adapter(linear: torch.nn.Module, args: tuple, output):
     adapter = linear.lora
     if not adapter.enabled:
         return output
     out, bias = output
-    return out + adapter(args[0]).to(out.dtype), bias
+    return out + adapter(adapter_input(linear, args[0])).to(out.dtype), bias
 
 
 def _with_adapter_checkpoint(linear: torch.nn.Module, swiglu: bool) -> None:
@@ -242,5 +264,6 @@ def adapters_disabled(chunks: list[torch.nn.Module]):
             a.enabled = state
 
 
-__all__ = ["LINEARS", "LoRAAdapter", "MergedWeights", "TARGETS", "adapters_disabled",
+__all__ = ["LINEARS", "LoRAAdapter", "MergedWeights", "TARGETS", "adapter_input",
+           "adapters_disabled",
            "attach_lora", "lora_linears", "merged_weight", "named_adapters"]

@@ -379,3 +379,33 @@ def test_the_rl_optimizer_takes_the_adapters_learning_rate():
     assert (on.optimizer.lr, on.optimizer.clip_grad) == (3e-3, 0.5)
     assert LoRAConfig().rl_train(train) is train  # off: the full fine-tune's
     assert LoRAConfig().lr == 1e-5
+
+
+def test_a_layernorm_fused_linear_adapts_the_norms_output():
+    """The te spec's linear_qkv / linear_fc1 (TE's LayerNormLinear) take the layer's input
+    before their fused norm; their adapter multiplies what their weight does — the RMSNorm's
+    output (HF's LlamaRMSNorm as the reference), with the model config megatron gets. A
+    local-spec linear's input is already normalized. (The TE module itself needs a GPU.)"""
+    from types import SimpleNamespace
+
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    from mcore_rl.megatron.lora import adapter_input
+    from mcore_rl.models.gpt import transformer_config_from_spec
+    from mcore_rl.models.presets import get_preset
+    from mcore_rl.parallel import ParallelConfig
+
+    spec = get_preset("micro")
+    config = transformer_config_from_spec(spec, ParallelConfig(), device="cpu")
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(5, 2, spec.hidden, generator=gen)
+    weight = 1.0 + 0.1 * torch.randn(spec.hidden, generator=gen)
+    hf = LlamaRMSNorm(spec.hidden, eps=spec.norm_eps)
+    hf.weight.data.copy_(weight)
+    fused = SimpleNamespace(layer_norm_weight=weight, config=config)  # TE's attributes
+    with torch.no_grad():
+        torch.testing.assert_close(adapter_input(fused, x), hf(x), rtol=1e-6, atol=1e-6)
+    assert adapter_input(SimpleNamespace(), x) is x
+    with pytest.raises(ValueError, match="only RMSNorm"):
+        adapter_input(SimpleNamespace(layer_norm_weight=weight, config=SimpleNamespace(
+            normalization="LayerNorm", layernorm_zero_centered_gamma=False)), x)
