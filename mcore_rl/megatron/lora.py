@@ -70,8 +70,10 @@ class LoRAAdapter(torch.nn.Module):
         super().__init__()
         self.kind, self.scale, self.dropout = kind, spec.scale, spec.dropout
         self.enabled = True
-        self.tp_group = linear.tp_group
-        self.sequence_parallel = bool(linear.sequence_parallel)
+        # megatron's linears keep `tp_group`; its TransformerEngine wrappers `_tp_group`
+        self.tp_group = linear.tp_group if hasattr(linear, "tp_group") else linear._tp_group
+        self.sequence_parallel = bool(getattr(linear, "sequence_parallel",
+                                              linear.config.sequence_parallel))
         tp, tp_rank = self.tp_group.size(), self.tp_group.rank()
         weight = linear.weight
         out_local, in_local = weight.shape
