@@ -94,6 +94,21 @@ def _wandb_records(run_dir: Path) -> list:
     return records
 
 
+def _records_once_written(run_dir: Path, kinds: set[str], timeout_s: float = 30.0) -> list:
+    """The run's records once records of every kind in `kinds` are in its file: wandb's
+    service process writes the file, and on a loaded machine it may still be flushing when
+    `finish()` has returned."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        records = _wandb_records(run_dir)
+        if kinds <= {r.WhichOneof("record_type") for r in records} \
+                or time.monotonic() > deadline:
+            return records
+        time.sleep(0.2)
+
+
 def test_metrics_writer_logs_every_step_to_an_offline_wandb_run(tmp_path, monkeypatch):
     pytest.importorskip("wandb")
     for name, value in (("WANDB_DIR", tmp_path / "wandb_home"), ("WANDB_SILENT", "true"),
@@ -107,7 +122,7 @@ def test_metrics_writer_logs_every_step_to_an_offline_wandb_run(tmp_path, monkey
     for step, values in steps.items():
         writer.write(step, values)
     writer.close()
-    records = _wandb_records(run_dir)
+    records = _records_once_written(run_dir, kinds={"run", "history"})
     (run,) = [r.run for r in records if r.WhichOneof("record_type") == "run"]
     assert (run.project, run.display_name, run.run_group, run.job_type) == \
         ("p", "mine/warmup", "mine", "warmup")
