@@ -70,4 +70,21 @@ def _adapter_tensors(key: str, weight: LocalTensor, rank: int, smap: ShardMap,
             b_key: LocalTensor(b_key, (out_local, rank), tuple(b_pieces))}
 
 
-__all__ = ["ADAPTER_PARAMS", "adapted_weights", "hf_lora_name", "lora_shards"]
+def whole_adapters(adapters: ShardMap, ranks: int) -> ShardMap:
+    """`ranks` inference ranks that each hold every adapter tensor of `adapters` whole, keyed
+    by its PEFT name: what vLLM's LoRA manager takes (each of its LoRA layers cuts its own
+    rank's slice when the adapter is activated)."""
+    out = ShardMap("vllm", adapters.family, dict(adapters.hf_shapes))
+    for r in range(ranks):
+        out.ranks[r] = {name: LocalTensor(name, shape, (Piece(_whole(shape), name,
+                                                              _whole(shape)),))
+                        for name, shape in sorted(adapters.hf_shapes.items())}
+    return out
+
+
+def _whole(shape: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
+    return tuple((0, n) for n in shape)
+
+
+__all__ = ["ADAPTER_PARAMS", "adapted_weights", "hf_lora_name", "lora_shards",
+           "whole_adapters"]

@@ -51,6 +51,7 @@ from mcore_rl.launch.startup_gc import gc_paused
 from mcore_rl.resharding.plan_cache import PlanCache
 from mcore_rl.rollout.errors import RolloutError
 from mcore_rl.rollout.expert_parallel import engine_args as expert_parallel_args
+from mcore_rl.rollout.lora import EngineLoRA, lora_request
 from mcore_rl.rollout.config import (RolloutConfig, SamplingConfig, engines_run_eager,
                                      engines_sleep_level)
 from mcore_rl.rollout.sync_client import EngineSync
@@ -89,18 +90,21 @@ class RolloutEngine(EngineSync):
     is not given per call (a run passes its deadlines.engine_call_s). seed: vLLM's engine seed
     (unseeded sampling only; per-request seeds come from SamplingConfig; a run passes
     `derive_seed(seed, "engine")`). device: "cpu" or "cuda", the device kind the run plan
-    resolved (None: an engine outside a run, on CUDA where there is one). Start-up time is in
-    `startup_s`.
+    resolved (None: an engine outside a run, on CUDA where there is one). lora: the engine
+    serves the policy's LoRA adapter, which weight syncs deliver (`begin_sync(adapter=True)`);
+    once one has, every generation applies it. Start-up time is in `startup_s`.
     """
 
     def __init__(self, model_dir: str | Path, cfg: RolloutConfig, *, call_timeout_s: float,
-                 engine_index: int = 0, seed: int = 0, device: str | None = None):
+                 engine_index: int = 0, seed: int = 0, device: str | None = None,
+                 lora: EngineLoRA | None = None):
         if not call_timeout_s > 0:
             raise ConfigError("call_timeout_s", call_timeout_s, "must be > 0 seconds")
         if seed < 0:
             raise ConfigError("seed", seed, "must be >= 0")
         self.cfg, self.index, self.call_timeout_s = cfg, engine_index, call_timeout_s
-        self.seed = seed
+        self.seed, self.lora = seed, lora
+        self.adapter_installed = False  # generations apply the adapter once one arrived
         self.on_cpu = _standalone_on_cpu() if device is None else not device.startswith("cuda")
         # a run's engines get the plan's choices in cfg (ResolvedRun.engine_config); an engine
         # outside a run takes the same rules for its device
@@ -109,6 +113,7 @@ class RolloutEngine(EngineSync):
         self._sync_thread = None  # sync_client._Background: the update in flight
         self._join = None  # sync_client._Background: the sync-group join in flight
         self._sync_plan = None
+        self._sync_adapter = False  # the sync in flight carries the LoRA adapter
         self._plans = PlanCache()  # the sync plans sent to this engine, by fingerprint
         self._first_sync_rank: int | None = None
         self._lock = threading.Lock()
@@ -148,6 +153,8 @@ class RolloutEngine(EngineSync):
             logprobs_mode="raw_logprobs",
         )
         kwargs.update(expert_parallel_args(cfg.expert_parallel, on_cpu=self.on_cpu))
+        if self.lora is not None:
+            kwargs.update(self.lora.llm_kwargs())
         if not self.enforce_eager and not cfg.compile:
             # CUDA graphs without torch.compile: vLLM captures whole decode steps
             kwargs["compilation_config"] = {"mode": "NONE", "cudagraph_mode": "FULL_DECODE_ONLY"}
@@ -193,8 +200,9 @@ class RolloutEngine(EngineSync):
             for i in range(len(requests))]
         if not requests:
             return []
+        adapter = lora_request() if self.adapter_installed else None
         with self._lock, compiler_off(not self.cfg.compile):
-            outputs = self.llm.generate(requests, params, use_tqdm=False)
+            outputs = self.llm.generate(requests, params, use_tqdm=False, lora_request=adapter)
         return [[_completion(c, sampling.logprobs)
                  for c in sorted(out.outputs, key=lambda c: c.index)] for out in outputs]
 

@@ -43,13 +43,35 @@ def logical_shape(module: nn.Module, leaf: str, param: torch.Tensor) -> tuple[in
     return tuple(param.shape)
 
 
+# vLLM's LoRA layers wrap the linear they adapt as `base_layer`: its parameters keep the names
+# of the model without LoRA in the plans and the shard maps.
+LORA_WRAPPED = ".base_layer."
+
+
 def rank_shapes(model: nn.Module) -> dict[str, tuple[int, ...]]:
-    """Every parameter of this rank's model → its per-rank shape (vLLM names)."""
+    """Every parameter of this rank's model → its per-rank shape (vLLM names, as without
+    LoRA)."""
     out = {}
     for name, param in model.named_parameters():
         module_name, _, leaf = name.rpartition(".")
-        out[name] = logical_shape(model.get_submodule(module_name), leaf, param)
+        out[name.replace(LORA_WRAPPED, ".")] = logical_shape(model.get_submodule(module_name),
+                                                             leaf, param)
     return out
+
+
+def _parameter_owner(model: nn.Module, name: str) -> tuple[nn.Module, str]:
+    """The module holding parameter `name` and its leaf name; a LoRA-wrapped linear's
+    parameters live in its `base_layer`. Raises ValueError for an unknown name."""
+    module_name, _, leaf = name.rpartition(".")
+    try:
+        module = model.get_submodule(module_name)
+    except AttributeError:
+        raise ValueError(f"{name}: no such module in the vLLM model") from None
+    if leaf not in module._parameters and hasattr(module, "base_layer"):
+        module = module.base_layer
+    if module._parameters.get(leaf) is None:
+        raise ValueError(f"{name}: no such parameter in the vLLM model")
+    return module, leaf
 
 
 def _quant_owners(model: nn.Module) -> dict[int, list[nn.Module]]:
@@ -80,14 +102,8 @@ def install_from_iterator(model: nn.Module,
     for name, tensor in items:
         if name in installed:
             raise ValueError(f"{name}: received twice")
-        module_name, _, leaf = name.rpartition(".")
-        try:
-            module = model.get_submodule(module_name)
-        except AttributeError:
-            raise ValueError(f"{name}: no such module in the vLLM model") from None
-        param = module._parameters.get(leaf)
-        if param is None:
-            raise ValueError(f"{name}: no such parameter in the vLLM model")
+        module, leaf = _parameter_owner(model, name)
+        param = module._parameters[leaf]
         expected = logical_shape(module, leaf, param)
         if tuple(tensor.shape) != expected:
             raise ValueError(f"{name}: got shape {tuple(tensor.shape)}, this rank holds "

@@ -33,6 +33,7 @@ from mcore_rl.rollout.config import RolloutConfig, SamplingConfig
 from mcore_rl.rollout.engine import Completion, RolloutEngine
 from mcore_rl.rollout.errors import RolloutError
 from mcore_rl.rollout.sync_client import SyncReport
+from mcore_rl.rollout.lora import EngineLoRA
 from mcore_rl.rollout.vllm_env import IDLE_THREADS_SLEEP
 
 # Engine methods an actor may run on request (besides generate).
@@ -47,12 +48,13 @@ class EngineHost:
     def __init__(self, model_dir: str, cfg: RolloutConfig, index: int,
                  stack_dir: str | None = None, inject_stall: str | None = None,
                  devices: list[int] | None = None, *, call_timeout_s: float, seed: int = 0,
-                 narrow_visible_devices: bool = False):
+                 narrow_visible_devices: bool = False, lora: EngineLoRA | None = None):
         """devices: this engine's TP device slots on its node, from the run's placement plan
         (None without one). narrow_visible_devices (a GPU placement): CUDA_VISIBLE_DEVICES is
         narrowed to those slots before anything here touches CUDA, so vLLM's TP rank t then
         computes on cuda:t. With a placement plan the engine's device kind is the plan's (a GPU
-        placement: CUDA), never re-derived here."""
+        placement: CUDA), never re-derived here. lora: the policy's adapter is served by
+        vLLM's LoRA (`actor.lora.sync: adapter`)."""
         if stack_dir:  # the controller's watchdog asks for stacks with SIGUSR1
             configure_process_logs(Path(stack_dir).parent, f"engine{index}")
             self._stack_file = arm_stack_dump(stack_dir, f"engine{index}")
@@ -64,7 +66,8 @@ class EngineHost:
             restrict_visible_devices(devices)
         planned = None if devices is None else ("cuda" if narrow_visible_devices else "cpu")
         self.engine = RolloutEngine(model_dir, cfg, engine_index=index,
-                                    call_timeout_s=call_timeout_s, seed=seed, device=planned)
+                                    call_timeout_s=call_timeout_s, seed=seed, device=planned,
+                                    lora=lora)
 
     def ready(self) -> dict[str, Any]:
         import ray
@@ -95,14 +98,15 @@ class RayEngines:
     def __init__(self, model_dir: str | Path, cfg: RolloutConfig, *, start_timeout_s: float,
                  call_timeout_s: float, stack_dir: str | Path | None = None,
                  inject_stall: str | None = None, placement=None, seed: int = 0,
-                 wait: bool = True):
+                 wait: bool = True, lora: EngineLoRA | None = None):
         """start_timeout_s: how long an engine may take to start. call_timeout_s: the
         deadline of every other call that is given none of its own. seed: every engine's
         vLLM seed (a run's `derive_seed(seed, "engine")`). stack_dir: where engines dump
         their stacks on SIGUSR1 (watchdog).
         inject_stall: fault injection for watchdog tests ("gen@engine<i>").
         placement: a `launch.placement.RayPlacement`: engine i goes into its node's bundle
-        and sees only its TP devices (default: anywhere Ray likes)."""
+        and sees only its TP devices (default: anywhere Ray likes).
+        lora: every engine serves the policy's LoRA adapter (`rollout.lora.EngineLoRA`)."""
         import ray
 
         if not ray.is_initialized():
@@ -113,7 +117,7 @@ class RayEngines:
                 raise ConfigError(name, value, "must be > 0 seconds")
         self.cfg = cfg
         self.start_timeout_s, self.call_timeout_s = start_timeout_s, call_timeout_s
-        self.seed = seed
+        self.seed, self.lora = seed, lora
         self._sync_timeout = call_timeout_s
         self._host_cls = ray.remote(num_cpus=cfg.cpus_per_engine, max_restarts=0,
                                     max_concurrency=1)(EngineHost)
@@ -212,7 +216,8 @@ class RayEngines:
                                                         inject_stall, devices,
                                                         call_timeout_s=self.call_timeout_s,
                                                         seed=self.seed,
-                                                        narrow_visible_devices=narrow)
+                                                        narrow_visible_devices=narrow,
+                                                        lora=self.lora)
 
     def restart(self, indices: Sequence[int]) -> None:
         """Replace engines `indices` (dead or broken) with fresh ones in the same slots: the
@@ -333,12 +338,13 @@ class RayEngines:
         self._call_all("sync", "leave_sync_group")
 
     def begin_sync(self, plan, *, dtype: torch.dtype = torch.float32, verify: bool = True,
-                   timeout_s: float | None = None) -> None:
+                   timeout_s: float | None = None, adapter: bool = False) -> None:
         """Start every engine's receive-and-install; returns once all have started.
-        timeout_s: the workers' receive deadline (default call_timeout_s)."""
+        timeout_s: the workers' receive deadline (default call_timeout_s). adapter: the plan
+        carries the policy's LoRA adapter (`RolloutEngine.begin_sync`)."""
         self._sync_timeout = self._timeout(timeout_s)
         self._call_all("sync", "begin_sync", plan, dtype=dtype, verify=verify,
-                       timeout_s=self._sync_timeout)
+                       timeout_s=self._sync_timeout, adapter=adapter)
 
     def finish_sync(self, timeout_s: float | None = None) -> list[SyncReport]:
         """Wait for every engine's install, check names, reset prefix caches. timeout_s: how

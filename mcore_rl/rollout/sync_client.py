@@ -21,6 +21,7 @@ from typing import Any, Callable, Iterable
 import torch
 
 from mcore_rl.rollout.errors import RolloutError
+from mcore_rl.rollout.lora import target_modules
 
 
 @dataclass
@@ -71,8 +72,8 @@ class _Background:
 
 class EngineSync:
     """The weight-sync methods of `RolloutEngine` (mixed into it). Uses the engine's `llm`,
-    `index`, `cfg`, `call_timeout_s`, `_check_replies`, `_check_idle` and
-    `reset_prefix_cache`."""
+    `index`, `cfg`, `lora`, `adapter_installed`, `call_timeout_s`, `_check_replies`,
+    `_check_idle` and `reset_prefix_cache`."""
 
     def start_join_sync_group(self, spec, first_sync_rank: int,
                               devices: tuple[str, ...] | None = None) -> None:
@@ -120,10 +121,12 @@ class EngineSync:
         self._first_sync_rank = None
 
     def begin_sync(self, plan, *, dtype: torch.dtype = torch.float32, verify: bool = True,
-                   timeout_s: float | None = None) -> None:
+                   timeout_s: float | None = None, adapter: bool = False) -> None:
         """Start the workers' receive-and-install of their shards in a thread and return at
         once; the trainer's sends must run while it is in flight.
-        verify: workers take part in `verify_plan` (the trainer ranks must call it too)."""
+        verify: workers take part in `verify_plan` (the trainer ranks must call it too).
+        adapter: the plan carries the policy's LoRA adapter (whole PEFT tensors on every
+        worker), which replaces the engine's; generations apply it from then on."""
         self._check_idle("sync")
         if self._first_sync_rank is None:
             raise RolloutError(self.index, "sync", "begin_sync before start_join_sync_group")
@@ -131,7 +134,10 @@ class EngineSync:
         # the workers get what came (the plan, or its reference: they keep plans too)
         sent, self._sync_plan = plan, self._plans.resolve(plan)
         update = {"plan": sent, "dtype": str(dtype).removeprefix("torch."),
-                  "timeout_s": timeout, "verify": verify}
+                  "timeout_s": timeout, "verify": verify,
+                  "adapter": self._adapter_config(
+                      self._sync_plan.expected_names(self._first_sync_rank)) if adapter else None}
+        self._sync_adapter = adapter
         self._sync_timeout = timeout
         self._sync_thread = _Background(f"mcore-rl-sync-engine{self.index}",
                                         lambda: self._update(update))
@@ -166,26 +172,48 @@ class EngineSync:
             report.ranks.append(RankSync(
                 rank, reply["sync_rank"], reply["names"], reply["bytes_received"],
                 reply["peak_extra_bytes"], reply["seconds"], reply["install_seconds"]))
+        self._reinstall_adapter(self._sync_adapter)
         self.reset_prefix_cache()
         report.seconds = time.perf_counter() - sync.started
         return report
 
-    def install_tensors(self, items: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
+    def install_tensors(self, items: Iterable[tuple[str, torch.Tensor]], *,
+                        adapter: bool = False) -> list[str]:
         """Install full per-rank tensors passed in the call itself, then reset the prefix
         cache. TP=1 only (the one rank's shard is the whole model): with TP > 1 every rank
-        must receive only its own shard, through `begin_sync` / `finish_sync`."""
+        must receive only its own shard, through `begin_sync` / `finish_sync`.
+        adapter: the tensors are the policy's LoRA adapter (PEFT names), as in `begin_sync`."""
         if self.cfg.tp != 1:
             raise RolloutError(self.index, "sync", "install_tensors is for tp=1; use "
                                                    "begin_sync/finish_sync with tp > 1")
         self._check_idle("sync")
+        items = list(items)
+        update = {"tensors": items,
+                  "adapter": self._adapter_config([n for n, _ in items]) if adapter else None}
         try:
-            self._update({"tensors": list(items)})
+            self._update(update)
         except Exception as err:
             raise RolloutError(self.index, "sync", f"weight update failed: "
                                                    f"{type(err).__name__}: {err}") from err
         reply, = self._outcomes("update", "update_weights")
+        self._reinstall_adapter(adapter)
         self.reset_prefix_cache()
         return reply["names"]
+
+    def _reinstall_adapter(self, arrived: bool) -> None:
+        """After a weight update vLLM holds no adapter: the workers install the one they last
+        received (`arrived`: this update brought it)."""
+        if not (arrived or self.adapter_installed):
+            return
+        self.call_workers("install_policy_adapter", phase="sync")
+        self.adapter_installed = True
+
+    def _adapter_config(self, names: Iterable[str]) -> dict[str, Any]:
+        """The PEFT config the workers build the adapter `names` with."""
+        if self.lora is None:
+            raise RolloutError(self.index, "sync", "an adapter sync, but this engine serves no "
+                                                   "LoRA adapters (started without lora)")
+        return self.lora.peft_config(target_modules(list(names)))
 
     def _outcomes(self, call: str, api: str) -> list[dict[str, Any]]:
         """Every worker's outcome of the backend's last `call`, checked: a failed rank raises

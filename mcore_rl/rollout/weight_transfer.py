@@ -12,7 +12,11 @@ vLLM's worker holds: inside an engine whose CUDA_VISIBLE_DEVICES is narrowed, TP
   init   join the sync group (`SyncChannels`) as sync rank `first_sync_rank + worker rank`
   update receive this rank's shards of a plan (or a reference to a plan sent before) by the
          engine's transport and install each in place as it lands (install.py); or install
-         tensors passed in the call itself (one-rank engines in the caller's process)
+         tensors passed in the call itself (one-rank engines in the caller's process). With
+         `adapter` (a PEFT config), what arrives is the policy's LoRA adapter, whole tensors
+         with PEFT names, kept as `adapter`: vLLM's finish_weight_update drops every adapter
+         (they were merged against the old base), so the caller installs it after that
+         (`WorkerExtension.install_policy_adapter`, lora.py) — after a base update too
   finish nothing: the shards are installed already
   shutdown leave the sync group (before it is formed again)
 
@@ -38,6 +42,7 @@ from mcore_rl.resharding.channels import SyncChannels, engine_transport
 from mcore_rl.resharding.plan_cache import PlanCache
 from mcore_rl.resharding.transport import SyncStats
 from mcore_rl.rollout.install import install_from_iterator, rank_shapes, worker_device
+from mcore_rl.rollout.lora import ReceivedAdapter, check_adapter
 
 
 @dataclass
@@ -56,13 +61,15 @@ class ShardUpdateInfo(WeightTransferUpdateInfo):
     """One of: `plan` (a `Plan`, or the `PlanRef` of one sent to this group before), received
     over the sync group; `tensors`, `(vLLM name, per-rank tensor)` pairs passed in the call.
     dtype: the wire dtype; timeout_s: the receive deadline; verify: take part in the plan
-    check (every rank of the group does)."""
+    check (every rank of the group does). adapter: the PEFT config (`EngineLoRA.peft_config`)
+    of a LoRA adapter sent instead of weights."""
 
     plan: Any = None
     tensors: list | None = None
     dtype: str = "float32"
     timeout_s: float = 120.0
     verify: bool = True
+    adapter: dict | None = None
 
 
 def _dtype(name: str) -> torch.dtype:
@@ -100,6 +107,7 @@ class ShardTransferEngine(WeightTransferEngine[ShardInitInfo, ShardUpdateInfo]):
         self.sync_rank: int | None = None
         self.plans = PlanCache()  # the plans sent to this group, by fingerprint
         self.outcomes: dict[str, dict[str, Any]] = {}
+        self.adapter: ReceivedAdapter | None = None  # the policy's LoRA adapter, last received
 
     def _record(self, call: str, work) -> None:
         """Run `work()` and keep its result (or its error) as the outcome of `call`."""
@@ -130,7 +138,7 @@ class ShardTransferEngine(WeightTransferEngine[ShardInitInfo, ShardUpdateInfo]):
     def receive_weights(self, update_info: ShardUpdateInfo) -> dict[str, Any]:
         if update_info.tensors is not None:
             start = time.perf_counter()
-            names = install_from_iterator(self.model, update_info.tensors)
+            names = self._install(update_info, update_info.tensors)
             return {"names": names, "seconds": time.perf_counter() - start}
         return self._receive_plan(update_info)
 
@@ -178,12 +186,8 @@ class ShardTransferEngine(WeightTransferEngine[ShardInitInfo, ShardUpdateInfo]):
         want = plan.dst_shapes.get(sync_rank)
         if not want:
             raise ValueError(f"the plan has nothing for sync rank {sync_rank}")
-        have = rank_shapes(self.model)
-        wrong = [f"{n}: plan {tuple(s)} vs vLLM {have.get(n)}" for n, s in sorted(want.items())
-                 if have.get(n) != tuple(s)]
-        if wrong:
-            raise ValueError(f"sync rank {sync_rank}: the plan does not match this rank's "
-                             f"parameters: {wrong[:5]}")
+        if info.adapter is None:  # an adapter's tensors are checked as it is installed
+            _check_shapes(sync_rank, want, rank_shapes(self.model))
         start = time.perf_counter()
         if info.verify:
             channels.verify(plan)
@@ -191,13 +195,31 @@ class ShardTransferEngine(WeightTransferEngine[ShardInitInfo, ShardUpdateInfo]):
         transport = engine_transport(channels.spec, plan, sync_rank)
         items = channels.receive(plan, transport, dtype=_dtype(info.dtype),
                                  timeout_s=info.timeout_s, stats=stats)
-        names = install_from_iterator(self.model, _timed(items, waiting))
+        names = self._install(info, _timed(items, waiting))
         seconds = time.perf_counter() - start
         return {"sync_rank": sync_rank, "names": names, "seconds": seconds,
                 "install_seconds": seconds - waiting[0],
                 "bytes_received": stats.bytes_received,
                 "peak_extra_bytes": stats.peak_extra_bytes, "transport": transport,
                 "transports": channels.transports_used(plan)}
+
+    def _install(self, info: ShardUpdateInfo, items: Iterable) -> list[str]:
+        """Weights are installed each as it lands; an adapter is kept whole (copied: a
+        received tensor may be a view of transport memory the next round reuses)."""
+        if info.adapter is None:
+            return install_from_iterator(self.model, items)
+        tensors = {n: t.clone() for n, t in items}
+        check_adapter(self.model, tensors, int(info.adapter["r"]))
+        self.adapter = ReceivedAdapter(tensors, dict(info.adapter))
+        return sorted(tensors)
+
+
+def _check_shapes(sync_rank: int, want: dict, have: dict) -> None:
+    wrong = [f"{n}: plan {tuple(s)} vs vLLM {have.get(n)}" for n, s in sorted(want.items())
+             if have.get(n) != tuple(s)]
+    if wrong:
+        raise ValueError(f"sync rank {sync_rank}: the plan does not match this rank's "
+                         f"parameters: {wrong[:5]}")
 
 
 __all__ = ["ShardInitInfo", "ShardTransferEngine", "ShardUpdateInfo"]

@@ -17,6 +17,7 @@ import traceback
 from typing import Any, Callable
 
 from mcore_rl.rollout.install import rank_shapes
+from mcore_rl.rollout.lora import install_adapter
 
 
 def never_raise(method: Callable[..., dict]) -> Callable[..., dict]:
@@ -56,5 +57,15 @@ class WorkerExtension:
         if call not in outcomes:
             raise RuntimeError(f"the weight-transfer engine's {call!r} did not run")
         return dict(outcomes[call])  # its "ok" replaces never_raise's
+
+    @never_raise
+    def install_policy_adapter(self) -> dict:
+        """Install the LoRA adapter the weight-transfer engine last received as the engine's
+        adapter (again after a base update: vLLM's finish_weight_update drops adapters)."""
+        adapter = getattr(getattr(self, "weight_transfer_engine", None), "adapter", None)
+        if adapter is None:
+            raise RuntimeError("no LoRA adapter was received by this worker")
+        return {"names": install_adapter(self.model_runner.get_model(), adapter.tensors,
+                                         adapter.peft)}
 
 __all__ = ["WorkerExtension", "never_raise"]
