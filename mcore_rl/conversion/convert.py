@@ -15,10 +15,15 @@ mcore-to-hf  reads any such checkpoint (this converter's, or one megatron saved 
              The pieces come from the same TP1 shard map (`layouts.megatron_shards`); they are
              copied out directly instead of through `layouts.assemble_hf`, which allocates every
              HF tensor plus a coverage mask next to the input (≈2.5× a tensor instead of ≤2×).
+             A LoRA run's checkpoint (`lora_checkpoint`: the frozen base, the adapters and
+             lora.json) gives the merged model: every adapted HF weight is written as
+             W + (alpha / rank)·B·A, computed in float32 and cast to the output dtype. Each
+             rank reads the adapters of the weights in its share (r·(in + out) values each).
 
 Memory per rank: the Megatron chunk being built plus one HF slice (hf-to-mcore), or the region
-being read plus DCP's stored chunk while it copies (mcore-to-hf) — about twice the largest
-tensor, plus a fixed interpreter/library overhead. Never the model.
+being read plus DCP's stored chunk while it copies (mcore-to-hf; an adapted weight's region
+is read in float32) — about twice the largest tensor, plus a fixed interpreter/library
+overhead. Never the model.
 
 Ranks (`ranks.Ranks`): every rank validates the input identically, then converts its share of
 the tensors (largest first onto the least-loaded rank); rank 0 writes the small files and
@@ -44,7 +49,9 @@ from mcore_rl.conversion.dcp_io import ChunkReader, TensorChunk, save_chunks
 from mcore_rl.conversion.errors import ConversionError
 from mcore_rl.conversion.hf_source import (PreadSafetensors, check_hf_tensors, copy_side_files,
                                            read_config, read_spec)
-from mcore_rl.conversion.layout import CkptLayout, CkptTensor, checkpoint_layout
+from mcore_rl.conversion.layout import AdapterLayout, CkptLayout, CkptTensor, checkpoint_layout
+from mcore_rl.conversion.lora_checkpoint import (AdapterMerge, LoraMeta, checked_adapters,
+                                                 lora_meta_of, read_adapters)
 from mcore_rl.conversion.ranks import Ranks, current_ranks, partition
 from mcore_rl.conversion.safetensors_io import (create_files, fsync_files, plan_shards,
                                                 write_index, write_tensor)
@@ -68,12 +75,18 @@ class ConvertReport:
     seconds: float
     ranks: int
     dtype: str
+    # mcore-to-hf of a LoRA checkpoint: how many HF weights got their adapter merged in, and
+    # the adapters' scale alpha / rank.
+    merged: int = 0
+    lora_scale: float | None = None
 
     def summary(self) -> str:
         rate = self.bytes / max(self.seconds, 1e-9) / 2 ** 20
+        merged = (f"; {self.merged} of them merged with their LoRA adapters "
+                  f"(W + {self.lora_scale:g}·B·A)" if self.merged else "")
         return (f"{self.direction}: {self.tensors} tensors, {self.bytes / 2 ** 20:.1f} MiB "
                 f"({self.dtype}) in {self.seconds:.2f} s ({rate:.0f} MiB/s) on {self.ranks} "
-                f"rank(s) -> {self.dst}")
+                f"rank(s) -> {self.dst}{merged}")
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -226,23 +239,25 @@ def mcore_to_hf(src: str | Path, dst: str | Path, *, hf_config: str | Path | Non
                 progress: bool = True, ranks: Ranks | None = None,
                 tmp_dir: Path | None = None) -> ConvertReport:
     """Convert the dist checkpoint `src` into an HF folder at `dst`. `hf_config`: a folder with
-    the model's config.json (+ tokenizer); default `src/hf_config` (written by hf-to-mcore)."""
+    the model's config.json (+ tokenizer); default `src/hf_config` (written by hf-to-mcore), or
+    for a LoRA checkpoint the base recorded in its lora.json. A LoRA checkpoint's adapters are
+    merged into the weights they adapt (module docstring)."""
     ranks = ranks or current_ranks()
     t0 = time.perf_counter()
     src, dst = Path(src).absolute(), Path(dst).absolute()
-    config_dir = Path(hf_config).absolute() if hf_config else src / HF_CONFIG_DIR
 
     def preflight():
         output.check_paths(src, dst, force=force)
         reader = open_checkpoint(src)
-        _refuse_adapters(src, reader)
-        if not (config_dir / "config.json").is_file():
-            raise ConversionError(f"{config_dir}: no config.json; pass --hf-config DIR (a "
-                                  "folder with the model's HF config.json and tokenizer)")
+        lora = lora_meta_of(src, reader)
+        config_dir = model_config_dir(src, hf_config, lora.base_model if lora else None)
         spec = read_spec(config_dir)
         layout = checkpoint_layout(spec)
-        return reader, spec, layout, _plan_reads(layout, reader, dtype)
-    reader, spec, layout, units = ranks.agree(preflight)  # every rank, or none, goes on
+        adapters = checked_adapters(reader, layout, lora.config) if lora else None
+        return (reader, config_dir, spec, layout, _plan_reads(layout, reader, dtype), lora,
+                adapters)
+    # every rank, or none, goes on
+    reader, config_dir, spec, layout, units, lora, adapters = ranks.agree(preflight)
     shapes = layout.tp1.hf_shapes
     unit_of = {name: u for u in units for name in u.hf_names}
     order = sorted(shapes, key=_natural_key)
@@ -261,37 +276,50 @@ def mcore_to_hf(src: str | Path, dst: str | Path, *, hf_config: str | Path | Non
         my_bytes = sum(plan.slots[n].nbytes for u in mine for n in u.hf_names)
         my_tensors = sum(len(u.hf_names) for u in mine)
 
-        def convert():
+        def convert() -> int:
             touched = set()
+            merge = _adapters_of(reader, adapters, lora, mine)
             with _Progress("mcore-to-hf", my_bytes, my_tensors, ranks, progress) as bar:
                 def emit(name: str, tensor: torch.Tensor) -> None:
                     write_tensor(tmp, plan.slots[name], tensor)
                     touched.add(plan.slots[name].file)
                     bar.advance(plan.slots[name].nbytes)
                 for unit in mine:
-                    _read_unit(reader, unit, emit)
+                    _read_unit(reader, unit, emit, merge)
             fsync_files(tmp, sorted(touched))
-        ranks.agree(convert)
-        n, nbytes = (int(v) for v in ranks.sum([my_tensors, my_bytes]))
+            return sum(merge.adapts(n) for u in mine for n in u.hf_names) if merge else 0
+        my_merged = ranks.agree(convert)
+        n, nbytes, merged = (int(v) for v in ranks.sum([my_tensors, my_bytes, my_merged]))
 
         def finish():
             if ranks.is_first:
                 output.commit(tmp, dst, force=force)
         ranks.agree(finish)
     return ConvertReport("mcore-to-hf", str(src), str(dst), n, nbytes,
-                         time.perf_counter() - t0, ranks.world, "/".join(out_dtypes))
+                         time.perf_counter() - t0, ranks.world, "/".join(out_dtypes),
+                         merged=merged, lora_scale=lora.config.scale if lora else None)
 
 
-def _refuse_adapters(src: Path, reader: ChunkReader) -> None:
-    """A LoRA run's checkpoint (`actor.lora`) holds the frozen base and the adapters: the
-    full-model conversion would silently drop the adapters, so it is refused."""
-    adapters = sorted(k for k in reader.metadata.state_dict_metadata
-                      if ".lora.lora_" in k and not k.startswith("optimizer."))
-    if adapters:
-        raise ConversionError(
-            f"{src}: a LoRA checkpoint ({len(adapters)} adapter tensors, e.g. {adapters[0]}); "
-            "mcore-to-hf converts full models and would write the frozen base without its "
-            "adapters")
+def _adapters_of(reader: ChunkReader, adapters: AdapterLayout | None, lora: LoraMeta | None,
+                 units: list[_ReadUnit]) -> AdapterMerge | None:
+    """The adapters of the weights in `units` (this rank's share), ready to merge."""
+    if adapters is None:
+        return None
+    tensors = read_adapters(reader, adapters, {u.local.key for u in units})
+    return AdapterMerge(lora.config.scale, tensors)
+
+
+def model_config_dir(src: Path, hf_config: str | Path | None,
+                     base_model: str | None = None) -> Path:
+    """The folder with the model's HF config.json (+ tokenizer): `hf_config` if given, else
+    `src/hf_config` (hf-to-mcore writes it), else `base_model` (a LoRA checkpoint's base)."""
+    tried = ([Path(hf_config).absolute()] if hf_config else
+             [src / HF_CONFIG_DIR] + ([Path(base_model)] if base_model else []))
+    for folder in tried:
+        if (folder / "config.json").is_file():
+            return folder
+    raise ConversionError(f"{' or '.join(map(str, tried))}: no config.json; pass --hf-config "
+                          "DIR (a folder with the model's HF config.json and tokenizer)")
 
 
 def open_checkpoint(src: Path) -> ChunkReader:
@@ -315,14 +343,13 @@ def _plan_reads(layout: CkptLayout, reader: ChunkReader,
     for t in layout.tensors:
         extent = tuple(max(p.local_box[d][1] for p in t.local.pieces)
                        for d in range(len(t.local.shape)))
-        forms = t.stored_forms()
-        key, axes = next(((k, a) for k, a in forms if reader.tensor_metadata(k) is not None),
-                         forms[0])
-        md = reader.tensor_metadata(key)
-        if md is None:
-            problems.append(f"missing tensor {key}"
+        found = t.stored_form(reader)
+        if found is None:
+            problems.append(f"missing tensor {t.key}"
                             + (f" (or {', '.join(t.aliases)})" if t.aliases else ""))
             continue
+        key, axes = found
+        md = reader.tensor_metadata(key)
         lead = len(axes)
         want = tuple(n for _, n in axes) + t.local.shape
         found = tuple(md.size)
@@ -349,23 +376,36 @@ def _plan_reads(layout: CkptLayout, reader: ChunkReader,
     return units
 
 
-def _read_unit(reader: ChunkReader, unit: _ReadUnit,
-               emit: Callable[[str, torch.Tensor], None]) -> None:
-    """Read one Megatron tensor's region and emit the HF tensors it holds, each once."""
-    region = torch.empty(unit.region, dtype=unit.dtype)
+def _read_unit(reader: ChunkReader, unit: _ReadUnit, emit: Callable[[str, torch.Tensor], None],
+               merge: AdapterMerge | None = None) -> None:
+    """Read one Megatron tensor's region and emit the HF tensors it holds, each once; those
+    `merge` adapts with their adapter merged in (in float32, then cast to the unit's dtype)."""
+    adapted = {n for n in unit.hf_names if merge is not None and merge.adapts(n)}
+    region = torch.empty(unit.region, dtype=torch.float32 if adapted else unit.dtype)
     reader.read([(unit.key, unit.offsets, region)])
     local = region[(0,) * unit.lead]
     for name, shape in unit.hf:
-        pieces = [p for p in unit.local.pieces if p.hf_name == name]
-        if len(pieces) == 1 and pieces[0].hf_box == tuple((0, s) for s in shape):
-            view = local[box_slices(pieces[0].local_box)]
-            if view.is_contiguous():         # e.g. the embedding's real rows: no copy
-                emit(name, view)
-                continue
-        out = torch.empty(shape, dtype=unit.dtype)
-        for p in pieces:
-            out[box_slices(p.hf_box)] = local[box_slices(p.local_box)]
-        emit(name, out)
+        tensor = _hf_tensor(local, unit, name, shape)
+        if name in adapted:
+            # In place, also on a view of the region: the region is this unit's alone and no
+            # other HF tensor reads this part of it.
+            merge.merge_(name, tensor)
+        emit(name, tensor.to(unit.dtype))
+
+
+def _hf_tensor(local: torch.Tensor, unit: _ReadUnit, name: str,
+               shape: tuple[int, ...]) -> torch.Tensor:
+    """The HF tensor `name` from the unit's TP1 tensor `local`: a view of it when it is one
+    contiguous box, else a copy assembled from its pieces."""
+    pieces = [p for p in unit.local.pieces if p.hf_name == name]
+    if len(pieces) == 1 and pieces[0].hf_box == tuple((0, s) for s in shape):
+        view = local[box_slices(pieces[0].local_box)]
+        if view.is_contiguous():         # e.g. the embedding's real rows: no copy
+            return view
+    out = torch.empty(shape, dtype=local.dtype)
+    for p in pieces:
+        out[box_slices(p.hf_box)] = local[box_slices(p.local_box)]
+    return out
 
 
 def _major_dtype(units: list[_ReadUnit]) -> torch.dtype:

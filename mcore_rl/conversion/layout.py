@@ -26,6 +26,8 @@ depend on the grid that saved them:
   '<linear>._extra_state' one ShardedObject per layer for every TP-parallel linear (data [None]
                          for the local spec), unique key '<key>/shard_<l>_<num_layers>'
                          (`layouts.extra_state_modules`).
+  LoRA adapters          a LoRA run's '<linear>.lora.lora_a' / '.lora_b' are stored as the
+                         weight they adapt is, layer axis and all (`adapter_layout`).
   routed experts         (SequentialMLP.sharded_state_dict) 'mlp.experts.local_experts.<j>.<rest>'
                          is stored as 'mlp.experts.experts.<rest>' with an expert axis after the
                          layer axis: global [num_layers, num_experts, *tp1_shape], expert e of
@@ -51,10 +53,15 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Iterable
 
 from mcore_rl.layouts import LocalTensor, ShardMap, extra_state_modules, megatron_shards
+from mcore_rl.layouts.lora import lora_shards
 from mcore_rl.models.spec import ModelSpec
 from mcore_rl.parallel.config import ParallelConfig
+
+if TYPE_CHECKING:
+    from mcore_rl.conversion.dcp_io import ChunkReader
 
 # Dist-checkpoint keys are TE-spelled whatever layer spec saved them (module docstring).
 CHECKPOINT_SPELLING = "te"
@@ -70,6 +77,10 @@ _EXPERT_KEY = re.compile(r"^(?P<head>.+\.experts\.)local_experts\.(?P<expert>\d+
 # SequentialMLP gives expert j's f'{linear}.weight' (f'{prefix}experts.{linear}.weight').
 _GROUPED_EXPERT_KEY = re.compile(r"^(?P<head>.+\.experts\.)(?P<linear>linear_fc[12])\."
                                  r"(?P<param>weight|bias)(?P<expert>\d+)$")
+
+
+# (index, size) of each axis a checkpoint prepends to a TP1 tensor (layer, then expert).
+Axes = tuple[tuple[int, int], ...]
 
 
 class CheckpointLayoutError(ValueError):
@@ -95,7 +106,7 @@ class CkptTensor:
     aliases: tuple[str, ...] = ()
 
     @property
-    def axes(self) -> tuple[tuple[int, int], ...]:
+    def axes(self) -> Axes:
         """(index, size) of each axis the checkpoint prepends to the TP1 tensor."""
         layer = () if self.layer is None else ((self.layer, self.num_layers),)
         return layer + (() if self.expert is None else ((self.expert, self.num_experts),))
@@ -104,7 +115,7 @@ class CkptTensor:
     def keys(self) -> tuple[str, ...]:
         return (self.key, *self.aliases)
 
-    def stored_forms(self) -> list[tuple[str, tuple[tuple[int, int], ...]]]:
+    def stored_forms(self) -> list[tuple[str, Axes]]:
         """Every (key, prepended axes) a checkpoint may hold this tensor under: the stacked
         keys, then the per-layer keys of a non_homogeneous_layers=True checkpoint
         ('decoder.layers.<l>.<name>', without the layer axis)."""
@@ -114,6 +125,11 @@ class CkptTensor:
                 head, rest = key.split("layers.", 1)
                 forms.append((f"{head}layers.{self.layer}.{rest}", self.axes[1:]))
         return forms
+
+    def stored_form(self, reader: "ChunkReader") -> tuple[str, Axes] | None:
+        """The first of `stored_forms` that `reader`'s checkpoint holds, or None."""
+        return next(((key, axes) for key, axes in self.stored_forms()
+                     if reader.tensor_metadata(key) is not None), None)
 
     @property
     def per_layer_key(self) -> str | None:
@@ -186,6 +202,26 @@ def checkpoint_layout(spec: ModelSpec) -> CkptLayout:
     objects = [ShardedObject(key, None, shape, offset, replica_id=0).unique_key
                for key, shape, offset in _extra_state_objects(spec)]
     return CkptLayout(spec, tp1, tuple(tensors), tuple(objects))
+
+
+@dataclass(frozen=True)
+class AdapterLayout:
+    """A LoRA checkpoint's adapters on a layout's weights (`layouts.lora`): `tp1` the TP1
+    adapter tensors as pieces of PEFT's HF tensors, `tensors` the same as checkpoint tensors
+    (stored as the weights they adapt are: layers stacked, or per layer)."""
+
+    tp1: ShardMap
+    tensors: tuple[CkptTensor, ...]
+
+
+def adapter_layout(layout: CkptLayout, rank: int, targets: Iterable[str]) -> AdapterLayout:
+    """The adapters of rank `rank` that `targets` (LoRAConfig.targets) put on `layout`."""
+    tp1 = lora_shards(layout.tp1, rank, targets)
+    tensors = []
+    for name, local in tp1.ranks[0].items():
+        key, axes = _stored_key(name, layout.spec)
+        tensors.append(CkptTensor(key, axes[0] if axes else None, layout.spec.layers, local))
+    return AdapterLayout(tp1, tuple(tensors))
 
 
 def _stored_key(name: str, spec: ModelSpec) -> tuple[str, list[int]]:

@@ -12,7 +12,8 @@ refuses a checkpoint of the other spec before any worker starts.
 
 A LoRA role (`trainer.lora`) also gets `lora.json`: the adapters' rank, alpha, dropout and
 targets, and the HF directory of the base — what `mcore-rl convert mcore-to-peft` needs to
-write a PEFT adapter from the checkpoint.
+write a PEFT adapter from the checkpoint, and `mcore-rl convert mcore-to-hf` to write the
+merged model.
 """
 
 from __future__ import annotations

@@ -356,19 +356,50 @@ def test_lora_checkpoint_resumes_exactly_and_loads_on_another_grid(tmp_path, cap
     assert main(argv) == 2  # DST exists
     assert "already exists (pass --force" in capsys.readouterr().err
     assert main(argv + ["--force"]) == 0
+    # `convert mcore-to-hf`: the merged model, as PEFT merges the base and that adapter
+    _merged_export_equals_peft_merge(ckpt, tmp_path)
     (tmp_path / "ckpt" / "lora.json").unlink()
     assert main(argv + ["--force"]) == 2
     (line,) = capsys.readouterr().err.strip().splitlines()
     assert line.endswith("no lora.json (not a LoRA checkpoint: a run with actor.lora.rank > 0 "
                          "writes one beside its actor checkpoint)")
-    # converting it as a full model would drop the adapters: refused, naming them
+    # without lora.json the adapters' scale is unknown: refused, naming them
     from mcore_rl.conversion.convert import mcore_to_hf
     from mcore_rl.conversion.errors import ConversionError
 
-    with pytest.raises(ConversionError, match=r"a LoRA checkpoint \(8 adapter tensors, e\.g\. "
-                                              r"decoder\.layers\.mlp\.linear_fc1\.lora\."):
-        mcore_to_hf(ckpt, tmp_path / "hf", progress=False)
-    assert not (tmp_path / "hf").exists()
+    with pytest.raises(ConversionError, match=r": 8 LoRA adapter tensors \(e\.g\. decoder\."
+                                              r"layers\.mlp\.linear_fc1\.lora\.lora_a\) but "
+                                              r"no lora\.json"):
+        mcore_to_hf(ckpt, tmp_path / "hf2", hf_config=tmp_path / "base", progress=False)
+    assert not (tmp_path / "hf2").exists()
+
+
+def _merged_export_equals_peft_merge(ckpt: str, tmp_path) -> None:
+    """mcore-to-hf of the checkpoint = PEFT's merge_and_unload of the HF base (the weights the
+    run started from) with the adapter mcore-to-peft wrote at tmp_path/peft."""
+    from hf_weights import random_hf_weights
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from mcore_rl.conversion.convert import mcore_to_hf
+    from mcore_rl.models.hf_factory import hf_config_from_spec
+    from mcore_rl.models.hf_weights import SafetensorsWeights
+    from mcore_rl.models.presets import get_preset
+
+    spec = get_preset("micro")
+    report = mcore_to_hf(ckpt, tmp_path / "hf", hf_config=tmp_path / "base", progress=False)
+    assert report.merged == 7 * spec.layers
+    base = AutoModelForCausalLM.from_config(hf_config_from_spec(spec), dtype=torch.float32)
+    base.load_state_dict(random_hf_weights(spec), strict=False)
+    reference = PeftModel.from_pretrained(base, str(tmp_path / "peft")).merge_and_unload()
+    want = {k: v.detach() for k, v in reference.state_dict().items()}
+    merged = SafetensorsWeights(tmp_path / "hf")
+    assert sorted(merged.names()) == sorted(want)
+    for name in want:
+        torch.testing.assert_close(merged.tensor(name), want[name], rtol=1e-6, atol=1e-6,
+                                   msg=name)
+    q = "model.layers.0.self_attn.q_proj.weight"
+    assert not torch.equal(merged.tensor(q), random_hf_weights(spec)[q])  # adapted
 
 
 def test_the_rl_optimizer_takes_the_adapters_learning_rate():

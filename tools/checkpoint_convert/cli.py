@@ -58,12 +58,16 @@ def add_verbs(sub: argparse._SubParsersAction) -> None:
     h2m.set_defaults(func=run, verb="hf-to-mcore")
     m2h = sub.add_parser("mcore-to-hf", help="megatron dist checkpoint -> HF safetensors folder",
                          description="megatron-core dist checkpoint (any grid) -> HF "
-                                     "safetensors folder (transformers / vLLM)")
+                                     "safetensors folder (transformers / vLLM). A LoRA run's "
+                                     "actor checkpoint (actor.lora; it holds lora.json) gives "
+                                     "the merged model: W + (alpha / rank)·B·A for every "
+                                     "adapted weight")
     m2h.add_argument("src", type=Path, metavar="SRC_DIR")
     m2h.add_argument("dst", type=Path, metavar="DST_HF_DIR")
     m2h.add_argument("--hf-config", type=Path, default=None,
                      help="folder with the model's config.json + tokenizer (default: "
-                          "SRC_DIR/hf_config, written by hf-to-mcore)")
+                          "SRC_DIR/hf_config, written by hf-to-mcore; for a LoRA checkpoint "
+                          "without it, the base recorded in SRC_DIR/lora.json)")
     m2h.add_argument("--max-shard-size", default="5GB",
                      help="cap per safetensors file, e.g. 5GB, 500MB, 2GiB")
     _common(m2h)
@@ -254,12 +258,26 @@ def _spawn(args, kwargs: dict):
 
 
 def _spec_for(args):
-    from mcore_rl.conversion.convert import HF_CONFIG_DIR
+    from mcore_rl.conversion.convert import model_config_dir
     from mcore_rl.conversion.hf_source import read_spec
 
     if args.verb == "hf-to-mcore":
         return read_spec(args.src)
-    return read_spec(args.hf_config or args.src / HF_CONFIG_DIR)
+    return read_spec(model_config_dir(args.src.absolute(), args.hf_config))
+
+
+def _refuse_verify_of_lora(args) -> None:
+    """--verify runs the checkpoint's Megatron model without adapters: against a merged LoRA
+    model it would report the adapters as a conversion error."""
+    from mcore_rl.conversion.convert import open_checkpoint
+    from mcore_rl.conversion.errors import ConversionError
+    from mcore_rl.conversion.lora_checkpoint import lora_meta_of
+
+    src = args.src.absolute()
+    if args.verb == "mcore-to-hf" and lora_meta_of(src, open_checkpoint(src)) is not None:
+        raise ConversionError(f"{src}: a LoRA checkpoint; --verify runs its Megatron model "
+                              "without the adapters, so it cannot check the merged model: "
+                              "convert without --verify")
 
 
 def _verify_grid(args):
@@ -267,6 +285,7 @@ def _verify_grid(args):
     layers, EP the experts), or None without --verify."""
     if not args.verify:
         return None
+    _refuse_verify_of_lora(args)
     import math
 
     from mcore_rl.config import ConfigError
