@@ -31,9 +31,11 @@ class LoRAConfig:
     dropout: dropout on the adapters' input while training.
     targets: the linears adapted in every decoder layer (megatron's names: linear_qkv = HF's
         q/k/v_proj, linear_proj = o_proj, linear_fc1 = gate/up_proj, linear_fc2 = down_proj).
-    sync: how the engines get the policy: "merged" — each training rank merges
-        W + (alpha / rank)·B·A on its own shard and the weight sync streams the merged shards
-        (engines unchanged).
+    sync: how the engines get the policy. "adapter" (default): the engines run vLLM's LoRA
+        and each sync streams the adapters alone, every engine rank receiving them whole (the
+        base goes once per sync group when a warm-up or a checkpoint changed it). "merged":
+        each training rank merges W + (alpha / rank)·B·A on its own shard and the sync streams
+        the merged shards (engines unchanged: for an architecture vLLM serves no LoRA for).
     lr: the RL learning rate with adapters, in place of train.optimizer.lr (a full
         fine-tune's): adapters start at zero and want a larger step (the default is a 1-70B
         model's, as PEFT RL recipes use).
@@ -44,7 +46,7 @@ class LoRAConfig:
     lr: float = 1e-5
     dropout: float = 0.0
     targets: tuple[str, ...] = LORA_TARGETS
-    sync: Literal["merged"] = "merged"
+    sync: Literal["adapter", "merged"] = "adapter"
 
     def __post_init__(self) -> None:
         require_at_least(self, 0, "rank", note="0: off")
@@ -54,8 +56,8 @@ class LoRAConfig:
         if unknown or not self.targets:
             raise ConfigError("targets", list(self.targets),
                               f"each one of {', '.join(LORA_TARGETS)} (at least one)")
-        if self.sync != "merged":
-            raise ConfigError("sync", self.sync, "allowed values: merged")
+        if self.sync not in ("adapter", "merged"):
+            raise ConfigError("sync", self.sync, "allowed values: adapter, merged")
 
     @property
     def enabled(self) -> bool:

@@ -31,6 +31,7 @@ from mcore_rl.planning.sized import GiB, SizedRun
 from mcore_rl.rollout.expert_parallel import CPU_FIX as EP_CPU_FIX
 from mcore_rl.rollout.expert_parallel import CPU_REASON as EP_CPU_REASON
 from mcore_rl.rollout.expert_parallel import FIELD as EP_FIELD
+from mcore_rl.rollout.lora import VLLM_LORA_RANKS, unsupported_lora_reason
 
 
 @dataclass(frozen=True)
@@ -256,8 +257,21 @@ def check_sync_backend(run: SizedRun, spec: ModelSpec) -> Iterable[Problem]:
 
 def check_lora(run: SizedRun, spec: ModelSpec) -> Iterable[Problem]:
     """actor.lora's targets exist in the model: a mixture-of-experts layer has no dense MLP
-    (its fc1/fc2 are routed experts, which carry no adapters)."""
+    (its fc1/fc2 are routed experts, which carry no adapters). With `sync: adapter` the
+    engines serve the adapter: vLLM must support LoRA for the architecture, at the rank."""
     lora = run.cfg.actor.lora
+    if lora.enabled and lora.sync == "adapter":
+        why = unsupported_lora_reason(spec.architecture)
+        if why is None and lora.rank > VLLM_LORA_RANKS[-1]:
+            why = f"vLLM serves LoRA ranks up to {VLLM_LORA_RANKS[-1]}"
+        if why is not None:
+            yield Problem("lora", f"actor.lora.sync=adapter: {why}, so the engines cannot "
+                          f"apply the adapter (rank {lora.rank})",
+                          "actor.lora.sync=merged (the engines get merged weights)")
+        if run.cfg.rollout.enable_sleep and run.cfg.rollout.sleep_level == 2:
+            yield Problem("lora", "rollout.sleep_level=2 discards the engines' weights while "
+                          "the actor trains, and actor.lora.sync=adapter never sends the base "
+                          "again", "rollout.sleep_level=1 (or null: 1 with adapter sync)")
     missing = [t for t in lora.targets if spec.is_moe and t in ("linear_fc1", "linear_fc2")]
     if lora.enabled and missing:
         kept = [t for t in lora.targets if t not in missing]

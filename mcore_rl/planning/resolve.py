@@ -87,7 +87,8 @@ class ResolvedRun:
     enforce_eager: the engines run without CUDA graphs (`rollout.enforce_eager`, or: on CPU,
     where vLLM runs eager; not on GPU, where decode steps are captured as CUDA graphs).
     sleep_level: vLLM's sleep level where the engines sleep (`rollout.sleep_level`, or
-    `rollout.config.SLEEP_LEVEL`); they wake weights first, take the sync, then wake the KV cache.
+    `rollout.config.SLEEP_LEVEL`, or 1 with LoRA's adapter sync, which never sends the base
+    again); they wake weights first, take the sync, then wake the KV cache.
     fused_kernels / overlap_grad_reduce: every trainer of the run (`train.fused_kernels`,
     `train.overlap_grad_reduce`, or: TransformerEngine's fused kernels with the te layer spec;
     the DP grad reduction overlapped with the backward on GPU where dp > 1).
@@ -256,7 +257,8 @@ def resolve_run(cfg: "RLConfig", *, assume_gpu: bool = False,
         sync_bucket_mb=(SYNC_BUCKET_MB[device] if cfg.sync_bucket_mb is None
                         else cfg.sync_bucket_mb),
         enforce_eager=engines_run_eager(cfg.rollout, device),
-        sleep_level=engines_sleep_level(cfg.rollout),
+        sleep_level=engines_sleep_level(cfg.rollout, keeps_base=(
+            cfg.actor.lora.enabled and cfg.actor.lora.sync == "adapter")),
         fused_kernels=trainers_fuse_kernels(cfg.train.fused_kernels, layer_spec_of(device)),
         overlap_grad_reduce=(device == "cuda" and cfg.actor.dp > 1
                              if cfg.train.overlap_grad_reduce is None

@@ -37,6 +37,26 @@ def sync_plan(cfg: "RLConfig", run: "ResolvedRun", spec: "ModelSpec",
                       nodes=run.sync_nodes(engines))
 
 
+def adapter_sync_plan(cfg: "RLConfig", run: "ResolvedRun", spec: "ModelSpec",
+                      engines: int | None = None) -> "Plan":
+    """The plan of one adapter sync (`actor.lora.sync: adapter`): the actor's LoRA adapters,
+    each held as its linear's shard is (`layouts.lora_shards`), to every engine rank whole
+    (vLLM's LoRA layers cut their own slices)."""
+    from mcore_rl.config.dtypes import torch_dtype
+    from mcore_rl.layouts import megatron_shards
+    from mcore_rl.layouts.lora import lora_shards, whole_adapters
+    from mcore_rl.resharding import build_plan
+
+    engines = len(run.engine_devices) if engines is None else engines
+    lora = cfg.actor.lora
+    adapters = lora_shards(megatron_shards(spec, cfg.actor, layer_spec=run.layer_spec),
+                           lora.rank, lora.targets)
+    return build_plan(adapters, whole_adapters(adapters, cfg.rollout.tp * engines),
+                      bucket_bytes=int(run.sync_bucket_mb * (1 << 20)),
+                      element_size=torch_dtype(cfg.wire_dtype).itemsize,
+                      nodes=run.sync_nodes(engines))
+
+
 def sync_traffic(run: "ResolvedRun", plan: "Plan") -> dict:
     """Bytes per engine and transport of `plan` under `run`'s transports and nodes (module
     docstring), as plain JSON values."""

@@ -44,6 +44,7 @@ from mcore_rl.rollout.partial import current_version_logprob_diff
 from mcore_rl.rl.recovery import EngineFailed, EngineRecovery, InjectedKills
 from mcore_rl.rl.weight_sync import SyncFailed, WeightSync
 from mcore_rl.rollout.engine import RolloutError
+from mcore_rl.rollout.lora import EngineLoRA
 
 if TYPE_CHECKING:  # the run layer above builds both and hands them in
     from mcore_rl.run.config import RLConfig
@@ -108,7 +109,8 @@ class RLController:
                                   call_timeout_s=cfg.deadlines.engine_call_s,
                                   stack_dir=self.watchdog.stack_dir,
                                   inject_stall=cfg.inject_stall, placement=self.placement,
-                                  seed=derive_seed(cfg.seed, "engine"), wait=False)
+                                  seed=derive_seed(cfg.seed, "engine"), wait=False,
+                                  lora=engine_lora(cfg))
         self.watchdog.watch("engine", lambda: self.engines.pids)
         if not self.run.trainers_first:
             try:
@@ -202,6 +204,8 @@ class RLController:
         """A fresh RL optimizer on every actor rank (with LoRA at `actor.lora.lr`)."""
         train = self.cfg.actor.lora.rl_train(self.cfg.train)
         self.call_actors("reset_optimizer", train, phase="setup")
+        if self.cfg.actor.lora.enabled:  # the actor ranks attach them now if not yet
+            self.weight_sync.adapters_attached()
 
     def rl_step(self, step: int) -> dict[str, float]:
         """One RL step (module doc); its metrics. An engine lost for good in the step's sync
@@ -378,6 +382,14 @@ class RLController:
             self.placement.remove()
         finally:
             stop_local_ray()
+
+
+def engine_lora(cfg: RLConfig) -> EngineLoRA | None:
+    """What the engines need to serve the actor's adapters (`actor.lora.sync: adapter`)."""
+    lora = cfg.actor.lora
+    if not (lora.enabled and lora.sync == "adapter"):
+        return None
+    return EngineLoRA(rank=lora.rank, alpha=lora.alpha)
 
 
 def _global_update_report(per_rank: list[dict]) -> dict[str, float]:

@@ -5,6 +5,11 @@ never billed to the actor.
 
 `WeightSync` is a component of `RLController` (rl/controller.py), which wraps `sync_once`
 with the rollout pipeline's pause and engine recovery (`RLController.sync_weights`).
+
+LoRA with `actor.lora.sync: adapter`: once the actor carries its adapters, a sync streams
+the adapters alone (`adapter_sync_plan`); the engines keep their base. The base goes too, once
+per sync group, when it is not the one the engines loaded: after a warm-up trained it (or a
+checkpoint of such a run), and before the adapters exist every sync is a full one.
 """
 
 from __future__ import annotations
@@ -13,7 +18,7 @@ from typing import TYPE_CHECKING
 
 from mcore_rl.config.dtypes import torch_dtype
 from mcore_rl.launch.watchdog import WatchdogTimeout
-from mcore_rl.planning.sync_traffic import sync_plan
+from mcore_rl.planning.sync_traffic import adapter_sync_plan, sync_plan
 from mcore_rl.resharding import host_store, sync_group_spec
 from mcore_rl.resharding.plan_cache import PlanSender
 from mcore_rl.rl.actor_ranks import ActorRanks
@@ -42,6 +47,12 @@ class WeightSync:
         self.actors, self.engines, self.kills = actors, engines, kills
         self.groups_formed = 0
         self._store = None
+        lora = cfg.actor.lora
+        self.adapter_sync = lora.enabled and lora.sync == "adapter"
+        # the adapters exist from the start unless a warm-up trains the whole model first
+        # (the controller's reset_optimizer attaches them then: `adapters_attached`)
+        self.adapters_on = lora.enabled and cfg.warmup.max_steps == 0
+        self._base_current = False  # the engines hold the actor's base (set per group)
         self._build_plan()
         self.join_group()
 
@@ -50,6 +61,10 @@ class WeightSync:
         and its sender (resharding/plan_cache.py: sent whole once per sync group)."""
         self.plan = sync_plan(self.cfg, self.run, self.spec, self.engines.num_engines)
         self._plan_sender = PlanSender(self.plan)
+        self._adapter_sender = None
+        if self.adapter_sync:
+            self._adapter_sender = PlanSender(adapter_sync_plan(
+                self.cfg, self.run, self.spec, self.engines.num_engines))
 
     def join_group(self) -> None:
         """Form the sync group (again after an engine restart: a new store and prefix)."""
@@ -61,7 +76,11 @@ class WeightSync:
                                timeout_s=self.cfg.deadlines.sync_s,
                                engines=self.engines.num_engines)
         self.groups_formed += 1
-        self._plan_sender.joined()  # members may be new: the next sync sends the whole plan
+        for sender in (self._plan_sender, self._adapter_sender):
+            if sender is not None:  # members may be new: the next sync sends the whole plan
+                sender.joined()
+        # a base no warm-up trained is the one every engine loads at start-up
+        self._base_current = self.cfg.warmup.max_steps == 0
         self.engines.start_join_sync_group(spec, self.cfg.actor.world_size,
                                            devices=self.run.engine_devices)
         self.actors.wait([w.join_sync_group.remote(spec, self.run.actor_devices[rank])
@@ -93,23 +112,41 @@ class WeightSync:
               "generate from this sync on", flush=True)
         return joined
 
+    def adapters_attached(self) -> None:
+        """The actor carries its LoRA adapters from now on (after a warm-up)."""
+        self.adapters_on = True
+
     def sync_once(self) -> dict[str, float]:
         """One sync into every engine of the group; raises SyncFailed naming the engines
-        that died (rl/recovery.py restarts them)."""
-        plan = self._plan_sender.payload()  # the whole plan once per group, then its reference
+        that died (rl/recovery.py restarts them). With adapter sync: the adapters, after the
+        base when the engines' is not the actor's (module doc)."""
+        if not (self.adapter_sync and self.adapters_on):
+            return self._sync(self._plan_sender, merged=True)
+        stats = {}
+        if not self._base_current:
+            stats = self._sync(self._plan_sender, merged=False)
+            self._base_current = True
+        adapter = self._sync(self._adapter_sender, merged=False, adapter=True)
+        return {"sync_bytes": stats.get("sync_bytes", 0.0) + adapter["sync_bytes"],
+                "sync_bytes_ipc": stats.get("sync_bytes_ipc", 0.0) + adapter["sync_bytes_ipc"],
+                "sync_adapter_bytes": adapter["sync_bytes"]}
+
+    def _sync(self, sender: PlanSender, *, merged: bool, adapter: bool = False
+              ) -> dict[str, float]:
+        plan = sender.payload()  # the whole plan once per group, then its reference
         self.engines.begin_sync(plan, dtype=torch_dtype(self.cfg.wire_dtype),
-                                timeout_s=self.cfg.deadlines.sync_s)
+                                timeout_s=self.cfg.deadlines.sync_s, adapter=adapter)
         self.kills.inject("sync")
-        stats = self.finish_sync(plan)
-        self._plan_sender.delivered()
+        stats = self.finish_sync(plan, merged=merged)
+        sender.delivered()
         return stats
 
-    def finish_sync(self, plan) -> dict[str, float]:
+    def finish_sync(self, plan, *, merged: bool = True) -> dict[str, float]:
         """The trainer side of a started sync. A failure is blamed on the engines that died,
         by name, when there are any (a bare transport error only says a peer left)."""
         try:
             stats = self.actors.call("send_weights", plan, self.cfg.wire_dtype,
-                                     self.cfg.deadlines.sync_s, phase="sync")
+                                     self.cfg.deadlines.sync_s, merged, phase="sync")
             self.engines.finish_sync()
         except WatchdogTimeout:
             raise

@@ -262,9 +262,12 @@ def engines_run_eager(rollout: RolloutConfig, device: str) -> bool:
     return eager
 
 
-def engines_sleep_level(rollout: RolloutConfig) -> int:
-    """`rollout.sleep_level`, or `SLEEP_LEVEL`."""
-    return SLEEP_LEVEL if rollout.sleep_level is None else rollout.sleep_level
+def engines_sleep_level(rollout: RolloutConfig, keeps_base: bool = False) -> int:
+    """`rollout.sleep_level`, or `SLEEP_LEVEL` — or 1 where the syncs do not send the base
+    weights back (`keeps_base`: LoRA's adapter sync), which level 2 would discard."""
+    if rollout.sleep_level is not None:
+        return rollout.sleep_level
+    return 1 if keeps_base else SLEEP_LEVEL
 
 
 __all__ = ["RolloutConfig", "SLEEP_LEVEL", "SamplingConfig", "engines_run_eager",

@@ -67,10 +67,12 @@ def trainer_kernels(run) -> str:
 
 
 def lora_row(lora) -> str:
-    """The actor's adapters, as `actor.lora` sets them."""
+    """The actor's adapters, as `actor.lora` sets them, and how the engines get them."""
+    engines = ("the adapters alone each sync (vLLM's LoRA)" if lora.sync == "adapter" else
+               "W + (alpha/rank)·B·A merged per shard")
     return (f"rank {lora.rank} · alpha {lora.alpha:g} · lr {lora.lr:g} on "
             f"{', '.join(lora.targets)} · base frozen, reference = base · engines get "
-            "W + (alpha/rank)·B·A merged per shard")
+            f"{engines}")
 
 
 def megatron_experts(run) -> str:

@@ -324,10 +324,11 @@ class ActorWorker:
             return False  # it is dropped either way
         return True
 
-    def local_tensors(self) -> Mapping[str, torch.Tensor]:
+    def local_tensors(self, merged: bool = True) -> Mapping[str, torch.Tensor]:
         """This rank's parameters keyed as `megatron_shards` names them (the run's layer spec);
-        `_extra_state` entries are not weights and are never synced. With LoRA: the policy's
-        weights, each adapted one merged on this shard (`lora.MergedWeights`)."""
+        `_extra_state` entries are not weights and are never synced. With LoRA and `merged`:
+        the policy's weights, each adapted one merged on this shard (`lora.MergedWeights`);
+        without `merged`: the frozen base and the adapters (`<linear>.lora.lora_a|b`)."""
         out, adapted = {}, {}
         prefix = "model{v}." if self.parallel.vpp is not None else ""
         for v, chunk in enumerate(self.trainer.unwrapped()):
@@ -339,24 +340,26 @@ class ActorWorker:
 
                 adapted.update({f"{prefix.format(v=v)}{name}.weight": linear
                                 for name, linear in lora_linears([chunk])})
-        if self.lora is None:
+        if self.lora is None or not merged:
             return out
         from mcore_rl.megatron.lora import MergedWeights
 
         return MergedWeights(out, adapted)
 
     def send_weights(self, plan: Plan | PlanRef, dtype: str = "float32",
-                     timeout_s: float = 120.0) -> dict:
+                     timeout_s: float = 120.0, merged: bool = True) -> dict:
         """Stream this rank's shards to the inference ranks (the plan says which bytes go
         where), to each engine by its transport. Returns this rank's transport stats
-        (`bytes_sent_ipc` / `bytes_sent_p2p`: bytes by transport)."""
+        (`bytes_sent_ipc` / `bytes_sent_p2p`: bytes by transport). merged: with LoRA, the
+        plan's weights are the policy's merged ones; False: the base's, or the adapters
+        themselves (`local_tensors`)."""
         if self.sync_group is None:
             raise RuntimeError(f"actor rank {self.rank}: join_sync_group was not called")
         wire = torch_dtype(dtype)
         plan = self._plans.resolve(plan)  # sent whole once per sync group, then by reference
         maybe_stall("sync", f"rank{self.rank}", self.inject_stall)
         self.sync_group.verify(plan)
-        return self.sync_group.send(plan, self.local_tensors(), dtype=wire,
+        return self.sync_group.send(plan, self.local_tensors(merged), dtype=wire,
                                     timeout_s=timeout_s)
 
     # --- checkpoints --------------------------------------------------------------------------

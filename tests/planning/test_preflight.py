@@ -497,7 +497,49 @@ def test_lora_targets_that_a_moe_model_lacks_are_named_with_a_fix():
     assert not [p for p in problems if p.check == "lora"]
     for override, field in (("actor.lora.rank=-2", "actor.lora.rank"),
                             ("actor.lora.targets=[q_proj]", "actor.lora.targets"),
-                            ("actor.lora.sync=adapter", "actor.lora.sync")):
+                            ("actor.lora.sync=both", "actor.lora.sync")):
         with pytest.raises(ConfigError) as err:
             load_config(RLConfig, L8, [override])
         assert err.value.field == field and "\n" not in str(err.value)
+
+
+def test_adapter_sync_on_an_architecture_vllm_serves_no_lora_for_is_refused_in_one_line():
+    """`actor.lora.sync: adapter` needs vLLM's LoRA for the model's architecture (vLLM's
+    BloomForCausalLM implements none) and a rank vLLM serves; the fix is the merged sync."""
+    from dataclasses import replace
+
+    from mcore_rl.models.presets import get_preset
+    from mcore_rl.planning.grid_checks import check_lora
+
+    llama = get_preset("llama3-8b")
+    run = sized_run(load_config(RLConfig, L8, ["actor.lora.rank=16"]), cuda_available=False)
+    assert not list(check_lora(run, llama))
+    (bloom,) = check_lora(run, replace(llama, architecture="BloomForCausalLM"))
+    assert bloom.message == ("actor.lora.sync=adapter: vLLM's BloomForCausalLM does not "
+                             "support LoRA, so the engines cannot apply the adapter (rank 16)")
+    assert bloom.fix == "actor.lora.sync=merged (the engines get merged weights)"
+    merged = sized_run(load_config(RLConfig, L8, ["actor.lora.rank=16", "actor.lora.sync=merged"]),
+                       cuda_available=False)
+    assert not list(check_lora(merged, replace(llama, architecture="BloomForCausalLM")))
+    big = sized_run(load_config(RLConfig, L8, ["actor.lora.rank=1024"]), cuda_available=False)
+    (rank,) = check_lora(big, llama)
+    assert "vLLM serves LoRA ranks up to 512" in rank.message
+
+
+def test_adapter_sync_keeps_the_sleeping_engines_base():
+    """An adapter sync never sends the base again, so sleeping engines offload it (level 1)
+    instead of discarding it; an explicit level 2 is refused in one line."""
+    from mcore_rl.models.presets import get_preset
+    from mcore_rl.planning.grid_checks import check_lora
+    from mcore_rl.planning.resolve import resolve_run
+
+    def level(overrides):
+        return resolve_run(load_config(RLConfig, L8, overrides), assume_gpu=True).sleep_level
+
+    assert level([]) == 2 and level(["actor.lora.rank=16", "actor.lora.sync=merged"]) == 2
+    assert level(["actor.lora.rank=16"]) == 1
+    discard = sized_run(load_config(RLConfig, L8, ["actor.lora.rank=16",
+                                                   "rollout.sleep_level=2"]),
+                        cuda_available=False)
+    (problem,) = check_lora(discard, get_preset("llama3-8b"))
+    assert problem.message.startswith("rollout.sleep_level=2 discards the engines' weights")

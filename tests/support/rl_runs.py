@@ -28,9 +28,10 @@ def run_steps(cfg, model_dir, out, steps, *, resume_from=None, save_at=None):
         controller.shutdown()
 
 
-def step_then_sample(cfg, model_dir, out, *, greedy: bool = False) -> dict:
+def step_then_sample(cfg, model_dir, out, *, greedy: bool = False, sft_steps: int = 0) -> dict:
     """One RL step (the actor updates, then syncs), then the engines sample 8 held-out prompts
-    (T=1, two samples each; with `greedy`, also greedy). Returns the step's metrics, the
+    (T=1, two samples each; with `greedy`, also greedy). sft_steps: warm-up steps first (the
+    whole model trains, nothing synced). Returns the step's metrics, the
     actor's shards per rank, the prompts, the samples, the greedy outputs (or None), the
     model spec and the resolved run — what the sync-vs-HF checks compare."""
     from mcore_rl.rl.controller import RLController
@@ -39,8 +40,12 @@ def step_then_sample(cfg, model_dir, out, *, greedy: bool = False) -> dict:
 
     controller = RLController(cfg, model_dir, out)
     try:
+        for k in range(1, sft_steps + 1):
+            batch = controller.sampler.warmup_batch(k)
+            controller.call_actors("sft_step", batch.tokens, batch.labels, batch.mask,
+                                   phase="warmup")
         controller.reset_optimizer()
-        controller.sync_weights()
+        first_sync = controller.sync_weights()
         step = controller.rl_step(1)
         shards = controller.call_actors("export_weights", phase="save")
         sampler = controller.sampler
@@ -52,7 +57,8 @@ def step_then_sample(cfg, model_dir, out, *, greedy: bool = False) -> dict:
                        if greedy else None)
     finally:
         controller.shutdown()
-    return {"step": step, "shards": dict(enumerate(shards)), "prompts": prompts,
+    return {"step": step, "first_sync": first_sync, "shards": dict(enumerate(shards)),
+            "prompts": prompts,
             "sampled": sampled, "greedy": greedy_outs, "spec": controller.spec,
             "run": controller.run}
 
