@@ -49,11 +49,12 @@ class Trainer:
     the sync group) or "ipc" (the trainer's shared staging buffer, as for colocated engines)."""
 
     def __init__(self, tp: int, engines: int = 1, timeout_s: float = 60.0,
-                 transport: str = "p2p"):
+                 transport: str = "p2p", plan=None):
+        """plan: what a sync moves (default: the whole model, HF's layout to vLLM's)."""
         from mcore_rl.layouts import hf_shards
         from mcore_rl.resharding import build_plan, host_store
 
-        self.plan = build_plan(hf_shards(SPEC), vllm_shards(SPEC, tp, engines))
+        self.plan = plan or build_plan(hf_shards(SPEC), vllm_shards(SPEC, tp, engines))
         self.store = host_store(world_size=self.plan.world_size)
         self.timeout_s = timeout_s
         self.incarnation = 0
@@ -87,12 +88,12 @@ class Trainer:
         self.channels.close()
         self.channels = None
 
-    def sync(self, engines, state: dict[str, torch.Tensor]):
-        """Stream `state` into the engines; returns (engine report(s), the trainer's send stats:
-        `SyncChannels.send`'s dict)."""
+    def sync(self, engines, state: dict[str, torch.Tensor], adapter: bool = False):
+        """Stream `state` into the engines (`adapter`: a plan of LoRA adapters); returns
+        (engine report(s), the trainer's send stats: `SyncChannels.send`'s dict)."""
         from mcore_rl.resharding import SyncError
 
-        engines.begin_sync(self.plan)
+        engines.begin_sync(self.plan, adapter=adapter)
         try:
             self.channels.verify(self.plan)
             stats = self.channels.send(self.plan, state, dtype=torch.float32,
