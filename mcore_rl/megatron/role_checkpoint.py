@@ -53,6 +53,14 @@ def save_role(trainer, ckpt_dir: Path, rank: int, *, base_model: str | None = No
         _write_json(ckpt_dir / LORA_FILE, {**asdict(trainer.lora), "base_model": base_model})
 
 
+def saved_base_model(ckpt_dir: Path) -> str | None:
+    """The base model a LoRA role's checkpoint records (None: not a LoRA checkpoint)."""
+    path = ckpt_dir / LORA_FILE
+    if not path.is_file():
+        return None
+    return json.loads(path.read_text()).get("base_model")
+
+
 def _write_json(path: Path, data: dict) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text(json.dumps(data, indent=1))

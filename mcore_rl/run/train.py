@@ -200,6 +200,8 @@ def _start_or_resume(controller, cfg, out: Path, model_dir: Path,
         from mcore_rl.run.hf_export import export_actor_hf
 
         export_actor_hf(controller, model_dir, out / WARMUP_HF)
+        # the base LoRA adapters (attached next) sit on: what the run's checkpoints record
+        controller.call_actors("set_base_model", str(out / WARMUP_HF), phase="setup")
     controller.reset_optimizer()
     return accuracy, 1
 

@@ -77,6 +77,7 @@ class ActorWorker:
         self.groups = join_worker_world(rank, world_size, store_address, parallel,
                                         timeout_s=timeout_s, device=device)
         self.rank, self.spec, self.parallel, self.hf_dir = rank, spec, parallel, hf_dir
+        self.base_model = hf_dir  # the HF model the frozen base equals (a LoRA checkpoint's)
         self.layer_spec = layer_spec
         self.shards = megatron_shards(spec, parallel, layer_spec=layer_spec)
         weights = SafetensorsWeights(hf_dir)
@@ -368,17 +369,24 @@ class ActorWorker:
         """Actor (and critic) model + optimizer + schedule + RNG into ckpt_dir (collective)."""
         from mcore_rl.megatron.role_checkpoint import save_role
 
-        save_role(self.trainer, Path(ckpt_dir) / "actor", self.rank, base_model=self.hf_dir)
+        save_role(self.trainer, Path(ckpt_dir) / "actor", self.rank, base_model=self.base_model)
         if self.critic is not None:
             save_role(self.critic, Path(ckpt_dir) / "critic", self.rank)
         return True
 
     def load_checkpoint(self, ckpt_dir: str) -> bool:
-        from mcore_rl.megatron.role_checkpoint import load_role
+        from mcore_rl.megatron.role_checkpoint import load_role, saved_base_model
 
         load_role(self.trainer, Path(ckpt_dir) / "actor", self.rank)
+        self.base_model = saved_base_model(Path(ckpt_dir) / "actor") or self.base_model
         if self.critic is not None:
             load_role(self.critic, Path(ckpt_dir) / "critic", self.rank)
+        return True
+
+    def set_base_model(self, hf_dir: str) -> bool:
+        """The HF model the actor's base now equals (the warm-up's export): what a LoRA
+        checkpoint records as its adapters' base."""
+        self.base_model = hf_dir
         return True
 
     def export_weights(self) -> dict[str, torch.Tensor]:

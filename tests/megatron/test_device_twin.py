@@ -183,3 +183,59 @@ def test_train_lm_rank_device(monkeypatch):
     assert lm.rank_device(7) == 3
     monkeypatch.setattr("mcore_rl.parallel.groups.default_backend", lambda: "gloo")
     assert lm.rank_device(7) is None
+
+
+@pytest.fixture
+def one_rank_world():
+    """A one-rank gloo world: megatron's TP mappings want a real group (of size 1 here)."""
+    import torch.distributed as dist
+
+    mine = not dist.is_initialized()
+    if mine:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield dist.group.WORLD
+    if mine:
+        dist.destroy_process_group()
+
+
+def _twin_linear(out_features: int, in_features: int, group, fused_norm: bool = False):
+    """What a LoRAAdapter reads of megatron's linear on one rank (tp=1), on the twin device."""
+    config = types.SimpleNamespace(sequence_parallel=False, normalization="RMSNorm",
+                                   layernorm_zero_centered_gamma=False, layernorm_epsilon=1e-5)
+    linear = torch.nn.Module()
+    linear.weight = torch.nn.Parameter(twin(torch.randn(out_features, in_features)),
+                                       requires_grad=False)
+    linear.tp_group = group
+    linear.config = config
+    if fused_norm:
+        linear.layer_norm_weight = torch.nn.Parameter(twin(torch.ones(in_features)))
+    return linear
+
+
+@pytest.mark.parametrize("kind", ["column", "row"])
+def test_lora_adapter_forward_backward_and_merge_on_device(kind, one_rank_world):
+    """megatron.lora: the adapter's A (initialised on the host) and B live on the weight's
+    device; its output, its grads and the merged weight stay there."""
+    from mcore_rl.megatron.config import LoRAConfig
+    from mcore_rl.megatron.lora import LoRAAdapter, MergedWeights
+
+    linear = _twin_linear(6, 4, one_rank_world)
+    adapter = LoRAAdapter(linear, kind, LoRAConfig(rank=2, alpha=4.0), seed=1)
+    out = adapter(twin(torch.randn(B, S, 4)))
+    out.sum().backward()
+    assert_on_twin(adapter.lora_a, adapter.lora_b, out, adapter.lora_a.grad,
+                   adapter.lora_b.grad)
+    linear.lora = adapter
+    merged = MergedWeights({"w.weight": linear.weight, "w.lora.lora_a": adapter.lora_a},
+                           {"w.weight": linear})
+    assert list(merged) == ["w.weight"]
+    assert_on_twin(merged["w.weight"])
+
+
+def test_lora_adapter_input_of_a_layernorm_fused_linear_on_device():
+    """megatron.lora.adapter_input: the RMSNorm the te spec fuses into qkv / fc1, recomputed
+    for the adapter, on the input's device."""
+    from mcore_rl.megatron.lora import adapter_input
+
+    linear = _twin_linear(6, 4, None, fused_norm=True)
+    assert_on_twin(adapter_input(linear, twin(torch.randn(B, S, 4))))
