@@ -91,7 +91,9 @@ def sync_traffic(run: "ResolvedRun", plan: "Plan") -> dict:
 def explain_traffic(cfg: "RLConfig", run: "ResolvedRun") -> dict:
     """The keys `mcore-rl explain` adds to its JSON: `sync_traffic` (per engine and in all)
     and `cross_node_ipc_bytes`; both None, with `sync_traffic_error`, when the model cannot be
-    sized here (no preset and no config.json) or the layouts do not connect."""
+    sized here (no preset and no config.json) or the layouts do not connect. With LoRA's
+    adapter sync, `adapter_sync_traffic`: what each step's sync moves (`sync_traffic` is then
+    the base's, sent once per sync group when a warm-up changed it)."""
     from mcore_rl.config import ConfigError
     from mcore_rl.layouts.shards import LayoutError
     from mcore_rl.planning.sized import resolve_model
@@ -100,10 +102,14 @@ def explain_traffic(cfg: "RLConfig", run: "ResolvedRun") -> dict:
     try:
         spec = resolve_model(cfg.model.planning_model(), "model.hf_dir")
         traffic = sync_traffic(run, sync_plan(cfg, run, spec))
+        lora = cfg.actor.lora
+        adapters = (sync_traffic(run, adapter_sync_plan(cfg, run, spec))
+                    if lora.enabled and lora.sync == "adapter" else None)
     except (ConfigError, LayoutError, PlanError) as err:
         return {"sync_traffic": None, "cross_node_ipc_bytes": None,
                 "sync_traffic_error": str(err)}
-    return {"sync_traffic": traffic, "cross_node_ipc_bytes": traffic["cross_node_ipc_bytes"]}
+    return {"sync_traffic": traffic, "cross_node_ipc_bytes": traffic["cross_node_ipc_bytes"],
+            "adapter_sync_traffic": adapters}
 
 
-__all__ = ["explain_traffic", "sync_plan", "sync_traffic"]
+__all__ = ["adapter_sync_plan", "explain_traffic", "sync_plan", "sync_traffic"]

@@ -78,6 +78,11 @@ def test_explain_overrides_and_bad_input(no_cuda, capsys):
     traffic = summary["sync_traffic"]
     assert summary["cross_node_ipc_bytes"] == 0 and traffic["network_bytes"] > 0
     assert all(e["ipc_bytes"] > 0 and e["network_bytes"] > 0 for e in traffic["engines"])
+    # LoRA's adapter sync: each step moves the adapters, a small fraction of the model
+    assert main(["explain", l8, "--assume-gpu", "actor.lora.rank=16", "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    full, adapters = summary["sync_traffic"], summary["adapter_sync_traffic"]
+    assert 0 < 50 * (adapters["ipc_bytes"] + adapters["p2p_bytes"]) < full["ipc_bytes"]
     assert main(["explain", l8, "rollout.engines=8"]) == 2  # 16 engine ranks on 8 devices
     assert "rollout.engines=8: colocated placement" in capsys.readouterr().err
 
