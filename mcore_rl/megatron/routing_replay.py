@@ -1,0 +1,154 @@
+"""MoE routing replay on the Megatron actor: forwards that record which experts each token's
+router chose, and forwards that use given choices instead of the router's own top-k — so the
+update passes run the experts the π_old pass (or the rollout) used (`algorithm.routing_replay`).
+
+megatron-core's routers call a `RouterReplay` (transformer/moe/router_replay.py) around their
+top-k (`moe_utils.topk_routing_with_score_function`, whose `router_replay` argument is the
+router's `router_replay` attribute, read at every forward). Replaying gathers the router's
+current scores at the given experts, so the gate values still train and only the choice of
+experts is fixed. `RouterReplay` keeps every instance in one process-wide list for its static
+setters, which would mix the actor's routers with the reference model's; each of our routers
+gets its own `LayerReplay` instead, reached through the model.
+
+Token order: a router sees its rank's tokens as megatron holds them, [s, b] flattened
+sequence-major (a packed row [1, T] in its order). Routing travels per row, [b, s, layers, k]
+(`router_order` / `row_order`).
+
+Not supported with full activation recompute (`train.recompute: full`): the recomputed forward
+of a micro batch runs during its backward, after later micro batches set their own choices.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator
+
+import torch
+from megatron.core.transformer.moe.router_replay import RouterReplay
+
+
+class LayerReplay(RouterReplay):
+    """One MoE layer's router hook: off, "record" (keep the top-k it computes) or "replay"
+    (use `target`, counting the tokens whose own top-k set differs: `flips`)."""
+
+    def __init__(self, layer: int):
+        # not RouterReplay.__init__: that registers the instance in the process-wide list
+        self.layer = layer
+        self.mode: str | None = None
+        self.recorded: torch.Tensor | None = None
+        self.target: torch.Tensor | None = None
+        self.flips = 0
+        self.tokens = 0
+
+    def get_replay_topk(self, scores, topk, num_groups=None, group_topk=None,
+                        default_compute_topk=None):
+        probs, own = default_compute_topk(scores, topk, num_groups=num_groups,
+                                          group_topk=group_topk)
+        if self.mode == "record":
+            self.recorded = own.detach()
+            return probs, own
+        if self.mode != "replay":
+            return probs, own
+        target = self.target
+        if target is None or tuple(target.shape) != tuple(own.shape):
+            raise ValueError(f"routing replay, layer {self.layer}: the router has "
+                             f"{tuple(own.shape)} top-k choices to replace, the replay gives "
+                             f"{None if target is None else tuple(target.shape)}")
+        target = target.to(device=scores.device, dtype=own.dtype)
+        differs = (own.sort(-1).values != target.sort(-1).values).any(-1)
+        self.flips += int(differs.sum())
+        self.tokens += own.shape[0]
+        return scores.gather(1, target), target
+
+
+def moe_routers(chunks: list[torch.nn.Module]) -> Iterator[tuple[int, torch.nn.Module]]:
+    """(global layer index, router) of every MoE layer of this rank's chunks, in layer order."""
+    for chunk in chunks:
+        for layer in chunk.decoder.layers:
+            router = getattr(layer.mlp, "router", None)
+            if router is not None:
+                yield layer.layer_number - 1, router
+
+
+def install_replay(chunks: list[torch.nn.Module]) -> list[LayerReplay]:
+    """A `LayerReplay` on every MoE router of `chunks` (off until `recording` / `replaying`)."""
+    hooks = []
+    for layer, router in moe_routers(chunks):
+        router.router_replay = LayerReplay(layer)
+        hooks.append(router.router_replay)
+    if not hooks:
+        raise ValueError("routing replay: the model has no MoE layer")
+    return hooks
+
+
+def _hooks(chunk: torch.nn.Module) -> list[LayerReplay]:
+    hooks = [router.router_replay for _, router in moe_routers([chunk])]
+    if not all(isinstance(h, LayerReplay) for h in hooks):
+        raise RuntimeError("routing replay: install_replay was not called on this model")
+    return hooks
+
+
+@contextlib.contextmanager
+def recording(chunk: torch.nn.Module):
+    """Inside the block every forward of `chunk` records its routing; `recorded(chunk)` reads
+    the last forward's."""
+    hooks = _hooks(chunk)
+    for h in hooks:
+        h.mode, h.recorded = "record", None
+    try:
+        yield
+    finally:
+        for h in hooks:
+            h.mode = None
+
+
+def recorded(chunk: torch.nn.Module) -> torch.Tensor:
+    """The routing of `chunk`'s last recorded forward: [layers of the chunk, tokens, k]."""
+    hooks = _hooks(chunk)
+    if any(h.recorded is None for h in hooks):
+        raise RuntimeError("routing replay: no forward was recorded")
+    return torch.stack([h.recorded for h in hooks])
+
+
+@contextlib.contextmanager
+def replaying(chunk: torch.nn.Module, routing: torch.Tensor):
+    """Inside the block `chunk`'s forwards use `routing` ([layers of the chunk, tokens, k],
+    in router order) instead of their routers' top-k."""
+    hooks = _hooks(chunk)
+    if routing.shape[0] != len(hooks):
+        raise ValueError(f"routing replay: {routing.shape[0]} layers of routing for a chunk "
+                         f"with {len(hooks)} MoE layers")
+    for h, target in zip(hooks, routing):
+        h.mode, h.target = "replay", target
+    try:
+        yield
+    finally:
+        for h in hooks:
+            h.mode, h.target = None, None
+
+
+def flip_counts(chunks: list[torch.nn.Module], reset: bool = True) -> tuple[int, int]:
+    """(token-layer choices that differed from the replayed ones, choices replayed) since the
+    last reset, over this rank's routers."""
+    hooks = [h for chunk in chunks for h in _hooks(chunk)]
+    counts = (sum(h.flips for h in hooks), sum(h.tokens for h in hooks))
+    if reset:
+        for h in hooks:
+            h.flips = h.tokens = 0
+    return counts
+
+
+def router_order(rows: torch.Tensor) -> torch.Tensor:
+    """Per-row routing [b, s, layers, k] → the routers' order [layers, s·b, k]."""
+    b, s, layers, k = rows.shape
+    return rows.permute(2, 1, 0, 3).reshape(layers, s * b, k)
+
+
+def row_order(tokens: torch.Tensor, b: int) -> torch.Tensor:
+    """The routers' order [layers, s·b, k] → per row [b, s, layers, k]."""
+    layers, n, k = tokens.shape
+    return tokens.reshape(layers, n // b, b, k).permute(2, 1, 0, 3)
+
+
+__all__ = ["LayerReplay", "flip_counts", "install_replay", "moe_routers", "recorded",
+           "recording", "replaying", "router_order", "row_order"]
