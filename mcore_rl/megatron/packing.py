@@ -184,16 +184,16 @@ def pack(tensors: dict[str, torch.Tensor], plan: PackPlan) -> list[dict[str, tor
 
 
 def unpack(outputs: list[torch.Tensor], plan: PackPlan) -> torch.Tensor:
-    """Per-token outputs of the packed micro batches ([1, T] or [T] each) → [n, s] in the
-    original row order, zeros on padding."""
+    """Per-token outputs of the packed micro batches ([1, T] or [T] each, or [1, T, ...] with
+    per-token trailing dims) → [n, s, ...] in the original row order, zeros on padding."""
     if len(outputs) != len(plan.bins):
         raise ValueError(f"outputs: {len(outputs)} micro batches, the plan has {len(plan.bins)}")
-    first = outputs[0].reshape(-1)
-    result = first.new_zeros((len(plan.lengths), plan.seq_len))
+    trailing = tuple(outputs[0].shape[2:]) if outputs[0].dim() > 2 else ()
+    result = outputs[0].new_zeros((len(plan.lengths), plan.seq_len, *trailing))
     for i, (rows, out) in enumerate(zip(plan.bins, outputs)):
-        out = out.reshape(-1)
-        if out.numel() != plan.row_lens[i]:
-            raise ValueError(f"outputs[{i}]: {out.numel()} tokens, expected {plan.row_lens[i]}")
+        out = out.reshape(-1, *trailing)
+        if out.shape[0] != plan.row_lens[i]:
+            raise ValueError(f"outputs[{i}]: {out.shape[0]} tokens, expected {plan.row_lens[i]}")
         start = 0
         for r in rows:
             result[r, :plan.lengths[r]] = out[start:start + plan.lengths[r]]

@@ -17,6 +17,7 @@ mini-batch would. The entropy bonus and KL loss terms aggregate the same way.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from dataclasses import dataclass
 
@@ -27,6 +28,7 @@ from mcore_rl.algorithms.vocab_parallel import vocab_parallel_log_probs_and_entr
 from mcore_rl.parallel.groups import Axis
 from mcore_rl.megatron.train import (MegatronTrainer, MicroBatch, global_report_sum,
                                      optimizer_step)
+from mcore_rl.megatron import routing_replay as rr
 from mcore_rl.megatron.packing import model_inputs, per_sequence
 from mcore_rl.megatron.schedule import run_schedule
 
@@ -49,6 +51,7 @@ class PolicyBatch:
     ref_logp: torch.Tensor | None = None  # with a KL loss term
     is_weights: torch.Tensor | None = None  # rollout correction (tis / mis), detached
     segment_ids: torch.Tensor | None = None
+    routing: torch.Tensor | None = None  # MoE experts to replay [b, s, layers, k]
 
     @property
     def loss_mask(self) -> torch.Tensor:  # what the schedule helper checks shapes of
@@ -74,10 +77,14 @@ def logp_and_entropy(trainer: MegatronTrainer, logits: torch.Tensor,
     return vocab_parallel_log_probs_and_entropy(masked, labels, tp_group=tp_group)
 
 
-def compute_logprobs(trainer: MegatronTrainer,
-                     micro_batches: list[MicroBatch]) -> list[torch.Tensor] | None:
+def compute_logprobs(trainer: MegatronTrainer, micro_batches: list[MicroBatch], *,
+                     routing_out: list | None = None) -> list[torch.Tensor] | None:
     """Log-probs of the labels per micro batch ([b, s], fp32) on the last pipeline stage;
-    None on other stages. Forward only (old / reference log-probs)."""
+    None on other stages. Forward only (old / reference log-probs). A micro batch with
+    `routing` replays it (megatron/routing_replay.py); `routing_out` (a list): filled with each
+    micro batch's routing as this rank's MoE routers chose it, [b, s, layers, k] (-1 in the
+    layers other stages hold; gathered over TP with sequence parallelism)."""
+    recorded: dict[int, list[torch.Tensor]] = {}
 
     def collect(labels, logits, non_loss_data=False):
         # called by the schedule on the last pipeline stage only (others hold hidden states)
@@ -86,12 +93,27 @@ def compute_logprobs(trainer: MegatronTrainer,
 
     def step(data_iterator, chunk):
         batch = next(data_iterator)
-        return chunk(**model_inputs(batch, chunk.config)), functools.partial(collect, batch.labels)
+        sp_group = _sequence_parallel_group(trainer, chunk)
+        record = rr.recording(chunk) if routing_out is not None else contextlib.nullcontext()
+        with rr.replaying_rows(chunk, batch.routing, sp_group), record:
+            out = chunk(**model_inputs(batch, chunk.config))
+        if routing_out is not None:
+            recorded.setdefault(id(chunk), []).append(rr.recorded_rows(
+                chunk, batch.tokens.shape[0], trainer.spec.layers, sp_group))
+        return out, functools.partial(collect, batch.labels)
 
     with torch.no_grad():
         out = run_schedule(trainer.model, trainer.groups, micro_batches, forward_step=step,
                            forward_only=True, collect_non_loss_data=True)
+    if routing_out is not None:  # micro batch i: the i-th forward of every chunk, merged
+        routing_out.extend(torch.stack(parts).amax(0) for parts in zip(*recorded.values()))
     return out if trainer.groups.is_last_stage else None
+
+
+def _sequence_parallel_group(trainer: MegatronTrainer, chunk):
+    """The TP group when `chunk` shards activations along the sequence (else None)."""
+    return (trainer.groups.group(Axis.TP) if rr.unwrapped(chunk).config.sequence_parallel
+            else None)
 
 
 def _normaliser(mask: torch.Tensor, agg: str) -> torch.Tensor:
@@ -138,7 +160,8 @@ def _policy_loss(batch: PolicyBatch, algo: AlgorithmConfig, trainer: MegatronTra
 
 def _policy_forward(data_iterator, model, *, algo: AlgorithmConfig, trainer: MegatronTrainer):
     batch = next(data_iterator)
-    logits = model(**model_inputs(batch, model.config))
+    with rr.replaying_rows(model, batch.routing, _sequence_parallel_group(trainer, model)):
+        logits = model(**model_inputs(batch, model.config))
     return logits, functools.partial(_policy_loss, batch, algo, trainer)
 
 

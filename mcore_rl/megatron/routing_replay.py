@@ -82,7 +82,7 @@ def install_replay(chunks: list[torch.nn.Module]) -> list[LayerReplay]:
 
 
 def _hooks(chunk: torch.nn.Module) -> list[LayerReplay]:
-    hooks = [router.router_replay for _, router in moe_routers([chunk])]
+    hooks = [router.router_replay for _, router in moe_routers([unwrapped(chunk)])]
     if not all(isinstance(h, LayerReplay) for h in hooks):
         raise RuntimeError("routing replay: install_replay was not called on this model")
     return hooks
@@ -138,6 +138,52 @@ def flip_counts(chunks: list[torch.nn.Module], reset: bool = True) -> tuple[int,
     return counts
 
 
+def chunk_layers(chunk: torch.nn.Module) -> list[int]:
+    """Global indices of `chunk`'s MoE layers (megatron wrappers unwrapped)."""
+    return [layer for layer, _ in moe_routers([unwrapped(chunk)])]
+
+
+def unwrapped(chunk: torch.nn.Module) -> torch.nn.Module:
+    """The GPTModel inside megatron's DDP / Float16Module wrappers."""
+    while not hasattr(chunk, "decoder") and hasattr(chunk, "module"):
+        chunk = chunk.module
+    return chunk
+
+
+@contextlib.contextmanager
+def replaying_rows(chunk: torch.nn.Module, rows: torch.Tensor | None, tp_group=None):
+    """`replaying` a micro batch's per-row routing `rows` [b, s, all layers, k] on `chunk`
+    (its layers taken; with sequence parallelism, `tp_group`: this TP rank's 1/tp of the
+    positions). rows None: the routers route."""
+    if rows is None:
+        yield
+        return
+    model = unwrapped(chunk)
+    mine = rows[:, :, chunk_layers(model)]
+    if tp_group is not None:
+        per = mine.shape[1] // tp_group.size()
+        start = tp_group.rank() * per
+        mine = mine[:, start:start + per]
+    with replaying(model, router_order(mine)):
+        yield
+
+
+def recorded_rows(chunk: torch.nn.Module, b: int, num_layers: int,
+                  tp_group=None) -> torch.Tensor:
+    """`chunk`'s last recorded routing as per-row routing [b, s, num_layers, k] (int16; -1 in
+    the layers other chunks and stages hold); with sequence parallelism the TP ranks' positions
+    gathered over `tp_group`."""
+    model = unwrapped(chunk)
+    rows = row_order(recorded(model), b)  # [b, s_local, chunk's MoE layers, k]
+    if tp_group is not None and tp_group.size() > 1:
+        parts = [torch.empty_like(rows) for _ in range(tp_group.size())]
+        torch.distributed.all_gather(parts, rows.contiguous(), group=tp_group)
+        rows = torch.cat(parts, dim=1)
+    out = rows.new_full((b, rows.shape[1], num_layers, rows.shape[-1]), -1)
+    out[:, :, chunk_layers(model)] = rows
+    return out.to(torch.int16)
+
+
 def router_order(rows: torch.Tensor) -> torch.Tensor:
     """Per-row routing [b, s, layers, k] → the routers' order [layers, s·b, k]."""
     b, s, layers, k = rows.shape
@@ -150,5 +196,6 @@ def row_order(tokens: torch.Tensor, b: int) -> torch.Tensor:
     return tokens.reshape(layers, n // b, b, k).permute(2, 1, 0, 3)
 
 
-__all__ = ["LayerReplay", "flip_counts", "install_replay", "moe_routers", "recorded",
-           "recording", "replaying", "router_order", "row_order"]
+__all__ = ["LayerReplay", "chunk_layers", "flip_counts", "install_replay", "moe_routers",
+           "recorded", "recorded_rows", "recording", "replaying", "replaying_rows",
+           "router_order", "row_order", "unwrapped"]

@@ -130,3 +130,145 @@ def test_token_orders_round_trip():
     assert tokens.shape == (3, 10, 2)
     assert torch.equal(tokens[1, 1], rows[1, 0, 1])  # sequence-major: token (s=0, b=1)
     assert torch.equal(row_order(tokens, 2), rows)
+
+
+# --- the passes on training grids -------------------------------------------------------------
+
+ROWS, SEQ = 4, 16
+GRID_TOKENS = torch.randint(0, MICRO.vocab, (ROWS, SEQ), generator=torch.Generator().manual_seed(5))
+GRID_MASK = (torch.arange(SEQ) < torch.tensor([[16], [11], [13], [8]])).float()  # valid prefixes
+
+
+def _grid_passes(rank, world, spec, parallel_kw, weights, moved, dispatcher, packed):
+    """On a grid: record routing in the π_old pass (`compute_logprobs(routing_out=...)`) on
+    `weights`; then on `moved`, the free and the replayed log-probs. This DP slice's rows (last
+    stage, TP rank 0), routing [rows, s, layers, k] and the replay's flip counts."""
+    from mcore_rl.layouts import materialize_rank, megatron_shards
+    from mcore_rl.megatron import routing_replay as rr
+    from mcore_rl.megatron.config import TrainConfig
+    from mcore_rl.megatron.packing import pack, plan_packing, unpack
+    from mcore_rl.algorithms import AlgorithmConfig
+    from mcore_rl.megatron.policy import PolicyBatch, compute_logprobs, policy_update
+    from mcore_rl.megatron.train import MicroBatch, setup_trainer
+    from mcore_rl.models.gpt import load_chunks
+    from mcore_rl.parallel.config import ParallelConfig
+    from mcore_rl.parallel.groups import Axis, init_training_groups
+
+    parallel = ParallelConfig(**parallel_kw)
+    groups = init_training_groups(parallel)
+    shards = megatron_shards(spec, parallel)
+
+    def load(chunks, state):
+        load_chunks(chunks, materialize_rank(shards, rank, lambda n: torch.from_numpy(state[n])),
+                    parallel.vpp)
+
+    train = TrainConfig(micro_batch_size=1, seq_len=SEQ, moe_dispatcher=dispatcher)
+    trainer = setup_trainer(spec, groups, train, load_weights=lambda c: load(c, weights))
+    rr.install_replay(trainer.unwrapped())
+    per = ROWS // parallel.dp
+    mine = slice(groups.rank_in(Axis.DP) * per, (groups.rank_in(Axis.DP) + 1) * per)
+    rows = {"tokens": GRID_TOKENS[mine], "labels": GRID_TOKENS[mine],
+            "loss_mask": GRID_MASK[mine]}
+    plan = plan_packing([int(m.sum()) for m in GRID_MASK[mine]], 2 * SEQ, seq_len=SEQ,
+                        multiple=parallel.tp) if packed else None
+
+    def passes(tensors, routing_out=None):
+        if plan is None:
+            batches = [MicroBatch(**{k: v[i:i + 1] for k, v in tensors.items()})
+                       for i in range(per)]
+        else:
+            batches = [MicroBatch(**p) for p in pack(tensors, plan)]
+        out = compute_logprobs(trainer, batches, routing_out=routing_out)
+        if routing_out is not None:
+            routing_out[:] = [unpack(routing_out, plan) if plan else torch.cat(routing_out)]
+        if out is None:
+            return None
+        return unpack(out, plan) if plan else torch.cat(out)
+
+    recorded = []
+    old = passes(rows, recorded)
+    load(trainer.unwrapped(), moved)
+    free = passes(rows)
+    replayed = passes({**rows, "routing": recorded[0]})
+    flips = rr.flip_counts(trainer.unwrapped())
+    # an update replaying the routing: its forward reproduces the replayed log-probs (π_old
+    # here), so nothing moved before the step
+    old_logp = replayed if replayed is not None else torch.zeros(per, SEQ)
+    adv = torch.linspace(-1, 1, ROWS)[mine, None].expand(per, SEQ)
+    update = policy_update(trainer, [PolicyBatch(
+        GRID_TOKENS[mine][i:i + 1], GRID_TOKENS[mine][i:i + 1], GRID_MASK[mine][i:i + 1],
+        old_logp[i:i + 1], adv[i:i + 1], routing=recorded[0][i:i + 1]) for i in range(per)],
+        AlgorithmConfig(clip_c=None))
+    last = groups.is_last_stage and groups.rank_in(Axis.TP) == 0
+    return {"dp": groups.rank_in(Axis.DP), "stage": groups.rank_in(Axis.PP),
+            "tp": groups.rank_in(Axis.TP), "routing": recorded[0].numpy(),
+            "old": old.numpy() if last else None, "free": free.numpy() if last else None,
+            "replayed": replayed.numpy() if last else None, "flips": flips,
+            "update": {k: update[k] for k in ("pg_loss", "grad_norm")},
+            "moved_before_step": update["logp_moved_local"] if last else None}
+
+
+def _assembled(results, key):
+    """The rows of every DP slice, in order (from the ranks that return them)."""
+    by_dp = {r["dp"]: r[key] for r in results if r[key] is not None}
+    return np.concatenate([by_dp[d] for d in sorted(by_dp)])
+
+
+def _routing(results):
+    """Every DP slice's routing, all layers (each stage records its own, -1 elsewhere)."""
+    out = {}
+    for r in results:
+        if r["tp"] == 0:
+            part = out.setdefault(r["dp"], np.full_like(r["routing"], -1))
+            np.maximum(part, r["routing"], out=part)
+    return np.concatenate([out[d] for d in sorted(out)])
+
+
+@pytest.fixture(scope="module")
+def grid_runs():
+    spec = QWEN3_MOE.with_(norm_topk_prob=True)
+    weights = random_hf_weights(spec, seed=12)
+    moved = perturbed_routers(weights)
+    args = (spec, {k: v.numpy() for k, v in weights.items()},
+            {k: v.numpy() for k, v in moved.items()})
+    runs = {"one": run_on_ranks(_grid_passes, 1, args[0], {}, *args[1:], "allgather", False,
+                                timeout_s=300),
+            "packed": run_on_ranks(_grid_passes, 1, args[0], {}, *args[1:], "allgather", True,
+                                   timeout_s=300),
+            # alltoall at tp > 1 gathers uneven token counts, which gloo cannot
+            "tp2ep2": run_on_ranks(_grid_passes, 4, args[0],
+                                   dict(tp=2, dp=2, ep=2, sequence_parallel=True), *args[1:],
+                                   "allgather", False, timeout_s=600),
+            "ep2_alltoall": run_on_ranks(_grid_passes, 2, args[0], dict(dp=2, ep=2), *args[1:],
+                                         "alltoall", False, timeout_s=300),
+            "pp2": run_on_ranks(_grid_passes, 2, args[0], dict(pp=2), *args[1:], "allgather",
+                                False, timeout_s=300)}
+    return runs
+
+
+def test_one_process_replay_fixes_the_recorded_experts(grid_runs):
+    (one,) = grid_runs["one"]
+    valid = GRID_MASK.numpy() > 0
+    assert np.abs(one["old"] - one["free"])[valid].max() > 1e-3  # the moved routers matter
+    assert np.abs(one["replayed"] - one["free"])[valid].max() > 1e-3
+    flips, tokens = one["flips"]
+    assert 0 < flips < tokens == ROWS * SEQ * QWEN3_MOE.layers
+    assert one["moved_before_step"] < 1e-5  # the update's forward replayed the routing
+
+
+@pytest.mark.parametrize("grid", ["packed", "tp2ep2", "ep2_alltoall", "pp2"])
+def test_grids_and_packing_record_and_replay_as_one_process(grid_runs, grid):
+    """Routing recorded on the grid (every stage's layers, SP positions gathered over TP) and
+    log-probs with it replayed equal one process's; packed rows equal padded ones."""
+    (one,), runs = grid_runs["one"], grid_runs[grid]
+    valid = GRID_MASK.numpy() > 0
+    routing, want = _routing(runs), _routing([one])
+    # every valid token's experts agree (a packed row's padding carries no routing)
+    assert (np.sort(routing, -1) == np.sort(want, -1))[valid].all()
+    for key in ("old", "free", "replayed"):
+        np.testing.assert_allclose(_assembled(runs, key)[valid], _assembled([one], key)[valid],
+                                   atol=2e-5, err_msg=key)
+    if grid != "packed":  # the update with the routing replayed: the same step
+        for run in runs:
+            assert run["update"] == pytest.approx(one["update"], rel=1e-4, abs=1e-6)
+            assert run["moved_before_step"] is None or run["moved_before_step"] < 1e-5
