@@ -11,6 +11,7 @@ from mcore_rl.config import require_above, require_at_least, require_in_range, r
 
 ADVANTAGE_ESTIMATORS: tuple[str, ...] = ("gae", "grpo", "rloo", "reinforce_pp")
 KL_MODES: tuple[str, ...] = ("loss", "reward")
+ROUTING_REPLAY: tuple[str, ...] = ("none", "old", "rollout")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -44,6 +45,12 @@ class AlgorithmConfig:
         row's π_old before the update (rollout_correction mode "none", no kl_mode "reward");
         the step's mismatch metrics then cover mini-batches 2.. (TRL does the same with one
         mini-batch). false: the pass covers every row.
+    routing_replay: MoE models — which experts the update passes use. "none": each forward's
+        routers choose. "old" (R2): the π_old pass records every token's experts per layer
+        and every update mini-batch replays them (the pass then covers every row, and runs
+        with rollout_correction bypass too, for the routing alone). "rollout" (R3): the
+        engines' routing, replayed in the π_old and update passes (needs vLLM's routed-expert
+        output: GPU engines; not available yet).
     """
 
     advantage_estimator: Literal["gae", "grpo", "rloo", "reinforce_pp"] = "grpo"
@@ -66,6 +73,7 @@ class AlgorithmConfig:
     rollout_correction: RolloutCorrectionConfig = field(
         default_factory=RolloutCorrectionConfig)
     old_logprob_from_update: bool = True
+    routing_replay: Literal["none", "old", "rollout"] = "none"
 
     def __post_init__(self) -> None:
         require_one_of(self, "advantage_estimator", ADVANTAGE_ESTIMATORS)
@@ -80,6 +88,7 @@ class AlgorithmConfig:
         require_in_range(self, 0, 1, "gamma", "lam")
         require_above(self, 0, "value_clip", optional=True, note="null turns it off")
         require_above(self, 0, "grpo_eps")
+        require_one_of(self, "routing_replay", ROUTING_REPLAY)
 
     @property
     def kl_in_reward(self) -> bool:
@@ -87,4 +96,4 @@ class AlgorithmConfig:
         return bool(self.kl_coeff) and self.kl_mode == "reward"
 
 
-__all__ = ["ADVANTAGE_ESTIMATORS", "AlgorithmConfig", "KL_MODES"]
+__all__ = ["ADVANTAGE_ESTIMATORS", "AlgorithmConfig", "KL_MODES", "ROUTING_REPLAY"]

@@ -29,7 +29,8 @@ from megatron.core.transformer.moe.router_replay import RouterReplay
 
 class LayerReplay(RouterReplay):
     """One MoE layer's router hook: off, "record" (keep the top-k it computes) or "replay"
-    (use `target`, counting the tokens whose own top-k set differs: `flips`)."""
+    (use `target`, counting the tokens whose own top-k set differs: `flips`, of `replayed`;
+    `seen`: every token routed while installed)."""
 
     def __init__(self, layer: int):
         # not RouterReplay.__init__: that registers the instance in the process-wide list
@@ -37,13 +38,13 @@ class LayerReplay(RouterReplay):
         self.mode: str | None = None
         self.recorded: torch.Tensor | None = None
         self.target: torch.Tensor | None = None
-        self.flips = 0
-        self.tokens = 0
+        self.flips = self.replayed = self.seen = 0
 
     def get_replay_topk(self, scores, topk, num_groups=None, group_topk=None,
                         default_compute_topk=None):
         probs, own = default_compute_topk(scores, topk, num_groups=num_groups,
                                           group_topk=group_topk)
+        self.seen += own.shape[0]
         if self.mode == "record":
             self.recorded = own.detach()
             return probs, own
@@ -57,7 +58,7 @@ class LayerReplay(RouterReplay):
         target = target.to(device=scores.device, dtype=own.dtype)
         differs = (own.sort(-1).values != target.sort(-1).values).any(-1)
         self.flips += int(differs.sum())
-        self.tokens += own.shape[0]
+        self.replayed += own.shape[0]
         return scores.gather(1, target), target
 
 
@@ -127,14 +128,15 @@ def replaying(chunk: torch.nn.Module, routing: torch.Tensor):
             h.mode, h.target = None, None
 
 
-def flip_counts(chunks: list[torch.nn.Module], reset: bool = True) -> tuple[int, int]:
-    """(token-layer choices that differed from the replayed ones, choices replayed) since the
-    last reset, over this rank's routers."""
+def flip_counts(chunks: list[torch.nn.Module], reset: bool = True) -> tuple[int, int, int]:
+    """(token-layer choices that differed from the replayed ones, choices replayed, choices
+    made) since the last reset, over this rank's routers."""
     hooks = [h for chunk in chunks for h in _hooks(chunk)]
-    counts = (sum(h.flips for h in hooks), sum(h.tokens for h in hooks))
+    counts = (sum(h.flips for h in hooks), sum(h.replayed for h in hooks),
+              sum(h.seen for h in hooks))
     if reset:
         for h in hooks:
-            h.flips = h.tokens = 0
+            h.flips = h.replayed = h.seen = 0
     return counts
 
 

@@ -280,6 +280,30 @@ def check_lora(run: SizedRun, spec: ModelSpec) -> Iterable[Problem]:
                       f"actor.lora.targets=[{', '.join(kept or ['linear_qkv', 'linear_proj'])}]")
 
 
+def check_routing_replay(run: SizedRun, spec: ModelSpec) -> Iterable[Problem]:
+    """algorithm.routing_replay: a MoE model; "old" replays what the π_old pass recorded
+    (not under full recompute, whose recomputed forwards run after later micro batches set
+    theirs); "rollout" needs the engines' routed experts, which mcore-rl does not carry yet."""
+    replay = run.cfg.algorithm.routing_replay
+    if replay == "none":
+        return
+    if not spec.is_moe:
+        yield Problem("routing-replay", f"algorithm.routing_replay={replay}: {spec.family} "
+                      "has no MoE layer, so there is no routing to replay",
+                      "algorithm.routing_replay=none")
+    if replay == "rollout":
+        why = ("vLLM returns each token's experts only from its V2 model runner, which needs "
+               "Triton (GPU)" if run.device == "cpu" else
+               "mcore-rl does not carry the engines' routed experts to the actor yet")
+        yield Problem("routing-replay", f"algorithm.routing_replay=rollout: {why}",
+                      "algorithm.routing_replay=old (the π_old pass's routing)")
+    if run.cfg.train.recompute == "full":
+        yield Problem("routing-replay", f"algorithm.routing_replay={replay} with "
+                      "train.recompute=full: a recomputed forward runs during its backward, "
+                      "after later micro batches set their own experts",
+                      "train.recompute=selective (or none)")
+
+
 def check_cpu_engine(run: SizedRun, spec: ModelSpec) -> Iterable[Problem]:
     if run.device == "cpu" and not 32 <= spec.head_dim <= 512:
         yield Problem("cpu-head-dim", f"head_dim={spec.head_dim}: vLLM's CPU attention supports "
@@ -367,6 +391,7 @@ CHECKS: tuple[tuple[str, Callable[[SizedRun, ModelSpec], Iterable[Problem]]], ..
     ("cpu-head-dim", check_cpu_engine),
     ("reward-model", check_reward_model),
     ("lora", check_lora),
+    ("routing-replay", check_routing_replay),
     ("memory", check_memory),
 )
 

@@ -45,6 +45,7 @@ class ActorRanks:
             layer_spec=run.layer_spec, fused_kernels=run.fused_kernels,
             overlap_grad_reduce=run.overlap_grad_reduce, compiled_fusions=run.compiled_fusions,
             lora=cfg.actor.lora, lora_from_start=cfg.warmup.max_steps == 0,
+            routing_replay=cfg.algorithm.routing_replay != "none",
             seed=derive_seed(cfg.seed, "train"))
             for rank in range(world)]
         watchdog.watch("rank", lambda: self.pids)
@@ -69,14 +70,33 @@ class ActorRanks:
         """`method(*args)` on every rank; their results in rank order."""
         return self.wait([getattr(w, method).remote(*args) for w in self.workers], phase)
 
-    def per_token(self, method: str, batch: Batch, phase: str) -> torch.Tensor:
+    def per_token(self, method: str, batch: Batch, phase: str,
+                  routing: torch.Tensor | None = None) -> torch.Tensor:
         """A forward-only pass on every rank; one [n, s] result, assembled over DP. The
-        response mask tells packed passes where each row's real tokens end."""
-        outs = self.call(method, batch.tokens, batch.labels, batch.mask, phase=phase)
+        response mask tells packed passes where each row's real tokens end. routing: the
+        experts the pass replays ([n, s, layers, k])."""
+        extra = () if routing is None else (routing,)
+        outs = self.call(method, batch.tokens, batch.labels, batch.mask, *extra, phase=phase)
         if self._output_slots is None:
             self._output_slots = self.call("dp_rank_of_output", phase=phase)
         by_dp = {dp: out for dp, out in zip(self._output_slots, outs) if dp is not None}
         return torch.cat([by_dp[d] for d in range(self.dp)])
+
+    def logprobs_and_routing(self, batch: Batch, phase: str) -> tuple[torch.Tensor,
+                                                                      torch.Tensor]:
+        """The old log-probs [n, s] and the experts the actor's MoE routers chose for every
+        token, [n, s, layers, k]: each DP slice's rows, every pipeline stage's layers."""
+        outs = self.call("logprobs_and_routing", batch.tokens, batch.labels, batch.mask,
+                         phase=phase)
+        logp = {o["dp"]: o["logp"] for o in outs if o["logp"] is not None}
+        routing: dict[int, torch.Tensor] = {}
+        for o in outs:  # each stage holds its layers, -1 in the others'
+            if o["routing"] is not None:
+                have = routing.get(o["dp"])
+                routing[o["dp"]] = (o["routing"] if have is None
+                                    else torch.maximum(have, o["routing"]))
+        return (torch.cat([logp[d] for d in range(self.dp)]),
+                torch.cat([routing[d] for d in range(self.dp)]))
 
     def shutdown(self, timeout_s: float = 10.0) -> None:
         """Ask every rank to stop; one stuck in a collective is left to Ray's shutdown."""

@@ -141,6 +141,9 @@ class RLController:
         self.pipeline = start_pipeline(cfg, self.sampler, self.recovery, self.run.device)
         # rollout.startup_engines: the rest start now that the run is up, and join at a sync
         self.engines.start_late_engines()
+        self.routing = None  # a step's experts to replay (algorithm.routing_replay)
+        # R3's source of the rollout's routing: (batch, completions) -> [n, s, layers, k]
+        self.rollout_routing = None
 
     # --- what the run loop calls ------------------------------------------------------------
 
@@ -300,15 +303,49 @@ class RLController:
         the engine's and corrected by `algorithm.rollout_correction`."""
         correction = self.cfg.algorithm.rollout_correction
         rollout_logp = engine_logprobs(completions, batch.mask)
+        self.routing = None  # the experts the update replays (algorithm.routing_replay)
+        if self.cfg.algorithm.routing_replay == "rollout":  # R3: the engines' routing
+            self.routing = self._rollout_routing(batch, completions)
+            with timer("old_logprob"):
+                passed = self.actors.per_token("logprobs", batch, "old_logprob",
+                                               routing=self.routing)
+            if correction.mode == "bypass":
+                return rollout_logp, None, {}
+            return self._compared_old_policy(passed, completions, batch.mask, rollout_logp,
+                                             step, skip=0)
+        if self.cfg.algorithm.routing_replay == "old":  # R2: recorded in the π_old pass
+            with timer("old_logprob"):
+                passed, self.routing = self.actors.logprobs_and_routing(batch, "old_logprob")
+            if correction.mode == "bypass":  # the pass ran for the routing alone
+                return rollout_logp, None, {}
+            return self._compared_old_policy(passed, completions, batch.mask, rollout_logp,
+                                             step, skip=0)
         if correction.mode == "bypass":  # the engine's log-probs are the old policy
             return rollout_logp, None, {}
         skip = self._old_logp_rows_from_update(batch.tokens.shape[0])
         rest = Batch(batch.tokens[skip:], batch.labels[skip:], batch.mask[skip:])
         with timer("old_logprob"):
             passed = self.actors.per_token("logprobs", rest, "old_logprob")
+        return self._compared_old_policy(passed, completions, batch.mask, rollout_logp, step,
+                                         skip)
+
+    def _rollout_routing(self, batch: Batch, completions) -> torch.Tensor:
+        """The experts the engines routed every token of `batch` to, [n, s, layers, k]
+        (`rollout_routing`: a callable given the batch and completions)."""
+        if self.rollout_routing is None:
+            raise RuntimeError("algorithm.routing_replay=rollout: the engines' routed experts "
+                               "are not carried to the actor yet (preflight refuses this run)")
+        return self.rollout_routing(batch, completions)
+
+    def _compared_old_policy(self, passed, completions, mask, rollout_logp, step: int,
+                             skip: int):
+        """π_old from the actor's pass `passed` (rows skip..), its mismatch with the engine's
+        and the rollout correction's weights."""
+        correction = self.cfg.algorithm.rollout_correction
+        mask = mask[skip:]
         # the first `skip` rows: NaN, the update's own forward (rl_step.PolicyBatch)
         old_logp = torch.cat([torch.full((skip, passed.shape[1]), float("nan")), passed])
-        completions, mask = completions[skip:], rest.mask
+        completions = completions[skip:]
         # vLLM's log-probs of its samples vs the actor's on the same (synced) weights: ~0
         # means the weight sync is exact; it grows if the engine serves stale weights (and
         # off-policy it measures the staleness)
@@ -352,6 +389,8 @@ class RLController:
             policy["ref_logp"] = extra["ref_logp"]
         if is_weights is not None:
             policy["is_weights"] = is_weights
+        if self.routing is not None:  # the experts of the π_old pass, replayed
+            policy["routing"] = self.routing
         with timer("update_actor"):  # every mini-batch in one call (ActorWorker.update)
             per_rank = self.call_actors("update", policy, cfg.algorithm, cfg.updates_per_batch,
                                    phase="update_actor")
@@ -395,10 +434,16 @@ def engine_lora(cfg: RLConfig) -> EngineLoRA | None:
 def _global_update_report(per_rank: list[dict]) -> dict[str, float]:
     """One mini-batch's update report: the global metrics (the same on every rank) and
     logp_moved, the largest of the ranks' own (see rl_step.policy_update)."""
-    report = {k: v for k, v in per_rank[0].items() if k != "logp_moved_local"}
+    report = {k: v for k, v in per_rank[0].items()
+              if k != "logp_moved_local" and not k.startswith("routing_")}
     moved = [r["logp_moved_local"] for r in per_rank
              if not math.isnan(r["logp_moved_local"])]
     report["logp_moved"] = max(moved, default=float("nan"))
+    if "routing_replayed_local" in per_rank[0]:  # counts over every rank's routers
+        flips, replayed, seen = (sum(r[f"routing_{k}_local"] for r in per_rank)
+                                 for k in ("flips", "replayed", "seen"))
+        report["routing/flip_frac"] = flips / max(replayed, 1.0)
+        report["routing/replayed_frac"] = replayed / max(seen, 1.0)
     return report
 
 
@@ -406,9 +451,12 @@ def _update_metrics(updates: list[dict]) -> dict[str, float]:
     """The policy update's report: the last mini-batch's losses (the first's entropy: before
     any update moved the policy) and its sequence packing."""
     last = updates[-1]
+    routing = {k: sum(u[k] for u in updates) / len(updates)  # mean over the mini-batches
+               for k in ("routing/flip_frac", "routing/replayed_frac") if k in last}
     return {"pg_loss": last["pg_loss"], "clip_frac": last["clip_frac"],
             "ppo_kl": last["ppo_kl"], "entropy": updates[0]["entropy"],
-            "grad_norm": last["grad_norm"], "kl_ref": last["kl_ref"], **packing_metrics(last)}
+            "grad_norm": last["grad_norm"], "kl_ref": last["kl_ref"], **packing_metrics(last),
+            **routing}
 
 
 __all__ = ["Batch", "RLController", "Rollouts", "SyncFailed", "build_batch", "driver_address"]

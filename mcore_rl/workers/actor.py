@@ -45,7 +45,8 @@ class ActorWorker:
                  device: str = "cpu", layer_spec: str = "local",
                  fused_kernels: bool = False, overlap_grad_reduce: bool = False,
                  compiled_fusions: bool = False, lora: LoRAConfig | None = None,
-                 lora_from_start: bool = True, seed: int = derive_seed(0, "train")):
+                 lora_from_start: bool = True, routing_replay: bool = False,
+                 seed: int = derive_seed(0, "train")):
         """Roles colocated on this rank: the actor always; a critic (PPO) when
         `critic_train` is given; a frozen reference policy when `reference`.
         seed: megatron's weight init and RNG tracker of every model here (the run's
@@ -59,6 +60,8 @@ class ActorWorker:
         the weights sent to the engines are merged per shard. lora_from_start: the adapters
         are there from the start (no full-model warm-up: the base never gets grad buffers or
         optimizer states); otherwise they are added when RL starts (`reset_optimizer`).
+        routing_replay: the actor's MoE routers can record and replay their experts
+        (`algorithm.routing_replay`, megatron/routing_replay.py).
         stack_dir: where this process dumps its stacks on SIGUSR1 (the watchdog).
         inject_stall: fault injection for watchdog tests ("<phase>@rank<r>").
         slot: this rank's device index on its node (the run's placement plan; reported by
@@ -100,6 +103,10 @@ class ActorWorker:
         self.trainer = setup_trainer(spec, self.groups, train, load_weights=load, seed=seed,
                                      lora=self.lora if self.lora_attached else None, **kernels)
         self.train_cfg = train
+        if routing_replay:
+            from mcore_rl.megatron.routing_replay import install_replay
+
+            install_replay(self.trainer.unwrapped())
         self.critic = (setup_trainer(spec, self.groups, critic_train, load_weights=load_critic,
                                      seed=seed, **kernels)
                        if critic_train is not None else None)
@@ -189,34 +196,67 @@ class ActorWorker:
                                  MicroBatch, mask="loss_mask")
         return asdict(train_step(self.trainer, batches))
 
-    def _forward_only(self, fn, model, tokens, labels, response_mask=None,
-                      train: TrainConfig | None = None) -> torch.Tensor | None:
-        """Run a forward-only pass over this DP slice; the last stage's TP rank 0 returns the
-        [n, s] result (others return None: the controller takes one copy per DP slice).
-        Packed passes are unpacked back to [n, s] (zeros after each row's valid tokens);
-        `response_mask` bounds the valid tokens (without it rows are packed whole)."""
+    def _forward_batches(self, tokens, labels, response_mask=None,
+                         train: TrainConfig | None = None, routing=None):
+        """This DP slice as the forward-only passes' micro batches, and the PackPlan (None:
+        fixed rows). `response_mask` bounds the valid tokens (without it rows are packed
+        whole); `routing` [n, s, layers, k]: the experts the pass replays."""
         from mcore_rl.megatron.train import MicroBatch
 
         mask = torch.ones_like(labels) if response_mask is None else response_mask
-        batches, plan = self._micro({"tokens": tokens, "labels": labels, "loss_mask": mask},
-                                    MicroBatch, train=self._forward_train(train, len(tokens)),
-                                    mask=None if response_mask is None else "loss_mask")
-        out = fn(model, batches)
-        if out is None or self.groups.rank_in(Axis.TP) != 0:
-            return None
+        rows = {"tokens": tokens, "labels": labels, "loss_mask": mask}
+        if routing is not None:
+            rows["routing"] = routing
+        return self._micro(rows, MicroBatch, train=self._forward_train(train, len(tokens)),
+                           mask=None if response_mask is None else "loss_mask")
+
+    @staticmethod
+    def _rows(out: list[torch.Tensor], plan) -> torch.Tensor:
+        """Per-micro-batch outputs back to this slice's rows [n, s, ...] (packed ones
+        unpacked, zeros after each row's valid tokens), on the host for the controller."""
         if plan is not None:
             from mcore_rl.megatron.packing import unpack
 
-            return unpack(out, plan).cpu()  # to the controller as a host tensor
+            return unpack(out, plan).cpu()
         return torch.cat(out).cpu()
 
-    def logprobs(self, tokens, labels, response_mask=None) -> torch.Tensor | None:
+    def _forward_only(self, fn, model, tokens, labels, response_mask=None,
+                      train: TrainConfig | None = None, routing=None) -> torch.Tensor | None:
+        """Run a forward-only pass over this DP slice; the last stage's TP rank 0 returns the
+        [n, s] result (others return None: the controller takes one copy per DP slice)."""
+        batches, plan = self._forward_batches(tokens, labels, response_mask, train, routing)
+        out = fn(model, batches)
+        if out is None or self.groups.rank_in(Axis.TP) != 0:
+            return None
+        return self._rows(out, plan)
+
+    def logprobs(self, tokens, labels, response_mask=None, routing=None) -> torch.Tensor | None:
         """The actor's log-probs of the labels (old log-probs). With `response_mask` packed
-        passes skip each row's padding (0 there)."""
+        passes skip each row's padding (0 there). routing [n, s, layers, k]: the experts the
+        MoE layers use (the rollout's, `algorithm.routing_replay: rollout`)."""
         maybe_stall("old_logprob", f"rank{self.rank}", self.inject_stall)
         from mcore_rl.megatron.policy import compute_logprobs
 
-        return self._forward_only(compute_logprobs, self.trainer, tokens, labels, response_mask)
+        return self._forward_only(compute_logprobs, self.trainer, tokens, labels, response_mask,
+                                  routing=routing)
+
+    def logprobs_and_routing(self, tokens, labels, response_mask=None) -> dict:
+        """The old log-probs (as `logprobs`) and, recorded in the same pass, the experts this
+        rank's MoE routers chose for every token: `routing` [n, s, layers, k] (int16; -1 in
+        the layers of other pipeline stages) from TP rank 0 of every stage, `logp` from the
+        last stage's; `dp`: the slice they cover (`algorithm.routing_replay: old`)."""
+        maybe_stall("old_logprob", f"rank{self.rank}", self.inject_stall)
+        from mcore_rl.megatron.policy import compute_logprobs
+        from mcore_rl.megatron.routing_replay import flip_counts
+
+        batches, plan = self._forward_batches(tokens, labels, response_mask)
+        routing: list[torch.Tensor] = []
+        out = compute_logprobs(self.trainer, batches, routing_out=routing)
+        flip_counts(self.trainer.unwrapped())  # the update's counts start at this pass's end
+        tp0 = self.groups.rank_in(Axis.TP) == 0
+        return {"dp": self.groups.rank_in(Axis.DP),
+                "logp": self._rows(out, plan) if out is not None and tp0 else None,
+                "routing": self._rows(routing, plan) if tp0 else None}
 
     def ref_logprobs(self, tokens, labels, response_mask=None) -> torch.Tensor | None:
         """The frozen reference policy's log-probs of the labels."""
@@ -274,11 +314,29 @@ class ActorWorker:
         `cls`; each one's report with its packing."""
         from mcore_rl.rollout.batches import mini_batches
 
+        if "routing" in batch:  # the update's counts: not the π_old pass's
+            from mcore_rl.megatron.routing_replay import flip_counts
+
+            flip_counts(role.unwrapped())
         reports = []
         for mini in mini_batches(batch, count):
             micro, plan = self._micro(mini, cls, train=role.train, mask="response_mask")
-            reports.append({**update(role, micro, algo), **self._packing_metrics(plan)})
+            reports.append({**update(role, micro, algo), **self._packing_metrics(plan),
+                            **self._routing_counts(role, "routing" in mini)})
         return reports
+
+    @staticmethod
+    def _routing_counts(role, replayed: bool) -> dict:
+        """This rank's replay counts of the pass (megatron/routing_replay.py): choices that
+        differed from the replayed ones, and choices replayed (summed over ranks by the
+        controller)."""
+        if not replayed:
+            return {}
+        from mcore_rl.megatron.routing_replay import flip_counts
+
+        flips, replayed, seen = flip_counts(role.unwrapped())
+        return {"routing_flips_local": float(flips), "routing_replayed_local": float(replayed),
+                "routing_seen_local": float(seen)}
 
     def reset_optimizer(self, train: TrainConfig) -> bool:
         """A fresh optimizer and LR schedule (e.g. RL after the supervised warm-up)."""

@@ -55,14 +55,15 @@ def _megatron_runs(rank, world, spec, weights, moved):
     with rr.recording(chunk):
         free = forward(moved)
     fresh = rr.recorded(chunk)
+    rr.flip_counts([chunk])  # counts from here on
     with rr.replaying(chunk, old):
         replayed = forward(moved)
     first_layer_flips = chunk.decoder.layers[0].mlp.router.router_replay.flips
-    flips, tokens = rr.flip_counts([chunk])
+    flips, tokens, seen = rr.flip_counts([chunk])
     b = TOKENS.shape[0]
     return {"old": rr.row_order(old, b).numpy(), "fresh": rr.row_order(fresh, b).numpy(),
             "free": free.numpy(), "replayed": replayed.numpy(), "flips": flips,
-            "tokens": tokens, "first_layer_flips": first_layer_flips}
+            "tokens": tokens, "seen": seen, "first_layer_flips": first_layer_flips}
 
 
 def _hf_logits(spec, weights, tmp, forced: np.ndarray | None = None) -> np.ndarray:
@@ -114,6 +115,7 @@ def test_replayed_routing_gives_hf_logits_with_the_recorded_experts(tmp_path, no
     # layers see the replayed layers' outputs
     assert run["first_layer_flips"] == int(differs[:, :, 0].sum()) > 0
     assert run["tokens"] == differs.size and 0 < run["flips"] <= differs.size
+    assert run["seen"] == differs.size  # the counts were reset before the replaying forward
     np.testing.assert_allclose(run["free"], _hf_logits(spec, moved, tmp_path / "free"),
                                atol=1e-4)
     np.testing.assert_allclose(run["replayed"],
@@ -189,6 +191,7 @@ def _grid_passes(rank, world, spec, parallel_kw, weights, moved, dispatcher, pac
     old = passes(rows, recorded)
     load(trainer.unwrapped(), moved)
     free = passes(rows)
+    rr.flip_counts(trainer.unwrapped())  # counts from here on
     replayed = passes({**rows, "routing": recorded[0]})
     flips = rr.flip_counts(trainer.unwrapped())
     # an update replaying the routing: its forward reproduces the replayed log-probs (π_old
@@ -251,8 +254,8 @@ def test_one_process_replay_fixes_the_recorded_experts(grid_runs):
     valid = GRID_MASK.numpy() > 0
     assert np.abs(one["old"] - one["free"])[valid].max() > 1e-3  # the moved routers matter
     assert np.abs(one["replayed"] - one["free"])[valid].max() > 1e-3
-    flips, tokens = one["flips"]
-    assert 0 < flips < tokens == ROWS * SEQ * QWEN3_MOE.layers
+    flips, tokens, seen = one["flips"]
+    assert 0 < flips < tokens == seen == ROWS * SEQ * QWEN3_MOE.layers
     assert one["moved_before_step"] < 1e-5  # the update's forward replayed the routing
 
 
