@@ -160,7 +160,8 @@ def _policy_loss(batch: PolicyBatch, algo: AlgorithmConfig, trainer: MegatronTra
 
 def _policy_forward(data_iterator, model, *, algo: AlgorithmConfig, trainer: MegatronTrainer):
     batch = next(data_iterator)
-    with rr.replaying_rows(model, batch.routing, _sequence_parallel_group(trainer, model)):
+    with rr.replaying_rows(model, batch.routing, _sequence_parallel_group(trainer, model),
+                           training=True):
         logits = model(**model_inputs(batch, model.config))
     return logits, functools.partial(_policy_loss, batch, algo, trainer)
 

@@ -14,8 +14,12 @@ Token order: a router sees its rank's tokens as megatron holds them, [s, b] flat
 sequence-major (a packed row [1, T] in its order). Routing travels per row, [b, s, layers, k]
 (`router_order` / `row_order`).
 
-Not supported with full activation recompute (`train.recompute: full`): the recomputed forward
-of a micro batch runs during its backward, after later micro batches set their own choices.
+Full activation recompute (`train.recompute: full`): a checkpointed layer's forward runs under
+no_grad and again, with grad, during the micro batch's backward — after later micro batches
+set their own choices. So in a training pass (`replaying(..., training=True)`) a replaying
+forward under no_grad queues the experts it used, and a forward with grad while the queue holds
+some takes the oldest: backward passes run in their forwards' order (megatron-core's own
+REPLAY_BACKWARD list does the same).
 """
 
 from __future__ import annotations
@@ -39,11 +43,16 @@ class LayerReplay(RouterReplay):
         self.recorded: torch.Tensor | None = None
         self.target: torch.Tensor | None = None
         self.flips = self.replayed = self.seen = 0
+        self.queued: list[torch.Tensor] = []  # for recomputed forwards (module doc)
+        self.training = False  # the replay is a training pass's, which may recompute
 
     def get_replay_topk(self, scores, topk, num_groups=None, group_topk=None,
                         default_compute_topk=None):
         probs, own = default_compute_topk(scores, topk, num_groups=num_groups,
                                           group_topk=group_topk)
+        if self.queued and torch.is_grad_enabled():  # a recomputed forward in backward
+            target = self.queued.pop(0).to(device=scores.device, dtype=own.dtype)
+            return scores.gather(1, target), target
         self.seen += own.shape[0]
         if self.mode == "record":
             self.recorded = own.detach()
@@ -59,6 +68,8 @@ class LayerReplay(RouterReplay):
         differs = (own.sort(-1).values != target.sort(-1).values).any(-1)
         self.flips += int(differs.sum())
         self.replayed += own.shape[0]
+        if self.training and not torch.is_grad_enabled():
+            self.queued.append(target)  # its recomputation replays it too
         return scores.gather(1, target), target
 
 
@@ -112,20 +123,21 @@ def recorded(chunk: torch.nn.Module) -> torch.Tensor:
 
 
 @contextlib.contextmanager
-def replaying(chunk: torch.nn.Module, routing: torch.Tensor):
+def replaying(chunk: torch.nn.Module, routing: torch.Tensor, training: bool = False):
     """Inside the block `chunk`'s forwards use `routing` ([layers of the chunk, tokens, k],
-    in router order) instead of their routers' top-k."""
+    in router order) instead of their routers' top-k. training: a pass whose backward may
+    recompute the forward (module doc)."""
     hooks = _hooks(chunk)
     if routing.shape[0] != len(hooks):
         raise ValueError(f"routing replay: {routing.shape[0]} layers of routing for a chunk "
                          f"with {len(hooks)} MoE layers")
     for h, target in zip(hooks, routing):
-        h.mode, h.target = "replay", target
+        h.mode, h.target, h.training = "replay", target, training
     try:
         yield
     finally:
         for h in hooks:
-            h.mode, h.target = None, None
+            h.mode, h.target, h.training = None, None, False
 
 
 def flip_counts(chunks: list[torch.nn.Module], reset: bool = True) -> tuple[int, int, int]:
@@ -153,7 +165,8 @@ def unwrapped(chunk: torch.nn.Module) -> torch.nn.Module:
 
 
 @contextlib.contextmanager
-def replaying_rows(chunk: torch.nn.Module, rows: torch.Tensor | None, tp_group=None):
+def replaying_rows(chunk: torch.nn.Module, rows: torch.Tensor | None, tp_group=None,
+                   training: bool = False):
     """`replaying` a micro batch's per-row routing `rows` [b, s, all layers, k] on `chunk`
     (its layers taken; with sequence parallelism, `tp_group`: this TP rank's 1/tp of the
     positions). rows None: the routers route."""
@@ -166,7 +179,7 @@ def replaying_rows(chunk: torch.nn.Module, rows: torch.Tensor | None, tp_group=N
         per = mine.shape[1] // tp_group.size()
         start = tp_group.rank() * per
         mine = mine[:, start:start + per]
-    with replaying(model, router_order(mine)):
+    with replaying(model, router_order(mine), training):
         yield
 
 

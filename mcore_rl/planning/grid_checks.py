@@ -281,9 +281,8 @@ def check_lora(run: SizedRun, spec: ModelSpec) -> Iterable[Problem]:
 
 
 def check_routing_replay(run: SizedRun, spec: ModelSpec) -> Iterable[Problem]:
-    """algorithm.routing_replay: a MoE model; "old" replays what the π_old pass recorded
-    (not under full recompute, whose recomputed forwards run after later micro batches set
-    theirs); "rollout" needs the engines' routed experts, which mcore-rl does not carry yet."""
+    """algorithm.routing_replay: a MoE model; "rollout" needs the engines' routed experts,
+    which mcore-rl does not carry yet."""
     replay = run.cfg.algorithm.routing_replay
     if replay == "none":
         return
@@ -297,11 +296,6 @@ def check_routing_replay(run: SizedRun, spec: ModelSpec) -> Iterable[Problem]:
                "mcore-rl does not carry the engines' routed experts to the actor yet")
         yield Problem("routing-replay", f"algorithm.routing_replay=rollout: {why}",
                       "algorithm.routing_replay=old (the π_old pass's routing)")
-    if run.cfg.train.recompute == "full":
-        yield Problem("routing-replay", f"algorithm.routing_replay={replay} with "
-                      "train.recompute=full: a recomputed forward runs during its backward, "
-                      "after later micro batches set their own experts",
-                      "train.recompute=selective (or none)")
 
 
 def check_cpu_engine(run: SizedRun, spec: ModelSpec) -> Iterable[Problem]:

@@ -356,6 +356,8 @@ def training_rank(run: SizedRun, spec: ModelSpec, role: str, stage: int) -> Rank
     if last:
         for name, value in tail.items():
             comps.append(Component(name, value, "last stage, 1 micro batch", False))
+    if role == "actor" and spec.is_moe and run.cfg.algorithm.routing_replay != "none":
+        comps.append(routing_component(run, spec))
     work = recompute_workspace(spec, s, b, act)
     logits = sum(tail.values())
     if work - logits > 1 << 20:  # rematerialized in backward, after the loss freed the logits
@@ -364,6 +366,15 @@ def training_rank(run: SizedRun, spec: ModelSpec, role: str, stage: int) -> Rank
                                + (f", minus the {_mib(logits)} of logits freed by then"
                                   if logits else ""), False))
     return RankMemory(role, where, tuple(comps))
+
+
+def routing_component(run: SizedRun, spec: ModelSpec) -> Component:
+    """The experts an update replays (`algorithm.routing_replay`): int16 [rows, s, layers, k]
+    for one mini-batch's DP slice, on the device while it trains."""
+    rows = run.global_batch // run.cfg.actor.dp
+    s, k = run.cfg.train.seq_len, spec.experts_per_token
+    return Component("MoE routing (replay)", 2.0 * rows * s * spec.layers * k,
+                     f"int16 [{rows} rows, s {s}, {spec.layers} layers, top-{k}]", False)
 
 
 def rollout_rank(run: SizedRun, spec: ModelSpec) -> tuple[RankMemory, list[str]]:

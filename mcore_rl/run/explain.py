@@ -66,6 +66,15 @@ def trainer_kernels(run) -> str:
     return f"{kernels} · DP grad reduce {reduce}"
 
 
+# algorithm.routing_replay → what the actor's MoE passes route with
+ROUTING_REPLAY = {
+    "none": "none: every forward's routers choose its experts",
+    "old": "old: the π_old pass records each token's experts; every update mini-batch "
+           "replays them",
+    "rollout": "rollout: the engines' experts, replayed in the π_old and update passes",
+}
+
+
 def lora_row(lora) -> str:
     """The actor's adapters, as `actor.lora` sets them, and how the engines get them."""
     engines = ("the adapters alone each sync (vLLM's LoRA)" if lora.sync == "adapter" else
@@ -191,7 +200,9 @@ def render(run, title: str, *, cfg, spec, ranks: bool = False):
         ("start-up", START_UP[run.trainers_first]),
         ("roles", hosted_roles(cfg)),
         *([("Megatron experts", megatron_experts(run)),
-           ("vLLM experts", EXPERTS[run.expert_parallel])] if spec.is_moe else []),
+           ("vLLM experts", EXPERTS[run.expert_parallel]),
+           ("routing replay", ROUTING_REPLAY[cfg.algorithm.routing_replay])]
+          if spec.is_moe else []),
         ("actor ranks", f"{a.world_size} (tp {a.tp} · pp {a.pp} · dp {a.dp}"
                         f"{f' · ep {a.ep}' if a.ep > 1 else ''}) · "
                         f"{_grouped(run.placement.actor)}"),

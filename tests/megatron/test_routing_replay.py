@@ -141,7 +141,8 @@ GRID_TOKENS = torch.randint(0, MICRO.vocab, (ROWS, SEQ), generator=torch.Generat
 GRID_MASK = (torch.arange(SEQ) < torch.tensor([[16], [11], [13], [8]])).float()  # valid prefixes
 
 
-def _grid_passes(rank, world, spec, parallel_kw, weights, moved, dispatcher, packed):
+def _grid_passes(rank, world, spec, parallel_kw, weights, moved, dispatcher, packed,
+                 recompute="none"):
     """On a grid: record routing in the π_old pass (`compute_logprobs(routing_out=...)`) on
     `weights`; then on `moved`, the free and the replayed log-probs. This DP slice's rows (last
     stage, TP rank 0), routing [rows, s, layers, k] and the replay's flip counts."""
@@ -164,7 +165,8 @@ def _grid_passes(rank, world, spec, parallel_kw, weights, moved, dispatcher, pac
         load_chunks(chunks, materialize_rank(shards, rank, lambda n: torch.from_numpy(state[n])),
                     parallel.vpp)
 
-    train = TrainConfig(micro_batch_size=1, seq_len=SEQ, moe_dispatcher=dispatcher)
+    train = TrainConfig(micro_batch_size=1, seq_len=SEQ, moe_dispatcher=dispatcher,
+                        recompute=recompute)
     trainer = setup_trainer(spec, groups, train, load_weights=lambda c: load(c, weights))
     rr.install_replay(trainer.unwrapped())
     per = ROWS // parallel.dp
@@ -245,7 +247,10 @@ def grid_runs():
             "ep2_alltoall": run_on_ranks(_grid_passes, 2, args[0], dict(dp=2, ep=2), *args[1:],
                                          "alltoall", False, timeout_s=300),
             "pp2": run_on_ranks(_grid_passes, 2, args[0], dict(pp=2), *args[1:], "allgather",
-                                False, timeout_s=300)}
+                                False, timeout_s=300),
+            # a recomputed layer's forward runs again in backward: it replays the same experts
+            "recompute": run_on_ranks(_grid_passes, 1, args[0], {}, *args[1:], "allgather",
+                                      False, "full", timeout_s=300)}
     return runs
 
 
@@ -259,7 +264,7 @@ def test_one_process_replay_fixes_the_recorded_experts(grid_runs):
     assert one["moved_before_step"] < 1e-5  # the update's forward replayed the routing
 
 
-@pytest.mark.parametrize("grid", ["packed", "tp2ep2", "ep2_alltoall", "pp2"])
+@pytest.mark.parametrize("grid", ["packed", "tp2ep2", "ep2_alltoall", "pp2", "recompute"])
 def test_grids_and_packing_record_and_replay_as_one_process(grid_runs, grid):
     """Routing recorded on the grid (every stage's layers, SP positions gathered over TP) and
     log-probs with it replayed equal one process's; packed rows equal padded ones."""

@@ -258,3 +258,19 @@ def test_lora_plans_adapter_states_and_no_reference_model():
         assert a_lora[state] < a_full[state] / 100, state
     assert role(full, "reference") is not None and role(lora, "reference") is None
     assert lora.peak_bytes < full.peak_bytes
+
+
+def test_routing_replay_plans_the_replayed_experts():
+    """algorithm.routing_replay: each actor rank holds one mini-batch's DP slice of the
+    experts it replays, int16 [rows, s, layers, k] (Qwen3-30B-A3B: 48 layers, top-8)."""
+    from mcore_rl.planning.memory import plan_memory
+
+    plain = plan_memory(gpu_shape("qwen3-30b-a3b"))
+    replay = plan_memory(gpu_shape("qwen3-30b-a3b", ["algorithm.routing_replay=old"]))
+    run = gpu_shape("qwen3-30b-a3b")
+    rows = run.global_batch // run.cfg.actor.dp
+    want = 2 * rows * run.cfg.train.seq_len * 48 * 8
+    for plan, expected in ((plain, None), (replay, want)):
+        actor = [r for r in plan.roles if r.role == "actor"][0]
+        got = {c.name: c.bytes for c in actor.components}.get("MoE routing (replay)")
+        assert got == expected

@@ -543,3 +543,25 @@ def test_adapter_sync_keeps_the_sleeping_engines_base():
                         cuda_available=False)
     (problem,) = check_lora(discard, get_preset("llama3-8b"))
     assert problem.message.startswith("rollout.sleep_level=2 discards the engines' weights")
+
+
+def test_routing_replay_is_refused_where_it_cannot_run():
+    """algorithm.routing_replay: one line each for a dense model and R3 on CPU (vLLM's routed
+    experts need its V2 runner); R2 on a MoE model passes (its config recomputes fully)."""
+    from mcore_rl.models.presets import get_preset
+    from mcore_rl.planning.grid_checks import check_routing_replay
+
+    moe = Path(__file__).resolve().parents[2] / "configs" / "gpu" / "qwen3-30b-a3b.yaml"
+    spec = get_preset("qwen3-30b-a3b")
+
+    def problems(config, overrides, model):
+        run = sized_run(load_config(RLConfig, config, overrides), cuda_available=False)
+        return [p.message for p in check_routing_replay(run, model)]
+
+    assert problems(moe, ["algorithm.routing_replay=old"], spec) == []
+    (dense,) = problems(L8, ["algorithm.routing_replay=old"], get_preset("llama3-8b"))
+    assert dense == ("algorithm.routing_replay=old: llama has no MoE layer, so there is no "
+                     "routing to replay")
+    (cpu,) = problems(moe, ["algorithm.routing_replay=rollout", "cluster.device=cpu"], spec)
+    assert cpu.startswith("algorithm.routing_replay=rollout: vLLM returns each token's "
+                          "experts only from its V2 model runner")

@@ -99,7 +99,12 @@ def test_explain_shows_vllm_expert_parallel(no_cuda, capsys):
     # megatron's experts follow the layer spec: one grouped GEMM under te (GPU)
     assert re.search(r"Megatron experts │ TEGroupedMLP \(one grouped GEMM", out)
     assert main(["explain", a3b]) == 0
-    assert re.search(r"vLLM experts +│ split over TP", capsys.readouterr().out)
+    out = capsys.readouterr().out
+    assert re.search(r"vLLM experts +│ split over TP", out)
+    assert re.search(r"routing replay +│ none: every forward's routers choose", out)
+    assert main(["explain", a3b, "algorithm.routing_replay=old"]) == 0
+    assert re.search(r"routing replay +│ old: the π_old pass records each token's experts",
+                     capsys.readouterr().out)
     assert main(["explain", a3b, "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["megatron_experts"] == "TEGroupedMLP"
     assert main(["explain", str(CONFIGS / "demo_moe.yaml")]) == 0
