@@ -193,7 +193,7 @@ def _lora_trainer(rank: int, parallel):
     base = materialize_rank(megatron_shards(spec, parallel), rank, weights.__getitem__)
     train = TrainConfig(micro_batch_size=2, num_micro_batches=4, seq_len=12,
                         optimizer=OptimizerConfig(lr=1e-2, adam_eps=1e-3, clip_grad=1e9))
-    trainer = setup_trainer(spec, groups, train, lambda c: load_chunks(c, base, None),
+    trainer = setup_trainer(spec, groups, train, lambda c: load_chunks(c, base, parallel.vpp),
                             lora=LORA)
     tokens, labels, mask, adv = fixed_batch(spec)
     batches = [PolicyBatch(tokens[r], labels[r], mask[r], torch.zeros(2, 12), adv[r])
@@ -201,20 +201,23 @@ def _lora_trainer(rank: int, parallel):
     return trainer, batches, base
 
 
-def _lora_updates(rank: int, world: int) -> dict:
+def _lora_updates(rank: int, world: int, grid: dict | None = None) -> dict:
     """Two policy updates of the micro Llama with adapters (and frozen HF weights) on a
-    PP `world` grid: grad norms, every adapter afterwards by global name, and whether the
-    base weights moved."""
+    grid (default PP `world`; DP ranks all train the same micro batches): grad norms, every
+    adapter afterwards by global name, and whether the base weights moved."""
     from mcore_rl.algorithms import AlgorithmConfig
     from mcore_rl.megatron.lora import named_adapters
     from mcore_rl.megatron.policy import policy_update
     from mcore_rl.parallel import ParallelConfig
 
-    trainer, batches, base = _lora_trainer(rank, ParallelConfig(pp=world))
+    parallel = ParallelConfig(**(grid or {"pp": world}))
+    trainer, batches, base = _lora_trainer(rank, parallel)
     norms = [policy_update(trainer, batches, AlgorithmConfig(clip_c=None))["grad_norm"]
              for _ in range(2)]
     chunks = trainer.unwrapped()
-    state = {k: v.detach() for c in chunks for k, v in c.state_dict().items()
+    prefix = "model{v}." if parallel.vpp is not None else ""
+    state = {prefix.format(v=v) + k: t.detach() for v, c in enumerate(chunks)
+             for k, t in c.state_dict().items()
              if ".lora." not in k and not k.endswith("_extra_state")}
     return _as_numpy({
         "grad_norm": norms,
@@ -225,9 +228,11 @@ def _lora_updates(rank: int, world: int) -> dict:
                          for p in g["params"])})
 
 
-def test_pp2_lora_updates_equal_one_process_and_leave_the_base():
+@pytest.mark.parametrize("grid", [{"pp": 2}, {"pp": 2, "vpp": 2}, {"dp": 2}],
+                         ids=["pp2", "pp2-vpp2", "dp2"])
+def test_lora_updates_on_pp_vpp_dp_grids_equal_one_process_and_leave_the_base(grid):
     (ref,) = _as_torch(run_on_ranks(_lora_updates, 1, timeout_s=240))
-    pp2 = _as_torch(run_on_ranks(_lora_updates, 2, timeout_s=240))
+    pp2 = _as_torch(run_on_ranks(_lora_updates, 2, grid, timeout_s=240))
     assert ref["grad_norm"][0] > 0 and ref["grad_norm"][1] > 0
     merged = {}
     for out in pp2:
