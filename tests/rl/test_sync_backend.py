@@ -77,6 +77,7 @@ def test_controller_builds_the_sync_group_of_the_resolved_run(name, assume_gpu, 
     sync.actors = _Actors([_Worker(to_actors) for _ in range(cfg.actor.world_size)])
     sync.groups_formed = 0  # the first group of the run
     sync._plan_sender = PlanSender(_Plan())
+    sync._adapter_sender = None  # no LoRA adapter sync
     sync.join_group()
     (spec,) = sync.engines.specs
     # actor ranks and engines join the same group, each rank on its resolved device
