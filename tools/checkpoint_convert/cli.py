@@ -61,7 +61,7 @@ def add_verbs(sub: argparse._SubParsersAction) -> None:
                                      "safetensors folder (transformers / vLLM). A LoRA run's "
                                      "actor checkpoint (actor.lora; it holds lora.json) gives "
                                      "the merged model: W + (alpha / rank)·B·A for every "
-                                     "adapted weight")
+                                     "adapted weight.")
     m2h.add_argument("src", type=Path, metavar="SRC_DIR")
     m2h.add_argument("dst", type=Path, metavar="DST_HF_DIR")
     m2h.add_argument("--hf-config", type=Path, default=None,
