@@ -103,6 +103,7 @@ def check_train_pp(run: SizedRun, spec: ModelSpec) -> Iterable[Problem]:
 
 def check_batch(run: SizedRun, spec: ModelSpec) -> Iterable[Problem]:
     t, par, batch = run.cfg.train, run.cfg.actor, run.global_batch
+    yield from _warmup_batch(run)
     if t.max_tokens_per_micro_batch is not None:
         return  # packed micro batches take any number of rows
     per_step = t.micro_batch_size * par.dp
@@ -122,6 +123,22 @@ def check_batch(run: SizedRun, spec: ModelSpec) -> Iterable[Problem]:
         yield Problem("train-pipeline-bubble", f"{m} micro batches per update < "
                       f"actor.pp={par.pp}: most of every update is pipeline bubble",
                       f"{BATCH} >= {per_step * par.pp * 4} (4 × pp micro batches)", "warning")
+
+
+def _warmup_batch(run: SizedRun) -> Iterable[Problem]:
+    """The supervised warm-up's rows per DP rank split into its micro batches."""
+    w, dp = run.cfg.warmup, run.cfg.actor.dp
+    mbs = w.train.micro_batch_size
+    if w.max_steps == 0 or w.train.max_tokens_per_micro_batch is not None or mbs is None:
+        return
+    rows = w.batch_size // dp
+    if w.batch_size % dp or rows % mbs:
+        yield Problem("train-batch", f"warmup.batch_size={w.batch_size} gives {rows} rows per "
+                      f"DP rank (actor.dp={dp}), not a multiple of "
+                      f"warmup.train.micro_batch_size={mbs}",
+                      f"warmup.train.micro_batch_size one of "
+                      f"{', '.join(str(d) for d in range(1, rows + 1) if rows % d == 0)}, or "
+                      f"warmup.batch_size a multiple of {mbs * dp}")
 
 
 def check_seq_len(run: SizedRun, spec: ModelSpec) -> Iterable[Problem]:

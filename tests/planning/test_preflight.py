@@ -565,3 +565,16 @@ def test_routing_replay_is_refused_where_it_cannot_run():
     (cpu,) = problems(moe, ["algorithm.routing_replay=rollout", "cluster.device=cpu"], spec)
     assert cpu.startswith("algorithm.routing_replay=rollout: vLLM returns each token's "
                           "experts only from its V2 model runner")
+
+
+def test_a_warmup_batch_that_does_not_split_into_its_micro_batches_is_named():
+    """The warm-up's rows per DP rank must split into warmup.train micro batches (the MoE
+    demo's YAML once asked for 64-row micro batches of 32 rows)."""
+    moe = Path(__file__).resolve().parents[2] / "configs" / "demo_moe.yaml"
+    _, problems = preflight_config(moe, ["warmup.train.micro_batch_size=64"],
+                                   cuda_available=False)
+    (bad,) = [p for p in problems if p.check == "train-batch"]
+    assert bad.message == ("warmup.batch_size=64 gives 32 rows per DP rank (actor.dp=2), not a "
+                           "multiple of warmup.train.micro_batch_size=64")
+    _, problems = preflight_config(moe, [], cuda_available=False)
+    assert not [p for p in problems if p.severity == "error"]
