@@ -210,7 +210,10 @@ def named_adapters(chunks: list[torch.nn.Module]) -> Iterator[tuple[str, LoRAAda
     for chunk in chunks:
         for layer in chunk.decoder.layers:
             for path in LINEARS:
-                linear = layer.get_submodule(path)
+                try:
+                    linear = layer.get_submodule(path)
+                except AttributeError:  # a MoE layer's MLP is routed experts: no such linear
+                    continue
                 if isinstance(getattr(linear, "lora", None), LoRAAdapter):
                     yield f"decoder.layers.{layer.layer_number - 1}.{path}.lora", linear.lora
 

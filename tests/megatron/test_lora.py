@@ -173,9 +173,10 @@ def test_bad_lora_configs_are_refused_naming_the_field():
         LoRAConfig(rank=4, alpha=0.0)
 
 
-def _lora_trainer(rank: int, parallel):
-    """The micro Llama with HF weights (frozen) and LORA adapters on `parallel`, and four
-    micro batches of the fixed policy batch. Returns (trainer, batches, base shards)."""
+def _lora_trainer(rank: int, parallel, moe: bool = False):
+    """The micro Llama (`moe`: a micro Qwen3-MoE, adapters on attention: routed experts carry
+    none) with HF weights (frozen) and LORA adapters on `parallel`, and four micro batches of
+    the fixed policy batch. Returns (trainer, batches, base shards)."""
     from hf_weights import random_hf_weights
 
     from mcore_rl.layouts import materialize_rank, megatron_shards
@@ -187,21 +188,26 @@ def _lora_trainer(rank: int, parallel):
     from mcore_rl.parallel.groups import init_training_groups
     from tests.support.batches import fixed_batch
 
-    spec = get_preset("micro")
+    spec, lora = get_preset("micro"), LORA
+    if moe:
+        spec = spec.with_(family="qwen3_moe", architecture="Qwen3MoeForCausalLM", qk_norm=True,
+                          num_experts=4, moe_ffn=64, experts_per_token=2, norm_topk_prob=True)
+        lora = LoRAConfig(rank=LORA.rank, alpha=LORA.alpha,
+                          targets=("linear_qkv", "linear_proj"))
     groups = init_training_groups(parallel)
     weights = random_hf_weights(spec)
     base = materialize_rank(megatron_shards(spec, parallel), rank, weights.__getitem__)
     train = TrainConfig(micro_batch_size=2, num_micro_batches=4, seq_len=12,
                         optimizer=OptimizerConfig(lr=1e-2, adam_eps=1e-3, clip_grad=1e9))
     trainer = setup_trainer(spec, groups, train, lambda c: load_chunks(c, base, parallel.vpp),
-                            lora=LORA)
+                            lora=lora)
     tokens, labels, mask, adv = fixed_batch(spec)
     batches = [PolicyBatch(tokens[r], labels[r], mask[r], torch.zeros(2, 12), adv[r])
                for r in (slice(i, i + 2) for i in range(0, 8, 2))]
     return trainer, batches, base
 
 
-def _lora_updates(rank: int, world: int, grid: dict | None = None) -> dict:
+def _lora_updates(rank: int, world: int, grid: dict | None = None, moe: bool = False) -> dict:
     """Two policy updates of the micro Llama with adapters (and frozen HF weights) on a
     grid (default PP `world`; DP ranks all train the same micro batches): grad norms, every
     adapter afterwards by global name, and whether the base weights moved."""
@@ -211,7 +217,7 @@ def _lora_updates(rank: int, world: int, grid: dict | None = None) -> dict:
     from mcore_rl.parallel import ParallelConfig
 
     parallel = ParallelConfig(**(grid or {"pp": world}))
-    trainer, batches, base = _lora_trainer(rank, parallel)
+    trainer, batches, base = _lora_trainer(rank, parallel, moe)
     norms = [policy_update(trainer, batches, AlgorithmConfig(clip_c=None))["grad_norm"]
              for _ in range(2)]
     chunks = trainer.unwrapped()
@@ -228,11 +234,12 @@ def _lora_updates(rank: int, world: int, grid: dict | None = None) -> dict:
                          for p in g["params"])})
 
 
-@pytest.mark.parametrize("grid", [{"pp": 2}, {"pp": 2, "vpp": 2}, {"dp": 2}],
-                         ids=["pp2", "pp2-vpp2", "dp2"])
-def test_lora_updates_on_pp_vpp_dp_grids_equal_one_process_and_leave_the_base(grid):
-    (ref,) = _as_torch(run_on_ranks(_lora_updates, 1, timeout_s=240))
-    pp2 = _as_torch(run_on_ranks(_lora_updates, 2, grid, timeout_s=240))
+@pytest.mark.parametrize("grid,moe", [({"pp": 2}, False), ({"pp": 2, "vpp": 2}, False),
+                                      ({"dp": 2}, False), ({"dp": 2, "ep": 2}, True)],
+                         ids=["pp2", "pp2-vpp2", "dp2", "moe-ep2"])
+def test_lora_updates_on_pp_vpp_dp_ep_grids_equal_one_process_and_leave_the_base(grid, moe):
+    (ref,) = _as_torch(run_on_ranks(_lora_updates, 1, None, moe, timeout_s=240))
+    pp2 = _as_torch(run_on_ranks(_lora_updates, 2, grid, moe, timeout_s=240))
     assert ref["grad_norm"][0] > 0 and ref["grad_norm"][1] > 0
     merged = {}
     for out in pp2:
@@ -240,7 +247,8 @@ def test_lora_updates_on_pp_vpp_dp_grids_equal_one_process_and_leave_the_base(gr
         assert out["base_moved"] == []  # frozen
         merged.update(out["adapters"])
     assert ref["base_moved"] == []
-    assert merged.keys() == ref["adapters"].keys() and len(merged) == 2 * 4 * 4
+    targets = 2 if moe else 4  # a MoE layer's MLP is routed experts: attention only
+    assert merged.keys() == ref["adapters"].keys() and len(merged) == 2 * 4 * targets
     for name, tensor in ref["adapters"].items():
         torch.testing.assert_close(merged[name], tensor, rtol=1e-5, atol=1e-6)
     assert any(t.abs().max() > 0 for k, t in ref["adapters"].items() if k.endswith("lora_b"))
