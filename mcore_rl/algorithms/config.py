@@ -49,8 +49,9 @@ class AlgorithmConfig:
         routers choose. "old" (R2): the π_old pass records every token's experts per layer
         and every update mini-batch replays them (the pass then covers every row, and runs
         with rollout_correction bypass too, for the routing alone). "rollout" (R3): the
-        engines' routing, replayed in the π_old and update passes (needs vLLM's routed-expert
-        output: GPU engines; not available yet).
+        experts the engines routed each sampled sequence to travel with the samples and are
+        replayed in the π_old and update passes (vLLM's routed-expert output: GPU engines with
+        prefix caching; a position the engines did not forward routes itself).
     """
 
     advantage_estimator: Literal["gae", "grpo", "rloo", "reinforce_pp"] = "grpo"

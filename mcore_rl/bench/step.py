@@ -228,8 +228,8 @@ def _measured_sampler_cls():
         """The run's Sampler, recording the lengths of the sequences it generates (for the
         generation FLOPs and the token count) — nothing else changes."""
 
-        def generate(self, prompts, sampling):
-            outs = super().generate(prompts, sampling)
+        def generate(self, prompts, sampling, routing_start=None):
+            outs = super().generate(prompts, sampling, routing_start)
             self.gen_seq_lens = [len(p) + len(c.token_ids) for p, o in zip(prompts, outs)
                                  for c in o]
             self.gen_lens = {"prompt": [len(p) for p in prompts],

@@ -33,8 +33,10 @@ from megatron.core.transformer.moe.router_replay import RouterReplay
 
 class LayerReplay(RouterReplay):
     """One MoE layer's router hook: off, "record" (keep the top-k it computes) or "replay"
-    (use `target`, counting the tokens whose own top-k set differs: `flips`, of `replayed`;
-    `seen`: every token routed while installed)."""
+    (use `target`; a token whose target row is -1 keeps its own top-k). Counts: `flips`, the
+    replayed tokens whose own top-k set differs, of `replayed`; `seen`, every token routed
+    while installed. flips and replayed stay on the router's device until `flip_counts` reads
+    them, so a replaying forward never waits for the device."""
 
     def __init__(self, layer: int):
         # not RouterReplay.__init__: that registers the instance in the process-wide list
@@ -42,7 +44,9 @@ class LayerReplay(RouterReplay):
         self.mode: str | None = None
         self.recorded: torch.Tensor | None = None
         self.target: torch.Tensor | None = None
-        self.flips = self.replayed = self.seen = 0
+        self.flips: torch.Tensor | int = 0
+        self.replayed: torch.Tensor | int = 0
+        self.seen = 0
         self.queued: list[torch.Tensor] = []  # for recomputed forwards (module doc)
         self.training = False  # the replay is a training pass's, which may recompute
 
@@ -65,12 +69,14 @@ class LayerReplay(RouterReplay):
                              f"{tuple(own.shape)} top-k choices to replace, the replay gives "
                              f"{None if target is None else tuple(target.shape)}")
         target = target.to(device=scores.device, dtype=own.dtype)
-        differs = (own.sort(-1).values != target.sort(-1).values).any(-1)
-        self.flips += int(differs.sum())
-        self.replayed += own.shape[0]
+        given = target[:, :1] >= 0  # -1: no routing to replay (a rollout's last token, padding)
+        used = torch.where(given, target, own)
+        differs = (own.sort(-1).values != used.sort(-1).values).any(-1)
+        self.flips = self.flips + differs.sum()
+        self.replayed = self.replayed + given.sum()
         if self.training and not torch.is_grad_enabled():
-            self.queued.append(target)  # its recomputation replays it too
-        return scores.gather(1, target), target
+            self.queued.append(used)  # its recomputation replays it too
+        return scores.gather(1, used), used
 
 
 def moe_routers(chunks: list[torch.nn.Module]) -> Iterator[tuple[int, torch.nn.Module]]:
@@ -144,7 +150,7 @@ def flip_counts(chunks: list[torch.nn.Module], reset: bool = True) -> tuple[int,
     """(token-layer choices that differed from the replayed ones, choices replayed, choices
     made) since the last reset, over this rank's routers."""
     hooks = [h for chunk in chunks for h in _hooks(chunk)]
-    counts = (sum(h.flips for h in hooks), sum(h.replayed for h in hooks),
+    counts = (int(sum(h.flips for h in hooks)), int(sum(h.replayed for h in hooks)),
               sum(h.seen for h in hooks))
     if reset:
         for h in hooks:

@@ -299,7 +299,7 @@ def check_lora(run: SizedRun, spec: ModelSpec) -> Iterable[Problem]:
 
 def check_routing_replay(run: SizedRun, spec: ModelSpec) -> Iterable[Problem]:
     """algorithm.routing_replay: a MoE model; "rollout" needs the engines' routed experts,
-    which mcore-rl does not carry yet."""
+    which vLLM returns from its V2 model runner (GPU) with prefix caching on."""
     replay = run.cfg.algorithm.routing_replay
     if replay == "none":
         return
@@ -307,12 +307,14 @@ def check_routing_replay(run: SizedRun, spec: ModelSpec) -> Iterable[Problem]:
         yield Problem("routing-replay", f"algorithm.routing_replay={replay}: {spec.family} "
                       "has no MoE layer, so there is no routing to replay",
                       "algorithm.routing_replay=none")
-    if replay == "rollout":
-        why = ("vLLM returns each token's experts only from its V2 model runner, which needs "
-               "Triton (GPU)" if run.device == "cpu" else
-               "mcore-rl does not carry the engines' routed experts to the actor yet")
-        yield Problem("routing-replay", f"algorithm.routing_replay=rollout: {why}",
+    if replay == "rollout" and run.device == "cpu":
+        yield Problem("routing-replay", "algorithm.routing_replay=rollout: vLLM returns each "
+                      "token's experts only from its V2 model runner, which needs Triton (GPU)",
                       "algorithm.routing_replay=old (the π_old pass's routing)")
+    if replay == "rollout" and not run.cfg.rollout.enable_prefix_caching:
+        yield Problem("routing-replay", "algorithm.routing_replay=rollout: vLLM returns routed "
+                      "experts only with prefix caching on (rollout.enable_prefix_caching=false)",
+                      "rollout.enable_prefix_caching=true")
 
 
 def check_cpu_engine(run: SizedRun, spec: ModelSpec) -> Iterable[Problem]:

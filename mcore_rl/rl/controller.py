@@ -110,7 +110,8 @@ class RLController:
                                   stack_dir=self.watchdog.stack_dir,
                                   inject_stall=cfg.inject_stall, placement=self.placement,
                                   seed=derive_seed(cfg.seed, "engine"), wait=False,
-                                  lora=engine_lora(cfg))
+                                  lora=engine_lora(cfg),
+                                  routed_experts=cfg.algorithm.routing_replay == "rollout")
         self.watchdog.watch("engine", lambda: self.engines.pids)
         if not self.run.trainers_first:
             try:
@@ -141,9 +142,6 @@ class RLController:
         self.pipeline = start_pipeline(cfg, self.sampler, self.recovery, self.run.device)
         # rollout.startup_engines: the rest start now that the run is up, and join at a sync
         self.engines.start_late_engines()
-        self.routing = None  # a step's experts to replay (algorithm.routing_replay)
-        # R3's source of the rollout's routing: (batch, completions) -> [n, s, layers, k]
-        self.rollout_routing = None
 
     # --- what the run loop calls ------------------------------------------------------------
 
@@ -224,14 +222,15 @@ class RLController:
         batch, completions, scores = self._train_batch(rollouts)
         trained = trained_tokens(completions, batch.mask)  # raises if the loss has no token
         train_start = time.perf_counter()
-        old_logp, is_weights, mismatch = self._old_policy(batch, completions, step, timer)
+        old_logp, is_weights, mismatch, routing = self._old_policy(batch, completions, step,
+                                                                   timer)
         extra = self._reference_and_values(batch, timer)
         with timer("adv"):
             groups = torch.arange(len(rollouts.prompt_ids)).repeat_interleave(
                 cfg.samples_per_prompt)
             adv, returns, adv_metrics = compute_advantages(cfg.algorithm, scores, groups,
                                                            batch.mask, old_logp, extra)
-        updates = self._update_actor(batch, old_logp, adv, extra, is_weights, timer)
+        updates = self._update_actor(batch, old_logp, adv, extra, is_weights, routing, timer)
         if cfg.algorithm.rollout_correction.mode == "bypass":
             # π_old is the engine's: the first mini-batch's forward, on the weights the engine
             # sampled with, measures the mismatch the skipped pass would have (~0: exact sync)
@@ -287,9 +286,11 @@ class RLController:
         flat_prompts = [p for p, o in zip(rollouts.prompt_ids, outs) for _ in o]
         completions = [c for o in outs for c in o]
         scores = torch.tensor([s for group in rollouts.scores for s in group])
+        routing = ([c.routing for c in completions]  # the engines' experts (R3)
+                   if cfg.algorithm.routing_replay == "rollout" else None)
         batch = build_batch(flat_prompts, [c.token_ids for c in completions],
                             cfg.train.seq_len, self.sampler.tokenizer.pad_token_id,
-                            loss_masks(completions))
+                            loss_masks(completions), routing)
         if cfg.algorithm.overlong_buffer:
             scores = scores + overlong_penalty(
                 batch.mask.sum(-1), max_response_length=cfg.max_new_tokens,
@@ -298,44 +299,32 @@ class RLController:
         return batch, completions, scores
 
     def _old_policy(self, batch: Batch, completions, step: int, timer: PhaseTimer):
-        """(π_old log-probs, importance weights or None, mismatch metrics). bypass: the
-        engine's log-probs are π_old; otherwise the actor's (a forward pass), compared with
-        the engine's and corrected by `algorithm.rollout_correction`."""
+        """(π_old log-probs, importance weights or None, mismatch metrics, the experts the
+        updates replay or None). bypass: the engine's log-probs are π_old; otherwise the
+        actor's (a forward pass), compared with the engine's and corrected by
+        `algorithm.rollout_correction`. `algorithm.routing_replay`: rollout (R3) replays the
+        engines' experts (`batch.routing`) in that pass and the updates; old (R2) records the
+        pass's own experts for the updates, so under bypass it runs for them alone."""
         correction = self.cfg.algorithm.rollout_correction
+        replay = self.cfg.algorithm.routing_replay
         rollout_logp = engine_logprobs(completions, batch.mask)
-        self.routing = None  # the experts the update replays (algorithm.routing_replay)
-        if self.cfg.algorithm.routing_replay == "rollout":  # R3: the engines' routing
-            self.routing = self._rollout_routing(batch, completions)
-            with timer("old_logprob"):
-                passed = self.actors.per_token("logprobs", batch, "old_logprob",
-                                               routing=self.routing)
-            if correction.mode == "bypass":
-                return rollout_logp, None, {}
-            return self._compared_old_policy(passed, completions, batch.mask, rollout_logp,
-                                             step, skip=0)
-        if self.cfg.algorithm.routing_replay == "old":  # R2: recorded in the π_old pass
-            with timer("old_logprob"):
-                passed, self.routing = self.actors.logprobs_and_routing(batch, "old_logprob")
-            if correction.mode == "bypass":  # the pass ran for the routing alone
-                return rollout_logp, None, {}
-            return self._compared_old_policy(passed, completions, batch.mask, rollout_logp,
-                                             step, skip=0)
-        if correction.mode == "bypass":  # the engine's log-probs are the old policy
-            return rollout_logp, None, {}
-        skip = self._old_logp_rows_from_update(batch.tokens.shape[0])
-        rest = Batch(batch.tokens[skip:], batch.labels[skip:], batch.mask[skip:])
+        routing = batch.routing if replay == "rollout" else None
+        if correction.mode == "bypass" and replay != "old":  # the engine's are the old policy
+            return rollout_logp, None, {}, routing
+        skip = 0
         with timer("old_logprob"):
-            passed = self.actors.per_token("logprobs", rest, "old_logprob")
-        return self._compared_old_policy(passed, completions, batch.mask, rollout_logp, step,
-                                         skip)
-
-    def _rollout_routing(self, batch: Batch, completions) -> torch.Tensor:
-        """The experts the engines routed every token of `batch` to, [n, s, layers, k]
-        (`rollout_routing`: a callable given the batch and completions)."""
-        if self.rollout_routing is None:
-            raise RuntimeError("algorithm.routing_replay=rollout: the engines' routed experts "
-                               "are not carried to the actor yet (preflight refuses this run)")
-        return self.rollout_routing(batch, completions)
+            if replay == "old":
+                passed, routing = self.actors.logprobs_and_routing(batch, "old_logprob")
+            else:
+                skip = self._old_logp_rows_from_update(batch.tokens.shape[0])
+                rest = Batch(batch.tokens[skip:], batch.labels[skip:], batch.mask[skip:])
+                passed = self.actors.per_token("logprobs", rest, "old_logprob",
+                                               routing=None if routing is None
+                                               else routing[skip:])
+        if correction.mode == "bypass":
+            return rollout_logp, None, {}, routing
+        return (*self._compared_old_policy(passed, completions, batch.mask, rollout_logp, step,
+                                           skip), routing)
 
     def _compared_old_policy(self, passed, completions, mask, rollout_logp, step: int,
                              skip: int):
@@ -379,9 +368,10 @@ class RLController:
                 extra["values"] = self.actors.per_token("values", batch, "values")
         return extra
 
-    def _update_actor(self, batch: Batch, old_logp, adv, extra, is_weights,
+    def _update_actor(self, batch: Batch, old_logp, adv, extra, is_weights, routing,
                       timer: PhaseTimer) -> list[dict]:
-        """The policy update, one call per mini-batch; each call's report."""
+        """The policy update, one call per mini-batch; each call's report. routing: the
+        experts every mini-batch replays (`_old_policy`), or None."""
         cfg = self.cfg
         policy = {"tokens": batch.tokens, "labels": batch.labels, "response_mask": batch.mask,
                   "old_logp": old_logp, "advantages": adv}
@@ -389,8 +379,8 @@ class RLController:
             policy["ref_logp"] = extra["ref_logp"]
         if is_weights is not None:
             policy["is_weights"] = is_weights
-        if self.routing is not None:  # the experts of the π_old pass, replayed
-            policy["routing"] = self.routing
+        if routing is not None:
+            policy["routing"] = routing
         with timer("update_actor"):  # every mini-batch in one call (ActorWorker.update)
             per_rank = self.call_actors("update", policy, cfg.algorithm, cfg.updates_per_batch,
                                    phase="update_actor")

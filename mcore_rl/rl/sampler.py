@@ -44,16 +44,19 @@ class Sampler:
         self.engines, self.reward_model = engines, reward_model
         self.recovery, self.kills, self.watchdog = recovery, kills, watchdog
 
-    def generate(self, prompts: list[list[int]], sampling: SamplingConfig):
+    def generate(self, prompts: list[list[int]], sampling: SamplingConfig,
+                 routing_start: list[int] | None = None):
         """One generate call. An engine that died is restarted and re-synced, and the call
         repeated as it was: same prompts and seeds, so the same samples (rl/recovery.py).
+        routing_start: per prompt, the positions whose routed experts the caller holds.
         On the pipeline's generating thread the failure is raised instead: the main thread
         recovers when it waits for the batch (rollout/pipeline.py)."""
         deadline = self.cfg.deadlines.gen_s
         self.kills.inject("gen")
         while True:
             try:
-                return self.engines.generate(prompts, sampling, timeout_s=deadline)
+                return self.engines.generate(prompts, sampling, timeout_s=deadline,
+                                             routing_start=routing_start)
             except RolloutError as err:
                 if "no reply within" in str(err):
                     raise self.watchdog.timeout("gen", deadline, [f"rollout engine {err.engine}"],

@@ -15,6 +15,7 @@ import torch
 
 from mcore_rl.rollout.engine import Completion
 from mcore_rl.rollout.multi_turn import completion_from_state, completion_state, loss_masks
+from mcore_rl.rollout.routing import batch_rows
 from mcore_rl.tasks.base import Example
 
 
@@ -53,21 +54,26 @@ class Rollouts:
 @dataclass
 class Batch:
     """Sequences [n, s] as the actor sees them: tokens (inputs), labels (next tokens), and the
-    response mask aligned with labels."""
+    response mask aligned with labels; routing (`algorithm.routing_replay: rollout`): the
+    experts the engines routed each token to, [n, s, layers, k] (-1 where none, see
+    rollout/routing.py)."""
 
     tokens: torch.Tensor
     labels: torch.Tensor
     mask: torch.Tensor
+    routing: torch.Tensor | None = None
 
 
 def build_batch(prompts: list[list[int]], responses: list[list[int]], length: int,
-                pad_id: int, response_masks: list[list[int]] | None = None) -> Batch:
+                pad_id: int, response_masks: list[list[int]] | None = None,
+                routing: list[torch.Tensor | None] | None = None) -> Batch:
     """Concatenate prompt + response ids, pad to `length` + 1 tokens, shift into
     (tokens, labels); the mask marks the labels that are response tokens — of those, with
     `response_masks` (one per response, per token: multi-turn episodes), only the ones it
-    marks 1 (model tokens; observation tokens stay 0). A sequence longer than a row is never
-    cut: ValueError naming the row and its lengths (the config's lengths are derived so that
-    none is, `RLConfig.sample_tokens`)."""
+    marks 1 (model tokens; observation tokens stay 0). routing: per sample the experts of its
+    positions (`Completion.routing`), aligned with the tokens. A sequence longer than a row is
+    never cut: ValueError naming the row and its lengths (the config's lengths are derived so
+    that none is, `RLConfig.sample_tokens`)."""
     rows, masks = [], []
     for i, (prompt, response) in enumerate(zip(prompts, responses)):
         seq = list(prompt) + list(response)
@@ -83,7 +89,8 @@ def build_batch(prompts: list[list[int]], responses: list[list[int]], length: in
         masks.append(mask[:length])
     full = torch.tensor(rows, dtype=torch.long)
     return Batch(full[:, :-1].contiguous(), full[:, 1:].contiguous(),
-                 torch.tensor(masks, dtype=torch.float32))
+                 torch.tensor(masks, dtype=torch.float32),
+                 None if routing is None else batch_rows(routing, length))
 
 
 def trained_tokens(completions: list[Completion], mask: torch.Tensor) -> dict[str, float]:

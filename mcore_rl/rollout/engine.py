@@ -41,7 +41,7 @@ from __future__ import annotations
 import threading
 import time
 from pathlib import Path
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
 import torch
@@ -68,12 +68,18 @@ class Completion:
     """One sampled response. `logprobs[t]` is the raw log-prob of `token_ids[t]` (empty when
     not requested). finish_reason: "stop" (EOS / stop id, which ends `token_ids`), "length"
     (max_tokens or max_model_len) or "abort". versions: partial rollouts only — per token, the
-    weight version that produced it (`logprobs[t]` is under that version); else empty."""
+    weight version that produced it (`logprobs[t]` is under that version); else empty.
+    routing (engines started with `routed_experts`): the experts the engine's MoE routers sent
+    each position of prompt + token_ids to, int16 [positions, all layers, top-k], from the
+    call's `routing_start` on; the last sampled token is never forwarded, so it has none. The
+    batches a step trains on hold it from position 0 (multi-turn and partial rollouts join
+    their calls' rows)."""
 
     token_ids: tuple[int, ...]
     logprobs: tuple[float, ...]
     finish_reason: str
     versions: tuple[int, ...] = ()
+    routing: torch.Tensor | None = field(default=None, compare=False, repr=False)
 
 
 def _standalone_on_cpu() -> bool:
@@ -92,18 +98,21 @@ class RolloutEngine(EngineSync):
     `derive_seed(seed, "engine")`). device: "cpu" or "cuda", the device kind the run plan
     resolved (None: an engine outside a run, on CUDA where there is one). lora: the engine
     serves the policy's LoRA adapter, which weight syncs deliver (`begin_sync(adapter=True)`);
-    once one has, every generation applies it. Start-up time is in `startup_s`.
+    once one has, every generation applies it. routed_experts: every completion carries the
+    experts each token was routed to (`Completion.routing`; vLLM's
+    `enable_return_routed_experts`, which needs its V2 model runner and prefix caching: GPU,
+    MoE models; `algorithm.routing_replay: rollout`). Start-up time is in `startup_s`.
     """
 
     def __init__(self, model_dir: str | Path, cfg: RolloutConfig, *, call_timeout_s: float,
                  engine_index: int = 0, seed: int = 0, device: str | None = None,
-                 lora: EngineLoRA | None = None):
+                 lora: EngineLoRA | None = None, routed_experts: bool = False):
         if not call_timeout_s > 0:
             raise ConfigError("call_timeout_s", call_timeout_s, "must be > 0 seconds")
         if seed < 0:
             raise ConfigError("seed", seed, "must be >= 0")
         self.cfg, self.index, self.call_timeout_s = cfg, engine_index, call_timeout_s
-        self.seed, self.lora = seed, lora
+        self.seed, self.lora, self.routed_experts = seed, lora, routed_experts
         self.adapter_installed = False  # generations apply the adapter once one arrived
         self.on_cpu = _standalone_on_cpu() if device is None else not device.startswith("cuda")
         # a run's engines get the plan's choices in cfg (ResolvedRun.engine_config); an engine
@@ -124,7 +133,7 @@ class RolloutEngine(EngineSync):
                                f"weight-transfer backend: the {BACKEND!r} entry point of "
                                "vllm.general_plugins is not installed (run scripts/setup.sh)")
         start = time.perf_counter()
-        configure_vllm_env(cfg, self.on_cpu)
+        configure_vllm_env(cfg, self.on_cpu, routed_experts)
         if self.on_cpu and cfg.in_process_threads is not None:
             # before vLLM's CPU worker starts: it then makes torch.set_num_threads a no-op
             torch.set_num_threads(cfg.in_process_threads)
@@ -155,6 +164,8 @@ class RolloutEngine(EngineSync):
         kwargs.update(expert_parallel_args(cfg.expert_parallel, on_cpu=self.on_cpu))
         if self.lora is not None:
             kwargs.update(self.lora.llm_kwargs())
+        if self.routed_experts:
+            kwargs["enable_return_routed_experts"] = True
         if not self.enforce_eager and not cfg.compile:
             # CUDA graphs without torch.compile: vLLM captures whole decode steps
             kwargs["compilation_config"] = {"mode": "NONE", "cudagraph_mode": "FULL_DECODE_ONLY"}
@@ -174,15 +185,22 @@ class RolloutEngine(EngineSync):
     # ---------------------------------------------------------------- generation
 
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig, *,
-                 first_index: int = 0) -> list[list[Completion]]:
+                 first_index: int = 0,
+                 routing_start: Sequence[int] | None = None) -> list[list[Completion]]:
         """Sample `sampling.n` responses for every prompt (token ids). Returns, in prompt
         order, each prompt's responses in sample order. `first_index`: global index of
-        `prompts[0]` (seeds depend on it, see the module doc)."""
+        `prompts[0]` (seeds depend on it, see the module doc). routing_start (with
+        `routed_experts`): per prompt, the positions whose experts the caller holds already
+        (a continued episode or sample); its completions' routing starts there."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
         self._check_idle("generate")
         limit = self.cfg.max_model_len - 1
+        starts = [0] * len(prompts) if routing_start is None else [int(s) for s in routing_start]
+        if len(starts) != len(prompts):
+            raise ValueError(f"routing_start has {len(starts)} entries for {len(prompts)} "
+                             "prompts")
         requests = []
         for i, prompt in enumerate(prompts):
             ids = [int(t) for t in prompt]
@@ -190,21 +208,27 @@ class RolloutEngine(EngineSync):
                 raise RolloutError(self.index, "generate",
                                    f"prompt {first_index + i} has {len(ids)} tokens; must have "
                                    f"1..{limit} (max_model_len={self.cfg.max_model_len})")
+            if not 0 <= starts[i] <= len(ids):
+                raise ValueError(f"prompt {first_index + i}: routing_start {starts[i]} is not "
+                                 f"within its {len(ids)} tokens")
             requests.append(TokensPrompt(prompt_token_ids=ids))
         params = [SamplingParams(
             n=sampling.n, temperature=sampling.temperature, top_p=sampling.top_p,
             top_k=sampling.top_k, max_tokens=sampling.max_tokens,
             min_tokens=sampling.min_tokens, stop_token_ids=list(sampling.stop_token_ids),
             seed=sampling.prompt_seed(first_index + i),
-            logprobs=0 if sampling.logprobs else None, detokenize=False)
+            logprobs=0 if sampling.logprobs else None, detokenize=False,
+            **({"routed_experts_prompt_start": starts[i]} if self.routed_experts else {}))
             for i in range(len(requests))]
         if not requests:
             return []
         adapter = lora_request() if self.adapter_installed else None
         with self._lock, compiler_off(not self.cfg.compile):
             outputs = self.llm.generate(requests, params, use_tqdm=False, lora_request=adapter)
-        return [[_completion(c, sampling.logprobs)
-                 for c in sorted(out.outputs, key=lambda c: c.index)] for out in outputs]
+        return [[_completion(c, sampling.logprobs,
+                             _RoutedRows(len(prompt), start) if self.routed_experts else None)
+                 for c in sorted(out.outputs, key=lambda c: c.index)]
+                for out, prompt, start in zip(outputs, prompts, starts)]
 
     def reset_prefix_cache(self) -> None:
         """Drop cached KV (it was computed with the previous weights)."""
@@ -291,7 +315,28 @@ class RolloutEngine(EngineSync):
             self.llm = None
 
 
-def _completion(output: Any, with_logprobs: bool) -> Completion:
+@dataclass(frozen=True)
+class _RoutedRows:
+    """The routed experts one request must return: positions routing_start .. of its prompt
+    (prompt_len tokens) + completion, all but the last sampled token."""
+
+    prompt_len: int
+    routing_start: int
+
+    def rows(self, output: Any, sampled: int) -> torch.Tensor:
+        want = self.prompt_len + sampled - 1 - self.routing_start
+        got = output.routed_experts
+        if got is None or got.ndim != 3 or got.shape[0] != want:
+            raise RuntimeError(f"vLLM returned routed experts of shape "
+                               f"{None if got is None else tuple(got.shape)} for a completion "
+                               f"that needs {want} positions (prompt {self.prompt_len} + "
+                               f"{sampled} sampled - 1 - routing_start {self.routing_start})")
+        # vLLM's ids are uint8/uint16; int16 holds any expert count megatron shards
+        return torch.from_numpy(got.astype("int16", copy=False))
+
+
+def _completion(output: Any, with_logprobs: bool, routed: _RoutedRows | None = None
+                ) -> Completion:
     ids = tuple(int(t) for t in output.token_ids)
     lps: tuple[float, ...] = ()
     if with_logprobs:
@@ -299,7 +344,8 @@ def _completion(output: Any, with_logprobs: bool) -> Completion:
         if entries != len(ids):
             raise RuntimeError(f"vLLM returned {entries} log-prob entries for {len(ids)} tokens")
         lps = tuple(float(pos[tok].logprob) for pos, tok in zip(output.logprobs, ids))
-    return Completion(ids, lps, str(output.finish_reason))
+    routing = None if routed is None else routed.rows(output, len(ids))
+    return Completion(ids, lps, str(output.finish_reason), routing=routing)
 
 
 def _diff_shapes(want: Mapping[str, tuple[int, ...]],

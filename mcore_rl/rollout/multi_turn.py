@@ -18,6 +18,10 @@ Each episode is an `Episode`, a `Completion` whose `token_ids` are the whole con
 tokens only, in order — so code that pairs a completion's log-probs with the positions of its
 loss mask (the controller's `rollout_logprob_max_diff`) works unchanged.
 
+Routed experts (engines that return them, `algorithm.routing_replay: rollout`): each turn's
+call asks only for the positions the episode does not hold yet and the rows are joined; a cut
+turn keeps the rows of its remaining tokens (rollout/routing.py).
+
 Seeds: turn t of the batch uses seed `sampling.seed + t * N` (N episodes), and vLLM adds the
 episode's index within the call: reproducible for a given batch.
 """
@@ -27,10 +31,13 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
+import torch
+
 from mcore_rl.tasks.envs.base import Environment, EpisodeConfig
 from mcore_rl.tasks.envs.tool_format import TagFormat
 from mcore_rl.rollout.config import SamplingConfig
 from mcore_rl.rollout.engine import Completion
+from mcore_rl.rollout.routing import cut_routing, joined_routing, routing_start
 from mcore_rl.tasks.base import Example
 
 Generate = Callable[[list[list[int]], SamplingConfig], list[list[Completion]]]
@@ -81,6 +88,7 @@ class _Running:
     tool_calls: int = 0
     tool_errors: int = 0
     finish: str | None = None
+    routing: torch.Tensor | None = None  # experts of prompt + ids (rollout/routing.py)
 
     @property
     def length(self) -> int:
@@ -90,7 +98,7 @@ class _Running:
         return Episode(tuple(self.ids), tuple(self.logprobs), self.finish or "max_turns",
                        loss_mask=tuple(self.mask), prompt_ids=tuple(self.prompt),
                        reward=self.reward, turns=self.turns, tool_calls=self.tool_calls,
-                       tool_errors=self.tool_errors)
+                       tool_errors=self.tool_errors, routing=self.routing)
 
 
 class MultiTurnRollout:
@@ -135,7 +143,8 @@ class MultiTurnRollout:
             seed = None if sampling.seed is None else sampling.seed + turn * len(runs)
             turn_sampling = replace(sampling, n=1, max_tokens=min(sampling.max_tokens, room),
                                     stop_token_ids=stops, seed=seed)
-            outs = generate([r.prompt + r.ids for r in active], turn_sampling)
+            outs = generate([r.prompt + r.ids for r in active], turn_sampling,
+                            **routing_start([r.routing for r in active]))
             for r, out in zip(active, outs):
                 self._advance(r, out[0])
 
@@ -150,6 +159,7 @@ class MultiTurnRollout:
         r.ids += ids
         r.mask += [1] * len(ids)
         r.logprobs += logprobs
+        r.routing = cut_routing(joined_routing(r.routing, completion.routing), r.length)
         r.turns += 1
         step = r.env.step(response_text(ids, self.tokenizer))
         r.reward += float(step.reward)
@@ -202,6 +212,8 @@ def completion_state(c: Completion) -> dict:
              "finish_reason": c.finish_reason}
     if c.versions:
         state["versions"] = list(c.versions)
+    if c.routing is not None:
+        state["routing"] = c.routing
     if isinstance(c, Episode):
         state.update(loss_mask=list(c.loss_mask), prompt_ids=list(c.prompt_ids),
                      reward=c.reward, turns=c.turns, tool_calls=c.tool_calls,

@@ -12,6 +12,10 @@ the next chunk of every unfinished sample on the weights the engines hold now (`
   `seed + c * CHUNK_SEED_STRIDE + q`. The prefill of a continuation is a fresh forward on the
   current weights, so the token's log-prob is the current version's.
 
+With engines that return routed experts, a continuation asks only for the positions the sample
+does not hold yet: each position keeps the routing of the version that forwarded it
+(rollout/routing.py).
+
 A sample is finished when a chunk ended it (EOS / stop id), when it holds the response cap
 `sampling.max_tokens`, or when prompt + response fill `max_model_len`. Samples stay unfinished
 only after a chunk that ran to its cap, so all unfinished samples of a batch have the same
@@ -63,6 +67,7 @@ import torch
 from mcore_rl.launch.timing import PhaseTimer
 from mcore_rl.rollout.config import SamplingConfig
 from mcore_rl.rollout.engine import Completion
+from mcore_rl.rollout.routing import joined_routing, routing_start
 
 # seeds of chunk c start this far above chunk c - 1's (a batch has far fewer samples)
 CHUNK_SEED_STRIDE = 1 << 20
@@ -72,23 +77,27 @@ Generate = Callable[[list[list[int]], SamplingConfig], list[list[Completion]]]
 
 @dataclass
 class PartialSample:
-    """One sample so far: its tokens, their raw log-probs and weight versions, and why it ended
-    (None while unfinished)."""
+    """One sample so far: its tokens, their raw log-probs and weight versions, why it ended
+    (None while unfinished), and the experts its positions were routed to (engines that
+    return them: each position's from the chunk that forwarded it, `Completion.routing`)."""
 
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
     finish_reason: str | None = None
+    routing: torch.Tensor | None = None
 
     def extend(self, completion: Completion, version: int) -> None:
         self.token_ids += completion.token_ids
         self.logprobs += completion.logprobs
         self.versions += [version] * len(completion.token_ids)
         self.finish_reason = completion.finish_reason  # "length" is re-checked by the batch
+        self.routing = joined_routing(self.routing, completion.routing)
 
     def completion(self) -> Completion:
         return Completion(tuple(self.token_ids), tuple(self.logprobs),
-                          self.finish_reason or "length", tuple(self.versions))
+                          self.finish_reason or "length", tuple(self.versions),
+                          routing=self.routing)
 
 
 @dataclass
@@ -132,14 +141,16 @@ class PartialBatch:
                              "stop_token_ids": list(sp.stop_token_ids), "n": sp.n,
                              "seed": sp.seed, "logprobs": sp.logprobs},
                 "samples": [[{"token_ids": s.token_ids, "logprobs": s.logprobs,
-                              "versions": s.versions, "finish_reason": s.finish_reason}
+                              "versions": s.versions, "finish_reason": s.finish_reason,
+                              "routing": s.routing}
                              for s in group] for group in self.samples]}
 
     @classmethod
     def from_state(cls, state: dict) -> "PartialBatch":
         sp = dict(state["sampling"], stop_token_ids=tuple(state["sampling"]["stop_token_ids"]))
         samples = [[PartialSample(list(s["token_ids"]), list(s["logprobs"]),
-                                  list(s["versions"]), s["finish_reason"]) for s in group]
+                                  list(s["versions"]), s["finish_reason"], s.get("routing"))
+                    for s in group]
                    for group in state["samples"]]
         return cls(state["prompt_ids"], SamplingConfig(**sp), samples, int(state["chunks"]),
                    float(state["gen_s"]))
@@ -180,7 +191,8 @@ def _continue(batch: PartialBatch, generate: Generate, version: int, max_tokens:
         part = running[first:first + per_call]
         sampling = replace(batch.sampling, n=1, seed=base + first,
                            max_tokens=min(max_tokens or room, room))
-        outs = generate([prompt + s.token_ids for prompt, s in part], sampling)
+        outs = generate([prompt + s.token_ids for prompt, s in part], sampling,
+                        **routing_start([s.routing for _, s in part]))
         for (_, sample), (completion,) in zip(part, outs):
             sample.extend(completion, version)
 

@@ -48,13 +48,15 @@ class EngineHost:
     def __init__(self, model_dir: str, cfg: RolloutConfig, index: int,
                  stack_dir: str | None = None, inject_stall: str | None = None,
                  devices: list[int] | None = None, *, call_timeout_s: float, seed: int = 0,
-                 narrow_visible_devices: bool = False, lora: EngineLoRA | None = None):
+                 narrow_visible_devices: bool = False, lora: EngineLoRA | None = None,
+                 routed_experts: bool = False):
         """devices: this engine's TP device slots on its node, from the run's placement plan
         (None without one). narrow_visible_devices (a GPU placement): CUDA_VISIBLE_DEVICES is
         narrowed to those slots before anything here touches CUDA, so vLLM's TP rank t then
         computes on cuda:t. With a placement plan the engine's device kind is the plan's (a GPU
         placement: CUDA), never re-derived here. lora: the policy's adapter is served by
-        vLLM's LoRA (`actor.lora.sync: adapter`)."""
+        vLLM's LoRA (`actor.lora.sync: adapter`). routed_experts: completions carry each
+        token's experts (`RolloutEngine`)."""
         if stack_dir:  # the controller's watchdog asks for stacks with SIGUSR1
             configure_process_logs(Path(stack_dir).parent, f"engine{index}")
             self._stack_file = arm_stack_dump(stack_dir, f"engine{index}")
@@ -67,7 +69,7 @@ class EngineHost:
         planned = None if devices is None else ("cuda" if narrow_visible_devices else "cpu")
         self.engine = RolloutEngine(model_dir, cfg, engine_index=index,
                                     call_timeout_s=call_timeout_s, seed=seed, device=planned,
-                                    lora=lora)
+                                    lora=lora, routed_experts=routed_experts)
 
     def ready(self) -> dict[str, Any]:
         import ray
@@ -78,9 +80,11 @@ class EngineHost:
                 "node_id": context.get_node_id(), "devices": self.devices,
                 "placement_group": context.get_placement_group_id()}
 
-    def generate(self, prompts, sampling: SamplingConfig, first_index: int):
+    def generate(self, prompts, sampling: SamplingConfig, first_index: int,
+                 routing_start: list[int] | None = None):
         maybe_stall("gen", f"engine{self.engine.index}", self.inject_stall)
-        return self.engine.generate(prompts, sampling, first_index=first_index)
+        return self.engine.generate(prompts, sampling, first_index=first_index,
+                                    routing_start=routing_start)
 
     def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         if method not in _FORWARDED:
@@ -98,7 +102,8 @@ class RayEngines:
     def __init__(self, model_dir: str | Path, cfg: RolloutConfig, *, start_timeout_s: float,
                  call_timeout_s: float, stack_dir: str | Path | None = None,
                  inject_stall: str | None = None, placement=None, seed: int = 0,
-                 wait: bool = True, lora: EngineLoRA | None = None):
+                 wait: bool = True, lora: EngineLoRA | None = None,
+                 routed_experts: bool = False):
         """start_timeout_s: how long an engine may take to start. call_timeout_s: the
         deadline of every other call that is given none of its own. seed: every engine's
         vLLM seed (a run's `derive_seed(seed, "engine")`). stack_dir: where engines dump
@@ -106,7 +111,9 @@ class RayEngines:
         inject_stall: fault injection for watchdog tests ("gen@engine<i>").
         placement: a `launch.placement.RayPlacement`: engine i goes into its node's bundle
         and sees only its TP devices (default: anywhere Ray likes).
-        lora: every engine serves the policy's LoRA adapter (`rollout.lora.EngineLoRA`)."""
+        lora: every engine serves the policy's LoRA adapter (`rollout.lora.EngineLoRA`).
+        routed_experts: every completion carries its tokens' experts (`Completion.routing`).
+        """
         import ray
 
         if not ray.is_initialized():
@@ -117,7 +124,7 @@ class RayEngines:
                 raise ConfigError(name, value, "must be > 0 seconds")
         self.cfg = cfg
         self.start_timeout_s, self.call_timeout_s = start_timeout_s, call_timeout_s
-        self.seed, self.lora = seed, lora
+        self.seed, self.lora, self.routed_experts = seed, lora, routed_experts
         self._sync_timeout = call_timeout_s
         self._host_cls = ray.remote(num_cpus=cfg.cpus_per_engine, max_restarts=0,
                                     max_concurrency=1)(EngineHost)
@@ -217,7 +224,8 @@ class RayEngines:
                                                         call_timeout_s=self.call_timeout_s,
                                                         seed=self.seed,
                                                         narrow_visible_devices=narrow,
-                                                        lora=self.lora)
+                                                        lora=self.lora,
+                                                        routed_experts=self.routed_experts)
 
     def restart(self, indices: Sequence[int]) -> None:
         """Replace engines `indices` (dead or broken) with fresh ones in the same slots: the
@@ -264,10 +272,11 @@ class RayEngines:
     # ---------------------------------------------------------------- generation
 
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig, *,
-                 timeout_s: float | None = None,
-                 engines: Sequence[int] | None = None) -> list[list[Completion]]:
+                 timeout_s: float | None = None, engines: Sequence[int] | None = None,
+                 routing_start: Sequence[int] | None = None) -> list[list[Completion]]:
         """Spread prompts over `engines` (default: all) in contiguous chunks; results in
-        prompt order (each prompt's `sampling.n` samples in order)."""
+        prompt order (each prompt's `sampling.n` samples in order). routing_start: per
+        prompt, the positions whose routed experts the caller holds (`RolloutEngine`)."""
         use = list(range(self.num_engines)) if engines is None else list(engines)
         if not use or any(not 0 <= i < self.num_engines for i in use):
             raise ValueError(f"engines={engines}: indices must be in [0, {self.num_engines})")
@@ -276,7 +285,9 @@ class RayEngines:
             stop = start + (len(prompts) - start) // (len(use) - k)
             if stop > start:
                 chunk = [list(map(int, p)) for p in prompts[start:stop]]
-                calls.append((i, self._actors[i].generate.remote(chunk, sampling, start)))
+                starts = None if routing_start is None else list(routing_start[start:stop])
+                calls.append((i, self._actors[i].generate.remote(chunk, sampling, start,
+                                                                 starts)))
             start = stop
         out: list[list[Completion]] = []
         for part in self._gather("generate", calls, self._timeout(timeout_s)):

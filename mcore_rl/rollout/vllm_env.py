@@ -32,9 +32,14 @@ def _threads_bind(cfg: RolloutConfig) -> str:
                     for r in range(cfg.tp))
 
 
-def configure_vllm_env(cfg: RolloutConfig, on_cpu: bool) -> None:
-    """Set the environment vLLM reads (process-wide; call before creating the engine)."""
+def configure_vllm_env(cfg: RolloutConfig, on_cpu: bool, routed_experts: bool = False) -> None:
+    """Set the environment vLLM reads (process-wide; call before creating the engine).
+    routed_experts: the engine returns each token's experts, which vLLM's V2 model runner
+    alone captures — asked for by name, so vLLM fails at start-up where it cannot run it
+    instead of choosing its V1 runner."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    if routed_experts:
+        os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1"
     # a multi-node launcher sets each node's own address; one machine uses cfg.host_ip
     os.environ["VLLM_HOST_IP"] = os.environ.get("MCORE_RL_NODE_IP") or cfg.host_ip
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # engines load local folders only

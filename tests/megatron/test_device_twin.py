@@ -239,3 +239,27 @@ def test_lora_adapter_input_of_a_layernorm_fused_linear_on_device():
 
     linear = _twin_linear(6, 4, None, fused_norm=True)
     assert_on_twin(adapter_input(linear, twin(torch.randn(B, S, 4))))
+
+
+def test_routing_replay_hook_on_the_router_device():
+    """A router's replay hook (megatron/routing_replay.py) on the router's device: the replayed
+    experts arrive from the host (int16, -1 rows where none) and the flip counts stay on the
+    device — no host sync per layer and micro batch."""
+    from mcore_rl.megatron.routing_replay import LayerReplay
+
+    tokens, experts, k = 6, 4, 2
+    scores = twin(torch.rand(tokens, experts))
+    hook = LayerReplay(layer=0)
+    hook.mode, hook.training = "replay", True
+    hook.target = torch.tensor([[1, 2]] * 4 + [[-1, -1]] * 2, dtype=torch.int16)
+    with torch.no_grad():  # a checkpointed forward: queued for its recomputation
+        probs, chosen = hook.get_replay_topk(scores, k, default_compute_topk=_topk)
+    assert_on_twin(probs, chosen, hook.flips, hook.replayed, *hook.queued)
+    assert chosen.shape == (tokens, k) and hook.seen == tokens
+    probs, chosen = hook.get_replay_topk(scores, k, default_compute_topk=_topk)  # recomputed
+    assert_on_twin(probs, chosen)
+    assert not hook.queued
+
+
+def _topk(scores, topk, num_groups=None, group_topk=None):
+    return torch.topk(scores, k=topk, dim=1)

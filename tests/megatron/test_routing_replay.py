@@ -58,12 +58,19 @@ def _megatron_runs(rank, world, spec, weights, moved):
     rr.flip_counts([chunk])  # counts from here on
     with rr.replaying(chunk, old):
         replayed = forward(moved)
-    first_layer_flips = chunk.decoder.layers[0].mlp.router.router_replay.flips
+    first_layer_flips = int(chunk.decoder.layers[0].mlp.router.router_replay.flips)
     flips, tokens, seen = rr.flip_counts([chunk])
     b = TOKENS.shape[0]
+    # a rollout's routing has no row for some positions (-1): their routers choose
+    given = rr.row_order(old, b).clone()
+    given[1, -6:] = -1
+    with rr.replaying(chunk, rr.router_order(given)):
+        partly = forward(moved)
     return {"old": rr.row_order(old, b).numpy(), "fresh": rr.row_order(fresh, b).numpy(),
             "free": free.numpy(), "replayed": replayed.numpy(), "flips": flips,
-            "tokens": tokens, "seen": seen, "first_layer_flips": first_layer_flips}
+            "tokens": tokens, "seen": seen, "first_layer_flips": first_layer_flips,
+            "given": given.numpy(), "partly": partly.numpy(),
+            "partly_counts": rr.flip_counts([chunk])}
 
 
 def _hf_logits(spec, weights, tmp, forced: np.ndarray | None = None) -> np.ndarray:
@@ -85,15 +92,18 @@ def _hf_logits(spec, weights, tmp, forced: np.ndarray | None = None) -> np.ndarr
 
 
 def _forced_router(gate, experts: np.ndarray):
+    """HF's router taking `experts` [b, s, k] (a token's -1 row: its own top-k)."""
     chosen = torch.from_numpy(experts).reshape(-1, experts.shape[-1]).long()  # batch-major
 
     def forward(hidden_states):
         logits = torch.nn.functional.linear(hidden_states.reshape(-1, gate.weight.shape[1]),
                                             gate.weight)
-        top = torch.softmax(logits, dim=-1, dtype=torch.float).gather(1, chosen)
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float)
+        own = probs.topk(chosen.shape[-1], dim=-1).indices
+        top = probs.gather(1, torch.where(chosen >= 0, chosen, own))
         if gate.norm_topk_prob:
             top = top / top.sum(-1, keepdim=True)
-        return logits, top.to(logits.dtype), chosen
+        return logits, top.to(logits.dtype), torch.where(chosen >= 0, chosen, own)
 
     return forward
 
@@ -122,6 +132,13 @@ def test_replayed_routing_gives_hf_logits_with_the_recorded_experts(tmp_path, no
                                _hf_logits(spec, moved, tmp_path / "forced", forced=run["old"]),
                                atol=1e-4)
     assert np.abs(run["replayed"] - run["free"]).max() > 1e-3
+    # positions without a row route themselves; the others are replayed and counted
+    np.testing.assert_allclose(run["partly"],
+                               _hf_logits(spec, moved, tmp_path / "partly", forced=run["given"]),
+                               atol=1e-4)
+    flips, replayed, seen = run["partly_counts"]
+    assert replayed == int((run["given"][..., 0] >= 0).sum()) == differs.size - 6 * differs.shape[2]
+    assert seen == differs.size and 0 < flips <= replayed
 
 
 def test_token_orders_round_trip():

@@ -546,8 +546,9 @@ def test_adapter_sync_keeps_the_sleeping_engines_base():
 
 
 def test_routing_replay_is_refused_where_it_cannot_run():
-    """algorithm.routing_replay: one line each for a dense model and R3 on CPU (vLLM's routed
-    experts need its V2 runner); R2 on a MoE model passes (its config recomputes fully)."""
+    """algorithm.routing_replay: one line each for a dense model, R3 on CPU (vLLM's routed
+    experts need its V2 runner) and R3 without prefix caching (vLLM needs it); R2 and, on GPU,
+    R3 on a MoE model pass."""
     from mcore_rl.models.presets import get_preset
     from mcore_rl.planning.grid_checks import check_routing_replay
 
@@ -565,6 +566,11 @@ def test_routing_replay_is_refused_where_it_cannot_run():
     (cpu,) = problems(moe, ["algorithm.routing_replay=rollout", "cluster.device=cpu"], spec)
     assert cpu.startswith("algorithm.routing_replay=rollout: vLLM returns each token's "
                           "experts only from its V2 model runner")
+    assert problems(moe, ["algorithm.routing_replay=rollout"], spec) == []  # GPU: R3 runs
+    (uncached,) = problems(moe, ["algorithm.routing_replay=rollout",
+                                 "rollout.enable_prefix_caching=false"], spec)
+    assert uncached == ("algorithm.routing_replay=rollout: vLLM returns routed experts only "
+                        "with prefix caching on (rollout.enable_prefix_caching=false)")
 
 
 def test_a_warmup_batch_that_does_not_split_into_its_micro_batches_is_named():
