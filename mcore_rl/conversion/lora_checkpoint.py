@@ -14,7 +14,6 @@ shared by the HF parts of a fused weight (`layouts.lora`).
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Collection, Mapping
@@ -49,26 +48,14 @@ def stored_adapter_keys(reader: "ChunkReader") -> list[str]:
 
 
 def read_lora_json(src: Path) -> LoraMeta | None:
-    """`src/lora.json`, or None when there is none."""
-    from mcore_rl.config import ConfigError
-    from mcore_rl.megatron.config import LoRAConfig
-    from mcore_rl.megatron.role_checkpoint import LORA_FILE
+    """`src/lora.json` (`role_checkpoint.saved_lora`), or None when there is none."""
+    from mcore_rl.megatron.role_checkpoint import saved_lora
 
-    path = src / LORA_FILE
-    if not path.is_file():
-        return None
     try:
-        meta = json.loads(path.read_text())
-        # Only what the adapters' tensors depend on: the training-side fields (lr, sync) may
-        # differ between the version that wrote the file and this one.
-        config = LoRAConfig(rank=meta["rank"], alpha=meta["alpha"],
-                            dropout=meta.get("dropout", 0.0), targets=tuple(meta["targets"]))
-        base = meta.get("base_model")
-    except (OSError, ValueError, TypeError, KeyError, ConfigError) as err:
-        raise ConversionError(f"{path}: unreadable ({type(err).__name__}: {err})") from None
-    if not config.enabled:
-        raise ConversionError(f"{path}: rank={config.rank}: a LoRA checkpoint's rank is >= 1")
-    return LoraMeta(config, base)
+        saved = saved_lora(src)
+    except ValueError as err:
+        raise ConversionError(str(err)) from None
+    return None if saved is None else LoraMeta(*saved)
 
 
 def lora_meta_of(src: Path, reader: "ChunkReader") -> LoraMeta | None:

@@ -67,6 +67,12 @@ class LoRAConfig:
     def scale(self) -> float:
         return self.alpha / self.rank
 
+    @property
+    def syncs_adapters(self) -> bool:
+        """The engines serve the adapters through vLLM's LoRA, and weight syncs send them
+        alone (`sync: adapter` with LoRA on)."""
+        return self.enabled and self.sync == "adapter"
+
     def rl_train(self, train: "TrainConfig") -> "TrainConfig":
         """The RL trainer config: `train`, with the adapters' learning rate when on."""
         if not self.enabled:

@@ -22,10 +22,14 @@ import json
 import os
 from dataclasses import asdict
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from mcore_rl.megatron.dist_checkpoint import load_chunk_states, megatron_sharded_state_dict
+
+if TYPE_CHECKING:
+    from mcore_rl.megatron.config import LoRAConfig
 
 
 def _model_sharded_state_dict(trainer) -> dict:
@@ -53,12 +57,33 @@ def save_role(trainer, ckpt_dir: Path, rank: int, *, base_model: str | None = No
         _write_json(ckpt_dir / LORA_FILE, {**asdict(trainer.lora), "base_model": base_model})
 
 
-def saved_base_model(ckpt_dir: Path) -> str | None:
-    """The base model a LoRA role's checkpoint records (None: not a LoRA checkpoint)."""
+def saved_lora(ckpt_dir: Path) -> tuple[LoRAConfig, str | None] | None:
+    """A LoRA role's `lora.json`: (the adapters' config, the base's HF directory or None);
+    None when the checkpoint has none. Only what the adapters' tensors depend on is read: the
+    training-side fields (lr, sync) may differ between the version that wrote the file and
+    this one. ValueError naming the file when it is unreadable."""
+    from mcore_rl.config import ConfigError
+    from mcore_rl.megatron.config import LoRAConfig
+
     path = ckpt_dir / LORA_FILE
     if not path.is_file():
         return None
-    return json.loads(path.read_text()).get("base_model")
+    try:
+        meta = json.loads(path.read_text())
+        config = LoRAConfig(rank=meta["rank"], alpha=meta["alpha"],
+                            dropout=meta.get("dropout", 0.0), targets=tuple(meta["targets"]))
+        base = meta.get("base_model")
+    except (OSError, ValueError, TypeError, KeyError, ConfigError) as err:
+        raise ValueError(f"{path}: unreadable ({type(err).__name__}: {err})") from None
+    if not config.enabled:
+        raise ValueError(f"{path}: rank={config.rank}: a LoRA checkpoint's rank is >= 1")
+    return config, base
+
+
+def saved_base_model(ckpt_dir: Path) -> str | None:
+    """The base model a LoRA role's checkpoint records (None: not a LoRA checkpoint)."""
+    saved = saved_lora(ckpt_dir)
+    return None if saved is None else saved[1]
 
 
 def _write_json(path: Path, data: dict) -> None:

@@ -277,7 +277,7 @@ def check_lora(run: SizedRun, spec: ModelSpec) -> Iterable[Problem]:
     (its fc1/fc2 are routed experts, which carry no adapters). With `sync: adapter` the
     engines serve the adapter: vLLM must support LoRA for the architecture, at the rank."""
     lora = run.cfg.actor.lora
-    if lora.enabled and lora.sync == "adapter":
+    if lora.syncs_adapters:
         why = unsupported_lora_reason(spec.architecture)
         if why is None and lora.rank > VLLM_LORA_RANKS[-1]:
             why = f"vLLM serves LoRA ranks up to {VLLM_LORA_RANKS[-1]}"

@@ -257,8 +257,7 @@ def resolve_run(cfg: "RLConfig", *, assume_gpu: bool = False,
         sync_bucket_mb=(SYNC_BUCKET_MB[device] if cfg.sync_bucket_mb is None
                         else cfg.sync_bucket_mb),
         enforce_eager=engines_run_eager(cfg.rollout, device),
-        sleep_level=engines_sleep_level(cfg.rollout, keeps_base=(
-            cfg.actor.lora.enabled and cfg.actor.lora.sync == "adapter")),
+        sleep_level=engines_sleep_level(cfg.rollout, keeps_base=cfg.actor.lora.syncs_adapters),
         fused_kernels=trainers_fuse_kernels(cfg.train.fused_kernels, layer_spec_of(device)),
         overlap_grad_reduce=(device == "cuda" and cfg.actor.dp > 1
                              if cfg.train.overlap_grad_reduce is None

@@ -102,9 +102,8 @@ def explain_traffic(cfg: "RLConfig", run: "ResolvedRun") -> dict:
     try:
         spec = resolve_model(cfg.model.planning_model(), "model.hf_dir")
         traffic = sync_traffic(run, sync_plan(cfg, run, spec))
-        lora = cfg.actor.lora
         adapters = (sync_traffic(run, adapter_sync_plan(cfg, run, spec))
-                    if lora.enabled and lora.sync == "adapter" else None)
+                    if cfg.actor.lora.syncs_adapters else None)
     except (ConfigError, LayoutError, PlanError) as err:
         return {"sync_traffic": None, "cross_node_ipc_bytes": None,
                 "sync_traffic_error": str(err)}

@@ -416,7 +416,7 @@ class RLController:
 def engine_lora(cfg: RLConfig) -> EngineLoRA | None:
     """What the engines need to serve the actor's adapters (`actor.lora.sync: adapter`)."""
     lora = cfg.actor.lora
-    if not (lora.enabled and lora.sync == "adapter"):
+    if not lora.syncs_adapters:
         return None
     return EngineLoRA(rank=lora.rank, alpha=lora.alpha)
 

@@ -48,7 +48,7 @@ class WeightSync:
         self.groups_formed = 0
         self._store = None
         lora = cfg.actor.lora
-        self.adapter_sync = lora.enabled and lora.sync == "adapter"
+        self.adapter_sync = lora.syncs_adapters
         # the adapters exist from the start unless a warm-up trains the whole model first
         # (the controller's reset_optimizer attaches them then: `adapters_attached`)
         self.adapters_on = lora.enabled and cfg.warmup.max_steps == 0

@@ -77,7 +77,7 @@ ROUTING_REPLAY = {
 
 def lora_row(lora) -> str:
     """The actor's adapters, as `actor.lora` sets them, and how the engines get them."""
-    engines = ("the adapters alone each sync (vLLM's LoRA)" if lora.sync == "adapter" else
+    engines = ("the adapters alone each sync (vLLM's LoRA)" if lora.syncs_adapters else
                "W + (alpha/rank)·B·A merged per shard")
     return (f"rank {lora.rank} · alpha {lora.alpha:g} · lr {lora.lr:g} on "
             f"{', '.join(lora.targets)} · base frozen, reference = base · engines get "
