@@ -10,8 +10,10 @@ import numpy as np
 import pytest
 import torch
 
+from gpu_twins import gpu_marks, join_world, spawn_env
 from hf_weights import random_hf_weights
 from mcore_rl.launch.spawn import run_on_ranks
+from mcore_rl.models.gpt import te_importable
 from mcore_rl.models.presets import get_preset
 
 MICRO = get_preset("micro")
@@ -27,9 +29,10 @@ def perturbed_routers(weights: dict[str, torch.Tensor], scale: float = 0.5):
             else v for k, v in weights.items()}
 
 
-def _megatron_runs(rank, world, spec, weights, moved):
+def _megatron_runs(rank, world, spec, weights, moved, device="cpu", layer_spec="local"):
     """Record on `weights`; then on `moved` (the routers perturbed): the free forward, its
-    routing, and the forward replaying the first recording. Routing per row [b, s, L, k]."""
+    routing, and the forward replaying the first recording. Routing per row [b, s, L, k]. On
+    `device` with megatron's `layer_spec`; results on the host."""
     from mcore_rl.layouts import materialize_rank, megatron_shards
     from mcore_rl.megatron import routing_replay as rr
     from mcore_rl.megatron.train import MicroBatch, forward_logits
@@ -37,24 +40,27 @@ def _megatron_runs(rank, world, spec, weights, moved):
     from mcore_rl.parallel.config import ParallelConfig
     from mcore_rl.parallel.groups import init_training_groups
 
+    on = join_world(rank, world, device)
     parallel = ParallelConfig()
-    groups = init_training_groups(parallel)
-    (chunk,) = build_gpt_model(spec, parallel, groups)
+    groups = init_training_groups(parallel, device=str(on))
+    (chunk,) = build_gpt_model(spec, parallel, groups, layer_spec=layer_spec)
     chunk.eval()
     rr.install_replay([chunk])
-    batch = MicroBatch(tokens=TOKENS, labels=TOKENS, loss_mask=torch.ones(TOKENS.shape))
+    tokens = TOKENS.to(on)
+    batch = MicroBatch(tokens=tokens, labels=tokens, loss_mask=torch.ones(TOKENS.shape, device=on))
+    shards = megatron_shards(spec, parallel, layer_spec=layer_spec)
 
     def forward(state):
-        load_chunks([chunk], materialize_rank(megatron_shards(spec, parallel), rank,
-                                              lambda n: torch.from_numpy(state[n])), None)
-        return forward_logits([chunk], [batch], vocab=spec.vocab, groups=groups)[0]
+        load_chunks([chunk], materialize_rank(shards, rank, lambda n: torch.from_numpy(state[n])),
+                    None)
+        return forward_logits([chunk], [batch], vocab=spec.vocab, groups=groups)[0].cpu()
 
     with rr.recording(chunk):
         forward(weights)
-    old = rr.recorded(chunk)
+    old = rr.recorded(chunk).cpu()
     with rr.recording(chunk):
         free = forward(moved)
-    fresh = rr.recorded(chunk)
+    fresh = rr.recorded(chunk).cpu()
     rr.flip_counts([chunk])  # counts from here on
     with rr.replaying(chunk, old):
         replayed = forward(moved)
@@ -108,13 +114,27 @@ def _forced_router(gate, experts: np.ndarray):
     return forward
 
 
+TWIN = ("tests/megatron/test_routing_replay.py::"
+        "test_replayed_routing_gives_hf_logits_with_the_recorded_experts[cpu-False]")
+DEVICES = [
+    pytest.param("cpu", "local", id="cpu"),
+    pytest.param("cuda", "local", id="cuda", marks=gpu_marks(TWIN)),
+    pytest.param("cuda", "te", id="cuda-te", marks=[*gpu_marks(TWIN), pytest.mark.skipif(
+        not te_importable(), reason="TransformerEngine is not importable here: the TE spec's "
+        "router is megatron-core's TopKRouter, as in the local spec")]),
+]
+
+
 @pytest.mark.parametrize("norm_topk_prob", [False, True])
-def test_replayed_routing_gives_hf_logits_with_the_recorded_experts(tmp_path, norm_topk_prob):
+@pytest.mark.parametrize("device,layer_spec", DEVICES)
+def test_replayed_routing_gives_hf_logits_with_the_recorded_experts(tmp_path, norm_topk_prob,
+                                                                    device, layer_spec):
     spec = QWEN3_MOE.with_(norm_topk_prob=norm_topk_prob)
     weights = random_hf_weights(spec, seed=11)
     moved = perturbed_routers(weights)
     (run,) = run_on_ranks(_megatron_runs, 1, spec, {k: v.numpy() for k, v in weights.items()},
-                          {k: v.numpy() for k, v in moved.items()}, timeout_s=300)
+                          {k: v.numpy() for k, v in moved.items()}, device, layer_spec,
+                          init_default_group=False, env=spawn_env(device), timeout_s=300)
     # the recorded routing is HF's on the original weights, the fresh one HF's on the moved
     hf_old = _hf_logits(spec, weights, tmp_path / "old", forced=run["old"])
     np.testing.assert_allclose(hf_old, _hf_logits(spec, weights, tmp_path / "base"), atol=1e-5)
