@@ -32,6 +32,9 @@ class ActorRanks:
         self.deadlines, self.watchdog, self.dp = cfg.deadlines, watchdog, cfg.actor.dp
         self.pids: list[int] = []  # known once the ranks answer (`wait_started`)
         self._output_slots: list[int | None] | None = None  # fixed by the grid: asked once
+        # ranks whose call missed its deadline: a Ray actor runs one call at a time, so until
+        # that call returns the rank answers nothing else (shutdown does not wait for it)
+        self._unanswered: dict[int, object] = {}
         world = cfg.actor.world_size
         self._store = host_store(host, world_size=world + 1, timeout_s=cfg.deadlines.startup_s)
         slots, remote_cls = placement.plan.actor, ray.remote(num_cpus=0)(ActorWorker)
@@ -62,6 +65,7 @@ class ActorRanks:
         # than after its peers' collective timeout
         values = collect_or_name_dead(refs, deadline, phase, self.pids or None)
         if len(values) < len(refs):
+            self._unanswered.update((i, ref) for i, ref in enumerate(refs) if i not in values)
             late = [f"actor rank {i}" for i in range(len(refs)) if i not in values]
             raise self.watchdog.timeout(phase, deadline, late)
         return [values[i] for i in range(len(refs))]
@@ -99,11 +103,14 @@ class ActorRanks:
                 torch.cat([routing[d] for d in range(self.dp)]))
 
     def shutdown(self, timeout_s: float = 10.0) -> None:
-        """Ask every rank to stop; one stuck in a collective is left to Ray's shutdown."""
+        """Ask every rank to stop; one stuck in a collective is left to Ray's shutdown, and
+        one still inside a call that missed its deadline is not asked."""
         import ray
 
-        ray.wait([w.shutdown.remote() for w in self.workers], num_returns=len(self.workers),
-                 timeout=timeout_s)
+        stuck = {i for i, ref in self._unanswered.items() if not ray.wait([ref], timeout=0)[0]}
+        refs = [w.shutdown.remote() for i, w in enumerate(self.workers) if i not in stuck]
+        if refs:
+            ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
 
 
 __all__ = ["ActorRanks"]

@@ -133,6 +133,9 @@ class RayEngines:
         self.startup_s, self.pids, self.where = [], [], []
         # the engines in the run; late ones (cfg.startup_engines) are added by admit_late_engines
         self._actors = [self._start(i) for i in range(cfg.engines_at_startup)]
+        # engine -> its call that missed a deadline: an actor runs one call at a time, so
+        # until that one returns the engine answers nothing else (shutdown does not wait)
+        self._unanswered: dict[int, Any] = {}
         # late engines started and not yet admitted: (index, actor, its ready() ref, deadline)
         self._late: list[tuple[int, Any, Any, float]] = []
         self._ready_by = time.monotonic() + start_timeout_s  # the deadline counts from here
@@ -237,6 +240,7 @@ class RayEngines:
         for i in indices:
             ray.kill(self._actors[i], no_restart=True)
             self._actors[i] = self._start(i)
+            self._unanswered.pop(i, None)
         info = self._gather("start-up", [(i, self._actors[i].ready.remote()) for i in indices],
                             self.start_timeout_s)
         for i, reply in zip(indices, info):
@@ -372,13 +376,17 @@ class RayEngines:
         self._call_all("wake-up", "wake_up", None if tags is None else list(tags))
 
     def shutdown(self, grace_s: float = 30.0) -> None:
-        """Stop every engine (cleanly when it answers within `grace_s`) and kill its actor."""
+        """Stop every engine (cleanly when it answers within `grace_s`) and kill its actor.
+        An engine still inside a call that missed its deadline is killed at once: it would
+        take the shutdown only after that call."""
         import ray
 
         if getattr(self, "_late", None):
             self._stop_late()  # still starting (or never admitted): nothing to close cleanly
         actors, self._actors = getattr(self, "_actors", []), []
-        refs = [a.call.remote("shutdown") for a in actors]
+        stuck = {i for i, ref in getattr(self, "_unanswered", {}).items()
+                 if not ray.wait([ref], timeout=0)[0]}
+        refs = [a.call.remote("shutdown") for i, a in enumerate(actors) if i not in stuck]
         if refs:
             ray.wait(refs, num_returns=len(refs), timeout=grace_s)
         for actor in actors:
@@ -408,6 +416,7 @@ class RayEngines:
                 ready, pending = ray.wait(pending, num_returns=1, timeout=remaining)
             if not ready:
                 late = sorted(engine_of[r] for r in pending)
+                self._unanswered.update((engine_of[r], r) for r in pending)
                 raise RolloutError(late[0], phase, f"no reply within {timeout_s:.1f} s "
                                    f"(engines without a reply: {late}); the engine is stuck "
                                    "or overloaded")

@@ -35,10 +35,15 @@ def test_a_stalled_worker_is_named_with_stack_dumps(tmp_path, stall, phase, late
             controller.rl_step(1)
         elapsed = time.monotonic() - start
     finally:
+        stopping = time.monotonic()
         controller.shutdown()
+        shutdown_s = time.monotonic() - stopping
     err = info.value
     assert err.phase == phase and late in str(err), str(err)
     assert elapsed < DEADLINE + 10, elapsed
+    # the stalled worker is killed, not given the clean shutdown's grace (30 s for engines)
+    # that it could only answer after its stalled call
+    assert shutdown_s < 20, shutdown_s
     names = sorted(p.name for p in err.stacks)
     assert names == ["engine0.stack.txt", "rank0.stack.txt", "rank1.stack.txt"], names
     stalled = tmp_path / "stacks" / f"{stall.split('@')[1]}.stack.txt"
