@@ -16,6 +16,8 @@ import statistics
 import subprocess
 import sys
 
+import pytest
+
 
 def run_demo(tmp_path, *args: str) -> tuple[list[dict], list[dict]]:
     """(RL step metrics, warm-up metrics) of `mcore-rl demo ARGS --out tmp_path`."""
@@ -24,7 +26,9 @@ def run_demo(tmp_path, *args: str) -> tuple[list[dict], list[dict]]:
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
 
     def rows(name):
-        return [json.loads(line) for line in (tmp_path / name).read_text().splitlines()]
+        path = tmp_path / name
+        return ([json.loads(line) for line in path.read_text().splitlines()]
+                if path.is_file() else [])  # no warm-up: no warm-up metrics
 
     return rows("metrics.jsonl"), rows("warmup_metrics.jsonl")
 
@@ -51,19 +55,33 @@ def test_tool_demo_learns_to_call_and_copy(tmp_path):
     assert max(r["rollout_logprob_max_diff"] for r in steps) < 1e-4
 
 
-def test_addition_demo_learns(tmp_path):
-    steps, warmup = run_demo(tmp_path, "steps=30")
+@pytest.fixture(scope="module")
+def lora_run(tmp_path_factory):
+    """`mcore-rl demo actor.lora.rank=16`: the addition demo's warm-up (the full model), then
+    RL of LoRA adapters on the warmed-up base. Returns (run dir, RL steps, warm-up steps)."""
+    out = tmp_path_factory.mktemp("lora_demo")
+    steps, warmup = run_demo(out, "actor.lora.rank=16", "steps=30", "checkpoint.every=30")
+    return out, steps, warmup
+
+
+def test_addition_demo_learns(tmp_path, lora_run):
+    """The addition demo: its warm-up reaches the accuracy it stops at, and RL of the whole
+    model from there raises the reward. The warm-up is the one the LoRA run did (the same demo
+    config and seed); `model.hf_dir=RUN/warmup_hf warmup.max_steps=0` starts RL from it."""
+    warmed_up, _, warmup = lora_run
     assert warmup[-1]["accuracy"] >= 0.7, warmup[-1]
+    steps, _ = run_demo(tmp_path, "steps=30", f"model.hf_dir={warmed_up / 'warmup_hf'}",
+                        "warmup.max_steps=0")
     first, last = steps[:5], steps[-5:]
     assert mean(last, "reward_mean") >= mean(first, "reward_mean") + 0.15, \
         [r["reward_mean"] for r in steps]
 
 
-def test_lora_demo_learns_through_the_adapter_sync(tmp_path):
-    """`mcore-rl demo actor.lora.rank=16`: after the full-model warm-up, RL trains adapters
-    on the frozen warmed-up base and every step's sync moves the adapters alone into vLLM's
-    LoRA, whose log-probs equal the actor's. The checkpoint names the warmed-up base."""
-    steps, _ = run_demo(tmp_path, "actor.lora.rank=16", "steps=30", "checkpoint.every=30")
+def test_lora_demo_learns_through_the_adapter_sync(lora_run):
+    """After the full-model warm-up, RL trains adapters on the frozen warmed-up base and every
+    step's sync moves the adapters alone into vLLM's LoRA, whose log-probs equal the actor's.
+    The checkpoint names the warmed-up base."""
+    tmp_path, steps, _ = lora_run
     first, last = steps[:5], steps[-10:]
     assert mean(last, "reward_mean") >= mean(first, "reward_mean") + 0.03, \
         [r["reward_mean"] for r in steps]
