@@ -9,6 +9,7 @@ import pytest
 from mcore_rl.config import load_config
 from mcore_rl.run.config import RLConfig
 from tests.support import DEMO_SIZED
+from tests.support.moe_routing import hf_routing
 
 from .test_moe_sync_integration import MOE
 from .test_sync_integration import BASE
@@ -56,23 +57,6 @@ def test_old_routing_is_recorded_and_replayed_in_every_update(run):
     rows, seq = 16, routing.shape[1]
     assert tuple(routing.shape) == (rows, seq, 2, 2)  # [rows, s, layers, top-k]
     assert ((routing >= 0) & (routing < 4)).all()
-
-
-def hf_routing(model, seq: list[int]):
-    """The experts `model` (HF Qwen3-MoE) routes each position of `seq` to: [len, L, k]."""
-    import torch
-
-    chosen = []
-    hooks = [layer.mlp.gate.register_forward_hook(
-        lambda module, args, out: chosen.append(out[2].reshape(len(seq), -1)))
-        for layer in model.model.layers]
-    try:
-        with torch.no_grad():
-            model(torch.tensor([seq]))
-    finally:
-        for h in hooks:
-            h.remove()
-    return torch.stack(chosen, dim=1)
 
 
 def test_rollout_routing_twin_is_replayed_in_the_old_and_update_passes(run, tmp_path):

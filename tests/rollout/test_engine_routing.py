@@ -20,25 +20,11 @@ from mcore_rl.rollout import RolloutConfig, RolloutEngine, SamplingConfig
 from mcore_rl.rollout.partial import PartialBatch, advance
 
 from .helpers import MAX_MODEL_LEN, hf_state, prompts
+from tests.support.moe_routing import hf_routing
 
 MOE = get_preset("micro").with_(family="qwen3_moe", architecture="Qwen3MoeForCausalLM",
                                 qk_norm=True, rope_theta=1e6, norm_eps=1e-6, num_experts=4,
                                 moe_ffn=64, experts_per_token=2, norm_topk_prob=False)
-
-
-def hf_routing(model, seq: list[int]) -> torch.Tensor:
-    """The experts `model` (HF Qwen3-MoE) routes each position of `seq` to: [len, layers, k]."""
-    chosen = []
-    hooks = [layer.mlp.gate.register_forward_hook(
-        lambda module, args, out: chosen.append(out[2].reshape(len(seq), -1)))
-        for layer in model.model.layers]
-    try:
-        with torch.no_grad():
-            model(torch.tensor([seq]))
-    finally:
-        for h in hooks:
-            h.remove()
-    return torch.stack(chosen, dim=1)
 
 
 def returning_hf_routing(engine: RolloutEngine, model) -> None:
