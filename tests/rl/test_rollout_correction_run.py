@@ -36,9 +36,9 @@ def test_on_policy_correction_is_identity_and_bypass_skips_old_logprobs(tmp_path
     controller = RLController(cfg, model_dir, tmp_path / "run")
     per_token = controller.actors.per_token
 
-    def counting(method, batch, phase):  # the actor's forward-only passes, by name
+    def counting(method, batch, phase, **kwargs):  # the actor's forward-only passes, by name
         passes.append(method)
-        return per_token(method, batch, phase)
+        return per_token(method, batch, phase, **kwargs)
 
     controller.actors.per_token = counting
     try:

@@ -33,6 +33,7 @@ def _gpu_engine(cfg: RolloutConfig, llm=None) -> RolloutEngine:
     engine = RolloutEngine.__new__(RolloutEngine)
     engine.cfg, engine.index, engine.on_cpu, engine.seed = cfg, 0, False, 0
     engine.lora = None  # serves no LoRA adapter
+    engine.routed_experts = False  # returns no routed experts
     engine.enforce_eager = engines_run_eager(cfg, "cuda")  # as RolloutEngine.__init__ does
     engine.sleep_level = engines_sleep_level(cfg)
     engine.llm = llm
