@@ -63,6 +63,15 @@ def collect_or_name_dead(refs: list, deadline_s: float, phase: str,
     return values
 
 
+def still_running(late_calls: Mapping[int, object]) -> set[int]:
+    """The workers (index -> the Ray call that missed its deadline) still inside that call.
+    A Ray actor runs one call at a time: such a worker answers nothing else (a clean shutdown
+    included) until it returns."""
+    import ray
+
+    return {i for i, ref in late_calls.items() if not ray.wait([ref], timeout=0)[0]}
+
+
 def stack_file(stack_dir: str | Path, name: str) -> Path:
     return Path(stack_dir) / f"{name}.stack.txt"
 

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from mcore_rl.config.seeds import derive_seed
-from mcore_rl.launch.watchdog import Watchdog, collect_or_name_dead
+from mcore_rl.launch.watchdog import Watchdog, collect_or_name_dead, still_running
 from mcore_rl.resharding import host_store
 from mcore_rl.rollout.batches import Batch
 
@@ -32,8 +32,8 @@ class ActorRanks:
         self.deadlines, self.watchdog, self.dp = cfg.deadlines, watchdog, cfg.actor.dp
         self.pids: list[int] = []  # known once the ranks answer (`wait_started`)
         self._output_slots: list[int | None] | None = None  # fixed by the grid: asked once
-        # ranks whose call missed its deadline: a Ray actor runs one call at a time, so until
-        # that call returns the rank answers nothing else (shutdown does not wait for it)
+        # rank -> its call that missed a deadline (shutdown does not wait for it to answer:
+        # launch.watchdog.still_running)
         self._unanswered: dict[int, object] = {}
         world = cfg.actor.world_size
         self._store = host_store(host, world_size=world + 1, timeout_s=cfg.deadlines.startup_s)
@@ -107,7 +107,7 @@ class ActorRanks:
         one still inside a call that missed its deadline is not asked."""
         import ray
 
-        stuck = {i for i, ref in self._unanswered.items() if not ray.wait([ref], timeout=0)[0]}
+        stuck = still_running(self._unanswered)
         refs = [w.shutdown.remote() for i, w in enumerate(self.workers) if i not in stuck]
         if refs:
             ray.wait(refs, num_returns=len(refs), timeout=timeout_s)

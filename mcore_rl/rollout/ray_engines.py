@@ -28,7 +28,7 @@ import torch
 
 from mcore_rl.config import ConfigError
 from mcore_rl.launch.logs import configure_process_logs
-from mcore_rl.launch.watchdog import arm_stack_dump, maybe_stall
+from mcore_rl.launch.watchdog import arm_stack_dump, maybe_stall, still_running
 from mcore_rl.rollout.config import RolloutConfig, SamplingConfig
 from mcore_rl.rollout.engine import Completion, RolloutEngine
 from mcore_rl.rollout.errors import RolloutError
@@ -133,8 +133,8 @@ class RayEngines:
         self.startup_s, self.pids, self.where = [], [], []
         # the engines in the run; late ones (cfg.startup_engines) are added by admit_late_engines
         self._actors = [self._start(i) for i in range(cfg.engines_at_startup)]
-        # engine -> its call that missed a deadline: an actor runs one call at a time, so
-        # until that one returns the engine answers nothing else (shutdown does not wait)
+        # engine -> its call that missed a deadline (shutdown does not wait for it to answer:
+        # launch.watchdog.still_running)
         self._unanswered: dict[int, Any] = {}
         # late engines started and not yet admitted: (index, actor, its ready() ref, deadline)
         self._late: list[tuple[int, Any, Any, float]] = []
@@ -384,8 +384,7 @@ class RayEngines:
         if getattr(self, "_late", None):
             self._stop_late()  # still starting (or never admitted): nothing to close cleanly
         actors, self._actors = getattr(self, "_actors", []), []
-        stuck = {i for i, ref in getattr(self, "_unanswered", {}).items()
-                 if not ray.wait([ref], timeout=0)[0]}
+        stuck = still_running(getattr(self, "_unanswered", {}))
         refs = [a.call.remote("shutdown") for i, a in enumerate(actors) if i not in stuck]
         if refs:
             ray.wait(refs, num_returns=len(refs), timeout=grace_s)
