@@ -7,7 +7,9 @@ reads the files the run reads (model.hf_dir, task.path, ...) and refuses a path 
 here, unless `--remote-paths` says the config is checked away from them.
 
 A config that cannot be read (no such file, a YAML syntax error) is one line on stderr,
-`file:line:col: problem`, and exit `CONFIG_ERROR_EXIT` (2), as in every command."""
+`file:line:col: problem`, and exit `CONFIG_ERROR_EXIT` (2), as in every command. A preflight
+that finds an error exits 2 too: it is a config problem, the one `train` refuses with the same
+code; plan-memory exits 1 for a run that does not fit (its answer, not a config error)."""
 
 from __future__ import annotations
 
@@ -28,7 +30,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     add_assume_gpu(plan)
     plan.set_defaults(func=run_plan_memory)
 
-    pre = sub.add_parser("preflight", help="check an RL run's config; lists every problem")
+    pre = sub.add_parser("preflight", help="check an RL run's config; lists every problem",
+                         description="Check an RL run's config against the model, the devices "
+                                     "and its files, and list every problem at once. Exit 0: "
+                                     "no error (warnings allowed); 2: errors (the code train "
+                                     "refuses them with, as every config problem).")
     pre.add_argument("config", help="run config YAML (e.g. configs/gpu/llama3-70b.yaml)")
     pre.add_argument("overrides", nargs="*", help="a.b.c=value overrides")
     pre.add_argument("--device-gib", type=float, default=None,
@@ -73,8 +79,8 @@ def run_plan_memory(args) -> int:
 
 
 def run_preflight(args) -> int:
-    """Exit 0 when there is no error (warnings allowed), 1 otherwise; 2 when the config file
-    cannot be read."""
+    """Exit 0 when there is no error (warnings allowed); CONFIG_ERROR_EXIT (2) when there is
+    one, or the config file cannot be read."""
     from mcore_rl.planning.grid_checks import format_problems
     from mcore_rl.run.preflight import preflight_config
 
@@ -86,4 +92,4 @@ def run_preflight(args) -> int:
         print(f"mcore-rl preflight: config error: {err}", file=sys.stderr)
         return CONFIG_ERROR_EXIT
     print(f"preflight {args.config}: " + format_problems(problems))
-    return 1 if any(p.severity == "error" for p in problems) else 0
+    return CONFIG_ERROR_EXIT if any(p.severity == "error" for p in problems) else 0

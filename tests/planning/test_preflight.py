@@ -218,7 +218,7 @@ def test_hf_dir_and_cpu_head_dim(tmp_path):
 
 def test_cli_preflight(capsys):
     assert main(["preflight", str(L70), "--remote-paths"]) == 0
-    assert main(["preflight", str(L70), "--remote-paths", "cluster.nodes=6", "actor.tp=3"]) == 1
+    assert main(["preflight", str(L70), "--remote-paths", "cluster.nodes=6", "actor.tp=3"]) == 2
     out = capsys.readouterr().out
     assert "[world-size]" in out and "[train-tp]" in out and "fix: actor.tp one of" in out
     assert "train.parallel" not in out
@@ -230,10 +230,10 @@ def test_cli_preflight_assume_gpu(capsys, monkeypatch):
 
     monkeypatch.setattr(resolve, "cuda_present", lambda: False)  # a CPU-only machine
     tiny = str(TINY)
-    assert main(["preflight", tiny, "cluster.sync_backend=nccl"]) == 1
+    assert main(["preflight", tiny, "cluster.sync_backend=nccl"]) == 2
     assert "[sync-backend] cluster.sync_backend=nccl" in capsys.readouterr().out
     assert main(["preflight", tiny, "cluster.sync_backend=nccl", "--assume-gpu"]) == 0
-    assert main(["preflight", tiny, "cluster.sync_backend=gloo", "--assume-gpu"]) == 1
+    assert main(["preflight", tiny, "cluster.sync_backend=gloo", "--assume-gpu"]) == 2
     assert "cluster.sync_backend=gloo on gpu" in capsys.readouterr().out
 
 
@@ -289,10 +289,10 @@ def _problem_lines(out: str, mark: str = "ERROR") -> list[str]:
 
 def test_missing_local_paths_are_errors_unless_remote(tmp_path, capsys):
     """A task.path or model.hf_dir that is not on this machine: an error naming the field and
-    the path (exit 1); with --remote-paths a warning (exit 0, sized from model.preset)."""
+    the path (exit 2); with --remote-paths a warning (exit 0, sized from model.preset)."""
     hf = _hf_dir(tmp_path / "m", head_dim=32)
     missing = tmp_path / "nope.jsonl"
-    assert main(["preflight", str(GRPO), *_jsonl_run(tmp_path, hf, missing)]) == 1
+    assert main(["preflight", str(GRPO), *_jsonl_run(tmp_path, hf, missing)]) == 2
     out = capsys.readouterr().out
     assert _problem_lines(out) == [f"ERROR [dataset] task.path: {missing}: no such file (a JSONL "
                                    "dataset, one object per line)"]
@@ -307,14 +307,14 @@ def test_missing_local_paths_are_errors_unless_remote(tmp_path, capsys):
                  "model.preset=micro", "--remote-paths"]) == 0
     assert "warn  [model-dir] model.hf_dir=" in capsys.readouterr().out
     assert main(["preflight", str(GRPO), *_jsonl_run(tmp_path, gone, missing),
-                 "model.preset=micro"]) == 1
+                 "model.preset=micro"]) == 2
     errors = _problem_lines(capsys.readouterr().out)
     assert f"ERROR [model-dir] model.hf_dir={gone}: no such directory on this machine" in errors
     assert len(errors) == 2, errors  # the directory and the data file, each said once
 
 
 def test_shipped_gpu_config_needs_remote_paths_here(capsys):
-    assert main(["preflight", str(L8)]) == 1
+    assert main(["preflight", str(L8)]) == 2
     out = capsys.readouterr().out
     assert "ERROR [model-dir] model.hf_dir=/models/Meta-Llama-3-8B-Instruct: no such " \
            "directory on this machine" in out
@@ -330,7 +330,7 @@ def test_unsupported_architecture_is_one_line(tmp_path, capsys):
     gpt2.mkdir()
     (gpt2 / "config.json").write_text(json.dumps(
         {"architectures": ["GPT2LMHeadModel"], "n_embd": 128, "n_head": 4, "n_layer": 2}))
-    assert main(["preflight", str(GRPO), *CPU, f"model.hf_dir={gpt2}"]) == 1
+    assert main(["preflight", str(GRPO), *CPU, f"model.hf_dir={gpt2}"]) == 2
     out = capsys.readouterr().out
     (line,) = _problem_lines(out)
     assert line.startswith(f"ERROR [model] model.hf_dir='{gpt2}': {gpt2 / 'config.json'}: "
@@ -341,7 +341,7 @@ def test_unsupported_architecture_is_one_line(tmp_path, capsys):
 
 def test_two_config_errors_are_both_listed(capsys):
     """Two independent invalid fields (two components): both listed, each naming its field."""
-    assert main(["preflight", str(GRPO), "actor.tp=0", "rollout.engines=0"]) == 1
+    assert main(["preflight", str(GRPO), "actor.tp=0", "rollout.engines=0"]) == 2
     out = capsys.readouterr().out
     assert "2 error(s)" in out
     assert _problem_lines(out) == ["ERROR [config] actor.tp=0: must be >= 1",
@@ -367,7 +367,7 @@ KL_IN_REWARD = ["algorithm.kl_coeff=0.1", "algorithm.kl_mode=reward"]  # refused
 ])
 def test_every_cross_field_problem_is_listed(capsys, overrides, expected):
     """RLConfig's cross-field checks all run: each problem on its own line, in check order."""
-    assert main(["preflight", str(GRPO), *overrides]) == 1
+    assert main(["preflight", str(GRPO), *overrides]) == 2
     out = capsys.readouterr().out
     assert f"{len(expected)} error(s)" in out
     assert _problem_lines(out) == [f"ERROR [config] {line}" for line in expected]
@@ -443,7 +443,7 @@ def test_prompt_lengths_are_measured_with_the_runs_tokenizer(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "note  [prompt-length] task.path: 4 prompts, tokens min 5 / median 9 / p99 11 / " \
            "max 11" in out
-    assert main(["preflight", str(GRPO), *run, *_limit_prompts_to(8)]) == 1
+    assert main(["preflight", str(GRPO), *run, *_limit_prompts_to(8)]) == 2
     (line,) = _problem_lines(capsys.readouterr().out)
     assert line.startswith("ERROR [prompt-length] task.path: 2 of 4 prompts are longer than ")
     assert "(the first: prompt 3, 9 tokens; the longest 11)" in line
@@ -471,8 +471,8 @@ def test_overlong_prompts_filter_is_a_warning_with_the_count(tmp_path):
 ])
 def test_explicit_length_too_small_is_one_line(capsys, override, field, need):
     """The demo's samples are 7 prompt + 5 new tokens: an explicit length below that is one
-    problem naming the field and both length fields it is derived from (exit 1)."""
-    assert main(["preflight", str(GRPO), override]) == 1
+    problem naming the field and both length fields it is derived from (exit 2)."""
+    assert main(["preflight", str(GRPO), override]) == 2
     out = capsys.readouterr().out
     (line,) = _problem_lines(out)
     assert line.startswith(f"ERROR [config] {field}=")

@@ -163,7 +163,7 @@ def test_wandb_without_the_package_is_one_config_error(tmp_path, monkeypatch, ca
                             "pip install 'mcore-rl[wandb]'")
     from mcore_rl.cli import main
 
-    assert main(["preflight", str(ROOT / "configs/tiny_ci.yaml"), *OFFLINE]) == 1
+    assert main(["preflight", str(ROOT / "configs/tiny_ci.yaml"), *OFFLINE]) == 2
     assert "ERROR [config] logging.wandb=" in capsys.readouterr().out
     # a writer asked for wandb where the import fails says the same
     monkeypatch.setitem(sys.modules, "wandb", None)
