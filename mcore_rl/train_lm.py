@@ -21,7 +21,7 @@ from typing import ClassVar
 
 import torch
 
-from mcore_rl.config.seeds import USE_THE_RUN_SEED, derive_seed
+from mcore_rl.config.seeds import STREAM_BITS, USE_THE_RUN_SEED, derive_seed, mix
 from mcore_rl.config import ConfigError, load_config, require_at_least, to_dict
 from mcore_rl.models.presets import PRESETS, get_preset
 from mcore_rl.parallel.config import ParallelConfig
@@ -88,7 +88,7 @@ def permutation_batch(vocab: int, *, task_seed: int, step: int, sequences: int,
                       seq_len: int) -> torch.Tensor:
     """[sequences, seq_len + 1] walks of the task permutation; the same for every rank."""
     perm = torch.randperm(vocab, generator=torch.Generator().manual_seed(task_seed))
-    gen = torch.Generator().manual_seed(task_seed * 1_000_003 + step)
+    gen = torch.Generator().manual_seed(mix(task_seed, step, bits=STREAM_BITS))
     walk = torch.empty(sequences, seq_len + 1, dtype=torch.long)
     walk[:, 0] = torch.randint(0, vocab, (sequences,), generator=gen)
     for t in range(seq_len):

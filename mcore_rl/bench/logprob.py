@@ -37,6 +37,7 @@ from mcore_rl.algorithms.vocab_parallel import (log_probs_and_entropy,
 from mcore_rl.bench.report import Table, bar_with_spread, spread
 from mcore_rl.config import ConfigError, require_at_least
 from mcore_rl.config.dtypes import normalize_dtype_fields, torch_dtype
+from mcore_rl.config.seeds import STREAM_BITS, mix
 
 PATHS = ("ours", "baseline")
 
@@ -87,7 +88,7 @@ def peak_allocated_bytes(fn) -> tuple[object, int]:
 
 
 def _inputs(cfg: LogprobBenchConfig, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
-    gen = torch.Generator().manual_seed(cfg.seed * 1000 + 1 + rank)
+    gen = torch.Generator().manual_seed(mix(cfg.seed, "logits", rank, bits=STREAM_BITS))
     shard = torch.randn(cfg.tokens, cfg.vocab // cfg.tp, generator=gen) * cfg.logit_scale
     target = torch.randint(0, cfg.vocab, (cfg.tokens,),
                            generator=torch.Generator().manual_seed(cfg.seed))

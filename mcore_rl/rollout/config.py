@@ -1,20 +1,22 @@
 """Config of the vLLM rollout engines (`RolloutConfig`) and of one call's sampling
 (`SamplingConfig`). Pure dataclasses: no vLLM, no torch.
 
-Seeds: with `SamplingConfig.seed = s`, prompt i of a call (global index `first_index + i`)
-uses seed `s + (first_index + i) * n`, and vLLM gives its j-th sample seed `+ j`; so the
-result of a prompt does not depend on how prompts are batched or spread over engines.
+Seeds: with `SamplingConfig.seed = s`, sample j of the call's prompt i (index `first_prompt +
+first_index + i` in its batch: `first_index` is where an engine's share of the call starts) is
+seeded `sample_seed(s, first_prompt + first_index + i, j)`, a hash (`mcore_rl.config.seeds`);
+so a sample does not depend on how prompts are batched or spread over engines, and no two
+samples of a run share a seed.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import ClassVar, Literal
 
 from mcore_rl.config import (ConfigError, require_above, require_at_least, require_in_range,
                              require_one_of)
 from mcore_rl.config.dtypes import DtypeName, normalize_dtype_fields
-from mcore_rl.config.seeds import USE_THE_RUN_SEED
+from mcore_rl.config.seeds import SAMPLE_BITS, USE_THE_RUN_SEED, mix, sample_seed
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -202,7 +204,9 @@ class SamplingConfig:
         `SamplingParams.min_tokens`); 0 = off, at most max_tokens.
     stop_token_ids: extra ids that end a response (kept in it); the model's
         generation_config.json `eos_token_id` always stops too.
-    n: samples per prompt (a GRPO group). seed: None = unseeded; else see the module doc.
+    n: samples per prompt (a GRPO group). seed: None = unseeded; else the call's seed (see
+        the module doc). first_prompt: the batch index of the call's first prompt (a call that
+        continues part of a batch, e.g. partial rollouts' continuations).
     logprobs: return each sampled token's raw log-prob (see the module doc).
     """
 
@@ -214,6 +218,7 @@ class SamplingConfig:
     stop_token_ids: tuple[int, ...] = ()
     n: int = 1
     seed: int | None = None
+    first_prompt: int = 0
     logprobs: bool = True
 
     def __post_init__(self) -> None:
@@ -224,12 +229,23 @@ class SamplingConfig:
         require_in_range(self, 0, "max_tokens", "min_tokens")
         require_at_least(self, 1, "n")
         require_at_least(self, 0, "seed", optional=True, note="or null")
+        require_at_least(self, 0, "first_prompt")
         if any(t < 0 for t in self.stop_token_ids):
             raise ConfigError("stop_token_ids", self.stop_token_ids, "ids must be >= 0")
 
-    def prompt_seed(self, index: int) -> int | None:
-        """Seed of prompt `index` (global index within the batch); None when unseeded."""
-        return None if self.seed is None else self.seed + index * self.n
+    def sample_seed(self, index: int, sample: int) -> int | None:
+        """Seed of sample `sample` of the call's prompt `index` (its index within the call,
+        counting every engine's share); None when unseeded."""
+        if self.seed is None:
+            return None
+        return sample_seed(self.seed, self.first_prompt + index, sample)
+
+    def keyed(self, *keys: int | str) -> "SamplingConfig":
+        """This sampling with a seed mixed from its own and `keys` (e.g. a multi-turn batch's
+        turn, a partial rollout's chunk): the calls of one batch never share a seed."""
+        if self.seed is None:
+            return self
+        return replace(self, seed=mix(self.seed, *keys, bits=SAMPLE_BITS))
 
 
 def vllm_batch_defaults(device: Literal["cpu", "cuda"], device_gib: float, tp: int) -> tuple[int, int]:

@@ -211,24 +211,30 @@ class RolloutEngine(EngineSync):
             if not 0 <= starts[i] <= len(ids):
                 raise ValueError(f"prompt {first_index + i}: routing_start {starts[i]} is not "
                                  f"within its {len(ids)} tokens")
-            requests.append(TokensPrompt(prompt_token_ids=ids))
-        params = [SamplingParams(
-            n=sampling.n, temperature=sampling.temperature, top_p=sampling.top_p,
-            top_k=sampling.top_k, max_tokens=sampling.max_tokens,
-            min_tokens=sampling.min_tokens, stop_token_ids=list(sampling.stop_token_ids),
-            seed=sampling.prompt_seed(first_index + i),
-            logprobs=0 if sampling.logprobs else None, detokenize=False,
-            **({"routed_experts_prompt_start": starts[i]} if self.routed_experts else {}))
-            for i in range(len(requests))]
+            requests.append(ids)
         if not requests:
             return []
+        # one request per sample, each with its own seed (vLLM would seed a prompt's n
+        # samples seed, seed+1, ...: see mcore_rl/config/seeds.py); vLLM fans n > 1 out into
+        # n requests itself, so this costs nothing
+        n = sampling.n
+        params = [SamplingParams(
+            n=1, temperature=sampling.temperature, top_p=sampling.top_p,
+            top_k=sampling.top_k, max_tokens=sampling.max_tokens,
+            min_tokens=sampling.min_tokens, stop_token_ids=list(sampling.stop_token_ids),
+            seed=sampling.sample_seed(first_index + i, j),
+            logprobs=0 if sampling.logprobs else None, detokenize=False,
+            **({"routed_experts_prompt_start": starts[i]} if self.routed_experts else {}))
+            for i in range(len(requests)) for j in range(n)]
         adapter = lora_request() if self.adapter_installed else None
         with self._lock, compiler_off(not self.cfg.compile):
-            outputs = self.llm.generate(requests, params, use_tqdm=False, lora_request=adapter)
-        return [[_completion(c, sampling.logprobs,
+            outputs = self.llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in requests
+                                         for _ in range(n)], params,
+                                        use_tqdm=False, lora_request=adapter)
+        return [[_completion(out.outputs[0], sampling.logprobs,
                              _RoutedRows(len(prompt), start) if self.routed_experts else None)
-                 for c in sorted(out.outputs, key=lambda c: c.index)]
-                for out, prompt, start in zip(outputs, prompts, starts)]
+                 for out in outputs[i * n:(i + 1) * n]]
+                for i, (prompt, start) in enumerate(zip(prompts, starts))]
 
     def reset_prefix_cache(self) -> None:
         """Drop cached KV (it was computed with the previous weights)."""

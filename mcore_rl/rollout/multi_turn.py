@@ -22,8 +22,9 @@ Routed experts (engines that return them, `algorithm.routing_replay: rollout`): 
 call asks only for the positions the episode does not hold yet and the rows are joined; a cut
 turn keeps the rows of its remaining tokens (rollout/routing.py).
 
-Seeds: turn t of the batch uses seed `sampling.seed + t * N` (N episodes), and vLLM adds the
-episode's index within the call: reproducible for a given batch.
+Seeds: turn t of the batch is a call seeded `sampling.keyed("turn", t)`, in which each active
+episode's seed follows its index in the call (rollout/config.py): reproducible for a given batch,
+and no two turns share a seed.
 """
 
 from __future__ import annotations
@@ -140,9 +141,9 @@ class MultiTurnRollout:
             if not active:
                 return
             room = max(budget - r.length for r in active)
-            seed = None if sampling.seed is None else sampling.seed + turn * len(runs)
-            turn_sampling = replace(sampling, n=1, max_tokens=min(sampling.max_tokens, room),
-                                    stop_token_ids=stops, seed=seed)
+            turn_sampling = replace(sampling.keyed("turn", turn), n=1,
+                                    max_tokens=min(sampling.max_tokens, room),
+                                    stop_token_ids=stops)
             outs = generate([r.prompt + r.ids for r in active], turn_sampling,
                             **routing_start([r.routing for r in active]))
             for r, out in zip(active, outs):

@@ -5,12 +5,13 @@ A `PartialBatch` holds, per prompt, its `n` samples as they grow. `advance(...)`
 the next chunk of every unfinished sample on the weights the engines hold now (`version`):
 
 - chunk 0 is one call with `n` samples per prompt, exactly as a whole generation is
-  (`SamplingConfig.seed`, so prompt i's sample j is seeded `seed + i*n + j`), capped at
+  (`SamplingConfig.seed`: prompt i's sample j is seeded `sample_seed(seed, i, j)`), capped at
   `max_tokens` new tokens;
 - a later chunk c continues every unfinished sample from prompt + its tokens so far as a
-  request of its own (n = 1): the q-th unfinished sample, in (prompt, sample) order, is seeded
-  `seed + c * CHUNK_SEED_STRIDE + q`. The prefill of a continuation is a fresh forward on the
-  current weights, so the token's log-prob is the current version's.
+  request of its own (n = 1): the q-th unfinished sample, in (prompt, sample) order, is
+  sample 0 of prompt q in a call seeded `sampling.keyed("chunk", c)`. The prefill of a
+  continuation is a fresh forward on the current weights, so the token's log-prob is the
+  current version's.
 
 With engines that return routed experts, a continuation asks only for the positions the sample
 does not hold yet: each position keeps the routing of the version that forwarded it
@@ -23,7 +24,7 @@ length.
 
 Continuations are sent in calls whose prefill fits the engines' token budget
 (`max_num_batched_tokens` per engine): vLLM 0.32 on CPU fails a seeded request whose prefill is
-split over engine steps ("CPU Generator does not use offset"). The seed offset of each call is
+split over engine steps ("CPU Generator does not use offset"). Each call's `first_prompt` is
 its first sample's position, so the seeds do not depend on how the calls are cut.
 
 ## The pipeline
@@ -68,9 +69,6 @@ from mcore_rl.launch.timing import PhaseTimer
 from mcore_rl.rollout.config import SamplingConfig
 from mcore_rl.rollout.engine import Completion
 from mcore_rl.rollout.routing import joined_routing, routing_start
-
-# seeds of chunk c start this far above chunk c - 1's (a batch has far fewer samples)
-CHUNK_SEED_STRIDE = 1 << 20
 
 Generate = Callable[[list[list[int]], SamplingConfig], list[list[Completion]]]
 
@@ -186,10 +184,10 @@ def _continue(batch: PartialBatch, generate: Generate, version: int, max_tokens:
     longest = max(len(p) + len(s.token_ids) for p, s in running)
     # RayEngines.generate splits a call evenly over the engines: each share must fit
     per_call = engines * max(1, token_budget // longest)
-    base = batch.sampling.seed + batch.chunks * CHUNK_SEED_STRIDE
+    chunk_sampling = batch.sampling.keyed("chunk", batch.chunks)
     for first in range(0, len(running), per_call):
         part = running[first:first + per_call]
-        sampling = replace(batch.sampling, n=1, seed=base + first,
+        sampling = replace(chunk_sampling, n=1, first_prompt=first,
                            max_tokens=min(max_tokens or room, room))
         outs = generate([prompt + s.token_ids for prompt, s in part], sampling,
                         **routing_start([s.routing for _, s in part]))
@@ -381,5 +379,5 @@ def current_version_logprob_diff(completions, actor_logp: torch.Tensor, mask: to
     return {"partial/current_version_logprob_max_diff": worst} if seen else {}
 
 
-__all__ = ["CHUNK_SEED_STRIDE", "PartialBatch", "PartialRolloutPipeline", "PartialSample",
+__all__ = ["PartialBatch", "PartialRolloutPipeline", "PartialSample",
            "advance", "current_version_logprob_diff", "staleness_metrics"]

@@ -11,8 +11,8 @@ exactly that from token ids (vLLM's own `.text` drops the EOS, so don't pass it)
 that stopped for length has no `EOS_TEXT` and gets 0.
 
 As a `mcore_rl.tasks.base.Task`: `train_examples(n, step=k, attempt=a, seed=s)` draws the
-prompts seeded `s·7919 + k + 1_000_003·a` (the seeds the controller has always used, so runs
-keep their numbers); each example's answer is the answer digits (no EOS).
+prompts seeded `derive_seed(s, "data", k, a)` (a hash: each step and draw its own stream); each
+example's answer is the answer digits (no EOS).
 
 Held-out split: a pair `(a, b)` is held out iff a fixed hash of it falls under
 `heldout_fraction`; the training sampler never draws a held-out pair, whatever its seed.
@@ -26,6 +26,7 @@ import re
 from dataclasses import dataclass
 
 from mcore_rl.config import ConfigError
+from mcore_rl.config.seeds import derive_seed
 from mcore_rl.tasks.base import Example
 
 EOS_TEXT = "</s>"
@@ -90,7 +91,7 @@ class AdditionTask:
 
     def train_examples(self, n: int, *, step: int, attempt: int, seed: int) -> list[Example]:
         """The Task API: `n` training prompts at data position `step` (draw `attempt`)."""
-        prompts = self.prompts(n, seed=seed * 7919 + step + 1_000_003 * attempt)
+        prompts = self.prompts(n, seed=derive_seed(seed, "data", step, attempt))
         return [Example(p, expected_answer(p)) for p in prompts]
 
     def heldout_examples(self, n: int, *, seed: int) -> list[Example]:

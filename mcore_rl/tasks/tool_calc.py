@@ -27,6 +27,7 @@ import re
 from dataclasses import dataclass
 
 from mcore_rl.config import ConfigError
+from mcore_rl.config.seeds import derive_seed
 from mcore_rl.tasks.envs.tool_format import TagFormat
 from mcore_rl.tasks.addition import EOS_TEXT
 from mcore_rl.tasks.base import Example
@@ -88,7 +89,7 @@ class ToolCalcTask:
         return pairs
 
     def train_examples(self, n: int, *, step: int, attempt: int, seed: int) -> list[Example]:
-        pairs = self.sample_pairs(n, seed=seed * 7919 + step + 1_000_003 * attempt)
+        pairs = self.sample_pairs(n, seed=derive_seed(seed, "data", step, attempt))
         return [Example(self.prompt(a, b), self.answer(a, b)) for a, b in pairs]
 
     def heldout_examples(self, n: int, *, seed: int) -> list[Example]:

@@ -68,8 +68,18 @@ def test_loaded_from_yaml_dict_with_prefix():
         from_dict(RolloutConfig, {"tp": 0}, prefix="rollout")
 
 
-def test_prompt_seeds_do_not_overlap_between_prompts():
+def test_sample_seeds_are_hashed_per_prompt_and_sample():
     sp = SamplingConfig(n=4, seed=10)
-    # vLLM gives sample j of a request seed + j: prompt i's seeds are 10 + 4i .. 10 + 4i + 3.
-    assert [sp.prompt_seed(i) for i in range(3)] == [10, 14, 18]
-    assert SamplingConfig().prompt_seed(5) is None
+    seeds = {sp.sample_seed(i, j) for i in range(64) for j in range(4)}
+    assert len(seeds) == 64 * 4  # no two samples of the call share a seed
+    # nor with the neighbouring calls' seeds (the old `seed + i*n + j` shared all but a few)
+    for other in (9, 11, 14):
+        assert not seeds & {SamplingConfig(n=4, seed=other).sample_seed(i, j)
+                            for i in range(64) for j in range(4)}
+    # a call continuing part of a batch seeds its prompts by their batch index
+    part = SamplingConfig(n=4, seed=10, first_prompt=5)
+    assert part.sample_seed(0, 2) == sp.sample_seed(5, 2)
+    assert SamplingConfig().sample_seed(5, 0) is None
+    # keyed calls (turns, chunks) get seeds of their own; unseeded stays unseeded
+    assert sp.keyed("turn", 1).seed not in (sp.seed, sp.keyed("turn", 2).seed)
+    assert SamplingConfig().keyed("turn", 1).seed is None

@@ -69,6 +69,29 @@ def test_generation_api_shapes_order_n_and_seeds(engine):
     assert engine.generate([], sp) == []
 
 
+def test_consecutive_steps_do_not_repeat_each_others_samples(engine):
+    """The same prompts sampled as RL steps k and k+1 sample them (seeds by `step_sampling`):
+    a sample of step k+1 equals one of step k no more often than two samples of one step
+    do. (Seeds once added small integers: step k+1's sample j-1 was step k's sample j.)"""
+    from mcore_rl.config import load_config
+    from mcore_rl.rl.sampler import step_sampling
+    from mcore_rl.run.config import RLConfig
+
+    cfg = load_config(RLConfig, None, ["samples_per_prompt=8", "max_new_tokens=6",
+                                       "max_prompt_tokens=8", "rollout.max_model_len=64"])
+    ps = prompts(8, 8)
+    steps = [tokens(engine.generate(ps, step_sampling(cfg, k, 0, eos_id=0)))
+             for k in (3, 4)]
+    across = sum(a == b for g3, g4 in zip(*steps) for a in g3 for b in g4)
+    within = sum(g[i] == g[j] for g in steps[0] for i in range(8) for j in range(i + 1, 8))
+    print(f"identical pairs: {across} across steps, {within} within a step")
+    assert within <= 2  # a near-uniform model: two samples rarely agree
+    # 64 cross pairs per prompt vs 28 within: chance gives about 2.3x the within count
+    assert across <= 2.3 * within + 2, (across, within)
+    # and the old additive seeds would have repeated 7 of every 8 samples
+    assert across < 8 * 7
+
+
 def test_prompt_longer_than_the_model_is_refused(engine):
     with pytest.raises(RolloutError, match="prompt 3 has 300 tokens"):
         engine.generate([[5] * 300], GREEDY, first_index=3)

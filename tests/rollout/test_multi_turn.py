@@ -74,9 +74,10 @@ def test_turns_are_batched_and_finished_episodes_drop_out(tok):
     assert prompts == [encode(e.prompt) for e in EXAMPLES]
     # turn 1: all 6 episodes; turn 2: the 4 that called the tool; then all are done
     assert [n for n, _ in engine.calls] == [6, 4]
+    assert len({s.seed for _, s in engine.calls} | {sampling.seed}) == 3  # a seed per turn
     close = tok.convert_tokens_to_ids("</call>")
     for turn, (_, s) in enumerate(engine.calls):
-        assert s.n == 1 and s.seed == 5 + turn * 6 and s.max_tokens == 16
+        assert s.n == 1 and s.seed == sampling.keyed("turn", turn).seed and s.max_tokens == 16
         assert set(s.stop_token_ids) == {tok.eos_token_id, close}
     called, direct = groups[0][0], groups[1][1]
     assert called.finish_reason == "done" and called.reward == 1.0

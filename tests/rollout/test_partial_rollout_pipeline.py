@@ -12,7 +12,7 @@ import torch
 
 from mcore_rl.config import ConfigError, load_config
 from mcore_rl.rollout.engine import Completion, SamplingConfig
-from mcore_rl.rollout.partial import CHUNK_SEED_STRIDE, PartialBatch, advance
+from mcore_rl.rollout.partial import PartialBatch, advance
 from mcore_rl.launch.timing import PhaseTimer
 from mcore_rl.rollout.partial import PartialRolloutPipeline
 from mcore_rl.run.config import RLConfig
@@ -34,7 +34,7 @@ class FakeEngine:
         for i, prompt in enumerate(prompts):
             group = []
             for j in range(sampling.n):
-                seed = sampling.prompt_seed(i) + j
+                seed = sampling.sample_seed(i, j)
                 ids = []
                 for _ in range(sampling.max_tokens):
                     tok = random.Random(f"{seed}/{prompt + ids}").randrange(12)
@@ -167,8 +167,11 @@ def test_continuations_fit_the_token_budget_with_seeds_independent_of_the_cut():
     cut, cut_calls = generate(11, 2)  # 6..10-token prefixes: one per engine per call
     assert cut.completions() == whole.completions()
     assert len(cut_calls) > len(whole_calls)
+    chunk_seeds = {seed for _, _, _, seed in cut_calls[1:]}
     for count, n, _, seed in cut_calls[1:]:
-        assert n == 1 and count <= 2 and seed >= 5 + CHUNK_SEED_STRIDE
+        assert n == 1 and count <= 2 and seed != 5
+    # every chunk is a call seeded on its own, whichever part of it a call carries
+    assert len(chunk_seeds) == cut.chunks - 1
 
 
 def test_partial_rollout_config_errors():
