@@ -142,15 +142,28 @@ def _warmup_batch(run: SizedRun) -> Iterable[Problem]:
 
 
 def check_seq_len(run: SizedRun, spec: ModelSpec) -> Iterable[Problem]:
-    t, par = run.cfg.train, run.cfg.actor
-    if t.seq_len > spec.max_positions:
-        yield Problem("seq-len", f"train.seq_len={t.seq_len} exceeds the model's "
-                      f"max_position_embeddings={spec.max_positions}",
-                      f"train.seq_len <= {spec.max_positions}")
-    if run.cfg.rollout.max_model_len > spec.max_positions:
-        yield Problem("seq-len", f"rollout.max_model_len={run.cfg.rollout.max_model_len} "
-                      f"exceeds the model's max_position_embeddings={spec.max_positions}",
-                      f"rollout.max_model_len <= {spec.max_positions}")
+    """The lengths within the model's context. A sample over it names the fields the lengths
+    are declared by (train.seq_len and rollout.max_model_len are derived from them); an
+    explicit train.seq_len or rollout.max_model_len over it names that field."""
+    cfg, t, par = run.cfg, run.cfg.train, run.cfg.actor
+    ctx = f"the model's max_position_embeddings={spec.max_positions}"
+    if cfg.sample_tokens > spec.max_positions:
+        if cfg.task.multi_turn:
+            yield Problem("seq-len", f"task.episode.max_total_tokens={cfg.sample_tokens} "
+                          f"exceeds {ctx}",
+                          f"task.episode.max_total_tokens <= {spec.max_positions}")
+        else:
+            yield Problem("seq-len", f"max_prompt_tokens + max_new_tokens = "
+                          f"{cfg.max_prompt_tokens} + {cfg.max_new_tokens} = "
+                          f"{cfg.sample_tokens} tokens exceed {ctx}",
+                          f"max_prompt_tokens + max_new_tokens <= {spec.max_positions}")
+    else:
+        if t.seq_len > spec.max_positions:
+            yield Problem("seq-len", f"train.seq_len={t.seq_len} exceeds {ctx}",
+                          f"train.seq_len <= {spec.max_positions}")
+        if cfg.rollout.max_model_len > spec.max_positions:
+            yield Problem("seq-len", f"rollout.max_model_len={cfg.rollout.max_model_len} "
+                          f"exceeds {ctx}", f"rollout.max_model_len <= {spec.max_positions}")
     if par.sequence_parallel and t.seq_len % par.tp:
         yield Problem("seq-len-sp", f"train.seq_len={t.seq_len}: sequence parallelism splits "
                       f"it over actor.tp={par.tp}", f"train.seq_len a multiple of {par.tp}")

@@ -109,6 +109,25 @@ class ModelConfig:
                           "model.preset to the planner preset of the same shapes "
                           f"({', '.join(sorted(PRESETS))}) to check the run without it")
 
+    def context(self) -> tuple[int, str] | None:
+        """The model's context in tokens (max_position_embeddings) and where it was read, from
+        the model preflight sizes (`planning_model`): hf_dir's config.json when it is here,
+        else the preset, the demo model's for the built one. None when none of them is here
+        (or hf_dir's config.json does not read: preflight names why)."""
+        if self.hf_dir is None:
+            return DEMO_MAX_POSITIONS, "the built demo model's max_position_embeddings"
+        config = Path(self.hf_dir) / "config.json"
+        if config.is_file():
+            try:
+                return ModelSpec.from_hf_dir(self.hf_dir).max_positions, \
+                    f"max_position_embeddings in {config}"
+            except (OSError, ValueError, KeyError, TypeError):
+                return None
+        if self.preset is not None:
+            return (PRESETS[self.preset].max_positions,
+                    f"max_positions of model.preset={self.preset}")
+        return None
+
 
 @dataclass(frozen=True, kw_only=True)
 class WarmupConfig:
@@ -160,6 +179,10 @@ class CriticTrainConfig(TrainConfig):
 
     optimizer: CriticOptimizerConfig = field(default_factory=CriticOptimizerConfig)
 
+
+# max_prompt_tokens / max_new_tokens left null are each at most this (a real run's, as
+# verl's ppo_trainer.yaml), within the model's context (`RLConfig._derive_lengths`)
+LENGTH_DEFAULT = 1024
 
 # A derived micro batch holds at most this many tokens (rows x seq_len; verl's
 # ppo_max_token_len_per_gpu default): small rows get one micro batch per update, long ones
@@ -233,15 +256,27 @@ class RLConfig:
     steps: RL steps. prompts_per_step x samples_per_prompt sequences per step.
     updates_per_batch: optimizer steps (mini-batches x epochs) per generated batch.
     max_prompt_tokens: the longest prompt, in tokens after tokenization (chat template
-        included); a longer one is an error or dropped (task.overlong_prompts).
-    temperature / max_new_tokens: sampling.
+        included); a longer one is an error or dropped (task.overlong_prompts). Null: derived
+        to fit the model's context (the rule: Lengths below, and the guide's "Lengths").
+    max_new_tokens: the longest response (multi-turn: the longest model turn). Null: derived
+        to fit the model's context (the rule: Lengths below, and the guide's "Lengths").
+    temperature: sampling temperature.
     sync_bucket_mb: the weight sync's bucket (the bytes one transfer round moves per
         sender); null: the run plan's default for the device — 16 on CPU, 512 on GPU (fewer,
         larger rounds of NCCL launches).
     min_new_tokens: the shortest response of an RL step's samples (EOS cannot end one
         earlier; vLLM's `min_tokens`); 0 = off. Benchmarks use it to fix response lengths
         (`mcore-rl bench step shape=...`). Single-turn, whole-batch generation only.
-    Lengths are declared once, here: `sample_tokens` is max_prompt_tokens + max_new_tokens
+    Lengths are declared once, here. A sample may hold the model's context
+    (max_position_embeddings of model.hf_dir's config.json when it is on this machine, else
+    of model.preset, 64 for the built demo model; multi-turn: task.episode.max_total_tokens,
+    which must fit that context). max_prompt_tokens / max_new_tokens null are derived to fit
+    it, each at most 1024 (`LENGTH_DEFAULT`): one of them set, the other is what the context
+    leaves; neither set, each is half the context. Set ones must fit: their sum (multi-turn:
+    max_prompt_tokens alone) at most the context, else an error naming them, the numbers and
+    the context's source. A context not known here (hf_dir elsewhere, no preset) leaves
+    them 1024. The written config holds the derived numbers.
+    `sample_tokens` is max_prompt_tokens + max_new_tokens
     (a multi-turn task: task.episode.max_total_tokens). rollout.max_model_len null is
     derived as sample_tokens, train.seq_len null (and warmup's, critic_train's) as
     sample_tokens - 1 (a row holds seq_len + 1 tokens: inputs and the last label; rounded up
@@ -280,8 +315,8 @@ class RLConfig:
     samples_per_prompt: int = 8
     updates_per_batch: int = 1
     temperature: float = 1.0
-    max_prompt_tokens: int = 1024
-    max_new_tokens: int = 1024
+    max_prompt_tokens: int | None = None
+    max_new_tokens: int | None = None
     min_new_tokens: int = 0
     sync_bucket_mb: float | None = None
     sync_dtype: Literal["auto"] | DtypeName = "auto"
@@ -329,6 +364,55 @@ class RLConfig:
         if self.task.multi_turn:
             return self.task.episode.max_total_tokens
         return self.max_prompt_tokens + self.max_new_tokens
+
+    def _derive_lengths(self) -> None:
+        """max_prompt_tokens / max_new_tokens left null, derived to fit the sample budget
+        (`length_budget`): each at most LENGTH_DEFAULT, one of them set leaves the other the
+        rest, neither set halves it; set ones are checked against it (single-turn: their sum;
+        multi-turn: each alone, a turn is capped by what the episode has left)."""
+        total, context = self.task.episode.max_total_tokens, self.model.context()
+        if self.task.multi_turn and context is not None and total > context[0]:
+            raise ConfigError("task.episode.max_total_tokens", total,
+                              f"an episode must fit the model's context of {context[0]} tokens "
+                              f"({context[1]})")
+        prompt, new = self.max_prompt_tokens, self.max_new_tokens
+        if any(n is not None and n < 1 for n in (prompt, new)):
+            return  # _check_counts names it
+        budget = self.length_budget()
+        if budget is None:  # the model's context is not known here
+            prompt, new = prompt or LENGTH_DEFAULT, new or LENGTH_DEFAULT
+        else:
+            room, where = budget
+            if prompt is None and new is None:
+                prompt = new = min(LENGTH_DEFAULT, room // 2)
+            elif prompt is None:
+                if new >= room:
+                    raise ConfigError("max_new_tokens", new, f"leaves no room for a prompt in "
+                                      f"{where}: set max_new_tokens < {room}")
+                prompt = min(LENGTH_DEFAULT, room - new)
+            elif new is None:
+                if prompt >= room:
+                    raise ConfigError("max_prompt_tokens", prompt, f"leaves no room for a "
+                                      f"response in {where}: set max_prompt_tokens < {room}")
+                new = min(LENGTH_DEFAULT, room - prompt)
+            elif prompt + new > room and not self.task.multi_turn:
+                raise ConfigError("max_new_tokens", new, (
+                    f"max_prompt_tokens + max_new_tokens = {prompt} + {new} = {prompt + new} "
+                    f"tokens exceed {where}: set max_prompt_tokens + max_new_tokens <= {room}"))
+        object.__setattr__(self, "max_prompt_tokens", prompt)
+        object.__setattr__(self, "max_new_tokens", new)
+
+    def length_budget(self) -> tuple[int, str] | None:
+        """The most tokens one sample may hold, and what says so in words: a multi-turn task's
+        task.episode.max_total_tokens, else the model's context (`ModelConfig.context`);
+        None when that is not known here."""
+        if self.task.multi_turn:
+            total = self.task.episode.max_total_tokens
+            return total, f"task.episode.max_total_tokens={total}"
+        context = self.model.context()
+        if context is None:
+            return None
+        return context[0], f"the model's context of {context[0]} tokens ({context[1]})"
 
     def _resolve_lengths(self) -> int:
         """train.seq_len and rollout.max_model_len: null ones derived from `sample_tokens`,
@@ -431,6 +515,8 @@ class RLConfig:
         """min_new_tokens within [0, max_new_tokens], on single-turn whole-batch generation
         (a turn or a partial-rollout chunk has its own, smaller cap)."""
         n = self.min_new_tokens
+        if self.max_new_tokens is None:  # not derived: _derive_lengths said why
+            return
         require_in_range(self, 0, "max_new_tokens", "min_new_tokens")
         if n and self.task.multi_turn:
             raise ConfigError("min_new_tokens", n, f"task.kind={self.task.kind} is multi-turn "
@@ -449,7 +535,9 @@ class RLConfig:
 
     def _check_counts(self) -> None:
         require_at_least(self, 1, "steps", "prompts_per_step", "samples_per_prompt",
-                         "updates_per_batch", "max_prompt_tokens", "max_new_tokens")
+                         "updates_per_batch")
+        require_at_least(self, 1, "max_prompt_tokens", "max_new_tokens", optional=True,
+                         note="null: derived")
         require_above(self, 0, "sync_bucket_mb", optional=True, note="null: the device's "
                       "default")
 
@@ -512,9 +600,10 @@ class RLConfig:
             raise ConfigError("algorithm.kl_mode", "reward",
                               "group estimators (grpo, rloo) take the KL as a loss term")
 
-    # checks of the fields as given; the first three must pass for the batch split to be
-    # checked, and it for the sizes to be derived (`_resolve_sizes`)
-    BASIC_CHECKS: ClassVar[tuple] = (_check_sync_dtype, _check_counts, _check_off_policy_steps)
+    # checks of the fields as given (and the lengths derived from them); these must pass for
+    # the batch split to be checked, and it for the sizes to be derived (`_resolve_sizes`)
+    BASIC_CHECKS: ClassVar[tuple] = (_check_sync_dtype, _check_counts, _check_off_policy_steps,
+                                     _derive_lengths)
     # every other check, in the order they are reported; those of the derived sizes run only
     # once the sizes are derived, the rest whether or not any check above failed
     CHECKS: ClassVar[tuple] = (

@@ -24,7 +24,8 @@ def test_every_field_is_listed_with_the_parents_default():
         assert f.name in keys
     assert keys["train.optimizer.lr"] == "`1e-06`"
     assert keys["critic_train.optimizer.lr"] == "`1e-05`"  # the parent's default instance
-    assert keys["max_new_tokens"] == "`1024`"
+    assert keys["steps"] == "`200`"
+    assert keys["max_new_tokens"] == "`null`"  # derived to fit the model's context
     assert "logging.wandb.project" in keys  # an optional section's keys are listed too
 
 

@@ -88,7 +88,8 @@ BAD = [
     ("rollout-ep-cpu", MOE_DEMO, ["rollout.expert_parallel=true"], "rollout-ep"),
     ("rollout-ep-dense", L70, ["rollout.expert_parallel=true"], "rollout-ep"),
     ("rollout-ep-ranks", A3B, ["rollout.expert_parallel=true", "model.preset=micro-moe",
-                               "rollout.tp=8", "rollout.engines=2"], "rollout-ep"),
+                               "rollout.tp=8", "rollout.engines=2",  # 4 experts, 8 ranks
+                               "max_new_tokens=64"], "rollout-ep"),  # in micro-moe's 256
 ]
 
 

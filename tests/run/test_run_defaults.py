@@ -122,3 +122,110 @@ def test_filtering_is_for_jsonl_data_only():
     with pytest.raises(ConfigError, match="task.overlong_prompts='filter': drops rows of a "
                                           "jsonl dataset"):
         load_config(RLConfig, None, ["task.overlong_prompts=filter"])
+
+
+def _model_dir(path, positions):
+    """An HF model directory with only config.json, of context `positions`: what the lengths
+    are derived from when model.hf_dir is on this machine."""
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps(
+        {"architectures": ["LlamaForCausalLM"], "hidden_size": 128, "intermediate_size": 256,
+         "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 2,
+         "vocab_size": 300, "max_position_embeddings": positions}))
+    return path
+
+
+def _here(model_dir):
+    return [f"model.hf_dir={model_dir}"] + [o for o in MINIMAL if not o.startswith(
+        ("model.hf_dir=", "max_new_tokens="))]
+
+
+@pytest.mark.parametrize("lengths,prompt,new", [
+    (["max_new_tokens=48"], 464, 48),            # the prompt gets what the context leaves
+    ([], 256, 256),                              # neither set: half the context each
+    (["max_prompt_tokens=100"], 100, 412),       # the response gets the rest
+    (["max_prompt_tokens=400", "max_new_tokens=112"], 400, 112),  # both, summing to 512
+])
+def test_null_lengths_fit_the_models_context(tmp_path, lengths, prompt, new):
+    """Issue #43: a 512-token checkpoint with max_new_tokens 48 gets a prompt budget of 464,
+    not 1024 (which preflight then refused naming train.seq_len, a field nobody set); the
+    written config holds the numbers and loads back to the same run."""
+    from mcore_rl.config import write_config
+
+    cfg = load_config(RLConfig, None, _here(_model_dir(tmp_path / "m", 512)) + lengths)
+    assert (cfg.max_prompt_tokens, cfg.max_new_tokens) == (prompt, new)
+    assert (cfg.train.seq_len, cfg.rollout.max_model_len) == (prompt + new - 1, prompt + new)
+    written = write_config(cfg, tmp_path / "config.yaml")
+    assert load_config(RLConfig, written, []) == cfg
+
+
+def test_a_long_context_keeps_the_real_run_defaults(tmp_path):
+    """A context of 2048 or more leaves the defaults as they were: 1024 + 1024 (and 1024 for
+    the prompt next to a short response); the context is read from model.preset when hf_dir
+    is not here, from the demo spec for the built demo model."""
+    cfg = load_config(RLConfig, None, _here(_model_dir(tmp_path / "m", 8192)))
+    assert (cfg.max_prompt_tokens, cfg.max_new_tokens) == (1024, 1024)
+    cfg = load_config(RLConfig, None, MINIMAL + ["model.preset=tiny"])  # 2048 positions
+    assert (cfg.max_prompt_tokens, cfg.max_new_tokens) == (1024, 48)
+    cfg = load_config(RLConfig, None, MINIMAL + ["model.preset=micro", "max_new_tokens=200"])
+    assert (cfg.max_prompt_tokens, cfg.rollout.max_model_len) == (56, 256)
+    demo = load_config(RLConfig, None, [])  # the built demo model: 64 positions
+    assert (demo.max_prompt_tokens, demo.max_new_tokens, demo.rollout.max_model_len) == (
+        32, 32, 64)
+
+
+@pytest.mark.parametrize("lengths,field,problem", [
+    (["max_prompt_tokens=400", "max_new_tokens=200"], "max_new_tokens",
+     "max_prompt_tokens + max_new_tokens = 400 + 200 = 600 tokens exceed the model's context "
+     "of 512 tokens (max_position_embeddings in {m}/config.json): set max_prompt_tokens + "
+     "max_new_tokens <= 512"),
+    (["max_new_tokens=512"], "max_new_tokens",
+     "leaves no room for a prompt in the model's context of 512 tokens "
+     "(max_position_embeddings in {m}/config.json): set max_new_tokens < 512"),
+    (["max_prompt_tokens=600"], "max_prompt_tokens",
+     "leaves no room for a response in the model's context of 512 tokens"),
+])
+def test_lengths_over_the_context_name_the_fields_that_were_set(tmp_path, lengths, field,
+                                                                 problem):
+    m = _model_dir(tmp_path / "m", 512)
+    with pytest.raises(ConfigError) as err:
+        load_config(RLConfig, None, _here(m) + lengths)
+    assert err.value.field == field
+    assert problem.format(m=m) in str(err.value)
+    assert "seq_len" not in str(err.value) and "max_model_len" not in str(err.value)
+
+
+def test_preflight_names_the_lengths_not_the_derived_fields(tmp_path, capsys):
+    """`mcore-rl preflight` on lengths over the context: one problem naming the lengths that
+    were set, exit 2; and a run sized on a shorter model than its lengths were derived for
+    names the lengths too (the grid check), not train.seq_len / rollout.max_model_len."""
+    from mcore_rl.cli import main
+    from mcore_rl.run.preflight import preflight_run
+
+    m = _model_dir(tmp_path / "m", 512)
+    assert main(["preflight", "configs/grpo_jsonl.yaml", f"model.hf_dir={m}",
+                 f"task.path={DATA}", "task.chat_template=false"]) == 2
+    out = capsys.readouterr().out
+    (error,) = [line for line in out.splitlines() if line.startswith("ERROR")]
+    assert error.startswith("ERROR [config] max_new_tokens=1024: max_prompt_tokens + "
+                            "max_new_tokens = 512 + 1024 = 1536 tokens exceed the model's "
+                            "context of 512 tokens"), error
+    assert "train.seq_len" not in out and "rollout.max_model_len" not in out
+    cfg = load_config(RLConfig, None, _here(m) + ["max_new_tokens=48"])
+    problems = preflight_run(cfg, _model_dir(tmp_path / "short", 256))
+    (seq,) = [p for p in problems if p.check == "seq-len"]
+    assert seq.message == ("max_prompt_tokens + max_new_tokens = 464 + 48 = 512 tokens exceed "
+                           "the model's max_position_embeddings=256")
+    assert seq.fix == "max_prompt_tokens + max_new_tokens <= 256"
+
+
+def test_a_multi_turn_episode_must_fit_the_models_context():
+    from mcore_rl.config import check_config
+
+    _, errors = check_config(RLConfig, "configs/tool_calc.yaml",
+                             ["task.episode.max_total_tokens=100"])
+    assert [str(e) for e in errors if e.field == "task.episode.max_total_tokens"] == [
+        "task.episode.max_total_tokens=100: an episode must fit the model's context of 64 "
+        "tokens (the built demo model's max_position_embeddings)"]
+    cfg = load_config(RLConfig, "configs/tool_calc.yaml", ["max_new_tokens=null"])
+    assert cfg.max_new_tokens == 40 - 7  # what the episode leaves after the prompt
