@@ -38,6 +38,7 @@ from mcore_rl.rollout.batches import (Batch, Rollouts, build_batch, engine_logpr
                                       rollout_logprob_diff, trained_tokens)
 from mcore_rl.rl.actor_ranks import ActorRanks
 from mcore_rl.rl.checkpointer import Checkpointer
+from mcore_rl.rl.evaluation import GenerationLog
 from mcore_rl.rl.sampler import Sampler, fit_prompts, start_pipeline, start_reward_model
 from mcore_rl.launch.timing import PhaseTimer
 from mcore_rl.rollout.partial import current_version_logprob_diff
@@ -138,6 +139,8 @@ class RLController:
                                    multi_turn=multi_turn, engines=self.engines,
                                    reward_model=self.reward_model, recovery=self.recovery,
                                    kills=self.kills, watchdog=self.watchdog)
+        # readable samples of some steps and of every evaluation (rl/evaluation.py)
+        self.generation_log = GenerationLog(self.run_dir)
         # one_step / async: the batches generated ahead of training (None: sync)
         self.pipeline = start_pipeline(cfg, self.sampler, self.recovery, self.run.device)
         # rollout.startup_engines: the rest start now that the run is up, and join at a sync
@@ -220,6 +223,10 @@ class RLController:
             with timer("sleep"):
                 self.engines.sleep()
         batch, completions, scores = self._train_batch(rollouts)
+        if cfg.logging.generations.due(step):
+            self.generation_log.write(step, "train", self.sampler.readable(
+                rollouts.examples, rollouts.completions, rollouts.scores,
+                cfg.logging.generations.samples))
         trained = trained_tokens(completions, batch.mask)  # raises if the loss has no token
         train_start = time.perf_counter()
         old_logp, is_weights, mismatch, routing = self._old_policy(batch, completions, step,
@@ -266,6 +273,18 @@ class RLController:
             lost.step_metrics = metrics
             raise lost
         return metrics
+
+    def evaluate(self, step: int) -> dict[str, float]:
+        """An evaluation on the held-out prompts with the weights the engines hold (those of
+        step `step`; 0: the starting weights): its eval/* metrics and `timing_s/eval`, a few
+        of its samples in the generation log. {} when the task has no held-out prompts."""
+        if not self.sampler.has_heldout():
+            return {}
+        start = time.perf_counter()
+        metrics, records = self.sampler.evaluate(step, self.cfg.eval,
+                                                 self.cfg.logging.generations.samples)
+        self.generation_log.write(step, "eval", records)
+        return {**metrics, "timing_s/eval": time.perf_counter() - start}
 
     def _rollouts_for(self, step: int, timer: PhaseTimer) -> tuple[Rollouts, dict[str, float]]:
         """The batch step trains on, and the generation-side metrics to report with it.
@@ -403,6 +422,7 @@ class RLController:
 
         if self.pipeline is not None:
             self.pipeline.shutdown()
+        self.generation_log.close()
         try:
             self.actors.shutdown()
             self.engines.shutdown()

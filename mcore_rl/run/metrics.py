@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import importlib.util
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 from mcore_rl.config import ConfigError
+from mcore_rl.rl.evaluation import GenerationsConfig
 
 WANDB_INSTALL = "pip install 'mcore-rl[wandb]'"
 
@@ -37,9 +38,12 @@ class WandbConfig:
 @dataclass(frozen=True, kw_only=True)
 class LoggingConfig:
     """Where step metrics go besides RUN_DIR/metrics.jsonl, TensorBoard and the console.
-    wandb: Weights & Biases (`WandbConfig`); null = off."""
+    wandb: Weights & Biases (`WandbConfig`); null = off.
+    generations: a few samples a person can read, in RUN_DIR/generations.jsonl and
+        TensorBoard's text tab (`GenerationsConfig`)."""
 
     wandb: WandbConfig | None = None
+    generations: GenerationsConfig = field(default_factory=GenerationsConfig)
 
     def __post_init__(self) -> None:
         if self.wandb is not None and not wandb_installed():
@@ -60,7 +64,8 @@ class MetricsWriter:
     console and, with `wandb` set, a wandb run of this phase, started at its first step
     (`run_config`: that run's config, e.g. the resolved run config as a dict)."""
 
-    CONSOLE = ("reward_mean", "accuracy", "loss", "pg_loss", "clip_frac", "entropy",
+    CONSOLE = ("reward_mean", "eval/reward_mean", "accuracy", "loss", "pg_loss", "clip_frac",
+               "entropy",
                "grad_norm", "timing_s/gen", "timing_s/update_actor", "timing_s/sync",
                "timing_s/step")
 
@@ -129,11 +134,17 @@ def plot_run(run_dir: str | Path) -> list[Path]:
     import matplotlib.pyplot as plt
 
     run_dir = Path(run_dir)
-    records = _read_metrics(run_dir)
+    every = _read_metrics(run_dir)
+    records = _step_records(every)
     steps = [r["step"] for r in records]
+    evals = [r for r in every if "eval/reward_mean" in r]
 
     def reward(ax):
         ax.plot(steps, [r["reward_mean"] for r in records], label="reward_mean")
+        if evals:  # evaluations on the held-out prompts
+            ax.plot([r["step"] for r in evals], [r["eval/reward_mean"] for r in evals],
+                    marker="o", label="eval/reward_mean")
+            ax.legend(fontsize=7)
         ax.grid(alpha=0.3)
 
     def phases(ax):
@@ -170,7 +181,7 @@ def plot_compare(run_dir: str | Path, other_dir: str | Path, window: int = 10) -
     import matplotlib.pyplot as plt
 
     run_dir = Path(run_dir)
-    runs = [(Path(d).name, _read_metrics(d)) for d in (run_dir, other_dir)]
+    runs = [(Path(d).name, _step_records(_read_metrics(d))) for d in (run_dir, other_dir)]
 
     def rewards(ax):
         for (name, records), color in zip(runs, ("tab:blue", "tab:orange")):
@@ -202,6 +213,11 @@ def _read_metrics(run_dir: str | Path) -> list[dict]:
     if not records:
         raise ValueError(f"{path}: no steps recorded")
     return records
+
+
+def _step_records(records: list[dict]) -> list[dict]:
+    """The RL steps' records (an evaluation before the first step is a record of its own)."""
+    return [r for r in records if "reward_mean" in r]
 
 
 def _save_chart(plt, path: Path, title: str, ylabel: str, draw) -> Path:

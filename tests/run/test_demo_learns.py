@@ -30,7 +30,15 @@ def run_demo(tmp_path, *args: str) -> tuple[list[dict], list[dict]]:
         return ([json.loads(line) for line in path.read_text().splitlines()]
                 if path.is_file() else [])  # no warm-up: no warm-up metrics
 
-    return rows("metrics.jsonl"), rows("warmup_metrics.jsonl")
+    # the RL steps' rows (an evaluation before the first step is a row of its own)
+    return ([r for r in rows("metrics.jsonl") if "reward_mean" in r],
+            rows("warmup_metrics.jsonl"))
+
+
+def evaluations(run_dir) -> dict[int, dict]:
+    """The rows of a run's metrics.jsonl that hold an evaluation, by step."""
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r for r in rows if "eval/reward_mean" in r}
 
 
 def mean(rows: list[dict], key: str) -> float:
@@ -75,6 +83,27 @@ def test_addition_demo_learns(tmp_path, lora_run):
     first, last = steps[:5], steps[-5:]
     assert mean(last, "reward_mean") >= mean(first, "reward_mean") + 0.15, \
         [r["reward_mean"] for r in steps]
+    # evaluations (eval.every 10, before_train): on the starting weights as step 0, then
+    # after steps 10, 20, 30, on the weights each step synced
+    evals = evaluations(tmp_path)
+    assert sorted(evals) == [0, 10, 20, 30]
+    assert [r["step"] for r in steps] == list(range(1, 31))
+    # step 0 holds the warm-up's weights, and the held-out prompts and greedy reward are the
+    # warm-up's own evaluation's: the same accuracy
+    assert evals[0]["eval/reward_mean"] == pytest.approx(warmup[-1]["accuracy"], abs=0.01)
+    for r in evals.values():
+        assert r["eval/prompts"] == 256 and r["eval/reward_errors"] == 0
+        assert r["eval/pass@1"] == r["eval/reward_mean"]  # exact-match 0/1 rewards, greedy
+        assert 3 <= r["eval/response_length"] <= 5 and r["timing_s/eval"] > 0
+    # generations a person can read: 4 samples of steps 10, 20, 30 and of each evaluation
+    shown = [json.loads(line) for line in (tmp_path / "generations.jsonl").open()]
+    assert [(g["step"], g["kind"]) for g in shown][::4] == [
+        (0, "eval"), (10, "train"), (10, "eval"), (20, "train"), (20, "eval"), (30, "train"),
+        (30, "eval")]
+    for g in shown:  # the addition reward: 1 exactly for the answer and EOS
+        assert g["reward"] == float(g["response"] == g["answer"] + "</s>"), g
+        assert g["prompt"].endswith("=") and len(g["answer"]) == 3
+    assert any((tmp_path / "tb" / "generations").glob("events.out.tfevents.*"))
 
 
 def test_lora_demo_learns_through_the_adapter_sync(lora_run):
