@@ -65,9 +65,8 @@ class MetricsWriter:
     (`run_config`: that run's config, e.g. the resolved run config as a dict)."""
 
     CONSOLE = ("reward_mean", "eval/reward_mean", "accuracy", "loss", "pg_loss", "clip_frac",
-               "entropy",
-               "grad_norm", "timing_s/gen", "timing_s/update_actor", "timing_s/sync",
-               "timing_s/step")
+               "entropy", "grad_norm", "timing_s/gen", "timing_s/update_actor",
+               "timing_s/sync", "timing_s/step")
 
     def __init__(self, run_dir: Path, phase: str = "rl", *, wandb: WandbConfig | None = None,
                  run_config: dict[str, Any] | None = None):
