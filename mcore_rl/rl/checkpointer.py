@@ -38,7 +38,13 @@ class Checkpointer:
         if tmp.exists():
             shutil.rmtree(tmp)
         with checkpoint_dirs.writing(self.root, tmp, step, self.inject_error):
-            self.actors.call("save_checkpoint", str(tmp), phase="save")
+            try:
+                self.actors.call("save_checkpoint", str(tmp), phase="save")
+            except OSError as err:
+                # a rank's write failed (a full disk): Ray raises it as RayTaskError(OSError),
+                # whose message is the rank's whole traceback in colour; the rank's own error
+                # (`cause`) names the file and the reason in one line
+                raise getattr(err, "cause", err) from None
             if pipeline is not None:
                 # the batches ahead were generated on weights this checkpoint no longer holds;
                 # saved with it (and their versions), a resumed run trains on exactly them

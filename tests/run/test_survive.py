@@ -206,6 +206,7 @@ def test_a_full_disk_and_a_dead_actor_rank_are_named(tmp_path):
     finally:
         controller.shutdown()
     message = str(full_disk.value)
+    assert len(message.splitlines()) == 1 and "\x1b[" not in message, message  # no traceback
     assert f"checkpoint after step 2 not written: {root / '.step_2.tmp'}" in message
     assert "No space left on device" in message and f"{root} is intact" in message
     assert checkpoint_dirs.newest_complete(root) == first
