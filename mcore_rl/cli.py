@@ -79,6 +79,10 @@ def _parse(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.
     """Like `parse_args`, but `a.b=c` overrides may also follow options
     (`bench sync actor.tp=2 --out x rollout.tp=2`); argparse alone stops at the first option."""
     args, extra = parser.parse_known_args(argv)
+    dashed = _dashed_overrides(extra) if hasattr(args, "overrides") else {}
+    if dashed:  # `--actor.tp=2` or `--actor.tp 2`: an override written as an option
+        parser.exit(2, f"mcore-rl {args.command}: {' '.join(dashed)}: overrides are written "
+                       f"{' '.join(dashed.values())} (no dashes)\n")
     stray = [e for e in extra if e.startswith("-") or "=" not in e]
     if stray or (extra and not hasattr(args, "overrides")):
         parser.error(f"unrecognized arguments: {' '.join(stray or extra)}")
@@ -86,6 +90,24 @@ def _parse(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.
         args.overrides = [*args.overrides, *extra]
     _positional_config(parser, args)
     return args
+
+
+def _dashed_overrides(extra: list[str]) -> dict[str, str]:
+    """The unknown options of `extra` that are overrides written as options, each as given
+    → as an override: `--actor.tp=2` and `--actor.tp 2` → `actor.tp=2`, `--steps=3` →
+    `steps=3` (a dotted key, or a key with `=value`; another unknown option is argparse's)."""
+    found, rest = {}, list(extra)
+    while rest:
+        item = rest.pop(0)
+        key, sep, value = item.lstrip("-").partition("=")
+        if not item.startswith("-") or not key or not key.replace(".", "_").isidentifier():
+            continue
+        if sep:
+            found[item] = f"{key}={value}"
+        elif "." in key and rest and not rest[0].startswith("-") and "=" not in rest[0]:
+            value = rest.pop(0)
+            found[f"{item} {value}"] = f"{key}={value}"
+    return found
 
 
 def _positional_config(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:

@@ -199,7 +199,8 @@ def collect(cls: type[T], data: Any, prefix: str = "") -> tuple[T | None, list[C
     errors = [ConfigError(_join(prefix, name), data[name], f"this key moved: {moved[name]}")
               for name in unknown if name in moved]
     errors += [ConfigError(_join(prefix, name), data[name],
-                           f"unknown field; allowed: {', '.join(sorted(fields))}")
+                           f"unknown field{_did_you_mean(name, fields, prefix)}; allowed: "
+                           f"{', '.join(sorted(fields))}")
                for name in unknown if name not in moved]
     kwargs = {}
     for name, value in data.items():
@@ -222,6 +223,19 @@ def collect(cls: type[T], data: Any, prefix: str = "") -> tuple[T | None, list[C
         return None, [e.under(prefix) for e in getattr(err, "errors", [err])]
     except TypeError as err:  # a required field is missing
         return None, [ConfigError(prefix or cls.__name__, None, str(err))]
+
+
+def _did_you_mean(name: str, known: Iterable[str], prefix: str) -> str:
+    """" (did you mean a.b?)" naming the known keys of that level closest to `name`
+    (difflib's ratio >= 0.6, at most 3, the closest first), or "" when none is close."""
+    import difflib
+
+    close = [_join(prefix, key) for key in
+             difflib.get_close_matches(str(name), list(known), n=3, cutoff=0.6)]
+    if not close:
+        return ""
+    keys = close[0] if len(close) == 1 else f"{', '.join(close[:-1])} or {close[-1]}"
+    return f" (did you mean {keys}?)"
 
 
 def _with_defaults(field: dataclasses.Field, value: Any) -> Any:

@@ -53,16 +53,40 @@ def _remote(check: str, field: str, path: str, what: str) -> Problem:
                    f"run `mcore-rl preflight` where {field} is", "warning")
 
 
+# A directory holds an HF tokenizer when it has one of these (a fast tokenizer's
+# tokenizer.json, or a slow one's vocabulary: sentencepiece, BPE, WordPiece), or *.tiktoken
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "spiece.model", "vocab.json",
+                   "vocab.txt")
+
+
+def tokenizer_missing(path: str | Path) -> str | None:
+    """What is missing when the HF directory `path` holds no tokenizer (None: it has one) —
+    the run's driver and engines load it from model.hf_dir, before any step."""
+    path = Path(path)
+    if any((path / name).is_file() for name in TOKENIZER_FILES) or any(path.glob("*.tiktoken")):
+        return None
+    return (f"no tokenizer files in it (expected {TOKENIZER_FILES[0]}, or a slow tokenizer's "
+            f"{', '.join(TOKENIZER_FILES[1:])} or *.tiktoken)")
+
+
 def model_dir_problems(cfg: RLConfig, *, remote_paths: bool) -> list[Problem]:
     """model.hf_dir (and an enabled reward model's hf_dir) exists here with its config.json:
-    an error when it does not, a warning with `remote_paths` (then model.preset sizes it)."""
+    an error when it does not, a warning with `remote_paths` (then model.preset sizes it).
+    model.hf_dir here must hold its tokenizer too (the reward model shares it)."""
     problems = []
     dirs = [("model", cfg.model)]
     if cfg.reward_model.enabled:
         dirs.append(("reward_model", cfg.reward_model))
     for section, model in dirs:
         field, path = f"{section}.hf_dir", model.hf_dir
-        if path is None or (Path(path) / "config.json").is_file():
+        if path is not None and (Path(path) / "config.json").is_file():
+            missing = tokenizer_missing(path) if section == "model" else None
+            if missing is not None:
+                problems.append(Problem("model-dir", f"{field}={path}: {missing}", (
+                    f"{field} with the checkpoint's tokenizer files (the tokenizer's "
+                    f"save_pretrained('{path}') writes them)")))
+            continue
+        if path is None:
             continue
         preset = f"{section}.preset={model.preset}"
         if remote_paths:
@@ -218,13 +242,20 @@ def preflight_config(path: str | Path, overrides: list[str] | None = None, *,
 
 
 def check_run(cfg: RLConfig, model_dir: str | Path | None = None) -> list[Problem]:
-    """Raise PreflightFailed listing every error; return the warnings and notes. Sizes the
-    run on the device it resolves to here, as the controller will; its files must be here."""
+    """Raise PreflightFailed listing every error (one error: one line, naming its fix);
+    return the warnings and notes. Sizes the run on the device it resolves to here, as the
+    controller will; its files must be here."""
     problems = preflight_run(cfg, model_dir)
-    if any(p.severity == "error" for p in problems):
+    errors = [p for p in problems if p.severity == "error"]
+    if len(errors) == 1:  # one line: `mcore-rl preflight` lists the warnings and notes too
+        (p,) = errors
+        raise PreflightFailed(f"preflight found 1 error(s): ERROR [{p.check}] "
+                              f"{' '.join(p.message.split())} (fix: {p.fix})")
+    if errors:
         raise PreflightFailed("preflight found problems:\n" + format_problems(problems))
     return problems
 
 
 __all__ = ["PreflightFailed", "check_run", "dataset_problems", "model_dir_problems",
+           "tokenizer_missing",
            "preflight_config", "preflight_run", "prompt_length_problems"]

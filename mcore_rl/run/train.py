@@ -54,9 +54,11 @@ def model_dir_of(cfg, out: Path) -> Path:
     """The model the run loads: model.hf_dir, or the demo model built into `out`."""
     if cfg.model.hf_dir is None:
         return build_demo_model(cfg, out)
+    from mcore_rl.run.preflight import tokenizer_missing
+
     hf_dir = Path(cfg.model.hf_dir)
     missing = [name for name in ("config.json",) if not (hf_dir / name).is_file()]
-    if missing or not any(hf_dir.glob("*.safetensors")):
+    if missing or not any(hf_dir.glob("*.safetensors")) or tokenizer_missing(hf_dir):
         raise ConfigError("model.hf_dir", str(hf_dir), "expected an HF checkpoint directory "
                           "(config.json, *.safetensors, tokenizer files)")
     return hf_dir
@@ -324,14 +326,21 @@ def _run(args) -> int:
     if args.verbose:  # before Ray starts: workers inherit it (as they do MCORE_RL_VERBOSE=1)
         set_verbose(True)
 
+    created: list[Path] = []  # the directory of --out this run made, if it made one
+
     def refuse(message: str) -> int:
         print(f"mcore-rl {args.command}: {message}", file=sys.stderr, flush=True)
+        remove_unused_out(created, args.out)  # a refused run leaves no run directory behind
         return CONFIG_ERROR_EXIT
 
     try:
         cfg = load_config(RLConfig, _config_path(args), args.overrides)
     except ConfigError as err:
         return refuse(f"config error: {err}")
+    problem = out_dir_problem(args.out)
+    if problem is not None:
+        return refuse(f"--out {args.out}: {problem}")
+    created.extend(p for p in [outermost_missing(args.out)] if p is not None)
     from mcore_rl.launch.watchdog import WatchdogTimeout, WorkerDied
     from mcore_rl.run.preflight import PreflightFailed
 
@@ -361,11 +370,80 @@ def _run(args) -> int:
     return 0
 
 
+def out_dir_problem(out: Path) -> str | None:
+    """Why `out` cannot hold a run (None: it can): it is a file or lies under one, or this
+    process cannot write where it is or would be made (a read-only filesystem, a directory
+    without permission, /proc or /sys). Tried by making and removing a temporary entry there,
+    so it holds as root too (root passes permission checks, not a read-only filesystem)."""
+    import os
+    import tempfile
+
+    out, here = Path(out), None
+    try:  # a parent without search permission makes even exists() fail
+        if out.exists() and not out.is_dir():
+            return "is a file, not a directory"
+        here = next(p for p in (out, *out.absolute().parents) if p.exists())
+        if not here.is_dir():
+            return f"{here} is a file, not a directory"
+        if here == out:
+            fd, probe = tempfile.mkstemp(dir=here, prefix=".mcore-rl-probe-")
+            os.close(fd)
+            os.unlink(probe)
+        else:
+            os.rmdir(tempfile.mkdtemp(dir=here, prefix=".mcore-rl-probe-"))
+    except OSError as err:
+        return (f"cannot write in {here}: " if here is not None else "cannot reach it: ") + \
+            str(err.strerror or err)
+    return None
+
+
+def outermost_missing(out: Path) -> Path | None:
+    """The outermost directory of `out` (itself or a parent) that does not exist yet: what
+    this run makes (None: `out` exists)."""
+    missing = None
+    for path in (out, *out.absolute().parents):
+        if path.exists():
+            return missing
+        missing = path
+    return missing
+
+
+def remove_unused_out(created: list[Path], out: Path) -> None:
+    """Remove the directories this run made for `out` when it was refused before it trained
+    (nothing under OUT/checkpoints): the logs of a run that never started are not a run."""
+    if checkpoint_dirs.checkpoint_root(out).exists():
+        return
+    for path in created:
+        shutil.rmtree(path, ignore_errors=True)
+
+
 def _plot(args) -> int:
+    """Exit 0 with the charts' paths; a run directory that is not there or holds no metrics
+    (or metrics that do not read): one line on stderr and CONFIG_ERROR_EXIT, no chart
+    written."""
     from mcore_rl.run.metrics import plot_compare, plot_run
 
-    for path in plot_run(args.run_dir):
+    def refuse(message: str) -> int:
+        print(f"mcore-rl plot: {message}", file=sys.stderr, flush=True)
+        return CONFIG_ERROR_EXIT
+
+    for flag, run_dir in (("RUN_DIR", args.run_dir), ("--compare", args.compare)):
+        if run_dir is None:
+            continue
+        if not run_dir.is_dir():
+            return refuse(f"{flag} {run_dir}: no such directory")
+        if not (run_dir / "metrics.jsonl").is_file():
+            return refuse(f"{flag} {run_dir}: no metrics.jsonl in it (not a run directory, "
+                          "or a run that has not finished a step)")
+    try:
+        paths = plot_run(args.run_dir)
+        if args.compare is not None:
+            paths.append(plot_compare(args.run_dir, args.compare))
+    except json.JSONDecodeError as err:
+        dirs = " or ".join(str(d) for d in (args.run_dir, args.compare) if d is not None)
+        return refuse(f"a line of metrics.jsonl in {dirs} is not JSON ({err.msg})")
+    except ValueError as err:  # a metrics.jsonl without steps
+        return refuse(" ".join(str(err).split()))
+    for path in paths:
         print(path)
-    if args.compare is not None:
-        print(plot_compare(args.run_dir, args.compare))
     return 0

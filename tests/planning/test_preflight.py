@@ -202,6 +202,7 @@ def _hf_dir(path: Path, head_dim: int) -> Path:
               "num_hidden_layers": 2, "vocab_size": 300, "max_position_embeddings": 512}
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.json").write_text(json.dumps(config))
+    (path / "tokenizer.json").write_text("{}")  # preflight wants one; these tests load none
     return path
 
 
@@ -331,6 +332,7 @@ def test_unsupported_architecture_is_one_line(tmp_path, capsys):
     gpt2.mkdir()
     (gpt2 / "config.json").write_text(json.dumps(
         {"architectures": ["GPT2LMHeadModel"], "n_embd": 128, "n_head": 4, "n_layer": 2}))
+    (gpt2 / "vocab.json").write_text("{}")  # its tokenizer is there: the one problem is its shape
     assert main(["preflight", str(GRPO), *CPU, f"model.hf_dir={gpt2}"]) == 2
     out = capsys.readouterr().out
     (line,) = _problem_lines(out)
