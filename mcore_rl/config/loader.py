@@ -28,6 +28,8 @@ from typing import Any, Literal, TypeVar, Union, get_args, get_origin, get_type_
 
 import yaml
 
+from mcore_rl.config.paths import resolve_relative
+
 T = TypeVar("T")
 
 CONFIG_ERROR_EXIT = 2  # the exit code of every command whose config does not load
@@ -171,9 +173,13 @@ def check_config(cls: type[T], path: str | Path | None = None,
                  overrides: list[str] | None = None) -> tuple[T | None, list[ConfigError]]:
     """`load_config`, returning every problem found instead of raising the first: (the
     config, []) or (None, errors). Raises ConfigFileError when the file cannot be read and
-    ConfigError for a malformed override (nothing to check then)."""
-    data = read_config_file(path) if path is not None else {}
-    return collect(cls, _merge(data, parse_overrides(overrides or [])))
+    ConfigError for a malformed override (nothing to check then). A field that names a file
+    relative to its config (`config.paths`) is made absolute: against the YAML file's
+    directory, or the working directory for an override."""
+    data = {} if path is None else resolve_relative(cls, read_config_file(path),
+                                                    Path(path).resolve().parent)
+    extra = resolve_relative(cls, parse_overrides(overrides or []), Path.cwd())
+    return collect(cls, _merge(data, extra))
 
 
 def from_dict(cls: type[T], data: Any, prefix: str = "") -> T:

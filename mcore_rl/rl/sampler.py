@@ -16,8 +16,9 @@ from mcore_rl.rollout.config import vllm_batch_defaults
 from mcore_rl.rollout.engine import Completion, RolloutError, SamplingConfig
 from mcore_rl.rollout.multi_turn import Episode
 from mcore_rl.rollout.partial import PartialBatch, PartialRolloutPipeline, advance
-from mcore_rl.tasks.base import Example
-from mcore_rl.tasks.tokenizer import encode_answers, encode_prompts, response_text
+from mcore_rl.tasks.base import Example, Prompt, RewardFailed, describe_prompt
+from mcore_rl.tasks.tokenizer import (encode_answers, encode_prompts, prompt_texts,
+                                      response_text)
 from mcore_rl.rollout.pipeline import RolloutPipeline, on_generation_thread
 from mcore_rl.rollout.batches import Batch, Rollouts, build_batch
 from mcore_rl.launch.timing import PhaseTimer
@@ -65,19 +66,19 @@ class Sampler:
                     raise
                 self.recovery.recover(err, "generate", err.engine)
 
-    def encode(self, prompt_text: str) -> list[int]:
-        return self.encode_all([prompt_text])[0]
+    def encode(self, prompt: Prompt) -> list[int]:
+        return self.encode_all([prompt])[0]
 
-    def encode_all(self, prompt_texts: list[str]) -> list[list[int]]:
-        """`encode` of each text, in one tokenizer call. A prompt longer than
-        max_prompt_tokens is an error naming it (never cut: the lengths of the trainer's rows
-        and the engines' context are derived from max_prompt_tokens)."""
-        ids = encode_prompts(self.tokenizer, prompt_texts,
-                             chat_template=self.cfg.task.chat_template)
+    def encode_all(self, prompts: list[Prompt]) -> list[list[int]]:
+        """The engines' ids of each prompt (text, or a chat rendered by the tokenizer's chat
+        template: `tasks.tokenizer.encode_prompts`), in one tokenizer call. A prompt longer
+        than max_prompt_tokens is an error naming it (never cut: the lengths of the trainer's
+        rows and the engines' context are derived from max_prompt_tokens)."""
+        ids = encode_prompts(self.tokenizer, prompts, chat_template=self.cfg.task.chat_template)
         limit = self.cfg.max_prompt_tokens
         for i, row in enumerate(ids):
             if len(row) > limit:
-                raise ValueError(f"prompt {i} of this call ({prompt_texts[i][:60]!r}...) is "
+                raise ValueError(f"prompt {i} of this call ({describe_prompt(prompts[i])}) is "
                                  f"{len(row)} tokens, longer than max_prompt_tokens={limit}: "
                                  "raise max_prompt_tokens")
         return ids
@@ -136,19 +137,40 @@ class Sampler:
         return examples, *self._rollout(examples, sampling)
 
     def score(self, examples: list[Example], prompt_ids: list[list[int]],
-              outs: list[list[Completion]]) -> list[list[float]]:
+              outs: list[list[Completion]], *, step: int) -> tuple[list[list[float]], int]:
         """Each sample's reward: the rule function's (prompt, response, answer), plus
-        reward_model.coeff times the reward model's score of prompt + response ids."""
-        scores = [[c.reward if isinstance(c, Episode) else  # the environment scored it
-                   float(self.reward(e.prompt, response_text(c.token_ids, self.tokenizer),
-                                     e.answer)) for c in o] for e, o in zip(examples, outs)]
+        reward_model.coeff times the reward model's score of prompt + response ids. `prompt`
+        is the text the engines' ids encode (`tasks.tokenizer.prompt_texts`: a chat's, or
+        with task.chat_template a text's, chat template rendering). A rule function that
+        raises on a sample: RewardFailed naming it and `step` (task.reward_errors "raise"),
+        or the sample scores 0 ("zero"). Returns the scores and how many samples scored 0
+        so."""
+        texts = (prompt_texts(self.tokenizer, [e.prompt for e in examples],
+                              chat_template=self.cfg.task.chat_template)
+                 if self.multi_turn is None else [None] * len(examples))
+        zero, errors, scores = self.cfg.task.reward_errors == "zero", 0, []
+        for i, (e, text, group) in enumerate(zip(examples, texts, outs)):
+            scores.append([])
+            for j, c in enumerate(group):
+                if isinstance(c, Episode):  # the environment scored it
+                    scores[-1].append(c.reward)
+                    continue
+                try:
+                    scores[-1].append(float(self.reward(
+                        text, response_text(c.token_ids, self.tokenizer), e.answer)))
+                except Exception as err:
+                    if not zero:
+                        raise RewardFailed(step=step, prompt_index=i, sample_index=j,
+                                           example=e, error=err) from err
+                    errors += 1
+                    scores[-1].append(0.0)
         if self.reward_model is None:
-            return scores
+            return scores, errors
         prompts = [ids for ids, o in zip(prompt_ids, outs) for _ in o]
         responses = [list(c.token_ids) for o in outs for c in o]
         model = self.reward_model.score(prompts, responses, self.tokenizer.pad_token_id).tolist()
         coeff, flat = self.cfg.reward_model.coeff, iter(model)
-        return [[s + coeff * next(flat) for s in group] for group in scores]
+        return [[s + coeff * next(flat) for s in group] for group in scores], errors
 
     def _generate_groups(self, step: int, timer: PhaseTimer):
         """The step's groups. With DAPO dynamic sampling, groups whose rewards are all equal
@@ -156,12 +178,13 @@ class Sampler:
         — until prompts_per_step informative groups exist; short of that, dropped groups
         refill the batch (zero advantage) so its shape stays fixed."""
         cfg = self.cfg
-        kept, dropped, rounds = [], [], 0
+        kept, dropped, rounds, errors = [], [], 0, 0
         while len(kept) < cfg.prompts_per_step and rounds < cfg.max_sampling_rounds:
             with timer("gen"):
                 examples, prompt_ids, outs = self._sample(step, rounds)
             with timer("reward"):
-                scores = self.score(examples, prompt_ids, outs)
+                scores, failed = self.score(examples, prompt_ids, outs, step=step)
+            errors += failed
             rounds += 1
             for group in zip(examples, prompt_ids, outs, scores):
                 informative = len(set(group[3])) > 1
@@ -171,7 +194,7 @@ class Sampler:
                 break
         groups = (kept + dropped)[:cfg.prompts_per_step]
         stats = {"informative_groups_frac": sum(len(set(g[3])) > 1 for g in groups)
-                 / len(groups), "sampling_rounds": rounds}
+                 / len(groups), "sampling_rounds": rounds, "reward/errors": float(errors)}
         return groups, stats
 
     def collect(self, step: int, timer: PhaseTimer) -> Rollouts:
@@ -269,9 +292,9 @@ def partial_pipeline(cfg: RLConfig, sampler: Sampler, device: str) -> PartialRol
     def finish(step: int, examples, batch: PartialBatch, timer: PhaseTimer):
         outs = batch.completions()
         with timer("reward"):
-            scores = sampler.score(examples, batch.prompt_ids, outs)
+            scores, errors = sampler.score(examples, batch.prompt_ids, outs, step=step)
         stats = {"informative_groups_frac": sum(len(set(s)) > 1 for s in scores) / len(scores),
-                 "sampling_rounds": 1}
+                 "sampling_rounds": 1, "reward/errors": float(errors)}
         return Rollouts(step=step, examples=list(examples), prompt_ids=batch.prompt_ids,
                         completions=outs, scores=scores, stats=stats)
 
@@ -280,8 +303,8 @@ def partial_pipeline(cfg: RLConfig, sampler: Sampler, device: str) -> PartialRol
         chunk_tokens=cfg.rollout.partial_chunk_tokens,
         max_staleness=cfg.rollout.staleness_bound, last_step=cfg.steps,
         wait=sampler.wait_in_flight,
-        examples_to_state=lambda examples: [[e.prompt, e.answer] for e in examples],
-        examples_from_state=lambda saved: [Example(p, a) for p, a in saved])
+        examples_to_state=lambda examples: [e.to_state() for e in examples],
+        examples_from_state=lambda saved: [Example.from_state(e) for e in saved])
 
 
 __all__ = ["Sampler", "fit_prompts", "partial_pipeline", "start_pipeline",

@@ -34,8 +34,10 @@ class Rollouts:
     stats: dict[str, float]
 
     def to_state(self) -> dict:
-        return {"step": self.step, "prompts": [e.prompt for e in self.examples],
-                "answers": [e.answer for e in self.examples], "scores": self.scores,
+        examples = [e.to_state() for e in self.examples]
+        return {"step": self.step, "prompts": [e["prompt"] for e in examples],
+                "answers": [e["answer"] for e in examples],
+                "sources": [e["source"] for e in examples], "scores": self.scores,
                 "prompt_ids": self.prompt_ids,
                 "stats": self.stats,
                 "completions": [[completion_state(c) for c in group]
@@ -45,7 +47,9 @@ class Rollouts:
     def from_state(cls, state: dict) -> "Rollouts":
         completions = [[completion_from_state(c) for c in group]
                        for group in state["completions"]]
-        examples = [Example(p, a) for p, a in zip(state["prompts"], state["answers"])]
+        sources = state.get("sources", [None] * len(state["prompts"]))  # saved before them
+        examples = [Example.from_state({"prompt": p, "answer": a, "source": s})
+                    for p, a, s in zip(state["prompts"], state["answers"], sources)]
         return cls(step=state["step"], examples=examples, prompt_ids=state["prompt_ids"],
                    completions=completions,
                    scores=state["scores"], stats=state["stats"])

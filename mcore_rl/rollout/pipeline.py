@@ -43,6 +43,11 @@ queued on, so the bound still holds (a batch that had not started yet generates 
 version too and records it). A run that recovered is no longer the undisturbed run's twin;
 a checkpoint never saves a failed batch, nor (when the pipeline is paused: a failure being
 handled) one that has not run (a resumed run generates them).
+
+A batch whose reward function raised (`tasks.base.RewardFailed`) is failed, not lost: waiting
+for it before a sync does not raise (the step being trained is unharmed and its sync goes on),
+and `take` raises it when its own step begins — before that step changes any weight, so the
+checkpoint of the step before it holds the weights its batch was meant for.
 """
 
 from __future__ import annotations
@@ -56,6 +61,7 @@ from typing import Any, Callable, Iterator
 
 from mcore_rl.rollout.engine import RolloutError
 from mcore_rl.launch.timing import PhaseTimer
+from mcore_rl.tasks.base import RewardFailed
 
 GENERATION_THREAD = "mcore-rl-gen"
 
@@ -189,7 +195,10 @@ class RolloutPipeline:
         lost with an engine is generated again first); free-running (paused for a sync):
         None for a lost batch — `take` recovers it once the sync has resumed the pipeline."""
         if self.deterministic:
-            return self._result(step)[2]
+            try:
+                return self._result(step)[2]
+            except RewardFailed:  # raised by `take` of its step (module doc)
+                return None
         future = self.queued[step].future
         return None if future.exception() is not None else future.result()[2]
 
@@ -253,8 +262,9 @@ class RolloutPipeline:
 
     def state(self) -> dict:
         """The finished batches ahead (plain values: `torch.load(weights_only=True)` reads
-        them back). Left out (a resumed run generates them): a batch lost with an engine, and
-        while the pipeline is paused (an engine failure being handled) one not yet run."""
+        them back). Left out (a resumed run generates them): a batch lost with an engine or
+        whose reward raised, and while the pipeline is paused (an engine failure being
+        handled) one not yet run."""
         batches = []
         with self._gate:
             paused = self._paused
@@ -263,7 +273,7 @@ class RolloutPipeline:
                 continue
             try:
                 rollouts, timing, _, version = self._wait(queued.future)
-            except RolloutError:
+            except (RolloutError, RewardFailed):
                 continue
             batches.append({"step": step, "version": version,
                             "rollouts": rollouts.to_state(), "timing": timing})

@@ -10,6 +10,7 @@ from pathlib import Path
 from mcore_rl.rl import checkpoint_dirs
 from mcore_rl.rl.recovery import EngineFailed
 from mcore_rl.run.signals import RunStopped, StopControl
+from mcore_rl.tasks.base import RewardFailed
 
 
 def never(step: int) -> bool:
@@ -23,8 +24,11 @@ def run_steps(controller, steps: Iterable[int], record: Callable[[int, dict], No
     of a step whose sync lost an engine for good (recorded, then EngineFailed is raised).
     After a step a checkpoint is written when `checkpoint_due(step)` or a stop was requested
     (older ones pruned to `keep_last`); a stop request then ends the run with RunStopped.
-    Returns the last checkpoint written (None: none was)."""
-    saved = None
+    A reward function that raised (RewardFailed, before the step changed any weight): the
+    last step completed here is checkpointed unless it already is, the checkpoint set as the
+    exception's `checkpoint`, and it is raised again. Returns the last checkpoint written
+    (None: none was)."""
+    saved = saved_step = done = None
     for step in steps:
         try:
             metrics = controller.rl_step(step)
@@ -32,10 +36,18 @@ def run_steps(controller, steps: Iterable[int], record: Callable[[int, dict], No
             if failed.step_metrics is not None:
                 record(step, failed.step_metrics)
             raise
+        except RewardFailed as failed:
+            if done is not None and saved_step != done:
+                saved, saved_step = controller.save_checkpoint(done), done
+                if keep_last is not None:
+                    checkpoint_dirs.prune(saved.parent, keep_last)
+            failed.checkpoint = saved  # None: no step completed here
+            raise
         record(step, metrics)
+        done = step
         stopping = stop is not None and stop.requested
         if checkpoint_due(step) or stopping:
-            saved = controller.save_checkpoint(step)
+            saved, saved_step = controller.save_checkpoint(step), step
             if keep_last is not None:
                 checkpoint_dirs.prune(saved.parent, keep_last)
         if stopping:

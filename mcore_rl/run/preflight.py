@@ -121,7 +121,8 @@ def dataset_problems(cfg: RLConfig, *, remote_paths: bool = False) -> list[Probl
                                     "it before any worker starts"))
             continue
         try:
-            examples = read_jsonl(path, task.prompt_key, task.answer_key)
+            examples = read_jsonl(path, task.prompt_key, task.answer_key,
+                                  chats=not task.multi_turn)
         except DatasetError as err:
             problems.append(_dataset_problem(cfg, field, err))
             continue
@@ -140,11 +141,12 @@ def _tokenizer_here(cfg: RLConfig):
     return load_tokenizer(hf_dir)
 
 
-def prompt_length_problems(cfg: RLConfig, field: str, prompts: list[str]) -> list[Problem]:
-    """task.<field>'s prompts tokenized as the engines get them (the chat template with
-    task.chat_template): a note with their count and length distribution, and the prompts
-    over max_prompt_tokens — an error, or a warning saying how many are dropped when
-    task.overlong_prompts is "filter". Nothing when the tokenizer is not here."""
+def prompt_length_problems(cfg: RLConfig, field: str, prompts: list) -> list[Problem]:
+    """task.<field>'s prompts (text or chats) tokenized as the engines get them (the chat
+    template for a chat, and for text with task.chat_template): a note with their count and
+    length distribution, and the prompts over max_prompt_tokens — an error, or a warning
+    saying how many are dropped when task.overlong_prompts is "filter". Nothing when the
+    tokenizer is not here."""
     try:
         tokenizer = _tokenizer_here(cfg)
     except (OSError, ValueError) as err:
@@ -158,14 +160,17 @@ def prompt_length_problems(cfg: RLConfig, field: str, prompts: list[str]) -> lis
     try:
         lengths = [len(ids) for ids in encode_prompts(tokenizer, prompts,
                                                       chat_template=cfg.task.chat_template)]
-    except ValueError as err:  # chat_template=true, but the tokenizer has none
-        return [Problem("prompt-length", str(err), "task.chat_template=false, or a tokenizer "
-                        "with a chat template")]
+    except ValueError as err:  # chat prompts or chat_template=true, but no chat template
+        fix = ("text prompts, or " if any(not isinstance(p, str) for p in prompts)
+               else "task.chat_template=false, or ")
+        return [Problem("prompt-length", f"task.{field}={getattr(cfg.task, field)}: {err}",
+                        fix + "model.hf_dir with a tokenizer that has a chat template")]
     limit = cfg.max_prompt_tokens
     what = f"max_prompt_tokens={limit}"
     ranked = sorted(lengths)
     p99 = ranked[min(len(ranked) - 1, math.ceil(0.99 * len(ranked)) - 1)]
-    how = " with the chat template" if cfg.task.chat_template else ""
+    chats = cfg.task.chat_template or any(not isinstance(p, str) for p in prompts)
+    how = " with the chat template" if chats else ""
     problems = [Problem("prompt-length", f"task.{field}: {len(lengths)} prompts, tokens{how} "
                         f"min {ranked[0]} / median {ranked[len(ranked) // 2]} / p99 {p99} / "
                         f"max {ranked[-1]}", what, "note")]

@@ -320,7 +320,9 @@ def _config_path(args) -> Path:
 
 def _run(args) -> int:
     """Exit 0 when the run completes; on a config error (the file, a field, a preflight
-    problem, a --resume that cannot be used) its message on stderr and CONFIG_ERROR_EXIT."""
+    problem, a --resume that cannot be used) its message on stderr and CONFIG_ERROR_EXIT; a
+    reward function that raised: one line on stderr naming the sample and the checkpoint of
+    the last completed step, and REWARD_FAILED_EXIT_CODE."""
     from mcore_rl.run.config import RLConfig
 
     if args.verbose:  # before Ray starts: workers inherit it (as they do MCORE_RL_VERBOSE=1)
@@ -345,10 +347,12 @@ def _run(args) -> int:
     from mcore_rl.run.preflight import PreflightFailed
 
     from mcore_rl.rl.checkpoint_dirs import CheckpointNotFound, CheckpointWriteError
-    from mcore_rl.launch.exit_codes import (CHECKPOINT_WRITE_EXIT_CODE, STOP_EXIT_CODE,
+    from mcore_rl.launch.exit_codes import (CHECKPOINT_WRITE_EXIT_CODE,
+                                            REWARD_FAILED_EXIT_CODE, STOP_EXIT_CODE,
                                             WORKER_FAILED_EXIT_CODE)
     from mcore_rl.run.signals import RunStopped
     from mcore_rl.rl.recovery import EngineFailed
+    from mcore_rl.tasks.base import RewardFailed
 
     try:
         run_demo(cfg, args.out, getattr(args, "resume", "auto"), command=args.command)
@@ -367,6 +371,13 @@ def _run(args) -> int:
     except (WatchdogTimeout, WorkerDied, EngineFailed) as err:  # a hang or a dead worker
         print(f"mcore-rl {args.command}: {err}")
         return WORKER_FAILED_EXIT_CODE
+    except RewardFailed as err:  # one line: the sample, the step, the exception, the checkpoint
+        saved = (f"the last completed step is checkpointed in {err.checkpoint}"
+                 if err.checkpoint is not None else "no step completed in this run (its "
+                 "checkpoints are as they were)")
+        print(f"mcore-rl {args.command}: {err}; {saved} (task.reward_errors: zero scores such "
+              "samples 0)", file=sys.stderr, flush=True)
+        return REWARD_FAILED_EXIT_CODE
     return 0
 
 

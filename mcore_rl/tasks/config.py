@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from mcore_rl.config import ConfigError
+from mcore_rl.config.paths import code_ref, relative_to_config
 from mcore_rl.tasks.envs.base import EpisodeConfig, load_env_factory
 from mcore_rl.tasks.base import RewardFn, Task, load_reward_fn
 
@@ -29,17 +30,32 @@ class TaskConfig:
         starts, not when the config loads (a GPU config is checked on machines without data).
     heldout_path: jsonl only, optional — evaluation file (same keys).
     prompt_key / answer_key: jsonl only — the keys holding the prompt and the reference
-        answer (GSM8K's "question" / "answer" by default).
-    chat_template: wrap each prompt as one user turn in the tokenizer's chat template (HF
-        tokenizers that have one; the addition task's sentencepiece tokenizer has none).
-    reward_fn: "module:function" taking (prompt, response, answer) -> float, resolved when
-        the config loads; null: the kind's default (addition: mcore_rl.tasks.addition:reward,
-        jsonl: mcore_rl.tasks.math:answer_reward, tool_calc: mcore_rl.tasks.tool_calc:reward).
-        In a multi-turn task the environment calls it on the whole transcript after the prompt.
-    env: "module:factory" of the environment that makes the task multi-turn
-        (`mcore_rl.tasks.envs.base`: factory(example, reward_fn) -> Environment), e.g.
+        answer (GSM8K's "question" / "answer" by default). The prompt is text, or a list of
+        chat messages ({"role", "content"}: system, user, assistant, tool), which is always
+        rendered with the tokenizer's chat template (its generation prompt added); anything
+        else (null, blank text, a number, an empty list, a malformed message) is refused
+        naming the file and line. An answer that is not a string reaches the reward as its
+        JSON text; a null one is refused.
+    chat_template: render each text prompt as one user turn in the tokenizer's chat template
+        (HF tokenizers that have one; the addition task's sentencepiece tokenizer has none).
+        The reward function then receives the rendered text, as it does for a messages prompt.
+    reward_fn: "module:function" or "path/to/file.py:function" (relative to the config file
+        that sets it; on the command line, to the working directory) taking (prompt, response,
+        answer) -> float, checked when the config loads; null: the kind's default (addition:
+        mcore_rl.tasks.addition:reward, jsonl: mcore_rl.tasks.math:answer_reward, tool_calc:
+        mcore_rl.tasks.tool_calc:reward). `prompt` is the text the engines encode (the
+        rendered chat template for a messages prompt or with chat_template). In a multi-turn
+        task the environment calls it on the whole transcript after the prompt.
+    reward_errors: what a reward function that raises on a sample does: "raise" (the run
+        stops naming the sample, its step and the exception, after checkpointing the last
+        completed step) or "zero" (the sample scores 0; every step reports how many did as
+        `reward/errors`).
+    env: "module:factory" or "path/to/file.py:factory" (relative as reward_fn) of the
+        environment that makes the task multi-turn (`mcore_rl.tasks.envs.base`:
+        factory(example, reward_fn) -> Environment), e.g.
         mcore_rl.tasks.envs.tool_env:calculator_env; null: the kind's default (tool_calc: that
-        calculator environment; addition and jsonl: single-turn).
+        calculator environment; addition and jsonl: single-turn). A multi-turn jsonl task
+        takes text prompts only.
     episode: bounds of a multi-turn episode (turns, total tokens; see EpisodeConfig).
     overlong_prompts: what a prompt longer than the run's max_prompt_tokens (after
         tokenization, chat template included) does: "error" (the run stops, naming the row and
@@ -55,8 +71,9 @@ class TaskConfig:
     prompt_key: str = "question"
     answer_key: str = "answer"
     chat_template: bool = False
-    reward_fn: str | None = None
-    env: str | None = None
+    reward_fn: str | None = field(default=None, metadata=relative_to_config(code_ref))
+    reward_errors: Literal["raise", "zero"] = "raise"
+    env: str | None = field(default=None, metadata=relative_to_config(code_ref))
     episode: EpisodeConfig = field(default_factory=EpisodeConfig)
     overlong_prompts: Literal["error", "filter"] = "error"
 
@@ -128,7 +145,7 @@ def build_task(cfg: TaskConfig) -> Task:
     from mcore_rl.tasks.jsonl import JsonlTask
 
     return JsonlTask(cfg.path, heldout_path=cfg.heldout_path, prompt_key=cfg.prompt_key,
-                     answer_key=cfg.answer_key)
+                     answer_key=cfg.answer_key, chats=not cfg.multi_turn)
 
 
 def build_reward(cfg: TaskConfig) -> RewardFn:

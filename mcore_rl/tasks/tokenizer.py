@@ -24,6 +24,7 @@ from typing import Sequence
 import sentencepiece as spm
 
 from mcore_rl.tasks.addition import EOS_TEXT, AdditionTask
+from mcore_rl.tasks.base import Prompt, chat_dicts
 
 UNK_ID, BOS_ID, EOS_ID, PAD_ID = 0, 1, 2, 3
 UNK, BOS, EOS, PAD = "<unk>", "<s>", EOS_TEXT, "<pad>"
@@ -103,31 +104,61 @@ def save_tokenizer(tokenizer_dir_or_obj, out_dir: str | Path):
     return tokenizer_dir_or_obj
 
 
-def encode_prompt(tokenizer, prompt_text: str, *, chat_template: bool = False) -> list[int]:
-    """Prompt ids as the engines see them: the tokenizer's special tokens (BOS) + the text's
-    ids (addition: one id per character). With `chat_template` the prompt is one user turn in
-    the tokenizer's chat template, ending with the assistant's generation prompt."""
-    return encode_prompts(tokenizer, [prompt_text], chat_template=chat_template)[0]
+def encode_prompt(tokenizer, prompt: Prompt, *, chat_template: bool = False) -> list[int]:
+    """Prompt ids as the engines see them. Text: the tokenizer's special tokens (BOS) + the
+    text's ids (addition: one id per character). A chat (messages), or text with
+    `chat_template` (one user turn): the ids of `prompt_texts`' rendering, special tokens as
+    the template writes them (none added: `apply_chat_template(..., tokenize=True)`'s ids)."""
+    return encode_prompts(tokenizer, [prompt], chat_template=chat_template)[0]
 
 
-def encode_prompts(tokenizer, prompt_texts: Sequence[str], *,
+def templated(prompt: Prompt, chat_template: bool) -> bool:
+    """Whether `prompt` goes through the tokenizer's chat template: a chat always; text with
+    `chat_template`."""
+    return chat_template or not isinstance(prompt, str)
+
+
+def prompt_texts(tokenizer, prompts: Sequence[Prompt], *,
+                 chat_template: bool = False) -> list[str]:
+    """Each prompt as text, as the reward function receives it and the engines' ids encode
+    it: a chat → `tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+    tokenize=False)`, system turns and all; text with `chat_template` → the same rendering
+    of one user turn; other text → itself. Raises ValueError (naming the tokenizer) when a
+    prompt needs a chat template the tokenizer lacks."""
+    chats = [i for i, p in enumerate(prompts) if templated(p, chat_template)]
+    out = list(prompts)
+    if chats:
+        if not getattr(tokenizer, "chat_template", None):
+            what = ("the prompts are chat messages" if any(not isinstance(p, str)
+                                                           for p in prompts)
+                    else "task.chat_template=true")
+            raise ValueError(f"{what} but the tokenizer ({type(tokenizer).__name__}, "
+                             f"{tokenizer.name_or_path}) has no chat template")
+        rendered = tokenizer.apply_chat_template(
+            [[{"role": "user", "content": prompts[i]}] if isinstance(prompts[i], str)
+             else chat_dicts(prompts[i]) for i in chats],
+            add_generation_prompt=True, tokenize=False)
+        for i, text in zip(chats, rendered):
+            out[i] = text
+    return out
+
+
+def encode_prompts(tokenizer, prompts: Sequence[Prompt], *,
                    chat_template: bool = False) -> list[list[int]]:
-    """`encode_prompt` of each text, in one tokenizer call without a chat template (a call
-    per text pays transformers' Python overhead once per text: most of a warm-up batch's
+    """`encode_prompt` of each prompt, in one rendering and one tokenizer call (a call per
+    text pays transformers' Python overhead once per text: most of a warm-up batch's
     encoding time)."""
-    if not prompt_texts:
+    if not prompts:
         return []
-    if not chat_template:
-        return [list(ids) for ids in
-                tokenizer(list(prompt_texts), add_special_tokens=True)["input_ids"]]
-    if not getattr(tokenizer, "chat_template", None):
-        raise ValueError(f"task.chat_template=true but the tokenizer "
-                         f"({type(tokenizer).__name__}, {tokenizer.name_or_path}) has no chat "
-                         "template")
-    return [list(tokenizer.apply_chat_template([{"role": "user", "content": text}],
-                                               add_generation_prompt=True, tokenize=True,
-                                               return_dict=False))
-            for text in prompt_texts]
+    texts = prompt_texts(tokenizer, prompts, chat_template=chat_template)
+    ids: list[list[int] | None] = [None] * len(texts)
+    for special in (True, False):  # plain text gets BOS; a rendered template has its own
+        rows = [i for i, p in enumerate(prompts) if templated(p, chat_template) != special]
+        if rows:
+            encoded = tokenizer([texts[i] for i in rows], add_special_tokens=special)
+            for i, row in zip(rows, encoded["input_ids"]):
+                ids[i] = list(row)
+    return ids
 
 
 def encode_answer(tokenizer, answer_text: str) -> list[int]:
