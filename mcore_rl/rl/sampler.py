@@ -12,6 +12,7 @@ from __future__ import annotations
 import concurrent.futures
 from typing import TYPE_CHECKING
 
+from mcore_rl.config.seeds import SAMPLE_BITS, derive_seed
 from mcore_rl.rollout.config import vllm_batch_defaults
 from mcore_rl.rollout.engine import Completion, RolloutError, SamplingConfig
 from mcore_rl.rollout.multi_turn import Episode
@@ -23,6 +24,7 @@ from mcore_rl.rollout.pipeline import RolloutPipeline, on_generation_thread
 from mcore_rl.rollout.batches import Batch, Rollouts, build_batch
 from mcore_rl.launch.timing import PhaseTimer
 from mcore_rl.launch.watchdog import Watchdog
+from mcore_rl.rl.evaluation import EvalConfig, eval_metrics
 from mcore_rl.rl.recovery import EngineRecovery, InjectedKills
 from mcore_rl.tasks.base import load_reward_fn
 from mcore_rl.tasks.config import DEFAULT_REWARDS
@@ -95,22 +97,62 @@ class Sampler:
         """Exact-match accuracy on n held-out examples, greedy or sampled at `temperature`
         (seeded by the run's seed: the same samples for the same weights); multi-turn: the
         episodes' mean reward, scored by the task's reward function."""
-        examples = self.task.heldout_examples(n, seed=self.cfg.seed)
+        examples = self.task.heldout_examples(n, seed=derive_seed(self.cfg.seed, "heldout"))
         sampling = SamplingConfig(temperature=temperature, max_tokens=self.cfg.max_new_tokens,
-                                  seed=self.cfg.seed if temperature else None,
+                                  seed=derive_seed(self.cfg.seed, "eval", bits=SAMPLE_BITS)
+                                  if temperature else None,
                                   stop_token_ids=[self.tokenizer.eos_token_id])
         _, outs = self._rollout(examples, sampling)
         return sum(o[0].reward if isinstance(o[0], Episode) else
                    self.exact_match(e.prompt, response_text(o[0].token_ids, self.tokenizer),
                                     e.answer) for e, o in zip(examples, outs)) / n
 
+    def has_heldout(self) -> bool:
+        """Whether the task has held-out prompts (a jsonl task: task.heldout_path)."""
+        return getattr(self.task, "heldout", True) is not None
+
+    def heldout(self, at_most: int) -> list[Example]:
+        """The held-out prompts evaluations use: `at_most` of them (a jsonl file's every line
+        if it has fewer), the same at every evaluation of the run (stream "heldout")."""
+        held = getattr(self.task, "heldout", None)
+        n = at_most if held is None else min(at_most, len(held))
+        return self.task.heldout_examples(n, seed=derive_seed(self.cfg.seed, "heldout"))
+
+    def evaluate(self, step: int, cfg: EvalConfig, keep: int) -> tuple[dict[str, float],
+                                                                       list[dict]]:
+        """Evaluation `cfg` on the held-out prompts with the weights the engines hold: its
+        metrics (rl/evaluation.py) and `keep` readable samples. Samples are seeded alike at
+        every evaluation (stream "eval"), so evaluations differ only by the weights."""
+        examples = self.heldout(cfg.max_prompts)
+        sampling = SamplingConfig(temperature=cfg.temperature, n=cfg.samples_per_prompt,
+                                  max_tokens=self.cfg.max_new_tokens,
+                                  seed=derive_seed(self.cfg.seed, "eval", bits=SAMPLE_BITS),
+                                  stop_token_ids=[self.tokenizer.eos_token_id])
+        prompt_ids, outs = self._rollout(examples, sampling)
+        scores, errors = self.score(examples, prompt_ids, outs, step=step, tolerate=True)
+        lengths = [[_model_tokens(c) for c in group] for group in outs]
+        metrics = eval_metrics(scores, lengths, threshold=cfg.pass_threshold)
+        metrics["eval/reward_errors"] = float(errors)
+        return metrics, self.readable(examples, outs, scores, keep)
+
+    def readable(self, examples: list[Example], outs: list[list[Completion]],
+                 scores: list[list[float]], count: int) -> list[dict]:
+        """The first sample of each of the first `count` prompts as a person reads it: the
+        prompt text the engines got, the response text the reward got, its reward and the
+        reference answer."""
+        texts = prompt_texts(self.tokenizer, [e.prompt for e in examples[:count]],
+                             chat_template=self.cfg.task.chat_template)
+        return [{"prompt": text, "response": response_text(group[0].token_ids, self.tokenizer),
+                 "reward": group_scores[0], "answer": e.answer}
+                for e, text, group, group_scores in zip(examples, texts, outs, scores)]
+
     def warmup_batch(self, step: int) -> Batch:
         """Warm-up step `step`'s supervised batch: `warmup.batch_size` prompts with noisy
         answers (`warmup.label_noise`), as [n, s] rows of `warmup.train.seq_len`. Multi-turn:
         whole traces, their observations masked out of the loss."""
         w = self.cfg.warmup
-        examples = self.task.warmup_examples(w.batch_size, seed=self.cfg.seed * 100003 + step,
-                                             p=w.label_noise)
+        examples = self.task.warmup_examples(
+            w.batch_size, seed=derive_seed(self.cfg.seed, "warmup", step), p=w.label_noise)
         prompts = self.encode_all([p for p, _ in examples])
         if self.multi_turn is None:
             answers, masks = encode_answers(self.tokenizer, [a for _, a in examples]), None
@@ -119,16 +161,12 @@ class Sampler:
         return build_batch(prompts, answers, w.train.seq_len, self.tokenizer.pad_token_id, masks)
 
     def draw(self, step: int, attempt: int) -> tuple[list[Example], SamplingConfig]:
-        """prompts_per_step fresh prompts and their sampling (seeded by step and attempt: the
-        data position is the step)."""
+        """prompts_per_step fresh prompts and their sampling (each seeded by the run's seed,
+        the step and the attempt: the data position is the step; mcore_rl/config/seeds.py)."""
         cfg = self.cfg
         examples = self.task.train_examples(cfg.prompts_per_step, step=step, attempt=attempt,
                                             seed=cfg.seed)
-        sampling = SamplingConfig(temperature=cfg.temperature, max_tokens=cfg.max_new_tokens,
-                                  min_tokens=cfg.min_new_tokens, n=cfg.samples_per_prompt,
-                                  seed=cfg.seed * 1000 + step + 1_000_003 * attempt,
-                                  stop_token_ids=[self.tokenizer.eos_token_id])
-        return examples, sampling
+        return examples, step_sampling(cfg, step, attempt, self.tokenizer.eos_token_id)
 
     def _sample(self, step: int, attempt: int):
         """Generate samples_per_prompt responses for `draw`'s prompts; returns (examples,
@@ -137,18 +175,19 @@ class Sampler:
         return examples, *self._rollout(examples, sampling)
 
     def score(self, examples: list[Example], prompt_ids: list[list[int]],
-              outs: list[list[Completion]], *, step: int) -> tuple[list[list[float]], int]:
+              outs: list[list[Completion]], *, step: int,
+              tolerate: bool = False) -> tuple[list[list[float]], int]:
         """Each sample's reward: the rule function's (prompt, response, answer), plus
         reward_model.coeff times the reward model's score of prompt + response ids. `prompt`
         is the text the engines' ids encode (`tasks.tokenizer.prompt_texts`: a chat's, or
         with task.chat_template a text's, chat template rendering). A rule function that
         raises on a sample: RewardFailed naming it and `step` (task.reward_errors "raise"),
-        or the sample scores 0 ("zero"). Returns the scores and how many samples scored 0
-        so."""
+        or the sample scores 0 ("zero"; always with `tolerate`: an evaluation never stops the
+        run). Returns the scores and how many samples scored 0 so."""
         texts = (prompt_texts(self.tokenizer, [e.prompt for e in examples],
                               chat_template=self.cfg.task.chat_template)
                  if self.multi_turn is None else [None] * len(examples))
-        zero, errors, scores = self.cfg.task.reward_errors == "zero", 0, []
+        zero, errors, scores = tolerate or self.cfg.task.reward_errors == "zero", 0, []
         for i, (e, text, group) in enumerate(zip(examples, texts, outs)):
             scores.append([])
             for j, c in enumerate(group):
@@ -215,6 +254,21 @@ class Sampler:
             raise self.watchdog.timeout("gen", deadline,
                                         ["the rollout pipeline's generation thread"],
                                  "generation + reward of a batch ahead did not finish") from None
+
+
+def _model_tokens(c: Completion) -> int:
+    """A response's tokens the model generated (an episode's observations excluded)."""
+    return c.model_tokens if isinstance(c, Episode) else len(c.token_ids)
+
+
+def step_sampling(cfg: RLConfig, step: int, attempt: int, eos_id: int) -> SamplingConfig:
+    """How RL step `step` samples its draw `attempt`: the call's seed is hashed from the run's
+    seed, the step and the attempt, and each sample's from that, its prompt's index and its
+    own (`SamplingConfig.sample_seed`): no two samples of a run share a seed."""
+    return SamplingConfig(temperature=cfg.temperature, max_tokens=cfg.max_new_tokens,
+                          min_tokens=cfg.min_new_tokens, n=cfg.samples_per_prompt,
+                          seed=derive_seed(cfg.seed, "sample", step, attempt, bits=SAMPLE_BITS),
+                          stop_token_ids=[eos_id])
 
 
 def fit_prompts(cfg: RLConfig, task, tokenizer) -> dict[str, float]:
@@ -308,4 +362,4 @@ def partial_pipeline(cfg: RLConfig, sampler: Sampler, device: str) -> PartialRol
 
 
 __all__ = ["Sampler", "fit_prompts", "partial_pipeline", "start_pipeline",
-           "start_reward_model"]
+           "start_reward_model", "step_sampling"]

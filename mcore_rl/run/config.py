@@ -22,6 +22,7 @@ from mcore_rl.tasks.base import load_reward_fn  # noqa: F401 — callers import 
 from mcore_rl.tasks.config import TaskConfig
 from mcore_rl.megatron.config import ActorConfig, OptimizerConfig, TrainConfig
 from mcore_rl.rl.checkpoint_dirs import CheckpointConfig
+from mcore_rl.rl.evaluation import EvalConfig
 from mcore_rl.run.metrics import LoggingConfig
 from mcore_rl.reward_model import RewardModelConfig
 from mcore_rl.rl.recovery import RecoveryConfig
@@ -291,13 +292,15 @@ class RLConfig:
         in that phase, "gen@engine<i>" stalls engine i's generation. Leave null.
     checkpoint: when checkpoints are written and how many are kept (see CheckpointConfig).
     recovery: restarting rollout engines that die (see RecoveryConfig).
-    logging: optional loggers beside TensorBoard (see LoggingConfig): logging.wandb.
+    logging: optional loggers beside TensorBoard (see LoggingConfig): logging.wandb, and
+        the readable samples of logging.generations.
+    eval: evaluation during RL on the held-out prompts (see EvalConfig).
     max_sampling_rounds: with algorithm.dynamic_sampling, generation rounds per step at most.
     off_policy_steps: deprecated alias of rollout.mode (0: sync, 1: one_step); leave null.
-    seed: the run's one seed: prompts and sampling, and through `derive_seed(seed, stream)`
-        (`mcore_rl.config.seeds`) the demo model's weights ("model"), megatron's init and
-        RNG tracker ("train") and vLLM's engine seed ("engine"). The default 0 gives model 0,
-        train 1234, engine 0.
+    seed: the run's one seed. Every random stream is hashed from it
+        (`derive_seed(seed, stream, *keys)`, `mcore_rl.config.seeds`): each step's prompts and
+        each of its samples, the warm-up batches, evaluations, the demo model's weights,
+        megatron's init and RNG tracker and vLLM's engine seed.
     """
 
     actor: ActorConfig = field(default_factory=ActorConfig)
@@ -325,6 +328,7 @@ class RLConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     recovery: RecoveryConfig = field(default_factory=RecoveryConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     max_sampling_rounds: int = 4
     off_policy_steps: int | None = None
     seed: int = 0

@@ -19,11 +19,14 @@ def never(step: int) -> bool:
 
 def run_steps(controller, steps: Iterable[int], record: Callable[[int, dict], None], *,
               checkpoint_due: Callable[[int], bool] = never, keep_last: int | None = None,
-              stop: StopControl | None = None) -> Path | None:
+              stop: StopControl | None = None,
+              evaluate_due: Callable[[int], bool] = never) -> Path | None:
     """RL steps `steps` in order; each one's metrics go to `record(step, metrics)`, also those
     of a step whose sync lost an engine for good (recorded, then EngineFailed is raised).
     After a step a checkpoint is written when `checkpoint_due(step)` or a stop was requested
     (older ones pruned to `keep_last`); a stop request then ends the run with RunStopped.
+    When `evaluate_due(step)`, the step's record includes an evaluation on the weights it
+    synced (`controller.evaluate`: eval/* metrics).
     A reward function that raised (RewardFailed, before the step changed any weight): the
     last step completed here is checkpointed unless it already is, the checkpoint set as the
     exception's `checkpoint`, and it is raised again. Returns the last checkpoint written
@@ -43,6 +46,8 @@ def run_steps(controller, steps: Iterable[int], record: Callable[[int, dict], No
                     checkpoint_dirs.prune(saved.parent, keep_last)
             failed.checkpoint = saved  # None: no step completed here
             raise
+        if evaluate_due(step):  # on the weights the step just synced: in the step's record
+            metrics.update(controller.evaluate(step))
         record(step, metrics)
         done = step
         stopping = stop is not None and stop.requested

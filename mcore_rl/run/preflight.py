@@ -223,8 +223,26 @@ def preflight_run(cfg: RLConfig, model_dir: str | Path | None = None, *,
         fix = (f"{err.field} naming a checkpoint of a supported architecture"
                if "unsupported" in err.problem else f"fix {err.field}")
         sizing = [] if err.field in said else [Problem("model", str(err), fix)]
-        return paths + sizing + data
-    return paths + preflight(run) + _preset_mismatch(cfg) + data
+        return paths + sizing + data + evaluation_problems(cfg)
+    return paths + preflight(run) + _preset_mismatch(cfg) + data + evaluation_problems(cfg)
+
+
+def evaluation_problems(cfg: RLConfig) -> list[Problem]:
+    """Evaluations that cannot run or cannot mean what they say (warnings: the run trains)."""
+    ev, problems = cfg.eval, []
+    if ev.every and cfg.task.kind == "jsonl" and cfg.task.heldout_path is None:
+        problems.append(Problem("eval", f"eval.every={ev.every}, but the jsonl task has no "
+                                "held-out prompts (task.heldout_path is null): the run will "
+                                "not be evaluated", "task.heldout_path naming a JSONL of "
+                                "held-out prompts (same keys), or eval.every=0",
+                                severity="warning"))
+    if ev.every and ev.samples_per_prompt > 1 and ev.temperature == 0:
+        problems.append(Problem("eval", f"eval.samples_per_prompt={ev.samples_per_prompt} at "
+                                "eval.temperature=0: greedy samples are all alike, so "
+                                f"eval/pass@{ev.samples_per_prompt} equals eval/pass@1",
+                                "eval.temperature > 0 (e.g. 1.0), or eval.samples_per_prompt=1",
+                                severity="warning"))
+    return problems
 
 
 def preflight_config(path: str | Path, overrides: list[str] | None = None, *,
@@ -261,6 +279,6 @@ def check_run(cfg: RLConfig, model_dir: str | Path | None = None) -> list[Proble
     return problems
 
 
-__all__ = ["PreflightFailed", "check_run", "dataset_problems", "model_dir_problems",
-           "tokenizer_missing",
+__all__ = ["PreflightFailed", "check_run", "dataset_problems", "evaluation_problems",
+           "model_dir_problems", "tokenizer_missing",
            "preflight_config", "preflight_run", "prompt_length_problems"]

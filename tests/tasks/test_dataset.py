@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from mcore_rl.config import ConfigError, load_config
+from mcore_rl.config.seeds import derive_seed
 from mcore_rl.tasks import AdditionTask, Example, TaskConfig, build_reward, build_task
 from mcore_rl.tasks.jsonl import DatasetError, JsonlTask
 from mcore_rl.tasks.tokenizer import encode_prompt
@@ -117,15 +118,18 @@ def test_custom_keys(tmp_path):
     assert task.train_examples(1, step=1, attempt=0, seed=0) == [Example("2+2?", "4")]
 
 
-def test_addition_task_api_matches_the_controllers_old_draws():
+def test_addition_task_draws_each_step_and_attempt_from_its_own_stream():
     task = build_task(TaskConfig(digits=2))
-    for seed, step, attempt in [(0, 1, 0), (0, 7, 2), (5, 3, 1)]:
-        old = AdditionTask(digits=2).prompts(32, seed=seed * 7919 + step + 1_000_003 * attempt)
+    draws = {}
+    for seed, step, attempt in [(0, 1, 0), (0, 7, 2), (5, 3, 1), (0, 2, 0), (1, 1, 0)]:
+        drawn = AdditionTask(digits=2).prompts(32, seed=derive_seed(seed, "data", step, attempt))
         examples = task.train_examples(32, step=step, attempt=attempt, seed=seed)
-        assert [e.prompt for e in examples] == old
+        assert [e.prompt for e in examples] == drawn
+        draws[seed, step, attempt] = drawn
         for e in examples:
             a, b = map(int, e.prompt[:-1].split("+"))
             assert e.answer == f"{a + b:03d}"
+    assert len({tuple(d) for d in draws.values()}) == len(draws)  # no step repeats another
     held = task.heldout_examples(16, seed=0)
     assert [e.prompt for e in held] == AdditionTask().heldout_prompts(16, seed=0)
     # the addition reward takes the 3-argument call and still the old 2-argument one
