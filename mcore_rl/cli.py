@@ -18,6 +18,7 @@ COMMANDS: dict[str, str] = {
     "bench": "mcore_rl.bench.cli",
     "convert": "tools.checkpoint_convert.cli",
     "explain": "mcore_rl.run.explain",
+    "export": "mcore_rl.run.export",
     "plan-memory": "mcore_rl.run.plan_cli",
     "preflight": "mcore_rl.run.plan_cli",
     "ray-run": "mcore_rl.launch.ray_cluster",

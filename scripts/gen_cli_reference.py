@@ -26,7 +26,8 @@ Exit codes: [troubleshooting](../guides/troubleshooting.md).
 """
 
 # the order a user meets them: run, check, inspect, then the tools
-ORDER = ("demo", "train", "preflight", "explain", "plan-memory", "plot", "train-lm", "convert",
+ORDER = ("demo", "train", "preflight", "explain", "plan-memory", "plot", "export", "train-lm",
+         "convert",
          "bench", "ray-run")
 
 

@@ -18,11 +18,17 @@ def megatron_sharded_state_dict(chunks: list[torch.nn.Module]) -> dict:
 
 def load_dist_checkpoint(chunks: list[torch.nn.Module], ckpt_dir: str | Path) -> None:
     """`dist_checkpointing.load(model.sharded_state_dict(), dir)` into the chunks, strictly.
-    Every rank of the training grid calls it (megatron validates shard access collectively)."""
+    Every rank of the training grid calls it (megatron validates shard access collectively).
+
+    The model's weights only: a run's checkpoint (`role_checkpoint.save_role`) also holds the
+    optimizer, whose tensors are not asked for and whose non-sharded state (`common.pt`:
+    `optimizer.param_groups`, ...) megatron's load merges into what it returns; those
+    top-level keys, not the model's, are dropped here."""
     from megatron.core import dist_checkpointing
 
-    state = dist_checkpointing.load(megatron_sharded_state_dict(chunks), str(ckpt_dir))
-    load_chunk_states(chunks, state)
+    wanted = megatron_sharded_state_dict(chunks)
+    state = dist_checkpointing.load(wanted, str(ckpt_dir))
+    load_chunk_states(chunks, {key: value for key, value in state.items() if key in wanted})
 
 
 def load_chunk_states(chunks: list[torch.nn.Module], state: dict) -> None:

@@ -34,6 +34,8 @@ DEMO_TOKENIZER_VOCAB = {"addition": 16, "tool_calc": 64}
 WARMUP_HF = "warmup_hf"
 # OUT/<this>: the run's resolved config (every derived value filled in), written when it starts
 RESOLVED_CONFIG = "config.yaml"
+# OUT/<this>: the demo model (tokenizer included) a run without model.hf_dir builds
+DEMO_MODEL_DIR = "model"
 
 
 def build_demo_model(cfg, out: Path) -> Path:
@@ -45,7 +47,7 @@ def build_demo_model(cfg, out: Path) -> Path:
 
     tok_dir = build_tokenizer_dir(out / "tokenizer", build_task(cfg.task),
                                   vocab_size=DEMO_TOKENIZER_VOCAB[cfg.task.kind])
-    return make_hf_model_dir(cfg.model.demo_spec(), out / "model",
+    return make_hf_model_dir(cfg.model.demo_spec(), out / DEMO_MODEL_DIR,
                              seed=derive_seed(cfg.seed, "model"),
                              tokenizer_dir_or_obj=tok_dir)
 

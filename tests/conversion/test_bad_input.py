@@ -230,4 +230,6 @@ def test_failed_verification_exits_1(src, tmp_path, capsys, monkeypatch):
     assert code == 1 and "verification FAILED: max |logit diff| 5.000e-01" in captured.err
     summary = json.loads(captured.out.strip().splitlines()[-1])
     assert summary["verify"] == {"max_abs_diff": 0.5, "grid": "TP1·PP1", "ok": False}
-    assert (tmp_path / "out" / ".metadata").is_file()    # the conversion itself completed
+    # the conversion completed, but it is not verified: nothing at DST, no hidden leftover
+    assert f"; nothing written at {tmp_path / 'out'}" in captured.err
+    assert list(tmp_path.iterdir()) == []

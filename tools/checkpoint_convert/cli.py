@@ -8,7 +8,11 @@
 
 Parallel: `--workers N` spawns N local ranks; under torchrun / srun every process is a rank
 (e.g. `torchrun --nproc-per-node 8 -m tools.checkpoint_convert hf-to-mcore SRC DST`); each
-converts a disjoint share of the tensors. The output appears only when complete.
+converts a disjoint share of the tensors. The output appears only when complete — with
+--verify only once verified too: it is written to a hidden directory beside DST, checked, and
+renamed to DST; a failed check removes it and says so in one line. `mcore-to-hf` also reads a
+run's checkpoint (`RUN_DIR/checkpoints/step_<k>/actor`; `mcore-rl export` finds it for you):
+conversion and --verify read its model weights, never its optimizer.
 Exit codes: 0 done (and verified, with --verify), 1 verification failed, 2 bad input or
 refused output, 130 interrupted. The last line of stdout is a JSON summary.
 """
@@ -16,6 +20,7 @@ refused output, 130 interrupted. The last line of stdout is a JSON summary.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -33,7 +38,8 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     v = p.add_argument_group("verification (compares logits; loads both models whole)")
     v.add_argument("--verify", action="store_true",
-                   help="after converting, compare HF transformers and Megatron logits")
+                   help="after converting, compare HF transformers and Megatron logits; DST "
+                        "appears only when they agree")
     v.add_argument("--verify-tp", type=int, default=1, help="Megatron TP for --verify")
     v.add_argument("--verify-pp", type=int, default=1, help="Megatron PP for --verify")
     v.add_argument("--verify-vpp", type=int, default=None, help="Megatron VPP for --verify")
@@ -179,7 +185,10 @@ def _convert_on_ranks(args, joined_here: bool) -> int:
             return _error(args, ValueError("--workers with torchrun/srun: the job's ranks "
                                            "already convert in parallel"))
         grid = _verify_grid(args)            # refuse an impossible grid before converting
-        kwargs = _kwargs(args)
+        # with --verify, converted into a hidden directory beside DST; renamed to DST once
+        # verified (`_verify_then_commit`): an unverified output never appears at DST
+        staged = _staged_output(args, ranks) if grid is not None else None
+        kwargs = _kwargs(args, staged)
         if args.workers > 1:
             report = _spawn(args, kwargs)
         else:
@@ -198,19 +207,59 @@ def _convert_on_ranks(args, joined_here: bool) -> int:
         leave(wait_for_all=True)             # every rank converted; the check spawns its own
     if not ranks.is_first:
         return 0
+    report = dataclasses.replace(report, dst=str(args.dst.absolute()))
     print(report.summary())
     summary = report.as_dict()
     code = 0
     if grid is not None:
-        code, summary["verify"] = _run_verify(args, grid)
+        code, summary["verify"] = _verify_then_commit(args, grid, staged)
     print(json.dumps(summary))
     return code
 
 
-def _kwargs(args) -> dict:
+def _staged_output(args, ranks) -> Path:
+    """Where a conversion to be verified is written: a fresh hidden directory beside DST
+    (rank 0 names it). DST itself is checked first (exists without --force, ...)."""
+    from mcore_rl.conversion import output
+
+    output.check_paths(args.src.absolute(), args.dst.absolute(), force=args.force)
+    return ranks.broadcast(output.temp_dir_for(args.dst) if ranks.is_first else None)
+
+
+def _verify_then_commit(args, grid, staged: Path) -> tuple[int, dict]:
+    """Verify the conversion written to `staged`; rename it to DST only when verified. On a
+    failed or broken verification (or Ctrl-C) it is removed, one line says why, and DST is
+    left as it was: exit 1 (130 interrupted)."""
+    from mcore_rl.conversion import output
+
+    where = f"nothing written at {args.dst}"
+    try:
+        code, verified = _run_verify(args, grid, staged)
+        if code == 0:
+            output.commit(staged, args.dst.absolute(), force=args.force)
+        else:
+            print(f"mcore-rl convert {args.verb}: verification FAILED: max |logit diff| "
+                  f"{verified['max_abs_diff']:.3e} > --verify-atol {args.verify_atol:g}; "
+                  f"{where}", file=sys.stderr)
+        return code, verified
+    except KeyboardInterrupt:
+        print(f"mcore-rl convert {args.verb}: interrupted while verifying; {where}",
+              file=sys.stderr)
+        return 130, {"ok": False, "error": "interrupted"}
+    except Exception as err:  # the check itself broke (a rank failed, ...): no verified output
+        lines = str(err).strip().splitlines() or [type(err).__name__]
+        print(f"mcore-rl convert {args.verb}: verification could not run: {lines[-1]}; "
+              f"{where}", file=sys.stderr)
+        return 1, {"ok": False, "error": lines[-1]}
+    finally:
+        output.remove(staged)  # gone after the commit; the unverified output otherwise
+
+
+def _kwargs(args, dst: Path | None = None) -> dict:
+    """The conversion's arguments; `dst`: where it writes (default DST)."""
     from mcore_rl.conversion.safetensors_io import parse_size
 
-    kwargs = dict(src=args.src, dst=args.dst, dtype=_dtype(args), force=args.force,
+    kwargs = dict(src=args.src, dst=dst or args.dst, dtype=_dtype(args), force=args.force,
                   progress=not args.no_progress)
     if args.verb == "mcore-to-hf":
         try:
@@ -314,19 +363,19 @@ def _dtype(args):
     return None if args.dtype == "auto" else torch_dtype(args.dtype)
 
 
-def _run_verify(args, grid) -> tuple[int, dict]:
+def _run_verify(args, grid, converted: Path) -> tuple[int, dict]:
+    """Logits of the source against those of `converted` (the conversion's output): the
+    model weights only — a run checkpoint's optimizer is not loaded."""
     from mcore_rl.conversion.verify import verify_conversion
 
     spec, parallel = grid
-    hf_dir, ckpt = (args.src, args.dst) if args.verb == "hf-to-mcore" else (args.dst, args.src)
+    hf_dir, ckpt = ((args.src, converted) if args.verb == "hf-to-mcore"
+                    else (converted, args.src))
     # With --dtype the result holds rounded weights: round the source the same way.
     report = verify_conversion(hf_dir, ckpt, spec, parallel,
                                weights_dtype=_dtype(args),
                                prompts=args.verify_prompts, seq_len=args.verify_seq_len)
     print(report.summary())
     ok = report.max_abs_diff <= args.verify_atol
-    if not ok:
-        print(f"mcore-rl convert {args.verb}: verification FAILED: max |logit diff| "
-              f"{report.max_abs_diff:.3e} > --verify-atol {args.verify_atol:g}", file=sys.stderr)
     return (0 if ok else 1), {"max_abs_diff": report.max_abs_diff, "grid": report.grid,
                               "ok": ok}
