@@ -67,13 +67,22 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one command; a Ctrl-C that the command does not handle itself (train and demo stop
+    at the next step with a checkpoint, convert removes its partial output) is one line and
+    exit 130 (128 + SIGINT), not a traceback."""
+    from mcore_rl.launch.exit_codes import INTERRUPT_EXIT_CODE
     from mcore_rl.launch.startup_gc import gc_paused
 
     _bind_localhost_by_default()
-    with gc_paused():  # the commands' imports (mcore_rl/launch/startup_gc.py)
-        parser = build_parser()
-    args = _parse(parser, argv)
-    return int(args.func(args) or 0)
+    try:
+        with gc_paused():  # the commands' imports (mcore_rl/launch/startup_gc.py)
+            parser = build_parser()
+        args = _parse(parser, argv)
+        return int(args.func(args) or 0)
+    except KeyboardInterrupt:
+        print(f"mcore-rl: interrupted (Ctrl-C); exit code {INTERRUPT_EXIT_CODE}",
+              file=sys.stderr, flush=True)
+        return INTERRUPT_EXIT_CODE
 
 
 def _parse(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:

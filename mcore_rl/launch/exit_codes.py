@@ -9,3 +9,6 @@ CHECKPOINT_WRITE_EXIT_CODE = 4  # a checkpoint could not be written; the previou
 REWARD_FAILED_EXIT_CODE = 5
 STOP_EXIT_CODE = 75  # EX_TEMPFAIL: stopped on a signal after writing a checkpoint; requeue me
 STOP_TIMEOUT_EXIT_CODE = 76  # stopped on a signal, but no safe point within the grace period
+# 128 + SIGINT, as a shell reports a Ctrl-C: stopped by Ctrl-C (after writing a checkpoint,
+# or at once on a second Ctrl-C); not "requeue me"
+INTERRUPT_EXIT_CODE = 130

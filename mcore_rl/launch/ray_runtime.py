@@ -1,14 +1,15 @@
 """The driver's Ray: a one-machine instance bound to loopback, or the cluster RAY_ADDRESS names.
 
-A shell's or batch system's signal to the process group also reaches the local Ray's
-gcs_server, raylet and helper processes, which ray.init starts in the driver's group (its actor
-workers get their own groups): the GCS would die at once and the run could not even write its
-checkpoint (mcore_rl/run/signals.py stops a run cleanly on SIGTERM). `start_local_ray`
-therefore starts them with SIGTERM blocked (inherited through fork/exec, as Ray itself does for
-SIGINT): they live until the run shuts them down. `stop_local_ray` then stops them with SIGKILL
-at once: ray.shutdown's SIGTERM cannot reach them, and Ray would wait a second on each before
-it sends SIGKILL itself. Under SLURM, Ray runs as `ray start --block` and the batch script
-forwards signals only to the driver (train.sbatch).
+A shell's or batch system's signal to the process group — a terminal's Ctrl-C (SIGINT) too —
+also reaches the local Ray's gcs_server, raylet and helper processes, which ray.init starts in
+the driver's group (its actor workers, the actor ranks and the vLLM engines, get their own
+groups): the GCS would die at once and the run could not even write its checkpoint
+(mcore_rl/run/signals.py stops a run cleanly on SIGTERM, SIGUSR1 and SIGINT). `start_local_ray`
+therefore starts them with SIGTERM and SIGINT blocked (inherited through fork/exec; Ray's own
+process launcher blocks SIGINT as well): they live until the run shuts them down.
+`stop_local_ray` then stops them with SIGKILL at once: ray.shutdown's SIGTERM cannot reach
+them, and Ray would wait a second on each before it sends SIGKILL itself. Under SLURM, Ray runs
+as `ray start --block` and the batch script forwards signals only to the driver (train.sbatch).
 """
 
 from __future__ import annotations
@@ -60,7 +61,7 @@ def init_local_ray(num_cpus: int | None = None, host_ip: str = "127.0.0.1") -> N
 
 
 @contextlib.contextmanager
-def signals_blocked_in_children(signals=(signal.SIGTERM,)):
+def signals_blocked_in_children(signals=(signal.SIGTERM, signal.SIGINT)):
     """Processes started inside inherit `signals` blocked (the mask survives fork and exec);
     a signal arriving here meanwhile is delivered to this process when the block ends.
     SIGUSR1 stays open: the watchdog's stack dumps use it in the workers."""
@@ -78,7 +79,7 @@ _started_deaf_to_sigterm = False
 
 def start_local_ray() -> None:
     """The driver's Ray (a local instance, or the cluster named by RAY_ADDRESS), its local
-    processes shielded from the group's SIGTERM (see the module doc)."""
+    processes shielded from the group's SIGTERM and SIGINT (see the module doc)."""
     global _started_deaf_to_sigterm
     from mcore_rl.launch.ray_runtime import init_local_ray
 

@@ -109,7 +109,8 @@ def check_layer_spec_here(cfg, resume: Path | None = None) -> None:
 def run_demo(cfg, out: Path, resume: str | Path = "auto", command: str = "demo") -> dict:
     """The run; `resume`: "auto" (the newest complete checkpoint in OUT/checkpoints, if any),
     "never" (start over: OUT's checkpoints and metrics are removed) or a checkpoint path.
-    SIGTERM/SIGUSR1 stop it at the next safe point with a checkpoint (raises RunStopped)."""
+    SIGTERM/SIGUSR1/SIGINT stop it at the next safe point with a checkpoint (raises
+    RunStopped)."""
     from mcore_rl.rl.controller import RLController
     from mcore_rl.run.metrics import plot_run
     from mcore_rl.launch.logs import configure_process_logs
@@ -350,7 +351,7 @@ def _run(args) -> int:
 
     from mcore_rl.rl.checkpoint_dirs import CheckpointNotFound, CheckpointWriteError
     from mcore_rl.launch.exit_codes import (CHECKPOINT_WRITE_EXIT_CODE,
-                                            REWARD_FAILED_EXIT_CODE, STOP_EXIT_CODE,
+                                            REWARD_FAILED_EXIT_CODE,
                                             WORKER_FAILED_EXIT_CODE)
     from mcore_rl.run.signals import RunStopped
     from mcore_rl.rl.recovery import EngineFailed
@@ -358,9 +359,9 @@ def _run(args) -> int:
 
     try:
         run_demo(cfg, args.out, getattr(args, "resume", "auto"), command=args.command)
-    except RunStopped as stopped:  # SIGTERM/SIGUSR1: checkpointed, "requeue me"
+    except RunStopped as stopped:  # SIGTERM/SIGUSR1: checkpointed, "requeue me" (75); Ctrl-C: 130
         print(f"mcore-rl {args.command}: {stopped}", flush=True)
-        return STOP_EXIT_CODE
+        return stopped.exit_code
     except CheckpointNotFound as err:
         return refuse(f"--resume: {err}")
     except CheckpointWriteError as err:

@@ -2,10 +2,13 @@
 
 One uninterrupted run is the reference (and, while it runs, every listening socket of its
 whole process tree — driver, Ray, actor ranks, vLLM — is checked to be on loopback). A second
-run of the same command gets SIGTERM (to its whole process group, as a shell or SLURM would
-send it) at a random step: it finishes that step, checkpoints and exits 75; the same command
-again resumes by itself and ends with the reference's metrics (every step once) and final
-actor weights, bit for bit. The finished run re-run reports "already complete" at once.
+run of the same command gets SIGTERM (to its whole process group, as SLURM would send it) at a
+random early step: it finishes that step, checkpoints and exits 75; the same command again
+resumes by itself and gets SIGINT (to its process group, as a terminal's Ctrl-C): it too
+finishes the step, checkpoints and exits 130, in one line, no traceback; the same command
+once more resumes and ends with the reference's metrics (every step once) and final actor
+weights, bit for bit. The finished run re-run reports "already complete" at once; its final
+checkpoint exported (`mcore-rl export`) gives the actor's logits in HF transformers.
 In-process: a full disk at save time and a dead actor rank are named.
 The rollout engine's processes are SIGKILLed as step 2's generation goes out and while step
 3's weight sync is in flight: the run restarts the engine both times; a third kill, past the
@@ -24,16 +27,17 @@ from pathlib import Path
 
 import psutil
 import pytest
+import torch
 
 from mcore_rl.launch.listen import is_loopback
 from mcore_rl.rl import checkpoint_dirs
-from mcore_rl.launch.exit_codes import STOP_EXIT_CODE
+from mcore_rl.launch.exit_codes import INTERRUPT_EXIT_CODE, STOP_EXIT_CODE
 
 from tests.support.rl_runs import DETERMINISTIC
 from tests.support import DEMO_SIZED
 
 ROOT = Path(__file__).resolve().parents[2]
-STEPS = 5
+STEPS = 6
 OVERRIDES = ["warmup.max_steps=0", f"steps={STEPS}", "prompts_per_step=4",
              "samples_per_prompt=4", "updates_per_batch=2", "train.micro_batch_size=4",
              "actor.tp=2", "train.optimizer.lr=0.01",
@@ -63,15 +67,19 @@ def _finish(proc: subprocess.Popen, out: Path, timeout: float = 400) -> tuple[in
 
 
 def _steps_logged(out: Path) -> list[int]:
+    """The RL steps in metrics.jsonl (not the row of step 0: an evaluation before training)."""
     path = out / "metrics.jsonl"
     if not path.is_file():
         return []
-    return [json.loads(line)["step"] for line in path.read_text().splitlines()
-            if line.endswith("}")]
+    steps = [json.loads(line)["step"] for line in path.read_text().splitlines()
+             if line.endswith("}")]
+    return [step for step in steps if step > 0]
 
 
 def _metrics(out: Path) -> dict[int, dict]:
-    return {row["step"]: row for row in map(json.loads, (out / "metrics.jsonl").open())}
+    """metrics.jsonl's rows by RL step (not step 0's: an evaluation before training)."""
+    return {row["step"]: row for row in map(json.loads, (out / "metrics.jsonl").open())
+            if row["step"] > 0}
 
 
 def _wait_for_step(proc, out: Path, step: int, timeout: float = 300) -> None:
@@ -133,24 +141,49 @@ def test_the_summary_accounts_for_the_start_up_cpu_of_every_process(reference):
     print(f"start-up {summary['startup_s']:.1f} s, CPU {cpu}")
 
 
-def test_sigterm_checkpoints_and_the_same_command_resumes_exactly(reference, tmp_path):
-    full, _ = reference
-    out = tmp_path / "run"
-    after = random.Random().randint(1, STEPS - 2)  # the signal lands during step after+1
-    print(f"SIGTERM after step {after} is logged")
-    proc = _train(out)
+def _stop(proc, out: Path, sig: signal.Signals, after: int) -> tuple[int, Path, str]:
+    """Signal the run's process group once step `after` is logged (the signal lands during
+    step after+1); the run must stop at a safe point with a checkpoint. Returns (the step it
+    stopped after, its checkpoint, the log of this run)."""
+    log_file = out.parent / f"{out.name}.log"
+    logged_before = len(log_file.read_text()) if log_file.is_file() else 0
     _wait_for_step(proc, out, after)
-    os.killpg(proc.pid, signal.SIGTERM)
+    os.killpg(proc.pid, sig)
     signalled = time.monotonic()
     code, log = _finish(proc, out)
+    log = log[logged_before:]
     stop_s = time.monotonic() - signalled
-    assert code == STOP_EXIT_CODE, log[-4000:]
+    assert code == (INTERRUPT_EXIT_CODE if sig == signal.SIGINT else STOP_EXIT_CODE), \
+        log[-4000:]
     stopped_at = _steps_logged(out)[-1]
     assert stopped_at in (after, after + 1), (after, _steps_logged(out))
     saved = checkpoint_dirs.newest_complete(out / "checkpoints")
     assert saved.name == f"step_{stopped_at}", log[-2000:]
-    assert "SIGTERM received" in log and f"stopped on SIGTERM after step {stopped_at}" in log
-    print(f"stopped {stop_s:.1f} s after SIGTERM at step {stopped_at}")
+    assert f"{sig.name} received" in log and "Traceback" not in log, log[-4000:]
+    assert log.strip().splitlines()[-1] == (
+        f"mcore-rl train: stopped on {sig.name} after step {stopped_at}; checkpoint {saved}; "
+        f"exit code {code} (re-run the same command to resume)"), log[-2000:]
+    print(f"stopped {stop_s:.1f} s after {sig.name} at step {stopped_at}")
+    return stopped_at, saved, log
+
+
+def test_sigterm_and_ctrl_c_checkpoint_and_the_same_command_resumes_exactly(reference,
+                                                                            tmp_path):
+    """SIGTERM lands in step 2 or 3 (exit 75); the resumed run gets SIGINT, as a terminal's
+    Ctrl-C sends it to the foreground process group, a step later (exit 130: Ray's
+    processes in the group do not die of it, the checkpoint is written); the third run
+    resumes and completes, equal to the reference."""
+    full, _ = reference
+    out = tmp_path / "run"
+    after = random.Random().randint(1, 2)  # the SIGTERM lands during step after+1
+    print(f"SIGTERM after step {after} is logged")
+    stopped_at, saved, _ = _stop(_train(out), out, signal.SIGTERM, after)
+    first_stop = stopped_at
+
+    proc = _train(out)
+    stopped_at, saved, log = _stop(proc, out, signal.SIGINT, stopped_at + 1)
+    assert stopped_at < STEPS  # a step is left for the resumed run
+    assert "Ctrl-C again exits at once without one" in log
 
     code, log = _finish(_train(out), out)
     assert code == 0, log[-4000:]
@@ -162,7 +195,8 @@ def test_sigterm_checkpoints_and_the_same_command_resumes_exactly(reference, tmp
             assert got[step][key] == want[step][key], (step, key)
     digests = json.loads((out / "summary.json").read_text())["weights_digests"]
     assert digests == json.loads((full / "summary.json").read_text())["weights_digests"]
-    assert got[STEPS]["grad_norm"] > 0  # the resumed steps trained
+    # the resumed steps trained (a step whose groups all tie in reward has no gradient)
+    assert any(got[step]["grad_norm"] > 0 for step in range(first_stop + 1, STEPS + 1))
     # keep_last=1: only the final checkpoint remains, complete
     assert [p.name for p in (out / "checkpoints").iterdir() if p.is_dir()] == [f"step_{STEPS}"]
 
@@ -170,6 +204,33 @@ def test_sigterm_checkpoints_and_the_same_command_resumes_exactly(reference, tmp
     code, log = _finish(_train(out), out, timeout=120)
     assert code == 0 and "run already complete" in log, log[-2000:]
     assert time.monotonic() - started < 60  # no Ray, no workers
+
+
+def test_the_finished_run_exports_the_actors_weights_as_an_hf_model(reference, tmp_path):
+    """`mcore-rl export RUN_DIR OUT` on the finished run: its final checkpoint (written after
+    the last step whatever checkpoint.every says) as an HF directory whose transformers
+    logits equal the actor's (the checkpoint's weights in Megatron at the run's TP2)."""
+    from safetensors.torch import load_file
+
+    from mcore_rl.cli import main
+    from mcore_rl.conversion.verify import verify_conversion
+    from mcore_rl.models.spec import ModelSpec
+    from mcore_rl.parallel import ParallelConfig
+
+    full, _ = reference
+    assert main(["export", str(full), str(tmp_path / "hf"), "--no-progress"]) == 0
+    final = full / "checkpoints" / f"step_{STEPS}" / "actor"
+    spec = ModelSpec.from_hf_dir(tmp_path / "hf")
+    assert spec == ModelSpec.from_hf_dir(full / "model")  # the run's model, its tokenizer too
+    assert (tmp_path / "hf" / "tokenizer_config.json").is_file()
+    report = verify_conversion(tmp_path / "hf", final, spec, ParallelConfig(tp=2),
+                               prompts=4, seq_len=12)
+    print(report.summary())
+    assert report.max_abs_diff < 1e-4 and report.max_abs_logit > 0.1, report
+    trained, start = (load_file(p / "model.safetensors") for p in (tmp_path / "hf",
+                                                                    full / "model"))
+    assert trained.keys() == start.keys()
+    assert any(not torch.equal(trained[k], start[k]) for k in start)  # the trained weights
 
 
 def test_a_full_disk_and_a_dead_actor_rank_are_named(tmp_path):
