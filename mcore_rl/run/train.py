@@ -170,8 +170,11 @@ def _preflight(cfg, out: Path, resume: str | Path) -> Path | None:
     """Check the run before anything is built and return the checkpoint it starts from.
     Preflight sizes from the config alone (the demo spec, or hf_dir / preset); it raises
     PreflightFailed listing every error. An explicit --resume is checked (layer spec,
-    converted checkpoint) before anything moves; with "auto", the found checkpoint too."""
+    converted checkpoint) before anything moves; with "auto", the found checkpoint too. A
+    resume must continue the run OUT holds: its config.yaml and this config may differ only
+    in fields that do not shape training (`run.same_run`), else ConfigError."""
     from mcore_rl.run.preflight import check_run
+    from mcore_rl.run.same_run import check_same_run
 
     for said in check_run(cfg):  # warnings and notes
         fix = "vs" if said.severity == "note" else "fix"
@@ -181,6 +184,8 @@ def _preflight(cfg, out: Path, resume: str | Path) -> Path | None:
     checkpoint = start_point(out, resume)
     if explicit is None and checkpoint is not None:
         check_layer_spec_here(cfg, checkpoint)
+    if checkpoint is not None:  # before config.yaml is written: refused, OUT stays as it was
+        check_same_run(out, cfg, out / RESOLVED_CONFIG, checkpoint)
     return checkpoint
 
 
