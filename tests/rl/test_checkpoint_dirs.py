@@ -81,7 +81,11 @@ def test_checkpoint_config():
     cfg = load_config(RLConfig, DEMO_SIZED, ["checkpoint.every=2", "checkpoint.keep_last=3"])
     assert cfg.checkpoint == CheckpointConfig(every=2, keep_last=3)
     assert [s for s in range(1, 8) if cfg.checkpoint.due(s, 7)] == [2, 4, 6, 7]
-    assert not any(CheckpointConfig().due(s, 7) for s in range(1, 8))
+    # the default (every 50, keep 3): a finished run always keeps its last step's
+    assert CheckpointConfig() == CheckpointConfig(every=50, keep_last=3)
+    assert [s for s in range(1, 121) if CheckpointConfig().due(s, 120)] == [50, 100, 120]
+    assert [s for s in range(1, 8) if CheckpointConfig().due(s, 7)] == [7]
+    assert [s for s in range(1, 8) if CheckpointConfig(every=0).due(s, 7)] == [7]
     with pytest.raises(ConfigError, match="checkpoint.keep_last=-1: must be >= 0"):
         load_config(RLConfig, DEMO_SIZED, ["checkpoint.keep_last=-1"])
     with pytest.raises(ConfigError, match="inject_error"):

@@ -66,9 +66,11 @@ def test_tool_demo_learns_to_call_and_copy(tmp_path):
 @pytest.fixture(scope="module")
 def lora_run(tmp_path_factory):
     """`mcore-rl demo actor.lora.rank=16`: the addition demo's warm-up (the full model), then
-    RL of LoRA adapters on the warmed-up base. Returns (run dir, RL steps, warm-up steps)."""
+    RL of LoRA adapters on the warmed-up base. Returns (run dir, RL steps, warm-up steps).
+    Its one checkpoint is the one every run writes after its last step (checkpoint.every's
+    default, 50, is past the 30 steps)."""
     out = tmp_path_factory.mktemp("lora_demo")
-    steps, warmup = run_demo(out, "actor.lora.rank=16", "steps=30", "checkpoint.every=30")
+    steps, warmup = run_demo(out, "actor.lora.rank=16", "steps=30")
     return out, steps, warmup
 
 
@@ -106,10 +108,11 @@ def test_addition_demo_learns(tmp_path, lora_run):
     assert any((tmp_path / "tb" / "generations").glob("events.out.tfevents.*"))
 
 
-def test_lora_demo_learns_through_the_adapter_sync(lora_run):
+def test_lora_demo_learns_through_the_adapter_sync(lora_run, tmp_path_factory):
     """After the full-model warm-up, RL trains adapters on the frozen warmed-up base and every
     step's sync moves the adapters alone into vLLM's LoRA, whose log-probs equal the actor's.
-    The checkpoint names the warmed-up base."""
+    The checkpoint names the warmed-up base; `mcore-rl export` makes it the merged model,
+    whose logits are the warmed-up base's with the run's adapters (PEFT)."""
     tmp_path, steps, _ = lora_run
     first, last = steps[:5], steps[-10:]
     assert mean(last, "reward_mean") >= mean(first, "reward_mean") + 0.03, \
@@ -119,3 +122,30 @@ def test_lora_demo_learns_through_the_adapter_sync(lora_run):
     lora = json.loads((tmp_path / "checkpoints" / "step_30" / "actor" / "lora.json")
                       .read_text())
     assert (lora["rank"], lora["base_model"]) == (16, str(tmp_path / "warmup_hf"))
+    assert [p.name for p in (tmp_path / "checkpoints").glob("step_*")] == ["step_30"]
+    _export_is_the_base_with_the_adapters(tmp_path, tmp_path_factory.mktemp("lora_export"))
+
+
+def _export_is_the_base_with_the_adapters(run_dir, out):
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from mcore_rl.cli import main
+    from mcore_rl.conversion.peft_adapter import mcore_to_peft
+
+    assert main(["export", str(run_dir), str(out / "merged"), "--no-progress"]) == 0
+    peft_dir = mcore_to_peft(run_dir / "checkpoints" / "step_30" / "actor", out / "peft")
+
+    def model(path):
+        return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32,
+                                                    local_files_only=True).eval()
+
+    tokens = torch.randint(0, 16, (4, 10), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        base = model(run_dir / "warmup_hf")
+        base_logits = base(tokens).logits
+        want = PeftModel.from_pretrained(base, str(peft_dir)).eval()(tokens).logits
+        got = model(out / "merged")(tokens).logits
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert (want - base_logits).abs().max() > 1e-3  # the adapters learned something
