@@ -223,9 +223,14 @@ def _train(controller, cfg, out: Path, stop, first_step: int) -> None:
     from mcore_rl.run.metrics import MetricsWriter
 
     writer = MetricsWriter(out, **_loggers(cfg))
+    if first_step == 1 and cfg.eval.due(0, cfg.steps):  # the starting weights, as step 0
+        evaluated = controller.evaluate(0)
+        if evaluated:  # {}: no held-out prompts (preflight said so)
+            writer.write(0, evaluated)
     run_steps(controller, range(first_step, cfg.steps + 1), writer.write,
               checkpoint_due=lambda step: cfg.checkpoint.due(step, cfg.steps),
-              keep_last=cfg.checkpoint.keep_last, stop=stop)
+              keep_last=cfg.checkpoint.keep_last, stop=stop,
+              evaluate_due=lambda step: cfg.eval.due(step, cfg.steps))
     writer.close()
 
 
@@ -236,15 +241,21 @@ def _loggers(cfg) -> dict:
 
 
 def _summary(cfg, out: Path, *, accuracy, first_step: int, digests, wall_s: float) -> dict:
-    """summary.json's content: reward (and tool calls) over the first and last 5 steps."""
-    rewards = [row["reward_mean"] for row in _metrics_rows(out)]
+    """summary.json's content: reward (and tool calls) over the first and last 5 steps, and
+    the first and last evaluations' reward (`eval_first` / `eval_last`: step and reward)."""
+    rows = [row for row in _metrics_rows(out) if "reward_mean" in row]  # step 0: an eval only
+    rewards = [row["reward_mean"] for row in rows]
     k = min(5, len(rewards))
     summary = {"warmup_accuracy": accuracy, "reward_first5": sum(rewards[:k]) / max(k, 1),
                "reward_last5": sum(rewards[-k:]) / max(k, 1), "steps": len(rewards),
                "resumed_from_step": first_step - 1, "wall_s": wall_s,
                "weights_digests": digests}
+    evals = [(row["step"], row["eval/reward_mean"]) for row in _metrics_rows(out)
+             if "eval/reward_mean" in row]
+    if evals:
+        summary["eval_first"], summary["eval_last"] = evals[0], evals[-1]
     if cfg.task.multi_turn:
-        tool_calls = [row.get("tool_calls/mean", 0.0) for row in _metrics_rows(out)]
+        tool_calls = [row.get("tool_calls/mean", 0.0) for row in rows]
         summary["tool_calls_first5"] = sum(tool_calls[:k]) / max(k, 1)
         summary["tool_calls_last5"] = sum(tool_calls[-k:]) / max(k, 1)
     return summary
