@@ -7,7 +7,7 @@ The handler only records the request; the RL loop asks `stop.requested` at its s
 on it, and the requeued run resumes from that checkpoint by itself) — or, for Ctrl-C, with
 `INTERRUPT_EXIT_CODE` = 130 (128 + SIGINT, what a shell reports for an interrupted command;
 not a request to requeue). A second Ctrl-C while stopping exits at once, without a checkpoint
-(exit 130; Ray's processes started with the run go with the driver, kernel fate-sharing). If
+(exit 130), after SIGKILL to the local Ray's processes and the workers under them. If
 the safe point is not reached within `grace_s` of the signal (a step wedged beyond its own
 deadlines), the process exits with `STOP_TIMEOUT_EXIT_CODE` without a checkpoint rather than
 hang until SIGKILL.
@@ -90,7 +90,7 @@ class StopControl:
             print(f"mcore-rl: SIGINT again while stopping on {self.signal_name}: exiting now "
                   f"without a checkpoint (exit code {INTERRUPT_EXIT_CODE})", file=sys.stderr,
                   flush=True)
-            os._exit(INTERRUPT_EXIT_CODE)
+            _exit_now(INTERRUPT_EXIT_CODE)
         if self.requested:  # e.g. scancel's SIGTERM also forwarded by the batch script
             print(f"mcore-rl: {name} again; already stopping", file=sys.stderr, flush=True)
             return
@@ -108,9 +108,20 @@ class StopControl:
         print(f"mcore-rl: no safe point within {self.grace_s:.0f} s of {self.signal_name}: "
               f"exiting without a checkpoint (exit code {STOP_TIMEOUT_EXIT_CODE})",
               file=sys.stderr, flush=True)
-        os._exit(STOP_TIMEOUT_EXIT_CODE)
+        _exit_now(STOP_TIMEOUT_EXIT_CODE)
 
     def seconds_since_signal(self) -> float:
         return 0.0 if self.signalled_at is None else time.monotonic() - self.signalled_at
+
+
+def _exit_now(code: int) -> None:
+    """Exit without cleaning up; the local Ray's processes (and the workers and engines under
+    them) are killed first, which they would otherwise outlive in part."""
+    from mcore_rl.launch.ray_runtime import kill_local_ray
+
+    try:
+        kill_local_ray()
+    finally:
+        os._exit(code)
 
 

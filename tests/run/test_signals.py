@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -138,3 +139,51 @@ def test_a_ctrl_c_no_command_handles_is_one_line_and_exit_130(monkeypatch, tmp_p
     monkeypatch.setattr(train, "_plot", interrupted)
     assert cli.main(["plot", str(tmp_path)]) == 130
     assert capsys.readouterr().err == "mcore-rl: interrupted (Ctrl-C); exit code 130\n"
+
+
+_CTRL_C_TWICE_WITH_RAY = r"""
+import json, os, signal, time
+import psutil
+from mcore_rl.launch.ray_runtime import start_local_ray
+from mcore_rl.run.signals import StopControl
+import ray
+
+start_local_ray()
+stop = StopControl(grace_s=60).install()
+started = [info.process.pid for infos in ray._private.worker._global_node.all_processes.values()
+           for info in infos]
+pids = started + [c.pid for p in started for c in psutil.Process(p).children(recursive=True)]
+print(json.dumps(pids), flush=True)
+os.kill(os.getpid(), signal.SIGINT)
+time.sleep(0.2)
+os.kill(os.getpid(), signal.SIGINT)
+time.sleep(30)
+print("not reached", flush=True)
+"""
+
+
+def test_a_second_ctrl_c_leaves_no_ray_process_behind():
+    """The exit at once of a second Ctrl-C kills the local Ray's processes first: the raylet's
+    agents, which outlive a driver that just exits, go too."""
+    import psutil
+
+    proc = subprocess.run([sys.executable, "-c", _CTRL_C_TWICE_WITH_RAY], capture_output=True,
+                          text=True, timeout=180)
+    assert proc.returncode == 130, proc.stdout + proc.stderr[-3000:]
+    pids = json.loads(proc.stdout.splitlines()[0])
+    assert len(pids) >= 6, pids  # GCS, raylet, their helpers, the raylet's agents
+
+    def alive():
+        out = []
+        for pid in pids:
+            try:
+                if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                    out.append(pid)
+            except psutil.NoSuchProcess:
+                pass
+        return out
+
+    deadline = time.monotonic() + 10
+    while alive() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert alive() == []
