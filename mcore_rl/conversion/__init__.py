@@ -1,7 +1,6 @@
 """Checkpoints: HF safetensors ↔ megatron-core dist checkpoints, streamed tensor by tensor.
 
 `hf_to_mcore` / `mcore_to_hf` convert (one process or a rank's share under torchrun/srun);
-`load_dist_checkpoint` loads a dist checkpoint into Megatron model chunks at any grid;
 `verify_conversion` compares HF transformers and Megatron logits. `checkpoint_layout` is the
 grid-independent checkpoint form, derived from `mcore_rl.layouts`. CLI: `mcore-rl convert`.
 """
@@ -15,7 +14,6 @@ _LAZY = {
     "ConvertReport": "convert", "hf_to_mcore": "convert", "mcore_to_hf": "convert",
     "ConversionError": "errors",
     "CkptLayout": "layout", "CkptTensor": "layout", "checkpoint_layout": "layout",
-    "load_dist_checkpoint": "megatron_io", "megatron_sharded_state_dict": "megatron_io",
     "VerifyReport": "verify", "verify_conversion": "verify",
 }
 
