@@ -106,7 +106,8 @@ def train_run(slurm, tmp_path_factory):
     assert job.isdigit(), proc.stderr.read()
     metrics = run_dir / "metrics.jsonl"
     try:
-        while not (metrics.is_file() and metrics.read_text().strip()):
+        # a step logged (the evaluation of the starting weights comes first, as step 0)
+        while not (metrics.is_file() and '"reward_mean"' in metrics.read_text()):
             assert proc.poll() is None, out.read_text()[-4000:]
             assert time.monotonic() - started < 240, "no step logged within 240 s"
             time.sleep(0.1)
@@ -124,9 +125,13 @@ def train_run(slurm, tmp_path_factory):
 def test_train_job_runs_its_steps_and_stops_ray(train_run, slurm):
     code, job, log, run_dir, _ = train_run
     assert code == 0, log[-4000:]
-    steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "reward_mean" in r]
     assert [s["step"] for s in steps] == list(range(1, TRAIN_STEPS + 1))  # each once
-    assert all("reward_mean" in s and "timing_s/step" in s for s in steps)
+    assert all("timing_s/step" in s for s in steps)
+    # the starting weights evaluated once (the requeued run resumes without it), and the last
+    assert [r["step"] for r in rows if "eval/reward_mean" in r] == [0, TRAIN_STEPS]
+    assert len(rows) == TRAIN_STEPS + 1
     assert re.search(r"ray cluster up: 1 node\(s\)", log) and "ray cluster stopped" in log
     assert not _ray_processes_of(job)
 

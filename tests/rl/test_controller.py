@@ -162,6 +162,9 @@ def test_reward_model_scores_rollouts_in_the_loop(tmp_path):
     finally:
         controller.shutdown()
     hf = AutoModelForSequenceClassification.from_pretrained(rm_dir, torch_dtype=torch.float32)
+    # one unpadded row at a time: its score is at its last token, also when the response ends
+    # in a generated pad id (with pad_token_id set HF scores the last token that is not one)
+    hf.config.pad_token_id = None
     worst = 0.0
     with torch.no_grad():
         for prompt, group, scores in zip(prompts, rollouts.completions, rollouts.scores):

@@ -21,7 +21,7 @@ from tests.support.rl_runs import sampled_logprob_gap, step_then_sample
 
 LORA_STEP = ["steps=1", "prompts_per_step=4", "samples_per_prompt=4",
              "updates_per_batch=2", "train.micro_batch_size=8", "actor.lora.lr=0.05",
-             "task.reward_fn=mcore_rl.tasks.addition:digit_reward", "actor.tp=2",
+             "task.reward_fn=tests.support.rewards:spread_reward", "actor.tp=2",
              "actor.lora.rank=8", "actor.lora.alpha=16", "algorithm.kl_coeff=0.1"]
 ADAPTED = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 

@@ -33,7 +33,7 @@ def test_async_with_staleness_bound_overlaps_and_resumes_exactly(tmp_path, parti
         "warmup.max_steps=0", "steps=5", "prompts_per_step=4",
         "samples_per_prompt=4", "updates_per_batch=1", "train.micro_batch_size=8",
         "actor.tp=1", "train.optimizer.lr=0.01", "deadlines.train_s=240",
-        "task.reward_fn=mcore_rl.tasks.addition:digit_reward"])
+        "task.reward_fn=tests.support.rewards:spread_reward"])
     model_dir = build_demo_model(cfg, tmp_path / "model")
 
     full, full_digest, checkpoint = run_steps(cfg, model_dir, tmp_path / "full",
@@ -83,7 +83,7 @@ def test_free_running_async_keeps_the_staleness_bound(tmp_path):
     cfg = load_config(RLConfig, "configs/tiny_ci.yaml", [
         "rollout.mode=async", "rollout.max_staleness=2", "rollout.deterministic=false",
         "algorithm.rollout_correction.mode=tis", "steps=4", "actor.tp=1",
-        "deadlines.train_s=240", "task.reward_fn=mcore_rl.tasks.addition:digit_reward"])
+        "deadlines.train_s=240", "task.reward_fn=tests.support.rewards:spread_reward"])
     model_dir = build_demo_model(cfg, tmp_path / "model")
     metrics, _, checkpoint = run_steps(cfg, model_dir, tmp_path / "run", (1, 2, 3, 4),
                                        save_at=2)

@@ -24,7 +24,7 @@ def test_on_policy_correction_is_identity_and_bypass_skips_old_logprobs(tmp_path
         "warmup.max_steps=0", "steps=4", "prompts_per_step=4", "samples_per_prompt=4",
         "updates_per_batch=1", "train.micro_batch_size=8", "actor.tp=1",
         "train.optimizer.lr=0.01", "deadlines.train_s=240",
-        "task.reward_fn=mcore_rl.tasks.addition:digit_reward"])
+        "task.reward_fn=tests.support.rewards:spread_reward"])
     model_dir = build_demo_model(cfg, tmp_path / "model")
     passes = []
 

@@ -19,7 +19,7 @@ from tests.support.rl_runs import sampled_logprob_gap, step_then_sample
 
 BASE = ["warmup.max_steps=0", "steps=1", "prompts_per_step=4", "samples_per_prompt=4",
         "updates_per_batch=1", "train.micro_batch_size=8", "train.optimizer.lr=0.05",
-        "task.reward_fn=mcore_rl.tasks.addition:digit_reward"]
+        "task.reward_fn=tests.support.rewards:spread_reward"]
 
 
 def hf_model_with(model_dir, state):
