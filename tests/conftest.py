@@ -7,3 +7,13 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 # Ray (imported by vLLM too) binds to localhost only when this is set before its first import.
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+# One vLLM cache (model inspection, compile artefacts) for every engine of the run, in a fresh
+# directory: each engine started in this run reuses what the first one wrote.
+if "VLLM_CACHE_ROOT" not in os.environ:
+    import tempfile
+
+    os.environ["VLLM_CACHE_ROOT"] = tempfile.mkdtemp(prefix="mcore_rl_tests_vllm_cache_")
+
+# the slowest test files, and CI's budget per file (tests/support/durations.py)
+from tests.support.durations import (pytest_runtest_logreport, pytest_sessionfinish,  # noqa: E402,F401
+                                     pytest_terminal_summary)
