@@ -288,10 +288,10 @@ def _measure(cfg: StepBenchConfig) -> dict:
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="mcore-rl-bench-step-") as scratch:
         with gc_paused():  # as the demo starts (launch/startup_gc.py)
-            model_dir = model_dir_while_ray_starts(rl, Path(scratch))
+            model_dir, owns_ray = model_dir_while_ray_starts(rl, Path(scratch))
             spec = ModelSpec.from_hf_dir(model_dir)
             controller = RLController(rl, model_dir, Path(scratch) / "run",
-                                      sampler_cls=_measured_sampler_cls())
+                                      sampler_cls=_measured_sampler_cls(), owns_ray=owns_ray)
         try:
             startup_s = time.perf_counter() - start
             startup_cpu = cpu_by_role()  # the CPU work behind it, in every process started

@@ -10,6 +10,11 @@ process launcher blocks SIGINT as well): they live until the run shuts them down
 `stop_local_ray` then stops them with SIGKILL at once: ray.shutdown's SIGTERM cannot reach
 them, and Ray would wait a second on each before it sends SIGKILL itself. Under SLURM, Ray runs
 as `ray start --block` and the batch script forwards signals only to the driver (train.sbatch).
+
+Whoever brings Ray up stops it: `init_local_ray` and `start_local_ray` return True when the call
+initialized Ray, and only such a caller calls `stop_local_ray` (the controller, the CLI run). A
+Ray that was up already — a test session's, kept for all its tests (tests/support/ray_cluster.py)
+— is left running; its user stops its own workers and placement group.
 """
 
 from __future__ import annotations
@@ -22,8 +27,10 @@ import sys
 from mcore_rl.launch.logs import verbose
 
 
-def init_local_ray(num_cpus: int | None = None, host_ip: str = "127.0.0.1") -> None:
+def init_local_ray(num_cpus: int | None = None, host_ip: str = "127.0.0.1") -> bool:
     """Start a one-machine Ray instance bound to `host_ip` unless Ray is already initialized.
+    Returns True when this call initialized Ray (a local instance, or the cluster RAY_ADDRESS
+    names): the caller then owns it and stops it (`stop_local_ray`); False when it was up.
 
     Loopback really binds loopback only if `RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0` is in the
     environment before `ray` is first imported (vLLM imports it): on Linux, Ray 2.60 otherwise
@@ -40,11 +47,11 @@ def init_local_ray(num_cpus: int | None = None, host_ip: str = "127.0.0.1") -> N
     import ray
 
     if ray.is_initialized():
-        return
+        return False
     from mcore_rl.launch.ray_cluster import connect_from_env
 
     if connect_from_env():  # a cluster named by RAY_ADDRESS (e.g. started by the sbatch script)
-        return
+        return True
     # library INFO lines of every worker stay in their RUN_DIR/logs files unless --verbose;
     # `import ray` gave the driver's "ray" logger its console handler back
     from mcore_rl.launch.logs import reapply_process_logs
@@ -58,6 +65,7 @@ def init_local_ray(num_cpus: int | None = None, host_ip: str = "127.0.0.1") -> N
         raise RuntimeError(
             f"Ray came up on {actual}, not {host_ip}: set RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 "
             "in the environment before anything imports ray (vLLM does), or init Ray yourself")
+    return True
 
 
 @contextlib.contextmanager
@@ -77,24 +85,27 @@ def signals_blocked_in_children(signals=(signal.SIGTERM, signal.SIGINT)):
 _started_deaf_to_sigterm = False
 
 
-def start_local_ray() -> None:
+def start_local_ray() -> bool:
     """The driver's Ray (a local instance, or the cluster named by RAY_ADDRESS), its local
-    processes shielded from the group's SIGTERM and SIGINT (see the module doc)."""
+    processes shielded from the group's SIGTERM and SIGINT (see the module doc). Returns True
+    when this call initialized Ray (the caller stops it), False when it was up already."""
     global _started_deaf_to_sigterm
     from mcore_rl.launch.ray_runtime import init_local_ray
 
     # not `import ray` here: init_local_ray sets Ray's environment before the first import
     if "ray" in sys.modules and sys.modules["ray"].is_initialized():
-        return
+        return False
     with signals_blocked_in_children():
         init_local_ray(num_cpus=max(2, os.cpu_count() or 2))
     _started_deaf_to_sigterm = True
+    return True
 
 
 def stop_local_ray() -> None:
     """`ray.shutdown()`; the processes `start_local_ray` started (SIGTERM blocked) are sent
     SIGKILL instead of the SIGTERM they cannot receive, which Ray would follow with SIGKILL a
-    second later each. Workers and engines should be stopped first (the controller does)."""
+    second later each. Workers and engines should be stopped first (the controller does).
+    Only for the caller whose `init_local_ray` / `start_local_ray` returned True."""
     global _started_deaf_to_sigterm
     import psutil
     import ray

@@ -103,14 +103,17 @@ class ActorRanks:
                 torch.cat([routing[d] for d in range(self.dp)]))
 
     def shutdown(self, timeout_s: float = 10.0) -> None:
-        """Ask every rank to stop; one stuck in a collective is left to Ray's shutdown, and
-        one still inside a call that missed its deadline is not asked."""
+        """Ask every rank to leave its groups (one still inside a call that missed its
+        deadline is not asked; one stuck in a collective does not answer), then kill every
+        rank's actor: the Ray they ran in may outlive the run (`RLController.owns_ray`)."""
         import ray
 
         stuck = still_running(self._unanswered)
         refs = [w.shutdown.remote() for i, w in enumerate(self.workers) if i not in stuck]
         if refs:
             ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+        for worker in self.workers:
+            ray.kill(worker, no_restart=True)
 
 
 __all__ = ["ActorRanks"]

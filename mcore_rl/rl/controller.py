@@ -63,9 +63,10 @@ class RLController:
     that use them (sampler, weight sync, checkpointer, engine recovery) and the RL step."""
 
     def __init__(self, cfg: RLConfig, model_dir: Path, run_dir: Path,
-                 sampler_cls: type[Sampler] = Sampler):
-        from mcore_rl.launch.placement import RayPlacement
-        from mcore_rl.rollout.ray_engines import RayEngines
+                 sampler_cls: type[Sampler] = Sampler, *, owns_ray: bool = False):
+        """owns_ray: the caller started Ray for this run (`start_local_ray` returned True)
+        and hands it over; else the controller owns Ray only if it starts it itself. The
+        owner's `shutdown` stops Ray; a Ray that was up already is left up."""
         from mcore_rl.launch.ray_runtime import init_local_ray
 
         self.cfg, self.run_dir = cfg, Path(run_dir)
@@ -75,10 +76,24 @@ class RLController:
         # prompts over max_prompt_tokens: an error now, or dropped (task.overlong_prompts)
         self.prompt_metrics = fit_prompts(cfg, task, tokenizer)
         multi_turn = build_multi_turn(cfg.task, tokenizer, reward)
-        init_local_ray(num_cpus=max(2, os.cpu_count() or 2))
-        host = driver_address()
+        self.owns_ray = init_local_ray(num_cpus=max(2, os.cpu_count() or 2)) or owns_ray
         # every device, backend and transport choice of the run, decided once
         self.run = resolve_run(cfg)
+        self.pipeline = self.reward_model = None
+        try:
+            self._start(cfg, model_dir, tokenizer, task, reward, multi_turn, sampler_cls)
+        except BaseException:  # nothing a start-up that failed started outlives it
+            self._stop_workers(engine_grace_s=5.0)
+            raise
+
+    def _start(self, cfg: RLConfig, model_dir: Path, tokenizer, task, reward, multi_turn,
+               sampler_cls: type[Sampler]) -> None:
+        """The workers (placement group, actor ranks, engines, reward model) and the
+        components that use them."""
+        from mcore_rl.launch.placement import RayPlacement
+        from mcore_rl.rollout.ray_engines import RayEngines
+
+        host = driver_address()
         self.placement = RayPlacement(self.run.placement,
                                       cpus_per_engine=cfg.rollout.cpus_per_engine,
                                       gpu=self.run.device == "cuda",
@@ -90,7 +105,6 @@ class RLController:
         self.actors = ActorRanks(cfg, model_dir, spec=self.spec, run=self.run,
                                  placement=self.placement, host=host, watchdog=self.watchdog,
                                  critic=self.use_critic, reference=self.use_reference)
-        self.reward_model = None
 
         def start_trainers() -> None:
             """The actor ranks up, then the reward model's ranks (on the actor's devices)."""
@@ -115,11 +129,7 @@ class RLController:
                                   routed_experts=cfg.algorithm.routing_replay == "rollout")
         self.watchdog.watch("engine", lambda: self.engines.pids)
         if not self.run.trainers_first:
-            try:
-                start_trainers()
-            except BaseException:  # no engine outlives a start-up that failed
-                self.engines.shutdown(grace_s=5.0)
-                raise
+            start_trainers()
         self.engines.wait_ready()
         self.kills = InjectedKills(cfg.recovery, self.engines)  # fault injection (tests)
         self.weight_sync = WeightSync(cfg, spec=self.spec, run=self.run, host=host,
@@ -417,20 +427,33 @@ class RLController:
                                self.cfg.updates_per_batch, phase="update_critic")[0]
 
     def shutdown(self) -> None:
-        """Stop workers and engines; a worker stuck in a collective is killed with Ray."""
-        from mcore_rl.launch.ray_runtime import stop_local_ray
-
+        """Stop workers and engines (a worker stuck in a collective is killed) and remove the
+        placement group; then Ray, if this controller started it (`owns_ray`)."""
         if self.pipeline is not None:
             self.pipeline.shutdown()
         self.generation_log.close()
-        try:
-            self.actors.shutdown()
-            self.engines.shutdown()
+        self._stop_workers()
+
+    def _stop_workers(self, engine_grace_s: float = 30.0) -> None:
+        """Every worker started so far stopped and the placement group removed, each step also
+        when one before it failed (the error is raised once all have run); then Ray, if this
+        controller started it: a Ray that was up already outlives the run, so nothing of the
+        run may."""
+        from contextlib import ExitStack
+
+        from mcore_rl.launch.ray_runtime import stop_local_ray
+
+        with ExitStack() as stops:  # run last-registered first
+            if self.owns_ray:
+                stops.callback(stop_local_ray)
+            if hasattr(self, "placement"):
+                stops.callback(self.placement.remove)
             if self.reward_model is not None:
-                self.reward_model.shutdown()
-            self.placement.remove()
-        finally:
-            stop_local_ray()
+                stops.callback(self.reward_model.shutdown)
+            if hasattr(self, "engines"):
+                stops.callback(self.engines.shutdown, grace_s=engine_grace_s)
+            if hasattr(self, "actors"):
+                stops.callback(self.actors.shutdown)
 
 
 def engine_lora(cfg: RLConfig) -> EngineLoRA | None:

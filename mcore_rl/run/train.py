@@ -66,8 +66,9 @@ def model_dir_of(cfg, out: Path) -> Path:
     return hf_dir
 
 
-def model_dir_while_ray_starts(cfg, out: Path) -> Path:
-    """`model_dir_of(cfg, out)` with the driver's Ray started (`start_local_ray`). The demo
+def model_dir_while_ray_starts(cfg, out: Path) -> tuple[Path, bool]:
+    """`model_dir_of(cfg, out)` with the driver's Ray started (`start_local_ray`), and whether
+    this call started it (the run then owns it: `RLController(owns_ray=...)`). The demo
     model is built in a thread meanwhile: ray.init mostly waits on the processes it launches,
     and the build (transformers' import, the tokenizer's training) is seconds of driver CPU.
     A given model.hf_dir is checked first, so a bad one fails before Ray starts."""
@@ -77,12 +78,11 @@ def model_dir_while_ray_starts(cfg, out: Path) -> Path:
 
     if cfg.model.hf_dir is not None:
         model_dir = model_dir_of(cfg, out)
-        start_local_ray()
-        return model_dir
+        return model_dir, start_local_ray()
     with ThreadPoolExecutor(1, thread_name_prefix="demo-model") as pool:
         model_dir = pool.submit(model_dir_of, cfg, out)
-        start_local_ray()
-        return model_dir.result()
+        started = start_local_ray()
+        return model_dir.result(), started
 
 
 def check_layer_spec_here(cfg, resume: Path | None = None) -> None:
@@ -129,8 +129,9 @@ def run_demo(cfg, out: Path, resume: str | Path = "auto", command: str = "demo")
     write_config(cfg, out / RESOLVED_CONFIG)  # a refused run leaves an earlier one's in place
     stop = StopControl(cfg.checkpoint.stop_grace_s).install()
     with gc_paused():  # transformers' import, the tokenizer's training (launch/startup_gc.py)
-        model_dir = model_dir_while_ray_starts(cfg, out)  # the controller's init_local_ray: no-op
-        controller = RLController(cfg, model_dir, out)
+        model_dir, owns_ray = model_dir_while_ray_starts(cfg, out)
+        # the controller's init_local_ray finds Ray up: the run hands it the Ray it started
+        controller = RLController(cfg, model_dir, out, owns_ray=owns_ray)
     startup_s = seconds_since_process_start()  # every worker and engine up: step 1 can start
     startup_cpu = cpu_by_role()  # what that start-up cost every process it started
     stop.install()  # again: Ray's driver installed its own (aborting) SIGTERM handler
