@@ -1,7 +1,8 @@
 """The reward-model role: Megatron scores of an HF sequence classifier equal HF's
 `AutoModelForSequenceClassification(...).logits[:, 0]` (right padding, pad_token_id set, fp32)
 on variable-length rows — at TP2, PP2 and DP2 in one spawned gloo world, and end to end through
-the Ray `RewardModelGroup` at TP2. Bad checkpoints and configs fail naming what is wrong."""
+the Ray `RewardModelGroup` at TP2 (in the session's Ray). Bad checkpoints and configs fail
+naming what is wrong."""
 
 from __future__ import annotations
 
@@ -104,9 +105,7 @@ def test_megatron_scores_equal_hf_on_tp_pp_dp(rm_dirs):
         assert diff < 1e-5, f"{name}: max |megatron - HF| = {float(diff):.2e}"
 
 
-def test_reward_model_group_tp2_end_to_end(rm_dirs, tmp_path):
-    import ray
-
+def test_reward_model_group_tp2_end_to_end(ray_cluster, rm_dirs, tmp_path):
     from mcore_rl.launch.watchdog import WatchdogTimeout
 
     cfg = RewardModelConfig(enabled=True, hf_dir=str(rm_dirs["llama"]),
@@ -133,7 +132,6 @@ def test_reward_model_group_tp2_end_to_end(rm_dirs, tmp_path):
     finally:
         if group is not None:
             group.shutdown()
-        ray.shutdown()
 
 
 def _alive(pid: int) -> bool:

@@ -49,7 +49,7 @@ def assert_export_round_trips(controller, model_dir, out):
 @pytest.mark.parametrize("algo", [GRPO, PPO], ids=["grpo", "ppo"])
 @pytest.mark.parametrize("grid", [["actor.tp=2"], ["actor.tp=1", "actor.pp=2"]],
                          ids=["actor-tp2", "actor-pp2"])
-def test_two_rl_steps_with_vllm_and_streamed_sync(tmp_path, grid, algo):
+def test_two_rl_steps_with_vllm_and_streamed_sync(ray_cluster, tmp_path, grid, algo):
     from mcore_rl.rl.controller import RLController
     from mcore_rl.run.train import build_demo_model
     from mcore_rl.run.metrics import MetricsWriter, plot_run
@@ -88,7 +88,7 @@ def test_two_rl_steps_with_vllm_and_streamed_sync(tmp_path, grid, algo):
     assert all(p.is_file() for p in plot_run(tmp_path))
 
 
-def test_colocated_placement_sleeps_engines_and_packs(tmp_path):
+def test_colocated_placement_sleeps_engines_and_packs(ray_cluster, tmp_path):
     """Colocated: each device holds an actor rank and an engine rank (one placement-group
     bundle per node); the engines sleep through training and wake for the sync (vLLM's
     sleep is a no-op on CPU: this is the placement and ordering, the memory freeing is
@@ -131,7 +131,7 @@ def test_colocated_placement_sleeps_engines_and_packs(tmp_path):
         assert m["micro_batches"] == 1 and m["pack_efficiency"] > 0.5, m
 
 
-def test_reward_model_scores_rollouts_in_the_loop(tmp_path):
+def test_reward_model_scores_rollouts_in_the_loop(ray_cluster, tmp_path):
     """A reward model (TP2 worker group) scores every sample in the reward phase: the
     controller's rewards equal coeff · the HF classifier's score of prompt + response."""
     import torch
@@ -176,7 +176,7 @@ def test_reward_model_scores_rollouts_in_the_loop(tmp_path):
     assert metrics["reward_std"] > 0 and metrics["grad_norm"] > 0
 
 
-def test_bf16_wire_sync_halves_the_bytes(tmp_path):
+def test_bf16_wire_sync_halves_the_bytes(ray_cluster, tmp_path):
     """sync_dtype bf16: the actor's fp32 shards go over the wire as bf16 (half the bytes of
     the plan's fp32 elements) and the fp32 engine installs the rounded weights — its
     log-probs then differ from the actor's by rounding only."""
@@ -219,7 +219,8 @@ def test_old_logp_comes_from_the_update_only_where_nothing_needs_it_before(overr
     assert controller._old_logp_rows_from_update(16) == rows
 
 
-def test_a_late_engine_joins_at_a_sync_and_samples_from_the_actors_weights(tmp_path):
+def test_a_late_engine_joins_at_a_sync_and_samples_from_the_actors_weights(ray_cluster,
+                                                                              tmp_path):
     """rollout.startup_engines=1 of 2: start-up waits for engine 0 only; engine 1 starts once
     the run is up and joins at a sync (group re-formed, plan rebuilt for two engines, the
     actor's weights sent). After a step trained on engine 0 alone, half of the next batch

@@ -34,7 +34,8 @@ def base_weights(model_dir):
 
 
 @pytest.mark.parametrize("warmup_steps", [0, 2], ids=["from-start", "after-warmup"])
-def test_lora_actor_step_syncs_merged_weights_and_keeps_the_base(tmp_path, warmup_steps):
+def test_lora_actor_step_syncs_merged_weights_and_keeps_the_base(ray_cluster, tmp_path,
+                                                                 warmup_steps):
     from mcore_rl.layouts import assemble_hf, megatron_shards
     from mcore_rl.run.train import build_demo_model
     from tests.rl.test_sync_integration import hf_model_with
@@ -58,7 +59,8 @@ def test_lora_actor_step_syncs_merged_weights_and_keeps_the_base(tmp_path, warmu
 
 
 @pytest.mark.parametrize("sft_steps", [0, 1], ids=["from-start", "after-warmup"])
-def test_lora_actor_step_syncs_the_adapters_alone_into_vllms_lora(tmp_path, sft_steps):
+def test_lora_actor_step_syncs_the_adapters_alone_into_vllms_lora(ray_cluster, tmp_path,
+                                                                  sft_steps):
     from mcore_rl.layouts import assemble_hf, megatron_shards
     from mcore_rl.run.train import build_demo_model
     from tests.rl.test_sync_integration import hf_model_with

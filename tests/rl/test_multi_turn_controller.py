@@ -37,7 +37,7 @@ def test_episode_must_fit_the_rows_and_one_engine_step():
                                      "rollout.engines=2", "rollout.startup_engines=1"])
 
 
-def test_multi_turn_steps_through_the_controller(tmp_path):
+def test_multi_turn_steps_through_the_controller(ray_cluster, tmp_path):
     from mcore_rl.rl.controller import RLController
     from mcore_rl.run.train import build_demo_model
     from mcore_rl.launch.timing import PhaseTimer

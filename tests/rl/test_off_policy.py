@@ -24,7 +24,7 @@ DETERMINISTIC = BASE_DETERMINISTIC + (
 
 
 @pytest.mark.parametrize("partial", [None, 2], ids=["whole", "partial"])
-def test_async_with_staleness_bound_overlaps_and_resumes_exactly(tmp_path, partial):
+def test_async_with_staleness_bound_overlaps_and_resumes_exactly(ray_cluster, tmp_path, partial):
     from mcore_rl.run.train import build_demo_model
 
     cfg = load_config(RLConfig, DEMO_SIZED, [f"rollout.partial_chunk_tokens={partial or 'null'}",
@@ -72,7 +72,7 @@ def test_async_with_staleness_bound_overlaps_and_resumes_exactly(tmp_path, parti
     assert resumed_digest == full_digest
 
 
-def test_free_running_async_keeps_the_staleness_bound(tmp_path):
+def test_free_running_async_keeps_the_staleness_bound(ray_cluster, tmp_path):
     """rollout.deterministic=false: the sync waits only for the generation running then; every
     batch still comes from weights at most k = 2 updates behind, and the checkpoint's buffer
     records the version each batch ahead was generated on."""

@@ -16,7 +16,7 @@ def _with_correction(cfg, **fields):
         algo, rollout_correction=dataclasses.replace(algo.rollout_correction, **fields)))
 
 
-def test_on_policy_correction_is_identity_and_bypass_skips_old_logprobs(tmp_path):
+def test_on_policy_correction_is_identity_and_bypass_skips_old_logprobs(ray_cluster, tmp_path):
     from mcore_rl.rl.controller import RLController
     from mcore_rl.run.train import build_demo_model
 

@@ -19,7 +19,7 @@ DEADLINE = 12.0
     ("update_actor@rank1", "update_actor", "actor rank 0, actor rank 1"),
     ("gen@engine0", "gen", "rollout engine 0"),
 ], ids=["collective", "generation"])
-def test_a_stalled_worker_is_named_with_stack_dumps(tmp_path, stall, phase, late):
+def test_a_stalled_worker_is_named_with_stack_dumps(ray_cluster, tmp_path, stall, phase, late):
     from mcore_rl.rl.controller import RLController
     from mcore_rl.run.train import build_demo_model
 

@@ -1,11 +1,12 @@
-"""Two TP=1 engines in Ray actors (Ray bound to loopback): prompts spread over engines come back
-in prompt order, a sync reaches both engines (engine-major sync ranks), and failures — an
-engine that cannot start, a call that misses its deadline, an engine process that is killed —
-raise errors naming the engine and the phase, within the deadline.
+"""Two TP=1 engines in Ray actors (the session's Ray, bound to loopback): prompts spread over
+engines come back in prompt order, a sync reaches both engines (engine-major sync ranks), and
+failures — an engine that cannot start, a call that misses its deadline, an engine process
+that is killed — raise errors naming the engine and the phase, within the deadline.
 
 Tests run in file order: the last two leave engine 1 dead, and the one after them restarts it
 (RayEngines.restart), kills it again in the middle of a sync that engine 0 takes part in, and
-brings both back into a new sync group."""
+brings both back into a new sync group. The module's engines are checked to leave nothing in
+the session's Ray when they stop; each test that starts engines of its own, when it ends."""
 
 from __future__ import annotations
 
@@ -17,8 +18,8 @@ import pytest
 import torch
 
 from mcore_rl.models.hf_reference import greedy_generate
-from mcore_rl.launch.ray_runtime import init_local_ray
 from mcore_rl.rollout import RayEngines, RolloutConfig, RolloutError, SamplingConfig
+from tests.support.ray_cluster import leaves_nothing
 
 from .helpers import MAX_MODEL_LEN, Trainer, hf_model_with, hf_state, perturbed, prompts
 
@@ -27,26 +28,6 @@ CFG = RolloutConfig(engines=2, max_model_len=MAX_MODEL_LEN, kv_cache_gib=0.25, b
                     cpu_threads=2)
 DEADLINES = dict(start_timeout_s=240.0, call_timeout_s=60.0)  # a run's startup_s, engine_call_s
 GREEDY = SamplingConfig(temperature=0.0, max_tokens=8)
-
-
-@pytest.fixture(scope="module")
-def ray_local():
-    import ray
-
-    # Ray's memory monitor kills actors when the *machine* passes 95 % — on a shared test box
-    # that is other people's processes; leave OOM handling to the kernel here.
-    saved = os.environ.get("RAY_memory_monitor_refresh_ms")
-    os.environ["RAY_memory_monitor_refresh_ms"] = "0"
-    start = time.perf_counter()
-    init_local_ray(num_cpus=2)
-    print(f"ray.init: {time.perf_counter() - start:.1f} s")
-    assert ray.util.get_node_ip_address() == "127.0.0.1"
-    yield
-    ray.shutdown()
-    if saved is None:
-        os.environ.pop("RAY_memory_monitor_refresh_ms", None)
-    else:
-        os.environ["RAY_memory_monitor_refresh_ms"] = saved
 
 
 def _in_engine(engines, i, fn):
@@ -58,29 +39,34 @@ def _in_engine(engines, i, fn):
 
 
 @pytest.fixture(scope="module")
-def engines(ray_local, micro_dir):
-    start = time.perf_counter()
-    eng = RayEngines(micro_dir, CFG, **DEADLINES, wait=False)  # as a run starts them
-    assert eng.pids == [] and eng.num_engines == 2  # created, not yet waited for
-    eng.wait_ready()
-    assert len(eng.pids) == 2 and all(pid != os.getpid() for pid in eng.pids)
-    assert [where["threads"] for where in eng.where] == [2, 2]
-    # ... whose idle OpenMP threads sleep rather than spin beside other processes
-    assert _in_engine(eng, 0, lambda: os.environ.get("OMP_WAIT_POLICY")) == "PASSIVE"
-    print(f"2 Ray engines ready in {time.perf_counter() - start:.1f} s "
-          f"(vLLM start-up {[round(s, 1) for s in eng.startup_s]} s)")
-    yield eng
-    eng.shutdown()
+def engines(ray_session, micro_dir):
+    import ray
+
+    # the session's Ray (tests/support/ray_cluster.py) is init_local_ray's: loopback only
+    assert ray.util.get_node_ip_address() == "127.0.0.1"
+    with leaves_nothing(ray_session, "test_ray_engines's engines"):
+        start = time.perf_counter()
+        eng = RayEngines(micro_dir, CFG, **DEADLINES, wait=False)  # as a run starts them
+        assert eng.pids == [] and eng.num_engines == 2  # created, not yet waited for
+        eng.wait_ready()
+        assert len(eng.pids) == 2 and all(pid != os.getpid() for pid in eng.pids)
+        assert [where["threads"] for where in eng.where] == [2, 2]
+        # ... whose idle OpenMP threads sleep rather than spin beside other processes
+        assert _in_engine(eng, 0, lambda: os.environ.get("OMP_WAIT_POLICY")) == "PASSIVE"
+        print(f"2 Ray engines ready in {time.perf_counter() - start:.1f} s "
+              f"(vLLM start-up {[round(s, 1) for s in eng.startup_s]} s)")
+        yield eng
+        eng.shutdown()
 
 
-def test_engine_that_cannot_start_is_named(ray_local, tmp_path):
+def test_engine_that_cannot_start_is_named(ray_cluster, tmp_path):
     # Runs first: the failed actor is killed before the real engines take both Ray CPUs.
     with pytest.raises(RolloutError, match=r"rollout engine 0, start-up: .*no config.json"):
         RayEngines(tmp_path, RolloutConfig(engines=1), start_timeout_s=60.0,
                    call_timeout_s=60.0)
 
 
-def test_a_late_engine_is_not_called_until_admitted_and_one_that_fails_is_named(ray_local,
+def test_a_late_engine_is_not_called_until_admitted_and_one_that_fails_is_named(ray_cluster,
                                                                               tmp_path):
     # rollout.startup_engines=1 of 2: engine 1 starts only when asked, takes no calls until
     # admitted, and its failure to start surfaces at admission, named, with the late engines
@@ -103,7 +89,7 @@ def test_a_late_engine_is_not_called_until_admitted_and_one_that_fails_is_named(
         late.shutdown(grace_s=1.0)
 
 
-def test_engines_still_starting_are_stopped_within_the_grace(ray_local, micro_dir):
+def test_engines_still_starting_are_stopped_within_the_grace(ray_cluster, micro_dir):
     # A run whose actor ranks fail while its engines start stops them without waiting for
     # their vLLM start-up (RLController: shutdown(grace_s=5.0)).
     import ray
