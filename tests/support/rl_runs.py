@@ -29,38 +29,53 @@ def run_steps(cfg, model_dir, out, steps, *, resume_from=None, save_at=None):
 
 
 def step_then_sample(cfg, model_dir, out, *, greedy: bool = False, sft_steps: int = 0) -> dict:
-    """One RL step (the actor updates, then syncs), then the engines sample 8 held-out prompts
-    (T=1, two samples each; with `greedy`, also greedy). sft_steps: warm-up steps first (the
-    whole model trains, nothing synced). Returns the step's metrics, the
-    actor's shards per rank, the prompts, the samples, the greedy outputs (or None), the
-    model spec and the resolved run — what the sync-vs-HF checks compare."""
+    """`stepped_and_sampled` on a controller of its own, started here and stopped."""
     from mcore_rl.rl.controller import RLController
-    from mcore_rl.rollout.engine import SamplingConfig
-    from mcore_rl.tasks.tokenizer import encode_prompt
 
     controller = RLController(cfg, model_dir, out)
     try:
-        for k in range(1, sft_steps + 1):
-            batch = controller.sampler.warmup_batch(k)
-            controller.call_actors("sft_step", batch.tokens, batch.labels, batch.mask,
-                                   phase="warmup")
-        controller.reset_optimizer()
-        first_sync = controller.sync_weights()
-        step = controller.rl_step(1)
-        shards = controller.call_actors("export_weights", phase="save")
-        sampler = controller.sampler
-        prompts = [encode_prompt(sampler.tokenizer, t)
-                   for t in sampler.task.heldout_prompts(8, seed=3)]
-        sampled = sampler.generate(prompts, SamplingConfig(temperature=1.0, n=2, seed=5,
-                                                           max_tokens=5))
-        greedy_outs = (sampler.generate(prompts, SamplingConfig(temperature=0.0, max_tokens=5))
-                       if greedy else None)
+        return stepped_and_sampled(controller, greedy=greedy, sft_steps=sft_steps)
     finally:
         controller.shutdown()
-    return {"step": step, "first_sync": first_sync, "shards": dict(enumerate(shards)),
-            "prompts": prompts,
-            "sampled": sampled, "greedy": greedy_outs, "spec": controller.spec,
+
+
+def stepped_and_sampled(controller, *, greedy: bool = False, sft_steps: int = 0) -> dict:
+    """One RL step (the actor updates, then syncs), then the engines sample 8 held-out prompts
+    (`heldout_samples`). sft_steps: warm-up steps first (the whole model trains, nothing
+    synced). Returns the step's metrics, the first sync's, the actor's shards per rank, the
+    prompts, the samples, the greedy outputs (or None), the model spec and the resolved run —
+    what the sync-vs-HF checks compare."""
+    for k in range(1, sft_steps + 1):
+        batch = controller.sampler.warmup_batch(k)
+        controller.call_actors("sft_step", batch.tokens, batch.labels, batch.mask,
+                               phase="warmup")
+    controller.reset_optimizer()
+    first_sync = controller.sync_weights()
+    step = controller.rl_step(1)
+    return {"step": step, "first_sync": first_sync, "shards": actor_shards(controller),
+            **heldout_samples(controller, greedy=greedy), "spec": controller.spec,
             "run": controller.run}
+
+
+def actor_shards(controller) -> dict[int, dict]:
+    """The actor's weights as each rank holds them (its Megatron shards), by rank."""
+    return dict(enumerate(controller.call_actors("export_weights", phase="save")))
+
+
+def heldout_samples(controller, *, greedy: bool = False) -> dict:
+    """The engines' samples of 8 held-out prompts (T=1, two samples each, seed 5, 5 tokens;
+    with `greedy`, also greedy): {"prompts", "sampled", "greedy" (or None)}."""
+    from mcore_rl.rollout.engine import SamplingConfig
+    from mcore_rl.tasks.tokenizer import encode_prompt
+
+    sampler = controller.sampler
+    prompts = [encode_prompt(sampler.tokenizer, t)
+               for t in sampler.task.heldout_prompts(8, seed=3)]
+    sampled = sampler.generate(prompts, SamplingConfig(temperature=1.0, n=2, seed=5,
+                                                       max_tokens=5))
+    greedy_outs = (sampler.generate(prompts, SamplingConfig(temperature=0.0, max_tokens=5))
+                   if greedy else None)
+    return {"prompts": prompts, "sampled": sampled, "greedy": greedy_outs}
 
 
 def sampled_logprob_gap(model, prompts, sampled) -> float:
