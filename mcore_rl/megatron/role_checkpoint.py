@@ -47,6 +47,9 @@ def save_role(trainer, ckpt_dir: Path, rank: int, *, base_model: str | None = No
     HF directory the role's weights came from (recorded for a LoRA role)."""
     from megatron.core import dist_checkpointing
 
+    from mcore_rl.compat import megatron_save
+
+    megatron_save.install()  # no spawned process on the first save (compat/megatron_save.py)
     ckpt_dir.mkdir(parents=True, exist_ok=True)
     model_sd = _model_sharded_state_dict(trainer)
     state = {"model": model_sd, "optimizer": trainer.optimizer.sharded_state_dict(model_sd)}
