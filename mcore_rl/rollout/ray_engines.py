@@ -376,16 +376,21 @@ class RayEngines:
         self._call_all("wake-up", "wake_up", None if tags is None else list(tags))
 
     def shutdown(self, grace_s: float = 30.0) -> None:
-        """Stop every engine (cleanly when it answers within `grace_s`) and kill its actor.
-        An engine still inside a call that missed its deadline is killed at once: it would
-        take the shutdown only after that call."""
+        """Stop every engine and kill its actor. An engine with TP worker processes (tp > 1,
+        vLLM's "mp" executor) is first shut down cleanly when it answers within `grace_s`;
+        a one-process engine (tp 1, vLLM's "uni" executor in the actor) is killed at once:
+        its clean shutdown would only tear down torch.distributed and collect garbage (about
+        a second on vLLM's heap) in a process the kill ends anyway. An engine still inside a
+        call that missed its deadline is killed at once: it would take the shutdown only
+        after that call."""
         import ray
 
         if getattr(self, "_late", None):
             self._stop_late()  # still starting (or never admitted): nothing to close cleanly
         actors, self._actors = getattr(self, "_actors", []), []
         stuck = still_running(getattr(self, "_unanswered", {}))
-        refs = [a.call.remote("shutdown") for i, a in enumerate(actors) if i not in stuck]
+        refs = [a.call.remote("shutdown") for i, a in enumerate(actors)
+                if self.cfg.tp > 1 and i not in stuck]
         if refs:
             ray.wait(refs, num_returns=len(refs), timeout=grace_s)
         for actor in actors:
