@@ -6,9 +6,10 @@ run of the same command gets SIGTERM (to its whole process group, as SLURM would
 random early step: it finishes that step, checkpoints and exits 75; the same command again
 resumes by itself and gets SIGINT (to its process group, as a terminal's Ctrl-C): it too
 finishes the step, checkpoints and exits 130, in one line, no traceback; the same command
-once more resumes and ends with the reference's metrics (every step once) and final actor
-weights, bit for bit. The finished run re-run reports "already complete" at once; its final
-checkpoint exported (`mcore-rl export`) gives the actor's logits in HF transformers.
+once more resumes and ends with the reference's metrics (every step once, each with a
+gradient) and final actor weights, bit for bit. The finished run re-run reports "already
+complete" at once; its final checkpoint exported (`mcore-rl export`) gives the actor's logits
+in HF transformers.
 In-process: a full disk at save time and a dead actor rank are named.
 The rollout engine's processes are SIGKILLed as step 2's generation goes out and while step
 3's weight sync is in flight: the run restarts the engine both times; a third kill, past the
@@ -38,10 +39,13 @@ from tests.support import DEMO_SIZED
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 6
+# lr 0.01: large steps, so a resume that lost state (weights, Adam moments, schedule) would
+# show; spread_reward: no group of an untrained model's samples ties in reward, so every step
+# has a gradient and really trains
 OVERRIDES = ["warmup.max_steps=0", f"steps={STEPS}", "prompts_per_step=4",
              "samples_per_prompt=4", "updates_per_batch=2", "train.micro_batch_size=4",
              "actor.tp=2", "train.optimizer.lr=0.01",
-             "task.reward_fn=mcore_rl.tasks.addition:digit_reward",
+             "task.reward_fn=tests.support.rewards:spread_reward",
              "checkpoint.every=2", "checkpoint.keep_last=1"]
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -159,6 +163,8 @@ def _stop(proc, out: Path, sig: signal.Signals, after: int) -> tuple[int, Path, 
     assert stopped_at in (after, after + 1), (after, _steps_logged(out))
     saved = checkpoint_dirs.newest_complete(out / "checkpoints")
     assert saved.name == f"step_{stopped_at}", log[-2000:]
+    assert (saved / "actor").is_dir() and not list(saved.parent.glob(".step_*")), \
+        list(saved.parent.iterdir())  # the actor's shards in it; no save left half-written
     assert f"{sig.name} received" in log and "Traceback" not in log, log[-4000:]
     assert log.strip().splitlines()[-1] == (
         f"mcore-rl train: stopped on {sig.name} after step {stopped_at}; checkpoint {saved}; "
@@ -172,13 +178,15 @@ def test_sigterm_and_ctrl_c_checkpoint_and_the_same_command_resumes_exactly(refe
     """SIGTERM lands in step 2 or 3 (exit 75); the resumed run gets SIGINT, as a terminal's
     Ctrl-C sends it to the foreground process group, a step later (exit 130: Ray's
     processes in the group do not die of it, the checkpoint is written); the third run
-    resumes and completes, equal to the reference."""
+    resumes and completes, equal to the reference: every step's metrics and the final
+    weights, bit for bit. Every step trained (a non-zero gradient), the resumed ones too, so
+    equal weights mean each resume restored the weights, the optimizer's state and the
+    schedule (fp32, seeded sampling, deterministic CPU)."""
     full, _ = reference
     out = tmp_path / "run"
     after = random.Random().randint(1, 2)  # the SIGTERM lands during step after+1
     print(f"SIGTERM after step {after} is logged")
     stopped_at, saved, _ = _stop(_train(out), out, signal.SIGTERM, after)
-    first_stop = stopped_at
 
     proc = _train(out)
     stopped_at, saved, log = _stop(proc, out, signal.SIGINT, stopped_at + 1)
@@ -195,8 +203,9 @@ def test_sigterm_and_ctrl_c_checkpoint_and_the_same_command_resumes_exactly(refe
             assert got[step][key] == want[step][key], (step, key)
     digests = json.loads((out / "summary.json").read_text())["weights_digests"]
     assert digests == json.loads((full / "summary.json").read_text())["weights_digests"]
-    # the resumed steps trained (a step whose groups all tie in reward has no gradient)
-    assert any(got[step]["grad_norm"] > 0 for step in range(first_stop + 1, STEPS + 1))
+    # every step trained, the ones after each resume included
+    assert all(got[step]["grad_norm"] > 0 for step in range(1, STEPS + 1)), \
+        [got[step]["grad_norm"] for step in range(1, STEPS + 1)]
     # keep_last=1: only the final checkpoint remains, complete
     assert [p.name for p in (out / "checkpoints").iterdir() if p.is_dir()] == [f"step_{STEPS}"]
 
