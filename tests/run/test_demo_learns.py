@@ -7,7 +7,9 @@ log-probs cannot: the tool demo once stopped learning while every mechanical che
 warm-up stopped on greedy accuracy, leaving sampled rewards at ~0.5 %; a change of summation
 order in the warm-up then decided whether the first few rewarded samples pulled RL up or
 pushed it into malformed calls). Each run is cut to what shows the rise in under two minutes
-here; the full demos stay out of CI."""
+here; the full demos stay out of CI. The held-out evaluation (`eval.every`) runs where a test
+reads it (the addition demo's RL); the other runs turn it off, as it only measures the
+weights and never changes what is trained."""
 
 from __future__ import annotations
 
@@ -46,7 +48,7 @@ def mean(rows: list[dict], key: str) -> float:
 
 
 def test_tool_demo_learns_to_call_and_copy(tmp_path):
-    steps, warmup = run_demo(tmp_path, "--task", "tool_calc", "steps=16")
+    steps, warmup = run_demo(tmp_path, "--task", "tool_calc", "steps=16", "eval.every=0")
     assert [r["step"] for r in steps] == list(range(1, 17))
     # the warm-up stopped on the accuracy RL samples (T=1), so RL starts with a signal
     assert warmup[-1]["accuracy"] >= 0.05, warmup[-1]
@@ -68,9 +70,10 @@ def lora_run(tmp_path_factory):
     """`mcore-rl demo actor.lora.rank=16`: the addition demo's warm-up (the full model), then
     RL of LoRA adapters on the warmed-up base. Returns (run dir, RL steps, warm-up steps).
     Its one checkpoint is the one every run writes after its last step (checkpoint.every's
-    default, 50, is past the 30 steps)."""
+    default, 50, is past the 30 steps). No held-out evaluation (test_addition_demo_learns
+    reads the addition demo's); the warm-up's own accuracy checks are not evaluations."""
     out = tmp_path_factory.mktemp("lora_demo")
-    steps, warmup = run_demo(out, "actor.lora.rank=16", "steps=30")
+    steps, warmup = run_demo(out, "actor.lora.rank=16", "steps=30", "eval.every=0")
     return out, steps, warmup
 
 
