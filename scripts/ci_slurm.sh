@@ -23,11 +23,14 @@
 #   SLURM_CI_START_TIMEOUT=60           seconds to wait for the node to become idle
 #
 # Settings follow shared/FINDINGS.md ("SLURM"): root, no systemd, no cgroups
-# (proctrack/linuxproc, task/none); MinJobAge=15: `sbatch --wait` polls the job after 2 s and
-# then every 8 s while MinJobAge/2 <= 8 (every 32 s with the default 300), and a finished job
-# whose record slurmctld purged between two polls makes it return 0 whatever the job's exit
-# code, so MinJobAge must outlast one poll interval;
-# cred_expire=10 and sched_interval=2 so that a requeued job starts again within seconds.
+# (proctrack/linuxproc, task/none); MinJobAge=5: `sbatch --wait` polls the job after 2 s, then
+# quadruples its interval while it is below MinJobAge/2 (up to 32 s: every 8 s with
+# MinJobAge=15, every 32 s with the default 300), so with 5 it polls every 2 s and returns
+# within 2 s of the job's end; a finished job whose record slurmctld purged between two polls
+# makes it return 0 whatever the job's exit code, so MinJobAge must outlast one poll interval
+# (5 > 2; slurmctld purges records older than MinJobAge every max(10, MinJobAge) s);
+# cred_expire=5 (the least slurm accepts) and sched_interval=2 so that a requeued job starts
+# again within seconds.
 set -euo pipefail
 
 DIR="${SLURM_CI_DIR:-/tmp/mcore-rl-slurm}"
@@ -106,11 +109,11 @@ SelectType=select/cons_tres
 SelectTypeParameters=CR_Core
 ReturnToService=2
 MailProg=/bin/true
-MinJobAge=15
+MinJobAge=5
 KillWait=10
 # a requeued job may start again once its credential expired (default 120 s) and the
 # scheduler next runs (default every 60 s): short, so a requeue test takes seconds
-AuthInfo=cred_expire=10
+AuthInfo=cred_expire=5
 SchedulerParameters=sched_interval=2
 StateSaveLocation=$DIR/state
 SlurmdSpoolDir=$DIR/spool/slurmd-%n
