@@ -18,6 +18,10 @@ from pathlib import Path
 from typing import Callable, Mapping
 
 STACK_SIGNAL = signal.SIGUSR1
+# When a worker dies, its peers' collectives fail too (gloo: "Connection closed by peer"), and
+# a peer's error can arrive before Ray reports the death: a worker's error waits this long for
+# another worker's death, which is then the error named.
+DEATH_GRACE_S = 5.0
 
 
 class WatchdogTimeout(RuntimeError):
@@ -40,9 +44,15 @@ def collect_or_name_dead(refs: list, deadline_s: float, phase: str,
                          pids: list[int] | None = None, role: str = "actor rank") -> dict:
     """ray.get of every ref within `deadline_s`, taking results as they arrive: index ->
     value for those that finished in time. A worker whose process died raises WorkerDied
-    naming it at once; another error of a worker is re-raised as Ray gives it."""
+    naming it at once; another error of a worker is re-raised as Ray gives it, unless another
+    worker turns out dead within `DEATH_GRACE_S` (the error was its peer's: WorkerDied)."""
     import ray
     from ray.exceptions import RayActorError
+
+    def died(i: int, err: Exception) -> WorkerDied:
+        pid = f" (pid {pids[i]})" if pids and i < len(pids) else ""
+        return WorkerDied(f"{role} {i}{pid} died during phase {phase!r}: "
+                          f"{str(err).splitlines()[0][:300]}")
 
     index = {ref: i for i, ref in enumerate(refs)}
     values, pending = {}, list(refs)
@@ -57,10 +67,35 @@ def collect_or_name_dead(refs: list, deadline_s: float, phase: str,
             try:
                 values[i] = ray.get(ref)
             except RayActorError as err:
-                pid = f" (pid {pids[i]})" if pids and i < len(pids) else ""
-                raise WorkerDied(f"{role} {i}{pid} died during phase {phase!r}: "
-                                 f"{str(err).splitlines()[0][:300]}") from err
+                raise died(i, err) from err
+            except Exception as err:
+                grace = min(DEATH_GRACE_S, max(0.0, end - time.monotonic()))
+                dead = _first_death(pending, index, grace)
+                if dead is None:
+                    raise
+                raise died(*dead) from err
     return values
+
+
+def _first_death(pending: list, index: dict, timeout_s: float) -> tuple[int, Exception] | None:
+    """(worker index, its error) of the first of `pending` whose worker died within
+    `timeout_s`; None when none did (the others answered, failed otherwise, or are late)."""
+    import ray
+    from ray.exceptions import RayActorError
+
+    end = time.monotonic() + timeout_s
+    while pending:
+        ready, pending = ray.wait(pending, num_returns=1,
+                                  timeout=max(0.0, end - time.monotonic()))
+        if not ready:
+            return None
+        try:
+            ray.get(ready[0])
+        except RayActorError as err:
+            return index[ready[0]], err
+        except Exception:  # noqa: BLE001 — another worker's own error: not a death
+            pass
+    return None
 
 
 def still_running(late_calls: Mapping[int, object]) -> set[int]:
