@@ -242,8 +242,8 @@ def test_the_finished_run_exports_the_actors_weights_as_an_hf_model(reference, t
     assert any(not torch.equal(trained[k], start[k]) for k in start)  # the trained weights
 
 
-def test_a_full_disk_and_a_dead_actor_rank_are_named(tmp_path):
-    """One controller: a save that finds the disk full (injected after the ranks wrote their
+def test_a_full_disk_and_a_dead_actor_rank_are_named(ray_cluster, tmp_path):
+    """One controller (in the session's Ray: tests/support/ray_cluster.py): a save that finds the disk full (injected after the ranks wrote their
     shards) fails naming the path and leaves the previous checkpoint complete and loadable;
     then SIGKILL of actor rank 1: the next step fails at once (not after its TP peer's
     collective timeout) with an error naming the rank, its pid and the phase."""
