@@ -1,7 +1,8 @@
 """`mcore-rl train` refuses a broken config before any worker starts, on stderr with exit 2
 (`CONFIG_ERROR_EXIT`, as every command): a file that is not YAML (one line, file:line:col), a
 bad value at load (named field), a combination only the preflight sees (every problem listed,
-named as in the config), and a GPU config whose checkpoint is not on this machine."""
+named as in the config), and a GPU config whose checkpoint is not on this machine. (A run
+that trains on a given HF checkpoint and JSONL prompts is tests/run/test_grpo_jsonl.py's.)"""
 
 import subprocess
 import sys
@@ -66,36 +67,6 @@ def test_gpu_config_without_its_checkpoint_is_refused_by_preflight(tmp_path):
     assert "1 error(s)" in proc.stderr
     assert "ERROR [model-dir] model.hf_dir=/models/Meta-Llama-3-8B-Instruct: no such " \
            "directory on this machine" in proc.stderr
-
-
-def test_train_on_a_jsonl_dataset_with_an_hf_checkpoint(tmp_path):
-    """The path the GPU configs take, at CPU size: `mcore-rl train` on an HF checkpoint
-    directory (model.hf_dir) and JSONL prompts with the math exact-match reward."""
-    import json
-
-    from mcore_rl.config import load_config
-    from mcore_rl.tasks.addition import AdditionTask, expected_answer
-    from mcore_rl.run.train import build_demo_model
-    from mcore_rl.run.config import RLConfig
-
-    model_dir = build_demo_model(load_config(RLConfig, None, []), tmp_path / "ckpt")
-    data = tmp_path / "sums.jsonl"
-    prompts = AdditionTask().prompts(16, seed=5)
-    data.write_text("".join(json.dumps({"question": p, "answer": f"#### {expected_answer(p)}"})
-                            + "\n" for p in prompts))
-    proc, _ = run_train(
-        tmp_path / "run", f"model.hf_dir={model_dir}", "task.kind=jsonl", f"task.path={data}",
-        "task.prompt_key=question", "task.answer_key=answer",
-        "task.reward_fn=mcore_rl.tasks.math:answer_reward", "warmup.max_steps=0", "steps=2",
-        "prompts_per_step=4", "samples_per_prompt=4", "updates_per_batch=1",
-        "train.micro_batch_size=8", "train.max_tokens_per_micro_batch=64")
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "train done in " in proc.stdout and "demo done" not in proc.stdout
-    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").open()]
-    assert [r["step"] for r in rows] == [1, 2]
-    for row in rows:
-        assert 0 <= row["reward_mean"] <= 1 and row["micro_batches"] >= 1
-    assert not (tmp_path / "run" / "model").exists()  # trained the given checkpoint
 
 
 def _model_config_only(path):
