@@ -243,10 +243,11 @@ def test_the_finished_run_exports_the_actors_weights_as_an_hf_model(reference, t
 
 
 def test_a_full_disk_and_a_dead_actor_rank_are_named(ray_cluster, tmp_path):
-    """One controller (in the session's Ray: tests/support/ray_cluster.py): a save that finds the disk full (injected after the ranks wrote their
-    shards) fails naming the path and leaves the previous checkpoint complete and loadable;
-    then SIGKILL of actor rank 1: the next step fails at once (not after its TP peer's
-    collective timeout) with an error naming the rank, its pid and the phase."""
+    """One controller, in the session's Ray (tests/support/ray_cluster.py): a save that finds
+    the disk full (injected after the ranks wrote their shards) fails naming the path and
+    leaves the previous checkpoint complete and loadable; then SIGKILL of actor rank 1: the
+    next step fails at once (not after its TP peer's collective timeout) with an error naming
+    the rank, its pid and the phase."""
     from mcore_rl.config import load_config
     from mcore_rl.launch.watchdog import WorkerDied
     from mcore_rl.rl.checkpoint_dirs import CheckpointWriteError
