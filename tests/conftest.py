@@ -17,3 +17,7 @@ if "VLLM_CACHE_ROOT" not in os.environ:
 # the slowest test files, and CI's budget per file (tests/support/durations.py)
 from tests.support.durations import (pytest_runtest_logreport, pytest_sessionfinish,  # noqa: E402,F401
                                      pytest_terminal_summary)
+# one local Ray for the session's RL tests, each checked to leave nothing in it
+# (tests/support/ray_cluster.py)
+from tests.support.ray_cluster import (pytest_runtest_teardown, ray_cluster,  # noqa: E402,F401
+                                       ray_session)
