@@ -131,6 +131,16 @@ def wait_work(work, what: str, timeout_s: float | None) -> None:
                         f"{time.perf_counter() - start:.1f} s: {err}") from err
 
 
+def _post(op, buf: torch.Tensor, peer: int, tag: int, what: str):
+    """`op([buf], peer, tag)`: a send or receive posted on a group. A peer that is already gone
+    fails the post itself (gloo: "Connection closed by peer"), before there is work to wait
+    for: a SyncError naming `what`, as `wait_work` gives when it fails later."""
+    try:
+        return op([buf], peer, tag)
+    except Exception as err:  # noqa: BLE001 — gloo/NCCL raise RuntimeError subclasses
+        raise SyncError(f"weight sync failed at {what} (posting it): {err}") from err
+
+
 class P2PCopy(PostingCopyService):
     """Messages as point-to-point sends on `group`, two rounds in flight.
 
@@ -224,7 +234,8 @@ class P2PCopy(PostingCopyService):
             for j, view in enumerate(views):
                 direct = self._direct_send(view)
                 buf = view.detach() if direct else pieces.pop()
-                posted.append((dst, self.group.send([buf], dst, self._tag(k, j, dst))))
+                posted.append((dst, _post(self.group.send, buf, dst, self._tag(k, j, dst),
+                                          f"round {k}: send to {self.label(dst)}")))
                 self.stats.zero_copy_messages += direct
                 self.stats.messages += 1
                 self.stats.bytes_sent += buf.numel() * buf.element_size()
@@ -246,7 +257,8 @@ class P2PCopy(PostingCopyService):
             for j, view in enumerate(views):
                 direct = self._direct_recv(view)
                 buf = view if direct else pieces.pop()
-                segments.append((self.group.recv([buf], src, self._tag(k, j, src)), buf,
+                segments.append((_post(self.group.recv, buf, src, self._tag(k, j, src),
+                                       f"round {k}: receive from {self.label(src)}"), buf,
                                  None if direct else view))
                 self.stats.zero_copy_messages += direct
                 self.stats.messages += 1
