@@ -21,3 +21,5 @@ from tests.support.durations import (pytest_runtest_logreport, pytest_sessionfin
 # (tests/support/ray_cluster.py)
 from tests.support.ray_cluster import (pytest_runtest_teardown, ray_cluster,  # noqa: E402,F401
                                        ray_session)
+# spawned gloo ranks reused from call to call for the whole run (tests/support/rank_pools.py)
+from tests.support.rank_pools import reused_ranks  # noqa: E402,F401

@@ -1,7 +1,8 @@
 """Adapters that let upstream libraries run where they were not written to run (CPU).
 
-All monkeypatching of upstream code lives here and nowhere else. See `megatron_cpu`, and
-`lazy_compile` (installed by `mcore_rl/__init__.py`, so before any megatron import).
+All monkeypatching of upstream code lives here and nowhere else. See `megatron_cpu`,
+`lazy_compile` (installed by `mcore_rl/__init__.py`, so before any megatron import), and
+`megatron_state` (megatron-core's globals put back between the calls of a reused rank).
 """
 
 from __future__ import annotations

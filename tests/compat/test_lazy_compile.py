@@ -31,7 +31,8 @@ def _import_megatron_trainer(rank, world):
 
 
 def test_importing_megatron_leaves_torch_compiler_out_and_torch_compile_as_it_was():
-    seen = run_on_ranks(_import_megatron_trainer, 1, timeout_s=240)[0]
+    seen = run_on_ranks(_import_megatron_trainer, 1, timeout_s=240,
+                        fresh_processes=True)[0]  # megatron's first import (module doc)
     assert seen == {"dynamo_imported": False, "inductor_imported": False,
                     "fused_is_deferred": True, "fused_compiled": False,
                     "fused_name": "bias_gelu", "torch_compile_restored": True}
@@ -79,7 +80,8 @@ def _compile_on_first_call(rank, world):
 
 
 def test_a_deferred_function_compiles_once_on_first_call_with_its_options():
-    seen = run_on_ranks(_compile_on_first_call, 1, timeout_s=240)[0]
+    seen = run_on_ranks(_compile_on_first_call, 1, timeout_s=240,
+                        fresh_processes=True)[0]  # dynamo not yet imported (module doc)
     assert seen["before"] == {"calls": 0, "dynamo": False, "deferred": True}
     assert seen["calls"] == [{"backend": "eager"}, {"backend": "eager", "dynamic": False}]
     # the two functions and the method once each (not per call), the module at once

@@ -259,7 +259,10 @@ def _probe_all(rank, world):
 def observed():
     if torch.cuda.is_available():
         pytest.skip("the CPU shims are not applied when CUDA is available")
-    return run_on_ranks(_probe_all, 1, timeout_s=120, init_default_group=False)[0]
+    # fresh process: the probes run before each shim is installed, and shims stay installed
+    # for the life of a process (a reused rank has them from its earlier calls)
+    return run_on_ranks(_probe_all, 1, timeout_s=120, init_default_group=False,
+                        fresh_processes=True)[0]
 
 
 @pytest.mark.parametrize("shim", SHIMS)

@@ -234,11 +234,26 @@ def _lora_updates(rank: int, world: int, grid: dict | None = None, moe: bool = F
                          for p in g["params"])})
 
 
+@pytest.fixture(scope="module")
+def one_process_updates():
+    """`_lora_updates` in one process, launched once per `moe` value (every grid's reference:
+    the same run each time)."""
+    runs = {}
+
+    def of(moe: bool) -> dict:
+        if moe not in runs:
+            (runs[moe],) = _as_torch(run_on_ranks(_lora_updates, 1, None, moe, timeout_s=240))
+        return runs[moe]
+
+    return of
+
+
 @pytest.mark.parametrize("grid,moe", [({"pp": 2}, False), ({"pp": 2, "vpp": 2}, False),
                                       ({"dp": 2}, False), ({"dp": 2, "ep": 2}, True)],
                          ids=["pp2", "pp2-vpp2", "dp2", "moe-ep2"])
-def test_lora_updates_on_pp_vpp_dp_ep_grids_equal_one_process_and_leave_the_base(grid, moe):
-    (ref,) = _as_torch(run_on_ranks(_lora_updates, 1, None, moe, timeout_s=240))
+def test_lora_updates_on_pp_vpp_dp_ep_grids_equal_one_process_and_leave_the_base(
+        one_process_updates, grid, moe):
+    ref = one_process_updates(moe)
     pp2 = _as_torch(run_on_ranks(_lora_updates, 2, grid, moe, timeout_s=240))
     assert ref["grad_norm"][0] > 0 and ref["grad_norm"][1] > 0
     merged = {}

@@ -73,7 +73,10 @@ def _step_with_and_without_compile(rank: int, world: int) -> dict:
 
 
 def test_compiled_fusions_run_only_when_asked_and_match_the_unfused_step():
-    (out,) = run_on_ranks(_step_with_and_without_compile, 1, timeout_s=300)
+    # fresh process: whether megatron's deferred functions were ever compiled is process
+    # state, and compiling leaves dynamo's caches and inductor's workers in the process
+    (out,) = run_on_ranks(_step_with_and_without_compile, 1, timeout_s=300,
+                          fresh_processes=True)
     # unasked: megatron's compiled functions never ran (so nothing was compiled)
     assert out[False]["config"] == (False, False)
     assert out[False]["compiled"] == {"swiglu": False, "bias_dropout_add": False}

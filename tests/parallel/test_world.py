@@ -54,7 +54,9 @@ def _joined_by_plain_init(rank: int, world: int) -> dict:
 
 
 def test_join_default_group_leaves_no_gloo_thread_behind():
-    for out in run_on_ranks(_joined_by_the_helper, 2, timeout_s=120):
+    # fresh processes: which modules were imported before the group, and the gloo threads
+    # left, are process state (a reused rank has imported them long ago)
+    for out in run_on_ranks(_joined_by_the_helper, 2, timeout_s=120, fresh_processes=True):
         assert out["sum"] == 2.0
         assert out["while_joined"], "no gloo thread while joined: the check sees nothing"
         assert out["after"] == [], f"gloo threads outlived destroy_process_group: {out}"
@@ -63,7 +65,8 @@ def test_join_default_group_leaves_no_gloo_thread_behind():
 def test_plain_init_then_a_late_import_pins_the_group():
     """The hazard `join_default_group` exists for, on this torch. If this fails, torch no
     longer captures the group at import and the pre-import in parallel/world.py can go."""
-    for out in run_on_ranks(_joined_by_plain_init, 2, init_default_group=False, timeout_s=120):
+    for out in run_on_ranks(_joined_by_plain_init, 2, init_default_group=False, timeout_s=120,
+                            fresh_processes=True):  # a fresh import: process state (above)
         assert not out["preloaded"], "torch.distributed.nn was imported before the group"
         assert out["sum"] == 2.0
         assert out["after"], f"the group was freed despite the late import: {out}"

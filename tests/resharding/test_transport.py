@@ -209,7 +209,10 @@ class FailingAfter(dict):
 def test_a_dead_or_stalled_sender_is_named_within_the_deadline(mode):
     start = time.monotonic()
     with pytest.raises(DistributedRunError) as info:
-        run_on_ranks(die_mid_stream, 4, mode, timeout_s=90, init_default_group=False)
+        # fresh processes: a rank exits or is killed stalled (a failed call would end the
+        # session's reused ranks anyway: the next call starts new ones either way)
+        run_on_ranks(die_mid_stream, 4, mode, timeout_s=90, init_default_group=False,
+                     fresh_processes=True)
     elapsed = time.monotonic() - start
     text = str(info.value)
     # both inference ranks name the training rank that stopped sending
