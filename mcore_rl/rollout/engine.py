@@ -57,7 +57,7 @@ from mcore_rl.rollout.config import (RolloutConfig, SamplingConfig, engines_run_
 from mcore_rl.rollout.sync_client import EngineSync
 from mcore_rl.rollout.vllm_env import (compiler_off, configure_vllm_env,
                                        model_inspected_in_process)
-from mcore_rl.rollout.vllm_plugin import BACKEND, plugin_installed
+from mcore_rl.rollout.vllm_plugin import BACKEND, plugin_missing
 
 WORKER_EXTENSION = "mcore_rl.rollout.worker_extension.WorkerExtension"
 GiB = 1 << 30
@@ -128,10 +128,9 @@ class RolloutEngine(EngineSync):
         self._lock = threading.Lock()
         if not (Path(model_dir) / "config.json").is_file():
             raise RolloutError(engine_index, "start-up", f"{model_dir}: no config.json")
-        if not plugin_installed():
-            raise RolloutError(engine_index, "start-up", "vLLM's workers cannot find mcore-rl's "
-                               f"weight-transfer backend: the {BACKEND!r} entry point of "
-                               "vllm.general_plugins is not installed (run scripts/setup.sh)")
+        missing = plugin_missing()  # the entry point, and VLLM_PLUGINS naming it
+        if missing is not None:
+            raise RolloutError(engine_index, "start-up", str(missing))
         start = time.perf_counter()
         configure_vllm_env(cfg, self.on_cpu, routed_experts)
         if self.on_cpu and cfg.in_process_threads is not None:

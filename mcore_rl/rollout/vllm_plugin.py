@@ -3,17 +3,26 @@ weight transfer (weight_transfer.py) with vLLM's `WeightTransferEngineFactory` u
 `BACKEND`. vLLM runs general plugins in every process it starts (the engine core and each
 worker), so every worker can build the backend that `weight_transfer_config` names.
 
+vLLM loads a general plugin only when its entry point is installed and, where the
+`VLLM_PLUGINS` allow-list is set, when the list names it (vllm/plugins/__init__.py,
+`load_plugins_by_group`: the value split on ",", each name compared exactly); otherwise the
+engine dies at load with "Invalid weight transfer backend". `plugin_missing` says which of the
+two stops it, in one line, before an engine starts (and in preflight).
+
 This module imports nothing from vLLM at import time: the engine side imports it to name the
 backend and to check that the entry point is installed before an engine starts.
 """
 
 from __future__ import annotations
 
+import os
 from importlib.metadata import entry_points
+from typing import Mapping, NamedTuple
 
 BACKEND = "mcore_rl"
 PLUGIN_GROUP = "vllm.general_plugins"
 ENGINE_CLASS = ("mcore_rl.rollout.weight_transfer", "ShardTransferEngine")
+ALLOW_LIST = "VLLM_PLUGINS"  # vLLM's allow-list of plugin names (vllm/envs.py)
 
 
 def register() -> None:
@@ -27,11 +36,45 @@ def register() -> None:
         pass
 
 
-def plugin_installed() -> bool:
+def entry_point_installed() -> bool:
     """Whether the installed mcore-rl package declares this entry point (what vLLM's worker
     processes find the backend through); False for a source tree used without installing."""
     return any(ep.name == BACKEND and ep.value == f"{__name__}:register"
                for ep in entry_points(group=PLUGIN_GROUP))
 
 
-__all__ = ["BACKEND", "plugin_installed", "register"]
+class PluginMissing(NamedTuple):
+    """Why vLLM would not load the backend (`problem`) and what fixes it (`fix`)."""
+
+    problem: str
+    fix: str
+
+    def __str__(self) -> str:  # the engine's one line
+        return f"{self.problem} ({self.fix})"
+
+
+def plugin_missing(env: Mapping[str, str] = os.environ) -> PluginMissing | None:
+    """Why vLLM's processes started with `env` would not load the backend; None when they
+    will. vLLM reads the allow-list as `VLLM_PLUGINS.split(",")` (set but empty allows
+    nothing; a name with spaces around it is another name)."""
+    if not entry_point_installed():
+        return PluginMissing(
+            f"vLLM's workers cannot find mcore-rl's weight-transfer backend: the {BACKEND!r} "
+            f"entry point of {PLUGIN_GROUP} is not installed",
+            "run scripts/setup.sh, or pip install -e . in the checkout")
+    allowed = env.get(ALLOW_LIST)
+    if allowed is not None and BACKEND not in allowed.split(","):
+        return PluginMissing(
+            f"{ALLOW_LIST}={allowed!r} leaves out {BACKEND!r}: vLLM loads only the plugins it "
+            "lists, so its workers would not have mcore-rl's weight-transfer backend",
+            f"{ALLOW_LIST}={','.join(filter(None, [allowed, BACKEND]))}, or unset it")
+    return None
+
+
+def plugin_installed(env: Mapping[str, str] = os.environ) -> bool:
+    """Whether vLLM's processes started with `env` load the backend (`plugin_missing`)."""
+    return plugin_missing(env) is None
+
+
+__all__ = ["ALLOW_LIST", "BACKEND", "PluginMissing", "entry_point_installed",
+           "plugin_installed", "plugin_missing", "register"]

@@ -87,7 +87,7 @@ def test_bad_calls_are_recorded_never_raised():
 
 
 def test_an_engine_refuses_to_start_without_the_entry_point(monkeypatch, micro_dir):
-    monkeypatch.setattr("mcore_rl.rollout.engine.plugin_installed", lambda: False)
+    monkeypatch.setattr("mcore_rl.rollout.vllm_plugin.entry_point_installed", lambda: False)
     with pytest.raises(RolloutError, match=r"start-up: vLLM's workers cannot find mcore-rl's "
                                            r"weight-transfer backend.*scripts/setup.sh"):
         RolloutEngine(micro_dir, RolloutConfig(), call_timeout_s=10.0, device="cpu")
