@@ -32,6 +32,7 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer import TransformerConfig
 
 from mcore_rl.compat import apply_cpu_compat
+from mcore_rl.models.kernels import kernel_switches, resolve_kernels
 from mcore_rl.models.spec import LayerSpec, check_layer_spec, grouped_expert_gemm
 from mcore_rl.models.spec import ModelSpec, UnsupportedModelError
 from mcore_rl.parallel.config import ParallelConfig
@@ -58,10 +59,12 @@ def transformer_config_from_spec(spec: ModelSpec, parallel: ParallelConfig, *,
     Llama-family decoder: pre-RMSNorm, SwiGLU MLP, GQA (num_query_groups = kv heads), rotary
     embeddings in HF's non-interleaved (rotate_half) form, no biases except Qwen2's q/k/v bias.
     Dropout is off: RL needs the trainer's log-probabilities to be a deterministic function of
-    the weights. `fused_kernels` (the run plan's, GPU with TransformerEngine) turns on TE's
-    fused RoPE and fused weight-gradient accumulation; `compiled_fusions` (`train.compile`)
-    megatron's torch.compile'd SwiGLU and bias-dropout-add; every other fusion stays off
-    (`kernel_fields`). On CPU weights are initialized on the host (`use_cpu_initialization`).
+    the weights. `fused_kernels` (the run plan's, GPU with TransformerEngine) asks for TE's
+    fused RoPE and the fused weight-gradient accumulation; `compiled_fusions` (`train.compile`)
+    for megatron's torch.compile'd SwiGLU and bias-dropout-add; each is turned on only where
+    its provider imports in this process, the one building the model (`kernel_fields`,
+    `models.kernels`); every other fusion stays off. On CPU weights are initialized on the
+    host (`use_cpu_initialization`).
     `params_dtype` is fp32 or bf16 (bf16 turns on megatron's mixed precision: bf16 params, fp32
     main params in the optimizer).
     `recompute` (TrainConfig.recompute): "none"; "selective" recomputes core attention (the
@@ -86,7 +89,7 @@ def transformer_config_from_spec(spec: ModelSpec, parallel: ParallelConfig, *,
         calculate_per_token_loss=calculate_per_token_loss,
         **_grid_fields(parallel, params_dtype, on_cpu),
         use_cpu_initialization=on_cpu,
-        **kernel_fields(fused_kernels, compiled_fusions),
+        **kernel_fields(fused_kernels, compiled_fusions, device=device),
         **_RECOMPUTE[recompute],
         **moe_config_fields(spec, parallel, moe or MoEOptions(),
                             grouped_gemm=grouped_expert_gemm(layer_spec)),
@@ -138,22 +141,15 @@ def _grid_fields(parallel: ParallelConfig, params_dtype: torch.dtype, on_cpu: bo
     )
 
 
-# The fused kernels these turn on need TransformerEngine / apex / CUDA.
-_UNFUSED = dict(bias_activation_fusion=False, bias_dropout_fusion=False,
-                masked_softmax_fusion=False, apply_rope_fusion=False, persist_layer_norm=False,
-                gradient_accumulation_fusion=False, cross_entropy_loss_fusion=False)
-
-
-def kernel_fields(fused: bool, compiled: bool = False) -> dict:
-    """megatron's fusion switches. `fused`: TransformerEngine's RoPE kernel and its weight-grad
-    accumulation into the fp32 main grads (the DDP buffers every trainer here has). `compiled`
-    (`train.compile`): the SwiGLU and bias-dropout-add fusions, which megatron wraps in
-    torch.compile — so only when asked. The rest stay off: masked-softmax fusion serves only
-    the unfused attention that TE's flash attention replaces, persist_layer_norm needs apex,
-    and the loss is mcore-rl's own."""
-    return {**_UNFUSED,
-            **(dict(apply_rope_fusion=True, gradient_accumulation_fusion=True) if fused else {}),
-            **(dict(bias_activation_fusion=True, bias_dropout_fusion=True) if compiled else {})}
+def kernel_fields(fused: bool, compiled: bool = False, *, device: str) -> dict:
+    """megatron's fusion switches, as this process resolves the plan's intent
+    (`models.kernels.resolve_kernels`): `fused` asks for TransformerEngine's RoPE kernel and the
+    weight-grad accumulation into the fp32 main grads (apex's fused_weight_gradient_mlp_cuda),
+    `compiled` (`train.compile`) for the SwiGLU and bias-dropout-add fusions megatron wraps in
+    torch.compile; each is on only where its provider imports here, so a process without
+    one builds its model without that kernel instead of failing. The rest stay off
+    (`models.kernels.KERNELS` says why)."""
+    return kernel_switches(resolve_kernels(fused, compiled, device=device))
 
 
 @dataclass(frozen=True)

@@ -94,6 +94,10 @@ class ResolvedRun:
     the DP grad reduction overlapped with the backward on GPU where dp > 1).
     compiled_fusions: every trainer runs megatron's torch.compile'd SwiGLU and bias-dropout-add
     fusions (`train.compile`; off unless asked: nothing is compiled by default).
+    fused_kernels and compiled_fusions are the plan's intent: the packages of the actor ranks'
+    nodes are not the driver's to see, so each rank turns on only the kernels whose providers
+    import there, before it builds its model (`models.kernels.resolve_kernels`), and reports
+    them (`ActorWorker.fused_kernels`); `explain` shows the same decisions for this machine.
     """
 
     device: Device

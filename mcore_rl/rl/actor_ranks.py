@@ -31,6 +31,7 @@ class ActorRanks:
 
         self.deadlines, self.watchdog, self.dp = cfg.deadlines, watchdog, cfg.actor.dp
         self.pids: list[int] = []  # known once the ranks answer (`wait_started`)
+        self.kernels: list[list[dict]] = []  # each rank's fused kernels (`wait_started`)
         self._output_slots: list[int | None] | None = None  # fixed by the grid: asked once
         # rank -> its call that missed a deadline (shutdown does not wait for it to answer:
         # launch.watchdog.still_running)
@@ -54,8 +55,15 @@ class ActorRanks:
         watchdog.watch("rank", lambda: self.pids)
 
     def wait_started(self) -> None:
-        """Every rank up (model built, weights loaded), under the start-up deadline."""
+        """Every rank up (model built, weights loaded), under the start-up deadline. Each
+        rank reports the fused kernels it turned on (`kernels`); one the plan asked for that
+        a rank's node cannot run is said in one line."""
+        from mcore_rl.models.kernels import dropped_on_ranks
+
         self.pids = self.call("pid", phase="startup")
+        self.kernels = self.call("fused_kernels", phase="startup")
+        for line in dropped_on_ranks(self.kernels):
+            print(f"mcore-rl: {line}", flush=True)
 
     def wait(self, refs: list, phase: str) -> list:
         """The ranks' results under the phase's deadline; past it, the watchdog names who is

@@ -56,14 +56,36 @@ def engine_mode(cfg, run) -> str:
 
 
 def trainer_kernels(run) -> str:
-    """What the trainers fuse and overlap, as the plan resolved it."""
-    kernels = ("TransformerEngine fused RoPE + weight-grad accumulation" if run.fused_kernels
-               else "unfused")
-    if run.compiled_fusions:
-        kernels += " · SwiGLU + bias-dropout-add fused (torch.compile)"
+    """What the trainers are asked to fuse, and how they overlap, as the plan resolved it
+    (each rank turns on only the kernels its node provides: `kernel_decisions`)."""
+    asked = [what for what, on in (
+        ("TE fused RoPE + apex weight-grad accumulation", run.fused_kernels),
+        ("SwiGLU + bias-dropout-add fused (torch.compile)", run.compiled_fusions)) if on]
+    kernels = "asks for " + " · ".join(asked) if asked else "unfused"
     reduce = ("overlapped with the backward" if run.overlap_grad_reduce
               else "after the backward")
     return f"{kernels} · DP grad reduce {reduce}"
+
+
+# where the fused kernels are decided (models.kernels): the driver cannot see the nodes
+KERNELS_DECIDED = ("on each actor rank's node, before it builds its model; shown: this "
+                   "machine's decisions")
+
+
+def kernel_decisions(run):
+    """Each fused kernel as a rank on this machine would turn it on (`models.kernels`)."""
+    from mcore_rl.models.kernels import resolve_kernels
+
+    return resolve_kernels(run.fused_kernels, run.compiled_fusions, device=run.device)
+
+
+def kernels_row(decisions) -> str:
+    """The kernels the plan asks for, each on or off here and why (one line each)."""
+    asked = [d for d in decisions if d.wanted]
+    if not asked:
+        return "none asked for"
+    return "\n".join(f"{d.field} {d.reason}" for d in asked) + "\n(decided " \
+        f"{KERNELS_DECIDED})"
 
 
 # algorithm.routing_replay → what the actor's MoE passes route with
@@ -196,6 +218,7 @@ def render(run, title: str, *, cfg, spec, ranks: bool = False):
         ("sync buckets", f"{run.sync_bucket_mb:g} MB"),
         ("engines run", engine_mode(cfg, run)),
         ("trainers run", trainer_kernels(run)),
+        ("kernels", kernels_row(kernel_decisions(run))),
         *([("LoRA", lora_row(cfg.actor.lora))] if cfg.actor.lora.enabled else []),
         ("start-up", START_UP[run.trainers_first]),
         ("roles", hosted_roles(cfg)),
@@ -259,7 +282,11 @@ def run_explain(args) -> int:
         # node)
         experts = ({"megatron_experts": megatron_experts(run).split(" ", 1)[0]}
                    if sized.spec.is_moe else {})
-        print(json.dumps({**run.summary(), **experts, **explain_traffic(cfg, run)},
+        # each fused kernel as this machine decides it (each actor rank decides on its node)
+        kernels = {"kernels": {d.field: {k: v for k, v in d.as_dict().items() if k != "field"}
+                               for d in kernel_decisions(run)},
+                   "kernels_decided": KERNELS_DECIDED}
+        print(json.dumps({**run.summary(), **experts, **kernels, **explain_traffic(cfg, run)},
                          separators=(",", ":")))
         return 0
     how = " (GPU assumed)" if args.assume_gpu else ""

@@ -54,7 +54,8 @@ class ActorWorker:
         layer_spec: megatron's layer spec of every model here, as the run resolved it
         (`ResolvedRun.layer_spec`: "local" or "te"); it also names the tensors loaded and sent.
         fused_kernels / overlap_grad_reduce / compiled_fusions: the run plan's, for every
-        trainer here.
+        trainer here; each fused kernel is turned on only where its provider imports in this
+        process (`fused_kernels()` says which, and why).
         lora: LoRA adapters on the actor (`actor.lora`; off with rank 0): the actor's base is
         frozen, the reference policy is that base (adapters off, no model of its own), and
         the weights sent to the engines are merged per shard. lora_from_start: the adapters
@@ -95,9 +96,12 @@ class ActorWorker:
             attach_value_head(chunks, spec.hidden, self.groups.is_last_stage,
                               tp_group=self.groups.group(Axis.TP))
 
+        # the run plan's intent; each model build turns on only the fused kernels whose
+        # providers import here (models.kernels), which `fused_kernels()` reports
         kernels = dict(layer_spec=layer_spec, fused_kernels=fused_kernels,
                        overlap_grad_reduce=overlap_grad_reduce,
-                       compiled_fusions=compiled_fusions)  # the run plan's
+                       compiled_fusions=compiled_fusions)
+        self._kernel_intent = (fused_kernels, compiled_fusions)
         self.lora = lora if lora is not None and lora.enabled else None
         self.lora_attached = self.lora is not None and lora_from_start
         self.trainer = setup_trainer(spec, self.groups, train, load_weights=load, seed=seed,
@@ -462,6 +466,17 @@ class ActorWorker:
             digest.update(tensor.detach().cpu().contiguous().view(torch.uint8).numpy()
                           .tobytes())
         return digest.hexdigest()
+
+    def fused_kernels(self) -> list[dict]:
+        """This rank's fused kernels: each one the plan asked for (`wanted`), whether the
+        actor's model runs it (`on`, read from the config it was built with) and why
+        (`models.kernels.resolve_kernels` in this process, on this node)."""
+        from mcore_rl.models.kernels import resolve_kernels
+
+        fused, compiled = self._kernel_intent
+        config = self.trainer.config
+        return [{**d.as_dict(), "on": bool(getattr(config, d.field))}
+                for d in resolve_kernels(fused, compiled, device=self.device)]
 
     def pid(self) -> int:
         return os.getpid()

@@ -161,7 +161,7 @@ def test_explain_shows_how_trainers_and_engines_run(no_cuda, capsys):
     gpu = [str(CONFIGS / "gpu" / "llama3-8b.yaml"), "--assume-gpu"]
     assert main(["explain", *gpu]) == 0
     out = capsys.readouterr().out
-    assert re.search(r"trainers run +│ TransformerEngine fused RoPE \+ weight-grad accumulation "
+    assert re.search(r"trainers run +│ asks for TE fused RoPE \+ apex weight-grad accumulation "
                      r"· DP grad reduce overlapped with the backward", out)
     assert re.search(r"engines run +│ CUDA graphs of decode steps, nothing compiled · sleep "
                      r"level 2 while training", out)
@@ -177,3 +177,43 @@ def test_explain_shows_how_trainers_and_engines_run(no_cuda, capsys):
     out = capsys.readouterr().out
     assert re.search(r"trainers run +│ unfused · DP grad reduce after the backward", out)
     assert re.search(r"engines run +│ eager \(no CUDA graphs\)", out)
+
+
+# each fused kernel's provider: what must import on the node for the kernel to run
+PROVIDER_MODULES = {"apply_rope_fusion": "transformer_engine",
+                    "gradient_accumulation_fusion": "fused_weight_gradient_mlp_cuda"}
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in (CONFIGS / "gpu").glob("*.yaml")))
+def test_explain_shows_each_fused_kernels_decision_and_reason(no_cuda, capsys, name):
+    """N1: the plan asks for TE's RoPE and apex's weight-grad accumulation on every GPU run;
+    `explain --json` shows, per megatron switch, what the plan asks for, what a rank on this
+    machine turns on (only where the provider imports) and why — on this apex-less machine
+    gradient_accumulation_fusion is off, naming apex's module and what that costs."""
+    import importlib.util
+
+    assert main(["explain", str(CONFIGS / "gpu" / name), "--assume-gpu", "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    kernels = summary["kernels"]
+    assert set(kernels) == {"apply_rope_fusion", "gradient_accumulation_fusion",
+                            "bias_activation_fusion", "bias_dropout_fusion",
+                            "masked_softmax_fusion", "persist_layer_norm",
+                            "cross_entropy_loss_fusion"}
+    assert "each actor rank's node" in summary["kernels_decided"]
+    for field, module in PROVIDER_MODULES.items():
+        here = importlib.util.find_spec(module) is not None
+        k = kernels[field]
+        assert (k["wanted"], k["on"]) == (True, here), (field, k)
+        if not here:
+            assert k["reason"].startswith("off: ") and module in k["reason"], k
+            assert "; without it " in k["reason"], k  # what running without it costs
+    for field in ("bias_activation_fusion", "bias_dropout_fusion"):  # train.compile unset
+        assert kernels[field] == {"wanted": False, "on": False, "reason": "off: train.compile "
+                                  "is false: nothing is compiled unless asked"}
+    assert not any(kernels[f]["on"] for f in ("masked_softmax_fusion", "persist_layer_norm",
+                                             "cross_entropy_loss_fusion"))
+    # the table says it too, a line per kernel the plan asks for
+    assert main(["explain", str(CONFIGS / "gpu" / name), "--assume-gpu"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"kernels +│ apply_rope_fusion (on|off)", out)
+    assert "gradient_accumulation_fusion " in out
