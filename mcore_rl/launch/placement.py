@@ -115,6 +115,21 @@ def restrict_visible_devices(local_devices: list[int]) -> str:
     return os.environ["CUDA_VISIBLE_DEVICES"]
 
 
+def node_bundles(plan: PlacementPlan, *, cpus_per_engine: float,
+                 gpu: bool) -> list[dict[str, float]]:
+    """What each node of the plan reserves in Ray (its placement-group bundle, node order):
+    the CPUs its engines ask for (`cpus_per_engine` each), at least 1, and on GPU every device
+    of the node. What the allocation must offer per node (`launch.allocation`)."""
+    bundles = []
+    for node in range(plan.nodes):
+        engines_here = sum(plan.engine_node(e) == node for e in range(len(plan.engines)))
+        bundle = {"CPU": max(1.0, engines_here * cpus_per_engine)}
+        if gpu:
+            bundle["GPU"] = float(plan.devices_per_node)
+        bundles.append(bundle)
+    return bundles
+
+
 class RayPlacement:
     """One placement-group bundle per node of the plan (STRICT_SPREAD over nodes, so bundle n
     is a node of its own); `options_for_node(n)` schedules a Ray actor into bundle n.
@@ -129,13 +144,7 @@ class RayPlacement:
 
         self.plan = plan
         self.gpu = gpu  # engines narrow CUDA_VISIBLE_DEVICES to their slots only on GPU
-        bundles = []
-        for node in range(plan.nodes):
-            engines_here = sum(plan.engine_node(e) == node for e in range(len(plan.engines)))
-            bundle = {"CPU": max(1.0, engines_here * cpus_per_engine)}
-            if gpu:
-                bundle["GPU"] = float(plan.devices_per_node)
-            bundles.append(bundle)
+        bundles = node_bundles(plan, cpus_per_engine=cpus_per_engine, gpu=gpu)
         strategy = "STRICT_SPREAD" if len(bundles) > 1 else "PACK"
         self.group = placement_group(bundles, strategy=strategy)
         ready, _ = ray.wait([self.group.ready()], timeout=timeout_s)
