@@ -15,12 +15,21 @@ does not hold the files). The files are read as the run reads them (`tasks.jsonl
 so a missing file or key stops `train` here, not in a worker; with the tokenizer here too, the
 prompts are tokenized as the engines get them and their lengths checked against
 `max_prompt_tokens`.
+
+Preflight also reads the environment the run's processes start with: inside a SLURM
+allocation, whether Ray can ever place the plan's per-node bundles (`launch.allocation`: an
+error naming what the allocation lacks); whether vLLM will load mcore-rl's weight-transfer
+backend (its entry point installed, a VLLM_PLUGINS allow-list naming it); and, a warning each,
+the fused kernels the plan asks for whose providers do not import here, with what running
+without them costs (`models.kernels`; each actor rank decides again on its own node).
 """
 
 from __future__ import annotations
 
 import math
+import os
 from pathlib import Path
+from typing import Mapping
 
 from mcore_rl.config import ConfigError, ConfigFileError, check_config
 from mcore_rl.planning.grid_checks import Problem, format_problems, preflight
@@ -207,13 +216,17 @@ def _dataset_problem(cfg: RLConfig, field: str, err) -> Problem:
 
 def preflight_run(cfg: RLConfig, model_dir: str | Path | None = None, *,
                   assume_gpu: bool = False, cuda_available: bool | None = None,
-                  remote_paths: bool = False) -> list[Problem]:
+                  remote_paths: bool = False,
+                  env: Mapping[str, str] | None = None) -> list[Problem]:
     """Every problem of the run (errors, warnings, notes). `model_dir`: the model directory
     the run will load (the built demo model); None sizes from `cfg.model.planning_model()`.
     `remote_paths`: the run's files are on another machine — a path not here is a warning,
-    not an error."""
+    not an error. `env`: the environment the run's processes start with (default this
+    process's): its SLURM allocation and vLLM's plugin allow-list are checked."""
+    env = os.environ if env is None else env
     paths = model_dir_problems(cfg, remote_paths=remote_paths) if model_dir is None else []
     data = dataset_problems(cfg, remote_paths=remote_paths)
+    here = plugin_problems(env)
     try:
         run = sized_run(cfg, assume_gpu=assume_gpu, cuda_available=cuda_available,
                         model_dir=model_dir)
@@ -223,8 +236,61 @@ def preflight_run(cfg: RLConfig, model_dir: str | Path | None = None, *,
         fix = (f"{err.field} naming a checkpoint of a supported architecture"
                if "unsupported" in err.problem else f"fix {err.field}")
         sizing = [] if err.field in said else [Problem("model", str(err), fix)]
-        return paths + sizing + data + evaluation_problems(cfg)
-    return paths + preflight(run) + _preset_mismatch(cfg) + data + evaluation_problems(cfg)
+        return paths + sizing + data + here + evaluation_problems(cfg)
+    here += allocation_problems(cfg, run.device, env) + kernel_problems(cfg, run.device)
+    return (paths + preflight(run) + _preset_mismatch(cfg) + data + here
+            + evaluation_problems(cfg))
+
+
+def plugin_problems(env: Mapping[str, str]) -> list[Problem]:
+    """vLLM's processes must load mcore-rl's weight-transfer backend: its entry point is
+    installed and a VLLM_PLUGINS allow-list names it (`rollout.vllm_plugin.plugin_missing`)."""
+    from mcore_rl.rollout.vllm_plugin import plugin_missing
+
+    missing = plugin_missing(env)
+    return [] if missing is None else [Problem("vllm-plugin", missing.problem, missing.fix)]
+
+
+def allocation_problems(cfg: RLConfig, device: str, env: Mapping[str, str]) -> list[Problem]:
+    """Inside a SLURM allocation: its nodes, GPUs and CPUs per node against the bundles the
+    run's Ray placement group will reserve (`launch.allocation`); an error when one can
+    never be placed. Nothing outside an allocation."""
+    from mcore_rl.launch.allocation import SlurmAllocation, allocation_shortfall
+    from mcore_rl.launch.placement import node_bundles
+    from mcore_rl.planning.resolve import placement_plan_of
+
+    allocation = SlurmAllocation.from_env(env)
+    if allocation is None:
+        return []
+    try:
+        plan = placement_plan_of(cfg)
+    except ConfigError:  # the placement check says what is wrong with it
+        return []
+    bundles = node_bundles(plan, cpus_per_engine=cfg.rollout.cpus_per_engine,
+                           gpu=device == "cuda")
+    short = allocation_shortfall(bundles, allocation)
+    if short is None:
+        return []
+    return [Problem("slurm-allocation", short.lacks,
+                    f"{short.options} scripts/slurm/train.sbatch CONFIG (at least)")]
+
+
+def kernel_problems(cfg: RLConfig, device: str) -> list[Problem]:
+    """A warning per fused kernel the plan asks for whose provider does not import here, with
+    what running without it costs (`models.kernels`): the actor ranks decide again on their
+    node, and build without it rather than fail."""
+    from mcore_rl.models.kernels import KERNELS, PROVIDERS, dropped, resolve_kernels
+    from mcore_rl.planning.resolve import layer_spec_of, trainers_fuse_kernels
+
+    try:
+        fused = trainers_fuse_kernels(cfg.train.fused_kernels, layer_spec_of(device))
+    except ConfigError:  # refused by the resolution itself (train.fused_kernels on CPU)
+        return []
+    providers = {k.field: PROVIDERS[k.provider] for k in KERNELS if k.provider}
+    return [Problem("fused-kernels", f"{d.field} off on this machine: {d.why}; without it "
+                    f"{d.cost} (each actor rank checks its own node)",
+                    providers[d.field].fix, "warning")
+            for d in dropped(resolve_kernels(fused, cfg.train.compile, device=device))]
 
 
 def evaluation_problems(cfg: RLConfig) -> list[Problem]:
@@ -247,10 +313,11 @@ def evaluation_problems(cfg: RLConfig) -> list[Problem]:
 
 def preflight_config(path: str | Path, overrides: list[str] | None = None, *,
                      assume_gpu: bool = False, cuda_available: bool | None = None,
-                     remote_paths: bool = False) -> tuple[RLConfig | None, list[Problem]]:
+                     remote_paths: bool = False, env: Mapping[str, str] | None = None
+                     ) -> tuple[RLConfig | None, list[Problem]]:
     """Load and check an RLConfig YAML. A config that does not load gives one problem per
     invalid field (`config.check_config`). Raises ConfigFileError when the file is not a
-    YAML mapping (nothing to check)."""
+    YAML mapping (nothing to check). `env`: as `preflight_run`'s."""
     try:
         cfg, errors = check_config(RLConfig, path, overrides)
     except ConfigFileError:
@@ -261,7 +328,7 @@ def preflight_config(path: str | Path, overrides: list[str] | None = None, *,
         return None, [Problem("config", str(err), f"fix {err.field} in {path}")
                       for err in errors]
     return cfg, preflight_run(cfg, assume_gpu=assume_gpu, cuda_available=cuda_available,
-                              remote_paths=remote_paths)
+                              remote_paths=remote_paths, env=env)
 
 
 def check_run(cfg: RLConfig, model_dir: str | Path | None = None) -> list[Problem]:
@@ -279,6 +346,7 @@ def check_run(cfg: RLConfig, model_dir: str | Path | None = None) -> list[Proble
     return problems
 
 
-__all__ = ["PreflightFailed", "check_run", "dataset_problems", "evaluation_problems",
-           "model_dir_problems", "tokenizer_missing",
+__all__ = ["PreflightFailed", "allocation_problems", "check_run", "dataset_problems",
+           "evaluation_problems", "kernel_problems", "model_dir_problems", "plugin_problems",
+           "tokenizer_missing",
            "preflight_config", "preflight_run", "prompt_length_problems"]

@@ -587,3 +587,123 @@ def test_a_warmup_batch_that_does_not_split_into_its_micro_batches_is_named():
                            "multiple of warmup.train.micro_batch_size=64")
     _, problems = preflight_config(moe, [], cuda_available=False)
     assert not [p for p in problems if p.severity == "error"]
+
+
+# --- issue #45: what the environment the run starts in lacks, said in one line -----------------
+
+SBATCH = ROOT / "scripts" / "slurm" / "train.sbatch"
+
+
+def _slurm_env(options: list[str]) -> dict[str, str]:
+    """The variables SLURM sets in train.sbatch's job for these sbatch options (on top of the
+    script's own #SBATCH defaults; one task per node)."""
+    opts = dict(re.findall(r"^#SBATCH --([a-z-]+)=(\S+)", SBATCH.read_text(), re.M))
+    for i, opt in enumerate(options):
+        key, _, value = opt.lstrip("-").partition("=")
+        opts[key] = value or options[i + 1]
+    env = {"SLURM_JOB_ID": "77", "SLURM_JOB_NUM_NODES": opts["nodes"],
+           "SLURM_CPUS_ON_NODE": str(int(opts["cpus-per-task"])
+                                     * int(opts["ntasks-per-node"]))}
+    if "gres" in opts:
+        env["SLURM_GPUS_ON_NODE"] = opts["gres"].rsplit(":", 1)[1]
+    return env
+
+
+def _run_line(config: Path) -> list[str]:
+    """The sbatch options of the config's "# Run (GPU):" comment line."""
+    (line,) = re.findall(r"^# Run \(GPU\): sbatch (.*) scripts/slurm/train\.sbatch (\S+)$",
+                         config.read_text(), re.M)
+    options, named = line
+    assert named == f"configs/gpu/{config.name}"
+    return options.split()
+
+
+@pytest.mark.parametrize("config", sorted(CONFIGS.glob("*.yaml")), ids=lambda p: p.stem)
+def test_the_gpu_configs_run_lines_give_ray_what_their_plan_reserves(config, monkeypatch,
+                                                                    capsys):
+    """N9: each config's "Run (GPU)" line asks SLURM for the nodes, GPUs and CPUs its Ray
+    placement group reserves; submitted with train.sbatch's defaults (2 CPUs, no GPU request)
+    preflight — which `mcore-rl train` runs inside the job — stops in one line naming what
+    the allocation lacks against the plan."""
+    options = _run_line(config)
+    assert any(o.startswith("--gres=gpu:") for o in options), options
+    assert any(o.startswith("--cpus-per-task=") for o in options), options
+    _, problems = preflight_config(config, remote_paths=True, env=_slurm_env(options))
+    assert not [p for p in problems if p.check == "slurm-allocation"], problems
+    nodes = [o for o in options if o.startswith("--nodes=")]
+    _, problems = preflight_config(config, remote_paths=True, env=_slurm_env(nodes))
+    (short,) = [p for p in problems if p.check == "slurm-allocation"]
+    assert short.severity == "error" and "\n" not in short.message
+    assert short.message.startswith("SLURM job 77 has no GPUs (SLURM_GPUS_ON_NODE and "
+                                    "SLURM_JOB_GPUS unset: no --gres=gpu:N) where the plan "
+                                    "needs 8 per node")
+    assert "--gres=gpu:8" in short.fix
+    # what the user sees: one ERROR line, exit 2
+    for name, value in _slurm_env(nodes).items():
+        monkeypatch.setenv(name, value)
+    assert main(["preflight", str(config), "--remote-paths"]) == 2
+    out = capsys.readouterr().out
+    assert [line for line in _problem_lines(out) if "[slurm-allocation]" in line] == [
+        f"ERROR [slurm-allocation] {short.message}"]
+
+
+def test_the_cpu_needs_of_the_engines_are_checked_too():
+    """llama3-8b reserves 4 CPUs on its node (4 engines × rollout.cpus_per_engine 1): the
+    GPUs alone do not make the allocation fit."""
+    env = _slurm_env(["--nodes=1", "--gres=gpu:8"])  # train.sbatch's 2 CPUs
+    _, problems = preflight_config(L8, remote_paths=True, env=env)
+    (short,) = [p for p in problems if p.check == "slurm-allocation"]
+    assert short.message == (
+        "SLURM job 77 has 2 CPU(s) per node for Ray (SLURM_CPUS_ON_NODE=2) where the plan "
+        "reserves 4 per node (rollout.engines on the node × rollout.cpus_per_engine): Ray "
+        "could never place the run's workers")
+    assert short.fix == ("sbatch --nodes=1 --gres=gpu:8 --cpus-per-task=4 "
+                         "scripts/slurm/train.sbatch CONFIG (at least)")
+    _, problems = preflight_config(L8, ["rollout.cpus_per_engine=0.5"], remote_paths=True,
+                                   env=env)
+    assert not [p for p in problems if p.check == "slurm-allocation"]
+
+
+@pytest.mark.parametrize("allow,refused", [
+    # VLLM_PLUGINS as vLLM reads it (split on ","): refused when it leaves mcore_rl out
+    ("lora_filesystem_resolver", True),
+    ("", True),                                  # set but empty: vLLM loads nothing
+    ("lora_filesystem_resolver, mcore_rl", True),  # " mcore_rl" is another name to vLLM
+    ("lora_filesystem_resolver,mcore_rl", False),
+    (None, False),                               # unset: every installed plugin loads
+])
+def test_a_vllm_plugins_allow_list_without_mcore_rl_is_refused(allow, refused):
+    """N12: vLLM loads only the allow-listed general plugins; without mcore_rl in the list
+    its workers have no weight-transfer backend and the engine dies at load."""
+    env = {} if allow is None else {"VLLM_PLUGINS": allow}
+    _, problems = preflight_config(GRPO, CPU, env=env)
+    found = [p for p in problems if p.check == "vllm-plugin"]
+    assert bool(found) is refused, problems
+    if refused:
+        (p,) = found
+        assert p.severity == "error" and "\n" not in p.message
+        assert p.message.startswith(f"VLLM_PLUGINS={allow!r} leaves out 'mcore_rl'")
+        assert p.fix.startswith("VLLM_PLUGINS=") and "mcore_rl" in p.fix
+
+
+def test_preflight_names_each_missing_kernel_provider_and_its_cost_in_one_line():
+    """N1: a GPU run asks for TE's fused RoPE and apex's weight-grad accumulation; where a
+    provider does not import (this machine), preflight warns once per kernel, naming the
+    module, what running without it costs and how to get it — the run still builds."""
+    import importlib.util
+
+    _, problems = preflight_config(L8, remote_paths=True)
+    warned = {p.message.split(" ", 1)[0]: p for p in problems if p.check == "fused-kernels"}
+    for field, module, fix in [
+            ("apply_rope_fusion", "transformer_engine", "pip install .[gpu]"),
+            ("gradient_accumulation_fusion", "fused_weight_gradient_mlp_cuda",
+             "bash scripts/build_apex.sh")]:
+        if importlib.util.find_spec(module) is not None:
+            assert field not in warned
+            continue
+        p = warned[field]
+        assert p.severity == "warning" and "\n" not in p.message
+        assert p.message.startswith(f"{field} off on this machine: ") and module in p.message
+        assert "; without it " in p.message and fix in p.fix
+    _, problems = preflight_config(GRPO, CPU)  # a CPU run asks for none
+    assert not [p for p in problems if p.check == "fused-kernels"]
