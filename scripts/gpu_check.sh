@@ -4,8 +4,12 @@
 # we can sometimes check on"):
 #   bash scripts/gpu_wheels.sh      # once, on a machine with network: fills .whl/
 #   bash scripts/gpu_check.sh       # on the GPU machine, from the checkout carrying .whl/
-# It installs megatron-core from .whl/ when missing (nothing outside the repo is created besides
-# that pip install into $PYTHON's environment), prints the environment, runs `pytest -m gpu -rs`
+# It installs from .whl/ what the selected tests import and the GPU image may lack: megatron-core,
+# and pytest-timeout and hypothesis, which pytest needs to collect the test modules at all (the
+# `timeout` marker under --strict-markers; module-level hypothesis imports) — each only when
+# missing (nothing outside the repo is created besides that pip install into $PYTHON's
+# environment). vLLM, TransformerEngine, Ray and the mcore-rl install are not needed: every
+# check that needs one skips naming it. It prints the environment, runs `pytest -m gpu -rs`
 # then, with CUDA present, the device twins on the GPU (`MCORE_RL_TWIN_DEVICE=cuda pytest -m
 # device_twin`; the normal suite runs them on `meta`), and exits non-zero on any failure.
 # PYTHON picks the interpreter (default python3); on a CPU machine
@@ -15,13 +19,17 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 
-if ! "$PYTHON" -c "import megatron.core" 2>/dev/null; then
-    if ! ls .whl/megatron_core-*.whl >/dev/null 2>&1; then
-        echo "gpu_check: megatron-core is not installed and .whl/ has no wheel of it;" \
+missing=()
+for need in megatron.core=megatron-core pytest_timeout=pytest-timeout hypothesis=hypothesis; do
+    "$PYTHON" -c "import ${need%%=*}" 2>/dev/null || missing+=("${need#*=}")
+done
+if [ ${#missing[@]} -gt 0 ]; then
+    if ! ls .whl/*.whl >/dev/null 2>&1; then
+        echo "gpu_check: ${missing[*]} not installed and .whl/ has no wheels;" \
              "run scripts/gpu_wheels.sh on a machine with network and carry .whl/" >&2
         exit 2
     fi
-    "$PYTHON" -m pip install --no-index --find-links .whl megatron-core
+    "$PYTHON" -m pip install --no-index --find-links .whl "${missing[@]}"
 fi
 
 "$PYTHON" - <<'PY'

@@ -34,6 +34,35 @@ def gpu_marks(twin: str) -> list:
                                       "same code with device 'cpu'")]
 
 
+def importable(name: str) -> bool:
+    """Whether `name` imports here, without importing it (False too where an import hook
+    refuses it, as a machine without the package would)."""
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def vllm_gpu_marks(twin: str) -> list:
+    """`gpu_marks` for a check that runs vLLM on the GPU: it also needs vLLM and mcore-rl's
+    vLLM plugin (the package installed, so vLLM's workers find its entry point; a
+    VLLM_PLUGINS allow-list naming it). The GPU check machine has CUDA but neither, so there
+    the check skips naming what is missing, rather than failing at the engine's start."""
+    from mcore_rl.rollout.vllm_plugin import plugin_missing
+
+    lacking = [what for what, there in (
+        ("a CUDA device", cuda_available()),
+        ("vLLM (not importable)", importable("vllm"))) if not there]
+    plugin = plugin_missing()
+    if plugin is not None:
+        lacking.append(plugin.problem)
+    return [pytest.mark.gpu,
+            pytest.mark.skipif(bool(lacking), reason=f"needs {'; '.join(lacking)}; its CPU twin "
+                                                     f"{twin} runs the same path")]
+
+
 def device_params(twin: str) -> list:
     """`@pytest.mark.parametrize("device", device_params("<file>::<test>[cpu]"))`."""
     return [pytest.param("cpu", id="cpu"), pytest.param("cuda", id="cuda", marks=gpu_marks(twin))]

@@ -19,6 +19,7 @@ from mcore_rl.models.presets import get_preset
 from mcore_rl.rollout import RolloutConfig, RolloutEngine, SamplingConfig
 from mcore_rl.rollout.partial import PartialBatch, advance
 
+from gpu_twins import vllm_gpu_marks
 from .helpers import MAX_MODEL_LEN, hf_state, prompts
 from tests.support.moe_routing import hf_routing
 
@@ -121,19 +122,17 @@ def test_rows_vllm_did_not_return_are_named(engine, moe_dir):
         engine.generate([list(range(5, 13))], SamplingConfig(max_tokens=4, seed=1))
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(),
-                    reason="needs a CUDA device; its CPU twin tests/rollout/test_engine_routing.py"
-                           "::test_partial_rollout_rows_are_each_forwarding_versions runs the "
-                           "same path with HF's rows in vLLM's outputs")
-def test_gpu_engine_returns_the_experts_hf_routes_to(moe_dir):
+@pytest.mark.parametrize("device", [pytest.param("cuda", id="cuda", marks=vllm_gpu_marks(
+    "tests/rollout/test_engine_routing.py::test_partial_rollout_rows_are_each_forwarding_"
+    "versions (HF's rows in vLLM's outputs)"))])
+def test_gpu_engine_returns_the_experts_hf_routes_to(moe_dir, device):
     """vLLM's own capture (V2 model runner, fp32): each completion's rows are the experts HF
     routes its positions to, up to near-ties that GPU numerics may break the other way."""
     from mcore_rl.models.hf_reference import load_hf_model
 
     engine = RolloutEngine(moe_dir, RolloutConfig(max_model_len=MAX_MODEL_LEN,
                                                   gpu_memory_utilization=0.2),
-                           call_timeout_s=600.0, device="cuda", routed_experts=True)
+                           call_timeout_s=600.0, device=device, routed_experts=True)
     try:
         batch = prompts(3, 8, seed=5)
         outs = engine.generate(batch, SamplingConfig(max_tokens=6, n=2, seed=3))
