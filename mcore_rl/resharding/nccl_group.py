@@ -7,7 +7,10 @@ trainers and the surviving engines with it instead of being restarted — and it
 2-rank communicator per (sender, receiver) pair on first use. Here each rank joins a few
 communicators up front, a round's sends and receives go out between `ncclGroupStart` and
 `ncclGroupEnd` on the group's own stream, and a deadline that passes raises `SyncError`
-(the caller tears the group down and `shutdown` aborts the communicators).
+(the caller tears the group down and `shutdown` aborts the communicators). Without the
+watchdog, nobody else polls NCCL's asynchronous errors: a round's wait does
+(`ncclCommGetAsyncError`, every 10 ms), so a peer NCCL sees die fails the sync at once,
+naming it, instead of at the deadline (600–1200 s in the GPU configs).
 
 Communicators (`communicators`): one over the whole sync world when no device holds two sync
 ranks (engines on their own devices). Colocated engines share each device with an actor rank
@@ -34,6 +37,11 @@ from mcore_rl.resharding.sync_group import SyncGroupSpec
 
 # polling a round's completion event: short enough to add little to a round
 _POLL_S = 0.0002
+# polling the communicators' asynchronous errors while a round is in flight
+_ERROR_POLL_S = 0.01
+# NCCL's ncclResult_t (nccl.h): 0 is success and 7 (ncclInProgress) an op still running
+_NCCL_RESULTS = {1: "ncclUnhandledCudaError", 2: "ncclSystemError", 3: "ncclInternalError",
+                 4: "ncclInvalidArgument", 5: "ncclInvalidUsage", 6: "ncclRemoteError"}
 
 
 def communicators(spec: SyncGroupSpec) -> list[tuple[int, ...]]:
@@ -59,7 +67,10 @@ def communicators(spec: SyncGroupSpec) -> list[tuple[int, ...]]:
 
 @dataclass
 class RoundWork:
-    """The completion of one launched round, for every op posted in it (`wait_work`'s API)."""
+    """The completion of one launched round, for every op posted in it (`wait_work`'s API).
+    While it waits it also polls the communicators' asynchronous errors
+    (`NcclP2PGroup.async_error`): a peer that died or a network fault fails the wait as soon
+    as NCCL sees it, not at the deadline — `wait_work` then names the round and the peer."""
 
     group: "NcclP2PGroup"
     round_index: int
@@ -69,8 +80,16 @@ class RoundWork:
         if event is None:
             raise RuntimeError(f"round {self.round_index} was never launched")
         deadline = None if timeout is None else time.monotonic() + timeout.total_seconds()
+        next_check = 0.0
         while not event.query():
-            if deadline is not None and time.monotonic() > deadline:
+            now = time.monotonic()
+            if now >= next_check:
+                error = self.group.async_error()
+                if error is not None:
+                    raise RuntimeError(f"NCCL transfers of round {self.round_index} failed: "
+                                       f"{error}")
+                next_check = now + _ERROR_POLL_S
+            if deadline is not None and now > deadline:
                 raise TimeoutError(f"NCCL transfers of round {self.round_index} not complete "
                                    f"after {timeout.total_seconds():.0f} s")
             time.sleep(_POLL_S)
@@ -84,14 +103,21 @@ class NcclP2PGroup:
     the plan fixes on both sides, so `tag` is unused); `launch_round` issues every queued op
     as one NCCL group per communicator on the group's stream and records the event their
     `RoundWork` waits for. `make_comm(unique_id, rank, world, device)` and `mint_id()` are
-    vLLM's (`PyNcclCommunicator.from_unique_id_bytes`, `NCCLLibrary.ncclGetUniqueId`)."""
+    vLLM's (`PyNcclCommunicator.from_unique_id_bytes`, `NCCLLibrary.ncclGetUniqueId`);
+    `error_reader(comm)` returns a function that reads the communicator's asynchronous error,
+    an `ncclResult_t` (NCCL's `ncclCommGetAsyncError`, which vLLM's wrapper does not bind:
+    `_nccl_error_reader`)."""
 
     def __init__(self, spec: SyncGroupSpec, rank: int, store, device: torch.device, *,
                  make_comm: Callable | None = None,
-                 mint_id: Callable[[], bytes] | None = None):
+                 mint_id: Callable[[], bytes] | None = None,
+                 error_reader: Callable[[object], Callable[[], int]] | None = None):
         self.rank, self.device = rank, torch.device(device)
         make_comm, mint_id = make_comm or _pynccl_comm, mint_id or _new_unique_id
+        self._error_reader = error_reader or _nccl_error_reader
+        self._errors: list[Callable[[], int]] | None = None  # one reader per communicator
         self.comms: list = []
+        self.members: list[tuple[int, ...]] = []  # each communicator's sync ranks
         self.peer: dict[int, tuple[int, int]] = {}  # sync rank → (communicator, its rank)
         for c, members in enumerate(communicators(spec)):
             if rank not in members:
@@ -108,6 +134,7 @@ class NcclP2PGroup:
                 if member != rank:
                     self.peer.setdefault(member, (len(self.comms), i))
             self.comms.append(comm)
+            self.members.append(tuple(members))
         self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self.events: dict[int, object] = {}
         self._queued: list[tuple[str, torch.Tensor, int, int]] = []  # op, tensor, comm, peer
@@ -156,9 +183,22 @@ class NcclP2PGroup:
         self.events.pop(self._round - 4, None)
         self._round += 1
 
+    def async_error(self) -> str | None:
+        """The first asynchronous error NCCL reports on one of this rank's communicators
+        (a dead peer, a network fault, a failed kernel), naming the communicator's sync
+        ranks; None while all is well."""
+        if self._errors is None:
+            self._errors = [self._error_reader(comm) for comm in self.comms]
+        for read, members in zip(self._errors, self.members):
+            code = read()
+            if code not in (0, 7):  # ncclSuccess, ncclInProgress
+                return (f"{_NCCL_RESULTS.get(code, f'ncclResult {code}')} on the communicator "
+                        f"of sync ranks {list(members)} (a member died or its link failed)")
+        return None
+
     def shutdown(self) -> None:
         """Abort every communicator (vLLM's `destroy`: ncclCommAbort, bounded)."""
-        comms, self.comms = self.comms, []
+        comms, self.comms, self.members, self._errors = self.comms, [], [], None
         for comm in comms:
             comm.destroy()
 
@@ -167,6 +207,23 @@ def _pynccl_comm(unique_id: bytes, rank: int, world: int, device: torch.device):
     from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
 
     return PyNcclCommunicator.from_unique_id_bytes(unique_id, rank, world, device)
+
+
+def _nccl_error_reader(comm) -> Callable[[], int]:
+    """A function returning `ncclCommGetAsyncError(comm, &result)` of a vLLM
+    `PyNcclCommunicator` (an error of the call itself is returned as the result). The library
+    vLLM loaded (`comm.nccl.lib`) exports it, but vLLM 0.32's `NCCLLibrary` does not bind it:
+    a ctypes prototype of our own calls it, changing nothing of vLLM's."""
+    import ctypes
+
+    prototype = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.POINTER(ctypes.c_int))
+    call, handle = prototype(("ncclCommGetAsyncError", comm.nccl.lib)), comm.comm
+
+    def read() -> int:
+        result = ctypes.c_int(0)
+        return call(handle, ctypes.byref(result)) or result.value
+
+    return read
 
 
 def _new_unique_id() -> bytes:

@@ -5,12 +5,14 @@ watchdog, one grouped launch per round. NCCL itself needs GPUs; here:
 - how a rank joins them (the unique id's raw bytes through the store; who mints it), with
   vLLM's communicator constructor stood in by a recorder;
 - the launch protocol on real gloo ranks: ops queue until the round is launched, and P2PCopy
-  launches each round after posting it and before waiting for it — a full sync, bit-exact."""
+  launches each round after posting it and before waiting for it — a full sync, bit-exact;
+- a round's wait polls NCCL's asynchronous errors (the error code stood in for)."""
 
 from __future__ import annotations
 
 import os
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -24,8 +26,8 @@ from mcore_rl.models.presets import get_preset
 from mcore_rl.parallel import ParallelConfig
 from mcore_rl.planning.resolve import resolve_run
 from mcore_rl.resharding import SyncGroupSpec, build_plan, join_sync_group, sync_group_spec
-from mcore_rl.resharding.copy_service import P2PCopy
-from mcore_rl.resharding.nccl_group import NcclP2PGroup, communicators
+from mcore_rl.resharding.copy_service import P2PCopy, SyncError, wait_work
+from mcore_rl.resharding.nccl_group import NcclP2PGroup, RoundWork, communicators
 from mcore_rl.resharding.transport import receive_shards, send_shards
 from mcore_rl.run.config import RLConfig
 
@@ -109,6 +111,36 @@ def test_ranks_join_their_communicators_through_raw_store_bytes():
     with pytest.raises(RuntimeError, match="PyNccl is disabled here"):
         NcclP2PGroup(spec, 0, dist.HashStore(), torch.device("cpu"),
                      make_comm=lambda *a: _RecordedComm(*a, disabled=True), mint_id=mint)
+
+
+class _NeverDone:
+    """A launched round's CUDA event that never completes (its peer is gone)."""
+
+    def query(self):
+        return False
+
+
+def test_a_failed_nccl_peer_fails_the_round_at_once_naming_it():
+    """N16: without torch's watchdog nobody else polls NCCL's asynchronous errors, so a
+    round's wait does: when NCCL reports one (a peer died, its link failed) the wait fails
+    within a poll, naming the round, the peer and the communicator — not at the deadline.
+    (NCCL is stood in for: its error code is what `ncclCommGetAsyncError` would return.)"""
+    spec = SyncGroupSpec("127.0.0.1", 1, "p/", 3, backend="nccl", actor_ranks=1)
+    store = dist.HashStore()
+    store.set("nccl/0", b"\x01" * 128)  # minted by sync rank 0
+    code = [0]
+    group = NcclP2PGroup(spec, 2, store, torch.device("cpu"), make_comm=_RecordedComm,
+                         error_reader=lambda comm: lambda: code[0])
+    group.events[0] = _NeverDone()
+    assert group.async_error() is None
+    threading.Timer(0.3, lambda: code.__setitem__(0, 6)).start()  # ncclRemoteError
+    start = time.monotonic()
+    with pytest.raises(SyncError, match=r"^weight sync failed at round 0: receive from training "
+                                        r"rank 0 \(tp0\) after 0\.\d s: NCCL transfers of "
+                                        r"round 0 failed: ncclRemoteError on the communicator "
+                                        r"of sync ranks \[0, 1, 2\]"):
+        wait_work(RoundWork(group, 0), "round 0: receive from training rank 0 (tp0)", 600.0)
+    assert time.monotonic() - start < 5.0  # the deadline was 600 s
 
 
 class QueuedGloo:
