@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Collection
 
-from mcore_rl.layouts.layout import box_slices
+from mcore_rl.layouts.layout import Box, box_slices
 from mcore_rl.resharding.planner import Plan
 
 # one transfer of a message: (this rank's tensor key, the slices of it, elements)
@@ -24,22 +24,25 @@ Item = tuple[str, tuple[slice, ...], int]
 class RankSchedule:
     """rounds[k]: [(peer, [Item, ...])] in plan order. Receive side only: `shapes` (what this
     rank assembles) and `covered` (elements it receives per key; fewer than the shape holds
-    means padding that must stay zero)."""
+    means padding that must stay zero). Send side only: `targets`, shaped as `rounds`, the
+    (destination key, destination box) of each item — what the sent digests describe."""
 
     sync_rank: int
     sending: bool
     rounds: tuple[tuple[tuple[int, tuple[Item, ...]], ...], ...]
     shapes: dict[str, tuple[int, ...]]
     covered: dict[str, int]
+    targets: tuple[tuple[tuple[tuple[str, Box], ...], ...], ...] = ()
 
 
 def compile_schedule(plan: Plan, sync_rank: int, *, sending: bool,
                      peers: Collection[int] | None = None) -> RankSchedule:
     """This rank's rows of `plan` (only messages with `peers`, if given)."""
-    rounds = []
+    rounds, targets = [], []
     covered: dict[str, int] = {}
     for rnd in plan.rounds:
         messages: dict[int, list[Item]] = {}
+        dests: dict[int, list[tuple[str, Box]]] = {}
         for t in rnd:
             mine = t.src_rank if sending else t.dst_rank
             peer = t.dst_rank if sending else t.src_rank
@@ -47,11 +50,15 @@ def compile_schedule(plan: Plan, sync_rank: int, *, sending: bool,
                 continue
             key, box = (t.src_key, t.src_box) if sending else (t.dst_key, t.dst_box)
             messages.setdefault(peer, []).append((key, box_slices(box), t.numel))
-            if not sending:
+            if sending:
+                dests.setdefault(peer, []).append((t.dst_key, t.dst_box))
+            else:
                 covered[key] = covered.get(key, 0) + t.numel
         rounds.append(tuple((peer, tuple(items)) for peer, items in messages.items()))
+        targets.append(tuple(tuple(dests[peer]) for peer in messages) if sending else ())
     shapes = {} if sending else dict(plan.dst_shapes.get(sync_rank, {}))
-    return RankSchedule(sync_rank, sending, tuple(rounds), shapes, covered)
+    return RankSchedule(sync_rank, sending, tuple(rounds), shapes, covered,
+                        tuple(targets) if sending else ())
 
 
 class ScheduleCache:
