@@ -20,6 +20,10 @@ engine is colocated on one node (`SyncGroupSpec.all_ipc`) no bytes use the bulk 
 is built as gloo whatever the backend: NCCL would refuse the colocated ranks (two ranks of a
 group on one device) in a collective. On more nodes the bulk group carries the cross-node
 pairs, whose point-to-point communicators never hold two ranks of one device.
+
+Every sync is verified: `send` digests what it sends, `receive` what its caller installed, and
+both end with one all-reduce of the digests on `control` that fails the sync on every rank,
+naming the tensor and the ranks, when they differ (digest.py).
 """
 
 from __future__ import annotations
@@ -30,7 +34,8 @@ from typing import Iterator, Mapping
 import torch
 import torch.distributed as dist
 
-from mcore_rl.resharding.copy_service import CopyService, P2PCopy
+from mcore_rl.resharding.copy_service import CopyService, P2PCopy, SyncError
+from mcore_rl.resharding.digest import DigestLedger, DigestTally
 from mcore_rl.resharding.host_memory import ReceivePool
 from mcore_rl.resharding.ipc_copy import IpcCopy
 from mcore_rl.resharding.planner import Plan
@@ -71,6 +76,9 @@ class SyncChannels:
     _receive_pool: ReceivePool = field(default_factory=ReceivePool)
     # fingerprints of the plans every rank of this group has verified (`verify`)
     _verified: set[bytes] = field(default_factory=set)
+    # each synced plan's digest slots (digest.py), by fingerprint; the receive in flight's tally
+    _ledgers: dict[bytes, DigestLedger] = field(default_factory=dict)
+    _receiving: DigestTally | None = None
 
     @classmethod
     def join(cls, spec: SyncGroupSpec, rank: int, device: str | torch.device = "cpu",
@@ -98,16 +106,29 @@ class SyncChannels:
                 raise ValueError(f"transport {transport!r}: expected 'p2p' or 'ipc'")
         return self._services[transport]
 
-    def verify(self, plan: Plan) -> None:
+    def verify(self, plan: Plan, problem: str | None = None) -> None:
         """Compare plan fingerprints with every rank (all ranks call it), once per plan and
         group: a plan every rank of this group has already agreed on is not compared again
         (each rank records it only after the exchange succeeded everywhere — a mismatch
-        raises on every rank, and a failed sync tears the group down)."""
+        raises on every rank, and a failed sync tears the group down).
+        problem: why this rank cannot take the plan (its parameters do not match): it still
+        takes part, so that every rank fails at once naming it (`verify_plan`)."""
         fingerprint = plan.fingerprint()
         if fingerprint in self._verified:
+            if problem is not None:  # the group agreed on it before: shapes cannot have changed
+                raise SyncError(f"{plan.label(self.rank)}: {problem}")
             return
-        verify_plan(plan, self.control, self.rank, device="cpu")  # gloo, whatever the bulk
+        verify_plan(plan, self.control, self.rank, device="cpu",  # gloo, whatever the bulk
+                    problem=problem)
         self._verified.add(fingerprint)
+
+    def _ledger(self, plan: Plan) -> DigestLedger:
+        fingerprint = plan.fingerprint()
+        if fingerprint not in self._ledgers:
+            if len(self._ledgers) >= 4:  # a run has one plan (two with LoRA adapter syncs)
+                self._ledgers.pop(next(iter(self._ledgers)))
+            self._ledgers[fingerprint] = DigestLedger(plan)
+        return self._ledgers[fingerprint]
 
     def send(self, plan: Plan, tensors: Mapping[str, torch.Tensor], *, dtype: torch.dtype,
              timeout_s: float) -> dict:
@@ -121,27 +142,30 @@ class SyncChannels:
         used = sorted(t for t, peers in by_transport.items()
                       if any(self._schedules.get(plan, self.rank, sending=True,
                                                  peers=peers).rounds))
+        digests = self._ledger(plan).tally(self.device, sending=True)
         if len(used) > 1:  # both kinds of peers: one round-ordered pass through both
             route = {dst: t for t, peers in by_transport.items() for dst in peers}
             schedule = self._schedules.get(plan, self.rank, sending=True)
             copy = self._routed(used, route)
             stats = self._guarded_all(used, lambda: send_shards(
                 plan, self.bulk, self.rank, tensors, dtype=dtype, timeout_s=timeout_s,
-                copy=copy, schedule=schedule))
-            return {**stats.as_dict(),
-                    **{f"bytes_sent_{t}": copy.sub_stats[t].bytes_sent for t in used}}
-        total, out = SyncStats(), {}
-        for transport in sorted(by_transport):  # one kind of peer per round-ordered pass
-            peers = by_transport[transport]
-            schedule = self._schedules.get(plan, self.rank, sending=True, peers=peers)
-            stats = self._guarded(transport, lambda copy: send_shards(
-                plan, self.bulk, self.rank, tensors, dtype=dtype, timeout_s=timeout_s,
-                copy=copy, peers=peers, schedule=schedule))
-            out[f"bytes_sent_{transport}"] = stats.bytes_sent
-            for name in ("bytes_sent", "messages", "zero_copy_messages", "seconds",
-                         "peak_extra_bytes"):  # staging of two services may coexist: a sum
-                setattr(total, name, getattr(total, name) + getattr(stats, name))
-        return {**total.as_dict(), **out}
+                copy=copy, schedule=schedule, digests=digests))
+            out = {f"bytes_sent_{t}": copy.sub_stats[t].bytes_sent for t in used}
+        else:
+            stats, out = SyncStats(), {}
+            for transport in sorted(by_transport):  # one kind of peer per round-ordered pass
+                peers = by_transport[transport]
+                schedule = self._schedules.get(plan, self.rank, sending=True, peers=peers)
+                part = self._guarded(transport, lambda copy: send_shards(
+                    plan, self.bulk, self.rank, tensors, dtype=dtype, timeout_s=timeout_s,
+                    copy=copy, peers=peers, schedule=schedule, digests=digests))
+                out[f"bytes_sent_{transport}"] = part.bytes_sent
+                for name in ("bytes_sent", "messages", "zero_copy_messages", "seconds",
+                             "peak_extra_bytes"):  # staging of two services may coexist: a sum
+                    setattr(stats, name, getattr(stats, name) + getattr(part, name))
+        digests.compare(self.control, self.rank)  # after every receiver installed its shards
+        stats.digest_seconds = digests.seconds
+        return {**stats.as_dict(), **out}
 
     def receive(self, plan: Plan, transport: str | None = None, *, dtype: torch.dtype,
                 timeout_s: float, stats: SyncStats | None = None
@@ -152,7 +176,14 @@ class SyncChannels:
         spec's; None: the spec's).
         Host shards are assembled in the memory the previous receive used
         (`host_memory.ReceivePool`): what this yields is valid until the next `receive` —
-        copy what you keep (the vLLM installer copies into the engine's parameters)."""
+        copy what you keep (the vLLM installer copies into the engine's parameters).
+
+        Verified, always (digest.py): once the caller is done with a tensor (it asks for the
+        next), its digest is taken — of what the caller reported installing (`installed`),
+        else of the tensor itself — and after the last one every rank of the group compares
+        what the senders sent with what was installed; a mismatch raises SyncError naming
+        the tensor and the ranks. A caller that fails between two tensors reports it
+        (`fail`), so that no rank waits for it."""
         engine = self.spec.engine_transport(plan, self.rank)
         if transport is not None and transport != engine:
             raise ValueError(f"sync rank {self.rank}: receive by {transport!r}, but its engine's "
@@ -165,15 +196,41 @@ class SyncChannels:
             copy, drop = self._routed(used, route), used
         else:
             copy, drop = self.service(used[0] if used else engine), used or [engine]
+        digests = self._ledger(plan).tally(self.device, sending=False)
+        self._receiving = digests
         try:
-            yield from receive_shards(
-                plan, self.bulk, self.rank, dtype=dtype, timeout_s=timeout_s, stats=stats,
-                device=self.device, copy=copy, schedule=schedule, pool=self._receive_pool)
+            for key, tensor in receive_shards(
+                    plan, self.bulk, self.rank, dtype=dtype, timeout_s=timeout_s, stats=stats,
+                    device=self.device, copy=copy, schedule=schedule, pool=self._receive_pool):
+                yield key, tensor
+                if not digests.installed(key):  # the caller kept it as it is
+                    digests.add_installed(self.rank, key, tensor)
         except BaseException:
             for name in drop:
                 self._drop(name)
             self._receive_pool.clear()  # a half-received sync: start over on fresh memory
             raise
+        finally:
+            if self._receiving is digests:
+                self._receiving = None
+        digests.compare(self.control, self.rank)
+        if stats is not None:
+            stats.digest_seconds = digests.seconds
+
+    def installed(self, key: str, tensor: torch.Tensor) -> None:
+        """During `receive`: `key` now lives in `tensor` (the engine's parameter it was copied
+        into, in the per-rank layout the plan describes): its digest is taken from there."""
+        if self._receiving is None:
+            raise RuntimeError(f"sync rank {self.rank}: installed({key!r}) outside a receive")
+        self._receiving.add_installed(self.rank, key, tensor)
+
+    def fail(self, plan: Plan, reason: str) -> None:
+        """This inference rank could not finish receiving `plan` (after the transport
+        delivered, e.g. an install error): it still takes part in the sync's digest
+        comparison, saying so, so that every rank fails now, naming it, instead of waiting
+        for it until the deadline. Raises SyncError."""
+        self._ledger(plan).tally(self.device, sending=False).compare(
+            self.control, self.rank, failed=reason)
 
     def transports_used(self, plan: Plan) -> list[str]:
         """The transports this inference rank receives by in `plan` (sorted)."""

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from mcore_rl.resharding.copy_service import CopyService, P2PCopy, SyncError, wait_work
+from mcore_rl.resharding.digest import DigestTally
 from mcore_rl.resharding.host_memory import ReceivePool, empty_host
 from mcore_rl.resharding.planner import Plan
 from mcore_rl.resharding.schedule import RankSchedule, compile_schedule
@@ -41,6 +42,7 @@ class SyncStats:
     messages: int = 0
     zero_copy_messages: int = 0
     seconds: float = 0.0
+    digest_seconds: float = 0.0  # digesting what moved and comparing (`digest.py`)
     _live: int = field(default=0, repr=False)
 
     def hold(self, nbytes: int) -> None:
@@ -54,26 +56,48 @@ class SyncStats:
         return {k: v for k, v in self.__dict__.items() if not k.startswith("_")}
 
 
+# one rank's record in the plan check: the plan's sha256, a refusal flag and its reason (utf-8)
+_RECORD_BYTES = 512
+
+
 def verify_plan(plan: Plan, group: dist.ProcessGroup, sync_rank: int, *,
-                device: str | torch.device = "cpu") -> None:
+                device: str | torch.device = "cpu", problem: str | None = None) -> None:
     """All ranks compare plan fingerprints before any byte moves; a mismatch (ranks built from
     different configs) is named instead of corrupting weights. device: where `group` carries
-    tensors ("cpu" for gloo, this rank's CUDA device for NCCL)."""
-    mine = torch.frombuffer(bytearray(plan.fingerprint()), dtype=torch.uint8).to(device)
+    tensors ("cpu" for gloo, this rank's CUDA device for NCCL).
+
+    problem: why this rank cannot take the plan (an inference rank whose parameters do not
+    match it), carried in the same exchange: every rank then fails at once naming that rank
+    and its reason, instead of the others waiting in the exchange for the group's deadline."""
+    fingerprint = plan.fingerprint()
+    record = bytearray(_RECORD_BYTES)
+    record[:len(fingerprint)] = fingerprint
+    if problem is not None:
+        reason = problem.encode()[:_RECORD_BYTES - len(fingerprint) - 1]
+        record[len(fingerprint)] = 1
+        record[len(fingerprint) + 1:len(fingerprint) + 1 + len(reason)] = reason
+    mine = torch.frombuffer(record, dtype=torch.uint8).to(device)
     gathered = [[torch.empty_like(mine) for _ in range(plan.world_size)]]
     wait_work(group.allgather(gathered, [mine]), "fingerprint exchange", None)
-    differing = [r for r, fp in enumerate(gathered[0]) if not torch.equal(fp, mine)]
+    records = [r.cpu().numpy().tobytes() for r in gathered[0]]
+    differing = [r for r, rec in enumerate(records) if rec[:len(fingerprint)] != fingerprint]
+    refusing = [(r, rec[len(fingerprint) + 1:].rstrip(b"\0").decode(errors="replace"))
+                for r, rec in enumerate(records) if rec[len(fingerprint)]]
     if differing:
         raise SyncError(f"sync rank {sync_rank}: the resharding plan differs on "
                         f"{', '.join(plan.label(r) for r in differing)} — the ranks were "
                         "given different model/parallel/bucket settings")
+    if refusing:
+        raise SyncError(f"sync rank {sync_rank}: the plan does not fit "
+                        + "; ".join(f"{plan.label(r)}: {why}" for r, why in refusing))
 
 
 def send_shards(plan: Plan, group: dist.ProcessGroup, sync_rank: int,
                 tensors: Mapping[str, torch.Tensor], *, dtype: torch.dtype,
                 timeout_s: float = 120.0, copy: CopyService | None = None,
                 peers: Collection[int] | None = None,
-                schedule: RankSchedule | None = None) -> SyncStats:
+                schedule: RankSchedule | None = None,
+                digests: DigestTally | None = None) -> SyncStats:
     """Send this training rank's share of the plan from its local `tensors` (keyed as in the
     source shard map). Returns what was moved.
 
@@ -81,7 +105,9 @@ def send_shards(plan: Plan, group: dist.ProcessGroup, sync_rank: int,
     tensors' device: gloo for CPU, NCCL for CUDA). peers: only the messages to these
     destination sync ranks (a rank that serves some engines by IPC and others by p2p calls
     once per copy service). schedule: this rank's compiled share of the plan for these
-    peers (`schedule.compile_schedule`; compiled here when not given)."""
+    peers (`schedule.compile_schedule`; compiled here when not given). digests: where the
+    digest of every sent piece goes (`digest.py`), computed on the tensors' device while the
+    round is on the wire."""
     _check_dtype(plan, dtype)
     copy = copy if copy is not None else P2PCopy(group)
     schedule = schedule or compile_schedule(plan, sync_rank, sending=True, peers=peers)
@@ -92,8 +118,13 @@ def send_shards(plan: Plan, group: dist.ProcessGroup, sync_rank: int,
     window, rounds = copy.window, schedule.rounds
     try:
         for k, msgs in enumerate(rounds):  # round k posted before round k - window + 1 waits
-            copy.post_send(k, [(dst, [tensors[key][slices] for key, slices, _ in items])
-                               for dst, items in msgs])
+            views = [(dst, [tensors[key][slices] for key, slices, _ in items])
+                     for dst, items in msgs]
+            copy.post_send(k, views)
+            if digests is not None:
+                for (dst, sent), targets in zip(views, schedule.targets[k]):
+                    for view, (key, box) in zip(sent, targets):
+                        digests.add_region(dst, key, view, box, dtype=dtype)
             if k >= window - 1:
                 copy.wait_send(k - window + 1)
         for k in range(max(0, len(rounds) - window + 1), len(rounds)):

@@ -24,8 +24,12 @@ def _plan(bucket_kib: int):
 
 
 def verify_sequence(rank, world_size):
-    """Each rank verifies: plan A twice, then a plan that differs on rank 1, then plan D.
-    Returns the fingerprint exchanges each call made and the errors raised."""
+    """Each rank verifies: plan A twice, then a plan that differs on rank 1, then plan D, then
+    plan E that the inference rank (sync rank 2) refuses (its parameters do not match).
+    Returns the fingerprint exchanges each call made, the errors raised and how long the
+    refused check took."""
+    import time
+
     import mcore_rl.resharding.channels as channels_module
     from mcore_rl.resharding.channels import SyncChannels
 
@@ -42,14 +46,16 @@ def verify_sequence(rank, world_size):
     channels = SyncChannels.join(spec, rank)
     out = {"exchanges": [], "errors": []}
     differing = _plan(16) if rank == 1 else _plan(32)
+    refusal = "model.norm.weight: plan (64,) vs vLLM (128,)" if rank == 2 else None
     try:
-        for plan in (_plan(64), _plan(64), differing, _plan(128)):
-            before = len(exchanges)
+        for plan in (_plan(64), _plan(64), differing, _plan(128), _plan(256)):
+            before, start = len(exchanges), time.monotonic()
             try:
-                channels.verify(plan)
+                channels.verify(plan, refusal if plan.bucket_bytes == 256 << 10 else None)
             except SyncError as err:
                 out["errors"].append(str(err))
             out["exchanges"].append(len(exchanges) - before)
+            out["seconds"] = time.monotonic() - start
     finally:
         channels.close()
     return out
@@ -60,9 +66,9 @@ def test_a_plan_is_compared_once_per_group_and_a_differing_rank_is_named():
     assert _plan(64).world_size == 3
     outs = run_on_ranks(verify_sequence, 3, init_default_group=False)
     for rank, out in enumerate(outs):
-        # A compared, A again not (agreed on), the differing plans compared, D compared
-        assert out["exchanges"] == [1, 0, 1, 1], (rank, out)
-        assert len(out["errors"]) == 1, (rank, out)
+        # A compared, A again not (agreed on), the differing plans compared, D compared, E
+        assert out["exchanges"] == [1, 0, 1, 1, 1], (rank, out)
+        assert len(out["errors"]) == 2, (rank, out)
         # each rank names the ranks whose plan differs from its own
         named = out["errors"][0]
         assert f"sync rank {rank}: the resharding plan differs on" in named
@@ -70,6 +76,12 @@ def test_a_plan_is_compared_once_per_group_and_a_differing_rank_is_named():
             assert "training rank 0" in named and "inference rank 0" in named
         else:
             assert "training rank 1" in named and "inference rank" not in named
+        # N6: the rank whose parameters do not fit E still joins the check, so every rank
+        # fails at once naming it and the tensor — not at the group's 30 s deadline
+        assert out["errors"][1] == (f"sync rank {rank}: the plan does not fit inference rank "
+                                    "0 (engine0 tp0): model.norm.weight: plan (64,) vs vLLM "
+                                    "(128,)"), out
+        assert out["seconds"] < 10, out
 
 
 def test_fingerprints_travel_on_the_gloo_control_group_beside_nccl(monkeypatch):
@@ -89,4 +101,4 @@ def test_fingerprints_travel_on_the_gloo_control_group_beside_nccl(monkeypatch):
                         lambda plan, group, rank, **kw: seen.append((group, kw)))
     bulk, control = object(), object()  # stand for the NCCL group and its gloo companion
     SyncChannels(p2p_only, 0, torch.device("cpu"), bulk, control).verify(_plan(64))
-    assert seen == [(control, {"device": "cpu"})]
+    assert seen == [(control, {"device": "cpu", "problem": None})]
