@@ -143,10 +143,27 @@ class EngineSync:
                                         lambda: self._update(update))
 
     def _update(self, update_info: dict[str, Any]) -> None:
-        """One weight update through vLLM's API (every worker's backend never raises)."""
+        """One weight update through vLLM's API (every worker's backend never raises). When
+        `update_weights` raises all the same (a request vLLM cannot send to its workers, an
+        executor that failed), the workers' update sessions are ended before the error goes
+        on: vLLM would otherwise keep each worker's update flag set, and refuse the next
+        `start_weight_update` and `shutdown_weight_transfer_engine`."""
         self.llm.start_weight_update()
-        self.llm.update_weights({"update_info": update_info})
+        try:
+            self.llm.update_weights({"update_info": update_info})
+        except BaseException:
+            self._end_update_sessions()
+            raise
         self.llm.finish_weight_update()
+
+    def _end_update_sessions(self) -> None:
+        """End the update session of every worker that still has one (`end_weight_update`:
+        a worker whose own update raised has ended it already — vLLM's finish would raise
+        there, and a raising worker leaves its peers' replies queued)."""
+        try:
+            self.llm.collective_rpc("end_weight_update", timeout=self.call_timeout_s)
+        except Exception:  # noqa: BLE001 — an executor that failed cannot be cleaned up
+            pass
 
     def finish_sync(self, timeout_s: float | None = None) -> SyncReport:
         """Wait for `begin_sync`'s update; check that each rank installed exactly the plan's

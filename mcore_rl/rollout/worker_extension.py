@@ -59,6 +59,18 @@ class WorkerExtension:
         return dict(outcomes[call])  # its "ok" replaces never_raise's
 
     @never_raise
+    def end_weight_update(self) -> dict:
+        """End this worker's weight-update session if one is still open (vLLM's
+        `finish_weight_update`, which raises when none is): after an `update_weights` that
+        raised before reaching the workers, vLLM keeps the session open and refuses the next
+        `start_weight_update`. vLLM 0.32 keeps that state in `Worker._weight_update_active`
+        (gpu_worker.py, inherited by the CPU worker)."""
+        active = bool(getattr(self, "_weight_update_active", False))
+        if active:
+            self.finish_weight_update()
+        return {"ended": active}
+
+    @never_raise
     def install_policy_adapter(self) -> dict:
         """Install the LoRA adapter the weight-transfer engine last received as the engine's
         adapter (again after a base update: vLLM's finish_weight_update drops adapters)."""

@@ -7,12 +7,13 @@ can be re-formed."""
 from __future__ import annotations
 
 import time
+from dataclasses import fields
 
 import pytest
 
 from mcore_rl.layouts import hf_shards, vllm_shards
 from mcore_rl.models.hf_reference import greedy_generate
-from mcore_rl.resharding import build_plan
+from mcore_rl.resharding import Plan, build_plan
 from mcore_rl.rollout import RolloutConfig, RolloutEngine, RolloutError, SamplingConfig
 
 from .helpers import MAX_MODEL_LEN, SPEC, Trainer, hf_model_with, hf_state, perturbed, prompts
@@ -75,6 +76,14 @@ def test_tp2_sync_gives_each_rank_only_its_shard(engine, micro_dir):
     trainer.disconnect(engine)
 
 
+class _Unsendable(Plan):
+    """A plan vLLM's multiprocess executor cannot pickle to its workers: `update_weights`
+    raises in the caller, before any worker sees it."""
+
+    def __reduce_ex__(self, protocol):
+        raise TypeError("this plan cannot be pickled")
+
+
 def test_failures_are_named_and_the_group_can_be_re_formed(engine, micro_dir):
     ps = prompts(2, 12, seed=6)
     w1 = perturbed(hf_state(micro_dir), seed=4)
@@ -101,6 +110,14 @@ def test_failures_are_named_and_the_group_can_be_re_formed(engine, micro_dir):
     # Tear the group down, form a new one (new prefix), and sync for real.
     trainer.disconnect(engine)
     trainer.connect(engine)
+
+    # N7: vLLM cannot send this update to its workers (update_weights raises before any
+    # worker sees it). The engine ends the workers' update sessions, so the next one starts.
+    engine.begin_sync(_Unsendable(**{f.name: getattr(trainer.plan, f.name)
+                                     for f in fields(Plan)}))
+    with pytest.raises(RolloutError, match="weight update failed: TypeError: this plan cannot "
+                                           "be pickled"):
+        engine.finish_sync()
     trainer.sync(engine, w1)
     assert greedy_tokens(engine, ps) == hf_greedy(micro_dir, w1, ps)
     trainer.disconnect(engine)
