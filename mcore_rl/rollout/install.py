@@ -21,7 +21,7 @@ Per-rank layouts (vLLM's, what `mcore_rl.layouts.vllm_shards` describes), rank r
 
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Callable, Iterable
 
 import torch
 from torch import nn
@@ -87,20 +87,25 @@ def _quant_owners(model: nn.Module) -> dict[int, list[nn.Module]]:
 
 
 @torch.no_grad()
-def install_from_iterator(model: nn.Module,
-                          items: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
+def install_from_iterator(model: nn.Module, items: Iterable[tuple[str, torch.Tensor]], *,
+                          installed: Callable[[str, torch.Tensor], None] | None = None
+                          ) -> list[str]:
     """Install `(vllm_param_name, per_rank_tensor)` items into this rank's model, each as it
     arrives, repacking every module whose weight changed; returns the sorted names installed.
 
     Each item must be one whole per-rank parameter (shape = `rank_shapes(model)[name]`).
     Raises ValueError for an unknown name, a wrong shape or a name given twice. The caller
     resets the prefix cache afterwards (it lives in the scheduler, not in the worker).
-    """
+
+    installed(name, tensor): called once each is in, with where its values now live in the
+    per-rank layout: the parameter itself when it was copied into in place (same shape and
+    dtype), else the tensor it was installed from (a CPU-repacked linear, fused experts —
+    their parameters hold a kernel's layout — or a dtype cast)."""
     owners = _quant_owners(model)
     experts = MoEInstaller()       # fused MoE layers repack once both their tensors are in
-    installed: set[str] = set()
+    names: set[str] = set()
     for name, tensor in items:
-        if name in installed:
+        if name in names:
             raise ValueError(f"{name}: received twice")
         module, leaf = _parameter_owner(model, name)
         param = module._parameters[leaf]
@@ -110,8 +115,11 @@ def install_from_iterator(model: nn.Module,
                              f"{expected}")
         if experts.accepts(module, leaf):
             experts.add(name, module, leaf, tensor)
-            installed.add(name)
+            names.add(name)
+            if installed is not None:
+                installed(name, tensor)
             continue
+        holder = tensor
         if param.numel() == 0 and tensor.numel() > 0:  # CPU-packed: weight was replaced
             fresh = tensor.detach().to(device=param.device, dtype=param.dtype, copy=True)
             setattr(module, leaf, nn.Parameter(fresh, requires_grad=False))
@@ -119,13 +127,17 @@ def install_from_iterator(model: nn.Module,
         else:
             param.copy_(tensor)
             repack = owners.get(id(param), [])
+            if param.shape == tensor.shape and param.dtype == tensor.dtype:
+                holder = param
         if leaf == "weight":  # biases are read at call time; weights are packed copies
             for owner in repack:
                 owner.quant_method.process_weights_after_loading(owner)
-        installed.add(name)
-        del tensor
+        names.add(name)
+        if installed is not None:
+            installed(name, holder)
+        del tensor, holder
     experts.finish()
-    return sorted(installed)
+    return sorted(names)
 
 
 def worker_device(resolved: str, held, tp_rank: int) -> str:

@@ -26,7 +26,8 @@ from mcore_rl.rollout.lora import target_modules
 
 @dataclass
 class RankSync:
-    """What one worker did in a sync: names installed, bytes received, seconds spent."""
+    """What one worker did in a sync: names installed, bytes received, seconds spent (in all;
+    installing, digests of what it installed included; digesting and comparing digests)."""
 
     rank: int
     sync_rank: int
@@ -35,6 +36,7 @@ class RankSync:
     peak_extra_bytes: int
     seconds: float
     install_seconds: float
+    digest_seconds: float = 0.0
 
 
 @dataclass
@@ -121,12 +123,14 @@ class EngineSync:
         self._first_sync_rank = None
 
     def begin_sync(self, plan, *, dtype: torch.dtype = torch.float32, verify: bool = True,
-                   timeout_s: float | None = None, adapter: bool = False) -> None:
+                   timeout_s: float | None = None, adapter: bool = False,
+                   corrupt: tuple[int, str] | None = None) -> None:
         """Start the workers' receive-and-install of their shards in a thread and return at
         once; the trainer's sends must run while it is in flight.
         verify: workers take part in `verify_plan` (the trainer ranks must call it too).
         adapter: the plan carries the policy's LoRA adapter (whole PEFT tensors on every
-        worker), which replaces the engine's; generations apply it from then on."""
+        worker), which replaces the engine's; generations apply it from then on.
+        corrupt: fault injection for tests, `(sync rank, vLLM name)` (`ShardUpdateInfo`)."""
         self._check_idle("sync")
         if self._first_sync_rank is None:
             raise RolloutError(self.index, "sync", "begin_sync before start_join_sync_group")
@@ -134,7 +138,7 @@ class EngineSync:
         # the workers get what came (the plan, or its reference: they keep plans too)
         sent, self._sync_plan = plan, self._plans.resolve(plan)
         update = {"plan": sent, "dtype": str(dtype).removeprefix("torch."),
-                  "timeout_s": timeout, "verify": verify,
+                  "timeout_s": timeout, "verify": verify, "corrupt": corrupt,
                   "adapter": self._adapter_config(
                       self._sync_plan.expected_names(self._first_sync_rank)) if adapter else None}
         self._sync_adapter = adapter
@@ -188,7 +192,8 @@ class EngineSync:
                 raise RolloutError(self.index, "sync", _names_problem(expected, got), rank=rank)
             report.ranks.append(RankSync(
                 rank, reply["sync_rank"], reply["names"], reply["bytes_received"],
-                reply["peak_extra_bytes"], reply["seconds"], reply["install_seconds"]))
+                reply["peak_extra_bytes"], reply["seconds"], reply["install_seconds"],
+                reply["digest_seconds"]))
         self._reinstall_adapter(self._sync_adapter)
         self.reset_prefix_cache()
         report.seconds = time.perf_counter() - sync.started

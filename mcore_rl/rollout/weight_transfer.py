@@ -11,7 +11,9 @@ vLLM's worker holds: inside an engine whose CUDA_VISIBLE_DEVICES is narrowed, TP
 
   init   join the sync group (`SyncChannels`) as sync rank `first_sync_rank + worker rank`
   update receive this rank's shards of a plan (or a reference to a plan sent before) by the
-         engine's transport and install each in place as it lands (install.py); or install
+         engine's transport and install each in place as it lands (install.py), then compare
+         the digests of what was installed with what the senders sent (every sync, every
+         rank: resharding/digest.py); or install
          tensors passed in the call itself (one-rank engines in the caller's process). With
          `adapter` (a PEFT config), what arrives is the policy's LoRA adapter, whole tensors
          with PEFT names, kept as `adapter`: vLLM's finish_weight_update drops every adapter
@@ -39,6 +41,7 @@ from vllm.distributed.weight_transfer.base import (WeightTransferEngine,
                                                    WeightTransferUpdateInfo)
 
 from mcore_rl.resharding.channels import SyncChannels, engine_transport
+from mcore_rl.resharding.copy_service import SyncError
 from mcore_rl.resharding.plan_cache import PlanCache
 from mcore_rl.resharding.transport import SyncStats
 from mcore_rl.rollout.install import install_from_iterator, rank_shapes, worker_device
@@ -62,7 +65,9 @@ class ShardUpdateInfo(WeightTransferUpdateInfo):
     over the sync group; `tensors`, `(vLLM name, per-rank tensor)` pairs passed in the call.
     dtype: the wire dtype; timeout_s: the receive deadline; verify: take part in the plan
     check (every rank of the group does). adapter: the PEFT config (`EngineLoRA.peft_config`)
-    of a LoRA adapter sent instead of weights."""
+    of a LoRA adapter sent instead of weights. corrupt: fault injection for tests —
+    `(sync rank, vLLM name)`: that rank flips the lowest bit of that tensor's first byte as
+    it installs it (the digest comparison must catch it)."""
 
     plan: Any = None
     tensors: list | None = None
@@ -70,6 +75,7 @@ class ShardUpdateInfo(WeightTransferUpdateInfo):
     timeout_s: float = 120.0
     verify: bool = True
     adapter: dict | None = None
+    corrupt: tuple | None = None
 
 
 def _dtype(name: str) -> torch.dtype:
@@ -177,8 +183,9 @@ class ShardTransferEngine(WeightTransferEngine[ShardInitInfo, ShardUpdateInfo]):
     def _receive_plan(self, info: ShardUpdateInfo) -> dict[str, Any]:
         """Receive this rank's shards of the plan by its engine's transport (the sync group
         spec's: p2p sends, or the colocated trainer ranks' shared staging buffers) and install
-        each as it lands. Checks up front that the plan's tensors and shapes for this rank are
-        this model's."""
+        each as it lands; the receive ends with the digest comparison (`SyncChannels.receive`).
+        Checks that the plan's tensors and shapes for this rank are this model's — inside the
+        group's plan check, so that a rank they do not fit fails every rank at once."""
         if self.channels is None:
             raise RuntimeError("not in a sync group (init_weight_transfer_engine first)")
         channels, sync_rank = self.channels, self.sync_rank
@@ -186,40 +193,73 @@ class ShardTransferEngine(WeightTransferEngine[ShardInitInfo, ShardUpdateInfo]):
         want = plan.dst_shapes.get(sync_rank)
         if not want:
             raise ValueError(f"the plan has nothing for sync rank {sync_rank}")
-        if info.adapter is None:  # an adapter's tensors are checked as it is installed
-            _check_shapes(sync_rank, want, rank_shapes(self.model))
+        problem = None  # an adapter's tensors are checked as it is installed
+        if info.adapter is None:
+            problem = _shape_problem(want, rank_shapes(self.model))
         start = time.perf_counter()
         if info.verify:
-            channels.verify(plan)
+            channels.verify(plan, problem)
+        elif problem:
+            raise ValueError(f"sync rank {sync_rank}: {problem}")
         stats, waiting = SyncStats(), [time.perf_counter() - start]  # not installing
         transport = engine_transport(channels.spec, plan, sync_rank)
-        items = channels.receive(plan, transport, dtype=_dtype(info.dtype),
-                                 timeout_s=info.timeout_s, stats=stats)
-        names = self._install(info, _timed(items, waiting))
+        received = items = channels.receive(plan, transport, dtype=_dtype(info.dtype),
+                                            timeout_s=info.timeout_s, stats=stats)
+        if info.corrupt is not None and info.corrupt[0] == sync_rank:
+            items = _flip_first_bit(received, info.corrupt[1])
+        try:
+            names = self._install(info, _timed(items, waiting), channels.installed)
+        except SyncError:
+            raise  # the transport or the comparison failed: every rank knows already
+        except Exception as err:
+            received.close()  # its transport state is dropped now, not when it is collected
+            try:  # the bytes came but did not install: no peer waits for this rank's digests
+                channels.fail(plan, f"{type(err).__name__}: {err}")
+            except SyncError:
+                pass
+            raise
         seconds = time.perf_counter() - start
         return {"sync_rank": sync_rank, "names": names, "seconds": seconds,
                 "install_seconds": seconds - waiting[0],
+                "digest_seconds": stats.digest_seconds,
                 "bytes_received": stats.bytes_received,
                 "peak_extra_bytes": stats.peak_extra_bytes, "transport": transport,
                 "transports": channels.transports_used(plan)}
 
-    def _install(self, info: ShardUpdateInfo, items: Iterable) -> list[str]:
+    def _install(self, info: ShardUpdateInfo, items: Iterable, installed=None) -> list[str]:
         """Weights are installed each as it lands; an adapter is kept whole (copied: a
-        received tensor may be a view of transport memory the next round reuses)."""
+        received tensor may be a view of transport memory the next round reuses).
+        installed(name, tensor): told where each weight now lives (its digest is taken
+        there)."""
         if info.adapter is None:
-            return install_from_iterator(self.model, items)
+            return install_from_iterator(self.model, items, installed=installed)
         tensors = {n: t.clone() for n, t in items}
         check_adapter(self.model, tensors, int(info.adapter["r"]))
         self.adapter = ReceivedAdapter(tensors, dict(info.adapter))
         return sorted(tensors)
 
 
-def _check_shapes(sync_rank: int, want: dict, have: dict) -> None:
+def _shape_problem(want: dict, have: dict) -> str | None:
+    """Why a plan's tensors for this rank (`want`) are not this model's (`have`), or None."""
     wrong = [f"{n}: plan {tuple(s)} vs vLLM {have.get(n)}" for n, s in sorted(want.items())
              if have.get(n) != tuple(s)]
     if wrong:
-        raise ValueError(f"sync rank {sync_rank}: the plan does not match this rank's "
-                         f"parameters: {wrong[:5]}")
+        return f"the plan does not match this rank's parameters: {_some(wrong)}"
+    return None
+
+
+def _some(items: list[str], shown: int = 5) -> str:
+    return f"{items[:shown]}" + (f" and {len(items) - shown} more" if len(items) > shown
+                                 else "")
+
+
+def _flip_first_bit(items: Iterable, name: str) -> Iterator:
+    """Fault injection (`ShardUpdateInfo.corrupt`): `name`'s first byte has its lowest bit
+    flipped before it is installed."""
+    for key, tensor in items:
+        if key == name:
+            tensor.view(torch.uint8).view(-1)[:1].bitwise_xor_(1)
+        yield key, tensor
 
 
 __all__ = ["ShardInitInfo", "ShardTransferEngine", "ShardUpdateInfo"]

@@ -1,22 +1,24 @@
 """A TP=2 engine (in-process engine core, one worker process per rank through vLLM's mp
 executor) synced shard-to-shard through the worker extension and the real sync group: each
 rank receives only its own shard. Also: failures come back named and the engine stays usable
-(a worker RPC never raises, so vLLM's reply queues stay in step), and a torn-down sync group
-can be re-formed."""
+(a worker RPC never raises, so vLLM's reply queues stay in step) — a plan one rank cannot
+take fails every rank at once, an update vLLM cannot send leaves no update session open, a
+corrupted install fails the sync's digest check — and a torn-down sync group can be
+re-formed."""
 
 from __future__ import annotations
 
 import time
-from dataclasses import fields
+from dataclasses import fields, replace
 
 import pytest
+import torch
 
-from mcore_rl.layouts import hf_shards, vllm_shards
 from mcore_rl.models.hf_reference import greedy_generate
-from mcore_rl.resharding import Plan, build_plan
+from mcore_rl.resharding import Plan, SyncError
 from mcore_rl.rollout import RolloutConfig, RolloutEngine, RolloutError, SamplingConfig
 
-from .helpers import MAX_MODEL_LEN, SPEC, Trainer, hf_model_with, hf_state, perturbed, prompts
+from .helpers import MAX_MODEL_LEN, Trainer, hf_model_with, hf_state, perturbed, prompts
 
 GREEDY = SamplingConfig(temperature=0.0, max_tokens=10)
 
@@ -90,12 +92,22 @@ def test_failures_are_named_and_the_group_can_be_re_formed(engine, micro_dir):
     trainer = Trainer(tp=2, timeout_s=3.0)  # group/recv deadline: 3 s
     trainer.connect(engine)
 
-    # A plan for another model: every worker refuses before any byte moves.
-    other = SPEC.with_(ffn=128)
-    wrong = build_plan(hf_shards(other), vllm_shards(other, 2))
+    # N6: a plan whose shapes fit TP rank 0 but not TP rank 1 (sync rank 2). Rank 1 still
+    # joins the group's plan check, carrying its verdict: every rank — the trainer, the
+    # healthy rank 0 — fails at once naming rank 1 and the tensor, not at the 3 s deadline.
+    shapes = {r: dict(s) for r, s in trainer.plan.dst_shapes.items()}
+    shapes[2]["model.norm.weight"] = (64,)
+    wrong = replace(trainer.plan, dst_shapes=shapes)
+    refused = (r"the plan does not fit inference rank 1 \(engine0 tp1\): the plan does not "
+               r"match this rank's parameters: \['model.norm.weight: plan \(64,\) vs vLLM "
+               r"\(128,\)'\]")
+    start = time.perf_counter()
     engine.begin_sync(wrong)
-    with pytest.raises(RolloutError, match=r"rollout engine 0 tp rank 0, sync: .*does not "
-                                           r"match this rank's parameters.*gate_up_proj"):
+    with pytest.raises(SyncError, match=r"^sync rank 0: " + refused):
+        trainer.channels.verify(wrong)
+    assert time.perf_counter() - start < 3.0
+    with pytest.raises(RolloutError, match=r"rollout engine 0 tp rank 0, sync: update_weights "
+                                           r"failed: SyncError: sync rank 1: " + refused):
         engine.finish_sync()
     # Replies are still in step: the next RPC gets its own answers.
     assert engine.describe_shards()[1]["model.norm.weight"] == (128,)
@@ -118,8 +130,25 @@ def test_failures_are_named_and_the_group_can_be_re_formed(engine, micro_dir):
     with pytest.raises(RolloutError, match="weight update failed: TypeError: this plan cannot "
                                            "be pickled"):
         engine.finish_sync()
-    trainer.sync(engine, w1)
+
+    # Every sync is verified: one bit of one tensor installed wrong on TP rank 1 fails the
+    # sync on every rank, in one line naming the tensor and the ranks.
+    corrupted = "model.layers.1.self_attn.o_proj.weight"
+    mismatch = (rf"weight sync verification failed: {corrupted} as installed on inference "
+                r"rank 1 \(engine0 tp1\) differs from what training rank 0 \(hf\) sent$")
+    engine.begin_sync(trainer.plan, corrupt=(2, corrupted))
+    with pytest.raises(SyncError, match=r"^" + mismatch):
+        trainer.channels.verify(trainer.plan)
+        trainer.channels.send(trainer.plan, w1, dtype=torch.float32, timeout_s=3.0)
+    with pytest.raises(RolloutError, match=r"tp rank 0, sync: update_weights failed: SyncError: "
+                                           + mismatch) as failed:
+        engine.finish_sync()
+    assert "\n" not in str(failed.value)
+
+    # The group is intact (every rank compared): the next sync installs exactly.
+    report, stats = trainer.sync(engine, w1)
     assert greedy_tokens(engine, ps) == hf_greedy(micro_dir, w1, ps)
+    assert stats["digest_seconds"] > 0 and all(r.digest_seconds > 0 for r in report.ranks)
     trainer.disconnect(engine)
 
 
