@@ -81,8 +81,9 @@ class WeightSync:
                 sender.joined()
         # a base no warm-up trained is the one every engine loads at start-up
         self._base_current = self.cfg.warmup.max_steps == 0
+        # each engine rank checks, once joined, that the plan writes exactly its parameters
         self.engines.start_join_sync_group(spec, self.cfg.actor.world_size,
-                                           devices=self.run.engine_devices)
+                                           devices=self.run.engine_devices, plan=self.plan)
         self.actors.wait([w.join_sync_group.remote(spec, self.run.actor_devices[rank])
                           for rank, w in enumerate(self.actors.workers)], "sync-join")
         self.engines.finish_join_sync_group()

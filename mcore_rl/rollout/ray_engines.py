@@ -336,13 +336,18 @@ class RayEngines:
             for i in range(self.num_engines)])
 
     def start_join_sync_group(self, spec, first_sync_rank: int,
-                              devices: Sequence[tuple[str, ...]] | None = None) -> None:
+                              devices: Sequence[tuple[str, ...]] | None = None,
+                              plan=None) -> None:
         """Every engine's workers start joining the sync group (returns at once); the trainer
         then joins and calls `finish_join_sync_group`. devices[i]: engine i's per-TP-rank
-        devices (the resolved run's `engine_devices`)."""
+        devices (the resolved run's `engine_devices`). plan: the sync plan (the whole model's)
+        each worker checks it writes exactly its parameters (`RolloutEngine.
+        start_join_sync_group`'s `expected`)."""
         tp = self.cfg.tp
         self._call_all("sync", "start_join_sync_group", spec, per_engine_args=[
-            (first_sync_rank + i * tp, devices[i] if devices else None)
+            (first_sync_rank + i * tp, devices[i] if devices else None,
+             None if plan is None else
+             [plan.dst_shapes.get(first_sync_rank + i * tp + r, {}) for r in range(tp)])
             for i in range(self.num_engines)])
 
     def finish_join_sync_group(self, timeout_s: float | None = None) -> None:

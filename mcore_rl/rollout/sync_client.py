@@ -16,7 +16,7 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import torch
 
@@ -78,17 +78,25 @@ class EngineSync:
     `_check_idle` and `reset_prefix_cache`."""
 
     def start_join_sync_group(self, spec, first_sync_rank: int,
-                              devices: tuple[str, ...] | None = None) -> None:
+                              devices: tuple[str, ...] | None = None,
+                              expected: Sequence[Mapping[str, Sequence[int]]] | None = None
+                              ) -> None:
         """Every worker starts joining the sync group `spec` (a `SyncGroupSpec`) as sync rank
         `first_sync_rank + tp_rank`; returns at once. The trainer then joins (rank 0 blocks
         until everyone is in) and calls `finish_join_sync_group`.
         devices: per TP rank, its device (the resolved run's `engine_devices[e]`), which each
-        worker checks against the device vLLM gave it."""
+        worker checks against the device vLLM gave it. expected: per TP rank, what the sync
+        plan writes there (`plan.dst_shapes[first_sync_rank + r]`): each worker checks, once
+        joined, that this is exactly its parameters — `finish_join_sync_group` then names any
+        it never writes (they would keep stale weights, garbage after a level-2 wake)."""
         self._check_idle("sync")
         if self._join is not None:
             raise RolloutError(self.index, "sync", "already joining a sync group")
         init = {"spec": spec, "first_sync_rank": first_sync_rank,
-                "devices": None if devices is None else tuple(devices)}
+                "devices": None if devices is None else tuple(devices),
+                "expected": None if expected is None else
+                tuple({name: tuple(shape) for name, shape in rank.items()}
+                      for rank in expected)}
         self._join = _Background(f"mcore-rl-join-engine{self.index}",
                                  lambda: self.llm.init_weight_transfer_engine(
                                      {"init_info": init}))

@@ -9,7 +9,9 @@ self.device, model)`; the CPU worker inherits it) and drives it through
 vLLM's worker holds: inside an engine whose CUDA_VISIBLE_DEVICES is narrowed, TP rank t is
 `cuda:t`, whatever the node's physical index.
 
-  init   join the sync group (`SyncChannels`) as sync rank `first_sync_rank + worker rank`
+  init   join the sync group (`SyncChannels`) as sync rank `first_sync_rank + worker rank`;
+         then check that the sync plan writes exactly this rank's parameters (`expected`: an
+         uncovered one would keep stale weights — garbage after a level-2 wake)
   update receive this rank's shards of a plan (or a reference to a plan sent before) by the
          engine's transport and install each in place as it lands (install.py), then compare
          the digests of what was installed with what the senders sent (every sync, every
@@ -52,11 +54,14 @@ from mcore_rl.rollout.lora import ReceivedAdapter, check_adapter
 class ShardInitInfo(WeightTransferInitInfo):
     """spec: the sync group (`SyncGroupSpec`); first_sync_rank: this engine's TP rank 0;
     devices: the run plan's device per TP rank, checked against the worker's own (None: the
-    engine runs on the host)."""
+    engine runs on the host). expected: per TP rank, the vLLM parameters (name → per-rank
+    shape) the sync plan writes on it, checked both ways against the rank's model once it
+    has joined (None: not checked)."""
 
     spec: Any
     first_sync_rank: int
     devices: tuple[str, ...] | None = None
+    expected: tuple[dict, ...] | None = None
 
 
 @dataclass
@@ -172,6 +177,11 @@ class ShardTransferEngine(WeightTransferEngine[ShardInitInfo, ShardUpdateInfo]):
         sync_rank = info.first_sync_rank + self.worker_rank
         self.channels = SyncChannels.join(info.spec, sync_rank, device)
         self.sync_rank = sync_rank
+        if info.expected is not None:  # after joining: a refusal leaves no peer waiting
+            problem = coverage_problem(info.expected[self.worker_rank],
+                                       rank_shapes(self.model))
+            if problem:
+                raise ValueError(f"sync rank {sync_rank}: {problem}")
         return {"sync_rank": sync_rank, "device": device}
 
     def _update(self, update_dict: dict[str, Any]) -> dict[str, Any]:
@@ -248,6 +258,28 @@ def _shape_problem(want: dict, have: dict) -> str | None:
     return None
 
 
+def coverage_problem(want: dict, have: dict) -> str | None:
+    """Why a sync plan's tensors for a rank (`want`: name → shape) do not cover exactly the
+    rank's parameters (`have`), one line, or None. A parameter the plan never writes keeps the
+    weights the engine loaded (stale after the first update) and holds garbage after a
+    level-2 sleep (vLLM discards the weights; only the sync restores them)."""
+    want = {n: tuple(s) for n, s in want.items()}
+    uncovered = sorted(set(have) - set(want))
+    unknown = sorted(set(want) - set(have))
+    wrong = [f"{n}: plan {want[n]} vs vLLM {tuple(have[n])}"
+             for n in sorted(set(want) & set(have)) if want[n] != tuple(have[n])]
+    parts = []
+    if uncovered:
+        parts.append(f"the sync plan never writes {len(uncovered)} vLLM parameters (stale "
+                     f"weights; garbage after a level-2 wake): {_some(uncovered)}")
+    if unknown:
+        parts.append(f"the plan writes {len(unknown)} tensors this model lacks: "
+                     f"{_some(unknown)}")
+    if wrong:
+        parts.append(f"shapes differ: {_some(wrong)}")
+    return "; ".join(parts) or None
+
+
 def _some(items: list[str], shown: int = 5) -> str:
     return f"{items[:shown]}" + (f" and {len(items) - shown} more" if len(items) > shown
                                  else "")
@@ -262,4 +294,4 @@ def _flip_first_bit(items: Iterable, name: str) -> Iterator:
         yield key, tensor
 
 
-__all__ = ["ShardInitInfo", "ShardTransferEngine", "ShardUpdateInfo"]
+__all__ = ["ShardInitInfo", "ShardTransferEngine", "ShardUpdateInfo", "coverage_problem"]

@@ -53,9 +53,9 @@ class _Engines:
         self.specs: list[SyncGroupSpec] = []
         self.num_engines = num_engines  # RayEngines': the engines in the run (all, here)
 
-    def start_join_sync_group(self, spec, first_rank, devices=None):
+    def start_join_sync_group(self, spec, first_rank, devices=None, plan=None):
         self.specs.append(spec)
-        self.devices = devices
+        self.devices, self.plan = devices, plan
 
     def finish_join_sync_group(self):
         pass
@@ -76,13 +76,15 @@ def test_controller_builds_the_sync_group_of_the_resolved_run(name, assume_gpu, 
     to_actors: list = []
     sync.actors = _Actors([_Worker(to_actors) for _ in range(cfg.actor.world_size)])
     sync.groups_formed = 0  # the first group of the run
-    sync._plan_sender = PlanSender(_Plan())
+    sync.plan = _Plan()
+    sync._plan_sender = PlanSender(sync.plan)
     sync._adapter_sender = None  # no LoRA adapter sync
     sync.join_group()
     (spec,) = sync.engines.specs
     # actor ranks and engines join the same group, each rank on its resolved device
     assert to_actors == [(spec, device) for device in run.actor_devices]
     assert sync.engines.devices == run.engine_devices
+    assert sync.engines.plan is sync.plan  # each engine rank checks it covers its parameters
     assert spec.transports == run.transports
     assert spec.backend == backend == run.sync_backend
     assert spec.world_size == cfg.actor.world_size + cfg.rollout.tp * cfg.rollout.engines

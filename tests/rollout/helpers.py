@@ -49,12 +49,15 @@ class Trainer:
     the sync group) or "ipc" (the trainer's shared staging buffer, as for colocated engines)."""
 
     def __init__(self, tp: int, engines: int = 1, timeout_s: float = 60.0,
-                 transport: str = "p2p", plan=None):
-        """plan: what a sync moves (default: the whole model, HF's layout to vLLM's)."""
+                 transport: str = "p2p", plan=None, coverage=None):
+        """plan: what a sync moves (default: the whole model, HF's layout to vLLM's).
+        coverage: the plan each engine rank checks, as it joins, writes exactly its
+        parameters (default: the whole model's, as a run's weight sync passes)."""
         from mcore_rl.layouts import hf_shards
         from mcore_rl.resharding import build_plan, host_store
 
-        self.plan = plan or build_plan(hf_shards(SPEC), vllm_shards(SPEC, tp, engines))
+        whole = build_plan(hf_shards(SPEC), vllm_shards(SPEC, tp, engines))
+        self.plan, self.coverage = plan or whole, coverage or whole
         self.store = host_store(world_size=self.plan.world_size)
         self.timeout_s = timeout_s
         self.incarnation = 0
@@ -79,7 +82,12 @@ class Trainer:
         spec = SyncGroupSpec("127.0.0.1", self.store.port, f"test-sync-{self.incarnation}",
                              self.plan.world_size, timeout_s=timeout_s or self.timeout_s,
                              transports=transports)
-        engines.start_join_sync_group(spec, self.plan.num_src)
+        cover = self.coverage
+        if hasattr(engines, "num_engines"):  # RayEngines: each engine's share of the plan
+            engines.start_join_sync_group(spec, self.plan.num_src, plan=cover)
+        else:  # one RolloutEngine: its ranks' shares
+            engines.start_join_sync_group(spec, self.plan.num_src, expected=[
+                cover.dst_shapes[r] for r in range(cover.num_src, cover.world_size)])
         self.channels = SyncChannels.join(spec, 0, store=self.store)
         engines.finish_join_sync_group()
 

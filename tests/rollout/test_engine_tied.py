@@ -11,6 +11,7 @@ from mcore_rl.layouts import materialize_rank, vllm_shards
 from mcore_rl.models.hf_factory import make_hf_model_dir
 from mcore_rl.models.hf_reference import greedy_generate, load_hf_model
 from mcore_rl.rollout import RolloutConfig, RolloutEngine, SamplingConfig
+from mcore_rl.rollout.weight_transfer import coverage_problem
 
 from .helpers import MAX_MODEL_LEN, SPEC, perturbed, prompts
 
@@ -39,7 +40,12 @@ def test_installing_a_tied_embedding_repacks_the_lm_head(tied_dir):
         ps = prompts(4, 12, seed=5)
         greedy = SamplingConfig(temperature=0.0, max_tokens=8)
         before = [list(o[0].token_ids) for o in engine.generate(ps, greedy)]
-        items = list(materialize_rank(vllm_shards(TIED, 1), 0, w1.__getitem__).items())
+        dst = vllm_shards(TIED, 1)
+        # the layout writes exactly the engine's parameters: the check every engine rank
+        # makes as it joins a run's sync group (the LM head is no parameter of its own)
+        assert coverage_problem({k: t.shape for k, t in dst.ranks[0].items()},
+                                engine.describe_shards()[0]) is None
+        items = list(materialize_rank(dst, 0, w1.__getitem__).items())
         names = engine.install_tensors(items)
         assert "model.embed_tokens.weight" in names and "lm_head.weight" not in names
         after = [list(o[0].token_ids) for o in engine.generate(ps, greedy)]

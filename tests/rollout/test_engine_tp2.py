@@ -3,8 +3,8 @@ executor) synced shard-to-shard through the worker extension and the real sync g
 rank receives only its own shard. Also: failures come back named and the engine stays usable
 (a worker RPC never raises, so vLLM's reply queues stay in step) — a plan one rank cannot
 take fails every rank at once, an update vLLM cannot send leaves no update session open, a
-corrupted install fails the sync's digest check — and a torn-down sync group can be
-re-formed."""
+corrupted install fails the sync's digest check, a plan that leaves a parameter unwritten is
+refused as the engine joins — and a torn-down sync group can be re-formed."""
 
 from __future__ import annotations
 
@@ -14,11 +14,12 @@ from dataclasses import fields, replace
 import pytest
 import torch
 
+from mcore_rl.layouts import hf_shards, vllm_shards
 from mcore_rl.models.hf_reference import greedy_generate
-from mcore_rl.resharding import Plan, SyncError
+from mcore_rl.resharding import Plan, SyncError, build_plan
 from mcore_rl.rollout import RolloutConfig, RolloutEngine, RolloutError, SamplingConfig
 
-from .helpers import MAX_MODEL_LEN, Trainer, hf_model_with, hf_state, perturbed, prompts
+from .helpers import MAX_MODEL_LEN, SPEC, Trainer, hf_model_with, hf_state, perturbed, prompts
 
 GREEDY = SamplingConfig(temperature=0.0, max_tokens=10)
 
@@ -150,6 +151,20 @@ def test_failures_are_named_and_the_group_can_be_re_formed(engine, micro_dir):
     assert greedy_tokens(engine, ps) == hf_greedy(micro_dir, w1, ps)
     assert stats["digest_seconds"] > 0 and all(r.digest_seconds > 0 for r in report.ranks)
     trainer.disconnect(engine)
+
+    # N8: a plan that never writes one of vLLM's parameters is refused as the engine joins,
+    # in one line naming it (at a level-2 wake it would hold garbage).
+    dst = vllm_shards(SPEC, 2)
+    for rank in dst.ranks.values():
+        del rank["model.norm.weight"]
+    uncovered = Trainer(tp=2, timeout_s=3.0, coverage=build_plan(hf_shards(SPEC), dst))
+    with pytest.raises(RolloutError, match=r"^rollout engine 0 tp rank 0, sync: "
+                                           r"init_weight_transfer_engine failed: ValueError: "
+                                           r"sync rank 1: the sync plan never writes 1 vLLM "
+                                           r"parameters \(stale weights; garbage after a "
+                                           r"level-2 wake\): \['model.norm.weight'\]$"):
+        uncovered.connect(engine)
+    uncovered.disconnect(engine)
 
 
 def test_tp2_ipc_refit_installs_exactly(engine, micro_dir):
