@@ -386,9 +386,11 @@ def summarize(cfg: SyncBenchConfig, spec: ModelSpec, plan: Plan, per_rank: list[
             "bytes_sent": {r["rank"]: r[which]["bytes_sent"] for r in per_rank},
             "bytes_received": {r["rank"]: r[which]["bytes_received"] for r in per_rank},
             "peak_extra_bytes": {r["rank"]: r[which]["peak_extra_bytes"] for r in per_rank},
-            # every sync is verified (resharding/digest.py): the slowest rank's time digesting
-            # what it sent or received, and comparing (the last run's)
+            # every sync is verified (resharding/digest.py), the last run's: the slowest rank's
+            # time digesting what it sent or received, and the comparison's own time (the rank
+            # that reached it last waited least)
             "digest_s": max(r[which].get("digest_seconds", 0.0) for r in per_rank),
+            "compare_s": min(r[which].get("compare_seconds", 0.0) for r in per_rank),
         }
 
     ours = fold("ours")
@@ -407,7 +409,7 @@ def summarize(cfg: SyncBenchConfig, spec: ModelSpec, plan: Plan, per_rank: list[
         **_ideal(plan, dst),
     }
     report["sync_gbs_per_receiver"] = _gbs(report["bytes_received"], ours["wall_s"])
-    report["digest_share"] = ours["digest_s"] / ours["wall_s"]
+    report["digest_share"] = (ours["digest_s"] + ours["compare_s"]) / ours["wall_s"]
     if cfg.link_baseline:
         report.update(_link_report(plan, fold("link"), ours))
     if cfg.gather_baseline:

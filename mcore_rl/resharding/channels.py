@@ -164,7 +164,7 @@ class SyncChannels:
                              "peak_extra_bytes"):  # staging of two services may coexist: a sum
                     setattr(stats, name, getattr(stats, name) + getattr(part, name))
         digests.compare(self.control, self.rank)  # after every receiver installed its shards
-        stats.digest_seconds = digests.seconds
+        stats.digest_seconds, stats.compare_seconds = digests.seconds, digests.compare_seconds
         return {**stats.as_dict(), **out}
 
     def receive(self, plan: Plan, transport: str | None = None, *, dtype: torch.dtype,
@@ -215,7 +215,7 @@ class SyncChannels:
                 self._receiving = None
         digests.compare(self.control, self.rank)
         if stats is not None:
-            stats.digest_seconds = digests.seconds
+            stats.digest_seconds, stats.compare_seconds = digests.seconds, digests.compare_seconds
 
     def installed(self, key: str, tensor: torch.Tensor) -> None:
         """During `receive`: `key` now lives in `tensor` (the engine's parameter it was copied

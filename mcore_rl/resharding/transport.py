@@ -42,7 +42,8 @@ class SyncStats:
     messages: int = 0
     zero_copy_messages: int = 0
     seconds: float = 0.0
-    digest_seconds: float = 0.0  # digesting what moved and comparing (`digest.py`)
+    digest_seconds: float = 0.0   # digesting what moved (`digest.py`)
+    compare_seconds: float = 0.0  # comparing the digests (waiting for the last rank included)
     _live: int = field(default=0, repr=False)
 
     def hold(self, nbytes: int) -> None:

@@ -129,7 +129,7 @@ class WeightSync:
             self._base_current = True
         adapter = self._sync(self._adapter_sender, merged=False, adapter=True)
         return {**{k: stats.get(k, 0.0) + adapter[k]
-                   for k in ("sync_bytes", "sync_bytes_ipc", "sync_digest_s")},
+                   for k in ("sync_bytes", "sync_bytes_ipc", "sync_digest_s", "sync_compare_s")},
                 "sync_adapter_bytes": adapter["sync_bytes"]}
 
     def _sync(self, sender: PlanSender, *, merged: bool, adapter: bool = False
@@ -145,8 +145,9 @@ class WeightSync:
     def finish_sync(self, plan, *, merged: bool = True) -> dict[str, float]:
         """The trainer side of a started sync. A failure is blamed on the engines that died,
         by name, when there are any (a bare transport error only says a peer left).
-        Every sync is verified (resharding/digest.py): `sync_digest_s` is what that cost the
-        slowest rank — digesting what it sent or installed, and comparing."""
+        Every sync is verified (resharding/digest.py): `sync_digest_s` is what digesting cost
+        the slowest rank (what it sent or installed), `sync_compare_s` the comparison's own
+        time (the rank that reached it last waited least)."""
         try:
             stats = self.actors.call("send_weights", plan, self.cfg.wire_dtype,
                                      self.cfg.deadlines.sync_s, merged, phase="sync")
@@ -160,11 +161,13 @@ class WeightSync:
                                  f"answering during the sync ({type(err).__name__}: "
                                  f"{_last_line(err)})") from err
             raise
-        digest_s = [s["digest_seconds"] for s in stats] + \
-            [r.digest_seconds for report in reports for r in report.ranks]
+        ranks = [r for report in reports for r in report.ranks]
         return {"sync_bytes": float(sum(s["bytes_sent"] for s in stats)),
                 "sync_bytes_ipc": float(sum(s.get("bytes_sent_ipc", 0) for s in stats)),
-                "sync_digest_s": float(max(digest_s))}
+                "sync_digest_s": float(max([s["digest_seconds"] for s in stats] +
+                                           [r.digest_seconds for r in ranks])),
+                "sync_compare_s": float(min([s["compare_seconds"] for s in stats] +
+                                            [r.compare_seconds for r in ranks]))}
 
 
 __all__ = ["SyncFailed", "WeightSync"]

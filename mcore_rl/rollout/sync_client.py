@@ -27,7 +27,7 @@ from mcore_rl.rollout.lora import target_modules
 @dataclass
 class RankSync:
     """What one worker did in a sync: names installed, bytes received, seconds spent (in all;
-    installing, digests of what it installed included; digesting and comparing digests)."""
+    installing; digesting what it installed; comparing digests with the group's)."""
 
     rank: int
     sync_rank: int
@@ -37,6 +37,7 @@ class RankSync:
     seconds: float
     install_seconds: float
     digest_seconds: float = 0.0
+    compare_seconds: float = 0.0
 
 
 @dataclass
@@ -201,7 +202,7 @@ class EngineSync:
             report.ranks.append(RankSync(
                 rank, reply["sync_rank"], reply["names"], reply["bytes_received"],
                 reply["peak_extra_bytes"], reply["seconds"], reply["install_seconds"],
-                reply["digest_seconds"]))
+                reply["digest_seconds"], reply["compare_seconds"]))
         self._reinstall_adapter(self._sync_adapter)
         self.reset_prefix_cache()
         report.seconds = time.perf_counter() - sync.started

@@ -232,6 +232,7 @@ class ShardTransferEngine(WeightTransferEngine[ShardInitInfo, ShardUpdateInfo]):
         return {"sync_rank": sync_rank, "names": names, "seconds": seconds,
                 "install_seconds": seconds - waiting[0],
                 "digest_seconds": stats.digest_seconds,
+                "compare_seconds": stats.compare_seconds,
                 "bytes_received": stats.bytes_received,
                 "peak_extra_bytes": stats.peak_extra_bytes, "transport": transport,
                 "transports": channels.transports_used(plan)}

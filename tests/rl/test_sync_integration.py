@@ -66,6 +66,7 @@ def test_megatron_tp2pp2_to_vllm_tp2_matches_hf(tp2pp2, ray_cluster):
     assert step["grad_norm"] > 0  # the actor updated, then synced
     # the sync was verified by digests (every sync is); what that cost is a metric
     assert 0 < step["sync_digest_s"] < step["timing_s/sync"]
+    assert 0 < step["sync_compare_s"] < step["timing_s/sync"]
     # disaggregated: every byte goes point to point over the sync group
     assert run["run"].transports == ("p2p",) and step["sync_bytes_ipc"] == 0
     hf_state = assemble_hf(megatron_shards(run["spec"], cfg.actor), run["shards"])
