@@ -4,11 +4,15 @@ itself back through others."""
 
 from __future__ import annotations
 
+import pytest
+
 import os
 from pathlib import Path
 
 import grimp
 from importlinter.cli import lint_imports
+
+pytestmark = pytest.mark.fast  # the fast tier: scripts/test.sh -m fast
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.fast  # the fast tier: scripts/test.sh -m fast
+
 SETUP = configparser.ConfigParser()
 SETUP.read(Path(__file__).resolve().parents[1] / "setup.cfg")
 

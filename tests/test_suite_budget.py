@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import pytest
+
 import os
 import subprocess
 import sys
 from pathlib import Path
 
 from tests.support.durations import file_of, over_budget
+
+pytestmark = pytest.mark.fast  # the fast tier: scripts/test.sh -m fast
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -41,3 +45,14 @@ def test_a_file_over_the_budget_fails_the_run_and_is_named(tmp_path):
     assert "OVER BUDGET: tests/test_slow.py took 0." in over.stdout, over.stdout[-2000:]
     assert within.returncode == 0, within.stdout[-2000:]
     assert "OVER BUDGET" not in within.stdout and "tests/test_slow.py" in within.stdout
+
+
+def test_the_fast_tier_covers_every_package():
+    """`-m fast` (README: Development) runs at least one test of every mcore_rl package: a
+    file of tests/<package>/ marked fast as a whole or in one of its tests."""
+    packages = sorted(p.parent.name for p in (ROOT / "mcore_rl").glob("*/__init__.py"))
+    assert "workers" in packages and "rl" in packages  # the glob sees the packages
+    uncovered = [pkg for pkg in packages
+                 if not any("pytest.mark.fast" in f.read_text()
+                            for f in (ROOT / "tests" / pkg).glob("test_*.py"))]
+    assert uncovered == [], f"no fast test for mcore_rl.{uncovered}"

@@ -15,6 +15,8 @@ from mcore_rl.algorithms import (
     rloo_advantages,
 )
 
+pytestmark = pytest.mark.fast  # the fast tier: scripts/test.sh -m fast
+
 
 def t(rows):
     return torch.tensor(rows, dtype=torch.float32)

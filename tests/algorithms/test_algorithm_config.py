@@ -7,6 +7,8 @@ import pytest
 from mcore_rl.algorithms import AlgorithmConfig
 from mcore_rl.config import ConfigError, load_config
 
+pytestmark = pytest.mark.fast  # the fast tier: scripts/test.sh -m fast
+
 
 def test_defaults_are_valid_and_frozen():
     cfg = AlgorithmConfig()

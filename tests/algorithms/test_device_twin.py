@@ -12,7 +12,7 @@ from mcore_rl.algorithms import advantages as adv
 from mcore_rl.algorithms import losses, rollout_correction, vocab_parallel
 from device_twin import TWIN, assert_on_twin, twin
 
-pytestmark = pytest.mark.device_twin
+pytestmark = [pytest.mark.device_twin, pytest.mark.fast]
 
 B, T = 4, 6
 

@@ -1,8 +1,11 @@
 """DAPO dynamic sampling and overlong shaping against hand-computed examples."""
+import pytest
 
 import torch
 
 from mcore_rl.algorithms import dynamic_sampling_keep, overlong_penalty
+
+pytestmark = pytest.mark.fast  # the fast tier: scripts/test.sh -m fast
 
 
 def test_dynamic_sampling_keeps_groups_with_reward_spread():

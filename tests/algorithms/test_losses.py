@@ -16,6 +16,8 @@ from mcore_rl.algorithms import (
     value_loss,
 )
 
+pytestmark = pytest.mark.fast  # the fast tier: scripts/test.sh -m fast
+
 
 def t(rows):
     return torch.tensor(rows, dtype=torch.float32)

@@ -11,6 +11,8 @@ from mcore_rl.algorithms import (RolloutCorrectionConfig, correction_weights, mi
 from mcore_rl.config import ConfigError, load_config
 from tests.support import DEMO_SIZED
 
+pytestmark = pytest.mark.fast  # the fast tier: scripts/test.sh -m fast
+
 
 def t(rows):
     return torch.tensor(rows, dtype=torch.float32)

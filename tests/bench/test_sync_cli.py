@@ -59,6 +59,7 @@ def _check_link_baseline(report):
     assert link["check_failures"] == {}  # nothing to check: the link carries no shards
 
 
+@pytest.mark.fast  # (the fast tier: scripts/test.sh -m fast)
 def test_plan_only_projects_70b_against_the_baseline(capsys):
     code, report, out = run_cli(capsys, "bench", "sync", "plan_only=true", "model=llama3-70b",
                                 "actor.tp=8", "actor.pp=2", "rollout.tp=8", "rollout.engines=2",

@@ -15,6 +15,8 @@ import torch
 
 from mcore_rl.launch.spawn import run_on_ranks
 
+pytestmark = pytest.mark.fast  # the fast tier: scripts/test.sh -m fast
+
 SHIMS = ("cuda_to_cpu_mode", "current_device", "default_causal_mask", "rng_get_state",
          "rng_set_state", "rng_tracker_add", "fp16_optimizer_type_check",
          "distrib_optimizer_type_check", "clip_grad_type_check", "torch_norm_sequence_parallel",

@@ -11,6 +11,8 @@ import pytest
 from mcore_rl.config import (ConfigError, from_dict, require_above, require_at_least,
                              require_in_range, require_one_of)
 
+pytestmark = pytest.mark.fast  # the fast tier: scripts/test.sh -m fast
+
 
 @dataclass
 class Cfg:

@@ -5,6 +5,8 @@ a config whose defaults differ is a class of its own (`CriticTrainConfig`, `LMTr
 
 from __future__ import annotations
 
+import pytest
+
 import dataclasses
 import typing
 
@@ -12,6 +14,8 @@ from mcore_rl.config import load_config, to_dict
 from mcore_rl.megatron.config import OptimizerConfig, TrainConfig
 from mcore_rl.run.config import CriticOptimizerConfig, CriticTrainConfig, RLConfig
 from mcore_rl.train_lm import LMOptimizerConfig, LMRunConfig, LMTrainConfig
+
+pytestmark = pytest.mark.fast  # the fast tier: scripts/test.sh -m fast
 
 CONTAINERS = (list, dict, tuple, set)
 

@@ -10,6 +10,8 @@ from mcore_rl.config import ConfigError, load_config
 from mcore_rl.config.dtypes import dtype_bytes, dtype_name, torch_dtype
 from mcore_rl.run.config import RLConfig
 
+pytestmark = pytest.mark.fast  # the fast tier: scripts/test.sh -m fast
+
 
 @pytest.mark.parametrize("spelling,canonical,torch_type", [
     ("float32", "float32", torch.float32), ("fp32", "float32", torch.float32),

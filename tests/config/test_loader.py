@@ -5,6 +5,8 @@ import pytest
 from mcore_rl.config import ConfigError, load_config
 from mcore_rl.run.config import RLConfig
 
+pytestmark = pytest.mark.fast  # the fast tier: scripts/test.sh -m fast
+
 
 @pytest.mark.parametrize("override, expected", [
     ("warmup.train.optimizer.lr=2e-3", 2e-3),   # YAML 1.1 reads this as a string

@@ -3,11 +3,15 @@ drift from them."""
 
 from __future__ import annotations
 
+import pytest
+
 import dataclasses
 from pathlib import Path
 
 from mcore_rl.config.reference import field_docs, render_reference, rows
 from mcore_rl.run.config import RLConfig
+
+pytestmark = pytest.mark.fast  # the fast tier: scripts/test.sh -m fast
 
 REFERENCE = Path(__file__).resolve().parents[2] / "docs" / "reference" / "config.md"
 

@@ -19,6 +19,8 @@ from tools.checkpoint_convert.cli import main
 
 from .helpers import hf_tensors
 
+pytestmark = pytest.mark.fast  # the fast tier: scripts/test.sh -m fast
+
 
 def _copy_with(src: Path, dst: Path, mutate=None, config=None) -> Path:
     """Copy an HF folder into one model.safetensors, after `mutate(tensors)` / `config(cfg)`."""

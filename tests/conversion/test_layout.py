@@ -7,10 +7,14 @@ test_moe_grids.py."""
 
 from __future__ import annotations
 
+import pytest
+
 from mcore_rl.conversion.layout import _stored_key, checkpoint_layout
 from mcore_rl.layouts import megatron_shards
 from mcore_rl.models.presets import get_preset
 from mcore_rl.parallel import ParallelConfig
+
+pytestmark = pytest.mark.fast  # the fast tier: scripts/test.sh -m fast
 
 SPEC = get_preset("micro-moe")
 

@@ -12,6 +12,8 @@ import torch
 from mcore_rl.conversion.errors import ConversionError
 from mcore_rl.conversion.peft_adapter import target_modules, write_peft_adapter
 
+pytestmark = pytest.mark.fast  # the fast tier: scripts/test.sh -m fast
+
 TENSORS = {"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": torch.ones(2, 8),
            "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight": torch.zeros(8, 2),
            "base_model.model.model.layers.0.mlp.down_proj.lora_A.weight": torch.ones(2, 8),

@@ -10,6 +10,8 @@ import pytest
 from mcore_rl.launch.allocation import SlurmAllocation, allocation_shortfall
 from mcore_rl.launch.placement import node_bundles, plan_placement
 
+pytestmark = pytest.mark.fast  # the fast tier: scripts/test.sh -m fast
+
 # llama3-8b's plan: one node, 8 GPUs colocated, 4 engines × 1 CPU
 COLOCATED = plan_placement(actor_world=8, engine_tp=2, engines=4, devices_per_node=8,
                            placement="colocated")

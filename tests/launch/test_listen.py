@@ -11,6 +11,8 @@ import torch.distributed as dist
 from mcore_rl.launch.listen import bound_socket, is_loopback, listen_address, listening_store
 from mcore_rl.resharding import host_store
 
+pytestmark = pytest.mark.fast  # the fast tier: scripts/test.sh -m fast
+
 
 def _listening(pid: int) -> set[tuple[str, int]]:
     return {(c.laddr.ip, c.laddr.port) for c in psutil.Process(pid).net_connections("inet")

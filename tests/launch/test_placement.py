@@ -5,6 +5,8 @@ import pytest
 from mcore_rl.config import ConfigError
 from mcore_rl.launch.placement import Slot, plan_placement
 
+pytestmark = pytest.mark.fast  # the fast tier: scripts/test.sh -m fast
+
 
 @pytest.mark.parametrize("world,tp,engines,per_node,placement,actor,engine_slots", [
     # colocated, one node: actor rank d and engine rank d share device d

@@ -116,6 +116,7 @@ def pool():
         yield pool
 
 
+@pytest.mark.fast  # (the fast tier: scripts/test.sh -m fast)
 def test_values_come_back_in_rank_order_from_the_same_processes_each_call(pool):
     first = pool.run(_report, 2)
     second = pool.run(_report, 2)

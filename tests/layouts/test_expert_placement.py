@@ -11,6 +11,8 @@ from mcore_rl.layouts import (LayoutError, assemble_hf, materialize_rank, vllm_l
 from mcore_rl.layouts import hf_shards
 from mcore_rl.models.presets import get_preset
 
+pytestmark = pytest.mark.fast  # the fast tier: scripts/test.sh -m fast
+
 QWEN3_MOE = get_preset("micro-moe")  # 4 experts, moe_ffn 64
 MIXTRAL = QWEN3_MOE.with_(family="mixtral", architecture="MixtralForCausalLM", qk_norm=False)
 

@@ -12,6 +12,8 @@ from mcore_rl.layouts.lora import adapted_weights, lora_shards
 from mcore_rl.models.presets import get_preset
 from mcore_rl.parallel import ParallelConfig
 
+pytestmark = pytest.mark.fast  # the fast tier: scripts/test.sh -m fast
+
 SPEC = get_preset("micro")
 R = 4
 TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")

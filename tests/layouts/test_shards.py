@@ -9,6 +9,8 @@ from mcore_rl.layouts import (assemble_hf, hf_shards, materialize_rank,
 from mcore_rl.models.presets import get_preset
 from mcore_rl.parallel import ParallelConfig
 
+pytestmark = pytest.mark.fast  # the fast tier: scripts/test.sh -m fast
+
 MICRO = get_preset("micro")
 FAMILIES = {
     "llama-gqa": MICRO,

@@ -33,6 +33,8 @@ from mcore_rl.layouts import extra_state_modules, megatron_shards
 from mcore_rl.models.presets import get_preset
 from mcore_rl.parallel import ParallelConfig
 
+pytestmark = pytest.mark.fast  # the fast tier: scripts/test.sh -m fast
+
 MICRO = get_preset("micro")
 SPECS = {
     "llama": MICRO,

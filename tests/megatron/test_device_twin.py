@@ -14,7 +14,7 @@ from mcore_rl.megatron import packing
 from mcore_rl.megatron.value import ValueBatch, _value_loss, attach_value_head
 from mcore_rl.megatron.policy import PolicyBatch, _masked_vocab_logits, _policy_loss
 
-pytestmark = pytest.mark.device_twin
+pytestmark = [pytest.mark.device_twin, pytest.mark.fast]
 
 B, S, VOCAB = 2, 5, 13  # padded to 16 over tp=2: rank 1 holds ids 8..15, three of them padding
 

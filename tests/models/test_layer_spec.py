@@ -7,6 +7,8 @@ from mcore_rl.models.gpt import LayerSpecError, build_gpt_model, layer_spec, te_
 from mcore_rl.models.presets import get_preset
 from mcore_rl.parallel import ParallelConfig
 
+pytestmark = pytest.mark.fast  # the fast tier: scripts/test.sh -m fast
+
 
 def test_local_spec_is_megatron_local_spec_with_rmsnorm():
     from megatron.core.transformer.torch_norm import WrappedTorchNorm

@@ -15,6 +15,8 @@ from mcore_rl.models.presets import get_preset
 from mcore_rl.parallel import ParallelConfig
 from mcore_rl.parallel.groups import backend_for, join_worker_world
 
+pytestmark = pytest.mark.fast  # the fast tier: scripts/test.sh -m fast
+
 
 @pytest.mark.parametrize("device, backend", [("cpu", "gloo"), ("cuda:0", "nccl"),
                                              ("cuda:3", "nccl")])

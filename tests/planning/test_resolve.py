@@ -8,6 +8,8 @@ from mcore_rl.config import ConfigError, load_config
 from mcore_rl.planning.resolve import resolve_run
 from mcore_rl.run.config import RLConfig
 
+pytestmark = pytest.mark.fast  # the fast tier: scripts/test.sh -m fast
+
 CONFIGS = Path(__file__).parents[2] / "configs"
 
 

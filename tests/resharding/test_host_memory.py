@@ -1,9 +1,12 @@
 """Huge-page host buffers for the receive side: ordinary contiguous tensors, zero-filled,
 2 MiB-aligned when large; small or non-host requests fall back to torch."""
+import pytest
 
 import torch
 
 from mcore_rl.resharding.host_memory import ReceivePool, empty_host
+
+pytestmark = pytest.mark.fast  # the fast tier: scripts/test.sh -m fast
 
 
 def test_large_host_buffers_are_aligned_zeroed_and_writable():

@@ -11,6 +11,8 @@ from mcore_rl.parallel import ParallelConfig
 from mcore_rl.resharding import build_plan
 from mcore_rl.resharding.plan_cache import PlanCache, PlanRef, PlanSender
 
+pytestmark = pytest.mark.fast  # the fast tier: scripts/test.sh -m fast
+
 
 def _plan(infer_tp: int):
     spec = get_preset("micro")

@@ -16,6 +16,8 @@ from mcore_rl.models.spec import ModelSpec
 from mcore_rl.parallel import ParallelConfig
 from mcore_rl.resharding import PlanError, build_plan
 
+pytestmark = pytest.mark.fast  # the fast tier: scripts/test.sh -m fast
+
 
 def apply_plan_in_memory(plan, src_tensors):
     """Execute a plan without communication; also count how often each element is written."""

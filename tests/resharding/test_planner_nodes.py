@@ -9,6 +9,8 @@ from mcore_rl.parallel import ParallelConfig
 from mcore_rl.resharding import build_plan
 from mcore_rl.resharding.planner import PlanError
 
+pytestmark = pytest.mark.fast  # the fast tier: scripts/test.sh -m fast
+
 MICRO = get_preset("micro")
 
 

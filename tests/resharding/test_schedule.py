@@ -1,5 +1,6 @@
 """A rank's compiled share of a plan: the same messages, in the same order, as walking the plan;
 compiled once per plan fingerprint; a pickled plan recomputes its fingerprint from contents."""
+import pytest
 
 import pickle
 from dataclasses import replace
@@ -10,6 +11,8 @@ from mcore_rl.models.presets import get_preset
 from mcore_rl.parallel import ParallelConfig
 from mcore_rl.resharding import build_plan
 from mcore_rl.resharding.schedule import ScheduleCache, compile_schedule
+
+pytestmark = pytest.mark.fast  # the fast tier: scripts/test.sh -m fast
 
 MICRO = get_preset("micro")
 

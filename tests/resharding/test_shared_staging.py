@@ -11,6 +11,8 @@ import torch
 
 from mcore_rl.resharding.shared_staging import classic_segments, expandable_segments_on
 
+pytestmark = pytest.mark.fast  # the fast tier: scripts/test.sh -m fast
+
 
 @pytest.mark.parametrize("env,on", [
     ({}, False),

@@ -2,6 +2,7 @@
 parameter's device; receive side: the `device` argument), the wire's device when the group
 needs one (gloo: host memory). One process, no process group: the `meta` device stands in
 for a device that is not the host, and a recording group stands in for the sync group."""
+import pytest
 
 import torch
 
@@ -9,6 +10,8 @@ from mcore_rl.layouts import megatron_shards, vllm_shards
 from mcore_rl.models.presets import get_preset
 from mcore_rl.parallel import ParallelConfig
 from mcore_rl.resharding import P2PCopy, SyncStats, build_plan, receive_shards, send_shards
+
+pytestmark = pytest.mark.fast  # the fast tier: scripts/test.sh -m fast
 
 MICRO = get_preset("micro")
 

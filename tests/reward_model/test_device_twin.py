@@ -12,7 +12,7 @@ from device_twin import TWIN, assert_on_twin, twin
 from mcore_rl.parallel import ParallelConfig
 from mcore_rl.reward_model import scoring
 
-pytestmark = pytest.mark.device_twin
+pytestmark = [pytest.mark.device_twin, pytest.mark.fast]
 
 VOCAB, HIDDEN = 11, 4
 

@@ -17,6 +17,8 @@ from mcore_rl.launch.timing import PhaseTimer
 from mcore_rl.run.config import RLConfig
 from tests.support import DEMO_SIZED
 
+pytestmark = pytest.mark.fast  # the fast tier: scripts/test.sh -m fast
+
 
 class FakeBatch:
     def __init__(self, step, version):

@@ -14,6 +14,8 @@ from mcore_rl.rl.checkpoint_dirs import CheckpointConfig, CheckpointWriteError
 from mcore_rl.run.config import RLConfig
 from tests.support import DEMO_SIZED
 
+pytestmark = pytest.mark.fast  # the fast tier: scripts/test.sh -m fast
+
 
 def _save(root, step, *, inject=None, body=None):
     tmp, final = root / f".step_{step}.tmp", root / f"step_{step}"

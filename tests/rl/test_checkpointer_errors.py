@@ -11,6 +11,8 @@ import pytest
 from mcore_rl.rl.checkpoint_dirs import CheckpointWriteError
 from mcore_rl.rl.checkpointer import Checkpointer
 
+pytestmark = pytest.mark.fast  # the fast tier: scripts/test.sh -m fast
+
 
 class FullDiskRanks:
     """Actor ranks whose save fails in rank 1 as a full disk does, raised as Ray raises a

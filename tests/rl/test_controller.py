@@ -176,6 +176,7 @@ def test_reward_model_scores_rollouts_in_the_loop(ray_cluster, tmp_path):
     assert metrics["reward_std"] > 0 and metrics["grad_norm"] > 0
 
 
+@pytest.mark.fast  # (the fast tier's one end-to-end RL step: Ray, vLLM, megatron, sync)
 def test_bf16_wire_sync_halves_the_bytes(ray_cluster, tmp_path):
     """sync_dtype bf16: the actor's fp32 shards go over the wire as bf16 (half the bytes of
     the plan's fp32 elements) and the fp32 engine installs the rounded weights — its

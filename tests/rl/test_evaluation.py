@@ -14,6 +14,8 @@ from mcore_rl.rl.evaluation import (EvalConfig, GenerationLog, GenerationsConfig
                                     markdown_table, pass_at_k)
 from mcore_rl.run.config import RLConfig
 
+pytestmark = pytest.mark.fast  # the fast tier: scripts/test.sh -m fast
+
 
 def test_evaluations_fall_every_k_steps_after_the_last_and_before_the_first():
     cfg = EvalConfig(every=10)

@@ -9,6 +9,8 @@ from mcore_rl.rl.recovery import RecoveryConfig
 from mcore_rl.run.config import RLConfig
 from tests.support import DEMO_SIZED
 
+pytestmark = pytest.mark.fast  # the fast tier: scripts/test.sh -m fast
+
 
 def test_defaults_and_overrides_load():
     cfg = load_config(RLConfig, DEMO_SIZED, ["recovery.max_engine_restarts=2",

@@ -24,6 +24,8 @@ from mcore_rl.tasks.base import Example, RewardFailed
 from mcore_rl.tasks.jsonl import JsonlTask
 from tests.support.user_model import WORD_PROBLEMS, bpe_chat_tokenizer
 
+pytestmark = pytest.mark.fast  # the fast tier: scripts/test.sh -m fast
+
 SYSTEM = {"role": "system", "content": "You are a careful tutor. End with #### and the number."}
 
 

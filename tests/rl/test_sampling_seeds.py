@@ -5,10 +5,14 @@ samples on a real engine: tests/rollout/test_engine_tp1.py."""
 
 from __future__ import annotations
 
+import pytest
+
 from mcore_rl.config import load_config
 from mcore_rl.config.seeds import derive_seed
 from mcore_rl.rl.sampler import step_sampling
 from mcore_rl.run.config import RLConfig
+
+pytestmark = pytest.mark.fast  # the fast tier: scripts/test.sh -m fast
 
 
 def run_seeds(cfg: RLConfig, steps: int, attempts: int) -> list[int]:

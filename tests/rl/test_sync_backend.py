@@ -16,6 +16,8 @@ from mcore_rl.resharding.plan_cache import PlanSender
 from mcore_rl.rl.weight_sync import WeightSync
 from mcore_rl.run.config import RLConfig
 
+pytestmark = pytest.mark.fast  # the fast tier: scripts/test.sh -m fast
+
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 CASES = [
     # config, assume a GPU machine, backend the group must carry

@@ -11,6 +11,8 @@ import torch
 from mcore_rl.rollout.engine import Completion
 from mcore_rl.rollout.batches import build_batch, engine_logprobs, rollout_logprob_diff
 
+pytestmark = pytest.mark.fast  # the fast tier: scripts/test.sh -m fast
+
 
 def _batch(seed: int, short_rows=()):
     """Prompts and responses of random lengths; rows in `short_rows` carry fewer engine

@@ -5,6 +5,8 @@ import pytest
 from mcore_rl.config import ConfigError, from_dict
 from mcore_rl.rollout import RolloutConfig, SamplingConfig
 
+pytestmark = pytest.mark.fast  # the fast tier: scripts/test.sh -m fast
+
 
 @pytest.mark.parametrize("cls,field,value", [
     (RolloutConfig, "tp", 0),

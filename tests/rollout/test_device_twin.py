@@ -13,7 +13,7 @@ from torch import nn
 from device_twin import TWIN, assert_on_twin
 from mcore_rl.rollout.moe_install import MoEInstaller
 
-pytestmark = pytest.mark.device_twin
+pytestmark = [pytest.mark.device_twin, pytest.mark.fast]
 
 E, I, H, I_PAD = 2, 3, 4, 4
 

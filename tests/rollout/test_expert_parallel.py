@@ -6,6 +6,8 @@ import pytest
 from mcore_rl.config import ConfigError
 from mcore_rl.rollout.expert_parallel import engine_args
 
+pytestmark = pytest.mark.fast  # the fast tier: scripts/test.sh -m fast
+
 
 def test_engine_args_turn_on_vllm_ep_with_the_placement_the_layout_assumes():
     assert engine_args(False, on_cpu=True) == {}

@@ -15,6 +15,8 @@ from mcore_rl.tasks.base import Example
 from mcore_rl.tasks.tool_calc import ToolCalcTask, reward
 from mcore_rl.rollout.batches import build_batch
 
+pytestmark = pytest.mark.fast  # the fast tier: scripts/test.sh -m fast
+
 
 @pytest.fixture(scope="module")
 def tok(tmp_path_factory):

@@ -18,6 +18,8 @@ from mcore_rl.rollout.partial import PartialRolloutPipeline
 from mcore_rl.run.config import RLConfig
 from tests.support import DEMO_SIZED
 
+pytestmark = pytest.mark.fast  # the fast tier: scripts/test.sh -m fast
+
 EOS, CAP, N = 0, 7, 2
 
 

@@ -23,6 +23,8 @@ from mcore_rl.tasks.base import Example
 from .test_multi_turn import EXAMPLES, Scripted, runner, tok, tool_user  # noqa: F401
 from .test_partial_rollout_pipeline import EOS, FakeEngine
 
+pytestmark = pytest.mark.fast  # the fast tier: scripts/test.sh -m fast
+
 LAYERS, K = 3, 2
 
 

@@ -8,6 +8,8 @@ import pytest
 from mcore_rl.config import ConfigError, load_config
 from mcore_rl.run.config import RLConfig
 
+pytestmark = pytest.mark.fast  # the fast tier: scripts/test.sh -m fast
+
 
 def test_every_deadline_is_in_the_deadlines_section():
     cfg = load_config(RLConfig, None, ["deadlines.engine_call_s=90", "deadlines.reward_model_s=45"])

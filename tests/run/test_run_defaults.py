@@ -12,6 +12,8 @@ from mcore_rl.rollout.engine import Completion
 from mcore_rl.rollout.batches import build_batch, trained_tokens
 from mcore_rl.run.config import RLConfig, derived_micro_batch
 
+pytestmark = pytest.mark.fast  # the fast tier: scripts/test.sh -m fast
+
 DATA = "configs/data/word_problems.jsonl"
 # model, data and its keys, reward function, response length, steps and batch sizes: nothing else
 MINIMAL = ["model.hf_dir=/models/my-model", "task.kind=jsonl", f"task.path={DATA}",

@@ -19,6 +19,8 @@ from mcore_rl.run.config import RLConfig
 from mcore_rl.run.same_run import (MAY_CHANGE_ON_RESUME, check_same_run, differences,
                                    may_change)
 
+pytestmark = pytest.mark.fast  # the fast tier: scripts/test.sh -m fast
+
 ROOT = Path(__file__).resolve().parents[2]
 PPO, GRPO = ROOT / "configs" / "ppo_addition.yaml", ROOT / "configs" / "grpo_addition.yaml"
 

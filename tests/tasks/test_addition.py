@@ -6,6 +6,8 @@ from mcore_rl.config import ConfigError
 from mcore_rl.tasks import addition
 from mcore_rl.tasks.addition import EOS_TEXT, AdditionTask, expected_answer, reward
 
+pytestmark = pytest.mark.fast  # the fast tier: scripts/test.sh -m fast
+
 
 def test_format_and_answer():
     task = AdditionTask()

@@ -17,6 +17,8 @@ from mcore_rl.tasks.base import Example, Message
 from mcore_rl.tasks.jsonl import DatasetError, JsonlTask, read_jsonl
 from mcore_rl.tasks.tokenizer import encode_prompts, prompt_texts
 
+pytestmark = pytest.mark.fast  # the fast tier: scripts/test.sh -m fast
+
 SYSTEM = {"role": "system", "content": "Answer with the number only."}
 USER = {"role": "user", "content": "2+2?"}
 

@@ -15,6 +15,8 @@ from mcore_rl.tasks import AdditionTask, Example, TaskConfig, build_reward, buil
 from mcore_rl.tasks.jsonl import DatasetError, JsonlTask
 from mcore_rl.tasks.tokenizer import encode_prompt
 
+pytestmark = pytest.mark.fast  # the fast tier: scripts/test.sh -m fast
+
 DATA = Path(__file__).resolve().parents[2] / "configs" / "data"
 TRAIN, HELDOUT = DATA / "word_problems.jsonl", DATA / "word_problems_heldout.jsonl"
 

@@ -13,6 +13,8 @@ from mcore_rl.tasks.math import (
     reference_answer,
 )
 
+pytestmark = pytest.mark.fast  # the fast tier: scripts/test.sh -m fast
+
 GSM8K_REF = "Natalia sold 48/2 = 24 clips in May.\nAltogether 48+24 = 72 clips.\n#### 72"
 
 

@@ -6,6 +6,8 @@ import pytest
 from mcore_rl.tasks import tokenizer as tk
 from mcore_rl.tasks.addition import AdditionTask, reward
 
+pytestmark = pytest.mark.fast  # the fast tier: scripts/test.sh -m fast
+
 
 @pytest.fixture(scope="module")
 def tok_dir(tmp_path_factory):

@@ -8,6 +8,8 @@ from mcore_rl.tasks import tokenizer as tk
 from mcore_rl.tasks.config import TaskConfig, build_task
 from mcore_rl.tasks.tool_calc import ToolCalcTask, expected_answer, reward
 
+pytestmark = pytest.mark.fast  # the fast tier: scripts/test.sh -m fast
+
 
 def test_reward_is_the_exact_answer_after_the_last_observation():
     p = "37*45="

@@ -9,6 +9,8 @@ from mcore_rl.tasks.envs import (EpisodeConfig, MalformedCall, TagFormat, ToolCa
                            calculator_env, load_env_factory, tools_env)
 from mcore_rl.tasks.base import Example
 
+pytestmark = pytest.mark.fast  # the fast tier: scripts/test.sh -m fast
+
 FMT = TagFormat()
 
 

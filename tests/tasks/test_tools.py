@@ -10,6 +10,8 @@ from mcore_rl.config import ConfigError
 from mcore_rl.tasks.envs.tools import (CalculatorLimits, ToolError, calculate, lookup,
                                  lookup_table)
 
+pytestmark = pytest.mark.fast  # the fast tier: scripts/test.sh -m fast
+
 
 @pytest.mark.parametrize("expr,want", [
     ("37*45", "1665"), ("12*(3+4)", "84"), ("7/2", "3.5"), ("6/3", "2"), ("7//2", "3"),

@@ -4,6 +4,7 @@ reports and the same weights, bit for bit — so the controller waits once per s
 
 import os
 
+import pytest
 import torch
 
 from mcore_rl.algorithms import AlgorithmConfig
@@ -95,6 +96,7 @@ def fused_intent_rank(rank, world_size, model_dir):
                          for role, c in configs.items()}}
 
 
+@pytest.mark.fast  # (the fast tier: scripts/test.sh -m fast)
 def test_an_actor_rank_builds_without_the_fused_kernels_its_node_lacks(tmp_path):
     """N1: the plan asks every GPU run's trainers for apex's weight-grad accumulation; a rank
     whose node lacks apex's fused_weight_gradient_mlp_cuda turns it off before it builds (it
