@@ -65,10 +65,26 @@ def region_digest(x: torch.Tensor, box: Box, shape: Sequence[int], *,
     if x.numel() != math.prod(extents):
         raise ValueError(f"a region of {x.numel()} elements for box {list(box)}")
     per = max(1, torch.empty((), dtype=dtype).element_size() // 4)  # int32 units per element
-    rows, lane1 = _mixed_sums(x.reshape(math.prod(extents[:-1]), extents[-1]), dtype, per)
-    base = _row_bases(box, tuple(shape), x.device) * per  # each row's first unit
-    lane1 = lane1 + (base.to(torch.int32) * rows).sum(dtype=torch.int32)
-    return torch.stack([rows.sum(dtype=torch.int32), lane1])
+    nrows = math.prod(extents[:-1])
+    rows, lane1 = _mixed_sums(x.reshape(nrows, extents[-1]), dtype, per)
+    total = rows.sum(dtype=torch.int32)
+    strides = [math.prod(shape[d + 1:]) for d in range(len(shape))]
+    varying = [strides[d] for d, (start, stop) in enumerate(box[:-1]) if stop - start > 1]
+    if len(varying) <= 1:  # rows start at first + r · step (a matrix or a vector, stacked)
+        first = sum(start * strides[d] for d, (start, _) in enumerate(box)) * per
+        lane1 = lane1 + total * _int32(first)
+        if varying:
+            r = torch.arange(nrows, dtype=torch.int32, device=x.device)
+            lane1 = lane1 + (r * rows).sum(dtype=torch.int32) * _int32(varying[0] * per)
+    else:
+        base = _row_bases(box, tuple(shape), x.device) * per  # each row's first unit
+        lane1 = lane1 + (base.to(torch.int32) * rows).sum(dtype=torch.int32)
+    return torch.stack([total, lane1])
+
+
+def _int32(n: int) -> int:
+    """n mod 2^32 as a signed 32-bit value (an int32 tensor's multiplier)."""
+    return (n + (1 << 31)) % (1 << 32) - (1 << 31)
 
 
 def tensor_digest(x: torch.Tensor, *, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -93,13 +109,18 @@ def _mixed_sums(x2: torch.Tensor, dtype: torch.dtype, per: int
     units each), in two int32 buffers reused by every block."""
     device, (nrows, ncols) = x2.device, x2.shape
     block = _BLOCK.get(device.type, _BLOCK_DEVICE)
+    cols = torch.arange(ncols * per, dtype=torch.int32, device=device)
+    if nrows * ncols * per <= block:  # one block (most tensors): no buffers, no accumulation
+        units = _units(x2, dtype)
+        b = units * _C1 if units.dtype == torch.int32 else units.to(torch.int32).mul_(_C1)
+        b.bitwise_xor_(b.bitwise_right_shift(15).bitwise_and_(_LOW17))
+        return b.sum(1, dtype=torch.int32), b.mul_(cols).sum(dtype=torch.int32)
     rows = torch.zeros(nrows, dtype=torch.int32, device=device)
     by_col = torch.zeros((), dtype=torch.int32, device=device)
     col_step = max(1, min(ncols, block // per))
     row_step = max(1, block // (col_step * per))
     buf = torch.empty((min(row_step, nrows), col_step * per), dtype=torch.int32, device=device)
     tmp = torch.empty_like(buf)
-    cols = torch.arange(ncols * per, dtype=torch.int32, device=device)
     for c0 in range(0, ncols, col_step):
         for r0 in range(0, nrows, row_step):
             units = _units(x2[r0:r0 + row_step, c0:c0 + col_step], dtype)

@@ -19,6 +19,8 @@ from mcore_rl.resharding.digest import region_digest, tensor_digest
 from mcore_rl.resharding.schedule import compile_schedule
 
 MICRO = get_preset("micro")
+MOE = MICRO.with_(family="qwen3_moe", architecture="Qwen3MoeForCausalLM", qk_norm=True,
+                  num_experts=4, moe_ffn=64, experts_per_token=2)
 WORD = 1 << 32
 
 
@@ -64,17 +66,28 @@ def test_blocks_do_not_change_the_digest(monkeypatch):
         assert lanes(tensor_digest(t.double())) == reference(t.double()), block
 
 
-@pytest.mark.parametrize("wire", [torch.float32, torch.bfloat16])
-def test_pieces_sent_add_up_to_the_tensor_installed(wire):
-    """Training TP2·PP2 → vLLM TP2 (fused [q; k; v], [gate; up], padded vocabulary, kv heads
-    split): for every (inference rank, tensor), the digests of the pieces the training ranks
-    send — taken from their own fp32 parameters, in the wire dtype, placed by the plan's
+# (model, training grid, vLLM TP, wire dtype)
+PIECES = {
+    # fused [q; k; v] and [gate; up], padded vocabulary, kv heads split; fp32 wire
+    "llama tp2pp2 -> tp2": (MICRO, ParallelConfig(tp=2, pp=2), 2, torch.float32),
+    # the same, a bf16 wire from fp32 parameters (each piece cast as it is digested)
+    "llama tp2pp2 -> tp2 bf16": (MICRO, ParallelConfig(tp=2, pp=2), 2, torch.bfloat16),
+    # EP2 experts into vLLM's stacked w13 / w2: 3-D boxes, one expert each
+    "qwen3-moe ep2 -> tp2": (MOE, ParallelConfig(dp=2, ep=2), 2, torch.float32),
+}
+
+
+@pytest.mark.parametrize("case", PIECES)
+def test_pieces_sent_add_up_to_the_tensor_installed(case):
+    """For every (inference rank, tensor), the digests of the pieces the training ranks send
+    — taken from their own fp32 parameters, in the wire dtype, placed by the plan's
     destination boxes — sum to the digest of the tensor the receiver assembles."""
-    src, dst = megatron_shards(MICRO, ParallelConfig(tp=2, pp=2)), vllm_shards(MICRO, 2)
+    spec, parallel, tp, wire = PIECES[case]
+    src, dst = megatron_shards(spec, parallel), vllm_shards(spec, tp)
     plan = build_plan(src, dst, bucket_bytes=8 << 10,
                       element_size=torch.empty((), dtype=wire).element_size())
     g = torch.Generator().manual_seed(1)
-    hf = {n: torch.randn(s, generator=g) for n, s in hf_shards(MICRO).hf_shapes.items()}
+    hf = {n: torch.randn(s, generator=g) for n, s in hf_shards(spec).hf_shapes.items()}
     sent: dict[tuple[int, str], list[int]] = {}
     for rank in range(plan.num_src):
         local = materialize_rank(src, rank, hf.__getitem__)
