@@ -18,6 +18,8 @@ from mcore_rl.resharding import build_plan, digest
 from mcore_rl.resharding.digest import region_digest, tensor_digest
 from mcore_rl.resharding.schedule import compile_schedule
 
+pytestmark = pytest.mark.fast  # the fast tier: scripts/test.sh -m fast
+
 MICRO = get_preset("micro")
 MOE = MICRO.with_(family="qwen3_moe", architecture="Qwen3MoeForCausalLM", qk_norm=True,
                   num_experts=4, moe_ffn=64, experts_per_token=2)

@@ -16,7 +16,7 @@ from mcore_rl.parallel import ParallelConfig
 from mcore_rl.resharding import build_plan, send_shards
 from mcore_rl.resharding.digest import DigestLedger, region_digest, tensor_digest
 
-pytestmark = pytest.mark.device_twin
+pytestmark = [pytest.mark.device_twin, pytest.mark.fast]
 
 MICRO = get_preset("micro")
 
