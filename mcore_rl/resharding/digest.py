@@ -4,7 +4,7 @@ device, compared by all ranks of the sync group at the end of the sync.
 Each training rank digests what it sends (per transfer, as the region of the destination tensor
 it fills); each inference rank digests what it installed (per tensor, whole). For every
 (inference rank, tensor) the pieces' digests summed over the senders must equal the installed
-tensor's digest; `DigestLedger.compare` checks all of them in one all-reduce on the group's gloo
+tensor's digest; `DigestTally.compare` checks all of them in one all-reduce on the group's gloo
 control group and raises a `SyncError` that names the tensor, the inference rank that holds it
 and the training ranks that sent it.
 
@@ -20,7 +20,8 @@ odd multiply would change no comparison, the sums being linear),
 pos_i: the unit's flat index in the *destination* tensor. Integer sums wrap mod 2^32, so they
 are exact, equal on every device and independent of order: the pieces digested on the senders
 add up to the digest of the whole tensor on its receiver, however the plan cut it. A changed
-element always changes lane 0 (h is a bijection); two swapped ones change lane 1.
+element always changes lane 0 (h is a bijection); two different elements swapped an odd
+distance apart always change lane 1 (at a distance divisible by 2^k, all but about 2^(k-32)).
 
 Cost: pos = rowbase + col, so lane 1 = Σ_rows rowbase · rowsum + Σ col · h(u): a region costs
 the mix, a row sum and a column-weighted sum, in cache-sized blocks, and no per-element index
