@@ -11,7 +11,6 @@ from mcore_rl.layouts import materialize_rank, vllm_shards
 from mcore_rl.models.hf_factory import make_hf_model_dir
 from mcore_rl.models.hf_reference import greedy_generate, load_hf_model
 from mcore_rl.rollout import RolloutConfig, RolloutEngine, SamplingConfig
-from mcore_rl.rollout.weight_transfer import coverage_problem
 
 from .helpers import MAX_MODEL_LEN, SPEC, perturbed, prompts
 
@@ -30,6 +29,10 @@ def tied_dir(tmp_path_factory):
 
 
 def test_installing_a_tied_embedding_repacks_the_lm_head(tied_dir):
+    # (imported here: weight_transfer imports vLLM, and the GPU check collects this module
+    # on a machine without it — tests/test_gpu_check.py)
+    from mcore_rl.rollout.weight_transfer import coverage_problem
+
     engine = RolloutEngine(tied_dir, RolloutConfig(max_model_len=MAX_MODEL_LEN,
                                                    kv_cache_gib=0.25),
                            call_timeout_s=600.0)
