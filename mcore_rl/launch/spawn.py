@@ -320,11 +320,8 @@ def _stop_slots(slots: list[_Slot], kill: bool) -> None:
         elif not kill:
             with contextlib.suppress(Exception):
                 slot.tasks.put(None)
+    _reap([slot.process for slot in slots])
     for slot in slots:
-        slot.process.join(timeout=5.0)
-        if slot.process.is_alive():
-            slot.process.kill()
-            slot.process.join(timeout=5.0)
         slot.tasks.cancel_join_thread()  # a killed reader leaves the feeder nothing to flush to
         slot.tasks.close()
     slots.clear()
@@ -484,11 +481,7 @@ class RankPool:
         why = f"rank {rank} (pid {self._slots[rank].process.pid}): " + "; ".join(left)
         self.retired.append(why)
         warnings.warn(f"RankPool: a process was not reused: {why}", stacklevel=2)
-        process = self._slots[rank].process
-        process.join(timeout=5.0)
-        if process.is_alive():
-            process.kill()
-            process.join(timeout=5.0)
+        _reap([self._slots[rank].process])
 
     def _retire_all(self, why: str) -> None:
         self.retired.append(why)
