@@ -65,7 +65,7 @@ def region_digest(x: torch.Tensor, box: Box, shape: Sequence[int], *,
     extents = [stop - start for start, stop in box] or [1]
     if x.numel() != math.prod(extents):
         raise ValueError(f"a region of {x.numel()} elements for box {list(box)}")
-    per = max(1, torch.empty((), dtype=dtype).element_size() // 4)  # int32 units per element
+    per = max(1, dtype.itemsize // 4)  # int32 units per element
     nrows = math.prod(extents[:-1])
     rows, lane1 = _mixed_sums(x.reshape(nrows, extents[-1]), dtype, per)
     total = rows.sum(dtype=torch.int32)
