@@ -3,17 +3,16 @@
 # GPU check machine, which has Python 3.12, torch and CUDA but no network. Run this on a machine
 # WITH network, then carry the checkout (with .whl/) over.
 #
-# Only small pure-Python wheels the tested modules import and the GPU image lacks: megatron-core
-# (2.6 MB cp312 wheel; its own requirements torch, numpy and packaging are in the image, as are
-# PyYAML, rich, safetensors, transformers, sentencepiece, psutil and pytest), and the test
-# dependencies pytest needs to collect the suite: pytest-timeout, hypothesis and its one
-# requirement sortedcontainers (setup.cfg's `test` pins). vLLM, TransformerEngine and Ray are
-# neither carried nor needed: the GPU checks that need them skip naming them.
+# Only what the GPU image lacks (/work/.library/device/KINDS.md lists its packages):
+# megatron-core (2.6 MB cp312 wheel; its own requirements torch, numpy and packaging are in the
+# image, as are PyYAML, rich, safetensors, transformers, sentencepiece, psutil, pytest,
+# pytest-timeout and hypothesis). pytest-timeout comes along in case an image lacks it (pytest
+# needs it to collect the suite). vLLM, TransformerEngine and Ray are neither carried nor
+# needed: the GPU checks that need them skip naming them.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PIP=${PIP:-"python3 -m pip"}  # any pip works: it only downloads
 mkdir -p .whl
 $PIP download --no-deps --only-binary=:all: --python-version 3.12 \
-    --platform manylinux_2_28_x86_64 --dest .whl megatron-core==0.16.1 \
-    pytest-timeout==2.4.0 hypothesis==6.170.15 sortedcontainers==2.4.0
+    --platform manylinux_2_28_x86_64 --dest .whl megatron-core==0.16.1 pytest-timeout==2.4.0
 ls -l .whl

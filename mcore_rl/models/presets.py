@@ -25,6 +25,13 @@ PRESETS: dict[str, ModelSpec] = {
     "tiny": ModelSpec(**_LLAMA, hidden=1024, ffn=2816, heads=8, kv_heads=4, head_dim=128,
                       layers=4, vocab=32000, max_positions=2048),
     # Published shapes (HF config.json of the released checkpoints).
+    # Llama 3.2 1B: the ~1B shape the GPU check trains on one device (tied embeddings).
+    "llama3.2-1b": ModelSpec(**_LLAMA, hidden=2048, ffn=8192, heads=32, kv_heads=8,
+                             head_dim=64, layers=16, vocab=128256, tied_embeddings=True,
+                             rope_theta=500000.0, max_positions=131072,
+                             rope_scaling={"rope_type": "llama3", "factor": 32.0,
+                                           "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                           "original_max_position_embeddings": 8192}),
     "llama3-8b": ModelSpec(**_LLAMA, hidden=4096, ffn=14336, heads=32, kv_heads=8,
                            head_dim=128, layers=32, vocab=128256, rope_theta=500000.0,
                            max_positions=8192),

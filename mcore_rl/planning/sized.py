@@ -65,6 +65,8 @@ class SizedRun:
     (device "gpu"/"cpu"). spec: the policy's shapes; reward_spec: the reward model's (None
     when it is off). model: what the shapes were read from (a preset, a directory, or the
     demo spec). assume_gpu: whether the device was assumed (kept for re-sizing variants).
+    layer_spec: the layer spec the trainers build, where it is not the device's (the GPU check
+    trains with the local spec on a GPU without TransformerEngine); None: the device's.
     """
 
     cfg: "RLConfig"
@@ -74,6 +76,7 @@ class SizedRun:
     reward_spec: ModelSpec | None
     model: str | ModelSpec
     assume_gpu: bool = False
+    layer_spec: str | None = None
 
     @property
     def model_name(self) -> str:
@@ -82,7 +85,7 @@ class SizedRun:
     @property
     def kernels(self) -> str:
         """The layer kernels the activation estimate assumes: the resolved layer spec."""
-        return layer_spec_of(self.device)
+        return self.layer_spec or layer_spec_of(self.device)
 
     @property
     def sync_backend(self) -> str:
@@ -172,7 +175,8 @@ def with_overrides(run: SizedRun, overrides: list[str] | tuple[str, ...]) -> Siz
     else:
         cluster = resolved_cluster(cfg, device, cuda_available=on_gpu)
     return SizedRun(cfg=cfg, device=device, cluster=cluster, spec=run.spec,
-                    reward_spec=run.reward_spec, model=run.model, assume_gpu=run.assume_gpu)
+                    reward_spec=run.reward_spec, model=run.model, assume_gpu=run.assume_gpu,
+                    layer_spec=run.layer_spec)
 
 
 __all__ = ["GiB", "SizedRun", "TRAINER_GRAD_DTYPE", "model_name", "resolve_model", "sized_run",
