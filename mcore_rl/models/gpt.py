@@ -331,6 +331,10 @@ def build_gpt_model(spec: ModelSpec, parallel: ParallelConfig, groups: ParallelG
         )
         if params_dtype == torch.bfloat16:
             model.bfloat16()
+        if groups.device != "cpu":
+            # what megatron's own get_model does: not every module megatron builds allocates on
+            # the current device (its torch-norm fallback of the local spec starts on the host)
+            model.to(groups.device)
         chunks.append(model)
     return chunks
 

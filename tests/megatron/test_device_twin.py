@@ -263,3 +263,29 @@ def test_routing_replay_hook_on_the_router_device():
 
 def _topk(scores, topk, num_groups=None, group_topk=None):
     return torch.topk(scores, k=topk, dim=1)
+
+
+def _chunk_devices(rank, world, device):
+    """The devices of every parameter and buffer of a micro GPTModel built for a rank whose
+    run plan put it on `device` (megatron's local spec, bf16, as the GPU check trains)."""
+    from dataclasses import replace
+
+    from mcore_rl.models.gpt import build_gpt_model
+    from mcore_rl.models.presets import get_preset
+    from mcore_rl.parallel import ParallelConfig
+    from mcore_rl.parallel.groups import init_training_groups
+
+    groups = replace(init_training_groups(ParallelConfig()), device=device)
+    (chunk,) = build_gpt_model(get_preset("micro"), ParallelConfig(), groups,
+                               params_dtype=torch.bfloat16)
+    return sorted({t.device.type for t in [*chunk.parameters(), *chunk.buffers()]})
+
+
+def test_a_built_model_is_wholly_on_the_ranks_device():
+    """models.gpt.build_gpt_model left the local spec's torch norms (megatron's fallback
+    without apex) on the host: a GPU rank's megatron optimizer then refused the CPU bf16
+    parameters at setup (first seen on an H200, scripts/gpu_check.sh)."""
+    from mcore_rl.launch.spawn import run_on_ranks
+
+    (devices,) = run_on_ranks(_chunk_devices, 1, str(TWIN))
+    assert devices == [TWIN.type]
