@@ -145,6 +145,7 @@ def actor_part(config: Path, overrides: list[str], updates: int, device: torch.d
         out["memory_after_build_bytes"] = torch.cuda.memory_allocated(device)
     prompt = cfg.max_prompt_tokens or seq // 8
     logprob_s, update_s, peaks, resident, reports = [], [], [], [], []
+    logprob_peaks: list[int] = []
     for u in range(updates):
         batch = made_up_rollouts(rows, seq, prompt, spec.vocab, derive_seed(cfg.seed, "data", u),
                                  device)
@@ -157,6 +158,9 @@ def actor_part(config: Path, overrides: list[str], updates: int, device: torch.d
         old = torch.cat(compute_logprobs(trainer, forward))
         _sync(device)
         mid = time.perf_counter()
+        if on_gpu:
+            logprob_peaks.append(torch.cuda.max_memory_allocated(device))
+            torch.cuda.reset_peak_memory_stats(device)
         micro = [PolicyBatch(tokens=batch["tokens"][i:i + mbs], labels=batch["labels"][i:i + mbs],
                              response_mask=batch["response_mask"][i:i + mbs],
                              old_logp=old[i:i + mbs], advantages=batch["advantages"][i:i + mbs])
@@ -188,10 +192,42 @@ def actor_part(config: Path, overrides: list[str], updates: int, device: torch.d
         out["throughput"].update({
             "datasheet_peak_tflops": peak, "mfu": achieved / peak if peak else None,
             "matmul_tflops": matmul, "fraction_of_matmul": achieved / matmul})
-    out["memory"] = _memory_report(planned, peaks, resident) if on_gpu else {
+    if on_gpu:
+        out["memory"] = {**_memory_report(planned, peaks, resident),
+                         "measured_logprob_peak_bytes": logprob_peaks,
+                         "policy_loss": loss_transient(trainer, cfg.algorithm, mbs, seq, device)}
+    else:
+        out["memory"] = {
         "planned_bytes": planned.total, "planned_resident_bytes": planned.resident,
-        "measured": None, "why": "torch's allocator statistics are CUDA's: measured on a GPU"}
+            "measured": None, "why": "torch's allocator statistics are CUDA's: measured on a GPU"}
     return out
+
+
+def loss_transient(trainer, algo, rows: int, seq: int, device: torch.device) -> dict:
+    """What the policy loss itself allocates beyond its input logits, forward and backward,
+    for one micro batch: bytes, and in fp32 vocabulary rows ([rows·seq, V/tp] fp32), the unit
+    the planner's logits terms are in."""
+    from mcore_rl.megatron.policy import PolicyBatch, _policy_loss
+
+    vocab = trainer.spec.mcore_padded_vocab(trainer.groups.config.tp) // trainer.groups.config.tp
+    g = torch.Generator(device=device).manual_seed(0)
+    logits = torch.randn(rows, seq, vocab, device=device, generator=g,
+                         dtype=torch.bfloat16).requires_grad_()
+    ids = torch.randint(0, trainer.spec.vocab, (rows, seq), device=device, generator=g)
+    mask = torch.ones(rows, seq, device=device)
+    batch = PolicyBatch(tokens=ids, labels=ids, response_mask=mask,
+                        old_logp=torch.full((rows, seq), -10.0, device=device),
+                        advantages=torch.ones(rows, seq, device=device))
+    _sync(device)
+    base = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    loss, _, _ = _policy_loss(batch, algo, trainer, logits)
+    loss.backward()
+    _sync(device)
+    extra = torch.cuda.max_memory_allocated(device) - base
+    unit = rows * seq * vocab * 4
+    return {"extra_peak_bytes": extra, "fp32_vocab_rows": extra / unit,
+            "logits_dtype": "bfloat16", "rows": rows, "seq": seq, "vocab_per_rank": vocab}
 
 
 def _memory_report(planned, peaks: list[int], resident: list[int]) -> dict:
@@ -224,6 +260,7 @@ def refit_part(model: str, repeats: int, bucket_mb: float, device: torch.device)
     report = run_sync_bench(cfg)
     received = max(report["bytes_received"].values())
     copy = copy_gbs(received, device)
+    alone = digest_alone(model, device)
     return {"ran": True, "device": _device_name(device), "model": model,
             "bytes_per_sync": received, "check": report["check"],
             "check_failures": report["check_failures"], "sync_s": report["wall_s"],
@@ -232,7 +269,32 @@ def refit_part(model: str, repeats: int, bucket_mb: float, device: torch.device)
             "copy_gbs": copy, "sync_over_copy": report["sync_gbs_per_receiver"] / copy,
             "digest_s": report["digest_s"], "compare_s": report["compare_s"],
             "digest_share": report["digest_share"],
-            "max_train_peak_extra_bytes": report["max_train_peak_extra_bytes"]}
+            "max_train_peak_extra_bytes": report["max_train_peak_extra_bytes"],
+            "digest_alone": alone}
+
+
+def digest_alone(model: str, device: torch.device, repeats: int = 3) -> dict:
+    """The installed-bytes digest of every tensor of `model` in bf16 on `device`, alone (no
+    sync beside it): seconds per whole model and GB/s — what a receiver pays per sync."""
+    from mcore_rl.bench.sync import resolve_model
+    from mcore_rl.layouts import hf_shards
+    from mcore_rl.resharding.digest import tensor_digest
+
+    shapes = hf_shards(resolve_model(model)).hf_shapes
+    tensors = [torch.empty(shape, dtype=torch.bfloat16, device=device).random_(-1000, 1000)
+               for shape in shapes.values()]
+    nbytes = sum(t.numel() * t.element_size() for t in tensors)
+    runs = []
+    for _ in range(repeats + 1):
+        _sync(device)
+        start = time.perf_counter()
+        digests = torch.stack([tensor_digest(t) for t in tensors])
+        _sync(device)
+        runs.append(time.perf_counter() - start)
+    del digests
+    seconds = statistics.median(runs[1:])
+    return {"tensors": len(tensors), "bytes": nbytes, "seconds": seconds,
+            "gbs": nbytes / seconds / 1e9, "seconds_runs": runs[1:]}
 
 
 # --- the summary ---------------------------------------------------------------------------------

@@ -2,10 +2,11 @@
 without CUDA.
 
 megatron-core hard-codes CUDA in ~250 places (device="cuda" literals, torch.cuda.current_device(),
-the CUDA RNG tracker, `.type() == 'torch.cuda.FloatTensor'` asserts). On GPU none of this is
-applied. On CPU, `apply()` installs the smallest set of shims that made TP, PP, VPP, SP, DP and
-the distributed optimizer match the one-process model (tests/compat shows each one is still
-needed and still applied). Each shim is written against megatron-core `MEGATRON_CORE_VERSION`;
+the CUDA RNG tracker, `.type() == 'torch.cuda.FloatTensor'` asserts). On CPU, `apply()` installs
+the smallest set of shims that made TP, PP, VPP, SP, DP and the distributed optimizer match the
+one-process model (tests/compat shows each one is still needed and still applied). On GPU only
+`WITHOUT_TE` is applied: a gap megatron-core has without TransformerEngine whatever the device
+(first seen on an H200 with the local spec). Each shim is written against megatron-core `MEGATRON_CORE_VERSION`;
 `apply()` refuses any other version instead of patching code it was not checked against.
 """
 
@@ -19,6 +20,9 @@ import torch
 from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
 
 MEGATRON_CORE_VERSION = "0.16.1"
+
+# Shims of megatron-core bugs without TransformerEngine on any device (applied on GPU too)
+WITHOUT_TE = ("moe_router_gemm",)
 
 # Marks a function installed by this module, so `apply()` can tell it already ran.
 _SHIM_ATTR = "_mcore_rl_cpu_shim"

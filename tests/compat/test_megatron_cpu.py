@@ -305,3 +305,33 @@ def test_refuses_other_megatron_versions():
     with pytest.raises(MegatronVersionError, match="0.17.0.*written and tested for 0.16.1"):
         check_version("0.17.0")
     check_version("0.16.1")
+
+
+def _cuda_rank_compat(rank, world):
+    """What a CUDA rank's model build applies (`apply_cpu_compat` with its device)."""
+    from mcore_rl.compat import apply_cpu_compat
+    from mcore_rl.compat import megatron_cpu
+    from megatron.core.transformer.moe import moe_utils
+
+    installed = apply_cpu_compat("cuda:0")
+    modes = sum(isinstance(m, megatron_cpu.CudaToCpuMode)
+                for m in megatron_cpu._get_current_function_mode_stack())
+    return {"installed": installed, "modes": modes,
+            "router_gemm": _attempt(_moe_router_gemm),
+            "te_general_gemm_defined": hasattr(moe_utils, "te_general_gemm")}
+
+
+def test_a_cuda_rank_gets_the_shims_of_megatrons_gaps_without_te_only():
+    """megatron-core's MoE router raised NameError (te_general_gemm) on an H200 without
+    TransformerEngine: that shim is not about the device, so a CUDA rank applies it too, and
+    nothing else (no device rewrite)."""
+    from mcore_rl.compat import megatron_cpu
+    from megatron.core.extensions.transformer_engine import HAVE_TE
+
+    if HAVE_TE:
+        pytest.skip("TransformerEngine is installed: megatron-core defines te_general_gemm")
+    got = run_on_ranks(_cuda_rank_compat, 1, timeout_s=120, init_default_group=False,
+                       fresh_processes=True)[0]
+    assert got["installed"] == list(megatron_cpu.WITHOUT_TE) == ["moe_router_gemm"]
+    assert got["modes"] == 0 and got["te_general_gemm_defined"]
+    assert got["router_gemm"] == {"ok": True, "value": PROBES["moe_router_gemm"][1]}
