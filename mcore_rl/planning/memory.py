@@ -307,6 +307,12 @@ def last_stage_terms(spec: ModelSpec, seq: int, micro_batch: int, model: Activat
     return terms
 
 
+# The actor's loss (megatron/policy.py: log-prob and entropy over this rank's vocabulary in
+# fp32, forward and backward) holds up to this many fp32 [s·b, V/tp] buffers at its peak, where
+# megatron's LM loss keeps one; `scripts/gpu_check.sh` measures it (actor.memory.policy_loss).
+POLICY_LOSS_FP32_ROWS = 5
+
+
 def role_train(run: SizedRun, role: str) -> TrainConfig:
     """The TrainConfig a training role runs with: the critic its own, the actor and the
     reference the run's `train`."""
@@ -332,6 +338,9 @@ def training_rank(run: SizedRun, spec: ModelSpec, role: str, stage: int) -> Rank
     act = activation_model(run, t)
     last = stage == par.pp - 1
     tail = last_stage_terms(spec, s, b, act, head) if last else {}
+    if role == "actor" and last:  # the policy loss instead of the LM loss's kept fp32 logits
+        tail["policy loss (fp32 vocab rows)"] = (POLICY_LOSS_FP32_ROWS
+                                                 * tail.pop("logits (fp32, kept)"))
     if role == "reference":  # forward only: nothing kept; one micro batch's logits at a time
         if last:
             logits = tail.get("logits (fp32, kept)", 0) + tail.get("logits (transient)", 0)
@@ -496,7 +505,7 @@ def plan_memory(run: SizedRun) -> MemoryPlan:
                       devices=tuple(devices), notes=tuple(notes))
 
 
-__all__ = ["ActivationModel", "Component", "DeviceMemory", "MemoryPlan", "Phase",
+__all__ = ["POLICY_LOSS_FP32_ROWS", "ActivationModel", "Component", "DeviceMemory", "MemoryPlan", "Phase",
            "RankMemory", "StateBytes", "Suggestion", "in_flight_layers", "kv_bytes_per_token",
            "last_stage_terms", "layer_activation_bytes", "layer_activation_terms",
            "mcore_layer_params", "mcore_stage_params", "plan_memory", "recompute_workspace",

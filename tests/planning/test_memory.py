@@ -22,6 +22,7 @@ from mcore_rl.planning.memory import (
     mcore_stage_params,
     plan_memory,
     state_bytes_per_param,
+    POLICY_LOSS_FP32_ROWS,
     training_rank,
     vllm_rank_params,
 )
@@ -274,3 +275,29 @@ def test_routing_replay_plans_the_replayed_experts():
         actor = [r for r in plan.roles if r.role == "actor"][0]
         got = {c.name: c.bytes for c in actor.components}.get("MoE routing (replay)")
         assert got == expected
+
+
+def test_the_actor_plan_covers_the_update_peak_measured_on_a_gpu():
+    """`scripts/gpu_check.sh` on an H200 (docs/benchmarks/gpu-check-h200.json): the policy
+    update of configs/bench/gpu_actor.yaml (Llama 3.2 1B, TP1, bf16, local spec) peaked 8 %
+    above this plan while it counted the LM loss's one fp32 vocabulary buffer for the policy
+    loss, which holds five. The plan must cover the measured peak (without planning more
+    than 10 % above it), the policy loss's own measured peak, and the resident states."""
+    import json
+    from dataclasses import replace
+
+    from mcore_rl.bench.gpu import ACTOR_CONFIG
+
+    root = Path(__file__).resolve().parents[2]
+    measured = json.loads((root / "docs" / "benchmarks" / "gpu-check-h200.json").read_text())
+    memory = measured["actor"]["memory"]
+    run = replace(sized_run(load_config(RLConfig, ACTOR_CONFIG), assume_gpu=True,
+                            cuda_available=True), layer_spec="local")
+    rank = training_rank(run, run.spec, "actor", 0)
+    peak = max(memory["measured_peak_bytes"])
+    assert peak <= rank.total <= 1.1 * peak, (rank.total, peak)
+    # the loss's own peak beyond its bf16 input logits, in fp32 [s·b, V] buffers (plus a few
+    # [s·b] per-token tensors: a fraction of a row)
+    assert POLICY_LOSS_FP32_ROWS == round(memory["policy_loss"]["fp32_vocab_rows"])
+    resident = memory["measured_resident_bytes"][-1]
+    assert abs(rank.resident - resident) <= 0.05 * resident, (rank.resident, resident)
