@@ -43,30 +43,56 @@ def _unlink(path: str) -> None:
         pass
 
 
-# torch reads its allocator settings from either variable (PYTORCH_ALLOC_CONF is the newer name)
+# torch reads its allocator settings from the first of these that is set (PYTORCH_ALLOC_CONF is
+# the newer name)
 _ALLOC_CONF_VARS = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
+_EXPANDABLE = "expandable_segments"
+
+
+def allocator_conf(env=None) -> str:
+    """The allocator settings the process runs with ("" when none are set)."""
+    env = os.environ if env is None else env
+    return next((env[var] for var in _ALLOC_CONF_VARS if env.get(var)), "")
+
+
+def _fields(conf: str) -> list[str]:
+    return [f.strip() for f in conf.split(",") if f.strip()]
+
+
+def with_flag(conf: str, key: str, enabled: bool) -> str:
+    """`conf` with `key` set to `enabled`, every other field as it was: torch resets every
+    option a settings string it is handed leaves out (max_split_size_mb, the garbage
+    collection threshold, ...), so a bare "expandable_segments:False" would drop them."""
+    want = f"{key}:{enabled}"
+    fields = _fields(conf)
+    for i, field in enumerate(fields):
+        if field.partition(":")[0].strip() == key:
+            fields[i] = want
+            return ",".join(fields)
+    return ",".join(fields + [want])
 
 
 def expandable_segments_on(env=None) -> bool:
     """Whether the process's allocator settings turn expandable segments on."""
-    env = os.environ if env is None else env
-    return any("expandable_segments:true" in env.get(var, "").replace(" ", "").lower()
-               for var in _ALLOC_CONF_VARS)
+    return any(name.strip() == _EXPANDABLE and value.strip().lower() in ("true", "1")
+               for name, _, value in (f.partition(":") for f in _fields(allocator_conf(env))))
 
 
 @contextlib.contextmanager
 def classic_segments(env=None, set_allocator_settings=None):
     """Allocations inside the block come from classic segments: with expandable segments on,
-    they are turned off for the block (torch's runtime allocator setting), then back on."""
+    they are turned off for the block (torch's runtime allocator setting, the process's other
+    options kept), then the process's settings are put back whole."""
     if not expandable_segments_on(env):
         yield
         return
+    conf = allocator_conf(env)
     apply = set_allocator_settings or torch.cuda.memory._set_allocator_settings
-    apply("expandable_segments:False")
+    apply(with_flag(conf, _EXPANDABLE, False))
     try:
         yield
     finally:
-        apply("expandable_segments:True")
+        apply(conf)
 
 
 class SharedStaging:
