@@ -238,6 +238,7 @@ def resolve_run(cfg: "RLConfig", *, assume_gpu: bool = False,
     actor_slots = set(plan.actor)
     transports = tuple("ipc" if any(s in actor_slots for s in slots) else "p2p"
                        for slots in plan.engines)
+    check_late_engines(cfg.rollout, device, "ipc" in transports)
 
     def where(index: int) -> str:
         return f"cuda:{index}" if device == "cuda" else "cpu"
@@ -270,6 +271,21 @@ def resolve_run(cfg: "RLConfig", *, assume_gpu: bool = False,
     )
 
 
+def check_late_engines(rollout: RolloutConfig, device: Device, shared_devices: bool) -> None:
+    """Late engines (`rollout.startup_engines`) start while step 1 trains. On GPUs the
+    trainers also use (colocated) that is the start-up race the run otherwise avoids by
+    building the trainers first: vLLM sizes itself against the free memory it measures while
+    it starts and fails when another process allocates or frees meanwhile. Refused there."""
+    late = rollout.startup_engines is not None and rollout.startup_engines < rollout.engines
+    if late and device == "cuda" and shared_devices:
+        raise ConfigError("rollout.startup_engines", rollout.startup_engines,
+                          f"{rollout.engines - rollout.startup_engines} engines would start "
+                          "vLLM on GPUs the trainer is training on (they share devices with "
+                          "actor ranks: cluster.placement=colocated), and vLLM fails its "
+                          "start-up when memory changes meanwhile; set it to null (every "
+                          "engine starts before the first step)")
+
+
 def trainers_fuse_kernels(configured: bool | None, layer_spec: str) -> bool:
     """`train.fused_kernels`, or whether TransformerEngine's kernels are there (the te layer
     spec, GPU); asked of a run without them it is refused."""
@@ -280,6 +296,6 @@ def trainers_fuse_kernels(configured: bool | None, layer_spec: str) -> bool:
     return fused
 
 
-__all__ = ["ResolvedRun", "cuda_present", "layer_spec_of", "placement_plan_of", "resolve_run",
+__all__ = ["ResolvedRun", "check_late_engines", "cuda_present", "layer_spec_of", "placement_plan_of", "resolve_run",
            "trainers_fuse_kernels",
            "local_devices", "resolved_cluster", "run_device", "sync_backend_of"]

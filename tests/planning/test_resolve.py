@@ -248,3 +248,19 @@ def test_cpu_trainers_run_unfused_and_fused_kernels_on_cpu_are_refused():
     with pytest.raises(ConfigError, match=r"train.fused_kernels=True: needs TransformerEngine"):
         resolve_run(_load(CONFIGS / "tiny_ci.yaml", "train.fused_kernels=true"),
                     cuda_available=False)
+
+
+def test_late_engines_on_the_trainers_gpus_are_refused():
+    """N3: late engines start while step 1 trains; colocated on GPU they would start vLLM
+    beside a training trainer (the race `trainers_first` avoids at start-up). Refused naming
+    the field; disaggregated GPU engines and CPU runs keep them."""
+    colocated = _load(CONFIGS / "gpu" / "llama3-8b.yaml", "rollout.startup_engines=2")
+    with pytest.raises(ConfigError, match=r"rollout.startup_engines=2: 2 engines would start "
+                                          r"vLLM on GPUs the trainer is training on"):
+        resolve_run(colocated, cuda_available=False)
+    resolve_run(_load(CONFIGS / "gpu" / "llama3-8b.yaml", "rollout.startup_engines=null"),
+                cuda_available=False)
+    apart = _load(CONFIGS / "gpu" / "llama3-70b.yaml", "rollout.startup_engines=1")
+    assert set(resolve_run(apart, cuda_available=False).transports) == {"p2p"}
+    cpu = _load(CONFIGS / "tiny_ci.yaml", "rollout.engines=2", "rollout.startup_engines=1")
+    assert resolve_run(cpu, cuda_available=False).device == "cpu"
