@@ -59,13 +59,15 @@ class PolicyBatch:
 
 
 def _masked_vocab_logits(logits: torch.Tensor, vocab: int, tp_rank: int) -> torch.Tensor:
+    """This rank's logits in fp32 with its padding columns (ids >= vocab) set to _PAD_LOGIT:
+    one fp32 copy, the padding overwritten in place (no mask or filler of the logits' size)."""
     per_rank = logits.shape[-1]
     first_pad = vocab - tp_rank * per_rank
-    logits = logits.float()
-    if first_pad < per_rank:
-        keep = torch.arange(per_rank, device=logits.device) < max(first_pad, 0)
-        logits = torch.where(keep, logits, torch.full_like(logits, _PAD_LOGIT))
-    return logits
+    if first_pad >= per_rank:
+        return logits.float()
+    masked = logits.float() if logits.dtype != torch.float32 else logits.clone()
+    masked[..., max(first_pad, 0):] = _PAD_LOGIT
+    return masked
 
 
 def logp_and_entropy(trainer: MegatronTrainer, logits: torch.Tensor,

@@ -1,6 +1,7 @@
 """Policy and critic updates on a fixed batch through megatron-core's schedules (TP2 on two
 gloo ranks): the losses must go down, and both ranks must report identical metrics."""
 
+import pytest
 import torch
 
 from mcore_rl.algorithms import AlgorithmConfig
@@ -114,3 +115,25 @@ def test_the_first_mini_batch_old_logp_from_the_update_forward_trains_like_a_for
     for key in ("pg_loss", "ppo_kl", "grad_norm"):
         for a, b in zip(seen[f"pass_{key}"], seen[f"update_{key}"]):
             assert abs(a - b) <= 1e-5 + 1e-4 * abs(a), (key, seen)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("tp_rank", [0, 1, 2])
+def test_padding_logits_are_masked_in_one_fp32_copy(dtype, tp_rank):
+    """N17: the padded rank's mask is written into the one fp32 copy (no filler and no second
+    copy of the logits' size): the values and gradients of a mask-and-select, the caller's
+    fp32 logits left as they were."""
+    from mcore_rl.megatron.policy import _PAD_LOGIT, _masked_vocab_logits
+
+    vocab, per_rank = 19, 8  # ranks hold ids 0-7, 8-15, 16-23: rank 2 has 5 padding columns
+    logits = torch.randn(2, 3, per_rank, generator=torch.Generator().manual_seed(tp_rank))
+    logits = logits.to(dtype).requires_grad_()
+    before = logits.detach().clone()
+    got = _masked_vocab_logits(logits, vocab, tp_rank)
+    assert torch.equal(logits.detach(), before)
+    keep = torch.arange(per_rank) < max(vocab - tp_rank * per_rank, 0)
+    want = torch.where(keep, logits.float(), torch.full((), _PAD_LOGIT))
+    assert got.dtype == torch.float32 and torch.equal(got, want)
+    weights = torch.randn(got.shape, generator=torch.Generator().manual_seed(9))
+    (grad,) = torch.autograd.grad((got * weights).sum(), logits)
+    assert torch.equal(grad, (weights * keep).to(dtype))
