@@ -84,6 +84,10 @@ class ResolvedRun:
     free device memory it measures at start-up and asserts that no other process frees
     memory while it profiles, so trainers still allocating beside it would fail its start.
     Elsewhere both start together.
+    release_trainer_cache: after each update the actor ranks give their caching allocator's
+    free blocks back to the device — on GPUs they share with engines, whose KV cache then
+    wakes into the memory the plan's rollout phase counts as free (the trainer's activation
+    peak would otherwise stay cached).
     enforce_eager: the engines run without CUDA graphs (`rollout.enforce_eager`, or: on CPU,
     where vLLM runs eager; not on GPU, where decode steps are captured as CUDA graphs).
     sleep_level: vLLM's sleep level where the engines sleep (`rollout.sleep_level`, or
@@ -114,6 +118,7 @@ class ResolvedRun:
     expert_parallel: bool = False
     engine_visible_devices: tuple[tuple[int, ...], ...] = ()
     trainers_first: bool = False
+    release_trainer_cache: bool = False
     sync_bucket_mb: float = 16.0
     enforce_eager: bool = True
     sleep_level: int = SLEEP_LEVEL
@@ -259,6 +264,7 @@ def resolve_run(cfg: "RLConfig", *, assume_gpu: bool = False,
         expert_parallel=cfg.rollout.expert_parallel,
         engine_visible_devices=tuple(tuple(s.device for s in slots) for slots in plan.engines),
         trainers_first=any(s in actor_slots for slots in plan.engines for s in slots),
+        release_trainer_cache=device == "cuda" and "ipc" in transports,
         sync_bucket_mb=(SYNC_BUCKET_MB[device] if cfg.sync_bucket_mb is None
                         else cfg.sync_bucket_mb),
         enforce_eager=engines_run_eager(cfg.rollout, device),

@@ -50,7 +50,7 @@ class ActorRanks:
             overlap_grad_reduce=run.overlap_grad_reduce, compiled_fusions=run.compiled_fusions,
             lora=cfg.actor.lora, lora_from_start=cfg.warmup.max_steps == 0,
             routing_replay=cfg.algorithm.routing_replay != "none",
-            seed=derive_seed(cfg.seed, "train"))
+            release_cache=run.release_trainer_cache, seed=derive_seed(cfg.seed, "train"))
             for rank in range(world)]
         watchdog.watch("rank", lambda: self.pids)
 

@@ -221,6 +221,9 @@ def render(run, title: str, *, cfg, spec, ranks: bool = False):
         ("kernels", kernels_row(kernel_decisions(run))),
         *([("LoRA", lora_row(cfg.actor.lora))] if cfg.actor.lora.enabled else []),
         ("start-up", START_UP[run.trainers_first]),
+        *([("after update", "the trainers give their cached activation peak back to the "
+                               "GPU (the engines' KV cache wakes into it)")]
+          if run.release_trainer_cache else []),
         ("roles", hosted_roles(cfg)),
         *([("Megatron experts", megatron_experts(run)),
            ("vLLM experts", EXPERTS[run.expert_parallel]),

@@ -46,7 +46,7 @@ class ActorWorker:
                  fused_kernels: bool = False, overlap_grad_reduce: bool = False,
                  compiled_fusions: bool = False, lora: LoRAConfig | None = None,
                  lora_from_start: bool = True, routing_replay: bool = False,
-                 seed: int = derive_seed(0, "train")):
+                 release_cache: bool = False, seed: int = derive_seed(0, "train")):
         """Roles colocated on this rank: the actor always; a critic (PPO) when
         `critic_train` is given; a frozen reference policy when `reference`.
         seed: megatron's weight init and RNG tracker of every model here (the run's
@@ -63,6 +63,10 @@ class ActorWorker:
         optimizer states); otherwise they are added when RL starts (`reset_optimizer`).
         routing_replay: the actor's MoE routers can record and replay their experts
         (`algorithm.routing_replay`, megatron/routing_replay.py).
+        release_cache: after each update the caching allocator gives its free blocks (the
+        update's activation and logits peak) back to the device — where engines share this
+        rank's GPU (the run plan's `release_trainer_cache`), so their KV cache wakes into the
+        memory the plan's rollout phase counts as free.
         stack_dir: where this process dumps its stacks on SIGUSR1 (the watchdog).
         inject_stall: fault injection for watchdog tests ("<phase>@rank<r>").
         slot: this rank's device index on its node (the run's placement plan; reported by
@@ -73,6 +77,7 @@ class ActorWorker:
             configure_process_logs(Path(stack_dir).parent, f"rank{rank}")
             self._stack_file = arm_stack_dump(stack_dir, f"rank{rank}")
         self.inject_stall = inject_stall
+        self.release_cache = release_cache
         from mcore_rl.models.gpt import build_gpt_model, load_chunks
         from mcore_rl.megatron.value import FrozenModel, attach_value_head
         from mcore_rl.megatron.train import setup_trainer
@@ -294,8 +299,10 @@ class ActorWorker:
         maybe_stall("update_actor", f"rank{self.rank}", self.inject_stall)
         from mcore_rl.megatron.policy import PolicyBatch, policy_update
 
-        return self._each_mini_batch(batch, mini_batches, PolicyBatch, self.trainer,
-                                     policy_update, algo)
+        reports = self._each_mini_batch(batch, mini_batches, PolicyBatch, self.trainer,
+                                        policy_update, algo)
+        self._release_cached_memory()
+        return reports
 
     def critic_update(self, batch: dict[str, torch.Tensor], algo: AlgorithmConfig,
                       mini_batches: int = 1) -> list[dict]:
@@ -303,8 +310,14 @@ class ActorWorker:
         maybe_stall("update_critic", f"rank{self.rank}", self.inject_stall)
         from mcore_rl.megatron.value import ValueBatch, value_update
 
-        return self._each_mini_batch(batch, mini_batches, ValueBatch, self._critic(),
-                                     value_update, algo)
+        reports = self._each_mini_batch(batch, mini_batches, ValueBatch, self._critic(),
+                                        value_update, algo)
+        self._release_cached_memory()
+        return reports
+
+    def _release_cached_memory(self) -> None:
+        if self.release_cache:  # the run plan's: only where engines share a CUDA device
+            torch.cuda.empty_cache()
 
     def _critic(self):
         if self.critic is None:

@@ -20,6 +20,7 @@ def _load(path, *overrides):
 def test_cpu_config_resolves_to_gloo_local_p2p():
     run = resolve_run(_load(CONFIGS / "tiny_ci.yaml"), cuda_available=False)
     assert (run.device, run.layer_spec, run.sync_backend) == ("cpu", "local", "gloo")
+    assert not run.release_trainer_cache  # no CUDA allocator to release
     assert set(run.transports) == {"p2p"}
     assert set(run.actor_devices) == {"cpu"}
 
@@ -39,6 +40,8 @@ def test_gpu_configs_resolve_their_transports(name, transport):
     assert (run.device, run.layer_spec, run.sync_backend) == ("cuda", "te", "nccl")
     assert set(run.transports) == {transport}
     assert run.summary()["transports"] == [transport] * len(run.engine_devices)
+    # N4: trainers sharing GPUs with engines give their cached activation peak back
+    assert run.release_trainer_cache is (transport == "ipc")
 
 
 def test_resolved_cluster_is_the_allocation_as_sized():

@@ -166,6 +166,7 @@ def test_explain_shows_how_trainers_and_engines_run(no_cuda, capsys):
     assert re.search(r"engines run +│ CUDA graphs of decode steps, nothing compiled · sleep "
                      r"level 2 while training", out)
     assert "torch.compile" not in out
+    assert re.search(r"after update +│ the trainers give their cached activation peak back", out)
     assert main(["explain", *gpu, "train.compile=true", "rollout.compile=true"]) == 0
     out = capsys.readouterr().out
     assert "· SwiGLU + bias-dropout-add fused" in out
@@ -173,8 +174,10 @@ def test_explain_shows_how_trainers_and_engines_run(no_cuda, capsys):
     assert main(["explain", *gpu, "train.compile=true", "--json"]) == 0
     summary = json.loads(capsys.readouterr().out)
     assert (summary["compiled_fusions"], summary["fused_kernels"]) == (True, True)
+    assert summary["release_trainer_cache"] is True  # colocated: engines share the GPUs (N4)
     assert main(["explain", str(CONFIGS / "tiny_ci.yaml")]) == 0
     out = capsys.readouterr().out
+    assert "after update" not in out  # CPU: no CUDA allocator to release
     assert re.search(r"trainers run +│ unfused · DP grad reduce after the backward", out)
     assert re.search(r"engines run +│ eager \(no CUDA graphs\)", out)
 

@@ -33,17 +33,21 @@ def update_ranks(rank, world_size, model_dir, one_call):
     from mcore_rl.workers.actor import ActorWorker
     from mcore_rl.rollout.batches import mini_batches
 
+    released = []  # the CUDA caching allocator's releases (no CUDA here: counted)
+    torch.cuda.empty_cache = lambda: released.append(1)
     train = TrainConfig(micro_batch_size=2, seq_len=12,
                         optimizer=OptimizerConfig(lr=1e-3, clip_grad=1.0))
     worker = ActorWorker(rank, world_size, ("127.0.0.1", int(os.environ["MCORE_RL_STORE_PORT"])),
-                         SPEC, ParallelConfig(dp=2), train, str(model_dir), timeout_s=120.0)
+                         SPEC, ParallelConfig(dp=2), train, str(model_dir), timeout_s=120.0,
+                         release_cache=one_call)
     before = worker.weights_digest()
     batch, algo = policy_batch(), AlgorithmConfig(clip_c=None)
     if one_call:
         reports = worker.update(batch, algo, 2)
     else:
         reports = [worker.update(mini, algo)[0] for mini in mini_batches(batch, 2)]
-    return {"reports": reports, "before": before, "after": worker.weights_digest()}
+    return {"reports": reports, "before": before, "after": worker.weights_digest(),
+            "released": len(released)}
 
 
 def test_a_steps_mini_batches_in_one_call_train_as_one_call_each(tmp_path):
@@ -53,6 +57,9 @@ def test_a_steps_mini_batches_in_one_call_train_as_one_call_each(tmp_path):
     each = run_on_ranks(update_ranks, 2, str(model_dir), False, init_default_group=False,
                         timeout_s=300)
     for rank in range(2):
+        # N4: the run plan's release_trainer_cache (engines on the rank's GPU) gives the
+        # update's cached peak back once per update call, and changes no number
+        assert (one[rank]["released"], each[rank]["released"]) == (1, 0)
         assert len(one[rank]["reports"]) == 2
         assert one[rank]["after"] != one[rank]["before"]  # two optimizer steps moved it
         assert one[rank]["reports"] == each[rank]["reports"], rank
