@@ -6,6 +6,10 @@ Roles and what each rank holds (P = parameters on the rank, see `mcore_stage_par
                  saved activations of the micro batches in flight, logits (last stage)
   reference      weights; forward only (logits of one micro batch on the last stage)
   rollout        one vLLM TP rank: weights / tp, KV cache, activation peak of one engine step
+  weight sync    the actor's staging (a colocated rank's shared IPC buffer: one bucket; a
+                 point-to-point sender's two staging slots: two buckets) and a point-to-point
+                 engine rank's two receive slots, kept from sync to sync (`sync_buffers`);
+                 an engine's are outside vLLM's gpu_memory_utilization budget
 Devices and phases: a training device holds all training roles of one (pp stage, tp rank, dp
 rank) at once; its peak is over the phases "actor train", "critic train" and "forward"
 (reference / old log-probs). Disaggregated rollout devices hold one engine rank. Colocated,
@@ -313,6 +317,24 @@ def last_stage_terms(spec: ModelSpec, seq: int, micro_batch: int, model: Activat
 POLICY_LOSS_FP32_ROWS = 5
 
 
+_SYNC_DETAIL = {"colocated": "one bucket, the shared IPC buffer",
+                "disaggregated": "two buckets of point-to-point staging"}
+
+
+def sync_buffers(run: SizedRun) -> tuple[float, float]:
+    """The weight sync's buffers kept between syncs, bytes: (per actor rank, per engine rank).
+    Colocated (IPC): the actor rank's shared staging buffer of one bucket, the engine rank
+    copying straight out of it; otherwise (point to point) two staging slots of a bucket on
+    each side (`resharding.copy_service.P2PCopy`: round k + 1 posted before round k is done)."""
+    from mcore_rl.planning.resolve import SYNC_BUCKET_MB
+
+    mb = run.cfg.sync_bucket_mb
+    bucket = (SYNC_BUCKET_MB[run.device] if mb is None else mb) * (1 << 20)
+    if run.cluster.placement == "colocated":
+        return bucket, 0.0
+    return 2 * bucket, 2 * bucket
+
+
 def role_train(run: SizedRun, role: str) -> TrainConfig:
     """The TrainConfig a training role runs with: the critic its own, the actor and the
     reference the run's `train`."""
@@ -355,6 +377,10 @@ def training_rank(run: SizedRun, spec: ModelSpec, role: str, stage: int) -> Rank
     if states.main_grads:
         comps.append(Component("main grads", n * states.main_grads, f"fp32 copy{shard}"))
     comps.append(Component("adam m, v", n * states.adam, f"2 × fp32{shard}"))
+    if role == "actor":
+        staging = sync_buffers(run)[0]
+        comps.append(Component("weight-sync staging", staging,
+                               f"{_mib(staging)}: {_SYNC_DETAIL[run.cluster.placement]}"))
     per_layer = layer_activation_bytes(spec, s, b, act)
     m = int(run.num_micro_batches(t)) or 1
     layers = in_flight_layers(par, spec.layers, stage, m)
@@ -426,6 +452,10 @@ def rollout_rank(run: SizedRun, spec: ModelSpec) -> tuple[RankMemory, list[str]]
              Component("activations", act, f"one step of {tok} tokens + sampler logits "
                                            "(estimate)"),
              Component("kv cache", kv, kv_detail))
+    receive = sync_buffers(run)[1]
+    if receive:  # outside vLLM's own budget
+        comps += (Component("weight-sync receive", receive,
+                            f"{_mib(receive)}: two buckets of point-to-point receive slots"),)
     return RankMemory("rollout", f"engine tp rank (tp={r.tp})", comps), notes
 
 
@@ -509,4 +539,4 @@ __all__ = ["POLICY_LOSS_FP32_ROWS", "ActivationModel", "Component", "DeviceMemor
            "RankMemory", "StateBytes", "Suggestion", "in_flight_layers", "kv_bytes_per_token",
            "last_stage_terms", "layer_activation_bytes", "layer_activation_terms",
            "mcore_layer_params", "mcore_stage_params", "plan_memory", "recompute_workspace",
-           "role_train", "state_bytes_per_param", "vllm_rank_params"]
+           "role_train", "state_bytes_per_param", "sync_buffers", "vllm_rank_params"]

@@ -301,3 +301,26 @@ def test_the_actor_plan_covers_the_update_peak_measured_on_a_gpu():
     assert POLICY_LOSS_FP32_ROWS == round(memory["policy_loss"]["fp32_vocab_rows"])
     resident = memory["measured_resident_bytes"][-1]
     assert abs(rank.resident - resident) <= 0.05 * resident, (rank.resident, resident)
+
+
+def test_the_weight_syncs_kept_buffers_are_planned():
+    """N4/N5: the sync keeps buffers from sync to sync — a colocated actor rank its shared IPC
+    buffer (one bucket; the engine copies straight out of it), a point-to-point actor rank two
+    staging slots and its engine rank two receive slots, outside vLLM's budget: the rollout
+    device holds them beside what gpu_memory_utilization gives vLLM."""
+    bucket = 512 << 20  # a GPU run's sync bucket
+    colocated = plan_memory(gpu_shape("llama3-8b"))
+    actor = {c.name: c for c in colocated.roles[0].components}
+    assert actor["weight-sync staging"].bytes == bucket and actor["weight-sync staging"].resident
+    engine = next(r for r in colocated.roles if r.role == "rollout")
+    assert "weight-sync receive" not in {c.name for c in engine.components}
+    apart = plan_memory(gpu_shape("llama3-70b"))
+    actor = {c.name: c.bytes for c in apart.roles[0].components}
+    engine = next(r for r in apart.roles if r.role == "rollout")
+    assert actor["weight-sync staging"] == 2 * bucket
+    assert {c.name: c.bytes for c in engine.components}["weight-sync receive"] == 2 * bucket
+    (rollout_device,) = [d for d in apart.devices if d.device == "rollout device"]
+    assert dict(rollout_device.phases[0].parts)["rollout engine"] == engine.total
+    smaller = plan_memory(gpu_shape("llama3-70b", ["sync_bucket_mb=128"]))
+    assert {c.name: c.bytes for c in smaller.roles[0].components}["weight-sync staging"] == \
+        2 * (128 << 20)
