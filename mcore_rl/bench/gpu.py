@@ -275,26 +275,44 @@ def refit_part(model: str, repeats: int, bucket_mb: float, device: torch.device)
 
 def digest_alone(model: str, device: torch.device, repeats: int = 3) -> dict:
     """The installed-bytes digest of every tensor of `model` in bf16 on `device`, alone (no
-    sync beside it): seconds per whole model and GB/s — what a receiver pays per sync."""
+    sync beside it): seconds per whole model and GB/s — what a receiver pays per sync — with
+    the digest's own mixing block, and with a 4× larger one (`by_block_units`: the choice a
+    GPU measurement decides, resharding/digest.py's `_BLOCK_DEVICE`)."""
     from mcore_rl.bench.sync import resolve_model
     from mcore_rl.layouts import hf_shards
-    from mcore_rl.resharding.digest import tensor_digest
+    from mcore_rl.resharding import digest
 
     shapes = hf_shards(resolve_model(model)).hf_shapes
     tensors = [torch.empty(shape, dtype=torch.bfloat16, device=device).random_(-1000, 1000)
                for shape in shapes.values()]
     nbytes = sum(t.numel() * t.element_size() for t in tensors)
-    runs = []
-    for _ in range(repeats + 1):
-        _sync(device)
-        start = time.perf_counter()
-        digests = torch.stack([tensor_digest(t) for t in tensors])
-        _sync(device)
-        runs.append(time.perf_counter() - start)
-    del digests
-    seconds = statistics.median(runs[1:])
+    default = digest._BLOCK.get(device.type, digest._BLOCK_DEVICE)
+
+    def timed() -> tuple[float, list[float], torch.Tensor]:
+        runs, digests = [], None
+        for _ in range(repeats + 1):
+            _sync(device)
+            start = time.perf_counter()
+            digests = torch.stack([digest.tensor_digest(t) for t in tensors])
+            _sync(device)
+            runs.append(time.perf_counter() - start)
+        return statistics.median(runs[1:]), runs[1:], digests.cpu()
+
+    seconds, runs, want = timed()
+    by_block = {default: seconds}
+    if device.type != "cpu":  # a CPU's block is sized to its cache, not measured here
+        saved = digest._BLOCK_DEVICE
+        digest._BLOCK_DEVICE = 4 * default
+        try:
+            larger, _, got = timed()
+        finally:
+            digest._BLOCK_DEVICE = saved
+        if not torch.equal(got, want):
+            raise AssertionError("the digest changed with its block size")
+        by_block[4 * default] = larger
     return {"tensors": len(tensors), "bytes": nbytes, "seconds": seconds,
-            "gbs": nbytes / seconds / 1e9, "seconds_runs": runs[1:]}
+            "gbs": nbytes / seconds / 1e9, "seconds_runs": runs,
+            "by_block_units": {str(k): v for k, v in by_block.items()}}
 
 
 # --- the summary ---------------------------------------------------------------------------------
@@ -381,7 +399,10 @@ def markdown(s: dict) -> str:
             f"bit-exact: {refit['check']} |",
             f"| sync digest | {_num(refit['digest_s'])} s digests + "
             f"{_num(refit['compare_s'])} s comparison per sync "
-            f"({_num(refit['digest_share'])} of the sync) |"]
+            f"({_num(refit['digest_share'])} of the sync); alone, by mixing block (units): "
+            + ", ".join(f"{k}: {_num(v)} s" for k, v in
+                        refit.get("digest_alone", {}).get("by_block_units", {}).items())
+            + " |"]
     else:
         lines.append(f"| refit | not run: {refit.get('why')} |")
     return "\n".join(lines) + "\n"
