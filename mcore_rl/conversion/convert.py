@@ -227,7 +227,7 @@ class _ReadUnit:
 
     @property
     def nbytes(self) -> int:
-        n = torch.empty((), dtype=self.dtype).element_size()
+        n = self.dtype.itemsize
         for s in self.region:
             n *= s
         return n

@@ -56,7 +56,7 @@ class TensorChunk:
 
     @property
     def nbytes(self) -> int:
-        n = torch.empty((), dtype=self.dtype).element_size()
+        n = self.dtype.itemsize
         for s in self.sizes:
             n *= s
         return n

@@ -52,7 +52,7 @@ class ShardPlan:
 
 
 def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
-    n = torch.empty((), dtype=dtype).element_size()
+    n = dtype.itemsize
     for s in shape:
         n *= s
     return n

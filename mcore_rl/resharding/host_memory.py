@@ -33,7 +33,7 @@ def empty_host(shape: tuple[int, ...], dtype: torch.dtype, *,
                device: str | torch.device = "cpu", zero: bool = False) -> torch.Tensor:
     """A fresh, contiguous tensor; zero: its contents must be zeros (a huge-page mapping is)."""
     device = torch.device(device)
-    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    nbytes = math.prod(shape) * dtype.itemsize
     if device.type != "cpu" or nbytes < _HUGE or not hasattr(mmap, "MADV_HUGEPAGE"):
         make = torch.zeros if zero else torch.empty
         return make(shape, dtype=dtype, device=device)

@@ -242,7 +242,7 @@ def _check_complete(plan: Plan, sync_rank: int, remaining: dict[str, int]) -> No
 
 
 def _check_dtype(plan: Plan, dtype: torch.dtype) -> None:
-    size = torch.empty((), dtype=dtype).element_size()
+    size = dtype.itemsize
     if size != plan.element_size:
         raise SyncError(f"dtype {dtype} has {size}-byte elements but the plan was built for "
                         f"{plan.element_size}-byte elements")
