@@ -36,13 +36,21 @@ def test_the_model_config_follows_the_ranks_device(monkeypatch, device, cuda_her
 
 
 def test_cpu_shims_are_not_installed_for_a_cuda_rank(monkeypatch):
+    """A CUDA rank gets none of the CPU shims: only the shims of megatron-core's gaps without
+    TransformerEngine (`WITHOUT_TE`), which are not about the device."""
     from mcore_rl.compat import megatron_cpu
 
-    def refuse():
-        raise AssertionError("megatron-core's CPU shims installed for a CUDA rank")
+    asked = []
 
-    monkeypatch.setattr(megatron_cpu, "apply", refuse)
-    assert apply_cpu_compat("cuda:1") == []
+    def apply(only=None):
+        asked.append(only)
+        if only is None or set(only) - set(megatron_cpu.WITHOUT_TE):
+            raise AssertionError("megatron-core's CPU shims installed for a CUDA rank")
+        return list(only)
+
+    monkeypatch.setattr(megatron_cpu, "apply", apply)
+    assert apply_cpu_compat("cuda:1") == ["moe_router_gemm"]
+    assert asked == [["moe_router_gemm"]]
     with pytest.raises(AssertionError, match="CPU shims"):
         apply_cpu_compat("cpu")
 
