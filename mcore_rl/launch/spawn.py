@@ -583,6 +583,8 @@ def _collect(procs, receive: Callable[[float], RankResult],
                     os.kill(procs[rank].pid, signal.SIGUSR1)  # stack dump to stderr
             time.sleep(1.0)
             for rank in missing:
+                if procs[rank].is_alive():  # stack dumped: nothing left to wait for
+                    procs[rank].kill()
                 collected[rank] = RankResult(
                     rank, False, error=f"rank {rank} did not finish within {timeout_s:.0f} s "
                                        "(hung; its Python stack was dumped to stderr)")

@@ -46,9 +46,13 @@ def assert_export_round_trips(controller, model_dir, out):
     assert not list(out.parent.glob(".export.tmp"))
 
 
-@pytest.mark.parametrize("algo", [GRPO, PPO], ids=["grpo", "ppo"])
-@pytest.mark.parametrize("grid", [["actor.tp=2"], ["actor.tp=1", "actor.pp=2"]],
-                         ids=["actor-tp2", "actor-pp2"])
+# Each grid once and each algorithm once (the grid × algorithm square ran the same controller
+# path twice over): the critic and the reference at TP2 are also trained through megatron's
+# schedules by tests/megatron/test_policy.py, and dynamic sampling is the controller's,
+# whatever the grid.
+@pytest.mark.parametrize("grid,algo", [(["actor.tp=2"], GRPO),
+                                       (["actor.tp=1", "actor.pp=2"], PPO)],
+                         ids=["actor-tp2-grpo", "actor-pp2-ppo"])
 def test_two_rl_steps_with_vllm_and_streamed_sync(ray_cluster, tmp_path, grid, algo):
     from mcore_rl.rl.controller import RLController
     from mcore_rl.run.train import build_demo_model
