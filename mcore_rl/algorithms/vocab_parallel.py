@@ -94,6 +94,113 @@ class _VocabParallelLogProbEntropy(torch.autograd.Function):
         return grad.to(ctx.input_dtype), None, None
 
 
+# fp32 bytes of one chunk of [tokens, vocab shard] the chunked path works on at a time
+CHUNK_BYTES = 64 << 20
+
+
+def chunk_tokens_for(vocab_shard: int, chunk_bytes: int = CHUNK_BYTES) -> int:
+    """Tokens per chunk so that one fp32 [tokens, vocab_shard] buffer is `chunk_bytes`."""
+    return max(1, chunk_bytes // (4 * max(vocab_shard, 1)))
+
+
+class _ChunkedLogProbEntropy(torch.autograd.Function):
+    """forward(logits [n, V/tp] any float dtype, target [n], real columns, first id, tp_group,
+    chunk) -> (logp [n], entropy [n]) fp32. Only the caller's logits are kept for the
+    backward; each pass works on `chunk` rows at a time in fp32, the padding columns (ids >=
+    the vocabulary) never read."""
+
+    @staticmethod
+    def forward(ctx, logits: Tensor, target: Tensor, real: int, start: int,
+                tp_group: dist.ProcessGroup | None, chunk: int) -> tuple[Tensor, Tensor]:
+        n, device = logits.shape[0], logits.device
+        z_max = torch.full((n,), float("-inf"), dtype=torch.float32, device=device)
+        for i in range(0, n, chunk):
+            if real:
+                z_max[i:i + chunk] = logits[i:i + chunk, :real].amax(-1).float()
+        if tp_group is not None:
+            dist.all_reduce(z_max, op=dist.ReduceOp.MAX, group=tp_group)
+        local = target - start
+        owned = (local >= 0) & (local < real)
+        local = torch.where(owned, local, torch.zeros_like(local))
+        sums = torch.zeros(3, n, dtype=torch.float32, device=device)
+        for i in range(0, n, chunk):
+            if not real:
+                break
+            # one new fp32 buffer whatever the logits' dtype (type promotion): never in place
+            shifted = logits[i:i + chunk, :real] - z_max[i:i + chunk, None]
+            exp = torch.exp(shifted)
+            sums[0, i:i + chunk] = exp.sum(-1)
+            sums[1, i:i + chunk] = shifted.gather(-1, local[i:i + chunk, None]).squeeze(-1)
+            # Σ exp·shifted as a dot product: no third buffer of the chunk's size
+            sums[2, i:i + chunk] = (exp.unsqueeze(-2) @ shifted.unsqueeze(-1)).view(-1)
+            del shifted, exp
+        sums[1] = torch.where(owned, sums[1], torch.zeros_like(sums[1]))
+        if tp_group is not None:
+            dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=tp_group)
+        log_z = torch.log(sums[0])  # of the shifted logits
+        mean_logit = sums[2] / sums[0]  # E_p[shifted logit]
+        ctx.save_for_backward(logits, z_max, log_z, mean_logit, local, owned)
+        ctx.real, ctx.chunk = real, chunk
+        ctx.set_materialize_grads(False)
+        return sums[1] - log_z, log_z - mean_logit
+
+    @staticmethod
+    def backward(ctx, grad_logp: Tensor | None, grad_entropy: Tensor | None):
+        logits, z_max, log_z, mean_logit, local, owned = ctx.saved_tensors
+        real, chunk = ctx.real, ctx.chunk
+        grad = torch.zeros_like(logits)  # the padding columns' gradient stays 0
+        n = logits.shape[0]
+        for i in range(0, n, chunk):
+            if not real:
+                break
+            rows = slice(i, i + chunk)
+            shifted = logits[rows, :real] - z_max[rows, None]
+            probs = torch.exp(shifted - log_z[rows, None])
+            # d logp / dz = 1[target] - p;  d H / dz = p (E_p[z] - z): in place, two buffers
+            if grad_entropy is not None:
+                coeff = shifted.neg_().add_(mean_logit[rows, None]).mul_(grad_entropy[rows, None])
+                if grad_logp is not None:
+                    coeff.sub_(grad_logp[rows, None])
+                part = probs.mul_(coeff)
+                del coeff
+            else:
+                part = probs.mul_(grad_logp[rows, None].neg())
+            if grad_logp is not None:
+                part.scatter_add_(-1, local[rows, None],
+                                  (grad_logp[rows] * owned[rows].to(part.dtype))[:, None])
+            grad[rows, :real] = part
+            del shifted, probs, part
+        return grad, None, None, None, None, None
+
+
+def chunked_log_probs_and_entropy(logits: Tensor, target: Tensor, *, vocab: int,
+                                  tp_group: dist.ProcessGroup | None,
+                                  chunk_tokens: int | None = None) -> tuple[Tensor, Tensor]:
+    """Log p(target) and entropy of the full softmax from this TP rank's vocabulary slice,
+    never more than one chunk of [tokens, V/tp] in fp32 — forward or backward — where the
+    unchunked path holds several of the whole [tokens, V/tp] (the fp32 copy, exp, and
+    autograd's saved tensors and gradients).
+
+    logits: [..., V/tp] this rank's slice of megatron's padded vocabulary (group rank r: ids
+    [r·V/tp, (r+1)·V/tp)), any float dtype; ids >= `vocab` are padding and left out (as
+    if their logits were -inf). target: [...] int64 ids in [0, vocab), the same on every TP
+    rank. Returns (log_probs, entropy), [...] fp32, equal on every rank of `tp_group` (None or
+    of size 1: not sharded); differentiable w.r.t. `logits` (gradient in their dtype, zero
+    on padding). The logits are not modified. chunk_tokens: rows per chunk (default: one
+    `CHUNK_BYTES` fp32 buffer); the results do not depend on it.
+    """
+    shard = logits.shape[-1]
+    if tp_group is not None and dist.get_world_size(tp_group) == 1:
+        tp_group = None
+    start = 0 if tp_group is None else dist.get_rank(tp_group) * shard
+    real = max(0, min(shard, vocab - start))
+    chunk = chunk_tokens or chunk_tokens_for(shard)
+    lead = target.shape
+    logp, entropy = _ChunkedLogProbEntropy.apply(logits.reshape(-1, shard), target.reshape(-1),
+                                                 real, start, tp_group, chunk)
+    return logp.view(lead), entropy.view(lead)
+
+
 def vocab_parallel_log_probs_and_entropy(
         logits: Tensor, target: Tensor, *,
         tp_group: dist.ProcessGroup | None) -> tuple[Tensor, Tensor]:
@@ -112,4 +219,5 @@ def vocab_parallel_log_probs_and_entropy(
     return _VocabParallelLogProbEntropy.apply(logits, target, tp_group)
 
 
-__all__ = ["log_probs_and_entropy", "vocab_parallel_log_probs_and_entropy"]
+__all__ = ["CHUNK_BYTES", "chunk_tokens_for", "chunked_log_probs_and_entropy",
+           "log_probs_and_entropy", "vocab_parallel_log_probs_and_entropy"]

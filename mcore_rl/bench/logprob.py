@@ -6,8 +6,9 @@ Ranks: `tp` gloo ranks (the default group is the TP group). Rank r holds the log
 [tokens, vocab/tp] = full[:, r*vocab/tp : (r+1)*vocab/tp] (seeded per rank, so the full
 logits are the same in both paths) and the full target ids [tokens] (replicated).
 
-  ours      `vocab_parallel_log_probs_and_entropy(shard, target, tp_group)`: two small
-            all-reduces per token, never the full vocabulary.
+  ours      `chunked_log_probs_and_entropy(shard, target, vocab, tp_group)` (the actor's
+            path): two small all-reduces per token, never the full vocabulary, and never more
+            than one chunk of the shard in fp32 (forward and backward).
   baseline  what a TP trainer without it does (megatron's
             `gather_from_tensor_model_parallel_region`): all-gather of the shards along dim 0
             (`all_gather_into_tensor`, named `all_gather_single` in torch 2.13), `cat` of the
@@ -32,8 +33,8 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.distributed as dist
 
-from mcore_rl.algorithms.vocab_parallel import (log_probs_and_entropy,
-                                                vocab_parallel_log_probs_and_entropy)
+from mcore_rl.algorithms.vocab_parallel import (chunked_log_probs_and_entropy,
+                                                log_probs_and_entropy)
 from mcore_rl.bench.report import Table, bar_with_spread, spread
 from mcore_rl.config import ConfigError, require_at_least
 from mcore_rl.config.dtypes import normalize_dtype_fields, torch_dtype
@@ -98,7 +99,8 @@ def _inputs(cfg: LogprobBenchConfig, rank: int) -> tuple[torch.Tensor, torch.Ten
 def ours(shard: torch.Tensor, target: torch.Tensor, group, backward: bool):
     """Vocab-parallel: returns (logp, entropy, grad of the shard or None)."""
     leaf = shard.detach().requires_grad_(backward)
-    logp, ent = vocab_parallel_log_probs_and_entropy(leaf, target, tp_group=group)
+    vocab = shard.shape[-1] * (dist.get_world_size(group) if group is not None else 1)
+    logp, ent = chunked_log_probs_and_entropy(leaf, target, vocab=vocab, tp_group=group)
     if backward:
         (logp.sum() + ent.sum()).backward()
     return logp.detach(), ent.detach(), leaf.grad

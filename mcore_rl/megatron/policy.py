@@ -24,18 +24,13 @@ from dataclasses import dataclass
 import torch
 
 from mcore_rl.algorithms import AlgorithmConfig, aggregate_loss, kl_loss, policy_loss
-from mcore_rl.algorithms.vocab_parallel import vocab_parallel_log_probs_and_entropy
+from mcore_rl.algorithms.vocab_parallel import chunked_log_probs_and_entropy
 from mcore_rl.parallel.groups import Axis
 from mcore_rl.megatron.train import (MegatronTrainer, MicroBatch, global_report_sum,
                                      optimizer_step)
 from mcore_rl.megatron import routing_replay as rr
 from mcore_rl.megatron.packing import model_inputs, per_sequence
 from mcore_rl.megatron.schedule import run_schedule
-
-# Megatron's padded vocab rows are not part of the model: their logits are pushed far below
-# any real logit (finite, so the entropy's p·logit stays 0·x = 0 rather than 0·inf = nan).
-_PAD_LOGIT = -1e4
-
 
 @dataclass(frozen=True)
 class PolicyBatch:
@@ -58,25 +53,14 @@ class PolicyBatch:
         return self.response_mask
 
 
-def _masked_vocab_logits(logits: torch.Tensor, vocab: int, tp_rank: int) -> torch.Tensor:
-    """This rank's logits in fp32 with its padding columns (ids >= vocab) set to _PAD_LOGIT:
-    one fp32 copy, the padding overwritten in place (no mask or filler of the logits' size)."""
-    per_rank = logits.shape[-1]
-    first_pad = vocab - tp_rank * per_rank
-    if first_pad >= per_rank:
-        return logits.float()
-    masked = logits.float() if logits.dtype != torch.float32 else logits.clone()
-    masked[..., max(first_pad, 0):] = _PAD_LOGIT
-    return masked
-
-
 def logp_and_entropy(trainer: MegatronTrainer, logits: torch.Tensor,
                      labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token log p(label) and entropy from this TP rank's vocab slice ([b, s] each)."""
-    tp_rank = trainer.groups.rank_in(Axis.TP)
-    masked = _masked_vocab_logits(logits, trainer.spec.vocab, tp_rank)
+    """Per-token log p(label) and entropy from this TP rank's vocab slice ([b, s] each), a
+    chunk of tokens at a time in fp32 (`chunked_log_probs_and_entropy`): megatron's padded
+    vocabulary ids are left out, and no fp32 copy of the whole [b, s, V/tp] logits is made."""
     tp_group = trainer.groups.group(Axis.TP) if trainer.groups.config.tp > 1 else None
-    return vocab_parallel_log_probs_and_entropy(masked, labels, tp_group=tp_group)
+    return chunked_log_probs_and_entropy(logits, labels, vocab=trainer.spec.vocab,
+                                         tp_group=tp_group)
 
 
 def compute_logprobs(trainer: MegatronTrainer, micro_batches: list[MicroBatch], *,

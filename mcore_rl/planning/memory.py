@@ -311,9 +311,11 @@ def last_stage_terms(spec: ModelSpec, seq: int, micro_batch: int, model: Activat
     return terms
 
 
-# The actor's loss (megatron/policy.py: log-prob and entropy over this rank's vocabulary in
-# fp32, forward and backward) holds up to this many fp32 [s·b, V/tp] buffers at its peak, where
-# megatron's LM loss keeps one; `scripts/gpu_check.sh` measures it (actor.memory.policy_loss).
+# The actor's loss (megatron/policy.py: log-prob and entropy over this rank's vocabulary,
+# forward and backward) as fp32 [s·b, V/tp] buffers at its peak. An upper bound: the peak a GPU
+# measured of the unchunked computation (`scripts/gpu_check.sh`, actor.memory.policy_loss);
+# the chunked one (`chunked_log_probs_and_entropy`) holds the logits' gradient in their dtype
+# and two fp32 chunks, and replaces this bound once the check has measured it.
 POLICY_LOSS_FP32_ROWS = 5
 
 

@@ -76,6 +76,24 @@ def test_vocab_parallel_log_probs_and_entropy_on_device(monkeypatch):
         assert_on_twin(logp, entropy, logits.grad)
 
 
+@pytest.mark.parametrize("vocab", [16, 13, 5], ids=["no-padding", "padding", "all-padding"])
+def test_chunked_log_probs_and_entropy_on_device(monkeypatch, vocab):
+    """The chunked path (the actor's: policy.logp_and_entropy), forward and backward in chunks
+    of 2 tokens, on TP rank 1 of 2 holding ids 8-15: part or all of them padding (the
+    collectives stubbed out: placement only)."""
+    fake_dist = types.SimpleNamespace(get_rank=lambda group: 1, get_world_size=lambda group: 2,
+                                      all_reduce=lambda t, op=None, group=None: None,
+                                      ReduceOp=torch.distributed.ReduceOp)
+    monkeypatch.setattr(vocab_parallel, "dist", fake_dist)
+    for dtype in (torch.float32, torch.bfloat16):
+        logits = twin(torch.randn(B, T, 8)).to(dtype).requires_grad_()
+        target = twin(torch.randint(0, vocab, (B, T)))
+        logp, entropy = vocab_parallel.chunked_log_probs_and_entropy(
+            logits, target, vocab=vocab, tp_group=object(), chunk_tokens=2)
+        (logp.sum() + entropy.sum()).backward()
+        assert_on_twin(logp, entropy, logits.grad)
+
+
 def test_gae_and_reinforce_pp_on_device():
     scores = twin(torch.tensor([1.0, 0.0, 0.5, 2.0]))
     rewards = adv.outcome_to_token_rewards(scores, _mask())

@@ -12,6 +12,7 @@ import torch.distributed as dist
 from gpu_twins import device_params, join_world, spawn_env
 
 from mcore_rl.algorithms import log_probs_and_entropy, vocab_parallel_log_probs_and_entropy
+from mcore_rl.algorithms.vocab_parallel import chunked_log_probs_and_entropy
 from mcore_rl.launch.spawn import run_on_ranks
 
 TOL = 1e-5
@@ -35,9 +36,17 @@ def test_reference_is_accurate_for_large_logits():
     assert (ent - (-(exact.exp() * exact).sum(-1))).abs().max() <= TOL
 
 
-def _case(rank, tp_group, full, target, use_entropy=True, dtype=torch.float32, device="cpu"):
-    """Errors of one TP rank's outputs and logits-shard gradient (computed on `device`) vs the
-    gathered reference (fp32, CPU)."""
+def _chunked(shard, target, *, tp_group, vocab, chunk_tokens):
+    return chunked_log_probs_and_entropy(shard, target, vocab=vocab, tp_group=tp_group,
+                                         chunk_tokens=chunk_tokens)
+
+
+def _case(rank, tp_group, full, target, use_entropy=True, dtype=torch.float32, device="cpu",
+          fn=vocab_parallel_log_probs_and_entropy, vocab=None):
+    """Errors of one TP rank's outputs and logits-shard gradient (computed on `device`, by
+    `fn`) vs the gathered reference (fp32, CPU) over the first `vocab` ids (the rest: padding,
+    whose gradient must be 0)."""
+    vocab = vocab or full.shape[-1]
     vocab_shard = full.shape[-1] // dist.get_world_size(tp_group)
     shard = full[..., rank * vocab_shard:(rank + 1) * vocab_shard].to(dtype).to(device)
     untouched = shard.clone()
@@ -45,17 +54,18 @@ def _case(rank, tp_group, full, target, use_entropy=True, dtype=torch.float32, d
     gen = torch.Generator().manual_seed(1)
     w_logp, w_ent = torch.randn(target.shape, generator=gen), torch.randn(target.shape,
                                                                           generator=gen)
-    logp, ent = vocab_parallel_log_probs_and_entropy(shard, target.to(device),
-                                                     tp_group=tp_group)
+    logp, ent = fn(shard, target.to(device), tp_group=tp_group)
     on_device = str(logp.device)
     loss = (w_logp.to(device) * logp + (w_ent.to(device) * ent if use_entropy else 0)).sum()
     loss.backward()
     logp, ent = logp.detach().cpu(), ent.detach().cpu()
 
-    ref_in = full.to(dtype).float().clone().requires_grad_()
+    ref_in = full[..., :vocab].to(dtype).float().clone().requires_grad_()
     ref_logp, ref_ent = log_probs_and_entropy(ref_in, target)
     ((w_logp * ref_logp + (w_ent * ref_ent if use_entropy else 0)).sum()).backward()
-    ref_grad = ref_in.grad[..., rank * vocab_shard:(rank + 1) * vocab_shard]
+    padded = torch.zeros(full.shape)
+    padded[..., :vocab] = ref_in.grad
+    ref_grad = padded[..., rank * vocab_shard:(rank + 1) * vocab_shard]
     return {"logp": (logp - ref_logp).abs().max().item(),
             "ent": (ent - ref_ent).abs().max().item(),
             "grad": (shard.grad.float().cpu() - ref_grad).abs().max().item(),
@@ -81,6 +91,23 @@ def _tp2_checks(rank, world_size, device="cpu"):
         "max_on_rank1": case(rank, tp_group, full + 60.0 * (torch.arange(12) >= 6), target),
         "bf16_input": case(rank, tp_group, full, target, dtype=torch.bfloat16),
     }
+    # the actor's chunked path (policy.logp_and_entropy) on the same cases, in chunks of 3
+    # tokens, and with megatron's padded vocabulary: ids >= 10 (rank 1's last two) or >= 6
+    # (all of rank 1's) are padding, left out
+    for name, kwargs in [("both_outputs", {}), ("logp_only", {"use_entropy": False}),
+                         ("bf16_input", {"dtype": torch.bfloat16})]:
+        chunked = functools.partial(_chunked, vocab=12, chunk_tokens=3)
+        results[f"chunked_{name}"] = case(rank, tp_group, full, target, fn=chunked, **kwargs)
+    for name, shift in (("large_logits", 1e3), ("max_on_rank1", 60.0 * (torch.arange(12) >= 6))):
+        chunked = functools.partial(_chunked, vocab=12, chunk_tokens=3)
+        results[f"chunked_{name}"] = case(rank, tp_group, full + shift, target, fn=chunked)
+    for vocab in (10, 6):
+        real = target % vocab
+        chunked = functools.partial(_chunked, vocab=vocab, chunk_tokens=4)
+        results[f"chunked_padding_{vocab}"] = case(rank, tp_group, full, real, fn=chunked,
+                                                   vocab=vocab)
+        results[f"chunked_padding_{vocab}_bf16"] = case(
+            rank, tp_group, full, real, fn=chunked, vocab=vocab, dtype=torch.bfloat16)
     dist.destroy_process_group()
     return results
 
@@ -93,11 +120,11 @@ def test_tp2_matches_gathered_reference(device):
     for rank, results in enumerate(per_rank):
         for name, r in results.items():
             assert r["device"] == ("cuda:0" if device == "cuda" else "cpu"), (rank, name)
-            tol = 1e-2 if name == "bf16_input" else TOL  # bf16 grad is rounded on the way out
+            tol = 1e-2 if "bf16" in name else TOL  # bf16 grad is rounded on the way out
             assert r["logp"] <= TOL and r["ent"] <= TOL, (rank, name, r)
             assert r["grad"] <= tol, (rank, name, r)
             assert r["input_untouched"], (rank, name)
-            assert r["grad_dtype"] == ("torch.bfloat16" if name == "bf16_input"
+            assert r["grad_dtype"] == ("torch.bfloat16" if "bf16" in name
                                        else "torch.float32")
     for name in per_rank[0]:  # outputs are replicated over TP
         assert per_rank[0][name]["logp_values"] == per_rank[1][name]["logp_values"]

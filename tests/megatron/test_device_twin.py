@@ -12,7 +12,7 @@ from device_twin import TWIN, assert_on_twin, twin
 from mcore_rl.algorithms import AlgorithmConfig
 from mcore_rl.megatron import packing
 from mcore_rl.megatron.value import ValueBatch, _value_loss, attach_value_head
-from mcore_rl.megatron.policy import PolicyBatch, _masked_vocab_logits, _policy_loss
+from mcore_rl.megatron.policy import PolicyBatch, _policy_loss
 
 pytestmark = [pytest.mark.device_twin, pytest.mark.fast]
 
@@ -37,13 +37,6 @@ def _policy_batch(kl: bool) -> PolicyBatch:
                        advantages=twin(torch.randn(B, S, generator=g)),
                        ref_logp=twin(-torch.rand(B, S, generator=g)) if kl else None,
                        is_weights=mask if kl else None)
-
-
-def test_masked_vocab_logits_on_a_rank_holding_padding():
-    """rl_step._masked_vocab_logits built its keep-mask with a CPU arange (TP rank 1 of 2)."""
-    logits = twin(torch.randn(B, S, 8))
-    assert_on_twin(_masked_vocab_logits(logits, VOCAB, tp_rank=1),
-                   _masked_vocab_logits(logits, VOCAB, tp_rank=0))
 
 
 @pytest.mark.parametrize("kl", [False, True], ids=["kl_off", "kl_loss"])

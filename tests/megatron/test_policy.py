@@ -118,22 +118,32 @@ def test_the_first_mini_batch_old_logp_from_the_update_forward_trains_like_a_for
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("tp_rank", [0, 1, 2])
-def test_padding_logits_are_masked_in_one_fp32_copy(dtype, tp_rank):
-    """N17: the padded rank's mask is written into the one fp32 copy (no filler and no second
-    copy of the logits' size): the values and gradients of a mask-and-select, the caller's
-    fp32 logits left as they were."""
-    from mcore_rl.megatron.policy import _PAD_LOGIT, _masked_vocab_logits
+def test_padding_logits_are_left_out_without_a_copy(dtype):
+    """N17: megatron's padded vocabulary ids are left out of the actor's log-probs and entropy
+    (`logp_and_entropy`: the chunked path) without an fp32 copy of the logits with the padding
+    masked: the values and gradients of the real columns alone, zero gradient on padding, the
+    logits untouched."""
+    import types
 
-    vocab, per_rank = 19, 8  # ranks hold ids 0-7, 8-15, 16-23: rank 2 has 5 padding columns
-    logits = torch.randn(2, 3, per_rank, generator=torch.Generator().manual_seed(tp_rank))
-    logits = logits.to(dtype).requires_grad_()
+    from mcore_rl.algorithms import log_probs_and_entropy
+    from mcore_rl.megatron.policy import logp_and_entropy
+
+    vocab, padded = 19, 24  # megatron pads the vocabulary to a multiple of 8 · tp
+    trainer = types.SimpleNamespace(spec=types.SimpleNamespace(vocab=vocab),
+                                    groups=types.SimpleNamespace(config=types.SimpleNamespace(tp=1)))
+    g = torch.Generator().manual_seed(0)
+    logits = (3 * torch.randn(2, 3, padded, generator=g)).to(dtype).requires_grad_()
+    labels = torch.randint(0, vocab, (2, 3), generator=g)
     before = logits.detach().clone()
-    got = _masked_vocab_logits(logits, vocab, tp_rank)
+    logp, entropy = logp_and_entropy(trainer, logits, labels)
+    weights = torch.randn(2, 2, 3, generator=g)
+    ((weights[0] * logp + weights[1] * entropy).sum()).backward()
     assert torch.equal(logits.detach(), before)
-    keep = torch.arange(per_rank) < max(vocab - tp_rank * per_rank, 0)
-    want = torch.where(keep, logits.float(), torch.full((), _PAD_LOGIT))
-    assert got.dtype == torch.float32 and torch.equal(got, want)
-    weights = torch.randn(got.shape, generator=torch.Generator().manual_seed(9))
-    (grad,) = torch.autograd.grad((got * weights).sum(), logits)
-    assert torch.equal(grad, (weights * keep).to(dtype))
+    real = logits.detach()[..., :vocab].float().requires_grad_()
+    want_logp, want_entropy = log_probs_and_entropy(real, labels)
+    ((weights[0] * want_logp + weights[1] * want_entropy).sum()).backward()
+    torch.testing.assert_close(logp, want_logp, rtol=0, atol=1e-5)
+    torch.testing.assert_close(entropy, want_entropy, rtol=0, atol=1e-5)
+    tol = 1e-2 if dtype == torch.bfloat16 else 1e-5  # bf16: the gradient is rounded on the way out
+    torch.testing.assert_close(logits.grad[..., :vocab].float(), real.grad, rtol=0, atol=tol)
+    assert not logits.grad[..., vocab:].any() and logits.grad.dtype == dtype
