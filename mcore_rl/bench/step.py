@@ -25,6 +25,11 @@ MFU of a phase = F_phase / (seconds * devices of that phase * peak FLOP/s per de
 devices = actor.tp*pp*dp for actor/critic/reference phases and rollout.tp*engines for gen;
 the step's MFU = sum of F_phase / (step seconds * all devices * peak) (actor and engines are
 separate devices, as `RLController` places them).
+The peak: `peak_tflops` when given (a GPU's datasheet figure in the training dtype: a GPU run
+must give it); on CPU, by default, measured in the same run before anything starts — a matrix
+product in the actor's dtype on one thread, what an actor rank computes on (one intra-op
+thread), so a phase's MFU is against this machine's own rate (an engine running more OpenMP
+threads, rollout.cpu_threads, can pass 100 %).
 tokens/s per device = (prompt + response tokens of the step, unpadded) / step seconds /
 all devices.
 """
@@ -151,7 +156,7 @@ class StepBenchConfig:
     overrides: tuple[str, ...] = ()
     repeats: int = 2
     warmup_steps: int = 1
-    peak_tflops: float = 0.2
+    peak_tflops: float | None = None
     compare: tuple[str, ...] = ()
     baseline: str | None = None
     shape: str | None = None
@@ -167,8 +172,8 @@ class StepBenchConfig:
             raise ConfigError("repeats", self.repeats, "must be >= 1")
         if self.warmup_steps < 0:
             raise ConfigError("warmup_steps", self.warmup_steps, "must be >= 0")
-        if not self.peak_tflops > 0:
-            raise ConfigError("peak_tflops", self.peak_tflops, "must be > 0")
+        if self.peak_tflops is not None and not self.peak_tflops > 0:
+            raise ConfigError("peak_tflops", self.peak_tflops, "must be > 0 (or null: measured)")
 
     #: the fields `a.b=c` overrides set here; every other key is the RL config's
     OWN: ClassVar[frozenset[str]] = frozenset(
@@ -244,10 +249,56 @@ def _measured_sampler_cls():
     return MeasuredSampler
 
 
+def matmul_tflops(dtype: "torch.dtype", n: int = 512, seconds: float = 0.5) -> float:
+    """TFLOP/s of n×n×n matrix products in `dtype` on one CPU thread (after 3 warm-ups)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        gen = torch.Generator().manual_seed(0)
+        a, b = (torch.randn(n, n, generator=gen).to(dtype) for _ in range(2))
+        for _ in range(3):
+            a @ b
+        count, start = 0, time.perf_counter()
+        while (elapsed := time.perf_counter() - start) < seconds or count < 3:
+            a @ b
+            count += 1
+        return 2 * n ** 3 * count / elapsed / 1e12
+    finally:
+        torch.set_num_threads(threads)
+
+
+def with_peak(cfg: StepBenchConfig) -> tuple[StepBenchConfig, str]:
+    """`cfg` with its peak per device, and where it came from: given, or (a CPU run without
+    one) measured now (`matmul_tflops` in the actor's dtype). A GPU run must give it."""
+    if cfg.peak_tflops is not None:
+        return cfg, "given (peak_tflops)"
+    from mcore_rl.config.dtypes import torch_dtype
+    from mcore_rl.planning.resolve import run_device
+
+    rl = cfg.rl_config()
+    if run_device(rl) == "cuda":
+        raise ConfigError("peak_tflops", None, "a GPU run's dense peak per device in the "
+                          "training dtype, TFLOP/s (e.g. 989 for an H100 in bf16): only a "
+                          "CPU's is measured here")
+    measured = matmul_tflops(torch_dtype(rl.train.dtype))
+    return (replace(cfg, peak_tflops=measured),
+            f"measured: a {rl.train.dtype} matrix product on one thread of this machine")
+
+
 def run_step_bench(cfg: StepBenchConfig) -> dict:
     """The baseline's report; with `compare`, the variant's under "compare" with the
     speed-up of the median step (both measured in this run). With `shape`, on that shape
-    built into a temporary directory (and the report's `shape` says what it was)."""
+    built into a temporary directory (and the report's `shape` says what it was). The peak
+    per device is given or measured first, on the still quiet machine (`with_peak`)."""
+    cfg, source = with_peak(cfg)
+    report = _run_step_bench_shape(cfg)
+    report["peak_source"] = source
+    return report
+
+
+def _run_step_bench_shape(cfg: StepBenchConfig) -> dict:
     if cfg.shape is None:
         return _run_step_bench(cfg)
     from mcore_rl.bench.shapes import build_shape, get_shape

@@ -140,6 +140,7 @@ def test_step_bench(tmp_path):
     # one actor rank and the demo's two TP1 engines: the second, late, joined before the
     # measured steps (each generated on both)
     assert report["devices"] == 3 and report["peak_tflops_per_device"] == 0.5
+    assert report["peak_source"] == "given (peak_tflops)"
     assert [s["rollout_engines"] for s in report["per_step"]] == [2.0, 2.0]
     # the report's MFU is the documented formula applied to the reported numbers
     first = report["per_step"][0]
@@ -185,6 +186,8 @@ def test_step_bench(tmp_path):
     (["rollout", "max_new_token=8"], "max_new_token=8: unknown field"),
     (["step", "no_such_field=1"], "no_such_field"),
     (["step", "peak_tflops=0"], "peak_tflops"),
+    # a GPU's peak is not measured here: a GPU run names it
+    (["step", "cluster.device=gpu"], "peak_tflops=None: a GPU run's dense peak per device"),
     # the old flags name the override that replaced them
     (["step", "--peak-tflops", "0.5"], "--peak-tflops='0.5': bench step takes it as the "
                                        "override peak_tflops=VALUE"),

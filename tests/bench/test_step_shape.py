@@ -51,6 +51,15 @@ def test_step_bench_realistic_shape(tmp_path):
     assert report["seq_len"] == 64 + 128 - 1 and report["sequences_per_step"] == 4
     for phase in ("gen", "reward", "adv", "update_actor", "sync", "step"):
         assert set(report["timing_s"][phase]) == SPREAD_KEYS
+    # no peak given: this machine's own, measured in the run (#47: an honest MFU), and every
+    # MFU is against it
+    assert report["peak_source"].startswith("measured: a float32 matrix product on one thread")
+    peak = report["peak_tflops_per_device"]
+    assert peak > 0 and report["config"]["peak_tflops"] == peak
+    update = report["per_step"][0]
+    assert update["mfu/update_actor"] == pytest.approx(
+        update["flops"]["update_actor"] / (update["timings"]["update_actor"]
+                                           * report["actor_devices"] * peak * 1e12))
     trl = report["baseline"]
     assert trl["same_prompts"] is True and report["steps_run"] == trl["steps_run"] == 1
     for phase in ("gen", "reward", "old_logprob", "prep", "update", "step"):
