@@ -60,13 +60,18 @@ def test_log_probs_and_entropy_reference_on_device():
     assert_on_twin(logp, entropy, logits.grad)
 
 
-def test_vocab_parallel_log_probs_and_entropy_on_device(monkeypatch):
-    """The TP>1 autograd function, forward and backward, on TP rank 1 of 2 (the collectives
-    stubbed out: placement only)."""
+@pytest.fixture
+def tp_rank_1_of_2(monkeypatch):
+    """vocab_parallel's collectives stubbed out, as TP rank 1 of 2 (placement only)."""
     fake_dist = types.SimpleNamespace(get_rank=lambda group: 1, get_world_size=lambda group: 2,
                                       all_reduce=lambda t, op=None, group=None: None,
                                       ReduceOp=torch.distributed.ReduceOp)
     monkeypatch.setattr(vocab_parallel, "dist", fake_dist)
+
+
+def test_vocab_parallel_log_probs_and_entropy_on_device(tp_rank_1_of_2):
+    """The TP>1 autograd function, forward and backward, on TP rank 1 of 2 (the collectives
+    stubbed out: placement only)."""
     for dtype in (torch.float32, torch.bfloat16):
         logits = twin(torch.randn(B, T, 8)).to(dtype).requires_grad_()
         target = twin(torch.randint(0, 16, (B, T)))
@@ -77,14 +82,10 @@ def test_vocab_parallel_log_probs_and_entropy_on_device(monkeypatch):
 
 
 @pytest.mark.parametrize("vocab", [16, 13, 5], ids=["no-padding", "padding", "all-padding"])
-def test_chunked_log_probs_and_entropy_on_device(monkeypatch, vocab):
+def test_chunked_log_probs_and_entropy_on_device(tp_rank_1_of_2, vocab):
     """The chunked path (the actor's: policy.logp_and_entropy), forward and backward in chunks
     of 2 tokens, on TP rank 1 of 2 holding ids 8-15: part or all of them padding (the
     collectives stubbed out: placement only)."""
-    fake_dist = types.SimpleNamespace(get_rank=lambda group: 1, get_world_size=lambda group: 2,
-                                      all_reduce=lambda t, op=None, group=None: None,
-                                      ReduceOp=torch.distributed.ReduceOp)
-    monkeypatch.setattr(vocab_parallel, "dist", fake_dist)
     for dtype in (torch.float32, torch.bfloat16):
         logits = twin(torch.randn(B, T, 8)).to(dtype).requires_grad_()
         target = twin(torch.randint(0, vocab, (B, T)))
