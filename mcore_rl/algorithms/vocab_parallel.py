@@ -149,27 +149,30 @@ class _ChunkedLogProbEntropy(torch.autograd.Function):
         logits, z_max, log_z, mean_logit, local, owned = ctx.saved_tensors
         real, chunk = ctx.real, ctx.chunk
         grad = torch.zeros_like(logits)  # the padding columns' gradient stays 0
+        if not real:
+            return grad, None, None, None, None, None
         n = logits.shape[0]
+        zeros = torch.zeros_like(z_max)
+        g_logp = zeros if grad_logp is None else grad_logp
+        g_ent = zeros if grad_entropy is None else grad_entropy
+        # d/dz of g_logp·logp + g_ent·H = p·(g_ent·(E_p[s] - s) - g_logp) + g_logp·1[target],
+        # s the shifted logit: p·(slope·s + offset), slope = -g_ent, offset = g_ent·E_p[s] - g_logp
+        slope, offset = -g_ent, g_ent * mean_logit - g_logp
         for i in range(0, n, chunk):
-            if not real:
-                break
             rows = slice(i, i + chunk)
-            shifted = logits[rows, :real] - z_max[rows, None]
-            probs = torch.exp(shifted - log_z[rows, None])
-            # d logp / dz = 1[target] - p;  d H / dz = p (E_p[z] - z): in place, two buffers
-            if grad_entropy is not None:
-                coeff = shifted.neg_().add_(mean_logit[rows, None]).mul_(grad_entropy[rows, None])
-                if grad_logp is not None:
-                    coeff.sub_(grad_logp[rows, None])
-                part = probs.mul_(coeff)
-                del coeff
-            else:
-                part = probs.mul_(grad_logp[rows, None].neg())
-            if grad_logp is not None:
-                part.scatter_add_(-1, local[rows, None],
-                                  (grad_logp[rows] * owned[rows].to(part.dtype))[:, None])
-            grad[rows, :real] = part
-            del shifted, probs, part
+            # the max first, then log Z: with logits ~1e3 their sum would lose fp32 precision
+            shifted = logits[rows, :real] - z_max[rows, None]  # fp32 (type promotion)
+            probs = torch.sub(shifted, log_z[rows, None]).exp_()
+            coeff = shifted.mul_(slope[rows, None]).add_(offset[rows, None])
+            out = grad[rows, :real]
+            # fp32 logits: straight into the gradient; others: in fp32, then rounded once
+            part = torch.mul(probs, coeff, out=out) if out.dtype == probs.dtype else \
+                probs.mul_(coeff)
+            part.scatter_add_(-1, local[rows, None],
+                              (g_logp[rows] * owned[rows].to(g_logp.dtype))[:, None])
+            if part is not out:
+                out.copy_(part)
+            del shifted, probs, coeff, part
         return grad, None, None, None, None, None
 
 
