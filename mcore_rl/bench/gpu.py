@@ -192,13 +192,12 @@ def actor_part(config: Path, overrides: list[str], updates: int, device: torch.d
         out["throughput"].update({
             "datasheet_peak_tflops": peak, "mfu": achieved / peak if peak else None,
             "matmul_tflops": matmul, "fraction_of_matmul": achieved / matmul})
-    if on_gpu:
         out["memory"] = {**_memory_report(planned, peaks, resident),
                          "measured_logprob_peak_bytes": logprob_peaks,
                          "policy_loss": loss_transient(trainer, cfg.algorithm, mbs, seq, device)}
     else:
         out["memory"] = {
-        "planned_bytes": planned.total, "planned_resident_bytes": planned.resident,
+            "planned_bytes": planned.total, "planned_resident_bytes": planned.resident,
             "measured": None, "why": "torch's allocator statistics are CUDA's: measured on a GPU"}
     return out
 

@@ -6,7 +6,7 @@ the CUDA RNG tracker, `.type() == 'torch.cuda.FloatTensor'` asserts). On CPU, `a
 the smallest set of shims that made TP, PP, VPP, SP, DP and the distributed optimizer match the
 one-process model (tests/compat shows each one is still needed and still applied). On GPU only
 `WITHOUT_TE` is applied: a gap megatron-core has without TransformerEngine whatever the device
-(first seen on an H200 with the local spec). Each shim is written against megatron-core `MEGATRON_CORE_VERSION`;
+(the local spec on a GPU). Each shim is written against megatron-core `MEGATRON_CORE_VERSION`;
 `apply()` refuses any other version instead of patching code it was not checked against.
 """
 

@@ -243,7 +243,8 @@ def resolve_run(cfg: "RLConfig", *, assume_gpu: bool = False,
     actor_slots = set(plan.actor)
     transports = tuple("ipc" if any(s in actor_slots for s in slots) else "p2p"
                        for slots in plan.engines)
-    check_late_engines(cfg.rollout, device, "ipc" in transports)
+    shared = "ipc" in transports  # some engine computes on an actor rank's device
+    check_late_engines(cfg.rollout, device, shared)
 
     def where(index: int) -> str:
         return f"cuda:{index}" if device == "cuda" else "cpu"
@@ -263,8 +264,8 @@ def resolve_run(cfg: "RLConfig", *, assume_gpu: bool = False,
         cluster=resolved_cluster(cfg, device, cuda_available=cuda_available),
         expert_parallel=cfg.rollout.expert_parallel,
         engine_visible_devices=tuple(tuple(s.device for s in slots) for slots in plan.engines),
-        trainers_first=any(s in actor_slots for slots in plan.engines for s in slots),
-        release_trainer_cache=device == "cuda" and "ipc" in transports,
+        trainers_first=shared,
+        release_trainer_cache=device == "cuda" and shared,
         sync_bucket_mb=(SYNC_BUCKET_MB[device] if cfg.sync_bucket_mb is None
                         else cfg.sync_bucket_mb),
         enforce_eager=engines_run_eager(cfg.rollout, device),
@@ -302,6 +303,7 @@ def trainers_fuse_kernels(configured: bool | None, layer_spec: str) -> bool:
     return fused
 
 
-__all__ = ["ResolvedRun", "check_late_engines", "cuda_present", "layer_spec_of", "placement_plan_of", "resolve_run",
+__all__ = ["ResolvedRun", "check_late_engines", "cuda_present", "layer_spec_of",
+           "placement_plan_of", "resolve_run",
            "trainers_fuse_kernels",
            "local_devices", "resolved_cluster", "run_device", "sync_backend_of"]
