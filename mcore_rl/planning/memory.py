@@ -312,11 +312,11 @@ def last_stage_terms(spec: ModelSpec, seq: int, micro_batch: int, model: Activat
 
 
 # The actor's loss (megatron/policy.py: log-prob and entropy over this rank's vocabulary,
-# forward and backward) as fp32 [s·b, V/tp] buffers at its peak. An upper bound: the peak a GPU
-# measured of the unchunked computation (`scripts/gpu_check.sh`, actor.memory.policy_loss);
-# the chunked one (`chunked_log_probs_and_entropy`) holds the logits' gradient in their dtype
-# and two fp32 chunks, and replaces this bound once the check has measured it.
-POLICY_LOSS_FP32_ROWS = 5
+# forward and backward) as fp32 [s·b, V/tp] buffers at its peak, beyond the output layer's own
+# logits: the chunked computation (`chunked_log_probs_and_entropy`) holds the logits' gradient in
+# their dtype and two fp32 chunks; rounded up from what a GPU measured
+# (`scripts/gpu_check.sh`, actor.memory.policy_loss).
+POLICY_LOSS_FP32_ROWS = 1
 
 
 _SYNC_DETAIL = {"colocated": "one bucket, the shared IPC buffer",

@@ -48,10 +48,10 @@ _MASK = 0xFFFFFFFF
 _C1 = -1640531535  # 0x9E3779B1 as int32: odd
 _LOW17 = (1 << 17) - 1  # the bits a logical right shift by 15 keeps
 # units per mixing block (two int32 buffers of it, the digest's only transient memory):
-# cache-sized on a CPU (1 MiB each); on a GPU 16 MiB each — few kernel launches, and the block's
-# passes stay in an H100's 50 MiB L2
+# cache-sized on a CPU (1 MiB each); on a GPU 64 MiB each — few kernel launches (a GPU measured
+# the larger block faster: scripts/gpu_check.sh, refit.digest_alone.by_block_units)
 _BLOCK = {"cpu": 1 << 18}
-_BLOCK_DEVICE = 1 << 22
+_BLOCK_DEVICE = 1 << 24
 _UNIT = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int32}
 
 

@@ -279,10 +279,9 @@ def test_routing_replay_plans_the_replayed_experts():
 
 def test_the_actor_plan_covers_the_update_peak_measured_on_a_gpu():
     """`scripts/gpu_check.sh` on an H200 (docs/benchmarks/gpu-check-h200.json): the policy
-    update of configs/bench/gpu_actor.yaml (Llama 3.2 1B, TP1, bf16, local spec) peaked 8 %
-    above this plan while it counted the LM loss's one fp32 vocabulary buffer for the policy
-    loss, which holds five. The plan must cover the measured peak (without planning more
-    than 10 % above it), the policy loss's own measured peak, and the resident states."""
+    update of configs/bench/gpu_actor.yaml (Llama 3.2 1B, TP1, bf16, local spec), its loss
+    vocabulary-chunked. The plan must cover the measured peak (without planning more than 10 %
+    above it), the policy loss's own measured peak, and the resident states."""
     import json
     from dataclasses import replace
 
@@ -298,7 +297,8 @@ def test_the_actor_plan_covers_the_update_peak_measured_on_a_gpu():
     assert peak <= rank.total <= 1.1 * peak, (rank.total, peak)
     # the loss's own peak beyond its bf16 input logits, in fp32 [s·b, V] buffers (plus a few
     # [s·b] per-token tensors: a fraction of a row)
-    assert POLICY_LOSS_FP32_ROWS == round(memory["policy_loss"]["fp32_vocab_rows"])
+    rows = memory["policy_loss"]["fp32_vocab_rows"]
+    assert rows <= POLICY_LOSS_FP32_ROWS < rows + 1, (rows, POLICY_LOSS_FP32_ROWS)
     resident = memory["measured_resident_bytes"][-1]
     assert abs(rank.resident - resident) <= 0.05 * resident, (rank.resident, resident)
 
