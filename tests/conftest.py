@@ -17,6 +17,9 @@ if "VLLM_CACHE_ROOT" not in os.environ:
 # the slowest test files, and CI's budget per file (tests/support/durations.py)
 from tests.support.durations import (pytest_runtest_logreport, pytest_sessionfinish,  # noqa: E402,F401
                                      pytest_terminal_summary)
+# which tests share a parallel worker, and in what order (tests/support/scheduling.py)
+from tests.support.scheduling import (pytest_collection_modifyitems,  # noqa: E402,F401
+                                      pytest_xdist_make_scheduler)
 # one local Ray for the session's RL tests, each checked to leave nothing in it
 # (tests/support/ray_cluster.py)
 from tests.support.ray_cluster import (pytest_runtest_teardown, ray_cluster,  # noqa: E402,F401

@@ -14,6 +14,8 @@ from mcore_rl.bench.step import FlopsModel, mfu, phase_flops, step_metrics
 from mcore_rl.cli import main
 from mcore_rl.models.spec import ModelSpec
 
+pytestmark = pytest.mark.slow  # end-to-end: started first on the parallel workers
+
 SPREAD_KEYS = {"median", "min", "max", "runs"}
 
 

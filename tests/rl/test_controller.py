@@ -11,6 +11,8 @@ from mcore_rl.config import load_config
 from mcore_rl.run.config import RLConfig
 from tests.support import DEMO_SIZED
 
+pytestmark = pytest.mark.slow  # end-to-end: started first on the parallel workers
+
 PHASES = ("gen", "reward", "old_logprob", "adv", "update_actor", "sync", "step")
 
 

@@ -19,6 +19,8 @@ from mcore_rl.run.config import RLConfig
 from tests.support import DEMO_SIZED
 from tests.support.rl_runs import sampled_logprob_gap, step_then_sample
 
+pytestmark = pytest.mark.slow  # end-to-end: started first on the parallel workers
+
 LORA_STEP = ["steps=1", "prompts_per_step=4", "samples_per_prompt=4",
              "updates_per_batch=2", "train.micro_batch_size=8", "actor.lora.lr=0.05",
              "task.reward_fn=tests.support.rewards:spread_reward", "actor.tp=2",

@@ -18,6 +18,8 @@ from tests.support.rl_runs import DETERMINISTIC as BASE_DETERMINISTIC
 from tests.support.rl_runs import run_steps
 from tests.support import DEMO_SIZED
 
+pytestmark = pytest.mark.slow  # end-to-end: started first on the parallel workers
+
 DETERMINISTIC = BASE_DETERMINISTIC + (
     "rollout_logprob_max_diff", "staleness/max", "mismatch/is_weight_mean",
     "mismatch/k3_kl", "mismatch/clipped_frac")

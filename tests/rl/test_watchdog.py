@@ -12,6 +12,8 @@ from mcore_rl.launch.watchdog import WatchdogTimeout
 from mcore_rl.run.config import RLConfig
 from tests.support import DEMO_SIZED
 
+pytestmark = pytest.mark.slow  # end-to-end: started first on the parallel workers
+
 DEADLINE = 12.0
 
 

@@ -20,6 +20,10 @@ import sys
 
 import pytest
 
+# end-to-end CLI runs that load every core: run apart from the other such file on the
+# parallel workers (tests/support/scheduling.py's WHOLE_MACHINE)
+pytestmark = pytest.mark.slow
+
 
 def run_demo(tmp_path, *args: str) -> tuple[list[dict], list[dict]]:
     """(RL step metrics, warm-up metrics) of `mcore-rl demo ARGS --out tmp_path`."""

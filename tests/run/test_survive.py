@@ -48,6 +48,8 @@ OVERRIDES = ["warmup.max_steps=0", f"steps={STEPS}", "prompts_per_step=4",
              "task.reward_fn=tests.support.rewards:spread_reward",
              "checkpoint.every=2", "checkpoint.keep_last=1"]
 
+# end-to-end CLI runs that load every core: run apart from the other such file on the
+# parallel workers (tests/support/scheduling.py's WHOLE_MACHINE)
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 

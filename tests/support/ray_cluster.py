@@ -5,7 +5,9 @@ used to pay both, its controller starting and stopping its own. Now the first te
 for `ray_cluster` (or a module fixture that asks for `ray_session`) starts one with
 `init_local_ray`, bound to loopback as a run's is; a controller finds it up and leaves it up
 (`RLController.owns_ray`), and it is stopped after the last test that asked for it (a later
-test that starts a controller without asking gets a Ray of its own, as before).
+test that starts a controller without asking gets a Ray of its own, as before). On parallel
+workers (scripts/test.sh) each worker has its own session Ray; one whose last user ran on
+another worker stops when its worker's session ends.
 
 A shared Ray is only as good as its tests' clean-up: `leaves_nothing` fails the test (or the
 module fixture) that leaves an actor, a placement group or a process behind — an actor rank
