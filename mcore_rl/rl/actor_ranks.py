@@ -12,7 +12,7 @@ import torch
 from mcore_rl.config.seeds import derive_seed
 from mcore_rl.launch.watchdog import Watchdog, collect_or_name_dead, still_running
 from mcore_rl.resharding import host_store
-from mcore_rl.rollout.batches import Batch
+from mcore_rl.rollout.batches import Batch, dp_slice
 
 if TYPE_CHECKING:  # the run layer above builds the config
     from mcore_rl.run.config import RLConfig
@@ -31,6 +31,7 @@ class ActorRanks:
 
         self.deadlines, self.watchdog, self.dp = cfg.deadlines, watchdog, cfg.actor.dp
         self.pids: list[int] = []  # known once the ranks answer (`wait_started`)
+        self.dp_ranks: list[int] = []  # each rank's DP slice (`wait_started`)
         self.kernels: list[list[dict]] = []  # each rank's fused kernels (`wait_started`)
         self._output_slots: list[int | None] | None = None  # fixed by the grid: asked once
         # rank -> its call that missed a deadline (shutdown does not wait for it to answer:
@@ -61,6 +62,7 @@ class ActorRanks:
         from mcore_rl.models.kernels import dropped_on_ranks
 
         self.pids = self.call("pid", phase="startup")
+        self.dp_ranks = self.call("dp_rank", phase="startup")
         self.kernels = self.call("fused_kernels", phase="startup")
         for line in dropped_on_ranks(self.kernels):
             print(f"mcore-rl: {line}", flush=True)
@@ -82,13 +84,31 @@ class ActorRanks:
         """`method(*args)` on every rank; their results in rank order."""
         return self.wait([getattr(w, method).remote(*args) for w in self.workers], phase)
 
+    def call_rows(self, method: str, rows: dict[str, torch.Tensor], *args, phase: str,
+                  mini_batches: int = 1) -> list:
+        """`method(my_rows, *args)` on every rank, each getting only its DP slice of `rows`
+        (`dp_slice`, of each of `mini_batches` mini-batches): every slice is put into Ray's
+        object store once and read by the ranks of that slice (TP, PP, CP peers), rather
+        than the whole batch serialized once per rank."""
+        import ray
+
+        slices = [ray.put(dp_slice(rows, self.dp, d, mini_batches)) for d in range(self.dp)]
+        return self.wait([getattr(w, method).remote(slices[d], *args)
+                          for w, d in zip(self.workers, self.dp_ranks)], phase)
+
+    @staticmethod
+    def _pass_rows(batch: Batch, routing: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        rows = {"tokens": batch.tokens, "labels": batch.labels, "response_mask": batch.mask}
+        if routing is not None:
+            rows["routing"] = routing
+        return rows
+
     def per_token(self, method: str, batch: Batch, phase: str,
                   routing: torch.Tensor | None = None) -> torch.Tensor:
         """A forward-only pass on every rank; one [n, s] result, assembled over DP. The
         response mask tells packed passes where each row's real tokens end. routing: the
         experts the pass replays ([n, s, layers, k])."""
-        extra = () if routing is None else (routing,)
-        outs = self.call(method, batch.tokens, batch.labels, batch.mask, *extra, phase=phase)
+        outs = self.call_rows(method, self._pass_rows(batch, routing), phase=phase)
         if self._output_slots is None:
             self._output_slots = self.call("dp_rank_of_output", phase=phase)
         by_dp = {dp: out for dp, out in zip(self._output_slots, outs) if dp is not None}
@@ -98,8 +118,7 @@ class ActorRanks:
                                                                       torch.Tensor]:
         """The old log-probs [n, s] and the experts the actor's MoE routers chose for every
         token, [n, s, layers, k]: each DP slice's rows, every pipeline stage's layers."""
-        outs = self.call("logprobs_and_routing", batch.tokens, batch.labels, batch.mask,
-                         phase=phase)
+        outs = self.call_rows("logprobs_and_routing", self._pass_rows(batch), phase=phase)
         logp = {o["dp"]: o["logp"] for o in outs if o["logp"] is not None}
         routing: dict[int, torch.Tensor] = {}
         for o in outs:  # each stage holds its layers, -1 in the others'

@@ -198,8 +198,9 @@ class RLController:
             timer = PhaseTimer()
             batch = self.sampler.warmup_batch(step)
             with timer("update_actor"):
-                result = self.call_actors("sft_step", batch.tokens, batch.labels, batch.mask,
-                                     phase="warmup")[0]
+                result = self.actors.call_rows(
+                    "sft_step", {"tokens": batch.tokens, "labels": batch.labels,
+                                 "loss_mask": batch.mask}, phase="warmup")[0]
             metrics = {"loss": result["loss"], "grad_norm": result["grad_norm"]}
             if step % w.eval_every == 0:
                 with timer("sync"):
@@ -411,8 +412,9 @@ class RLController:
         if routing is not None:
             policy["routing"] = routing
         with timer("update_actor"):  # every mini-batch in one call (ActorWorker.update)
-            per_rank = self.call_actors("update", policy, cfg.algorithm, cfg.updates_per_batch,
-                                   phase="update_actor")
+            per_rank = self.actors.call_rows("update", policy, cfg.algorithm,
+                                             cfg.updates_per_batch, phase="update_actor",
+                                             mini_batches=cfg.updates_per_batch)
         return [_global_update_report([rank[k] for rank in per_rank])
                 for k in range(cfg.updates_per_batch)]
 
@@ -423,8 +425,9 @@ class RLController:
         value = {"tokens": batch.tokens, "labels": batch.labels, "response_mask": batch.mask,
                  "old_values": extra["values"], "returns": returns}
         with timer("update_critic"):
-            return self.call_actors("critic_update", value, self.cfg.algorithm,
-                               self.cfg.updates_per_batch, phase="update_critic")[0]
+            return self.actors.call_rows("critic_update", value, self.cfg.algorithm,
+                                         self.cfg.updates_per_batch, phase="update_critic",
+                                         mini_batches=self.cfg.updates_per_batch)[0]
 
     def shutdown(self) -> None:
         """Stop workers and engines (a worker stuck in a collective is killed) and remove the

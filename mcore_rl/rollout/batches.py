@@ -146,6 +146,25 @@ def mini_batches(batch: dict[str, torch.Tensor], count: int):
         yield {key: value[k * n:(k + 1) * n] for key, value in batch.items()}
 
 
+def dp_slice(batch: dict[str, torch.Tensor], dp: int, dp_rank: int,
+             count: int = 1) -> dict[str, torch.Tensor]:
+    """The rows data-parallel rank `dp_rank` of `dp` works on: its contiguous 1/dp of each of
+    the `count` mini-batches (`mini_batches`), in order, so that `mini_batches(slice, count)`
+    on the rank yields its share of each. Only this goes to the ranks of that DP slice: each
+    rank needs its rows, not the batch. Tensors of their own, not views: a serialized view
+    carries its whole storage."""
+    n = next(iter(batch.values())).shape[0]
+    rows = n // count
+    if rows % dp:
+        raise ValueError(f"a mini-batch of {rows} sequences does not split over dp={dp}")
+    if dp == 1 and rows * count == n:
+        return dict(batch)
+    per = rows // dp
+    starts = [k * rows + dp_rank * per for k in range(count)]
+    return {key: torch.cat([value[start:start + per] for start in starts])
+            for key, value in batch.items()}
+
+
 def rollout_logprob_diff(completions, actor_logp: torch.Tensor, mask: torch.Tensor) -> float:
     """Max |vLLM log-prob − actor log-prob| over all sampled response tokens (a row with
     fewer engine log-probs than response tokens is compared on its first ones)."""
@@ -155,6 +174,5 @@ def rollout_logprob_diff(completions, actor_logp: torch.Tensor, mask: torch.Tens
     return float((flat - actor_logp[keep]).abs().max())
 
 
-
-__all__ = ["Batch", "Rollouts", "build_batch", "engine_logprobs", "mini_batches",
+__all__ = ["Batch", "Rollouts", "build_batch", "dp_slice", "engine_logprobs", "mini_batches",
            "rollout_logprob_diff", "trained_tokens"]

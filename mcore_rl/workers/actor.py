@@ -135,24 +135,17 @@ class ActorWorker:
 
     # --- batches ----------------------------------------------------------------------------
 
-    def _my_rows(self, n: int) -> slice:
-        dp, dp_rank = self.parallel.dp, self.groups.rank_in(Axis.DP)
-        if n % dp:
-            raise ValueError(f"batch of {n} sequences does not split over dp={dp}")
-        per = n // dp
-        return slice(dp_rank * per, (dp_rank + 1) * per)
-
     def _micro(self, tensors: dict[str, torch.Tensor], cls, *, train: TrainConfig | None = None,
                mask: str | None = None):
-        """This DP rank's rows as micro batches of `cls`, and the PackPlan: packed by
+        """This DP rank's rows (`tensors`: the controller sends each DP slice its own,
+        `rollout.batches.dp_slice`) as micro batches of `cls`, and the PackPlan: packed by
         `train.max_tokens_per_micro_batch` if set (each row's valid length ends at the last
         nonzero of `tensors[mask]`; mask None keeps rows whole), else None and fixed micro
         batches of micro_batch_size rows."""
         train = train or self.train_cfg
-        rows = self._my_rows(next(iter(tensors.values())).shape[0])
         # batches arrive from the controller on the host; the model's device is where they run
         on = self._model_device()
-        mine = {k: v[rows].to(on) for k, v in tensors.items()}
+        mine = {k: v.to(on) for k, v in tensors.items()}
         n, s = mine["tokens"].shape
         if train.max_tokens_per_micro_batch is not None:
             from mcore_rl.megatron.packing import pack, plan_for_grid, valid_lengths
@@ -169,8 +162,8 @@ class ActorWorker:
                 for i in range(0, n, mbs)], None
 
     def _forward_train(self, train: TrainConfig | None, n: int) -> TrainConfig:
-        """`train` whose micro_batch_size is the forward-only passes' for `n` rows
-        (`packing.forward_micro_rows`); packed passes are unchanged."""
+        """`train` whose micro_batch_size is the forward-only passes' for this DP slice's `n`
+        rows (`packing.forward_micro_rows`); packed passes are unchanged."""
         from dataclasses import replace
 
         from mcore_rl.megatron.packing import forward_micro_rows
@@ -178,7 +171,7 @@ class ActorWorker:
         train = train or self.train_cfg
         if train.max_tokens_per_micro_batch is not None:
             return train
-        size = forward_micro_rows(n // self.parallel.dp, micro_batch_size=train.micro_batch_size,
+        size = forward_micro_rows(n, micro_batch_size=train.micro_batch_size,
                                   forward_micro_batch_size=train.forward_micro_batch_size,
                                   parallel=self.parallel)
         return replace(train, micro_batch_size=size)
@@ -197,26 +190,28 @@ class ActorWorker:
 
     # --- passes -----------------------------------------------------------------------------
 
-    def sft_step(self, tokens, labels, loss_mask) -> dict:
+    def sft_step(self, rows: dict[str, torch.Tensor]) -> dict:
+        """One supervised step on this DP slice's rows (tokens, labels, loss_mask)."""
         maybe_stall("warmup", f"rank{self.rank}", self.inject_stall)
         from mcore_rl.megatron.train import MicroBatch, train_step
 
-        batches, _ = self._micro({"tokens": tokens, "labels": labels, "loss_mask": loss_mask},
-                                 MicroBatch, mask="loss_mask")
+        batches, _ = self._micro(rows, MicroBatch, mask="loss_mask")
         return asdict(train_step(self.trainer, batches))
 
-    def _forward_batches(self, tokens, labels, response_mask=None,
-                         train: TrainConfig | None = None, routing=None):
-        """This DP slice as the forward-only passes' micro batches, and the PackPlan (None:
-        fixed rows). `response_mask` bounds the valid tokens (without it rows are packed
-        whole); `routing` [n, s, layers, k]: the experts the pass replays."""
+    def _forward_batches(self, rows: dict[str, torch.Tensor], train: TrainConfig | None = None):
+        """This DP slice's rows (tokens, labels, optionally response_mask and routing) as the
+        forward-only passes' micro batches, and the PackPlan (None: fixed rows).
+        `response_mask` bounds the valid tokens (without it rows are packed whole);
+        `routing` [n, s, layers, k]: the experts the pass replays."""
         from mcore_rl.megatron.train import MicroBatch
 
-        mask = torch.ones_like(labels) if response_mask is None else response_mask
-        rows = {"tokens": tokens, "labels": labels, "loss_mask": mask}
-        if routing is not None:
-            rows["routing"] = routing
-        return self._micro(rows, MicroBatch, train=self._forward_train(train, len(tokens)),
+        response_mask = rows.get("response_mask")
+        labels = rows["labels"]
+        batch = {"tokens": rows["tokens"], "labels": labels,
+                 "loss_mask": torch.ones_like(labels) if response_mask is None else response_mask}
+        if rows.get("routing") is not None:
+            batch["routing"] = rows["routing"]
+        return self._micro(batch, MicroBatch, train=self._forward_train(train, len(labels)),
                            mask=None if response_mask is None else "loss_mask")
 
     @staticmethod
@@ -229,27 +224,27 @@ class ActorWorker:
             return unpack(out, plan).cpu()
         return torch.cat(out).cpu()
 
-    def _forward_only(self, fn, model, tokens, labels, response_mask=None,
-                      train: TrainConfig | None = None, routing=None) -> torch.Tensor | None:
-        """Run a forward-only pass over this DP slice; the last stage's TP rank 0 returns the
-        [n, s] result (others return None: the controller takes one copy per DP slice)."""
-        batches, plan = self._forward_batches(tokens, labels, response_mask, train, routing)
+    def _forward_only(self, fn, model, rows: dict[str, torch.Tensor],
+                      train: TrainConfig | None = None) -> torch.Tensor | None:
+        """Run a forward-only pass over this DP slice's rows; the last stage's TP rank 0
+        returns the [n, s] result (others return None: the controller takes one copy per DP
+        slice)."""
+        batches, plan = self._forward_batches(rows, train)
         out = fn(model, batches)
         if out is None or self.groups.rank_in(Axis.TP) != 0:
             return None
         return self._rows(out, plan)
 
-    def logprobs(self, tokens, labels, response_mask=None, routing=None) -> torch.Tensor | None:
+    def logprobs(self, rows: dict[str, torch.Tensor]) -> torch.Tensor | None:
         """The actor's log-probs of the labels (old log-probs). With `response_mask` packed
         passes skip each row's padding (0 there). routing [n, s, layers, k]: the experts the
         MoE layers use (the rollout's, `algorithm.routing_replay: rollout`)."""
         maybe_stall("old_logprob", f"rank{self.rank}", self.inject_stall)
         from mcore_rl.megatron.policy import compute_logprobs
 
-        return self._forward_only(compute_logprobs, self.trainer, tokens, labels, response_mask,
-                                  routing=routing)
+        return self._forward_only(compute_logprobs, self.trainer, rows)
 
-    def logprobs_and_routing(self, tokens, labels, response_mask=None) -> dict:
+    def logprobs_and_routing(self, rows: dict[str, torch.Tensor]) -> dict:
         """The old log-probs (as `logprobs`) and, recorded in the same pass, the experts this
         rank's MoE routers chose for every token: `routing` [n, s, layers, k] (int16; -1 in
         the layers of other pipeline stages) from TP rank 0 of every stage, `logp` from the
@@ -258,7 +253,7 @@ class ActorWorker:
         from mcore_rl.megatron.policy import compute_logprobs
         from mcore_rl.megatron.routing_replay import flip_counts
 
-        batches, plan = self._forward_batches(tokens, labels, response_mask)
+        batches, plan = self._forward_batches(rows)
         routing: list[torch.Tensor] = []
         out = compute_logprobs(self.trainer, batches, routing_out=routing)
         flip_counts(self.trainer.unwrapped())  # the update's counts start at this pass's end
@@ -267,7 +262,7 @@ class ActorWorker:
                 "logp": self._rows(out, plan) if out is not None and tp0 else None,
                 "routing": self._rows(routing, plan) if tp0 else None}
 
-    def ref_logprobs(self, tokens, labels, response_mask=None) -> torch.Tensor | None:
+    def ref_logprobs(self, rows: dict[str, torch.Tensor]) -> torch.Tensor | None:
         """The frozen reference policy's log-probs of the labels."""
         from mcore_rl.megatron.policy import compute_logprobs
 
@@ -275,25 +270,23 @@ class ActorWorker:
             from mcore_rl.megatron.lora import adapters_disabled
 
             with adapters_disabled(self.trainer.unwrapped()):
-                return self._forward_only(compute_logprobs, self.trainer, tokens, labels,
-                                          response_mask)
+                return self._forward_only(compute_logprobs, self.trainer, rows)
         if self.reference is None:
             raise RuntimeError(f"actor rank {self.rank}: no reference model on this worker")
-        return self._forward_only(compute_logprobs, self.reference, tokens, labels,
-                                  response_mask)
+        return self._forward_only(compute_logprobs, self.reference, rows)
 
-    def values(self, tokens, labels, response_mask=None) -> torch.Tensor | None:
+    def values(self, rows: dict[str, torch.Tensor]) -> torch.Tensor | None:
         """The critic's values V(state before label t), [n, s]."""
         from mcore_rl.megatron.value import compute_values
 
         critic = self._critic()
-        return self._forward_only(compute_values, critic, tokens, labels, response_mask,
-                                  train=critic.train)
+        return self._forward_only(compute_values, critic, rows, train=critic.train)
 
     def update(self, batch: dict[str, torch.Tensor], algo: AlgorithmConfig,
                mini_batches: int = 1) -> list[dict]:
-        """The policy update: `batch` cut into `mini_batches` equal, contiguous mini-batches,
-        one optimizer step each, in order. One call per step, not per mini-batch: the batch
+        """The policy update: this DP slice's rows of the step's batch (`dp_slice` with
+        `mini_batches`) cut into `mini_batches` equal, contiguous mini-batches, one optimizer
+        step each, in order. One call per step, not per mini-batch: the batch
         crosses once and the controller waits once (a Ray round trip per mini-batch adds up on
         small batches). Returns each mini-batch's report."""
         maybe_stall("update_actor", f"rank{self.rank}", self.inject_stall)
@@ -371,6 +364,10 @@ class ActorWorker:
         configure_schedule(trainer.config, trainer.model, trainer.optimizer)
         self.train_cfg = train
         return True
+
+    def dp_rank(self) -> int:
+        """The DP slice of the batch this rank works on."""
+        return self.groups.rank_in(Axis.DP)
 
     def dp_rank_of_output(self) -> int | None:
         """Which DP slice this rank's `logprobs` output covers (None: it returns nothing)."""

@@ -31,7 +31,7 @@ def policy_batch(n=16, s=12, seed=0):
 
 def update_ranks(rank, world_size, model_dir, one_call):
     from mcore_rl.workers.actor import ActorWorker
-    from mcore_rl.rollout.batches import mini_batches
+    from mcore_rl.rollout.batches import dp_slice, mini_batches
 
     released = []  # the CUDA caching allocator's releases (no CUDA here: counted)
     torch.cuda.empty_cache = lambda: released.append(1)
@@ -42,10 +42,12 @@ def update_ranks(rank, world_size, model_dir, one_call):
                          release_cache=one_call)
     before = worker.weights_digest()
     batch, algo = policy_batch(), AlgorithmConfig(clip_c=None)
+    dp_rank = worker.dp_rank()  # each rank gets its DP slice's rows, as the controller sends
     if one_call:
-        reports = worker.update(batch, algo, 2)
+        reports = worker.update(dp_slice(batch, 2, dp_rank, 2), algo, 2)
     else:
-        reports = [worker.update(mini, algo)[0] for mini in mini_batches(batch, 2)]
+        reports = [worker.update(dp_slice(mini, 2, dp_rank), algo)[0]
+                   for mini in mini_batches(batch, 2)]
     return {"reports": reports, "before": before, "after": worker.weights_digest(),
             "released": len(released)}
 
