@@ -189,6 +189,12 @@ class RLController:
 
     # --- warm-up ----------------------------------------------------------------------------
 
+    def sft_step(self, batch: Batch) -> dict:
+        """One supervised step of the whole actor on `batch` (its mask: the loss mask); the
+        global loss and grad norm."""
+        rows = {"tokens": batch.tokens, "labels": batch.labels, "loss_mask": batch.mask}
+        return self.actors.call_rows("sft_step", rows, phase="warmup")[0]
+
     def warmup(self, writer: MetricsWriter) -> float:
         """Supervised steps on noisy answers until held-out accuracy is reached (greedy, or
         sampled at `warmup.eval_temperature`)."""
@@ -198,9 +204,7 @@ class RLController:
             timer = PhaseTimer()
             batch = self.sampler.warmup_batch(step)
             with timer("update_actor"):
-                result = self.actors.call_rows(
-                    "sft_step", {"tokens": batch.tokens, "labels": batch.labels,
-                                 "loss_mask": batch.mask}, phase="warmup")[0]
+                result = self.sft_step(batch)
             metrics = {"loss": result["loss"], "grad_norm": result["grad_norm"]}
             if step % w.eval_every == 0:
                 with timer("sync"):

@@ -23,6 +23,8 @@ from mcore_rl.megatron.config import LoRAConfig
 
 LORA = LoRAConfig(rank=4, alpha=8.0)
 TOKENS = torch.randint(0, 250, (2, 17), generator=torch.Generator().manual_seed(3))
+# per-token advantages: the step's loss is a plain policy gradient, -mean(A · log π(label))
+ADVANTAGES = torch.randn(2, 16, generator=torch.Generator().manual_seed(5))
 
 
 def _lora_step(rank: int, world: int, sequence_parallel: bool) -> dict:
@@ -52,7 +54,8 @@ def _lora_step(rank: int, world: int, sequence_parallel: bool) -> dict:
 
     def logits_and_loss():
         local = model(tokens, positions, None)
-        loss = -token_logprobs(local, labels, spec.vocab, groups.rank_in(Axis.TP)).mean()
+        logp = token_logprobs(local, labels, spec.vocab, groups.rank_in(Axis.TP))
+        loss = -(ADVANTAGES * logp).mean()
         full = tensor_parallel.gather_from_tensor_model_parallel_region(local, group=tp_group)
         return full[..., :spec.vocab], loss
 
@@ -306,6 +309,70 @@ def test_tp2_adapters_export_as_a_peft_adapter_that_gives_the_actors_logits(runs
     with torch.no_grad(), model.disable_adapter():  # and the base is the base
         torch.testing.assert_close(model(TOKENS[:, :-1]).logits, runs["tp2"][0]["base"],
                                    rtol=1e-4, atol=1e-4)
+
+
+def _shared_a(peft_name: str) -> str:
+    """The megatron adapter whose A a PEFT module's lora_A is: q/k/v_proj share linear_qkv's,
+    gate/up_proj share linear_fc1's; o_proj and down_proj have their own."""
+    for shared, parts in (("qkv", ("q_proj", "k_proj", "v_proj")),
+                          ("gate_up", ("gate_proj", "up_proj"))):
+        for part in parts:
+            peft_name = peft_name.replace(f".{part}.", f".{shared}.")
+    return peft_name
+
+
+@pytest.mark.parametrize("grid", ["tp1", "tp2"])
+def test_adapter_gradients_equal_pefts_on_hf_for_a_policy_gradient_step(runs, grid, tmp_path):
+    """#48: PEFT's adapters on the HF model, with our adapters' values, and the same
+    policy-gradient loss on the same batch give our adapter gradients: every lora_B's
+    gradient is our B's rows for that module (assembled over the TP ranks); a lora_A shared
+    in megatron (linear_qkv's by q/k/v, linear_fc1's by gate/up) gets the sum of the PEFT
+    modules' lora_A gradients, each unshared one its own."""
+    from collections import defaultdict
+
+    from hf_weights import random_hf_weights
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from mcore_rl.conversion.peft_adapter import peft_tensors, write_peft_adapter
+    from mcore_rl.layouts import megatron_shards
+    from mcore_rl.layouts.lora import lora_shards
+    from mcore_rl.models.hf_factory import hf_config_from_spec
+    from mcore_rl.models.presets import get_preset
+    from mcore_rl.parallel import ParallelConfig
+
+    spec, outs = get_preset("micro"), runs[grid]
+    adapters = lora_shards(megatron_shards(spec, ParallelConfig(tp=len(outs))), LORA.rank,
+                           LORA.targets)
+
+    def assembled(prefix: str) -> dict[str, torch.Tensor]:  # values ("") or gradients ("d")
+        return peft_tensors(adapters, {
+            rank: {f"{name}.lora.lora_{m}": out["linears"][name][prefix + m]
+                   for name in out["linears"] for m in ("a", "b")}
+            for rank, out in enumerate(outs)})
+
+    dst = write_peft_adapter(tmp_path / "adapter", assembled(""), rank=LORA.rank,
+                             alpha=LORA.alpha)
+    base = AutoModelForCausalLM.from_config(hf_config_from_spec(spec), dtype=torch.float32)
+    base.load_state_dict(random_hf_weights(spec), strict=False)
+    model = PeftModel.from_pretrained(base, str(dst), is_trainable=True)
+    logits = model(TOKENS[:, :-1]).logits
+    logp = torch.log_softmax(logits, -1).gather(-1, TOKENS[:, 1:, None]).squeeze(-1)
+    loss = -(ADVANTAGES * logp).mean()
+    loss.backward()
+    assert float(loss) == pytest.approx(outs[0]["loss"], rel=1e-5)
+    peft = {n.replace(".default.", "."): p.grad for n, p in model.named_parameters()
+            if p.requires_grad}
+    ours = assembled("d")
+    assert peft.keys() == ours.keys() and len(ours) == 2 * 7 * spec.layers
+    a_sums: dict[str, torch.Tensor] = defaultdict(lambda: 0)
+    for name, grad in peft.items():
+        if ".lora_A." in name:
+            a_sums[_shared_a(name)] = a_sums[_shared_a(name)] + grad
+    for name, grad in ours.items():
+        want = a_sums[_shared_a(name)] if ".lora_A." in name else peft[name]
+        assert want.abs().max() > 0, name
+        torch.testing.assert_close(grad, want, rtol=1e-4, atol=1e-6, msg=name)
 
 
 def _lora_checkpoint(rank: int, world: int, ckpt_dir: str, mode: str) -> dict:

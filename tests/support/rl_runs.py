@@ -46,9 +46,7 @@ def stepped_and_sampled(controller, *, greedy: bool = False, sft_steps: int = 0)
     prompts, the samples, the greedy outputs (or None), the model spec and the resolved run —
     what the sync-vs-HF checks compare."""
     for k in range(1, sft_steps + 1):
-        batch = controller.sampler.warmup_batch(k)
-        controller.call_actors("sft_step", batch.tokens, batch.labels, batch.mask,
-                               phase="warmup")
+        controller.sft_step(controller.sampler.warmup_batch(k))
     controller.reset_optimizer()
     first_sync = controller.sync_weights()
     step = controller.rl_step(1)
