@@ -231,13 +231,11 @@ def truncate_metrics(run_dir: Path, last_step: int) -> None:
 
 def checkpoint_dir(path: str | Path) -> Path:
     """A step directory as given; a run directory or its checkpoints root → its newest complete
-    step (`rl.checkpoint_dirs`), or the path itself when it holds none."""
-    from mcore_rl.rl import checkpoint_dirs
-
+    step, or the path itself when it holds none."""
     path = Path(path)
     root = path / "checkpoints" if (path / "checkpoints").is_dir() else path
-    if checkpoint_dirs.step_of(path) is None and root.name == "checkpoints":
-        return checkpoint_dirs.newest_complete(root) or path
+    if step_of(path) is None and root.name == "checkpoints":
+        return newest_complete(root) or path
     return path
 
 
