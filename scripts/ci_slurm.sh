@@ -22,7 +22,7 @@
 #   SLURM_CI_CTLD_PORT=6817 SLURM_CI_SLURMD_PORT=6818 (node i: +i-1)
 #   SLURM_CI_START_TIMEOUT=60           seconds to wait for the node to become idle
 #
-# Settings follow shared/FINDINGS.md ("SLURM"): root, no systemd, no cgroups
+# Settings for a CI machine: root, no systemd, no cgroups
 # (proctrack/linuxproc, task/none); MinJobAge=5: `sbatch --wait` polls the job after 2 s, then
 # quadruples its interval while it is below MinJobAge/2 (up to 32 s: every 8 s with
 # MinJobAge=15, every 32 s with the default 300), so with 5 it polls every 2 s and returns

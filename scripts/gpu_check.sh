@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU check in one command, for the machine a session is sometimes lent for about 15
 # minutes: one GPU, Python 3.12 and torch (CUDA), no network, no vLLM, TransformerEngine, Ray or
-# apex (shared/FINDINGS.md, "The GPU machine we can sometimes check on"):
+# apex:
 #   bash scripts/gpu_wheels.sh      # once, on a machine with network: fills .whl/
 #   bash scripts/gpu_check.sh       # on the GPU machine, from the checkout carrying .whl/
 # It installs from .whl/ what the image lacks (megatron-core; pytest-timeout and hypothesis,

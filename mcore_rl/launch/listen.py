@@ -2,7 +2,7 @@
 
 torch 2.13's `TCPStore(host, port, ..., is_master=True)` listens on every interface (`*:PORT`,
 IPv4 and IPv6) whatever `host` says — `host` is only where clients connect
-(shared/FINDINGS.md, "Listening sockets"). So the socket is bound here, to `host` exactly,
+(tests/launch/test_listen.py measures it). So the socket is bound here, to `host` exactly,
 and handed to the store through `master_listen_fd`; the store owns (and closes) it from then
 on. Every store or server the project hosts — the controller's actor world and sync group
 (`resharding.sync_group.host_store`), the reward-model group, `launch.spawn.run_on_ranks`

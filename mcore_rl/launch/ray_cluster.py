@@ -44,7 +44,7 @@ def ray_env(node_ip: str, base: Mapping[str, str] = os.environ, *,
     """Environment for the Ray processes of a node at `node_ip` (and for the driver).
 
     RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER: "0" makes Ray fall back to loopback wherever it looks
-    an address up itself (shared/FINDINGS.md), but also makes `ray start --address` refuse to
+    an address up itself, but also makes `ray start --address` refuse to
     join a cluster. Every address here is explicit, so: "0" for a one-node cluster, "1" for
     several nodes."""
     env = dict(base)

@@ -132,7 +132,7 @@ def _grid_fields(parallel: ParallelConfig, params_dtype: torch.dtype, on_cpu: bo
         pipeline_dtype=params_dtype if parallel.pp > 1 else None,
         # Interleaved 1F1B with batch_p2p_comm=True (megatron's default: one batch_isend_irecv
         # per exchange) mixes up peers' activations and gradients over gloo — silently wrong
-        # loss and gradients at PP2·VPP2 (shared/FINDINGS.md; checked again in
+        # loss and gradients at PP2·VPP2 (checked in
         # tests/megatron/test_parallel_layouts.py). Separate isend/irecv are exact.
         batch_p2p_comm=parallel.vpp is None,
         # batch_p2p_sync calls torch.cuda.synchronize() after each batched exchange (a guard for

@@ -10,7 +10,7 @@ notes are facts worth seeing before launch (e.g. the prompts' token lengths).
 
 `explain` runs the `GRID_CHECKS` rows too: a grid it cannot run is not drawn.
 
-Known-good process modes (shared/FINDINGS.md): on CPU the sync group is gloo; on GPU nccl.
+Known-good process modes: on CPU the sync group is gloo; on GPU nccl.
 vLLM runs in-process at rollout.tp 1 and with its "mp" executor (one process per TP rank, on
 one node) above, so an engine's TP ranks must share a node.
 """

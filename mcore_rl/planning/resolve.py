@@ -8,7 +8,7 @@ it reads the config and a description of the device (detected, or assumed with
 then hands to every worker. Workers never re-derive any of these choices from
 `torch.cuda.is_available()`.
 
-Rules (shared/FINDINGS.md, ../shared/STYLE.md "Resolve once, then obey"):
+Rules (resolve once, then obey):
 - device: "cuda" when the cluster section says gpu, or says local and CUDA is there (or
   `assume_gpu`); else "cpu".
 - layer_spec: "te" (TransformerEngine) on cuda, "local" (megatron's pure-PyTorch spec) on cpu.

@@ -117,7 +117,7 @@ class AdditionTask:
         """Noisy-label warm-up data: `n` `(prompt, answer)` training pairs where each answer
         digit is independently replaced, with probability `p`, by a uniform random digit
         (which may equal the true one). The trainer appends EOS to the answer; the loss
-        covers the answer and EOS only. FINDINGS: p=0.4 leaves room for RL."""
+        covers the answer and EOS only. The demo's p=0.4 leaves room for RL."""
         if not 0.0 <= p <= 1.0:
             raise ValueError(f"p={p}: must be in [0, 1]")
         rng = random.Random(f"{self.split_salt}:warmup:{seed}")

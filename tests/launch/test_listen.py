@@ -30,7 +30,7 @@ def test_store_listens_on_its_address_only_and_serves_clients():
 
 
 def test_torch_alone_listens_everywhere_which_is_why_this_exists():
-    """The measured fact behind launch.listen (FINDINGS "Listening sockets"); if torch ever
+    """The measured fact behind launch.listen; if torch ever
     honours `host`, this fails and the workaround can go."""
     store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False,
                           timeout=datetime.timedelta(seconds=10))
