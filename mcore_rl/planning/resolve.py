@@ -134,9 +134,19 @@ class ResolvedRun:
         """The node of every sync rank: the actor ranks, then the TP ranks of the first
         `engines` engines (default all), engine-major — what the planner and the transport
         read to keep CUDA IPC on one node."""
-        slots = list(self.placement.actor) + [
+        return tuple(s.node for s in self._sync_slots(engines))
+
+    def sync_devices(self, engines: int | None = None) -> tuple[int, ...] | None:
+        """The device (on its node) of every sync rank, ordered as `sync_nodes`, on a GPU
+        run — the planner sends each region from a trainer on the engine rank's own GPU
+        when one holds it; None on the host, where devices are not told apart."""
+        if self.device != "cuda":
+            return None
+        return tuple(s.device for s in self._sync_slots(engines))
+
+    def _sync_slots(self, engines: int | None) -> list:
+        return list(self.placement.actor) + [
             s for e in self.placement.engines[:engines] for s in e]
-        return tuple(s.node for s in slots)
 
     def summary(self) -> dict:
         """The JSON-able view `mcore-rl explain` prints as its last line."""

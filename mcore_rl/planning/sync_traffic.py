@@ -34,7 +34,7 @@ def sync_plan(cfg: "RLConfig", run: "ResolvedRun", spec: "ModelSpec",
                             expert_parallel=run.expert_parallel)
     return build_plan(actor, inference, bucket_bytes=int(run.sync_bucket_mb * (1 << 20)),
                       element_size=torch_dtype(cfg.wire_dtype).itemsize,
-                      nodes=run.sync_nodes(engines))
+                      nodes=run.sync_nodes(engines), devices=run.sync_devices(engines))
 
 
 def adapter_sync_plan(cfg: "RLConfig", run: "ResolvedRun", spec: "ModelSpec",
@@ -54,7 +54,7 @@ def adapter_sync_plan(cfg: "RLConfig", run: "ResolvedRun", spec: "ModelSpec",
     return build_plan(adapters, whole_adapters(adapters, cfg.rollout.tp * engines),
                       bucket_bytes=int(run.sync_bucket_mb * (1 << 20)),
                       element_size=torch_dtype(cfg.wire_dtype).itemsize,
-                      nodes=run.sync_nodes(engines))
+                      nodes=run.sync_nodes(engines), devices=run.sync_devices(engines))
 
 
 def sync_traffic(run: "ResolvedRun", plan: "Plan") -> dict:

@@ -2,9 +2,9 @@
 
 `build_plan(src, dst)` intersects every destination piece with the source pieces of the same
 HF tensor. Source replicas (DP copies, TP-replicated norms, the tied output-layer copy) hold
-identical regions; each region is taken from a replica on the destination's own node when one
-holds it (`nodes`: a same-node pair can use CUDA IPC / NVLink, a cross-node one only the
-network); a sharded region from the least-loaded of its (DP) replicas so sends spread over
+identical regions; each region is taken from a replica on the destination's own device when one
+holds it (`devices`: colocated, a copy within one GPU), else on its own node (`nodes`: a
+same-node pair can use CUDA IPC / NVLink, a cross-node one only the network); a sharded region from the least-loaded of its (DP) replicas so sends spread over
 them; a region more ranks replicate (TP-replicated norms) from a source already sending to
 that destination — the matching TP rank —, which adds no sender/receiver pair; each
 destination rank gets each region once — so a training rank never sends the
@@ -127,11 +127,15 @@ class Plan:
 
 
 def build_plan(src: ShardMap, dst: ShardMap, *, bucket_bytes: int = 64 << 20,
-               element_size: int = 4, nodes: Sequence[int] | None = None) -> Plan:
+               element_size: int = 4, nodes: Sequence[int] | None = None,
+               devices: Sequence[int] | None = None) -> Plan:
     """Plan the transfers that give every destination rank exactly its pieces.
 
     nodes: the node of every sync rank (sources, then destinations: the resolved run's
     `sync_nodes()`); a region goes from a same-node replica when one holds it. None: one node.
+    devices: the device of every sync rank on its node (`sync_devices()`: GPU runs); a region
+    goes from a replica on the destination's own device before any other on its node. None:
+    devices are not told apart.
 
     Raises PlanError if the families differ, an HF tensor's shape disagrees between the two
     sides, or a destination region is held by no source rank.
@@ -140,9 +144,11 @@ def build_plan(src: ShardMap, dst: ShardMap, *, bucket_bytes: int = 64 << 20,
     if bucket_bytes < element_size:
         raise PlanError(f"bucket_bytes={bucket_bytes} cannot hold one element")
     num_src = len(src.ranks)
-    if nodes is not None and len(nodes) != num_src + len(dst.ranks):
-        raise PlanError(f"nodes names {len(nodes)} sync ranks but the plan has "
-                        f"{num_src} + {len(dst.ranks)}")
+    for name, given in (("nodes", nodes), ("devices", devices)):
+        if given is not None and len(given) != num_src + len(dst.ranks):
+            raise PlanError(f"{name} names {len(given)} sync ranks but the plan has "
+                            f"{num_src} + {len(dst.ranks)}")
+    place = _placement(nodes, devices)
     by_hf = _index_sources(src)
     load: dict[int, int] = defaultdict(int)
     transfers: list[Transfer] = []
@@ -167,8 +173,7 @@ def build_plan(src: ShardMap, dst: ShardMap, *, bucket_bytes: int = 64 << 20,
                 if (len(holders) > fewest) != replicated:
                     continue
                 s, s_key, s_local_box, s_hf_box = min(holders, key=lambda h: (
-                    nodes is not None and nodes[h[0]] != nodes[sync_d],
-                    replicated and h[0] not in paired, load[h[0]], h[0]))
+                    place(h[0], sync_d), replicated and h[0] not in paired, load[h[0]], h[0]))
                 load[s] += box_numel(region) * element_size
                 paired.add(s)
                 transfers.append(Transfer(
@@ -179,6 +184,17 @@ def build_plan(src: ShardMap, dst: ShardMap, *, bucket_bytes: int = 64 << 20,
     return Plan(rounds, dst_shapes, num_src, len(dst.ranks), element_size, bucket_bytes,
                 src_labels=dict(src.rank_labels),
                 dst_labels={num_src + r: lbl for r, lbl in dst.rank_labels.items()})
+
+
+def _placement(nodes: Sequence[int] | None, devices: Sequence[int] | None):
+    """How far a source sync rank is from a destination: 0 the same device, 1 the same node,
+    2 another node (what is not told counts as the same)."""
+    def distance(s: int, d: int) -> int:
+        if nodes is not None and nodes[s] != nodes[d]:
+            return 2
+        return int(devices is not None and devices[s] != devices[d])
+
+    return distance
 
 
 def _check_compatible(src: ShardMap, dst: ShardMap) -> None:

@@ -115,6 +115,40 @@ def test_worker_device_refuses_a_resolved_device_it_does_not_hold():
         worker_device("cpu", "cuda:0", 0)
 
 
+@pytest.mark.parametrize("name", ["llama3-8b.yaml", "qwen3-30b-a3b.yaml"])
+def test_colocated_engine_ranks_read_their_own_gpus_trainer_first(name):
+    """N13: on a colocated GPU run every sync rank's device is part of the plan
+    (`sync_devices`), and a region an engine rank needs comes from the trainer on its own
+    GPU whenever that trainer holds it — not from a DP replica on another GPU of the node
+    (a peer mapping). None on the host."""
+    from mcore_rl.layouts import megatron_shards, vllm_shards
+    from mcore_rl.planning.sized import resolve_model
+    from mcore_rl.planning.sync_traffic import sync_plan
+    from mcore_rl.resharding import build_plan
+
+    cfg = _load(CONFIGS / "gpu" / name)
+    run = resolve_run(cfg, cuda_available=False)
+    nodes, devices = run.sync_nodes(), run.sync_devices()
+    assert devices is not None and len(devices) == len(nodes)
+    spec = resolve_model(cfg.model.planning_model())
+    plan = sync_plan(cfg, run, spec)
+
+    def same_device_bytes(p):
+        return sum(t.numel * p.element_size for rnd in p.rounds for t in rnd
+                   if (nodes[t.src_rank], devices[t.src_rank])
+                   == (nodes[t.dst_rank], devices[t.dst_rank]))
+
+    blind = build_plan(megatron_shards(spec, cfg.actor, layer_spec=run.layer_spec),
+                       vllm_shards(spec, cfg.rollout.tp, len(run.engine_devices),
+                                   expert_parallel=run.expert_parallel),
+                       bucket_bytes=plan.bucket_bytes, element_size=plan.element_size,
+                       nodes=nodes)
+    assert same_device_bytes(plan) > same_device_bytes(blind)
+    assert plan.bytes_received() == blind.bytes_received()
+    cpu = resolve_run(_load(CONFIGS / "tiny_ci.yaml"), cuda_available=False)
+    assert cpu.sync_devices() is None
+
+
 @pytest.mark.parametrize("name,overrides", GPU_RUNS)
 def test_ipc_never_crosses_a_node(name, overrides):
     """B2: an "ipc" engine receives by IPC only from its own node; the rest of what it needs

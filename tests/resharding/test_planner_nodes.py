@@ -53,3 +53,23 @@ def test_nodes_must_name_every_sync_rank():
     src, dst = megatron_shards(MICRO, ParallelConfig(dp=2)), vllm_shards(MICRO, 1, 2)
     with pytest.raises(PlanError, match="nodes names 3 sync ranks but the plan has 2 \\+ 2"):
         build_plan(src, dst, nodes=(0, 1, 0))
+
+
+def test_a_replica_on_the_engine_ranks_own_device_is_preferred():
+    """N13: colocated TP2·DP2 on one node's four GPUs, two TP2 engines on the same four: each
+    engine rank takes every region from the trainer on its own GPU (a copy within the device,
+    no peer mapping); told only the node, the planner spreads over the DP replicas and reads
+    across GPUs. Same bytes either way."""
+    src, dst = megatron_shards(MICRO, ParallelConfig(tp=2, dp=2)), vllm_shards(MICRO, 2, 2)
+    nodes, devices = (0,) * 8, (0, 1, 2, 3, 0, 1, 2, 3)
+    plan = build_plan(src, dst, bucket_bytes=64 << 10, nodes=nodes, devices=devices)
+    assert all(devices[s] == devices[d] for s, d in _pairs(plan))
+    blind = build_plan(src, dst, bucket_bytes=64 << 10, nodes=nodes)
+    assert any(devices[s] != devices[d] for s, d in _pairs(blind))
+    assert plan.bytes_received() == blind.bytes_received()
+    # another node outweighs another device: on two nodes, the same node first
+    two = (0, 0, 1, 1, 1, 1, 0, 0)  # engine 0 on node 1, engine 1 on node 0
+    crossed = build_plan(src, dst, bucket_bytes=64 << 10, nodes=two, devices=(0, 1) * 4)
+    assert all(two[s] == two[d] for s, d in _pairs(crossed))
+    with pytest.raises(PlanError, match="devices names 3 sync ranks but the plan has 4 \\+ 4"):
+        build_plan(src, dst, devices=(0, 1, 2))
