@@ -73,13 +73,18 @@ class IpcCopy(CopyService):
         self._staging: SharedStaging | None = None
         self._mapped = HandleCache(self.device)
         self._held = 0
+        # the plan's staging layout: one pass over every transfer, done again only when the
+        # plan changes (a sync group reuses its plan from sync to sync)
+        self._layout: tuple[Plan, tuple] | None = None
 
     # ---------------------------------------------------------------- per sync
 
     def start(self, plan, sync_rank, *, sending, dtype, timeout_s, stats, peers=None) -> None:
         super().start(plan, sync_rank, sending=sending, dtype=dtype, timeout_s=timeout_s,
                       stats=stats, peers=peers)
-        self._offsets, need = staging_layout(plan)
+        if self._layout is None or self._layout[0] is not plan:
+            self._layout = (plan, staging_layout(plan))
+        self._offsets, need = self._layout[1]
         peers = [p for p in _peers(plan, sync_rank, sending) if peers is None or p in peers]
         if sending:
             size = need.get(sync_rank, 0)

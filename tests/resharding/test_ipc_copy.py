@@ -84,6 +84,10 @@ def run_case(rank, case_index, parallel, infer_tp, engines, transports, dtype, *
         torch.cuda.set_device(here)
     channels = SyncChannels.join(spec, rank, here)
     out = {"role": "src" if rank < plan.num_src else "dst", "syncs": []}
+    from mcore_rl.resharding import ipc_copy
+
+    layouts, computed = [], ipc_copy.staging_layout  # counted: once per plan, not per sync
+    ipc_copy.staging_layout = lambda p: layouts.append(1) or computed(p)
     try:
         for n in range(syncs):
             hf = hf_reference(seed=7 + n, spec=model)
@@ -113,7 +117,9 @@ def run_case(rank, case_index, parallel, infer_tp, engines, transports, dtype, *
                 "mismatched": sorted(k for k in expected if k in received and not torch.equal(
                     expected[k], received[k].cpu()))})
     finally:
+        ipc_copy.staging_layout = computed
         channels.close()
+    out["layouts"] = len(layouts)
     out["expected_staging"] = staging_layout(plan)[1].get(rank, 0)
     return out
 
@@ -162,6 +168,9 @@ def check_case(results, case_id, device="cpu"):
             assert not sync["staging_file_left"]  # unlinked once the receivers mapped it
         # the staging buffer is made once and reused (on CUDA: the same handle)
         assert first["staging_handle"] == second["staging_handle"]
+        # N13: the plan's staging layout is computed once, not once per sync
+        assert r["layouts"] == ("ipc" in transports)
+    assert all(r["layouts"] <= 1 for r in results)
 
 
 @pytest.fixture(scope="module")
