@@ -87,7 +87,7 @@ def transformer_config_from_spec(spec: ModelSpec, parallel: ParallelConfig, *,
         # Softmax in fp32 even with bf16 activations (HF does the same in eager attention).
         attention_softmax_in_fp32=True,
         calculate_per_token_loss=calculate_per_token_loss,
-        **_grid_fields(parallel, params_dtype, on_cpu),
+        **_grid_fields(parallel, params_dtype),
         use_cpu_initialization=on_cpu,
         **kernel_fields(fused_kernels, compiled_fusions, device=device),
         **_RECOMPUTE[recompute],
@@ -119,7 +119,7 @@ def _decoder_fields(spec: ModelSpec, init_method_std: float) -> dict:
     )
 
 
-def _grid_fields(parallel: ParallelConfig, params_dtype: torch.dtype, on_cpu: bool) -> dict:
+def _grid_fields(parallel: ParallelConfig, params_dtype: torch.dtype) -> dict:
     """The TP/PP/VPP grid and how pipeline stages exchange activations."""
     return dict(
         tensor_model_parallel_size=parallel.tp,
@@ -135,9 +135,10 @@ def _grid_fields(parallel: ParallelConfig, params_dtype: torch.dtype, on_cpu: bo
         # loss and gradients at PP2·VPP2 (checked in
         # tests/megatron/test_parallel_layouts.py). Separate isend/irecv are exact.
         batch_p2p_comm=parallel.vpp is None,
-        # batch_p2p_sync calls torch.cuda.synchronize() after each batched exchange (a guard for
-        # old NCCL builds); without CUDA there is nothing to synchronize and the call raises.
-        batch_p2p_sync=not on_cpu,
+        # batch_p2p_sync calls torch.cuda.synchronize() after each batched exchange: a guard
+        # for old PyTorch/NCCL builds that costs a host sync per pipeline exchange on current
+        # ones (and raises without CUDA).
+        batch_p2p_sync=False,
     )
 
 

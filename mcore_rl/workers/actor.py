@@ -150,7 +150,8 @@ class ActorWorker:
         if train.max_tokens_per_micro_batch is not None:
             from mcore_rl.megatron.packing import pack, plan_for_grid, valid_lengths
 
-            lengths = valid_lengths(mine[mask]) if mask else [s] * n
+            # from the host copy: the plan is made on the host, so no device sync for it
+            lengths = valid_lengths(tensors[mask]) if mask else [s] * n
             plan = plan_for_grid(lengths, train.max_tokens_per_micro_batch, seq_len=s,
                                  parallel=self.parallel)
             return [cls(**packed) for packed in pack(mine, plan)], plan

@@ -1,5 +1,6 @@
-"""Device twins of the trainer's GPU path (see tests/device_twin.py): the RL loss step, packing,
-the critic's value head, the actor's digest and train-lm's batches and device."""
+"""Device twins of the trainer's GPU path (see tests/device_twin.py): the RL loss step, packing
+(and an actor rank's packed micro batches), the critic's value head, the actor's digest and
+train-lm's batches and device."""
 
 from __future__ import annotations
 
@@ -75,6 +76,27 @@ def test_pack_unpack_and_model_inputs_on_device():
     unpacked = packing.unpack([mb["response_mask"] for mb in packed], plan)
     plain = packing.model_inputs(types.SimpleNamespace(tokens=rows["tokens"]), config)
     assert_on_twin(unpacked, plain["input_ids"], plain["position_ids"])
+
+
+def test_actor_packs_its_rows_on_the_model_device_planning_on_the_host():
+    """N15: an actor rank's packed micro batches are on the model's device, and the packing
+    plan comes from the rows' host copy (on the device, reading the lengths back would be a
+    host sync — on meta, an error)."""
+    from mcore_rl.megatron.config import TrainConfig
+    from mcore_rl.megatron.train import MicroBatch
+    from mcore_rl.parallel import ParallelConfig
+    from mcore_rl.workers.actor import ActorWorker
+
+    rank = types.SimpleNamespace(_model_device=lambda: TWIN, parallel=ParallelConfig(),
+                                 train_cfg=TrainConfig(micro_batch_size=2, seq_len=4,
+                                                       max_tokens_per_micro_batch=6))
+    rows = {"tokens": torch.randint(0, 9, (3, 4)), "labels": torch.randint(0, 9, (3, 4)),
+            "loss_mask": torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0], [1, 1, 1, 1]])}
+    batches, plan = ActorWorker._micro(rank, rows, MicroBatch, mask="loss_mask")
+    assert plan is not None and list(plan.lengths) == [3, 2, 4]
+    assert len(batches) == 2
+    for mb in batches:
+        assert_on_twin(mb.tokens, mb.labels, mb.loss_mask)
 
 
 class _Chunk(torch.nn.Module):
