@@ -4,14 +4,15 @@
 HF tensor. Source replicas (DP copies, TP-replicated norms, the tied output-layer copy) hold
 identical regions; each region is taken from a replica on the destination's own device when one
 holds it (`devices`: colocated, a copy within one GPU), else on its own node (`nodes`: a
-same-node pair can use CUDA IPC / NVLink, a cross-node one only the network); a sharded region from the least-loaded of its (DP) replicas so sends spread over
-them; a region more ranks replicate (TP-replicated norms) from a source already sending to
-that destination — the matching TP rank —, which adds no sender/receiver pair; each
-destination rank gets each region once — so a training rank never sends the
-same bytes to one engine twice. Transfers are cut to fit buckets and packed into rounds in
-which no rank sends or receives more than `bucket_bytes`: that bounds every rank's staging
-memory. No process group, no tensors: a 70B plan needs only shapes, and every rank builds the
-identical plan on its own (checked by fingerprint before any byte moves).
+same-node pair can use CUDA IPC / NVLink, a cross-node one only the network); a sharded region
+from the least-loaded of its (DP) replicas so sends spread over them; a region more ranks
+replicate (TP-replicated norms) from a source already sending to that destination — the
+matching TP rank —, which adds no sender/receiver pair; each destination rank gets each region
+once — so a training rank never sends the same bytes to one engine twice. Transfers are cut to
+fit buckets and packed into rounds in which no rank sends or receives more than
+`bucket_bytes`: that bounds every rank's staging memory. No process group, no tensors: a 70B
+plan needs only shapes, and every rank builds the identical plan on its own (checked by
+fingerprint before any byte moves).
 
 Sync ranks: source rank s is sync rank s; destination rank d is sync rank `len(src) + d`.
 
