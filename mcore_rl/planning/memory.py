@@ -538,8 +538,7 @@ def plan_memory(run: SizedRun) -> MemoryPlan:
 
 
 __all__ = ["POLICY_LOSS_FP32_ROWS", "ActivationModel", "Component", "DeviceMemory", "MemoryPlan",
-           "Phase",
-           "RankMemory", "StateBytes", "Suggestion", "in_flight_layers", "kv_bytes_per_token",
-           "last_stage_terms", "layer_activation_bytes", "layer_activation_terms",
-           "mcore_layer_params", "mcore_stage_params", "plan_memory", "recompute_workspace",
+           "Phase", "RankMemory", "StateBytes", "Suggestion", "in_flight_layers",
+           "kv_bytes_per_token", "last_stage_terms", "layer_activation_bytes",
+           "layer_activation_terms", "mcore_layer_params", "mcore_stage_params", "plan_memory", "recompute_workspace",
            "role_train", "state_bytes_per_param", "sync_buffers", "vllm_rank_params"]

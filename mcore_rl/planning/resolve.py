@@ -314,6 +314,5 @@ def trainers_fuse_kernels(configured: bool | None, layer_spec: str) -> bool:
 
 
 __all__ = ["ResolvedRun", "check_late_engines", "cuda_present", "layer_spec_of",
-           "placement_plan_of", "resolve_run",
-           "trainers_fuse_kernels",
-           "local_devices", "resolved_cluster", "run_device", "sync_backend_of"]
+           "local_devices", "placement_plan_of", "resolve_run", "resolved_cluster", "run_device",
+           "sync_backend_of", "trainers_fuse_kernels"]

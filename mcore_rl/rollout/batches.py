@@ -151,8 +151,9 @@ def dp_slice(batch: dict[str, torch.Tensor], dp: int, dp_rank: int,
     """The rows data-parallel rank `dp_rank` of `dp` works on: its contiguous 1/dp of each of
     the `count` mini-batches (`mini_batches`), in order, so that `mini_batches(slice, count)`
     on the rank yields its share of each. Only this goes to the ranks of that DP slice: each
-    rank needs its rows, not the batch. Tensors of their own, not views: a serialized view
-    carries its whole storage."""
+    rank needs its rows, not the batch. With dp > 1, tensors of their own, not views (a
+    serialized view carries its whole storage); with dp 1 and whole mini-batches, the batch's
+    own tensors."""
     n = next(iter(batch.values())).shape[0]
     rows = n // count
     if rows % dp:

@@ -16,11 +16,9 @@ from __future__ import annotations
 
 import pytest
 
+from tests.support.durations import file_of
+
 WHOLE_MACHINE = ("tests/run/test_demo_learns.py", "tests/run/test_survive.py")
-
-
-def file_of(nodeid: str) -> str:
-    return nodeid.split("::", 1)[0]
 
 
 def worker_group(nodeid: str) -> str:
