@@ -25,11 +25,13 @@ ADAPTER_PARAMS = {"A": "lora.lora_a", "B": "lora.lora_b"}
 
 
 def adapted_weights(smap: ShardMap, targets: Iterable[str]) -> list[str]:
-    """Keys of rank 0's weights an adapter sits on: `<...>.<target>.weight` for each target
-    linear's short name (routed experts excluded)."""
-    ends = tuple(f".{t}.weight" for t in targets)
+    """Keys of every rank's weights an adapter sits on: `<...>.<target>.weight` for each
+    target linear's short name (routed experts excluded); `output_layer.weight` is a
+    top-level module's, prefixed only by a VPP chunk's `model<v>.`."""
+    names = tuple(f"{t}.weight" for t in targets)
     keys = {k for tensors in smap.ranks.values() for k in tensors}
-    return sorted(k for k in keys if k.endswith(ends) and ".experts." not in k)
+    return sorted(k for k in keys if ".experts." not in k
+                  and any(k == n or k.endswith(f".{n}") for n in names))
 
 
 def hf_lora_name(hf_weight: str, which: str) -> str:

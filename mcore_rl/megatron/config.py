@@ -17,8 +17,12 @@ from mcore_rl.models.spec import ModelSpec
 from mcore_rl.parallel.config import ParallelConfig
 
 
-# The linears of a decoder layer a LoRA adapter can sit on (megatron-core's names).
+# The linears of a decoder layer a LoRA adapter can sit on (megatron-core's names): the
+# default targets.
 LORA_TARGETS: tuple[str, ...] = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+# The model's output layer (HF's lm_head), adaptable too: a model whose reward moves through
+# its output distribution more than through its layers (a small vocabulary) learns there.
+LORA_HEAD = "output_layer"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -30,7 +34,8 @@ class LoRAConfig:
     alpha: the adapters' scale is alpha / rank.
     dropout: dropout on the adapters' input while training.
     targets: the linears adapted in every decoder layer (megatron's names: linear_qkv = HF's
-        q/k/v_proj, linear_proj = o_proj, linear_fc1 = gate/up_proj, linear_fc2 = down_proj).
+        q/k/v_proj, linear_proj = o_proj, linear_fc1 = gate/up_proj, linear_fc2 = down_proj),
+        and `output_layer` (HF's lm_head; untied embeddings only) when named.
     sync: how the engines get the policy. "adapter" (default): the engines run vLLM's LoRA
         and each sync streams the adapters alone, every engine rank receiving them whole (the
         base goes once per sync group when a warm-up or a checkpoint changed it). "merged":
@@ -52,10 +57,11 @@ class LoRAConfig:
         require_at_least(self, 0, "rank", note="0: off")
         require_above(self, 0, "alpha", "lr")
         require_in_range(self, 0.0, 1.0, "dropout", high_open=True)
-        unknown = [t for t in self.targets if t not in LORA_TARGETS]
+        unknown = [t for t in self.targets if t not in (*LORA_TARGETS, LORA_HEAD)]
         if unknown or not self.targets:
             raise ConfigError("targets", list(self.targets),
-                              f"each one of {', '.join(LORA_TARGETS)} (at least one)")
+                              f"each one of {', '.join((*LORA_TARGETS, LORA_HEAD))} "
+                              f"(at least one)")
         if self.sync not in ("adapter", "merged"):
             raise ConfigError("sync", self.sync, "allowed values: adapter, merged")
 

@@ -49,7 +49,7 @@ from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attri
 from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
 from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
-from mcore_rl.megatron.config import LORA_TARGETS, LoRAConfig
+from mcore_rl.megatron.config import LORA_HEAD, LORA_TARGETS, LoRAConfig
 
 # The linears of a decoder layer an adapter can sit on, and how megatron splits each over TP.
 LINEARS: dict[str, Literal["column", "row"]] = {
@@ -175,7 +175,8 @@ def _with_adapter_checkpoint(linear: torch.nn.Module, swiglu: bool) -> None:
 
 def attach_lora(chunks: list[torch.nn.Module], spec: LoRAConfig) -> list[LoRAAdapter]:
     """Freeze every parameter of `chunks` and put an adapter on each target linear of every
-    decoder layer (routed experts excluded). Call after loading the base weights and before
+    decoder layer (routed experts excluded) and, when targeted, on the output layer (a
+    column-parallel linear whose rows are the padded vocabulary). Call after loading the base weights and before
     the DDP wrap, so the grad buffers and the optimizer hold the adapters only."""
     if not spec.enabled:
         raise ValueError(f"attach_lora: lora rank={spec.rank} is off")
@@ -185,14 +186,37 @@ def attach_lora(chunks: list[torch.nn.Module], spec: LoRAConfig) -> list[LoRAAda
     for chunk in chunks:
         for layer in chunk.decoder.layers:
             for target in spec.targets:
+                if target == LORA_HEAD:
+                    continue
                 linear = layer.get_submodule(TARGETS[target])
                 seed = zlib.crc32(f"{layer.layer_number}.{target}".encode())
-                linear.lora = LoRAAdapter(linear, LINEARS[TARGETS[target]], spec, seed)
-                linear.register_forward_hook(_apply_adapter)
-                _with_adapter_checkpoint(linear, swiglu=target == "linear_fc1"
-                                         and layer.config.gated_linear_unit)
-                adapters.append(linear.lora)
+                adapters.append(_adapt(linear, LINEARS[TARGETS[target]], spec, seed,
+                                       swiglu=target == "linear_fc1"
+                                       and layer.config.gated_linear_unit))
+        if LORA_HEAD in spec.targets and getattr(chunk, "post_process", False):
+            _check_adaptable_head(chunk)
+            adapters.append(_adapt(chunk.output_layer, "column", spec,
+                                   zlib.crc32(LORA_HEAD.encode()), swiglu=False))
     return adapters
+
+
+def _adapt(linear: torch.nn.Module, kind: Literal["column", "row"], spec: LoRAConfig,
+           seed: int, *, swiglu: bool) -> LoRAAdapter:
+    linear.lora = LoRAAdapter(linear, kind, spec, seed)
+    linear.register_forward_hook(_apply_adapter)
+    _with_adapter_checkpoint(linear, swiglu=swiglu)
+    return linear.lora
+
+
+def _check_adaptable_head(chunk: torch.nn.Module) -> None:
+    """The output layer takes an adapter when it owns its weight and returns its TP rank's
+    vocabulary shard (what a column adapter adds to)."""
+    if chunk.share_embeddings_and_output_weights:
+        raise ValueError(f"LoRA target {LORA_HEAD}: the model ties its output layer to the "
+                         f"embedding; adapt the decoder linears only")
+    if chunk.output_layer.gather_output:
+        raise ValueError(f"LoRA target {LORA_HEAD}: the output layer gathers the vocabulary "
+                         f"(parallel_output off); an adapter adds to a vocabulary shard")
 
 
 def lora_linears(chunks: list[torch.nn.Module]) -> Iterator[tuple[str, torch.nn.Module]]:
@@ -206,7 +230,7 @@ def lora_linears(chunks: list[torch.nn.Module]) -> Iterator[tuple[str, torch.nn.
 def named_adapters(chunks: list[torch.nn.Module]) -> Iterator[tuple[str, LoRAAdapter]]:
     """(grid-independent name, adapter) of every adapter in `chunks`:
     'decoder.layers.<global layer>.<linear path>.lora' (the layer numbered from 0 across the
-    pipeline stages and VPP chunks, as HF numbers it)."""
+    pipeline stages and VPP chunks, as HF numbers it) and 'output_layer.lora'."""
     for chunk in chunks:
         for layer in chunk.decoder.layers:
             for path in LINEARS:
@@ -216,6 +240,9 @@ def named_adapters(chunks: list[torch.nn.Module]) -> Iterator[tuple[str, LoRAAda
                     continue
                 if isinstance(getattr(linear, "lora", None), LoRAAdapter):
                     yield f"decoder.layers.{layer.layer_number - 1}.{path}.lora", linear.lora
+        head = getattr(chunk, "output_layer", None)
+        if isinstance(getattr(head, "lora", None), LoRAAdapter):
+            yield f"{LORA_HEAD}.lora", head.lora
 
 
 def merged_weight(linear: torch.nn.Module) -> torch.Tensor:

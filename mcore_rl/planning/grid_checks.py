@@ -23,6 +23,7 @@ from typing import Callable, Iterable, Literal
 
 from mcore_rl.config import ConfigError
 from mcore_rl.layouts.shards import LayoutError, check_vllm_expert_parallel, vllm_shards
+from mcore_rl.megatron.config import LORA_HEAD, LORA_TARGETS
 from mcore_rl.models.spec import ModelSpec
 from mcore_rl.planning.knobs import suggest
 from mcore_rl.planning.memory import MemoryPlan, plan_memory
@@ -287,11 +288,13 @@ def check_sync_backend(run: SizedRun, spec: ModelSpec) -> Iterable[Problem]:
 
 def check_lora(run: SizedRun, spec: ModelSpec) -> Iterable[Problem]:
     """actor.lora's targets exist in the model: a mixture-of-experts layer has no dense MLP
-    (its fc1/fc2 are routed experts, which carry no adapters). With `sync: adapter` the
+    (its fc1/fc2 are routed experts, which carry no adapters); a tied output layer is the
+    embedding. With `sync: adapter` the
     engines serve the adapter: vLLM must support LoRA for the architecture, at the rank."""
     lora = run.cfg.actor.lora
+    head = LORA_HEAD in lora.targets
     if lora.syncs_adapters:
-        why = unsupported_lora_reason(spec.architecture)
+        why = unsupported_lora_reason(spec.architecture, lm_head=head)
         if why is None and lora.rank > VLLM_LORA_RANKS[-1]:
             why = f"vLLM serves LoRA ranks up to {VLLM_LORA_RANKS[-1]}"
         if why is not None:
@@ -302,6 +305,11 @@ def check_lora(run: SizedRun, spec: ModelSpec) -> Iterable[Problem]:
             yield Problem("lora", "rollout.sleep_level=2 discards the engines' weights while "
                           "the actor trains, and actor.lora.sync=adapter never sends the base "
                           "again", "rollout.sleep_level=1 (or null: 1 with adapter sync)")
+    if lora.enabled and head and spec.tied_embeddings:
+        kept = [t for t in lora.targets if t != LORA_HEAD]
+        yield Problem("lora", f"actor.lora.targets: {LORA_HEAD} is the input embedding in "
+                      f"this model (tied embeddings), which carries no adapter",
+                      f"actor.lora.targets=[{', '.join(kept or LORA_TARGETS)}]")
     missing = [t for t in lora.targets if spec.is_moe and t in ("linear_fc1", "linear_fc2")]
     if lora.enabled and missing:
         kept = [t for t in lora.targets if t not in missing]

@@ -50,6 +50,7 @@ from mcore_rl.config import ConfigError
 from mcore_rl.config.dtypes import dtype_bytes
 from mcore_rl.layouts.expert_placement import vllm_local_experts
 from mcore_rl.layouts.shards import VLLM_VOCAB_PADDING
+from mcore_rl.megatron.config import LORA_HEAD
 from mcore_rl.models.spec import ModelSpec
 from mcore_rl.parallel.config import ParallelConfig
 from mcore_rl.planning.activations import (ActivationModel, in_flight_layers,
@@ -104,14 +105,18 @@ def lora_stage_params(spec: ModelSpec, parallel: ParallelConfig, stage: int, ran
                       targets: tuple[str, ...]) -> int:
     """LoRA adapter parameters on one TP rank of pipeline stage `stage`: per adapted linear
     r·(in + out) with the linear's split side divided by TP (column-parallel: B's rows;
-    row-parallel: A's columns) — `megatron.lora`."""
+    row-parallel: A's columns) — `megatron.lora`; the output layer's (a column linear over
+    the padded vocabulary) on the last stage."""
     tp, q, kv = parallel.tp, spec.heads * spec.head_dim, spec.kv_heads * spec.head_dim
     shapes = {"linear_qkv": (spec.hidden, (q + 2 * kv) // tp),  # (A's columns, B's rows)
               "linear_proj": (q // tp, spec.hidden),
               "linear_fc1": (spec.hidden, 2 * spec.ffn // tp),
               "linear_fc2": (spec.ffn // tp, spec.hidden)}
-    per_layer = sum(rank * sum(shapes[t]) for t in targets)
-    return parallel.stage_layer_counts(spec.layers)[stage] * per_layer
+    per_layer = sum(rank * sum(shapes[t]) for t in targets if t != LORA_HEAD)
+    n = parallel.stage_layer_counts(spec.layers)[stage] * per_layer
+    if LORA_HEAD in targets and stage == parallel.pp - 1:
+        n += rank * (spec.hidden + spec.mcore_padded_vocab(tp) // tp)
+    return n
 
 
 def vllm_kv_heads_per_rank(spec: ModelSpec, tp: int) -> int:

@@ -64,9 +64,10 @@ def target_modules(names: list[str]) -> list[str]:
     return sorted({n.rsplit(".", 3)[-3] for n in names})
 
 
-def unsupported_lora_reason(architecture: str) -> str | None:
+def unsupported_lora_reason(architecture: str, lm_head: bool = False) -> str | None:
     """Why vLLM cannot serve a LoRA adapter on `architecture` (None: it can): the model class
-    must implement vLLM's SupportsLoRA."""
+    must implement vLLM's SupportsLoRA, and name `lm_head` among its `embedding_modules` for
+    an adapter on the output layer (`lm_head`)."""
     from vllm.model_executor.models import ModelRegistry
     from vllm.model_executor.models.interfaces import supports_lora
 
@@ -77,6 +78,8 @@ def unsupported_lora_reason(architecture: str) -> str | None:
         return f"vLLM cannot load its model class for {architecture}"
     if not supports_lora(model_cls):
         return f"vLLM's {model_cls.__name__} does not support LoRA"
+    if lm_head and "lm_head" not in getattr(model_cls, "embedding_modules", {}):
+        return f"vLLM's {model_cls.__name__} serves no LoRA on its lm_head"
     return None
 
 

@@ -16,7 +16,7 @@ pytestmark = pytest.mark.fast  # the fast tier: scripts/test.sh -m fast
 
 SPEC = get_preset("micro")
 R = 4
-TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2", "output_layer")
 
 
 def _hf_adapters(adapters) -> dict[str, torch.Tensor]:
@@ -31,11 +31,15 @@ def _hf_adapters(adapters) -> dict[str, torch.Tensor]:
 def test_megatron_adapter_shards_round_trip_and_hold_the_shard_of_delta_w(grid):
     weights = megatron_shards(SPEC, grid)
     adapters = lora_shards(weights, R, TARGETS)
-    assert len(adapted_weights(weights, TARGETS)) == 4 * SPEC.layers // grid.pp
-    # PEFT's names: one A and one B per adapted HF weight (q, k, v share the side's one A)
-    assert sorted(adapters.hf_shapes)[:2] == ["model.layers.0.mlp.down_proj.lora_A.weight",
-                                              "model.layers.0.mlp.down_proj.lora_B.weight"]
-    assert len(adapters.hf_shapes) == 2 * 7 * SPEC.layers
+    # a stage's 4 linears per layer (names local to the stage) and the last one's output layer
+    assert len(adapted_weights(weights, TARGETS)) == 4 * SPEC.layers // grid.pp + 1
+    # PEFT's names: one A and one B per adapted HF weight (q, k, v share the side's one A);
+    # lm_head's B has the vocabulary's rows (the output layer's padding rows map to none)
+    assert sorted(adapters.hf_shapes)[2:4] == ["model.layers.0.mlp.down_proj.lora_A.weight",
+                                               "model.layers.0.mlp.down_proj.lora_B.weight"]
+    assert adapters.hf_shapes["lm_head.lora_A.weight"] == (R, SPEC.hidden)
+    assert adapters.hf_shapes["lm_head.lora_B.weight"] == (SPEC.vocab, R)
+    assert len(adapters.hf_shapes) == 2 * 7 * SPEC.layers + 2
     hf = _hf_adapters(adapters)
     # q, k, v (gate, up) of a layer must share A for a fused weight: make them equal
     for layer in range(SPEC.layers):

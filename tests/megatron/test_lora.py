@@ -1,5 +1,6 @@
 """LoRA adapters on Megatron's TP shards (mcore_rl/megatron/lora.py) against one process:
-the micro Llama with HF weights and adapters on QKV, attention output, FC1 and FC2, at TP1,
+the micro Llama with HF weights and adapters on QKV, attention output, FC1, FC2 and the output
+layer (its rows the padded vocabulary), at TP1,
 at TP2, and at TP2 with sequence parallelism. Every grid gives TP1's logits and loss, and
 adapter gradients equal to TP1's shard for shard; W + scale·B·A merged on each rank's own shard
 is TP1's merged weight's shard, bit for bit. A fresh adapter (B = 0) and disabled adapters leave
@@ -19,9 +20,9 @@ import torch
 
 from mcore_rl.launch.spawn import run_on_ranks
 from mcore_rl.config import ConfigError
-from mcore_rl.megatron.config import LoRAConfig
+from mcore_rl.megatron.config import LORA_HEAD, LORA_TARGETS, LoRAConfig
 
-LORA = LoRAConfig(rank=4, alpha=8.0)
+LORA = LoRAConfig(rank=4, alpha=8.0, targets=(*LORA_TARGETS, LORA_HEAD))
 TOKENS = torch.randint(0, 250, (2, 17), generator=torch.Generator().manual_seed(3))
 # per-token advantages: the step's loss is a plain policy gradient, -mean(A · log π(label))
 ADVANTAGES = torch.randn(2, 16, generator=torch.Generator().manual_seed(5))
@@ -163,7 +164,7 @@ def test_fresh_and_disabled_adapters_leave_the_base_model(runs):
 
 def test_only_the_adapters_train(runs):
     (ref,) = runs["tp1"]
-    assert len(ref["trainable"]) == 2 * 4 * 4  # A and B, 4 linears, 4 layers
+    assert len(ref["trainable"]) == 2 * 4 * 4 + 2  # A and B, 4 linears, 4 layers; the head
     assert all(n.endswith((".lora.lora_a", ".lora.lora_b")) for n in ref["trainable"])
 
 
@@ -265,8 +266,9 @@ def test_lora_updates_on_pp_vpp_dp_ep_grids_equal_one_process_and_leave_the_base
         assert out["base_moved"] == []  # frozen
         merged.update(out["adapters"])
     assert ref["base_moved"] == []
-    targets = 2 if moe else 4  # a MoE layer's MLP is routed experts: attention only
-    assert merged.keys() == ref["adapters"].keys() and len(merged) == 2 * 4 * targets
+    # a MoE layer's MLP is routed experts: attention only; the dense model's head too
+    adapted = 2 * 4 * 2 if moe else 2 * 4 * 4 + 2
+    assert merged.keys() == ref["adapters"].keys() and len(merged) == adapted
     for name, tensor in ref["adapters"].items():
         torch.testing.assert_close(merged[name], tensor, rtol=1e-5, atol=1e-6)
     assert any(t.abs().max() > 0 for k, t in ref["adapters"].items() if k.endswith("lora_b"))
@@ -296,7 +298,7 @@ def test_tp2_adapters_export_as_a_peft_adapter_that_gives_the_actors_logits(runs
     for rank, out in enumerate(runs["tp2"]):  # the layouts name the modules' own parameters
         assert out["adapter_keys"] == sorted(adapters.ranks[rank])
     tensors = peft_tensors(adapters, local)
-    assert len(tensors) == 2 * 7 * spec.layers  # A and B of q, k, v, o, gate, up, down
+    assert len(tensors) == 2 * 7 * spec.layers + 2  # A, B of q, k, v, o, gate, up, down; lm_head
     dst = write_peft_adapter(tmp_path / "adapter", tensors, rank=LORA.rank, alpha=LORA.alpha)
     assert sorted(p.name for p in dst.iterdir()) == ["adapter_config.json",
                                                      "adapter_model.safetensors"]
@@ -364,7 +366,7 @@ def test_adapter_gradients_equal_pefts_on_hf_for_a_policy_gradient_step(runs, gr
     peft = {n.replace(".default.", "."): p.grad for n, p in model.named_parameters()
             if p.requires_grad}
     ours = assembled("d")
-    assert peft.keys() == ours.keys() and len(ours) == 2 * 7 * spec.layers
+    assert peft.keys() == ours.keys() and len(ours) == 2 * 7 * spec.layers + 2
     a_sums: dict[str, torch.Tensor] = defaultdict(lambda: 0)
     for name, grad in peft.items():
         if ".lora_A." in name:
@@ -462,7 +464,7 @@ def test_lora_checkpoint_resumes_exactly_and_loads_on_another_grid(tmp_path, cap
     from mcore_rl.conversion.convert import mcore_to_hf
     from mcore_rl.conversion.errors import ConversionError
 
-    with pytest.raises(ConversionError, match=r": 8 LoRA adapter tensors \(e\.g\. decoder\."
+    with pytest.raises(ConversionError, match=r": 10 LoRA adapter tensors \(e\.g\. decoder\."
                                               r"layers\.mlp\.linear_fc1\.lora\.lora_a\) but "
                                               r"no lora\.json"):
         mcore_to_hf(ckpt, tmp_path / "hf2", hf_config=tmp_path / "base", progress=False)
@@ -483,7 +485,7 @@ def _merged_export_equals_peft_merge(ckpt: str, tmp_path) -> None:
 
     spec = get_preset("micro")
     report = mcore_to_hf(ckpt, tmp_path / "hf", hf_config=tmp_path / "base", progress=False)
-    assert report.merged == 7 * spec.layers
+    assert report.merged == 7 * spec.layers + 1  # and lm_head
     base = AutoModelForCausalLM.from_config(hf_config_from_spec(spec), dtype=torch.float32)
     base.load_state_dict(random_hf_weights(spec), strict=False)
     reference = PeftModel.from_pretrained(base, str(tmp_path / "peft")).merge_and_unload()

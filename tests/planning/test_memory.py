@@ -230,16 +230,20 @@ def test_lora_params_count_exactly_each_ranks_adapter_shards(parallel_kw):
     (layouts/lora.py, derived from the weights' layouts)."""
     from mcore_rl.layouts import megatron_shards
     from mcore_rl.layouts.lora import lora_shards
-    from mcore_rl.megatron.config import LORA_TARGETS
+    from mcore_rl.megatron.config import LORA_HEAD, LORA_TARGETS
     from mcore_rl.planning.memory import lora_stage_params
 
     spec, parallel = get_preset("micro"), ParallelConfig(**parallel_kw)
-    adapters = lora_shards(megatron_shards(spec, parallel), 8, LORA_TARGETS)
-    for rank, tensors in adapters.ranks.items():
-        held = sum(t.shape[0] * t.shape[1] for t in tensors.values())
-        stage = parallel.coords_of(rank)["pp"]
-        assert lora_stage_params(spec, parallel, stage, 8, LORA_TARGETS) == held
+    for targets in (LORA_TARGETS, (*LORA_TARGETS, LORA_HEAD)):  # the head: the last stage's
+        adapters = lora_shards(megatron_shards(spec, parallel), 8, targets)
+        for rank, tensors in adapters.ranks.items():
+            held = sum(t.shape[0] * t.shape[1] for t in tensors.values())
+            stage = parallel.coords_of(rank)["pp"]
+            assert lora_stage_params(spec, parallel, stage, 8, targets) == held
     assert lora_stage_params(spec, parallel, 0, 8, ("linear_qkv",)) < held
+    last = parallel.pp - 1
+    assert (lora_stage_params(spec, parallel, last, 8, (*LORA_TARGETS, LORA_HEAD))
+            > lora_stage_params(spec, parallel, last, 8, LORA_TARGETS))
 
 
 def test_lora_plans_adapter_states_and_no_reference_model():

@@ -529,6 +529,33 @@ def test_adapter_sync_on_an_architecture_vllm_serves_no_lora_for_is_refused_in_o
     assert "vLLM serves LoRA ranks up to 512" in rank.message
 
 
+def test_an_output_layer_adapter_needs_an_untied_head_that_vllm_adapts():
+    """actor.lora.targets with output_layer: refused in one line for tied embeddings (the
+    head is the embedding) and, with the adapter sync, for an architecture whose vLLM class
+    adapts no lm_head (Qwen2); Llama's is served; the merged sync needs no vLLM LoRA."""
+    from dataclasses import replace
+
+    from mcore_rl.models.presets import get_preset
+    from mcore_rl.planning.grid_checks import check_lora
+
+    head = "actor.lora.targets=[linear_qkv,output_layer]"
+    llama = get_preset("llama3-8b")
+    run = sized_run(load_config(RLConfig, L8, ["actor.lora.rank=16", head]),
+                    cuda_available=False)
+    assert not list(check_lora(run, llama))
+    (tied,) = check_lora(run, replace(llama, tied_embeddings=True))
+    assert tied.message == ("actor.lora.targets: output_layer is the input embedding in this "
+                            "model (tied embeddings), which carries no adapter")
+    assert tied.fix == "actor.lora.targets=[linear_qkv]"
+    (qwen2,) = check_lora(run, replace(llama, architecture="Qwen2ForCausalLM"))
+    assert qwen2.message.startswith("actor.lora.sync=adapter: vLLM's Qwen2ForCausalLM serves "
+                                    "no LoRA on its lm_head")
+    merged = sized_run(load_config(RLConfig, L8, ["actor.lora.rank=16", head,
+                                                  "actor.lora.sync=merged"]),
+                       cuda_available=False)
+    assert not list(check_lora(merged, replace(llama, architecture="Qwen2ForCausalLM")))
+
+
 def test_adapter_sync_keeps_the_sleeping_engines_base():
     """An adapter sync never sends the base again, so sleeping engines offload it (level 1)
     instead of discarding it; an explicit level 2 is refused in one line."""

@@ -71,27 +71,40 @@ def test_tool_demo_learns_to_call_and_copy(tmp_path):
 
 @pytest.fixture(scope="module")
 def lora_run(tmp_path_factory):
-    """`mcore-rl demo actor.lora.rank=16`: the addition demo's warm-up (the full model), then
-    RL of LoRA adapters on the warmed-up base. Returns (run dir, RL steps, warm-up steps).
-    Its one checkpoint is the one every run writes after its last step (checkpoint.every's
-    default, 50, is past the 30 steps). No held-out evaluation (test_addition_demo_learns
-    reads the addition demo's); the warm-up's own accuracy checks are not evaluations."""
+    """`mcore-rl demo actor.lora.rank=8`: the addition demo's warm-up (the full model), then
+    RL of LoRA adapters (the demo YAML's targets: every decoder linear and the output layer)
+    on the warmed-up base. Returns (run dir, RL steps, warm-up steps). Its one checkpoint is
+    the one every run writes after its last step (checkpoint.every's default, 50, is past the
+    30 steps). No held-out evaluation (the full run reads the addition demo's); the warm-up's
+    own accuracy checks are not evaluations."""
     out = tmp_path_factory.mktemp("lora_demo")
-    steps, warmup = run_demo(out, "actor.lora.rank=16", "steps=30", "eval.every=0")
+    steps, warmup = run_demo(out, "actor.lora.rank=8", "steps=30", "eval.every=0")
     return out, steps, warmup
 
 
-def test_addition_demo_learns(tmp_path, lora_run):
-    """The addition demo: its warm-up reaches the accuracy it stops at, and RL of the whole
-    model from there raises the reward. The warm-up is the one the LoRA run did (the same demo
-    config and seed); `model.hf_dir=RUN/warmup_hf warmup.max_steps=0` starts RL from it."""
-    warmed_up, _, warmup = lora_run
-    assert warmup[-1]["accuracy"] >= 0.7, warmup[-1]
-    steps, _ = run_demo(tmp_path, "steps=30", f"model.hf_dir={warmed_up / 'warmup_hf'}",
+@pytest.fixture(scope="module")
+def full_run(lora_run, tmp_path_factory):
+    """RL of the whole model from the LoRA run's warm-up (the same demo config and seed):
+    `model.hf_dir=RUN/warmup_hf warmup.max_steps=0`. Returns (run dir, RL steps)."""
+    warmed_up, _, _ = lora_run
+    out = tmp_path_factory.mktemp("full_demo")
+    steps, _ = run_demo(out, "steps=30", f"model.hf_dir={warmed_up / 'warmup_hf'}",
                         "warmup.max_steps=0")
-    first, last = steps[:5], steps[-5:]
-    assert mean(last, "reward_mean") >= mean(first, "reward_mean") + 0.15, \
-        [r["reward_mean"] for r in steps]
+    return out, steps
+
+
+def rise(steps: list[dict]) -> float:
+    """Mean reward of the last 5 steps minus that of the first 5."""
+    return mean(steps[-5:], "reward_mean") - mean(steps[:5], "reward_mean")
+
+
+def test_addition_demo_learns(lora_run, full_run):
+    """The addition demo: its warm-up reaches the accuracy it stops at, and RL of the whole
+    model from there raises the reward."""
+    _, _, warmup = lora_run
+    tmp_path, steps = full_run
+    assert warmup[-1]["accuracy"] >= 0.7, warmup[-1]
+    assert rise(steps) >= 0.15, [r["reward_mean"] for r in steps]
     # evaluations (eval.every 10, before_train): on the starting weights as step 0, then
     # after steps 10, 20, 30, on the weights each step synced
     evals = evaluations(tmp_path)
@@ -115,20 +128,24 @@ def test_addition_demo_learns(tmp_path, lora_run):
     assert any((tmp_path / "tb" / "generations").glob("events.out.tfevents.*"))
 
 
-def test_lora_demo_learns_through_the_adapter_sync(lora_run, tmp_path_factory):
+def test_lora_demo_learns_through_the_adapter_sync(lora_run, full_run, tmp_path_factory):
     """After the full-model warm-up, RL trains adapters on the frozen warmed-up base and every
     step's sync moves the adapters alone into vLLM's LoRA, whose log-probs equal the actor's.
     The checkpoint names the warmed-up base; `mcore-rl export` makes it the merged model,
     whose logits are the warmed-up base's with the run's adapters (PEFT)."""
     tmp_path, steps, _ = lora_run
-    first, last = steps[:5], steps[-10:]
-    assert mean(last, "reward_mean") >= mean(first, "reward_mean") + 0.03, \
-        [r["reward_mean"] for r in steps]
+    _, full = full_run
+    # the adapters learn at least half what the whole model does from the same warm-up ...
+    assert rise(steps) >= 0.5 * rise(full) > 0, ([r["reward_mean"] for r in steps],
+                                                 [r["reward_mean"] for r in full])
+    # ... with syncs of the adapters alone, a tenth of the model's bytes or less
     assert all(r["sync_bytes"] == r["sync_adapter_bytes"] > 0 for r in steps)
+    assert steps[-1]["sync_bytes"] <= 0.1 * full[-1]["sync_bytes"]
     assert max(r["rollout_logprob_max_diff"] for r in steps) < 1e-4
     lora = json.loads((tmp_path / "checkpoints" / "step_30" / "actor" / "lora.json")
                       .read_text())
-    assert (lora["rank"], lora["base_model"]) == (16, str(tmp_path / "warmup_hf"))
+    assert (lora["rank"], lora["base_model"]) == (8, str(tmp_path / "warmup_hf"))
+    assert "output_layer" in lora["targets"]
     assert [p.name for p in (tmp_path / "checkpoints").glob("step_*")] == ["step_30"]
     _export_is_the_base_with_the_adapters(tmp_path, tmp_path_factory.mktemp("lora_export"))
 
