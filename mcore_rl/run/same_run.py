@@ -84,7 +84,18 @@ def differences(saved: dict, resolved: dict) -> list[tuple[str, Any, Any]]:
     (`to_dict` of a config, or its YAML read back); only fields present in both count."""
     old, new = flatten(saved), flatten(resolved)
     return [(field, old[field], value) for field, value in new.items()
-            if field in old and not may_change(field) and old[field] != value]
+            if field in old and not may_change(field) and old[field] != value
+            and not _lora_off_in_both(field, old, new)]
+
+
+def _lora_off_in_both(field: str, old: dict, new: dict) -> bool:
+    """A LoRA setting (`<role>.lora.<key>`, the rank aside) while both runs have LoRA off
+    (rank 0): it shapes nothing."""
+    section, _, key = field.rpartition(".")
+    if not section.endswith("lora") or key == "rank":
+        return False
+    rank = f"{section}.rank"
+    return old.get(rank) == 0 and new.get(rank) == 0
 
 
 def _shown(value: Any) -> str:

@@ -84,10 +84,13 @@ def test_the_refusal_names_each_field_with_both_values_and_how_to_start_fresh(tm
     assert "actor.tp 2 -> 1" in message and "more field(s)" in message  # 8 named, the rest counted
     assert "--resume never" in message and "another --out" in message
     # a long value is cut
-    long = load_config(RLConfig, PPO, ["actor.lora.targets=[linear_qkv]"])
+    long = load_config(RLConfig, PPO, ["actor.lora.rank=8", "actor.lora.targets=[linear_qkv]"])
     with pytest.raises(ConfigError, match=r"actor.lora.targets \['linear_qkv', 'linear_proj', "
                                           r"'linear_f… -> \['linear_qkv'\]"):
         check_same_run(tmp_path / "run", long, tmp_path / "run" / "config.yaml", step_dir)
+    # LoRA settings while LoRA is off in both runs shape nothing
+    off = load_config(RLConfig, PPO, ["actor.lora.targets=[linear_qkv]", "actor.lora.lr=1e-3"])
+    check_same_run(tmp_path / "run", off, tmp_path / "run" / "config.yaml", step_dir)
     # no saved config (a run from before it was written): nothing to compare
     check_same_run(tmp_path / "new", cfg, tmp_path / "new" / "config.yaml", step_dir)
 
