@@ -33,6 +33,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from mcore_rl.compat.vllm_pynccl import pynccl
 from mcore_rl.resharding.sync_group import SyncGroupSpec
 
 # polling a round's completion event: short enough to add little to a round
@@ -204,9 +205,8 @@ class NcclP2PGroup:
 
 
 def _pynccl_comm(unique_id: bytes, rank: int, world: int, device: torch.device):
-    from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
-
-    return PyNcclCommunicator.from_unique_id_bytes(unique_id, rank, world, device)
+    communicator, _ = pynccl()  # vLLM's import leaves a trainer rank's environment as it was
+    return communicator.PyNcclCommunicator.from_unique_id_bytes(unique_id, rank, world, device)
 
 
 def _nccl_error_reader(comm) -> Callable[[], int]:
@@ -227,9 +227,8 @@ def _nccl_error_reader(comm) -> Callable[[], int]:
 
 
 def _new_unique_id() -> bytes:
-    from vllm.distributed.device_communicators.pynccl_wrapper import NCCLLibrary
-
-    return bytes(NCCLLibrary().ncclGetUniqueId().internal)
+    _, wrapper = pynccl()
+    return bytes(wrapper.NCCLLibrary().ncclGetUniqueId().internal)
 
 
 __all__ = ["NcclP2PGroup", "RoundWork", "communicators"]
