@@ -159,9 +159,12 @@ def forward_micro_rows(rows: int, *, micro_batch_size: int, forward_micro_batch_
     return size
 
 
-def pack(tensors: dict[str, torch.Tensor], plan: PackPlan) -> list[dict[str, torch.Tensor]]:
+def pack(tensors: dict[str, torch.Tensor], plan: PackPlan) -> list[dict]:
     """Rows [n, s] → one dict per bin of [1, T] tensors (zeros after the last sequence) plus
-    "segment_ids" [1, T] (sequence k of the bin → k; the padding tail → len(bin))."""
+    "segment_ids" [1, T] (sequence k of the bin → k; the padding tail → len(bin)) and
+    "segment_lengths", the segments' token counts as host integers (the tail's when it has
+    any): what the model inputs and per-sequence views take, so that no micro batch reads
+    its lengths back from the device."""
     n = len(plan.lengths)
     for name, t in tensors.items():
         if t.shape[:2] != (n, plan.seq_len):
@@ -174,7 +177,10 @@ def pack(tensors: dict[str, torch.Tensor], plan: PackPlan) -> list[dict[str, tor
                for k, r in enumerate(rows)]
         used = sum(plan.lengths[r] for r in rows)
         seg.append(torch.full((row_len - used,), len(rows), dtype=torch.long, device=device))
-        packed = {"segment_ids": torch.cat(seg).unsqueeze(0)}
+        tail = row_len - used
+        packed = {"segment_ids": torch.cat(seg).unsqueeze(0),
+                  "segment_lengths": tuple(plan.lengths[r] for r in rows) + ((tail,) if tail
+                                                                             else ())}
         for name, t in tensors.items():
             parts = [t[r, :plan.lengths[r]] for r in rows]
             parts.append(t.new_zeros((row_len - used, *t.shape[2:])))
@@ -213,12 +219,22 @@ def block_causal_mask(segment_ids: torch.Tensor) -> torch.Tensor:
     return (future | (seg.unsqueeze(1) != seg.unsqueeze(0)))[None, None]
 
 
-def segment_positions(segment_ids: torch.Tensor) -> torch.Tensor:
-    """[1, T] → position of each token inside its sequence, [1, T] (restarting at 0)."""
+def segment_positions(segment_ids: torch.Tensor, lengths: tuple[int, ...]) -> torch.Tensor:
+    """[1, T] → position of each token inside its sequence, [1, T] (restarting at 0);
+    `lengths`: the segments' token counts (`pack`'s host integers)."""
     seg = segment_ids[0]
-    counts = torch.bincount(seg)
+    counts = host_ints_on(lengths, seg.device)
     starts = torch.cumsum(counts, 0) - counts
     return (torch.arange(seg.shape[0], device=seg.device) - starts[seg]).unsqueeze(0)
+
+
+def host_ints_on(values: tuple[int, ...], device: torch.device | str) -> torch.Tensor:
+    """Host integers as an int64 tensor on `device` without waiting on it: a GPU gets them
+    by an asynchronous copy from pinned memory (a pageable copy would synchronize)."""
+    out = torch.tensor(values, dtype=torch.int64)
+    if torch.device(device).type == "cuda":
+        return out.pin_memory().to(device, non_blocking=True)
+    return out.to(device)
 
 
 def model_inputs(batch, config) -> dict:
@@ -239,37 +255,43 @@ def model_inputs(batch, config) -> dict:
         return {"input_ids": tokens,
                 "position_ids": torch.arange(s, device=tokens.device).unsqueeze(0).expand(b, s),
                 "attention_mask": None}
-    positions = segment_positions(segment_ids)
+    lengths = batch.segment_lengths
+    positions = segment_positions(segment_ids, lengths)
     if config.transformer_impl != "transformer_engine":  # the local spec
         return {"input_ids": tokens, "position_ids": positions,
                 "attention_mask": block_causal_mask(segment_ids)}
     return {"input_ids": tokens, "position_ids": positions, "attention_mask": None,
-            "packed_seq_params": thd_params(segment_ids, tokens.device)}
+            "packed_seq_params": thd_params(lengths, tokens.device)}
 
 
-def thd_params(segment_ids: torch.Tensor, device: torch.device | str | None = None):
-    """megatron's PackedSeqParams for one packed row: cu_seqlens = [0, cumsum of the segment
-    lengths] (int32, on `device`, default the segment ids' device), the padding tail counting
-    as one more segment.
+def thd_params(lengths: tuple[int, ...], device: torch.device | str):
+    """megatron's PackedSeqParams for one packed row of segments with token counts `lengths`
+    (`pack`'s host integers, the padding tail one more segment): cu_seqlens = [0, cumsum]
+    (int32, on `device`) and the longest segment, both from the host.
     Runs only on GPU (TE spec); its CPU twin is the block-diagonal mask path, tested against
     padded micro batches."""
     from megatron.core.packed_seq_params import PackedSeqParams
 
-    lengths = torch.bincount(segment_ids[0])
-    cu_seqlens = torch.cat([lengths.new_zeros(1), torch.cumsum(lengths, 0)]).to(torch.int32)
-    cu_seqlens = cu_seqlens.to(segment_ids.device if device is None else device)
-    longest = int(lengths.max())
+    bounds = [0]
+    for n in lengths:
+        bounds.append(bounds[-1] + n)
+    cu_seqlens = host_ints_on(tuple(bounds), device).to(torch.int32)
+    longest = max(lengths)
     return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens,
                            max_seqlen_q=longest, max_seqlen_kv=longest)
 
 
-def per_sequence(x: torch.Tensor, segment_ids: torch.Tensor | None) -> torch.Tensor:
+def per_sequence(x: torch.Tensor, segment_ids: torch.Tensor | None,
+                 lengths: tuple[int, ...] | None = None) -> torch.Tensor:
     """A per-token tensor of a micro batch → one row per sequence, [k, L_max], zeros after
-    each sequence's end (differentiable). Unpacked batches (`segment_ids` None) already are."""
+    each sequence's end (differentiable). Unpacked batches (`segment_ids` None) already are;
+    a packed one's `lengths` are `pack`'s host segment lengths."""
     if segment_ids is None:
         return x
-    counts = torch.bincount(segment_ids[0])
-    return sequence_rows(x, counts, int(counts.max()))  # the one host sync: the longest
+    if lengths is None:
+        raise ValueError("per_sequence: a packed micro batch needs its segment lengths "
+                         "(packing.pack's segment_lengths)")
+    return sequence_rows(x, host_ints_on(lengths, x.device), max(lengths))
 
 
 def sequence_rows(x: torch.Tensor, counts: torch.Tensor, longest: int) -> torch.Tensor:

@@ -46,6 +46,7 @@ class PolicyBatch:
     ref_logp: torch.Tensor | None = None  # with a KL loss term
     is_weights: torch.Tensor | None = None  # rollout correction (tis / mis), detached
     segment_ids: torch.Tensor | None = None
+    segment_lengths: tuple[int, ...] | None = None  # packed: the host counts (`packing.pack`)
     routing: torch.Tensor | None = None  # MoE experts to replay [b, s, layers, k]
 
     @property
@@ -114,7 +115,8 @@ def _policy_loss(batch: PolicyBatch, algo: AlgorithmConfig, trainer: MegatronTra
     logp, entropy = logp_and_entropy(trainer, logits, batch.labels)
     # one row per sequence (packed rows are split by segment) so that the library's
     # aggregation sees sequences, then × the normaliser = this micro batch's share of the sum
-    rows = functools.partial(per_sequence, segment_ids=batch.segment_ids)
+    rows = functools.partial(per_sequence, segment_ids=batch.segment_ids,
+                             lengths=batch.segment_lengths)
     logp, entropy, mask = rows(logp), rows(entropy), rows(batch.response_mask.float())
     agg = algo.loss_agg
     old_logp = rows(batch.old_logp)

@@ -55,6 +55,7 @@ class MicroBatch:
     labels: torch.Tensor
     loss_mask: torch.Tensor
     segment_ids: torch.Tensor | None = None
+    segment_lengths: tuple[int, ...] | None = None  # packed: the host counts (`packing.pack`)
     routing: torch.Tensor | None = None  # MoE experts to replay per token (routing_replay)
 
 

@@ -89,6 +89,7 @@ class ValueBatch:
     old_values: torch.Tensor
     returns: torch.Tensor
     segment_ids: torch.Tensor | None = None
+    segment_lengths: tuple[int, ...] | None = None  # packed: the host counts (`packing.pack`)
 
     @property
     def loss_mask(self) -> torch.Tensor:

@@ -72,10 +72,35 @@ def test_pack_unpack_and_model_inputs_on_device():
     packed = packing.pack(rows, plan)
     config = types.SimpleNamespace(transformer_impl="local")
     for mb in packed:
-        assert_on_twin(*mb.values(), packing.block_causal_mask(mb["segment_ids"]))
+        assert_on_twin(*(v for k, v in mb.items() if k != "segment_lengths"),
+                       packing.block_causal_mask(mb["segment_ids"]))
     unpacked = packing.unpack([mb["response_mask"] for mb in packed], plan)
     plain = packing.model_inputs(types.SimpleNamespace(tokens=rows["tokens"]), config)
     assert_on_twin(unpacked, plain["input_ids"], plain["position_ids"])
+
+
+def test_packed_model_inputs_and_per_sequence_rows_take_the_host_lengths():
+    """N15: a packed micro batch's positions, THD parameters (the TE spec's cu_seqlens and
+    longest segment) and per-sequence rows come from its host segment lengths, not from a
+    bincount and `int(max)` on the device (a host sync per micro batch; on meta, an error:
+    bincount has no meta kernel)."""
+    from mcore_rl.megatron.train import MicroBatch
+
+    plan = packing.plan_packing([3, 2, 4], 6, seq_len=4)
+    rows = {"tokens": twin(torch.randint(0, 9, (3, 4))), "labels": twin(torch.zeros(3, 4)),
+            "loss_mask": twin(torch.ones(3, 4))}
+    for mb in (MicroBatch(**p) for p in packing.pack(rows, plan)):
+        for impl in ("local", "transformer_engine"):
+            inputs = packing.model_inputs(mb, types.SimpleNamespace(transformer_impl=impl))
+            assert_on_twin(inputs["input_ids"], inputs["position_ids"])
+        thd = inputs["packed_seq_params"]
+        assert_on_twin(thd.cu_seqlens_q)
+        assert thd.max_seqlen_q == max(mb.segment_lengths)
+        x = twin(torch.ones(mb.tokens.shape)).requires_grad_()
+        out = packing.per_sequence(x, mb.segment_ids, mb.segment_lengths)
+        out.sum().backward()
+        assert_on_twin(out, x.grad)
+        assert out.shape == (len(mb.segment_lengths), max(mb.segment_lengths))
 
 
 def test_actor_packs_its_rows_on_the_model_device_planning_on_the_host():

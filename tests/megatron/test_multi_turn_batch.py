@@ -105,8 +105,9 @@ def _run(rank, world_size):
         torch.equal(unpack([p[k].float() for p in packed], plan), torch.where(keep, v, 0).float())
         for k, v in {**fwd, "logp": logp}.items())
     out["lengths"] = list(plan.lengths)
-    packed_logp = compute_logprobs(trainer, [MicroBatch(**{k: p[k] for k in (*fwd, "segment_ids")})
-                                             for p in packed])
+    packed_logp = compute_logprobs(trainer, [
+        MicroBatch(**{k: p[k] for k in (*fwd, "segment_ids", "segment_lengths")})
+        for p in packed])
     out["packed_logp_diff"] = float((unpack(packed_logp, plan) - logp)[keep].abs().max())
     return out
 

@@ -30,6 +30,10 @@ def test_ffd_respects_the_budget_and_restores_row_order():
     rows = torch.arange(80).reshape(8, 10) + 1
     packed = pack({"tokens": rows, "x": rows.float()}, plan)
     assert [p["tokens"].shape for p in packed] == [(1, t) for t in plan.row_lens]
+    # each segment's length, as host integers: the rows' kept tokens, then the padding tail
+    assert [p["segment_lengths"] for p in packed] == [(9, 3), (9, 1), (8, 4), (7, 5)]
+    for p in packed:
+        assert p["segment_lengths"] == tuple(torch.bincount(p["segment_ids"][0]).tolist())
     assert torch.equal(packed[0]["tokens"][0, :9], rows[1, :9])
     back = unpack([p["x"] for p in packed], plan)
     keep = torch.arange(10) < torch.tensor(lengths).unsqueeze(1)
@@ -46,6 +50,10 @@ def test_shape_rules_for_the_grid():
     assert plan.bins == ((0,), (1,), (2,), ()) and plan.row_lens == (5, 4, 3, 1)
     packed = pack({"tokens": torch.ones(3, 6, dtype=torch.long)}, plan)
     assert packed[3]["tokens"].tolist() == [[0]]  # the filler is padding only
+    assert [p["segment_lengths"] for p in packed] == [(5,), (4,), (3,), (1,)]
+    tailed = plan_packing([5, 4, 3], 9, seq_len=6, multiple=2)  # T 9 → 10 and 3 → 4
+    assert [p["segment_lengths"] for p in pack({"t": torch.ones(3, 6)}, tailed)] == [
+        (5, 4, 1), (3, 1)]
     assert unpack([p["tokens"] for p in packed], plan).sum() == 12
 
 
@@ -63,9 +71,12 @@ def test_block_causal_mask_positions_and_per_sequence_rows():
     want = torch.tensor([[not (j <= i and seg[0, i] == seg[0, j]) for j in range(6)]
                          for i in range(6)])
     assert torch.equal(mask[0, 0], want)
-    assert segment_positions(seg).tolist() == [[0, 1, 2, 0, 1, 0]]
+    assert segment_positions(seg, (3, 2, 1)).tolist() == [[0, 1, 2, 0, 1, 0]]
     x = torch.arange(1.0, 7.0).unsqueeze(0).requires_grad_()
-    rows = per_sequence(x, seg)
+    assert per_sequence(x, None) is x
+    with pytest.raises(ValueError, match="needs its segment lengths"):
+        per_sequence(x, seg)
+    rows = per_sequence(x, seg, (3, 2, 1))
     assert rows.tolist() == [[1, 2, 3], [4, 5, 0], [6, 0, 0]]
     rows.sum().backward()
     assert x.grad.tolist() == [[1.0] * 6]
@@ -75,8 +86,8 @@ def test_thd_params_cumulative_lengths():
     """The GPU (TE, THD) form of a packed row: cu_seqlens over the segments and the tail."""
     from mcore_rl.megatron.packing import thd_params
 
-    seg = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 2]])  # two sequences and a 1-token padding tail
-    params = thd_params(seg, device="cpu")
+    # two sequences and a 1-token padding tail (segment ids [[0, 0, 0, 1, 1, 1, 1, 2]])
+    params = thd_params((3, 4, 1), device="cpu")
     assert params.qkv_format == "thd"
     assert params.cu_seqlens_q.tolist() == [0, 3, 7, 8] and params.cu_seqlens_q.dtype == torch.int32
     assert params.cu_seqlens_kv is params.cu_seqlens_q
