@@ -18,6 +18,7 @@ parallel_state globals that `init_training_groups` set for the same grid.
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
@@ -27,6 +28,7 @@ from megatron.core import tensor_parallel
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 from megatron.core.optimizer import OptimizerConfig as MegatronOptimizerConfig
 from megatron.core.optimizer import get_megatron_optimizer
+from megatron.core.optimizer import optimizer as megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.module import Float16Module
@@ -160,7 +162,10 @@ def wrap_ddp(chunks: list[torch.nn.Module], config: TransformerConfig,
         grad_reduce_in_fp32=True, overlap_grad_reduce=overlap_grad_reduce,
         overlap_param_gather=False,
         use_distributed_optimizer=groups.config.use_distributed_optimizer,
-        check_for_nan_in_grad=True)
+        # megatron checks each bucket as it is reduced, a host sync per bucket: inside an
+        # overlapped backward that stalls the overlap. `checked_step` checks the whole
+        # gradient once per step instead, before any weight moves.
+        check_for_nan_in_grad=False)
     if config.bf16:
         chunks = [Float16Module(config, c) for c in chunks]
     return [DistributedDataParallel(config=config, ddp_config=ddp_config, module=chunk,
@@ -245,11 +250,32 @@ def optimizer_step(trainer: MegatronTrainer, micro_batches: list, forward_step,
     trainer.optimizer.zero_grad()
     reports = run_schedule(trainer.model, trainer.groups, micro_batches, forward_only=False,
                            forward_step=forward_step)
-    ok, grad_norm, _ = trainer.optimizer.step()
-    if not ok:
-        raise FloatingPointError(f"{what} skipped: gradients overflowed")
+    grad_norm = checked_step(trainer.optimizer, what)
     trainer.scheduler.step(increment=1)
-    return reports, float(grad_norm)
+    return reports, grad_norm
+
+
+def checked_step(optimizer, what: str = "optimizer step") -> float:
+    """megatron's `optimizer.step()` with the global gradient norm checked before the update
+    (megatron's own step clips by a NaN norm as by any other and applies it): its pieces —
+    prepare the grads, the norm over every parallel group (one host sync), clip by it, step
+    — with FloatingPointError, no weight moved, where the norm is not finite. Returns it."""
+    if optimizer.prepare_grads():
+        raise FloatingPointError(f"{what} skipped: gradients overflowed")
+    grad_norm = float(optimizer.get_grad_norm())
+    if not math.isfinite(grad_norm):
+        raise FloatingPointError(f"{what} skipped: the gradient norm is {grad_norm} (a NaN or "
+                                 f"inf gradient on some rank); no weight was updated")
+    for each in getattr(optimizer, "chained_optimizers", [optimizer]):
+        params = each.get_parameters()
+        if each.config.clip_grad > 0.0 and params:
+            # the function megatron's own step calls (compat wraps it on the CPU)
+            megatron_optimizer.clip_grad_by_total_norm_fp32(
+                params, max_norm=each.config.clip_grad, total_norm=grad_norm,
+                use_decoupled_grad=each.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8)
+    if not optimizer.step_with_ready_grads():
+        raise FloatingPointError(f"{what} skipped: the optimizer refused its update")
+    return grad_norm
 
 
 def train_step(trainer: MegatronTrainer, micro_batches: list[MicroBatch]) -> StepResult:

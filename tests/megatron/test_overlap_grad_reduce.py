@@ -2,7 +2,10 @@
 GPU where dp > 1): on two gloo DP ranks over a PP2 grid (four ranks, so the pipeline schedule
 starts each chunk's reduction through `grad_sync_func`), two policy updates with the overlap
 must give the same grad norms and weights as without it, and the backward must really have handed
-its grads to the reduction as they became ready (megatron's `register_grad_ready`)."""
+its grads to the reduction as they became ready (megatron's `register_grad_ready`). A NaN
+gradient on one rank stops the next step on every rank before any weight moves."""
+
+from dataclasses import replace
 
 import torch
 
@@ -46,9 +49,20 @@ def updates_with_and_without_overlap(rank, world_size):
                    for _ in range(2)]
         out[overlap] = {"grad_norm": [m["grad_norm"] for m in metrics],
                         "weights": _flat(trainer), "ready": len(ready)}
+    # a NaN gradient on one DP rank (its advantages): every rank refuses the step before any
+    # weight moves (megatron's per-bucket check is off: a host sync inside the overlap)
+    assert not trainer.model[0].ddp_config.check_for_nan_in_grad
+    poisoned = [replace(b, advantages=b.advantages * (float("nan") if groups.rank_in(Axis.DP)
+                                                      else 1.0)) for b in batches]
+    try:
+        policy_update(trainer, poisoned, AlgorithmConfig(clip_c=None))
+        refused = ""
+    except FloatingPointError as err:
+        refused = str(err)
     return {"grad_norm": (out[False]["grad_norm"], out[True]["grad_norm"]),
             "weight_diff": float((out[False]["weights"] - out[True]["weights"]).abs().max()),
-            "ready": (out[False]["ready"], out[True]["ready"])}
+            "ready": (out[False]["ready"], out[True]["ready"]), "refused": refused,
+            "moved_by_nan": bool((_flat(trainer) != out[True]["weights"]).any())}
 
 
 def test_overlapped_grad_reduce_trains_exactly_like_the_reduce_after_the_backward():
@@ -59,3 +73,4 @@ def test_overlapped_grad_reduce_trains_exactly_like_the_reduce_after_the_backwar
         assert r["weight_diff"] == 0.0
         # only with the overlap does the backward hand grads to the reduction as they come
         assert r["ready"][0] == 0 and r["ready"][1] > 0, r["ready"]
+        assert "the gradient norm is nan" in r["refused"] and not r["moved_by_nan"], r
