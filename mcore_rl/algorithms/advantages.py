@@ -69,8 +69,15 @@ def broadcast_to_tokens(per_sequence: Tensor, response_mask: Tensor) -> Tensor:
     return per_sequence.to(torch.float32).unsqueeze(-1) * response_mask.to(torch.float32)
 
 
-def gae_advantages(token_rewards: Tensor, values: Tensor, response_mask: Tensor, *,
-                   gamma: float, lam: float, whiten: bool = True) -> tuple[Tensor, Tensor]:
+def gae_advantages(
+    token_rewards: Tensor,
+    values: Tensor,
+    response_mask: Tensor,
+    *,
+    gamma: float,
+    lam: float,
+    whiten: bool = True,
+) -> tuple[Tensor, Tensor]:
     """Generalized advantage estimation (PPO with a critic).
 
     token_rewards, values, response_mask: [B, T]. `values[b, t]` is the critic's V of the state
@@ -111,8 +118,9 @@ def _group_stats(scores: Tensor, group_ids: Tensor) -> tuple[Tensor, Tensor, Ten
     return group_stats(scores, *group_index(group_ids))
 
 
-def group_stats(scores: Tensor, inverse: Tensor,
-                n_groups: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def group_stats(
+    scores: Tensor, inverse: Tensor, n_groups: int
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """`_group_stats` given `group_index`'s result (no host sync)."""
     scores = scores.to(torch.float32)
     zeros = scores.new_zeros(n_groups)
@@ -126,8 +134,14 @@ def group_stats(scores: Tensor, inverse: Tensor,
     return count[inverse], total[inverse], std[inverse], (lo == hi)[inverse]
 
 
-def grpo_advantages(scores: Tensor, group_ids: Tensor, response_mask: Tensor, *,
-                    norm_by_std: bool = True, eps: float = 1e-6) -> Tensor:
+def grpo_advantages(
+    scores: Tensor,
+    group_ids: Tensor,
+    response_mask: Tensor,
+    *,
+    norm_by_std: bool = True,
+    eps: float = 1e-6,
+) -> Tensor:
     """Group-normalized outcome advantage (GRPO; without std scaling as in Dr. GRPO).
 
     scores: [B]; group_ids: [B]; response_mask: [B, T].
@@ -174,8 +188,9 @@ def discounted_returns(token_rewards: Tensor, response_mask: Tensor, *, gamma: f
     return returns
 
 
-def reinforce_pp_advantages(token_rewards: Tensor, response_mask: Tensor, *, gamma: float = 1.0,
-                            eps: float = 1e-8) -> tuple[Tensor, Tensor]:
+def reinforce_pp_advantages(
+    token_rewards: Tensor, response_mask: Tensor, *, gamma: float = 1.0, eps: float = 1e-8
+) -> tuple[Tensor, Tensor]:
     """REINFORCE++: discounted returns of token-level rewards, whitened over the batch.
 
     token_rewards: [B, T], normally the outcome reward on the last token plus the per-token KL
@@ -189,7 +204,14 @@ def reinforce_pp_advantages(token_rewards: Tensor, response_mask: Tensor, *, gam
 
 
 __all__ = [
-    "broadcast_to_tokens", "discounted_returns", "gae_advantages", "grpo_advantages",
-    "last_token_index", "masked_mean", "masked_whiten", "outcome_to_token_rewards",
-    "reinforce_pp_advantages", "rloo_advantages",
+    "broadcast_to_tokens",
+    "discounted_returns",
+    "gae_advantages",
+    "grpo_advantages",
+    "last_token_index",
+    "masked_mean",
+    "masked_whiten",
+    "outcome_to_token_rewards",
+    "reinforce_pp_advantages",
+    "rloo_advantages",
 ]

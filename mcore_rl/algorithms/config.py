@@ -71,8 +71,7 @@ class AlgorithmConfig:
     dynamic_sampling: bool = False
     overlong_buffer: int = 0
     overlong_penalty: float = 1.0
-    rollout_correction: RolloutCorrectionConfig = field(
-        default_factory=RolloutCorrectionConfig)
+    rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
     old_logprob_from_update: bool = True
     routing_replay: Literal["none", "old", "rollout"] = "none"
 
@@ -84,8 +83,9 @@ class AlgorithmConfig:
         require_in_range(self, 0, 1, "clip_eps_low", high_open=True)
         require_at_least(self, 0, "clip_eps_high")
         require_above(self, 1, "clip_c", optional=True, note="null turns dual-clip off")
-        require_at_least(self, 0, "entropy_coeff", "kl_coeff", "overlong_buffer",
-                         "overlong_penalty")
+        require_at_least(
+            self, 0, "entropy_coeff", "kl_coeff", "overlong_buffer", "overlong_penalty"
+        )
         require_in_range(self, 0, 1, "gamma", "lam")
         require_above(self, 0, "value_clip", optional=True, note="null turns it off")
         require_above(self, 0, "grpo_eps")

@@ -24,8 +24,13 @@ def dynamic_sampling_keep(scores: Tensor, group_ids: Tensor) -> Tensor:
     return torch.nonzero(lo[inverse] != hi[inverse]).flatten()
 
 
-def overlong_penalty(response_lengths: Tensor, *, max_response_length: int,
-                     overlong_buffer: int, penalty_factor: float = 1.0) -> Tensor:
+def overlong_penalty(
+    response_lengths: Tensor,
+    *,
+    max_response_length: int,
+    overlong_buffer: int,
+    penalty_factor: float = 1.0,
+) -> Tensor:
     """DAPO soft overlong punishment, to be added to each response's outcome reward.
 
     response_lengths: [B] valid response tokens. With L_max = max_response_length and

@@ -51,10 +51,18 @@ def aggregate_loss(loss: Tensor, response_mask: Tensor, agg: LossAgg) -> Tensor:
     return (per_seq * has_tokens).sum() / has_tokens.sum().clamp(min=1.0)
 
 
-def policy_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, response_mask: Tensor, *,
-                clip_eps_low: float = 0.2, clip_eps_high: float = 0.2,
-                clip_c: float | None = None, agg: LossAgg = "token-mean",
-                is_weights: Tensor | None = None) -> tuple[Tensor, dict[str, Tensor]]:
+def policy_loss(
+    logp: Tensor,
+    old_logp: Tensor,
+    advantages: Tensor,
+    response_mask: Tensor,
+    *,
+    clip_eps_low: float = 0.2,
+    clip_eps_high: float = 0.2,
+    clip_c: float | None = None,
+    agg: LossAgg = "token-mean",
+    is_weights: Tensor | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
     """PPO clipped surrogate with asymmetric clip (DAPO clip-higher) and optional dual-clip.
 
     logp (with grad), old_logp (behaviour policy), advantages, response_mask: [B, T].
@@ -63,9 +71,9 @@ def policy_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, response_mas
         if clip_c is set and A < 0:  L = min(L, -A * clip_c)    (dual-clip, clip_c > 1)
     then multiplied by `is_weights` [B, T] when given (detached per-token weights of the
     train–inference mismatch correction, `rollout_correction`) and aggregated with `agg`
-    (the normaliser stays the response mask's). Metrics: "pg_clipfrac" (tokens where the clipped term is
-    active), "pg_clipfrac_lower" (tokens where dual-clip is active), "ppo_kl" (mean of
-    old_logp - logp, the k1 estimate of KL(old || new)).
+    (the normaliser stays the response mask's). Metrics: "pg_clipfrac" (tokens where the
+    clipped term is active), "pg_clipfrac_lower" (tokens where dual-clip is active), "ppo_kl"
+    (mean of old_logp - logp, the k1 estimate of KL(old || new)).
     """
     mask = response_mask.to(torch.float32)
     log_ratio = (logp - old_logp).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
@@ -73,13 +81,16 @@ def policy_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, response_mas
     unclipped = -advantages * ratio
     clipped = -advantages * ratio.clamp(1.0 - clip_eps_low, 1.0 + clip_eps_high)
     loss = torch.maximum(unclipped, clipped)
-    metrics = {"pg_clipfrac": masked_mean((clipped > unclipped).float(), mask).detach(),
-               "ppo_kl": masked_mean(-log_ratio, mask).detach()}
+    metrics = {
+        "pg_clipfrac": masked_mean((clipped > unclipped).float(), mask).detach(),
+        "ppo_kl": masked_mean(-log_ratio, mask).detach(),
+    }
     if clip_c is not None:
         dual = -advantages * clip_c
         negative = advantages < 0
-        metrics["pg_clipfrac_lower"] = masked_mean(((loss > dual) & negative).float(),
-                                                   mask).detach()
+        metrics["pg_clipfrac_lower"] = masked_mean(
+            ((loss > dual) & negative).float(), mask
+        ).detach()
         loss = torch.where(negative, torch.minimum(loss, dual), loss)
     else:
         metrics["pg_clipfrac_lower"] = loss.new_zeros(())
@@ -88,8 +99,9 @@ def policy_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, response_mas
     return aggregate_loss(loss, mask, agg), metrics
 
 
-def entropy_bonus(entropy: Tensor, response_mask: Tensor, *, coeff: float,
-                  agg: LossAgg = "token-mean") -> tuple[Tensor, dict[str, Tensor]]:
+def entropy_bonus(
+    entropy: Tensor, response_mask: Tensor, *, coeff: float, agg: LossAgg = "token-mean"
+) -> tuple[Tensor, dict[str, Tensor]]:
     """Loss term -coeff * agg(entropy) (adding it to the loss rewards higher entropy).
 
     entropy, response_mask: [B, T]. Metric "entropy": token mean of the entropy.
@@ -98,9 +110,15 @@ def entropy_bonus(entropy: Tensor, response_mask: Tensor, *, coeff: float,
     return loss, {"entropy": masked_mean(entropy, response_mask).detach()}
 
 
-def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, response_mask: Tensor, *,
-               clip: float | None = 0.2,
-               agg: LossAgg = "token-mean") -> tuple[Tensor, dict[str, Tensor]]:
+def value_loss(
+    values: Tensor,
+    old_values: Tensor,
+    returns: Tensor,
+    response_mask: Tensor,
+    *,
+    clip: float | None = 0.2,
+    agg: LossAgg = "token-mean",
+) -> tuple[Tensor, dict[str, Tensor]]:
     """Clipped critic loss (PPO).
 
     values (with grad), old_values (at rollout), returns (GAE targets), response_mask: [B, T].
@@ -139,21 +157,35 @@ def kl_divergence(logp: Tensor, ref_logp: Tensor, estimator: KLEstimator) -> Ten
     raise ValueError(f"estimator={estimator!r}: allowed values: {', '.join(KL_ESTIMATORS)}")
 
 
-def kl_loss(logp: Tensor, ref_logp: Tensor, response_mask: Tensor, *, coeff: float,
-            estimator: KLEstimator = "k3",
-            agg: LossAgg = "token-mean") -> tuple[Tensor, dict[str, Tensor]]:
+def kl_loss(
+    logp: Tensor,
+    ref_logp: Tensor,
+    response_mask: Tensor,
+    *,
+    coeff: float,
+    estimator: KLEstimator = "k3",
+    agg: LossAgg = "token-mean",
+) -> tuple[Tensor, dict[str, Tensor]]:
     """KL to the reference policy as a loss term: coeff * agg(kl_divergence(logp, ref_logp)).
 
     logp (with grad), ref_logp, response_mask: [B, T]. Metric "kl": token mean of the estimate.
     """
     kl = kl_divergence(logp, ref_logp, estimator)
-    return (coeff * aggregate_loss(kl, response_mask, agg),
-            {"kl": masked_mean(kl, response_mask).detach()})
+    return (
+        coeff * aggregate_loss(kl, response_mask, agg),
+        {"kl": masked_mean(kl, response_mask).detach()},
+    )
 
 
-def kl_penalty_rewards(token_scores: Tensor, logp: Tensor, ref_logp: Tensor,
-                       response_mask: Tensor, *, coeff: float,
-                       estimator: KLEstimator = "k1") -> tuple[Tensor, dict[str, Tensor]]:
+def kl_penalty_rewards(
+    token_scores: Tensor,
+    logp: Tensor,
+    ref_logp: Tensor,
+    response_mask: Tensor,
+    *,
+    coeff: float,
+    estimator: KLEstimator = "k1",
+) -> tuple[Tensor, dict[str, Tensor]]:
     """KL to the reference folded into token rewards (PPO/RLHF, REINFORCE++ style).
 
     token_scores (e.g. `outcome_to_token_rewards`), logp (rollout / old policy), ref_logp,
@@ -169,7 +201,16 @@ def kl_penalty_rewards(token_scores: Tensor, logp: Tensor, ref_logp: Tensor,
 
 
 __all__ = [
-    "K3_CLAMP", "KLEstimator", "KL_ESTIMATORS", "LOSS_AGGS", "LossAgg", "aggregate_loss",
-    "entropy_bonus", "kl_divergence", "kl_loss", "kl_penalty_rewards", "policy_loss",
+    "K3_CLAMP",
+    "KLEstimator",
+    "KL_ESTIMATORS",
+    "LOSS_AGGS",
+    "LossAgg",
+    "aggregate_loss",
+    "entropy_bonus",
+    "kl_divergence",
+    "kl_loss",
+    "kl_penalty_rewards",
+    "policy_loss",
     "value_loss",
 ]

@@ -62,8 +62,9 @@ class RolloutCorrectionConfig:
         if self.low < 0:
             raise ConfigError("low", self.low, "must be >= 0")
         if not self.low < self.high:
-            raise ConfigError("high", self.high, f"must be > low={self.low} (MIS keeps ratios "
-                                                 "in [low, high])")
+            raise ConfigError(
+                "high", self.high, f"must be > low={self.low} (MIS keeps ratios in [low, high])"
+            )
 
 
 def _log_ratio(old_logp: Tensor, rollout_logp: Tensor, mask: Tensor) -> Tensor:
@@ -72,15 +73,23 @@ def _log_ratio(old_logp: Tensor, rollout_logp: Tensor, mask: Tensor) -> Tensor:
     return diff.clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
 
 
-def tis_weights(old_logp: Tensor, rollout_logp: Tensor, response_mask: Tensor, *,
-                clip: float) -> Tensor:
+def tis_weights(
+    old_logp: Tensor, rollout_logp: Tensor, response_mask: Tensor, *, clip: float
+) -> Tensor:
     """min(π_old / π_rollout, clip) per token, detached; 0 off the response. [B, T]."""
     mask = response_mask.float()
     return torch.exp(_log_ratio(old_logp, rollout_logp, mask)).clamp(max=clip) * mask
 
 
-def mis_mask(old_logp: Tensor, rollout_logp: Tensor, response_mask: Tensor, *, low: float,
-             high: float, level: str = "token") -> Tensor:
+def mis_mask(
+    old_logp: Tensor,
+    rollout_logp: Tensor,
+    response_mask: Tensor,
+    *,
+    low: float,
+    high: float,
+    level: str = "token",
+) -> Tensor:
     """1 where the ratio (per token, or of the token's whole response for the sequence
     levels) lies in [low, high], else 0; 0 off the response. [B, T]."""
     mask = response_mask.float()
@@ -97,8 +106,9 @@ def mis_mask(old_logp: Tensor, rollout_logp: Tensor, response_mask: Tensor, *, l
     return keep.expand_as(mask) * mask
 
 
-def correction_weights(cfg: RolloutCorrectionConfig, old_logp: Tensor, rollout_logp: Tensor,
-                       response_mask: Tensor) -> tuple[Tensor | None, dict[str, float]]:
+def correction_weights(
+    cfg: RolloutCorrectionConfig, old_logp: Tensor, rollout_logp: Tensor, response_mask: Tensor
+) -> tuple[Tensor | None, dict[str, float]]:
     """The per-token weights of the policy-gradient term (None: no weighting) and the step's
     mismatch metrics:
     mismatch/logprob_abs_diff  token mean of |old_logp - rollout_logp|
@@ -109,9 +119,12 @@ def correction_weights(cfg: RolloutCorrectionConfig, old_logp: Tensor, rollout_l
     """
     mask = response_mask.float()
     old, rollout = old_logp.detach().float(), rollout_logp.detach().float()
-    metrics = {"mismatch/logprob_abs_diff": float(masked_mean((old - rollout).abs(), mask)),
-               "mismatch/k3_kl": float(masked_mean(kl_divergence(rollout, old, "k3"), mask)),
-               "mismatch/clipped_frac": 0.0, "mismatch/masked_frac": 0.0}
+    metrics = {
+        "mismatch/logprob_abs_diff": float(masked_mean((old - rollout).abs(), mask)),
+        "mismatch/k3_kl": float(masked_mean(kl_divergence(rollout, old, "k3"), mask)),
+        "mismatch/clipped_frac": 0.0,
+        "mismatch/masked_frac": 0.0,
+    }
     weights = None
     if cfg.mode == "tis":
         weights = tis_weights(old, rollout, mask, clip=cfg.clip)
@@ -120,10 +133,17 @@ def correction_weights(cfg: RolloutCorrectionConfig, old_logp: Tensor, rollout_l
     elif cfg.mode == "mis":
         weights = mis_mask(old, rollout, mask, low=cfg.low, high=cfg.high, level=cfg.level)
         metrics["mismatch/masked_frac"] = float(masked_mean(1.0 - weights, mask))
-    metrics["mismatch/is_weight_mean"] = (1.0 if weights is None
-                                          else float(masked_mean(weights, mask)))
+    metrics["mismatch/is_weight_mean"] = (
+        1.0 if weights is None else float(masked_mean(weights, mask))
+    )
     return weights, metrics
 
 
-__all__ = ["CORRECTION_MODES", "MIS_LEVELS", "RolloutCorrectionConfig", "correction_weights",
-           "mis_mask", "tis_weights"]
+__all__ = [
+    "CORRECTION_MODES",
+    "MIS_LEVELS",
+    "RolloutCorrectionConfig",
+    "correction_weights",
+    "mis_mask",
+    "tis_weights",
+]

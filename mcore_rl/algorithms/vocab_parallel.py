@@ -47,8 +47,9 @@ class _VocabParallelLogProbEntropy(torch.autograd.Function):
     """forward(logits_shard [..., V/tp], target [...], tp_group) -> (logp [...], entropy [...])."""
 
     @staticmethod
-    def forward(ctx, logits: Tensor, target: Tensor,
-                tp_group: dist.ProcessGroup) -> tuple[Tensor, Tensor]:
+    def forward(
+        ctx, logits: Tensor, target: Tensor, tp_group: dist.ProcessGroup
+    ) -> tuple[Tensor, Tensor]:
         shard = logits.shape[-1]
         start = dist.get_rank(tp_group) * shard
         z_max = logits.max(dim=-1).values.float()
@@ -66,9 +67,13 @@ class _VocabParallelLogProbEntropy(torch.autograd.Function):
         owned = (local_target >= 0) & (local_target < shard)
         local_target = torch.where(owned, local_target, torch.zeros_like(local_target))
         target_logit = shifted.gather(-1, local_target.unsqueeze(-1)).squeeze(-1)
-        sums = torch.stack([exp.sum(-1),
-                            torch.where(owned, target_logit, torch.zeros_like(target_logit)),
-                            (exp.unsqueeze(-2) @ shifted.unsqueeze(-1)).squeeze(-1).squeeze(-1)])
+        sums = torch.stack(
+            [
+                exp.sum(-1),
+                torch.where(owned, target_logit, torch.zeros_like(target_logit)),
+                (exp.unsqueeze(-2) @ shifted.unsqueeze(-1)).squeeze(-1).squeeze(-1),
+            ]
+        )
         dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=tp_group)
         sum_exp, target_logit, sum_exp_logit = sums.unbind(0)
 
@@ -89,8 +94,9 @@ class _VocabParallelLogProbEntropy(torch.autograd.Function):
             grad += probs * (mean_logit.unsqueeze(-1) - shifted) * grad_entropy.unsqueeze(-1)
         if grad_logp is not None:
             grad -= probs * grad_logp.unsqueeze(-1)
-            grad.scatter_add_(-1, local_target.unsqueeze(-1),
-                              (grad_logp * owned.to(grad.dtype)).unsqueeze(-1))
+            grad.scatter_add_(
+                -1, local_target.unsqueeze(-1), (grad_logp * owned.to(grad.dtype)).unsqueeze(-1)
+            )
         return grad.to(ctx.input_dtype), None, None
 
 
@@ -110,13 +116,20 @@ class _ChunkedLogProbEntropy(torch.autograd.Function):
     the vocabulary) never read."""
 
     @staticmethod
-    def forward(ctx, logits: Tensor, target: Tensor, real: int, start: int,
-                tp_group: dist.ProcessGroup | None, chunk: int) -> tuple[Tensor, Tensor]:
+    def forward(
+        ctx,
+        logits: Tensor,
+        target: Tensor,
+        real: int,
+        start: int,
+        tp_group: dist.ProcessGroup | None,
+        chunk: int,
+    ) -> tuple[Tensor, Tensor]:
         n, device = logits.shape[0], logits.device
         z_max = torch.full((n,), float("-inf"), dtype=torch.float32, device=device)
         for i in range(0, n, chunk):
             if real:
-                z_max[i:i + chunk] = logits[i:i + chunk, :real].amax(-1).float()
+                z_max[i : i + chunk] = logits[i : i + chunk, :real].amax(-1).float()
         if tp_group is not None:
             dist.all_reduce(z_max, op=dist.ReduceOp.MAX, group=tp_group)
         local = target - start
@@ -127,12 +140,12 @@ class _ChunkedLogProbEntropy(torch.autograd.Function):
             if not real:
                 break
             # one new fp32 buffer whatever the logits' dtype (type promotion): never in place
-            shifted = logits[i:i + chunk, :real] - z_max[i:i + chunk, None]
+            shifted = logits[i : i + chunk, :real] - z_max[i : i + chunk, None]
             exp = torch.exp(shifted)
-            sums[0, i:i + chunk] = exp.sum(-1)
-            sums[1, i:i + chunk] = shifted.gather(-1, local[i:i + chunk, None]).squeeze(-1)
+            sums[0, i : i + chunk] = exp.sum(-1)
+            sums[1, i : i + chunk] = shifted.gather(-1, local[i : i + chunk, None]).squeeze(-1)
             # Σ exp·shifted as a dot product: no third buffer of the chunk's size
-            sums[2, i:i + chunk] = (exp.unsqueeze(-2) @ shifted.unsqueeze(-1)).view(-1)
+            sums[2, i : i + chunk] = (exp.unsqueeze(-2) @ shifted.unsqueeze(-1)).view(-1)
             del shifted, exp
         sums[1] = torch.where(owned, sums[1], torch.zeros_like(sums[1]))
         if tp_group is not None:
@@ -166,19 +179,26 @@ class _ChunkedLogProbEntropy(torch.autograd.Function):
             coeff = shifted.mul_(slope[rows, None]).add_(offset[rows, None])
             out = grad[rows, :real]
             # fp32 logits: straight into the gradient; others: in fp32, then rounded once
-            part = torch.mul(probs, coeff, out=out) if out.dtype == probs.dtype else \
-                probs.mul_(coeff)
-            part.scatter_add_(-1, local[rows, None],
-                              (g_logp[rows] * owned[rows].to(g_logp.dtype))[:, None])
+            part = (
+                torch.mul(probs, coeff, out=out) if out.dtype == probs.dtype else probs.mul_(coeff)
+            )
+            part.scatter_add_(
+                -1, local[rows, None], (g_logp[rows] * owned[rows].to(g_logp.dtype))[:, None]
+            )
             if part is not out:
                 out.copy_(part)
             del shifted, probs, coeff, part
         return grad, None, None, None, None, None
 
 
-def chunked_log_probs_and_entropy(logits: Tensor, target: Tensor, *, vocab: int,
-                                  tp_group: dist.ProcessGroup | None,
-                                  chunk_tokens: int | None = None) -> tuple[Tensor, Tensor]:
+def chunked_log_probs_and_entropy(
+    logits: Tensor,
+    target: Tensor,
+    *,
+    vocab: int,
+    tp_group: dist.ProcessGroup | None,
+    chunk_tokens: int | None = None,
+) -> tuple[Tensor, Tensor]:
     """Log p(target) and entropy of the full softmax from this TP rank's vocabulary slice,
     never more than one chunk of [tokens, V/tp] in fp32 — forward or backward — where the
     unchunked path holds several of the whole [tokens, V/tp] (the fp32 copy, exp, and
@@ -199,14 +219,15 @@ def chunked_log_probs_and_entropy(logits: Tensor, target: Tensor, *, vocab: int,
     real = max(0, min(shard, vocab - start))
     chunk = chunk_tokens or chunk_tokens_for(shard)
     lead = target.shape
-    logp, entropy = _ChunkedLogProbEntropy.apply(logits.reshape(-1, shard), target.reshape(-1),
-                                                 real, start, tp_group, chunk)
+    logp, entropy = _ChunkedLogProbEntropy.apply(
+        logits.reshape(-1, shard), target.reshape(-1), real, start, tp_group, chunk
+    )
     return logp.view(lead), entropy.view(lead)
 
 
 def vocab_parallel_log_probs_and_entropy(
-        logits: Tensor, target: Tensor, *,
-        tp_group: dist.ProcessGroup | None) -> tuple[Tensor, Tensor]:
+    logits: Tensor, target: Tensor, *, tp_group: dist.ProcessGroup | None
+) -> tuple[Tensor, Tensor]:
     """Log p(target) and entropy of the full softmax from a TP rank's vocab slice.
 
     logits: [..., V/tp] this rank's contiguous vocab slice (group rank r: ids
@@ -222,5 +243,10 @@ def vocab_parallel_log_probs_and_entropy(
     return _VocabParallelLogProbEntropy.apply(logits, target, tp_group)
 
 
-__all__ = ["CHUNK_BYTES", "chunk_tokens_for", "chunked_log_probs_and_entropy",
-           "log_probs_and_entropy", "vocab_parallel_log_probs_and_entropy"]
+__all__ = [
+    "CHUNK_BYTES",
+    "chunk_tokens_for",
+    "chunked_log_probs_and_entropy",
+    "log_probs_and_entropy",
+    "vocab_parallel_log_probs_and_entropy",
+]

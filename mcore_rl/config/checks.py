@@ -25,8 +25,15 @@ from typing import Any
 from mcore_rl.config.loader import ConfigError
 
 
-def _check(cfg: Any, names: tuple[str, ...], ok: Callable[[Any], bool], problem: str,
-           optional: bool, note: str, text: str | None) -> None:
+def _check(
+    cfg: Any,
+    names: tuple[str, ...],
+    ok: Callable[[Any], bool],
+    problem: str,
+    optional: bool,
+    note: str,
+    text: str | None,
+) -> None:
     if text is not None:
         problem = text
     if note:
@@ -47,23 +54,43 @@ def _bound(cfg: Any, bound: float | str) -> tuple[float, str]:
     return bound, str(bound)
 
 
-def require_at_least(cfg: Any, low: float | str, *names: str, optional: bool = False,
-                     note: str = "", problem: str | None = None) -> None:
+def require_at_least(
+    cfg: Any,
+    low: float | str,
+    *names: str,
+    optional: bool = False,
+    note: str = "",
+    problem: str | None = None,
+) -> None:
     """Each named field is >= `low`, else ConfigError(name, value, "must be >= low")."""
     low, shown = _bound(cfg, low)
     _check(cfg, names, lambda v: v >= low, f"must be >= {shown}", optional, note, problem)
 
 
-def require_above(cfg: Any, low: float | str, *names: str, optional: bool = False,
-                  note: str = "", problem: str | None = None) -> None:
+def require_above(
+    cfg: Any,
+    low: float | str,
+    *names: str,
+    optional: bool = False,
+    note: str = "",
+    problem: str | None = None,
+) -> None:
     """Each named field is > `low`, else ConfigError(name, value, "must be > low")."""
     low, shown = _bound(cfg, low)
     _check(cfg, names, lambda v: v > low, f"must be > {shown}", optional, note, problem)
 
 
-def require_in_range(cfg: Any, low: float | str, high: float | str, *names: str,
-                     low_open: bool = False, high_open: bool = False, optional: bool = False,
-                     note: str = "", problem: str | None = None) -> None:
+def require_in_range(
+    cfg: Any,
+    low: float | str,
+    high: float | str,
+    *names: str,
+    low_open: bool = False,
+    high_open: bool = False,
+    optional: bool = False,
+    note: str = "",
+    problem: str | None = None,
+) -> None:
     """Each named field is within [low, high] (an open end excludes its bound), else
     ConfigError(name, value, "must be in [low, high]") with `(` / `)` for an open end."""
     (low, low_shown), (high, high_shown) = _bound(cfg, low), _bound(cfg, high)
@@ -75,13 +102,27 @@ def require_in_range(cfg: Any, low: float | str, high: float | str, *names: str,
     _check(cfg, names, ok, f"must be in {interval}", optional, note, problem)
 
 
-def require_one_of(cfg: Any, name: str, allowed: Iterable[Any], *, optional: bool = False,
-                   note: str = "", problem: str | None = None) -> None:
+def require_one_of(
+    cfg: Any,
+    name: str,
+    allowed: Iterable[Any],
+    *,
+    optional: bool = False,
+    note: str = "",
+    problem: str | None = None,
+) -> None:
     """The named field is one of `allowed`, else ConfigError(name, value, "allowed values:
     a, b, c")."""
     allowed = tuple(allowed)
-    _check(cfg, (name,), lambda v: v in allowed,
-           f"allowed values: {', '.join(map(str, allowed))}", optional, note, problem)
+    _check(
+        cfg,
+        (name,),
+        lambda v: v in allowed,
+        f"allowed values: {', '.join(map(str, allowed))}",
+        optional,
+        note,
+        problem,
+    )
 
 
 __all__ = ["require_above", "require_at_least", "require_in_range", "require_one_of"]

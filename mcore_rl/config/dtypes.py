@@ -20,8 +20,7 @@ ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
-def dtype_name(value: object, field: str,
-               allowed: tuple[str, ...] = CANONICAL) -> str:
+def dtype_name(value: object, field: str, allowed: tuple[str, ...] = CANONICAL) -> str:
     """The canonical name of `value` (a name or short spelling), or a ConfigError naming
     `field` when it is not one of `allowed` (canonical names)."""
     name = ALIASES.get(value, value) if isinstance(value, str) else value
@@ -42,13 +41,22 @@ def dtype_bytes(name: str) -> int:
     return BYTES[dtype_name(name, "dtype")]
 
 
-def normalize_dtype_fields(config: object, *fields: str,
-                           allowed: tuple[str, ...] = CANONICAL) -> None:
+def normalize_dtype_fields(
+    config: object, *fields: str, allowed: tuple[str, ...] = CANONICAL
+) -> None:
     """In a frozen dataclass's `__post_init__`: replace each named field's value with its
     canonical name (ConfigError naming the field otherwise)."""
     for field in fields:
         object.__setattr__(config, field, dtype_name(getattr(config, field), field, allowed))
 
 
-__all__ = ["ALIASES", "BYTES", "CANONICAL", "DtypeName", "dtype_bytes", "dtype_name",
-           "normalize_dtype_fields", "torch_dtype"]
+__all__ = [
+    "ALIASES",
+    "BYTES",
+    "CANONICAL",
+    "DtypeName",
+    "dtype_bytes",
+    "dtype_name",
+    "normalize_dtype_fields",
+    "torch_dtype",
+]

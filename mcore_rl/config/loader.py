@@ -24,7 +24,7 @@ import os
 import types
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any, Literal, TypeVar, Union, get_args, get_origin, get_type_hints
+from typing import Any, Literal, TypeVar, Union, cast, get_args, get_origin, get_type_hints
 
 import yaml
 
@@ -42,9 +42,10 @@ class ConfigError(ValueError):
         self.field, self.value, self.problem = field, value, problem
         super().__init__(f"{field}={value!r}: {problem}")
 
-    def under(self, prefix: str) -> "ConfigError":
-        return ConfigError(f"{prefix}.{self.field}" if prefix else self.field, self.value,
-                           self.problem)
+    def under(self, prefix: str) -> ConfigError:
+        return ConfigError(
+            f"{prefix}.{self.field}" if prefix else self.field, self.value, self.problem
+        )
 
 
 class ConfigErrors(ConfigError):
@@ -63,7 +64,7 @@ class ConfigErrors(ConfigError):
     def __str__(self) -> str:
         return self.args[0]
 
-    def under(self, prefix: str) -> "ConfigErrors":
+    def under(self, prefix: str) -> ConfigErrors:
         return ConfigErrors(err.under(prefix) for err in self.errors)
 
 
@@ -91,8 +92,9 @@ class ConfigFileError(ConfigError):
     """The config file cannot be read as a YAML mapping; the message is one line,
     `file:line:col: problem` (`file: problem` when there is no position)."""
 
-    def __init__(self, path: str | Path, problem: str, line: int | None = None,
-                 col: int | None = None):
+    def __init__(
+        self, path: str | Path, problem: str, line: int | None = None, col: int | None = None
+    ):
         super().__init__("config", str(path), problem)
         self.path, self.line, self.col = str(path), line, col
         where = f"{path}:{line}:{col}" if line is not None else str(path)
@@ -111,14 +113,15 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
     try:
         loaded = yaml.safe_load(path.read_text(encoding="utf-8"))
     except UnicodeDecodeError as err:
-        raise ConfigFileError(path, f"not UTF-8 text ({err.reason} at byte {err.start})"
-                              ) from None
+        raise ConfigFileError(path, f"not UTF-8 text ({err.reason} at byte {err.start})") from None
     except yaml.MarkedYAMLError as err:
         mark = err.problem_mark or err.context_mark
         problem = err.problem or err.context or "not valid YAML"
         if err.context and err.problem and err.context_mark is not None:
-            problem += (f" ({err.context} at line {err.context_mark.line + 1}, column "
-                        f"{err.context_mark.column + 1})")
+            problem += (
+                f" ({err.context} at line {err.context_mark.line + 1}, column "
+                f"{err.context_mark.column + 1})"
+            )
         if mark is None:
             raise ConfigFileError(path, problem) from None
         raise ConfigFileError(path, problem, mark.line + 1, mark.column + 1) from None
@@ -127,8 +130,7 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
     if loaded is None:
         return {}
     if not isinstance(loaded, dict):
-        raise ConfigFileError(path, f"top level must be a mapping, not a "
-                                    f"{type(loaded).__name__}")
+        raise ConfigFileError(path, f"top level must be a mapping, not a {type(loaded).__name__}")
     return loaded
 
 
@@ -159,25 +161,31 @@ def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def load_config(cls: type[T], path: str | Path | None = None,
-                overrides: list[str] | None = None) -> T:
+def load_config(
+    cls: type[T], path: str | Path | None = None, overrides: list[str] | None = None
+) -> T:
     """Read YAML at `path` (optional), apply overrides, build and validate `cls`. Raises the
     first ConfigError (`check_config` returns them all)."""
     cfg, errors = check_config(cls, path, overrides)
     if errors:
         raise errors[0]
+    assert cfg is not None  # built: no errors
     return cfg
 
 
-def check_config(cls: type[T], path: str | Path | None = None,
-                 overrides: list[str] | None = None) -> tuple[T | None, list[ConfigError]]:
+def check_config(
+    cls: type[T], path: str | Path | None = None, overrides: list[str] | None = None
+) -> tuple[T | None, list[ConfigError]]:
     """`load_config`, returning every problem found instead of raising the first: (the
     config, []) or (None, errors). Raises ConfigFileError when the file cannot be read and
     ConfigError for a malformed override (nothing to check then). A field that names a file
     relative to its config (`config.paths`) is made absolute: against the YAML file's
     directory, or the working directory for an override."""
-    data = {} if path is None else resolve_relative(cls, read_config_file(path),
-                                                    Path(path).resolve().parent)
+    data = (
+        {}
+        if path is None
+        else resolve_relative(cls, read_config_file(path), Path(path).resolve().parent)
+    )
     extra = resolve_relative(cls, parse_overrides(overrides or []), Path.cwd())
     return collect(cls, _merge(data, extra))
 
@@ -188,6 +196,7 @@ def from_dict(cls: type[T], data: Any, prefix: str = "") -> T:
     cfg, errors = collect(cls, data, prefix)
     if errors:
         raise errors[0]
+    assert cfg is not None  # built: no errors
     return cfg
 
 
@@ -199,15 +208,24 @@ def collect(cls: type[T], data: Any, prefix: str = "") -> tuple[T | None, list[C
     if not isinstance(data, dict):
         return None, [ConfigError(prefix or cls.__name__, data, "expected a mapping")]
     hints = get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    fields = {f.name: f for f in dataclasses.fields(cast(Any, cls)) if f.init}
     unknown = sorted(set(data) - set(fields))
     moved = getattr(cls, "MOVED", {})
-    errors = [ConfigError(_join(prefix, name), data[name], f"this key moved: {moved[name]}")
-              for name in unknown if name in moved]
-    errors += [ConfigError(_join(prefix, name), data[name],
-                           f"unknown field{_did_you_mean(name, fields, prefix)}; allowed: "
-                           f"{', '.join(sorted(fields))}")
-               for name in unknown if name not in moved]
+    errors = [
+        ConfigError(_join(prefix, name), data[name], f"this key moved: {moved[name]}")
+        for name in unknown
+        if name in moved
+    ]
+    errors += [
+        ConfigError(
+            _join(prefix, name),
+            data[name],
+            f"unknown field{_did_you_mean(name, fields, prefix)}; allowed: "
+            f"{', '.join(sorted(fields))}",
+        )
+        for name in unknown
+        if name not in moved
+    ]
     kwargs = {}
     for name, value in data.items():
         if name not in fields:
@@ -232,12 +250,14 @@ def collect(cls: type[T], data: Any, prefix: str = "") -> tuple[T | None, list[C
 
 
 def _did_you_mean(name: str, known: Iterable[str], prefix: str) -> str:
-    """" (did you mean a.b?)" naming the known keys of that level closest to `name`
+    """ " (did you mean a.b?)" naming the known keys of that level closest to `name`
     (difflib's ratio >= 0.6, at most 3, the closest first), or "" when none is close."""
     import difflib
 
-    close = [_join(prefix, key) for key in
-             difflib.get_close_matches(str(name), list(known), n=3, cutoff=0.6)]
+    close = [
+        _join(prefix, key)
+        for key in difflib.get_close_matches(str(name), list(known), n=3, cutoff=0.6)
+    ]
     if not close:
         return ""
     keys = close[0] if len(close) == 1 else f"{', '.join(close[:-1])} or {close[-1]}"
@@ -260,7 +280,7 @@ def _join(prefix: str, name: str) -> str:
 
 def _coerce(tp: Any, value: Any, path: str) -> Any:
     origin = get_origin(tp)
-    if dataclasses.is_dataclass(tp):
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
         return from_dict(tp, value, path)
     if origin in (Union, types.UnionType):
         options = get_args(tp)
@@ -346,6 +366,19 @@ def _float_or_none(text: str) -> float | None:
         return None
 
 
-__all__ = ["CONFIG_ERROR_EXIT", "ConfigError", "ConfigErrors", "ConfigFileError", "check_config",
-           "collect", "from_dict", "load_config", "parse_overrides", "raise_errors",
-           "read_config_file", "run_checks", "to_dict", "write_config"]
+__all__ = [
+    "CONFIG_ERROR_EXIT",
+    "ConfigError",
+    "ConfigErrors",
+    "ConfigFileError",
+    "check_config",
+    "collect",
+    "from_dict",
+    "load_config",
+    "parse_overrides",
+    "raise_errors",
+    "read_config_file",
+    "run_checks",
+    "to_dict",
+    "write_config",
+]

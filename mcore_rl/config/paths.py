@@ -24,7 +24,7 @@ def relative_to_config(resolve: Callable[[str, Path], str]) -> dict:
 
 
 def code_ref(value: str, base: Path) -> str:
-    """"path/to/file.py:function" relative → "<base>/path/to/file.py:function" (absolute,
+    """ "path/to/file.py:function" relative → "<base>/path/to/file.py:function" (absolute,
     normalized); "package.module:function" and absolute paths are left as they are."""
     module, sep, name = value.rpartition(":")
     if not sep or not (module.endswith(".py") or "/" in module):

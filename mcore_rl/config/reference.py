@@ -23,7 +23,8 @@ from typing import Any
 # then a colon. It starts a line (after an optional `- ` bullet) or follows a sentence's end.
 _ENTRY = re.compile(
     r"(?:(?<=^)|(?<=\n)|(?<=\n- )|(?<=^- )|(?<=\. )|(?<=\.  ))"
-    r"(?P<names>[a-z_][a-z0-9_]*(?:\s*/\s*[a-z_][a-z0-9_]*)*)(?: null| set)?:(?=\s)")
+    r"(?P<names>[a-z_][a-z0-9_]*(?:\s*/\s*[a-z_][a-z0-9_]*)*)(?: null| set)?:(?=\s)"
+)
 
 HEADER = """# Config reference
 
@@ -41,12 +42,15 @@ def field_docs(cls: type) -> dict[str, str]:
     none)."""
     doc = inspect.cleandoc(cls.__doc__ or "")
     names = {f.name for f in dataclasses.fields(cls)}
-    entries = [m for m in _ENTRY.finditer(doc)
-               if any(n.strip() in names for n in m.group("names").split("/"))]
+    entries = [
+        m
+        for m in _ENTRY.finditer(doc)
+        if any(n.strip() in names for n in m.group("names").split("/"))
+    ]
     out: dict[str, str] = {}
     for i, m in enumerate(entries):
         end = entries[i + 1].start() if i + 1 < len(entries) else len(doc)
-        text = doc[m.end():end]
+        text = doc[m.end() : end]
         text = re.split(r"\n\n|\n(?=[A-Z])", text)[0]  # a blank line or a new paragraph
         text = " ".join(text.split()).removesuffix(" -").strip()
         for name in (n.strip() for n in m.group("names").split("/")):

@@ -28,8 +28,16 @@ import hashlib
 from typing import Literal
 
 Stream = Literal["data", "heldout", "warmup", "sample", "eval", "model", "train", "engine"]
-STREAMS: tuple[str, ...] = ("data", "heldout", "warmup", "sample", "eval", "model", "train",
-                            "engine")
+STREAMS: tuple[str, ...] = (
+    "data",
+    "heldout",
+    "warmup",
+    "sample",
+    "eval",
+    "model",
+    "train",
+    "engine",
+)
 
 # numpy's legacy seeding (vLLM's engine seed, megatron's) takes seeds below 2**32: streams are
 # 31-bit. Per-sample seeds go to torch generators alone and take 63 bits, so that the millions
@@ -61,8 +69,18 @@ def sample_seed(call_seed: int, prompt: int, sample: int) -> int:
 
 
 #: what a removed per-component seed field says in its ConfigError (`MOVED` of its class)
-USE_THE_RUN_SEED = "set the top-level seed; this stream is derive_seed(seed, {stream!r}) " \
-                   "(mcore_rl/config/seeds.py)"
+USE_THE_RUN_SEED = (
+    "set the top-level seed; this stream is derive_seed(seed, {stream!r}) "
+    "(mcore_rl/config/seeds.py)"
+)
 
-__all__ = ["SAMPLE_BITS", "STREAMS", "STREAM_BITS", "Stream", "USE_THE_RUN_SEED", "derive_seed",
-           "mix", "sample_seed"]
+__all__ = [
+    "SAMPLE_BITS",
+    "STREAMS",
+    "STREAM_BITS",
+    "Stream",
+    "USE_THE_RUN_SEED",
+    "derive_seed",
+    "mix",
+    "sample_seed",
+]

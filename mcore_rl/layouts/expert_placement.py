@@ -26,8 +26,10 @@ from __future__ import annotations
 def vllm_local_experts(num_experts: int, ep_size: int, ep_rank: int) -> range:
     """Global experts (in local order) that vLLM's EP rank `ep_rank` of `ep_size` holds."""
     if num_experts < 1 or ep_size < 1 or not 0 <= ep_rank < ep_size:
-        raise ValueError(f"num_experts={num_experts}, ep_size={ep_size}, ep_rank={ep_rank}: "
-                         "need num_experts >= 1, ep_size >= 1, 0 <= ep_rank < ep_size")
+        raise ValueError(
+            f"num_experts={num_experts}, ep_size={ep_size}, ep_rank={ep_rank}: "
+            "need num_experts >= 1, ep_size >= 1, 0 <= ep_rank < ep_size"
+        )
     base, extra = divmod(num_experts, ep_size)
     start = ep_rank * base + min(ep_rank, extra)
     return range(start, start + base + (1 if ep_rank < extra else 0))

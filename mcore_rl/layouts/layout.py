@@ -21,8 +21,9 @@ from mcore_rl.models.spec import LayerSpec, check_layer_spec, grouped_expert_gem
 Box = tuple[tuple[int, int], ...]
 
 # Symbolic dimension names used in HF shapes; sizes come from ModelSpec (see shards.dim_size).
-Dim = Literal["hidden", "ffn", "vocab", "heads", "kv_heads", "labels", "head_dim", "experts",
-              "expert_ffn"]
+Dim = Literal[
+    "hidden", "ffn", "vocab", "heads", "kv_heads", "labels", "head_dim", "experts", "expert_ffn"
+]
 
 
 @dataclass(frozen=True)
@@ -160,7 +161,7 @@ def box_slices(box: Box) -> tuple[slice, ...]:
 
 
 def intersect(a: Box, b: Box) -> Box | None:
-    out = tuple((max(a0, b0), min(a1, b1)) for (a0, a1), (b0, b1) in zip(a, b))
+    out = tuple((max(a0, b0), min(a1, b1)) for (a0, a1), (b0, b1) in zip(a, b, strict=True))
     return out if all(start < stop for start, stop in out) else None
 
 
@@ -168,5 +169,7 @@ def translate(inner: Box, frm: Box, to: Box) -> Box:
     """The box in `to`'s coordinates that corresponds to `inner` (a sub-box of `frm`). Leading
     dims `to` has beyond `frm` (a stacked expert's slot) are kept as they are."""
     lead = len(to) - len(frm)
-    return tuple(to[:lead]) + tuple((t0 + i0 - f0, t0 + i1 - f0) for (i0, i1), (f0, _), (t0, _)
-                                    in zip(inner, frm, to[lead:]))
+    pairs = zip(inner, frm, to[lead:], strict=True)
+    return tuple(to[:lead]) + tuple(
+        (t0 + i0 - f0, t0 + i1 - f0) for (i0, i1), (f0, _), (t0, _) in pairs
+    )

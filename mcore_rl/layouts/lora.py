@@ -16,7 +16,7 @@ A (ΔW_q = B_q·A), as PEFT states a fused adapter.
 
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 from mcore_rl.layouts.layout import LocalTensor, Piece, ShardMap
 
@@ -30,8 +30,11 @@ def adapted_weights(smap: ShardMap, targets: Iterable[str]) -> list[str]:
     top-level module's, prefixed only by a VPP chunk's `model<v>.`."""
     names = tuple(f"{t}.weight" for t in targets)
     keys = {k for tensors in smap.ranks.values() for k in tensors}
-    return sorted(k for k in keys if ".experts." not in k
-                  and any(k == n or k.endswith(f".{n}") for n in names))
+    return sorted(
+        k
+        for k in keys
+        if ".experts." not in k and any(k == n or k.endswith(f".{n}") for n in names)
+    )
 
 
 def hf_lora_name(hf_weight: str, which: str) -> str:
@@ -54,8 +57,9 @@ def lora_shards(smap: ShardMap, rank: int, targets: Iterable[str]) -> ShardMap:
     return out
 
 
-def _adapter_tensors(key: str, weight: LocalTensor, rank: int, smap: ShardMap,
-                     hf_shapes: dict[str, tuple[int, ...]]) -> dict[str, LocalTensor]:
+def _adapter_tensors(
+    key: str, weight: LocalTensor, rank: int, smap: ShardMap, hf_shapes: dict[str, tuple[int, ...]]
+) -> dict[str, LocalTensor]:
     module = key.removesuffix(".weight")
     out_local, in_local = weight.shape
     a_pieces: dict[Piece, None] = {}  # ordered, de-duplicated (fused parts repeat A's box)
@@ -68,8 +72,10 @@ def _adapter_tensors(key: str, weight: LocalTensor, rank: int, smap: ShardMap,
         a_pieces[Piece(((0, rank), cols), a_name, ((0, rank), hf_cols))] = None
         b_pieces[Piece((rows, (0, rank)), b_name, (hf_rows, (0, rank)))] = None
     a_key, b_key = f"{module}.{ADAPTER_PARAMS['A']}", f"{module}.{ADAPTER_PARAMS['B']}"
-    return {a_key: LocalTensor(a_key, (rank, in_local), tuple(a_pieces)),
-            b_key: LocalTensor(b_key, (out_local, rank), tuple(b_pieces))}
+    return {
+        a_key: LocalTensor(a_key, (rank, in_local), tuple(a_pieces)),
+        b_key: LocalTensor(b_key, (out_local, rank), tuple(b_pieces)),
+    }
 
 
 def whole_adapters(adapters: ShardMap, ranks: int) -> ShardMap:
@@ -78,9 +84,10 @@ def whole_adapters(adapters: ShardMap, ranks: int) -> ShardMap:
     rank's slice when the adapter is activated)."""
     out = ShardMap("vllm", adapters.family, dict(adapters.hf_shapes))
     for r in range(ranks):
-        out.ranks[r] = {name: LocalTensor(name, shape, (Piece(_whole(shape), name,
-                                                              _whole(shape)),))
-                        for name, shape in sorted(adapters.hf_shapes.items())}
+        out.ranks[r] = {
+            name: LocalTensor(name, shape, (Piece(_whole(shape), name, _whole(shape)),))
+            for name, shape in sorted(adapters.hf_shapes.items())
+        }
     return out
 
 
@@ -88,5 +95,4 @@ def _whole(shape: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
     return tuple((0, n) for n in shape)
 
 
-__all__ = ["ADAPTER_PARAMS", "adapted_weights", "hf_lora_name", "lora_shards",
-           "whole_adapters"]
+__all__ = ["ADAPTER_PARAMS", "adapted_weights", "hf_lora_name", "lora_shards", "whole_adapters"]

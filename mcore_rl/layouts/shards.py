@@ -19,19 +19,20 @@ counts allowed), stacked in local order; every other tensor as with TP.
 
 from __future__ import annotations
 
-from typing import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 import torch
 
+from mcore_rl.config import ConfigError
 from mcore_rl.layouts.expert_placement import vllm_local_experts
 from mcore_rl.layouts.families import family_table
-from mcore_rl.models.spec import LayerSpec, check_layer_spec
 from mcore_rl.layouts.layout import LocalTensor, Piece, Row, ShardMap, Side, box_slices
-from mcore_rl.config import ConfigError
-from mcore_rl.models.spec import ModelSpec
+from mcore_rl.models.spec import LayerSpec, ModelSpec, check_layer_spec
 from mcore_rl.parallel.config import ParallelConfig
 
-VLLM_VOCAB_PADDING = 64  # vllm.model_executor.layers.vocab_parallel_embedding.DEFAULT_VOCAB_PADDING_SIZE
+VLLM_VOCAB_PADDING = (
+    64  # vllm.model_executor.layers.vocab_parallel_embedding.DEFAULT_VOCAB_PADDING_SIZE
+)
 
 
 class LayoutError(ValueError):
@@ -40,17 +41,24 @@ class LayoutError(ValueError):
 
 def dim_size(spec: ModelSpec, dim: str) -> tuple[int, int]:
     """(number of units, elements per unit) of a symbolic dim. Heads split whole."""
-    return {"hidden": (spec.hidden, 1), "ffn": (spec.ffn, 1), "vocab": (spec.vocab, 1),
-            "heads": (spec.heads, spec.head_dim),
-            "kv_heads": (spec.kv_heads, spec.head_dim),
-            "labels": (spec.num_labels or 0, 1),
-            "head_dim": (spec.head_dim, 1), "experts": (spec.num_experts or 0, 1),
-            "expert_ffn": (spec.moe_ffn or 0, 1)}[dim]
+    return {
+        "hidden": (spec.hidden, 1),
+        "ffn": (spec.ffn, 1),
+        "vocab": (spec.vocab, 1),
+        "heads": (spec.heads, spec.head_dim),
+        "kv_heads": (spec.kv_heads, spec.head_dim),
+        "labels": (spec.num_labels or 0, 1),
+        "head_dim": (spec.head_dim, 1),
+        "experts": (spec.num_experts or 0, 1),
+        "expert_ffn": (spec.moe_ffn or 0, 1),
+    }[dim]
 
 
 def conditions(spec: ModelSpec, pp: int = 1) -> set[str]:
-    out = {"tied" if spec.tied_embeddings else "untied",
-           "lm_head" if spec.num_labels is None else "score_head"}
+    out = {
+        "tied" if spec.tied_embeddings else "untied",
+        "lm_head" if spec.num_labels is None else "score_head",
+    }
     if spec.qkv_bias:
         out.add("qkv_bias")
     if spec.qk_norm:
@@ -91,12 +99,15 @@ def _unit_range(n: int, tp: int, rank: int, side: Side, what: str) -> tuple[int,
     if side.replicate_short and n < tp and tp % n == 0:
         unit = rank // (tp // n)
         return unit, unit + 1
-    raise LayoutError(f"{what}: {n} units are not divisible by TP={tp}"
-                      + ("" if side.replicate_short else " (this side cannot replicate them)"))
+    raise LayoutError(
+        f"{what}: {n} units are not divisible by TP={tp}"
+        + ("" if side.replicate_short else " (this side cannot replicate them)")
+    )
 
 
-def _tp_pieces(spec: ModelSpec, row: Row, side: Side, name: str, hf_names: tuple[str, ...],
-               tp: int, rank: int) -> LocalTensor:
+def _tp_pieces(
+    spec: ModelSpec, row: Row, side: Side, name: str, hf_names: tuple[str, ...], tp: int, rank: int
+) -> LocalTensor:
     """The local tensor of one row on TP rank `rank`, as pieces of the HF tensors."""
     shapes = [_hf_shape(spec, s) for s in row.shapes]
     if side.split_dim is None:
@@ -109,8 +120,10 @@ def _tp_pieces(spec: ModelSpec, row: Row, side: Side, name: str, hf_names: tuple
     pieces, offset = [], 0
     for part, start, stop in runs:
         hf_box = tuple((start, stop) if i == d else (0, s) for i, s in enumerate(shapes[part]))
-        local_box = tuple((offset, offset + stop - start) if i == d else (0, s)
-                          for i, s in enumerate(shapes[part]))
+        local_box = tuple(
+            (offset, offset + stop - start) if i == d else (0, s)
+            for i, s in enumerate(shapes[part])
+        )
         pieces.append(Piece(local_box, hf_names[part], hf_box))
         offset += stop - start
     if side.pad_vocab:
@@ -119,13 +132,15 @@ def _tp_pieces(spec: ModelSpec, row: Row, side: Side, name: str, hf_names: tuple
     return LocalTensor(name, shape, tuple(pieces))
 
 
-def _split_runs(spec: ModelSpec, row: Row, side: Side, name: str, tp: int,
-                rank: int) -> list[tuple[int, int, int]]:
+def _split_runs(
+    spec: ModelSpec, row: Row, side: Side, name: str, tp: int, rank: int
+) -> list[tuple[int, int, int]]:
     """Element ranges (part, start, stop) along the split dim, in local order."""
     d = side.split_dim
+    assert d is not None  # `_tp_pieces` keeps an unsplit tensor whole
     units = [dim_size(spec, shape[d]) for shape in row.shapes]
     if side.pad_vocab:
-        (n, _), = units
+        ((n, _),) = units
         per = _padded(spec, tp, side.pad_vocab) // tp
         start, stop = rank * per, min((rank + 1) * per, n)
         return [(0, start, stop)] if start < stop else []
@@ -145,8 +160,9 @@ def _split_runs(spec: ModelSpec, row: Row, side: Side, name: str, tp: int,
     return runs
 
 
-def megatron_shards(spec: ModelSpec, parallel: ParallelConfig, *,
-                    layer_spec: LayerSpec = "local") -> ShardMap:
+def megatron_shards(
+    spec: ModelSpec, parallel: ParallelConfig, *, layer_spec: LayerSpec = "local"
+) -> ShardMap:
     """Every training rank's Megatron parameters as pieces of HF tensors.
 
     Keys are `GPTModel` state-dict names under megatron-core's `layer_spec` ("local" or "te",
@@ -167,12 +183,13 @@ def megatron_shards(spec: ModelSpec, parallel: ParallelConfig, *,
     layer_ranges = parallel.layer_ranges(spec.layers)
     last_chunk = (parallel.vpp or 1) - 1
     smap = ShardMap("megatron", spec.family, _hf_shapes(spec, rows))
-    per_tp: dict[tuple[int, int, int], dict[str, LocalTensor]] = {}
+    per_tp: dict[tuple[int, int, int, int], dict[str, LocalTensor]] = {}
     for rank in range(parallel.world_size):
         c = parallel.coords_of(rank)
         ec = parallel.expert_coords_of(rank)
         smap.rank_labels[rank] = f"tp{c['tp']} pp{c['pp']} dp{c['dp']}" + (
-            f" ep{ec['ep']} etp{ec['etp']}" if spec.is_moe else "")
+            f" ep{ec['ep']} etp{ec['etp']}" if spec.is_moe else ""
+        )
         key = (c["tp"], c["pp"], ec["ep"], ec["etp"])
         if key not in per_tp:  # DP replicas (and expert-DP replicas) share one expansion
             tensors: dict[str, LocalTensor] = {}
@@ -186,18 +203,30 @@ def megatron_shards(spec: ModelSpec, parallel: ParallelConfig, *,
                         continue
                     name = side.megatron_name(layer_spec)
                     if row.per_expert:
-                        for layer in layers:
-                            tensors.update(_expert_tensors(
-                                spec, row, side, prefix + name, layer, layer - layers.start,
-                                _expert_range(spec, parallel.ep, ec["ep"]),
-                                parallel.expert_tp, ec["etp"]))
+                        for moe_layer in layers:
+                            tensors.update(
+                                _expert_tensors(
+                                    spec,
+                                    row,
+                                    side,
+                                    prefix + name,
+                                    moe_layer,
+                                    moe_layer - layers.start,
+                                    _expert_range(spec, parallel.ep, ec["ep"]),
+                                    parallel.expert_tp,
+                                    ec["etp"],
+                                )
+                            )
                         continue
-                    for layer in (layers if row.place == "layer" else [None]):
-                        local_name = prefix + name.format(layer=layer - layers.start
-                                                          if layer is not None else None)
+                    places: Iterable[int | None] = layers if row.place == "layer" else [None]
+                    for layer in places:
+                        local_name = prefix + name.format(
+                            layer=layer - layers.start if layer is not None else None
+                        )
                         hf_names = tuple(h.format(layer=layer) for h in row.hf)
-                        tensors[local_name] = _tp_pieces(spec, row, side, local_name, hf_names,
-                                                         parallel.tp, c["tp"])
+                        tensors[local_name] = _tp_pieces(
+                            spec, row, side, local_name, hf_names, parallel.tp, c["tp"]
+                        )
             per_tp[key] = tensors
         smap.ranks[rank] = per_tp[key]
     return smap
@@ -220,13 +249,21 @@ def extra_state_modules(spec: ModelSpec, layer_spec: LayerSpec = "local") -> lis
 
 def _expert_range(spec: ModelSpec, ep: int, ep_rank: int) -> range:
     """Global experts held by expert-parallel rank `ep_rank` of `ep`."""
-    per = spec.num_experts // ep
+    per = spec.routed_experts // ep
     return range(ep_rank * per, (ep_rank + 1) * per)
 
 
-def _expert_tensors(spec: ModelSpec, row: Row, side: Side, name: str, hf_layer: int,
-                    local_layer: int, experts: range, tp: int,
-                    tp_rank: int) -> dict[str, LocalTensor]:
+def _expert_tensors(
+    spec: ModelSpec,
+    row: Row,
+    side: Side,
+    name: str,
+    hf_layer: int,
+    local_layer: int,
+    experts: range,
+    tp: int,
+    tp_rank: int,
+) -> dict[str, LocalTensor]:
     """A per-expert row's local tensors on one rank: each expert of `experts` split over the
     side's expert-TP (`tp`, `tp_rank`); one tensor per expert (named by local index) or, with
     `stack_experts`, one tensor stacking them on a new leading dim."""
@@ -238,8 +275,11 @@ def _expert_tensors(spec: ModelSpec, row: Row, side: Side, name: str, hf_layer: 
     if not side.stack_experts:
         return {t.key: t for t in per_expert}
     key = name.format(layer=local_layer)
-    pieces = tuple(Piece(((j, j + 1), *p.local_box), p.hf_name, p.hf_box)
-                   for j, t in enumerate(per_expert) for p in t.pieces)
+    pieces = tuple(
+        Piece(((j, j + 1), *p.local_box), p.hf_name, p.hf_box)
+        for j, t in enumerate(per_expert)
+        for p in t.pieces
+    )
     return {key: LocalTensor(key, (len(per_expert), *per_expert[0].shape), pieces)}
 
 
@@ -251,8 +291,9 @@ def _on_chunk(row: Row, pp: int, chunk: int, parallel: ParallelConfig, last_chun
     return pp == parallel.pp - 1 and chunk == last_chunk
 
 
-def vllm_shards(spec: ModelSpec, tp: int, engines: int = 1, *,
-                expert_parallel: bool = False) -> ShardMap:
+def vllm_shards(
+    spec: ModelSpec, tp: int, engines: int = 1, *, expert_parallel: bool = False
+) -> ShardMap:
     """Every vLLM worker's parameters: rank `engine * tp + tp_rank`, keys = vLLM names.
 
     expert_parallel: vLLM's `enable_expert_parallel` — TP rank r of each engine holds the whole
@@ -266,29 +307,47 @@ def vllm_shards(spec: ModelSpec, tp: int, engines: int = 1, *,
     if spec.heads % tp:
         raise LayoutError(f"vLLM tp={tp} does not divide num_attention_heads={spec.heads}")
     if spec.kv_heads % tp and tp % spec.kv_heads:
-        raise LayoutError(f"vLLM tp={tp} neither divides nor is a multiple of "
-                          f"num_key_value_heads={spec.kv_heads}")
+        raise LayoutError(
+            f"vLLM tp={tp} neither divides nor is a multiple of num_key_value_heads={spec.kv_heads}"
+        )
     rows = [row for row in _rows(spec, 1) if row.vllm is not None]
     smap = ShardMap("vllm", spec.family, _hf_shapes(spec, rows))
     for tp_rank in range(tp):
         tensors: dict[str, LocalTensor] = {}
         for row in rows:
+            side = row.vllm
+            assert side is not None  # `rows` keeps the rows vLLM has
             if row.per_expert:  # TP: every expert, each split over TP; EP: whole experts
                 experts, expert_tp, expert_tp_rank = (
-                    (vllm_local_experts(spec.num_experts, tp, tp_rank), 1, 0) if expert_parallel
-                    else (_expert_range(spec, 1, 0), tp, tp_rank))
-                for layer in range(spec.layers):
-                    tensors.update(_expert_tensors(spec, row, row.vllm, row.vllm.name, layer,
-                                                   layer, experts, expert_tp, expert_tp_rank))
+                    (vllm_local_experts(spec.routed_experts, tp, tp_rank), 1, 0)
+                    if expert_parallel
+                    else (_expert_range(spec, 1, 0), tp, tp_rank)
+                )
+                for moe_layer in range(spec.layers):
+                    tensors.update(
+                        _expert_tensors(
+                            spec,
+                            row,
+                            side,
+                            side.name,
+                            moe_layer,
+                            moe_layer,
+                            experts,
+                            expert_tp,
+                            expert_tp_rank,
+                        )
+                    )
                 continue
-            for layer in (range(spec.layers) if row.place == "layer" else [None]):
-                name = row.vllm.name.format(layer=layer)
+            places: Iterable[int | None] = range(spec.layers) if row.place == "layer" else [None]
+            for layer in places:
+                name = side.name.format(layer=layer)
                 hf_names = tuple(h.format(layer=layer) for h in row.hf)
-                tensors[name] = _tp_pieces(spec, row, row.vllm, name, hf_names, tp, tp_rank)
+                tensors[name] = _tp_pieces(spec, row, side, name, hf_names, tp, tp_rank)
         for engine in range(engines):
             smap.ranks[engine * tp + tp_rank] = tensors
             smap.rank_labels[engine * tp + tp_rank] = f"engine{engine} tp{tp_rank}" + (
-                f" ep{tp_rank}" if expert_parallel else "")
+                f" ep{tp_rank}" if expert_parallel else ""
+            )
     return smap
 
 
@@ -296,11 +355,15 @@ def check_vllm_expert_parallel(spec: ModelSpec, tp: int) -> None:
     """vLLM's EP places whole routed experts: a dense model has none, and every rank must get
     at least one (vLLM would build empty expert tensors)."""
     if not spec.is_moe:
-        raise LayoutError(f"vLLM expert_parallel: {spec.architecture} has no routed experts "
-                          "(a dense model): nothing to place")
-    if spec.num_experts < tp:
-        raise LayoutError(f"vLLM expert_parallel at tp={tp}: {spec.num_experts} experts leave "
-                          f"TP ranks {spec.num_experts}..{tp - 1} without an expert")
+        raise LayoutError(
+            f"vLLM expert_parallel: {spec.architecture} has no routed experts "
+            "(a dense model): nothing to place"
+        )
+    if spec.routed_experts < tp:
+        raise LayoutError(
+            f"vLLM expert_parallel at tp={tp}: {spec.routed_experts} experts leave "
+            f"TP ranks {spec.routed_experts}..{tp - 1} without an expert"
+        )
 
 
 def hf_shards(spec: ModelSpec) -> ShardMap:
@@ -318,10 +381,11 @@ def hf_shards(spec: ModelSpec) -> ShardMap:
 def _hf_shapes(spec: ModelSpec, rows: Iterable[Row]) -> dict[str, tuple[int, ...]]:
     shapes: dict[str, tuple[int, ...]] = {}
     for row in rows:
-        experts = range(spec.num_experts) if row.per_expert else [None]
-        for layer in (range(spec.layers) if row.place == "layer" else [None]):
+        experts: Iterable[int | None] = range(spec.routed_experts) if row.per_expert else [None]
+        places: Iterable[int | None] = range(spec.layers) if row.place == "layer" else [None]
+        for layer in places:
             for expert in experts:
-                for hf, shape in zip(row.hf, row.shapes):
+                for hf, shape in zip(row.hf, row.shapes, strict=True):
                     shapes[hf.format(layer=layer, expert=expert)] = _hf_shape(spec, shape)
     return shapes
 
@@ -334,8 +398,12 @@ def validate_megatron_grid(spec: ModelSpec, parallel: ParallelConfig) -> None:
         raise LayoutError(str(err.under("parallel"))) from None
 
 
-def materialize_rank(smap: ShardMap, rank: int, hf_get: Callable[[str], torch.Tensor],
-                     dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+def materialize_rank(
+    smap: ShardMap,
+    rank: int,
+    hf_get: Callable[[str], torch.Tensor],
+    dtype: torch.dtype | None = None,
+) -> dict[str, torch.Tensor]:
     """Build rank `rank`'s local tensors from HF tensors (`hf_get(name)`; a safetensors
     `get_slice` works too). Padding is zeros."""
     out = {}
@@ -356,8 +424,11 @@ def _build_local(local, hf_get, dtype) -> torch.Tensor:
     return tensor
 
 
-def assemble_hf(smap: ShardMap, local_tensors: Mapping[int, Mapping[str, torch.Tensor]],
-                names: Iterable[str] | None = None) -> dict[str, torch.Tensor]:
+def assemble_hf(
+    smap: ShardMap,
+    local_tensors: Mapping[int, Mapping[str, torch.Tensor]],
+    names: Iterable[str] | None = None,
+) -> dict[str, torch.Tensor]:
     """Rebuild HF tensors from ranks' local tensors (any replica may supply a region).
     Raises LayoutError naming any HF tensor that is not fully covered."""
     wanted = set(names) if names is not None else set(smap.hf_shapes)
@@ -367,8 +438,10 @@ def assemble_hf(smap: ShardMap, local_tensors: Mapping[int, Mapping[str, torch.T
         for key, tensor in tensors.items():
             local = smap.ranks[rank][key]
             if tuple(tensor.shape) != local.shape:
-                raise LayoutError(f"{smap.label(rank)} tensor {key}: shape "
-                                  f"{tuple(tensor.shape)}, expected {local.shape}")
+                raise LayoutError(
+                    f"{smap.label(rank)} tensor {key}: shape "
+                    f"{tuple(tensor.shape)}, expected {local.shape}"
+                )
             for piece in local.pieces:
                 if piece.hf_name not in wanted:
                     continue
@@ -376,11 +449,12 @@ def assemble_hf(smap: ShardMap, local_tensors: Mapping[int, Mapping[str, torch.T
                     shape = smap.hf_shapes[piece.hf_name]
                     out[piece.hf_name] = torch.empty(shape, dtype=tensor.dtype)
                     covered[piece.hf_name] = torch.zeros(shape, dtype=torch.bool)
-                out[piece.hf_name][box_slices(piece.hf_box)] = \
-                    tensor[box_slices(piece.local_box)]
+                out[piece.hf_name][box_slices(piece.hf_box)] = tensor[box_slices(piece.local_box)]
                 covered[piece.hf_name][box_slices(piece.hf_box)] = True
     missing = sorted(wanted - set(out)) + sorted(n for n, c in covered.items() if not c.all())
     if missing:
-        raise LayoutError(f"HF tensors not fully covered by the given shards: {missing[:5]}"
-                          + (f" and {len(missing) - 5} more" if len(missing) > 5 else ""))
+        raise LayoutError(
+            f"HF tensors not fully covered by the given shards: {missing[:5]}"
+            + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        )
     return out

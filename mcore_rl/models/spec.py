@@ -110,6 +110,11 @@ class ModelSpec:
         return self.num_experts is not None
 
     @property
+    def routed_experts(self) -> int:
+        """Routed experts per layer: `num_experts`, 0 for a dense MLP."""
+        return self.num_experts or 0
+
+    @property
     def q_dim(self) -> int:
         return self.heads * self.head_dim
 

@@ -24,9 +24,9 @@ class Axis(str, enum.Enum):
     TP = "tp"
     PP = "pp"
     DP = "dp"
-    EP = "ep"     # expert parallel: splits a layer's experts
-    ETP = "etp"   # expert tensor parallel: splits each expert's MLP
-    EDP = "edp"   # expert data parallel: replicas of an expert (tp·dp / (etp·ep) per stage)
+    EP = "ep"  # expert parallel: splits a layer's experts
+    ETP = "etp"  # expert tensor parallel: splits each expert's MLP
+    EDP = "edp"  # expert data parallel: replicas of an expert (tp·dp / (etp·ep) per stage)
 
 
 def backend_for(device: str) -> str:
@@ -74,12 +74,14 @@ class ParallelGroups:
 
     def rank_in(self, axis: Axis) -> int:
         axis = Axis(axis)
-        return self.coords[axis.value] if axis.value in self.coords else \
-            self.expert_coords[axis.value]
+        return (
+            self.coords[axis.value] if axis.value in self.coords else self.expert_coords[axis.value]
+        )
 
     def size_of(self, axis: Axis) -> int:
         return {Axis.ETP: self.config.expert_tp, Axis.EDP: self.config.expert_dp}.get(
-            Axis(axis)) or getattr(self.config, Axis(axis).value)
+            Axis(axis)
+        ) or getattr(self.config, Axis(axis).value)
 
     @property
     def is_first_stage(self) -> bool:
@@ -90,8 +92,9 @@ class ParallelGroups:
         return self.rank_in(Axis.PP) == self.config.pp - 1
 
 
-def init_training_groups(config: ParallelConfig, *, timeout_s: float = 600.0,
-                         device: str | None = None) -> ParallelGroups:
+def init_training_groups(
+    config: ParallelConfig, *, timeout_s: float = 600.0, device: str | None = None
+) -> ParallelGroups:
     """Create megatron-core's model-parallel state for `config` and return it as groups.
 
     The default process group must exist (torchrun / the test helper / the Ray worker sets it
@@ -105,8 +108,10 @@ def init_training_groups(config: ParallelConfig, *, timeout_s: float = 600.0,
         join_default_group(default_backend(), timeout=datetime.timedelta(seconds=timeout_s))
     world = dist.get_world_size()
     if world != config.world_size:
-        raise ValueError(f"parallel: tp*pp*dp = {config.tp}*{config.pp}*{config.dp} = "
-                         f"{config.world_size} but the job has {world} ranks")
+        raise ValueError(
+            f"parallel: tp*pp*dp = {config.tp}*{config.pp}*{config.dp} = "
+            f"{config.world_size} but the job has {world} ranks"
+        )
     if mpu.model_parallel_is_initialized():
         mpu.destroy_model_parallel()
     mpu.initialize_model_parallel(
@@ -118,27 +123,44 @@ def init_training_groups(config: ParallelConfig, *, timeout_s: float = 600.0,
         distributed_timeout_minutes=max(1, int(timeout_s // 60)),
     )
     rank = dist.get_rank()
-    coords = {"tp": mpu.get_tensor_model_parallel_rank(),
-              "pp": mpu.get_pipeline_model_parallel_rank(),
-              "dp": mpu.get_data_parallel_rank()}
+    coords = {
+        "tp": mpu.get_tensor_model_parallel_rank(),
+        "pp": mpu.get_pipeline_model_parallel_rank(),
+        "dp": mpu.get_data_parallel_rank(),
+    }
     if coords != config.coords_of(rank):
-        raise RuntimeError(f"megatron-core placed rank {rank} at {coords}, but mcore-rl's grid "
-                           f"order expects {config.coords_of(rank)}")
-    expert_coords = {"etp": mpu.get_expert_tensor_parallel_rank(),
-                     "ep": mpu.get_expert_model_parallel_rank(),
-                     "edp": mpu.get_expert_data_parallel_rank(), "pp": coords["pp"]}
+        raise RuntimeError(
+            f"megatron-core placed rank {rank} at {coords}, but mcore-rl's grid "
+            f"order expects {config.coords_of(rank)}"
+        )
+    expert_coords = {
+        "etp": mpu.get_expert_tensor_parallel_rank(),
+        "ep": mpu.get_expert_model_parallel_rank(),
+        "edp": mpu.get_expert_data_parallel_rank(),
+        "pp": coords["pp"],
+    }
     if expert_coords != config.expert_coords_of(rank):
-        raise RuntimeError(f"megatron-core placed rank {rank} at {expert_coords} on the expert "
-                           f"grid, but mcore-rl expects {config.expert_coords_of(rank)}")
-    groups = {Axis.TP: mpu.get_tensor_model_parallel_group(),
-              Axis.PP: mpu.get_pipeline_model_parallel_group(),
-              Axis.DP: mpu.get_data_parallel_group(),
-              Axis.EP: mpu.get_expert_model_parallel_group(),
-              Axis.ETP: mpu.get_expert_tensor_parallel_group(),
-              Axis.EDP: mpu.get_expert_data_parallel_group()}
-    return ParallelGroups(config=config, rank=rank, coords=coords, groups=groups,
-                          megatron=ProcessGroupCollection.use_mpu_process_groups(),
-                          expert_coords=expert_coords, device=device or _device_of_world())
+        raise RuntimeError(
+            f"megatron-core placed rank {rank} at {expert_coords} on the expert "
+            f"grid, but mcore-rl expects {config.expert_coords_of(rank)}"
+        )
+    groups = {
+        Axis.TP: mpu.get_tensor_model_parallel_group(),
+        Axis.PP: mpu.get_pipeline_model_parallel_group(),
+        Axis.DP: mpu.get_data_parallel_group(),
+        Axis.EP: mpu.get_expert_model_parallel_group(),
+        Axis.ETP: mpu.get_expert_tensor_parallel_group(),
+        Axis.EDP: mpu.get_expert_data_parallel_group(),
+    }
+    return ParallelGroups(
+        config=config,
+        rank=rank,
+        coords=coords,
+        groups=groups,
+        megatron=ProcessGroupCollection.use_mpu_process_groups(),
+        expert_coords=expert_coords,
+        device=device or _device_of_world(),
+    )
 
 
 def destroy_training_groups() -> None:
@@ -148,9 +170,15 @@ def destroy_training_groups() -> None:
         mpu.destroy_model_parallel()
 
 
-def join_worker_world(rank: int, world_size: int, store_address: tuple[str, int],
-                      parallel: ParallelConfig, *, timeout_s: float,
-                      device: str) -> ParallelGroups:
+def join_worker_world(
+    rank: int,
+    world_size: int,
+    store_address: tuple[str, int],
+    parallel: ParallelConfig,
+    *,
+    timeout_s: float,
+    device: str,
+) -> ParallelGroups:
     """A role's Ray worker joins its role's world: one intra-op thread (the workers share the
     machine's cores), `device` (the run plan's torch device of this rank: "cpu" or
     "cuda:<i>") made current before anything is allocated, the process group on that device's
@@ -165,8 +193,9 @@ def join_worker_world(rank: int, world_size: int, store_address: tuple[str, int]
     timeout = datetime.timedelta(seconds=timeout_s)
     host, port = store_address
     store = dist.TCPStore(host, port, world_size + 1, is_master=False, timeout=timeout)
-    join_default_group(backend_for(device), store=store, rank=rank, world_size=world_size,
-                       timeout=timeout)
+    join_default_group(
+        backend_for(device), store=store, rank=rank, world_size=world_size, timeout=timeout
+    )
     return init_training_groups(parallel, timeout_s=timeout_s, device=device)
 
 

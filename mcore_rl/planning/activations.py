@@ -59,8 +59,8 @@ class ActivationModel:
     causal_mask: bool = True
 
     @classmethod
-    def for_kernels(cls, kernels: str, **kw) -> "ActivationModel":
-        """"te": TransformerEngine layers (GPU); "local": megatron's local spec (CPU)."""
+    def for_kernels(cls, kernels: str, **kw) -> ActivationModel:
+        """ "te": TransformerEngine layers (GPU); "local": megatron's local spec (CPU)."""
         if kernels == "te":
             return cls(norm="fused", attention="flash", **kw)
         if kernels == "local":
@@ -68,15 +68,24 @@ class ActivationModel:
         raise ValueError(f"kernels={kernels!r}: te or local")
 
     @classmethod
-    def paper(cls, **kw) -> "ActivationModel":
+    def paper(cls, **kw) -> ActivationModel:
         """Korthikanti et al.'s GPT layer: LayerNorm, unfused MHA with dropout, GeLU MLP,
         16-bit softmax, no rotary embedding."""
-        return cls(norm="fused", attention="unfused", mlp="gelu", dropout=True,
-                   softmax_fp32=False, rope=False, causal_mask=False, **kw)
+        return cls(
+            norm="fused",
+            attention="unfused",
+            mlp="gelu",
+            dropout=True,
+            softmax_fp32=False,
+            rope=False,
+            causal_mask=False,
+            **kw,
+        )
 
 
-def layer_activation_terms(spec: ModelSpec, seq: int, micro_batch: int,
-                           model: ActivationModel) -> dict[str, float]:
+def layer_activation_terms(
+    spec: ModelSpec, seq: int, micro_batch: int, model: ActivationModel
+) -> dict[str, float]:
     """Bytes one decoder layer saves for backward, per micro batch, on one TP rank, by group.
 
     Sequence-parallel regions (divided by tp only with SP): the two norms, the inputs of the
@@ -128,28 +137,33 @@ def layer_activation_terms(spec: ModelSpec, seq: int, micro_batch: int,
     return terms
 
 
-def recompute_workspace(spec: ModelSpec, seq: int, micro_batch: int,
-                        model: ActivationModel) -> float:
+def recompute_workspace(
+    spec: ModelSpec, seq: int, micro_batch: int, model: ActivationModel
+) -> float:
     """Bytes rematerialized at once during backward: one whole layer ("full"), one layer's
     core attention ("selective": scores, expanded k and v), nothing ("none")."""
     if model.recompute == "full":
-        return layer_activation_bytes(spec, seq, micro_batch,
-                                      dataclasses.replace(model, recompute="none"))
+        return layer_activation_bytes(
+            spec, seq, micro_batch, dataclasses.replace(model, recompute="none")
+        )
     if model.recompute == "selective":
-        full = layer_activation_terms(spec, seq, micro_batch,
-                                      dataclasses.replace(model, recompute="none"))
+        full = layer_activation_terms(
+            spec, seq, micro_batch, dataclasses.replace(model, recompute="none")
+        )
         kept = layer_activation_terms(spec, seq, micro_batch, model)
         return sum(full.values()) - sum(kept.values())
     return 0.0
 
 
-def layer_activation_bytes(spec: ModelSpec, seq: int, micro_batch: int,
-                           model: ActivationModel) -> float:
+def layer_activation_bytes(
+    spec: ModelSpec, seq: int, micro_batch: int, model: ActivationModel
+) -> float:
     return sum(layer_activation_terms(spec, seq, micro_batch, model).values())
 
 
-def in_flight_layers(parallel: ParallelConfig, num_layers: int, stage: int,
-                     num_micro_batches: int) -> int:
+def in_flight_layers(
+    parallel: ParallelConfig, num_layers: int, stage: int, num_micro_batches: int
+) -> int:
     """Layers' worth of one micro batch's activations that stage `stage` holds at its peak,
     from megatron's schedules: no PP — 1 micro batch; 1F1B — min(pp - stage, m) micro batches
     of the stage's layers; interleaved — min(warm-up + 1, m·v) chunk micro batches, warm-up

@@ -18,8 +18,9 @@ one node) above, so an engine's TP ranks must share a node.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
-from typing import Callable, Iterable, Literal
+from typing import Literal
 
 from mcore_rl.config import ConfigError
 from mcore_rl.layouts.shards import LayoutError, check_vllm_expert_parallel, vllm_shards
@@ -63,27 +64,42 @@ BATCH = "prompts_per_step·samples_per_prompt/updates_per_batch"  # the global b
 def check_train_tp(run: SizedRun, spec: ModelSpec) -> Iterable[Problem]:
     par, gpn = run.cfg.actor, run.cluster.gpus_per_node
     try:  # the tensor split only: the pipeline split is check_train_pp's
-        replace(par, pp=1, vpp=None, first_stage_layers=None,
-                last_stage_layers=None).check_model(spec)
+        replace(par, pp=1, vpp=None, first_stage_layers=None, last_stage_layers=None).check_model(
+            spec
+        )
     except ConfigError as err:
         if err.field in ("ep", "etp"):  # the expert split (ParallelConfig._check_experts)
             experts, moe_ffn = spec.num_experts or 1, spec.moe_ffn or 1
             other = par.expert_tp if err.field == "ep" else par.ep
-            good = [d for d in _divisors(experts if err.field == "ep" else moe_ffn)
-                    if (par.tp * par.dp) % (d * other) == 0]
-            what = (f"num_experts={experts}" if err.field == "ep" else f"moe_ffn={moe_ffn}")
-            yield Problem("train-ep", str(err.under("actor")),
-                          f"actor.{err.field} one of {_fmt(good)} (divides {what}; "
-                          f"etp·ep divides tp·dp={par.tp * par.dp})")
+            good = [
+                d
+                for d in _divisors(experts if err.field == "ep" else moe_ffn)
+                if (par.tp * par.dp) % (d * other) == 0
+            ]
+            what = f"num_experts={experts}" if err.field == "ep" else f"moe_ffn={moe_ffn}"
+            yield Problem(
+                "train-ep",
+                str(err.under("actor")),
+                f"actor.{err.field} one of {_fmt(good)} (divides {what}; "
+                f"etp·ep divides tp·dp={par.tp * par.dp})",
+            )
             return
         good = _divisors(math.gcd(spec.heads, spec.kv_heads, spec.ffn), gpn)
-        yield Problem("train-tp", str(err.under("actor")), f"actor.tp one of {_fmt(good)} "
-                      f"(divides heads={spec.heads}, kv heads={spec.kv_heads}, ffn={spec.ffn})")
+        yield Problem(
+            "train-tp",
+            str(err.under("actor")),
+            f"actor.tp one of {_fmt(good)} "
+            f"(divides heads={spec.heads}, kv heads={spec.kv_heads}, ffn={spec.ffn})",
+        )
     if par.tp > gpn:
-        yield Problem("train-tp-node", f"actor.tp={par.tp} spans nodes "
-                      f"(cluster.gpus_per_node={gpn}): every layer all-reduces across "
-                      "the inter-node network", f"actor.tp <= {gpn}; use actor.pp for the rest",
-                      "warning")
+        yield Problem(
+            "train-tp-node",
+            f"actor.tp={par.tp} spans nodes "
+            f"(cluster.gpus_per_node={gpn}): every layer all-reduces across "
+            "the inter-node network",
+            f"actor.tp <= {gpn}; use actor.pp for the rest",
+            "warning",
+        )
 
 
 def check_train_pp(run: SizedRun, spec: ModelSpec) -> Iterable[Problem]:
@@ -92,13 +108,19 @@ def check_train_pp(run: SizedRun, spec: ModelSpec) -> Iterable[Problem]:
         par.stage_layer_counts(spec.layers)
     except ConfigError as err:
         chunks = par.vpp or 1
-        good = [p for p in _divisors(spec.layers // chunks if spec.layers % chunks == 0
-                                     else spec.layers) if spec.layers % (p * chunks) == 0]
-        fix = (f"actor.pp one of {_fmt(good)} for {spec.layers} layers"
-               + (f" with actor.vpp={par.vpp}" if par.vpp else ""))
+        good = [
+            p
+            for p in _divisors(spec.layers // chunks if spec.layers % chunks == 0 else spec.layers)
+            if spec.layers % (p * chunks) == 0
+        ]
+        fix = f"actor.pp one of {_fmt(good)} for {spec.layers} layers" + (
+            f" with actor.vpp={par.vpp}" if par.vpp else ""
+        )
         if par.first_stage_layers is not None or par.last_stage_layers is not None:
-            fix = ("actor.first_stage_layers + actor.last_stage_layers + (pp - 2) · k must "
-                   f"equal {spec.layers} layers for a whole k >= 1; or " + fix)
+            fix = (
+                "actor.first_stage_layers + actor.last_stage_layers + (pp - 2) · k must "
+                f"equal {spec.layers} layers for a whole k >= 1; or " + fix
+            )
         yield Problem("train-pp", str(err.under("actor")), fix)
 
 
@@ -110,20 +132,30 @@ def check_batch(run: SizedRun, spec: ModelSpec) -> Iterable[Problem]:
     per_step = t.micro_batch_size * par.dp
     if batch % per_step:
         lo = max(per_step, batch // per_step * per_step)
-        yield Problem("train-batch", f"{BATCH} = {batch} sequences per update is not a "
-                      f"multiple of train.micro_batch_size × actor.dp = {t.micro_batch_size} × "
-                      f"{par.dp}", f"{BATCH} = {lo} or {lo + per_step}, or change "
-                      "train.micro_batch_size / actor.dp")
+        yield Problem(
+            "train-batch",
+            f"{BATCH} = {batch} sequences per update is not a "
+            f"multiple of train.micro_batch_size × actor.dp = {t.micro_batch_size} × "
+            f"{par.dp}",
+            f"{BATCH} = {lo} or {lo + per_step}, or change train.micro_batch_size / actor.dp",
+        )
         return
     m = batch // per_step
     if par.vpp is not None and m % par.pp:
-        yield Problem("train-batch-vpp", f"{m} micro batches per update and DP rank: "
-                      f"interleaved pipelining needs a multiple of actor.pp={par.pp}",
-                      f"{BATCH} a multiple of {per_step * par.pp}")
+        yield Problem(
+            "train-batch-vpp",
+            f"{m} micro batches per update and DP rank: "
+            f"interleaved pipelining needs a multiple of actor.pp={par.pp}",
+            f"{BATCH} a multiple of {per_step * par.pp}",
+        )
     if par.pp > 1 and m < par.pp:
-        yield Problem("train-pipeline-bubble", f"{m} micro batches per update < "
-                      f"actor.pp={par.pp}: most of every update is pipeline bubble",
-                      f"{BATCH} >= {per_step * par.pp * 4} (4 × pp micro batches)", "warning")
+        yield Problem(
+            "train-pipeline-bubble",
+            f"{m} micro batches per update < "
+            f"actor.pp={par.pp}: most of every update is pipeline bubble",
+            f"{BATCH} >= {per_step * par.pp * 4} (4 × pp micro batches)",
+            "warning",
+        )
 
 
 def _warmup_batch(run: SizedRun) -> Iterable[Problem]:
@@ -134,12 +166,15 @@ def _warmup_batch(run: SizedRun) -> Iterable[Problem]:
         return
     rows = w.batch_size // dp
     if w.batch_size % dp or rows % mbs:
-        yield Problem("train-batch", f"warmup.batch_size={w.batch_size} gives {rows} rows per "
-                      f"DP rank (actor.dp={dp}), not a multiple of "
-                      f"warmup.train.micro_batch_size={mbs}",
-                      f"warmup.train.micro_batch_size one of "
-                      f"{', '.join(str(d) for d in range(1, rows + 1) if rows % d == 0)}, or "
-                      f"warmup.batch_size a multiple of {mbs * dp}")
+        yield Problem(
+            "train-batch",
+            f"warmup.batch_size={w.batch_size} gives {rows} rows per "
+            f"DP rank (actor.dp={dp}), not a multiple of "
+            f"warmup.train.micro_batch_size={mbs}",
+            f"warmup.train.micro_batch_size one of "
+            f"{', '.join(str(d) for d in range(1, rows + 1) if rows % d == 0)}, or "
+            f"warmup.batch_size a multiple of {mbs * dp}",
+        )
 
 
 def check_seq_len(run: SizedRun, spec: ModelSpec) -> Iterable[Problem]:
@@ -150,24 +185,38 @@ def check_seq_len(run: SizedRun, spec: ModelSpec) -> Iterable[Problem]:
     ctx = f"the model's max_position_embeddings={spec.max_positions}"
     if cfg.sample_tokens > spec.max_positions:
         if cfg.task.multi_turn:
-            yield Problem("seq-len", f"task.episode.max_total_tokens={cfg.sample_tokens} "
-                          f"exceeds {ctx}",
-                          f"task.episode.max_total_tokens <= {spec.max_positions}")
+            yield Problem(
+                "seq-len",
+                f"task.episode.max_total_tokens={cfg.sample_tokens} exceeds {ctx}",
+                f"task.episode.max_total_tokens <= {spec.max_positions}",
+            )
         else:
-            yield Problem("seq-len", f"max_prompt_tokens + max_new_tokens = "
-                          f"{cfg.max_prompt_tokens} + {cfg.max_new_tokens} = "
-                          f"{cfg.sample_tokens} tokens exceed {ctx}",
-                          f"max_prompt_tokens + max_new_tokens <= {spec.max_positions}")
+            yield Problem(
+                "seq-len",
+                f"max_prompt_tokens + max_new_tokens = "
+                f"{cfg.max_prompt_tokens} + {cfg.max_new_tokens} = "
+                f"{cfg.sample_tokens} tokens exceed {ctx}",
+                f"max_prompt_tokens + max_new_tokens <= {spec.max_positions}",
+            )
     else:
         if t.seq_len > spec.max_positions:
-            yield Problem("seq-len", f"train.seq_len={t.seq_len} exceeds {ctx}",
-                          f"train.seq_len <= {spec.max_positions}")
+            yield Problem(
+                "seq-len",
+                f"train.seq_len={t.seq_len} exceeds {ctx}",
+                f"train.seq_len <= {spec.max_positions}",
+            )
         if cfg.rollout.max_model_len > spec.max_positions:
-            yield Problem("seq-len", f"rollout.max_model_len={cfg.rollout.max_model_len} "
-                          f"exceeds {ctx}", f"rollout.max_model_len <= {spec.max_positions}")
+            yield Problem(
+                "seq-len",
+                f"rollout.max_model_len={cfg.rollout.max_model_len} exceeds {ctx}",
+                f"rollout.max_model_len <= {spec.max_positions}",
+            )
     if par.sequence_parallel and t.seq_len % par.tp:
-        yield Problem("seq-len-sp", f"train.seq_len={t.seq_len}: sequence parallelism splits "
-                      f"it over actor.tp={par.tp}", f"train.seq_len a multiple of {par.tp}")
+        yield Problem(
+            "seq-len-sp",
+            f"train.seq_len={t.seq_len}: sequence parallelism splits it over actor.tp={par.tp}",
+            f"train.seq_len a multiple of {par.tp}",
+        )
 
 
 def _world_fixes(run: SizedRun, train_devices: int) -> str:
@@ -176,8 +225,9 @@ def _world_fixes(run: SizedRun, train_devices: int) -> str:
     fixes = []
     if train_devices % (par.tp * par.pp) == 0 and train_devices:
         fixes.append(f"actor.dp={train_devices // (par.tp * par.pp)}")
-    return " or ".join(fixes) or (f"a training grid of {train_devices} devices "
-                                  f"(tp·pp = {par.tp * par.pp} does not divide it)")
+    return " or ".join(fixes) or (
+        f"a training grid of {train_devices} devices (tp·pp = {par.tp * par.pp} does not divide it)"
+    )
 
 
 def check_world(run: SizedRun, spec: ModelSpec) -> Iterable[Problem]:
@@ -190,14 +240,24 @@ def check_world(run: SizedRun, spec: ModelSpec) -> Iterable[Problem]:
             fix = _world_fixes(run, have)
             if train_world % gpn == 0:
                 fix += f", or cluster.nodes={train_world // gpn}"
-            yield Problem("world-size", f"colocated: training world actor tp·pp·dp = "
-                          f"{train_world} != {what}", fix)
+            yield Problem(
+                "world-size",
+                f"colocated: training world actor tp·pp·dp = {train_world} != {what}",
+                fix,
+            )
         if roll != have:
-            fix = (f"rollout.engines={have // r.tp}" if have % r.tp == 0 else
-                   f"rollout.tp dividing {have}")
-            yield Problem("world-size-rollout", f"colocated: rollout.engines × rollout.tp = "
-                          f"{r.engines} × {r.tp} = {roll} != {what} (one engine rank per "
-                          "device)", fix)
+            fix = (
+                f"rollout.engines={have // r.tp}"
+                if have % r.tp == 0
+                else f"rollout.tp dividing {have}"
+            )
+            yield Problem(
+                "world-size-rollout",
+                f"colocated: rollout.engines × rollout.tp = "
+                f"{r.engines} × {r.tp} = {roll} != {what} (one engine rank per "
+                "device)",
+                fix,
+            )
         return
     need = train_world + roll
     if need != have:
@@ -206,9 +266,12 @@ def check_world(run: SizedRun, spec: ModelSpec) -> Iterable[Problem]:
             fixes.append(_world_fixes(run, have - roll))
         if have > train_world and (have - train_world) % r.tp == 0:
             fixes.append(f"rollout.engines={(have - train_world) // r.tp}")
-        yield Problem("world-size", f"disaggregated: training {train_world} + rollout "
-                      f"{r.engines} × {r.tp} = {need} devices != {what}",
-                      " or ".join(fixes) or f"{need} devices in whole nodes")
+        yield Problem(
+            "world-size",
+            f"disaggregated: training {train_world} + rollout "
+            f"{r.engines} × {r.tp} = {need} devices != {what}",
+            " or ".join(fixes) or f"{need} devices in whole nodes",
+        )
 
 
 def check_placement(run: SizedRun, spec: ModelSpec) -> Iterable[Problem]:
@@ -217,14 +280,20 @@ def check_placement(run: SizedRun, spec: ModelSpec) -> Iterable[Problem]:
     try:
         plan = placement_plan_of(run.cfg)
     except ConfigError as err:
-        yield Problem("placement", f"cluster.placement={run.cluster.placement}: {err}",
-                      _placement_fix(run, err))
+        yield Problem(
+            "placement",
+            f"cluster.placement={run.cluster.placement}: {err}",
+            _placement_fix(run, err),
+        )
         return
     if plan.nodes > run.cluster.nodes:
-        yield Problem("placement", f"cluster.placement={plan.placement} needs {plan.nodes} "
-                      f"node(s) of {plan.devices_per_node} devices; cluster.nodes="
-                      f"{run.cluster.nodes}", f"cluster.nodes={plan.nodes}, or fewer actor / "
-                      "rollout ranks")
+        yield Problem(
+            "placement",
+            f"cluster.placement={plan.placement} needs {plan.nodes} "
+            f"node(s) of {plan.devices_per_node} devices; cluster.nodes="
+            f"{run.cluster.nodes}",
+            f"cluster.nodes={plan.nodes}, or fewer actor / rollout ranks",
+        )
 
 
 def _placement_fix(run: SizedRun, err: ConfigError) -> str:
@@ -239,17 +308,26 @@ def check_rollout_tp(run: SizedRun, spec: ModelSpec) -> Iterable[Problem]:
     try:
         vllm_shards(spec, r.tp, 1)
     except LayoutError as err:
-        good = [t for t in _divisors(spec.heads, gpn)
-                if spec.kv_heads % t == 0 or t % spec.kv_heads == 0]
+        good = [
+            t
+            for t in _divisors(spec.heads, gpn)
+            if spec.kv_heads % t == 0 or t % spec.kv_heads == 0
+        ]
         yield Problem("rollout-tp", f"rollout: {err}", f"rollout.tp one of {_fmt(good)}")
     if r.tp > gpn:
-        yield Problem("rollout-tp-node", f"rollout.tp={r.tp} > cluster.gpus_per_node={gpn}: "
-                      "an engine's TP ranks run on one node (vLLM's mp executor)",
-                      f"rollout.tp <= {gpn}")
+        yield Problem(
+            "rollout-tp-node",
+            f"rollout.tp={r.tp} > cluster.gpus_per_node={gpn}: "
+            "an engine's TP ranks run on one node (vLLM's mp executor)",
+            f"rollout.tp <= {gpn}",
+        )
     elif gpn % r.tp:
-        yield Problem("rollout-tp-node", f"rollout.tp={r.tp} does not divide "
-                      f"cluster.gpus_per_node={gpn}: some engines would straddle two nodes",
-                      f"rollout.tp one of {_fmt(_divisors(gpn))}")
+        yield Problem(
+            "rollout-tp-node",
+            f"rollout.tp={r.tp} does not divide "
+            f"cluster.gpus_per_node={gpn}: some engines would straddle two nodes",
+            f"rollout.tp one of {_fmt(_divisors(gpn))}",
+        )
 
 
 def check_rollout_ep(run: SizedRun, spec: ModelSpec) -> Iterable[Problem]:
@@ -259,14 +337,19 @@ def check_rollout_ep(run: SizedRun, spec: ModelSpec) -> Iterable[Problem]:
     if not r.expert_parallel:
         return
     if run.device == "cpu":
-        yield Problem("rollout-ep", f"{EP_FIELD}=true, but the run resolves to cpu: "
-                      f"{EP_CPU_REASON}", EP_CPU_FIX)
+        yield Problem(
+            "rollout-ep",
+            f"{EP_FIELD}=true, but the run resolves to cpu: {EP_CPU_REASON}",
+            EP_CPU_FIX,
+        )
     try:
         check_vllm_expert_parallel(spec, r.tp)
     except LayoutError as err:
-        yield Problem("rollout-ep", f"{EP_FIELD}=true: {err}",
-                      f"{EP_FIELD}=false" + (f", or rollout.tp <= {spec.num_experts}"
-                                             if spec.is_moe else ""))
+        yield Problem(
+            "rollout-ep",
+            f"{EP_FIELD}=true: {err}",
+            f"{EP_FIELD}=false" + (f", or rollout.tp <= {spec.num_experts}" if spec.is_moe else ""),
+        )
 
 
 def check_sync_backend(run: SizedRun, spec: ModelSpec) -> Iterable[Problem]:
@@ -274,16 +357,25 @@ def check_sync_backend(run: SizedRun, spec: ModelSpec) -> Iterable[Problem]:
     would stage every weight through host memory."""
     backend = run.sync_backend
     if backend == "nccl" and run.device == "cpu":
-        why = ("cluster.device=cpu" if run.cfg.cluster.device == "cpu" else
-               "no CUDA device on this machine and no --assume-gpu")
-        yield Problem("sync-backend", f"cluster.sync_backend=nccl, but the run resolves to "
-                      f"cpu ({why}): NCCL needs CUDA devices",
-                      "cluster.sync_backend=gloo or null (the device's own); to plan for GPUs, "
-                      "--assume-gpu or cluster.device=gpu")
+        why = (
+            "cluster.device=cpu"
+            if run.cfg.cluster.device == "cpu"
+            else "no CUDA device on this machine and no --assume-gpu"
+        )
+        yield Problem(
+            "sync-backend",
+            f"cluster.sync_backend=nccl, but the run resolves to "
+            f"cpu ({why}): NCCL needs CUDA devices",
+            "cluster.sync_backend=gloo or null (the device's own); to plan for GPUs, "
+            "--assume-gpu or cluster.device=gpu",
+        )
     elif backend == "gloo" and run.device == "cuda":
-        yield Problem("sync-backend", "cluster.sync_backend=gloo on gpu: gloo would stage "
-                      "every weight through host memory at each sync",
-                      "cluster.sync_backend=nccl (or null: the device's own)")
+        yield Problem(
+            "sync-backend",
+            "cluster.sync_backend=gloo on gpu: gloo would stage "
+            "every weight through host memory at each sync",
+            "cluster.sync_backend=nccl (or null: the device's own)",
+        )
 
 
 def check_lora(run: SizedRun, spec: ModelSpec) -> Iterable[Problem]:
@@ -298,24 +390,37 @@ def check_lora(run: SizedRun, spec: ModelSpec) -> Iterable[Problem]:
         if why is None and lora.rank > VLLM_LORA_RANKS[-1]:
             why = f"vLLM serves LoRA ranks up to {VLLM_LORA_RANKS[-1]}"
         if why is not None:
-            yield Problem("lora", f"actor.lora.sync=adapter: {why}, so the engines cannot "
-                          f"apply the adapter (rank {lora.rank})",
-                          "actor.lora.sync=merged (the engines get merged weights)")
+            yield Problem(
+                "lora",
+                f"actor.lora.sync=adapter: {why}, so the engines cannot "
+                f"apply the adapter (rank {lora.rank})",
+                "actor.lora.sync=merged (the engines get merged weights)",
+            )
         if run.cfg.rollout.enable_sleep and run.cfg.rollout.sleep_level == 2:
-            yield Problem("lora", "rollout.sleep_level=2 discards the engines' weights while "
-                          "the actor trains, and actor.lora.sync=adapter never sends the base "
-                          "again", "rollout.sleep_level=1 (or null: 1 with adapter sync)")
+            yield Problem(
+                "lora",
+                "rollout.sleep_level=2 discards the engines' weights while "
+                "the actor trains, and actor.lora.sync=adapter never sends the base "
+                "again",
+                "rollout.sleep_level=1 (or null: 1 with adapter sync)",
+            )
     if lora.enabled and head and spec.tied_embeddings:
         kept = [t for t in lora.targets if t != LORA_HEAD]
-        yield Problem("lora", f"actor.lora.targets: {LORA_HEAD} is the input embedding in "
-                      f"this model (tied embeddings), which carries no adapter",
-                      f"actor.lora.targets=[{', '.join(kept or LORA_TARGETS)}]")
+        yield Problem(
+            "lora",
+            f"actor.lora.targets: {LORA_HEAD} is the input embedding in "
+            f"this model (tied embeddings), which carries no adapter",
+            f"actor.lora.targets=[{', '.join(kept or LORA_TARGETS)}]",
+        )
     missing = [t for t in lora.targets if spec.is_moe and t in ("linear_fc1", "linear_fc2")]
     if lora.enabled and missing:
         kept = [t for t in lora.targets if t not in missing]
-        yield Problem("lora", f"actor.lora.targets: {', '.join(missing)} do not exist in "
-                      f"{spec.family} (its MLPs are routed experts, which carry no adapters)",
-                      f"actor.lora.targets=[{', '.join(kept or ['linear_qkv', 'linear_proj'])}]")
+        yield Problem(
+            "lora",
+            f"actor.lora.targets: {', '.join(missing)} do not exist in "
+            f"{spec.family} (its MLPs are routed experts, which carry no adapters)",
+            f"actor.lora.targets=[{', '.join(kept or ['linear_qkv', 'linear_proj'])}]",
+        )
 
 
 def check_routing_replay(run: SizedRun, spec: ModelSpec) -> Iterable[Problem]:
@@ -325,24 +430,35 @@ def check_routing_replay(run: SizedRun, spec: ModelSpec) -> Iterable[Problem]:
     if replay == "none":
         return
     if not spec.is_moe:
-        yield Problem("routing-replay", f"algorithm.routing_replay={replay}: {spec.family} "
-                      "has no MoE layer, so there is no routing to replay",
-                      "algorithm.routing_replay=none")
+        yield Problem(
+            "routing-replay",
+            f"algorithm.routing_replay={replay}: {spec.family} "
+            "has no MoE layer, so there is no routing to replay",
+            "algorithm.routing_replay=none",
+        )
     if replay == "rollout" and run.device == "cpu":
-        yield Problem("routing-replay", "algorithm.routing_replay=rollout: vLLM returns each "
-                      "token's experts only from its V2 model runner, which needs Triton (GPU)",
-                      "algorithm.routing_replay=old (the π_old pass's routing)")
+        yield Problem(
+            "routing-replay",
+            "algorithm.routing_replay=rollout: vLLM returns each "
+            "token's experts only from its V2 model runner, which needs Triton (GPU)",
+            "algorithm.routing_replay=old (the π_old pass's routing)",
+        )
     if replay == "rollout" and not run.cfg.rollout.enable_prefix_caching:
-        yield Problem("routing-replay", "algorithm.routing_replay=rollout: vLLM returns routed "
-                      "experts only with prefix caching on (rollout.enable_prefix_caching=false)",
-                      "rollout.enable_prefix_caching=true")
+        yield Problem(
+            "routing-replay",
+            "algorithm.routing_replay=rollout: vLLM returns routed "
+            "experts only with prefix caching on (rollout.enable_prefix_caching=false)",
+            "rollout.enable_prefix_caching=true",
+        )
 
 
 def check_cpu_engine(run: SizedRun, spec: ModelSpec) -> Iterable[Problem]:
     if run.device == "cpu" and not 32 <= spec.head_dim <= 512:
-        yield Problem("cpu-head-dim", f"head_dim={spec.head_dim}: vLLM's CPU attention supports "
-                      "head sizes 32-512", "a model with head_dim >= 32 (e.g. fewer, wider "
-                      "heads)")
+        yield Problem(
+            "cpu-head-dim",
+            f"head_dim={spec.head_dim}: vLLM's CPU attention supports head sizes 32-512",
+            "a model with head_dim >= 32 (e.g. fewer, wider heads)",
+        )
 
 
 def check_reward_model(run: SizedRun, spec: ModelSpec) -> Iterable[Problem]:
@@ -354,23 +470,30 @@ def check_reward_model(run: SizedRun, spec: ModelSpec) -> Iterable[Problem]:
     try:
         par.check_model(run.reward_spec)
     except ConfigError as err:
-        yield Problem("reward-model-grid", str(err.under("reward_model.parallel")),
-                      "a reward_model.parallel grid that divides the reward model's heads, "
-                      "kv heads, FFN and layers")
+        yield Problem(
+            "reward-model-grid",
+            str(err.under("reward_model.parallel")),
+            "a reward_model.parallel grid that divides the reward model's heads, "
+            "kv heads, FFN and layers",
+        )
     train_world = run.cfg.actor.world_size
     if par.world_size > train_world:
-        yield Problem("reward-model-world", f"reward_model.parallel world "
-                      f"{par.world_size} > the actor's {train_world} devices (reward "
-                      "ranks share the actor's devices, one each)",
-                      f"reward_model.parallel with tp·pp·dp <= {train_world}")
+        yield Problem(
+            "reward-model-world",
+            f"reward_model.parallel world "
+            f"{par.world_size} > the actor's {train_world} devices (reward "
+            "ranks share the actor's devices, one each)",
+            f"reward_model.parallel with tp·pp·dp <= {train_world}",
+        )
 
 
 def check_memory(run: SizedRun, spec: ModelSpec) -> Iterable[Problem]:
     try:
         plan = plan_memory(run)
     except (ConfigError, LayoutError, ValueError) as err:
-        yield Problem("memory", f"memory not estimated: {err}", "fix the problems above first",
-                      "warning")
+        yield Problem(
+            "memory", f"memory not estimated: {err}", "fix the problems above first", "warning"
+        )
         return
     yield from memory_problems(plan)
 
@@ -380,34 +503,51 @@ def memory_problems(plan: MemoryPlan) -> Iterable[Problem]:
     limit = plan.device_bytes
     for note in plan.notes:
         if "refuses to start" in note or "leaves no KV cache" in note:
-            yield Problem("rollout-kv", note, "a higher rollout.tp (less weight per device), a "
-                          "higher rollout.gpu_memory_utilization, or a shorter rollout.max_model_len")
+            yield Problem(
+                "rollout-kv",
+                note,
+                "a higher rollout.tp (less weight per device), a "
+                "higher rollout.gpu_memory_utilization, or a shorter rollout.max_model_len",
+            )
         elif "preempts" in note:
-            yield Problem("rollout-kv", note, "rollout.max_num_seqs lower, or more KV memory",
-                          "warning")
+            yield Problem(
+                "rollout-kv", note, "rollout.max_num_seqs lower, or more KV memory", "warning"
+            )
     over = [dev for dev in plan.devices if dev.peak.total > limit]
     if not over:
         return
     fitting = [s for s in suggest(plan) if s.fits][:4]
-    fix = "; ".join(f"{' '.join(s.overrides)} → {s.peak_bytes / GiB:.1f} GiB"
-                    + (f" ({s.note.removeprefix('combined').lstrip('; ')})"
-                       if s.note.removeprefix("combined").lstrip("; ") else "")
-                    for s in fitting) or "no knob fits; see `mcore-rl plan-memory`"
+    fix = (
+        "; ".join(
+            f"{' '.join(s.overrides)} → {s.peak_bytes / GiB:.1f} GiB"
+            + (
+                f" ({s.note.removeprefix('combined').lstrip('; ')})"
+                if s.note.removeprefix("combined").lstrip("; ")
+                else ""
+            )
+            for s in fitting
+        )
+        or "no knob fits; see `mcore-rl plan-memory`"
+    )
     util = run.gpu_memory_utilization
     for dev in over:
         phase = dev.peak
         parts = ", ".join(f"{what} {b / GiB:.1f}" for what, b in phase.parts)
         others = [p.name for p in dev.phases if p.total > limit and p is not phase]
-        message = (f"{dev.device}, {phase.name}: {phase.total / GiB:.1f} GiB > "
-                   f"cluster.device_gib={run.cluster.device_gib:g} ({parts})"
-                   + (f"; also over in: {', '.join(others)}" if others else ""))
+        message = (
+            f"{dev.device}, {phase.name}: {phase.total / GiB:.1f} GiB > "
+            f"cluster.device_gib={run.cluster.device_gib:g} ({parts})"
+            + (f"; also over in: {', '.join(others)}" if others else "")
+        )
         if run.cluster.placement == "colocated" and phase.name == "rollout" and util is not None:
             rest = sum(b for what, b in phase.parts if what != "rollout engine")
             max_util = math.floor((limit - rest) / limit * 100) / 100
-            yield Problem("colocated-gpu-util", message + f": vLLM asks for {util:g} of the "
-                          "device while the trainer's states stay resident",
-                          f"rollout.gpu_memory_utilization <= {max_util:g}" if max_util > 0
-                          else fix)
+            yield Problem(
+                "colocated-gpu-util",
+                message + f": vLLM asks for {util:g} of the "
+                "device while the trainer's states stay resident",
+                f"rollout.gpu_memory_utilization <= {max_util:g}" if max_util > 0 else fix,
+            )
         else:
             yield Problem("memory", message, fix)
 
@@ -432,8 +572,15 @@ CHECKS: tuple[tuple[str, Callable[[SizedRun, ModelSpec], Iterable[Problem]]], ..
 
 # the checks of the grids themselves (each split fits the model, the ranks fit the devices):
 # `mcore-rl explain` refuses to draw a run that fails one
-GRID_CHECKS = ("train-tp", "train-pp", "world-size", "placement", "rollout-tp",
-               "reward-model", "lora")
+GRID_CHECKS = (
+    "train-tp",
+    "train-pp",
+    "world-size",
+    "placement",
+    "rollout-tp",
+    "reward-model",
+    "lora",
+)
 
 
 def preflight(run: SizedRun, only: Iterable[str] | None = None) -> list[Problem]:
@@ -445,8 +592,13 @@ def preflight(run: SizedRun, only: Iterable[str] | None = None) -> list[Problem]
         try:
             problems.extend(check(run, run.spec))
         except Exception as err:  # noqa: BLE001 — one broken check must not hide the others
-            problems.append(Problem(name, f"check crashed: {type(err).__name__}: {err}",
-                                    "report this as a bug in mcore_rl.planning.grid_checks"))
+            problems.append(
+                Problem(
+                    name,
+                    f"check crashed: {type(err).__name__}: {err}",
+                    "report this as a bug in mcore_rl.planning.grid_checks",
+                )
+            )
     return problems
 
 
@@ -456,8 +608,10 @@ MARKS = {"error": ("ERROR", "fix"), "warning": ("warn ", "fix"), "note": ("note 
 def format_problems(problems: list[Problem]) -> str:
     """Errors, then warnings, then notes; each as `MARK [check] message` and its fix."""
     count = {s: sum(p.severity == s for p in problems) for s in MARKS}
-    lines = [f"{count['error']} error(s), {count['warning']} warning(s)"
-             + (f", {count['note']} note(s)" if count["note"] else "")]
+    lines = [
+        f"{count['error']} error(s), {count['warning']} warning(s)"
+        + (f", {count['note']} note(s)" if count["note"] else "")
+    ]
     for p in sorted(problems, key=lambda p: list(MARKS).index(p.severity)):
         mark, fix = MARKS[p.severity]
         lines.append(f"{mark} [{p.check}] {p.message}")

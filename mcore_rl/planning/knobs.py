@@ -29,21 +29,23 @@ def _candidates(run: SizedRun, spec: ModelSpec) -> list[tuple[str, list[str], st
         mb //= 2
         out.append((f"micro batch {mb}", _train_knob(run, "micro_batch_size", mb), ""))
     order = ["none", "selective", "full"]
-    for level in order[order.index(t.recompute) + 1:]:
+    for level in order[order.index(t.recompute) + 1 :]:
         out.append((f"{level} recompute", _train_knob(run, "recompute", level), ""))
     if par.dp > 1 and not par.use_distributed_optimizer:
         out.append(("distributed optimizer", ["actor.use_distributed_optimizer=true"], ""))
     if par.tp > 1 and not par.sequence_parallel:
         out.append(("sequence parallel", ["actor.sequence_parallel=true"], ""))
     tp2 = par.tp * 2
-    if (spec.heads % tp2 == 0 and spec.kv_heads % tp2 == 0 and spec.ffn % tp2 == 0
-            and tp2 <= gpn):
+    if spec.heads % tp2 == 0 and spec.kv_heads % tp2 == 0 and spec.ffn % tp2 == 0 and tp2 <= gpn:
         dp = par.dp // 2 if par.dp % 2 == 0 else par.dp
         note = "same devices" if dp != par.dp else f"needs {tp2 * par.pp * dp} training devices"
         out.append((f"actor tp {tp2}", [f"actor.tp={tp2}", f"actor.dp={dp}"], note))
     pp2 = par.pp * 2
-    if par.first_stage_layers is None and par.last_stage_layers is None and \
-            spec.layers % (pp2 * (par.vpp or 1)) == 0:
+    if (
+        par.first_stage_layers is None
+        and par.last_stage_layers is None
+        and spec.layers % (pp2 * (par.vpp or 1)) == 0
+    ):
         dp = par.dp // 2 if par.dp % 2 == 0 else par.dp
         note = "same devices" if dp != par.dp else f"needs {par.tp * pp2 * dp} training devices"
         out.append((f"actor pp {pp2}", [f"actor.pp={pp2}", f"actor.dp={dp}"], note))
@@ -51,17 +53,35 @@ def _candidates(run: SizedRun, spec: ModelSpec) -> list[tuple[str, list[str], st
     if run.cluster.placement == "colocated" and util is not None and util > 0.1:
         for new in (round(util - 0.1 * k, 2) for k in range(1, 9)):
             if new >= 0.1:
-                out.append((f"gpu_memory_utilization {new:g}",
-                            [f"rollout.gpu_memory_utilization={new:g}"], ""))
+                out.append(
+                    (
+                        f"gpu_memory_utilization {new:g}",
+                        [f"rollout.gpu_memory_utilization={new:g}"],
+                        "",
+                    )
+                )
     if util is None:  # CPU: the KV cache is what the engine is given
-        out.append((f"kv_cache_gib {r.kv_cache_gib / 2:g}",
-                    [f"rollout.kv_cache_gib={r.kv_cache_gib / 2:g}"], ""))
+        out.append(
+            (
+                f"kv_cache_gib {r.kv_cache_gib / 2:g}",
+                [f"rollout.kv_cache_gib={r.kv_cache_gib / 2:g}"],
+                "",
+            )
+        )
     rtp = r.tp * 2
-    if spec.heads % rtp == 0 and rtp <= gpn and (
-            spec.kv_heads % rtp == 0 or rtp % spec.kv_heads == 0):
+    if (
+        spec.heads % rtp == 0
+        and rtp <= gpn
+        and (spec.kv_heads % rtp == 0 or rtp % spec.kv_heads == 0)
+    ):
         engines = r.engines // 2 if r.engines % 2 == 0 else r.engines
-        out.append((f"rollout tp {rtp}", [f"rollout.tp={rtp}", f"rollout.engines={engines}"],
-                    "same devices" if engines != r.engines else "more devices"))
+        out.append(
+            (
+                f"rollout tp {rtp}",
+                [f"rollout.tp={rtp}", f"rollout.engines={engines}"],
+                "same devices" if engines != r.engines else "more devices",
+            )
+        )
     return out
 
 
@@ -80,8 +100,7 @@ def suggest(plan: MemoryPlan, *, max_steps: int = 6) -> tuple[Suggestion, ...]:
     spec = run.spec
     singles: dict[str, Suggestion] = {}
     for knob, overrides, note in _candidates(run, spec):
-        family = knob.rsplit(" ", 1)[0] if knob.startswith(("micro batch", "gpu_memory")) \
-            else knob
+        family = knob.rsplit(" ", 1)[0] if knob.startswith(("micro batch", "gpu_memory")) else knob
         if family in singles and singles[family].fits:
             continue  # a milder step of this knob already fits
         trial = _try(run, overrides)
@@ -96,8 +115,11 @@ def suggest(plan: MemoryPlan, *, max_steps: int = 6) -> tuple[Suggestion, ...]:
             best = None
             for knob, overrides, note in _candidates(current.run, spec):
                 trial = _try(current.run, overrides)
-                if trial is not None and trial.peak_bytes < current.peak_bytes and (
-                        best is None or trial.peak_bytes < best[1].peak_bytes):
+                if (
+                    trial is not None
+                    and trial.peak_bytes < current.peak_bytes
+                    and (best is None or trial.peak_bytes < best[1].peak_bytes)
+                ):
                     best = (knob, trial, overrides, note)
             if best is None:
                 break
@@ -109,8 +131,15 @@ def suggest(plan: MemoryPlan, *, max_steps: int = 6) -> tuple[Suggestion, ...]:
             if current.fits:
                 break
         if knobs:
-            out.append(Suggestion(" + ".join(knobs), tuple(combo), current.peak_bytes,
-                                  current.fits, "; ".join(["combined"] + notes)))
+            out.append(
+                Suggestion(
+                    " + ".join(knobs),
+                    tuple(combo),
+                    current.peak_bytes,
+                    current.fits,
+                    "; ".join(["combined"] + notes),
+                )
+            )
     return tuple(out)
 
 

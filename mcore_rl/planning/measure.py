@@ -109,9 +109,14 @@ def static_bytes(trainer) -> dict[str, int]:
                     if isinstance(value, torch.Tensor):
                         sptr, sbytes = _key(value)
                         adam[sptr] = sbytes
-    return {"weights": sum(params.values()), "grads": sum(grads.values()),
-            "main params": sum(main.values()), "main grads": sum(main_grads.values()),
-            "adam": sum(adam.values()), "params": sum(numel.values())}
+    return {
+        "weights": sum(params.values()),
+        "grads": sum(grads.values()),
+        "main params": sum(main.values()),
+        "main grads": sum(main_grads.values()),
+        "adam": sum(adam.values()),
+        "params": sum(numel.values()),
+    }
 
 
 def _all_storages(trainer) -> set[int]:
@@ -131,27 +136,44 @@ def _all_storages(trainer) -> set[int]:
     return out
 
 
-def predict_case(spec_name: str, parallel_kw: dict, coords: dict, *, dtype: str = "float32",
-                 micro_batch_size: int = 2, num_micro_batches: int = 4, seq_len: int = 64,
-                 recompute: str = "none") -> dict[str, float]:
+def predict_case(
+    spec_name: str,
+    parallel_kw: dict,
+    coords: dict,
+    *,
+    dtype: str = "float32",
+    micro_batch_size: int = 2,
+    num_micro_batches: int = 4,
+    seq_len: int = 64,
+    recompute: str = "none",
+) -> dict[str, float]:
     """The planner's figures for the rank at `coords` of a `measure_case` case (local kernels,
     fp32 grads as the trainer uses), in the same categories."""
     from mcore_rl.config.dtypes import dtype_bytes
     from mcore_rl.models.presets import get_preset
     from mcore_rl.parallel.config import ParallelConfig
-    from mcore_rl.planning.memory import (ActivationModel, in_flight_layers,
-                                          last_stage_terms, layer_activation_bytes,
-                                          mcore_stage_params, recompute_workspace,
-                                          state_bytes_per_param)
+    from mcore_rl.planning.memory import (
+        ActivationModel,
+        in_flight_layers,
+        last_stage_terms,
+        layer_activation_bytes,
+        mcore_stage_params,
+        recompute_workspace,
+        state_bytes_per_param,
+    )
 
     spec = get_preset(spec_name)
     par = ParallelConfig(**parallel_kw)
     stage = coords["pp"]
     n = mcore_stage_params(spec, par, stage)
     states = state_bytes_per_param(dtype, "float32", par.use_distributed_optimizer, par.dp)
-    model = ActivationModel.for_kernels("local", act_bytes=dtype_bytes(dtype), tp=par.tp,
-                                        sequence_parallel=par.sequence_parallel,
-                                        recompute=recompute)
+    model = ActivationModel.for_kernels(
+        "local",
+        act_bytes=dtype_bytes(dtype),
+        tp=par.tp,
+        sequence_parallel=par.sequence_parallel,
+        recompute=recompute,
+    )
     per_layer = layer_activation_bytes(spec, seq_len, micro_batch_size, model)
     act = in_flight_layers(par, spec.layers, stage, num_micro_batches) * per_layer
     tail = 0.0
@@ -159,39 +181,66 @@ def predict_case(spec_name: str, parallel_kw: dict, coords: dict, *, dtype: str 
         terms = last_stage_terms(spec, seq_len, micro_batch_size, model)
         tail = terms["final norm, head input"] + terms["logits (fp32, kept)"]
     act += max(tail, recompute_workspace(spec, seq_len, micro_batch_size, model))
-    return {"params": n, "weights": n * states.weights, "grads": n * states.grads,
-            "main params": n * states.main_params, "main grads": n * states.main_grads,
-            "adam": n * states.adam, "activations": act}
+    return {
+        "params": n,
+        "weights": n * states.weights,
+        "grads": n * states.grads,
+        "main params": n * states.main_params,
+        "main grads": n * states.main_grads,
+        "adam": n * states.adam,
+        "activations": act,
+    }
 
 
-def measure_case(spec_name: str, parallel_kw: dict, *, dtype: str = "float32",
-                 micro_batch_size: int = 2, num_micro_batches: int = 4, seq_len: int = 64,
-                 recompute: str = "none") -> dict[str, Any]:
+def measure_case(
+    spec_name: str,
+    parallel_kw: dict,
+    *,
+    dtype: str = "float32",
+    micro_batch_size: int = 2,
+    num_micro_batches: int = 4,
+    seq_len: int = 64,
+    recompute: str = "none",
+) -> dict[str, Any]:
     """Build the grid, run one training step under the saved-tensor tracker, return this
     rank's coordinates, static bytes and peak activation bytes."""
+    from mcore_rl.megatron.config import TrainConfig
+    from mcore_rl.megatron.train import MicroBatch, setup_trainer, train_step
     from mcore_rl.models.presets import get_preset
     from mcore_rl.parallel.config import ParallelConfig
     from mcore_rl.parallel.groups import init_training_groups
-    from mcore_rl.megatron.config import TrainConfig
-    from mcore_rl.megatron.train import MicroBatch, setup_trainer, train_step
 
     spec = get_preset(spec_name)
     parallel = ParallelConfig(**parallel_kw)
     groups = init_training_groups(parallel)
-    train = TrainConfig(micro_batch_size=micro_batch_size, num_micro_batches=num_micro_batches,
-                        seq_len=seq_len, dtype=dtype, recompute=recompute)
+    train = TrainConfig(
+        micro_batch_size=micro_batch_size,
+        num_micro_batches=num_micro_batches,
+        seq_len=seq_len,
+        dtype=dtype,
+        recompute=recompute,
+    )
     trainer = setup_trainer(spec, groups, train)  # the trainer the RL roles train with
     gen = torch.Generator().manual_seed(0)
     batches = []
     for _ in range(num_micro_batches):
         seq = torch.randint(0, spec.vocab, (micro_batch_size, seq_len + 1), generator=gen)
-        batches.append(MicroBatch(tokens=seq[:, :-1], labels=seq[:, 1:],
-                                  loss_mask=torch.ones(micro_batch_size, seq_len)))
+        batches.append(
+            MicroBatch(
+                tokens=seq[:, :-1],
+                labels=seq[:, 1:],
+                loss_mask=torch.ones(micro_batch_size, seq_len),
+            )
+        )
     tracker = SavedTensorTracker(_all_storages(trainer))
     with torch.autograd.graph.saved_tensors_hooks(tracker.pack, tracker.unpack):
         train_step(trainer, batches)
-    out = {"coords": dict(groups.coords), **static_bytes(trainer),
-           "activations": tracker.peak, "left_live": tracker.bytes}
+    out = {
+        "coords": dict(groups.coords),
+        **static_bytes(trainer),
+        "activations": tracker.peak,
+        "left_live": tracker.bytes,
+    }
     del trainer
     return out
 
@@ -207,24 +256,36 @@ def measure_grids(rank: int, world: int, cases: list[dict]) -> list[dict[str, An
     return results
 
 
-__all__ = ["SavedTensorTracker", "measure_case", "measure_grids", "predict_case",
-           "static_bytes"]
+__all__ = ["SavedTensorTracker", "measure_case", "measure_grids", "predict_case", "static_bytes"]
 
 
 # `python -m mcore_rl.planning.measure`: the validation table (minutes on a CPU machine).
 VALIDATION: dict[int, list[dict]] = {
-    1: [dict(spec_name="micro", parallel_kw={}, dtype=d, recompute=r)
-        for d in ("float32", "bfloat16") for r in ("none", "selective", "full")],
-    2: [dict(spec_name="micro", parallel_kw=dict(tp=2)),
+    1: [
+        dict(spec_name="micro", parallel_kw={}, dtype=d, recompute=r)
+        for d in ("float32", "bfloat16")
+        for r in ("none", "selective", "full")
+    ],
+    2: [
+        dict(spec_name="micro", parallel_kw=dict(tp=2)),
         dict(spec_name="micro", parallel_kw=dict(tp=2, sequence_parallel=True), dtype="bfloat16"),
         dict(spec_name="micro", parallel_kw=dict(pp=2)),
         dict(spec_name="micro", parallel_kw=dict(pp=2, vpp=2)),
-        dict(spec_name="micro", parallel_kw=dict(dp=2, use_distributed_optimizer=True),
-             dtype="bfloat16")],
-    4: [dict(spec_name="micro", parallel_kw=dict(tp=2, pp=2, sequence_parallel=True),
-             dtype="bfloat16"),
+        dict(
+            spec_name="micro",
+            parallel_kw=dict(dp=2, use_distributed_optimizer=True),
+            dtype="bfloat16",
+        ),
+    ],
+    4: [
+        dict(
+            spec_name="micro",
+            parallel_kw=dict(tp=2, pp=2, sequence_parallel=True),
+            dtype="bfloat16",
+        ),
         dict(spec_name="micro", parallel_kw=dict(pp=2, dp=2, use_distributed_optimizer=True)),
-        dict(spec_name="micro", parallel_kw=dict(pp=4), num_micro_batches=2)],
+        dict(spec_name="micro", parallel_kw=dict(pp=4), num_micro_batches=2),
+    ],
 }
 
 
@@ -232,13 +293,17 @@ def _validation_table() -> str:
     from mcore_rl.launch.spawn import run_on_ranks
 
     keys = ("weights", "grads", "main params", "adam")
-    rows = ["| case | rank (tp,pp,dp) | states planned / measured (B) | err | activations "
-            "planned / measured (B) | err |", "|---|---|---|---|---|---|"]
+    rows = [
+        "| case | rank (tp,pp,dp) | states planned / measured (B) | err | activations "
+        "planned / measured (B) | err |",
+        "|---|---|---|---|---|---|",
+    ]
     for world, cases in VALIDATION.items():
         results = run_on_ranks(measure_grids, world, cases, timeout_s=600)
         for i, case in enumerate(cases):
-            label = (",".join(f"{k}={v}" for k, v in case["parallel_kw"].items()) or "1 rank") \
-                + f" {case.get('dtype', 'float32')} {case.get('recompute', 'none')}"
+            label = (
+                ",".join(f"{k}={v}" for k, v in case["parallel_kw"].items()) or "1 rank"
+            ) + f" {case.get('dtype', 'float32')} {case.get('recompute', 'none')}"
             seen = set()
             for per_rank in results:
                 got = per_rank[i]
@@ -248,10 +313,12 @@ def _validation_table() -> str:
                 seen.add((c["pp"],))
                 want = predict_case(**case, coords=c)
                 st_w, st_g = sum(want[k] for k in keys), sum(got[k] for k in keys)
-                rows.append(f"| {label} | {c['tp']},{c['pp']},{c['dp']} | {st_w:,.0f} / "
-                            f"{st_g:,} | {st_w / st_g - 1:+.2%} | {want['activations']:,.0f} / "
-                            f"{got['activations']:,} | "
-                            f"{want['activations'] / got['activations'] - 1:+.2%} |")
+                rows.append(
+                    f"| {label} | {c['tp']},{c['pp']},{c['dp']} | {st_w:,.0f} / "
+                    f"{st_g:,} | {st_w / st_g - 1:+.2%} | {want['activations']:,.0f} / "
+                    f"{got['activations']:,} | "
+                    f"{want['activations'] / got['activations'] - 1:+.2%} |"
+                )
     return "\n".join(rows)
 
 

@@ -53,10 +53,14 @@ from mcore_rl.layouts.shards import VLLM_VOCAB_PADDING
 from mcore_rl.megatron.config import LORA_HEAD
 from mcore_rl.models.spec import ModelSpec
 from mcore_rl.parallel.config import ParallelConfig
-from mcore_rl.planning.activations import (ActivationModel, in_flight_layers,
-                                           layer_activation_bytes, layer_activation_terms,
-                                           recompute_workspace)
-from mcore_rl.planning.sized import GiB, TRAINER_GRAD_DTYPE, SizedRun
+from mcore_rl.planning.activations import (
+    ActivationModel,
+    in_flight_layers,
+    layer_activation_bytes,
+    layer_activation_terms,
+    recompute_workspace,
+)
+from mcore_rl.planning.sized import TRAINER_GRAD_DTYPE, GiB, SizedRun
 
 if TYPE_CHECKING:
     from mcore_rl.megatron.config import TrainConfig
@@ -75,13 +79,18 @@ def mcore_layer_params(spec: ModelSpec, tp: int, ep: int = 1, etp: int | None = 
     norms = 2 * spec.hidden + (2 * spec.head_dim if spec.qk_norm else 0)
     if spec.is_moe:
         experts = spec.num_experts // ep * 3 * spec.moe_ffn * spec.hidden // (etp or tp)
-        return ((qkv + spec.q_dim * spec.hidden) // tp + experts
-                + spec.num_experts * spec.hidden + norms)
+        return (
+            (qkv + spec.q_dim * spec.hidden) // tp
+            + experts
+            + spec.num_experts * spec.hidden
+            + norms
+        )
     return (qkv + spec.q_dim * spec.hidden + 3 * spec.ffn * spec.hidden) // tp + norms
 
 
-def mcore_stage_params(spec: ModelSpec, parallel: ParallelConfig, stage: int,
-                       head: Literal["lm", "value"] = "lm") -> int:
+def mcore_stage_params(
+    spec: ModelSpec, parallel: ParallelConfig, stage: int, head: Literal["lm", "value"] = "lm"
+) -> int:
     """Parameters on one TP rank of pipeline stage `stage`: its layers, the embedding
     [V_pad/tp, h] on stage 0, final norm and output head on the last stage. With tied
     embeddings megatron keeps a copy of the embedding on the last stage when pp > 1. The
@@ -101,17 +110,20 @@ def mcore_stage_params(spec: ModelSpec, parallel: ParallelConfig, stage: int,
     return n
 
 
-def lora_stage_params(spec: ModelSpec, parallel: ParallelConfig, stage: int, rank: int,
-                      targets: tuple[str, ...]) -> int:
+def lora_stage_params(
+    spec: ModelSpec, parallel: ParallelConfig, stage: int, rank: int, targets: tuple[str, ...]
+) -> int:
     """LoRA adapter parameters on one TP rank of pipeline stage `stage`: per adapted linear
     r·(in + out) with the linear's split side divided by TP (column-parallel: B's rows;
     row-parallel: A's columns) — `megatron.lora`; the output layer's (a column linear over
     the padded vocabulary) on the last stage."""
     tp, q, kv = parallel.tp, spec.heads * spec.head_dim, spec.kv_heads * spec.head_dim
-    shapes = {"linear_qkv": (spec.hidden, (q + 2 * kv) // tp),  # (A's columns, B's rows)
-              "linear_proj": (q // tp, spec.hidden),
-              "linear_fc1": (spec.hidden, 2 * spec.ffn // tp),
-              "linear_fc2": (spec.ffn // tp, spec.hidden)}
+    shapes = {
+        "linear_qkv": (spec.hidden, (q + 2 * kv) // tp),  # (A's columns, B's rows)
+        "linear_proj": (q // tp, spec.hidden),
+        "linear_fc1": (spec.hidden, 2 * spec.ffn // tp),
+        "linear_fc2": (spec.ffn // tp, spec.hidden),
+    }
     per_layer = sum(rank * sum(shapes[t]) for t in targets if t != LORA_HEAD)
     n = parallel.stage_layer_counts(spec.layers)[stage] * per_layer
     if LORA_HEAD in targets and stage == parallel.pp - 1:
@@ -168,8 +180,9 @@ class StateBytes:
         return self.weights + self.grads + self.main_params + self.main_grads + self.adam
 
 
-def state_bytes_per_param(dtype: str, grad_dtype: str, distributed_optimizer: bool,
-                          dp: int) -> StateBytes:
+def state_bytes_per_param(
+    dtype: str, grad_dtype: str, distributed_optimizer: bool, dp: int
+) -> StateBytes:
     """Megatron's training states per parameter (see the module doc for the published table).
 
     weights in `dtype`; the DDP grad buffer in `grad_dtype`; with 16-bit weights the optimizer
@@ -182,8 +195,13 @@ def state_bytes_per_param(dtype: str, grad_dtype: str, distributed_optimizer: bo
         raise ValueError(f"grad_dtype={grad_dtype} narrower than dtype={dtype}")
     share = 1 / dp if distributed_optimizer else 1.0
     mixed = p < 4
-    return StateBytes(weights=p, grads=g, main_params=4 * share if mixed else 0.0,
-                      main_grads=4 * share if mixed and g < 4 else 0.0, adam=8 * share)
+    return StateBytes(
+        weights=p,
+        grads=g,
+        main_params=4 * share if mixed else 0.0,
+        main_grads=4 * share if mixed and g < 4 else 0.0,
+        adam=8 * share,
+    )
 
 
 # --- the plan ---------------------------------------------------------------------------------
@@ -293,13 +311,22 @@ def _g(n: float) -> str:
 
 def activation_model(run: SizedRun, train: TrainConfig) -> ActivationModel:
     par = run.cfg.actor
-    return ActivationModel.for_kernels(run.kernels, act_bytes=dtype_bytes(train.dtype),
-                                       tp=par.tp, sequence_parallel=par.sequence_parallel,
-                                       recompute=train.recompute)
+    return ActivationModel.for_kernels(
+        run.kernels,
+        act_bytes=dtype_bytes(train.dtype),
+        tp=par.tp,
+        sequence_parallel=par.sequence_parallel,
+        recompute=train.recompute,
+    )
 
 
-def last_stage_terms(spec: ModelSpec, seq: int, micro_batch: int, model: ActivationModel,
-                     head: Literal["lm", "value"] = "lm") -> dict[str, float]:
+def last_stage_terms(
+    spec: ModelSpec,
+    seq: int,
+    micro_batch: int,
+    model: ActivationModel,
+    head: Literal["lm", "value"] = "lm",
+) -> dict[str, float]:
     """What the last stage keeps after its layers, per micro batch: the final norm, the output
     layer's input and, for an LM head, the fp32 logits megatron's vocab-parallel cross entropy
     keeps ([s·b, V_pad/tp]); plus, not kept but alive while the loss is formed, the output
@@ -324,8 +351,10 @@ def last_stage_terms(spec: ModelSpec, seq: int, micro_batch: int, model: Activat
 POLICY_LOSS_FP32_ROWS = 1
 
 
-_SYNC_DETAIL = {"colocated": "one bucket, the shared IPC buffer",
-                "disaggregated": "two buckets of point-to-point staging"}
+_SYNC_DETAIL = {
+    "colocated": "one bucket, the shared IPC buffer",
+    "disaggregated": "two buckets of point-to-point staging",
+}
 
 
 def sync_buffers(run: SizedRun) -> tuple[float, float]:
@@ -355,30 +384,33 @@ def training_rank(run: SizedRun, spec: ModelSpec, role: str, stage: int) -> Rank
     head = "value" if role == "critic" else "lm"
     n = mcore_stage_params(spec, par, stage, head)
     where = f"pp stage {stage}/{par.pp}"
-    states = state_bytes_per_param(t.dtype, TRAINER_GRAD_DTYPE, par.use_distributed_optimizer,
-                                   par.dp)
+    states = state_bytes_per_param(
+        t.dtype, TRAINER_GRAD_DTYPE, par.use_distributed_optimizer, par.dp
+    )
     comps = [Component("weights", n * states.weights, f"{t.dtype}, {_g(n)} params")]
     lora = run.cfg.actor.lora
     if role == "actor" and lora.enabled:  # the base is frozen: states for the adapters only
         n = lora_stage_params(spec, par, stage, lora.rank, lora.targets)
-        comps.append(Component("LoRA adapters", n * states.weights,
-                               f"rank {lora.rank}, {_g(n)} params"))
+        comps.append(
+            Component("LoRA adapters", n * states.weights, f"rank {lora.rank}, {_g(n)} params")
+        )
     s, b = t.seq_len, t.micro_batch_size
     act = activation_model(run, t)
     last = stage == par.pp - 1
     tail = last_stage_terms(spec, s, b, act, head) if last else {}
     if role == "actor" and last:  # the policy loss instead of the LM loss's kept fp32 logits
-        tail["policy loss (fp32 vocab rows)"] = (POLICY_LOSS_FP32_ROWS
-                                                 * tail.pop("logits (fp32, kept)"))
+        tail["policy loss (fp32 vocab rows)"] = POLICY_LOSS_FP32_ROWS * tail.pop(
+            "logits (fp32, kept)"
+        )
     if role == "reference":  # forward only: nothing kept; one micro batch's logits at a time
         if last:
             logits = tail.get("logits (fp32, kept)", 0) + tail.get("logits (transient)", 0)
-            comps.append(Component("logits", logits, f"1 micro batch, [s·b, V/tp] {t.dtype} "
-                                                     "+ fp32", False))
+            comps.append(
+                Component("logits", logits, f"1 micro batch, [s·b, V/tp] {t.dtype} + fp32", False)
+            )
         return RankMemory(role, where, tuple(comps))
     shard = f", sharded over dp={par.dp}" if par.use_distributed_optimizer and par.dp > 1 else ""
-    comps.append(Component("grads", n * states.grads,
-                           f"{TRAINER_GRAD_DTYPE} DDP grad buffer"))
+    comps.append(Component("grads", n * states.grads, f"{TRAINER_GRAD_DTYPE} DDP grad buffer"))
     if states.main_params:
         comps.append(Component("main params", n * states.main_params, f"fp32{shard}"))
     if states.main_grads:
@@ -386,15 +418,25 @@ def training_rank(run: SizedRun, spec: ModelSpec, role: str, stage: int) -> Rank
     comps.append(Component("adam m, v", n * states.adam, f"2 × fp32{shard}"))
     if role == "actor":
         staging = sync_buffers(run)[0]
-        comps.append(Component("weight-sync staging", staging,
-                               f"{_mib(staging)}: {_SYNC_DETAIL[run.cluster.placement]}"))
+        comps.append(
+            Component(
+                "weight-sync staging",
+                staging,
+                f"{_mib(staging)}: {_SYNC_DETAIL[run.cluster.placement]}",
+            )
+        )
     per_layer = layer_activation_bytes(spec, s, b, act)
     m = int(run.num_micro_batches(t)) or 1
     layers = in_flight_layers(par, spec.layers, stage, m)
-    comps.append(Component(
-        "activations", layers * per_layer,
-        f"{layers} layer-micro-batches × {_mib(per_layer)} ({t.recompute} recompute, "
-        f"{run.kernels} kernels{', SP' if par.sequence_parallel else ''})", False))
+    comps.append(
+        Component(
+            "activations",
+            layers * per_layer,
+            f"{layers} layer-micro-batches × {_mib(per_layer)} ({t.recompute} recompute, "
+            f"{run.kernels} kernels{', SP' if par.sequence_parallel else ''})",
+            False,
+        )
+    )
     if last:
         for name, value in tail.items():
             comps.append(Component(name, value, "last stage, 1 micro batch", False))
@@ -403,10 +445,15 @@ def training_rank(run: SizedRun, spec: ModelSpec, role: str, stage: int) -> Rank
     work = recompute_workspace(spec, s, b, act)
     logits = sum(tail.values())
     if work - logits > 1 << 20:  # rematerialized in backward, after the loss freed the logits
-        comps.append(Component("recompute workspace", max(work - logits, 0.0),
-                               f"{_mib(work)} rematerialized per layer in backward"
-                               + (f", minus the {_mib(logits)} of logits freed by then"
-                                  if logits else ""), False))
+        comps.append(
+            Component(
+                "recompute workspace",
+                max(work - logits, 0.0),
+                f"{_mib(work)} rematerialized per layer in backward"
+                + (f", minus the {_mib(logits)} of logits freed by then" if logits else ""),
+                False,
+            )
+        )
     return RankMemory(role, where, tuple(comps))
 
 
@@ -415,8 +462,12 @@ def routing_component(run: SizedRun, spec: ModelSpec) -> Component:
     for one mini-batch's DP slice, on the device while it trains."""
     rows = run.global_batch // run.cfg.actor.dp
     s, k = run.cfg.train.seq_len, spec.experts_per_token
-    return Component("MoE routing (replay)", 2.0 * rows * s * spec.layers * k,
-                     f"int16 [{rows} rows, s {s}, {spec.layers} layers, top-{k}]", False)
+    return Component(
+        "MoE routing (replay)",
+        2.0 * rows * s * spec.layers * k,
+        f"int16 [{rows} rows, s {s}, {spec.layers} layers, top-{k}]",
+        False,
+    )
 
 
 def rollout_rank(run: SizedRun, spec: ModelSpec) -> tuple[RankMemory, list[str]]:
@@ -446,23 +497,35 @@ def rollout_rank(run: SizedRun, spec: ModelSpec) -> tuple[RankMemory, list[str]]
     tokens = max(kv, 0) // per_tok
     kv_detail = f"{what}: {tokens:,.0f} tokens × {per_tok:,} B"
     if kv <= 0:
-        notes.append(f"rollout: gpu_memory_utilization={util:g} leaves no KV cache "
-                     f"({_gib(kv)}) after weights {_gib(weights)}")
+        notes.append(
+            f"rollout: gpu_memory_utilization={util:g} leaves no KV cache "
+            f"({_gib(kv)}) after weights {_gib(weights)}"
+        )
     elif tokens < seq_len:
-        notes.append(f"rollout: the KV cache holds {tokens:,.0f} tokens, less than one "
-                     f"sequence of rollout.max_model_len={seq_len}: vLLM refuses to start")
+        notes.append(
+            f"rollout: the KV cache holds {tokens:,.0f} tokens, less than one "
+            f"sequence of rollout.max_model_len={seq_len}: vLLM refuses to start"
+        )
     elif tokens < want_tokens:
-        notes.append(f"rollout: the KV cache holds {tokens / seq_len:.1f} full sequences < "
-                     f"rollout.max_num_seqs={seqs} (vLLM preempts; slower)")
+        notes.append(
+            f"rollout: the KV cache holds {tokens / seq_len:.1f} full sequences < "
+            f"rollout.max_num_seqs={seqs} (vLLM preempts; slower)"
+        )
     kv = max(kv, 0)
-    comps = (Component("weights", weights, f"{r.dtype}, {_g(n)} params (1/{r.tp} of the model)"),
-             Component("activations", act, f"one step of {tok} tokens + sampler logits "
-                                           "(estimate)"),
-             Component("kv cache", kv, kv_detail))
+    comps = (
+        Component("weights", weights, f"{r.dtype}, {_g(n)} params (1/{r.tp} of the model)"),
+        Component("activations", act, f"one step of {tok} tokens + sampler logits (estimate)"),
+        Component("kv cache", kv, kv_detail),
+    )
     receive = sync_buffers(run)[1]
     if receive:  # outside vLLM's own budget
-        comps += (Component("weight-sync receive", receive,
-                            f"{_mib(receive)}: two buckets of point-to-point receive slots"),)
+        comps += (
+            Component(
+                "weight-sync receive",
+                receive,
+                f"{_mib(receive)}: two buckets of point-to-point receive slots",
+            ),
+        )
     return RankMemory("rollout", f"engine tp rank (tp={r.tp})", comps), notes
 
 
@@ -476,14 +539,21 @@ def reward_rank(run: SizedRun) -> RankMemory:
     stage_params = [mcore_stage_params(spec, par, stage, "value") for stage in range(par.pp)]
     n = max(stage_params)
     width = dtype_bytes(rm.dtype)
-    act = ActivationModel.for_kernels(run.kernels, act_bytes=width, tp=par.tp,
-                                      sequence_parallel=False, recompute="none")
+    act = ActivationModel.for_kernels(
+        run.kernels, act_bytes=width, tp=par.tp, sequence_parallel=False, recompute="none"
+    )
     s, b = run.cfg.train.seq_len, rm.micro_batch_size
     forward = layer_activation_bytes(spec, s, b, act) + sum(
-        last_stage_terms(spec, s, b, act, "value").values())
-    return RankMemory("reward model", f"pp stage {stage_params.index(n)}/{par.pp}", (
-        Component("weights", n * width, f"{rm.dtype}, {_g(n)} params"),
-        Component("forward", forward, f"1 micro batch of {b}, 1 layer + head input", False)))
+        last_stage_terms(spec, s, b, act, "value").values()
+    )
+    return RankMemory(
+        "reward model",
+        f"pp stage {stage_params.index(n)}/{par.pp}",
+        (
+            Component("weights", n * width, f"{rm.dtype}, {_g(n)} params"),
+            Component("forward", forward, f"1 micro batch of {b}, 1 layer + head input", False),
+        ),
+    )
 
 
 def plan_memory(run: SizedRun) -> MemoryPlan:
@@ -495,13 +565,15 @@ def plan_memory(run: SizedRun) -> MemoryPlan:
         par.check_model(spec)
     except ConfigError as err:  # named as the run config names the grid
         raise err.under("actor") from None
-    roles_on = ["actor"] + (["critic"] if run.critic else []) + (["reference"] if run.reference
-                                                                 else [])
+    roles_on = (
+        ["actor"] + (["critic"] if run.critic else []) + (["reference"] if run.reference else [])
+    )
     reserve = ("reserve", run.cluster.reserve_gib * GiB)
     rollout, notes = rollout_rank(run, spec)
     if run.device == "cpu" and run.cfg.rollout.enable_sleep and colocated:
-        notes.append("rollout.enable_sleep has no effect on CPU (vLLM sleep is a no-op): "
-                     "planned as awake")
+        notes.append(
+            "rollout.enable_sleep has no effect on CPU (vLLM sleep is a no-op): planned as awake"
+        )
     asleep = 0.0 if run.engine_sleeps else rollout.total
     reward = reward_rank(run) if run.reward_spec is not None else None
     per_stage: list[tuple[dict[str, RankMemory], DeviceMemory]] = []
@@ -514,10 +586,17 @@ def plan_memory(run: SizedRun) -> MemoryPlan:
         if reward is not None:
             # scoring runs before the engines sleep: a colocated engine is awake then
             awake = (("rollout engine", rollout.total),) if colocated else ()
-            phases.append(Phase("reward scoring", resident + (
-                ("reward model forward", reward.transient),) + awake + (reserve,)))
-        for role, name in (("actor", "actor train"), ("critic", "critic train"),
-                           ("reference", "forward (reference / old log-probs)")):
+            phases.append(
+                Phase(
+                    "reward scoring",
+                    resident + (("reward model forward", reward.transient),) + awake + (reserve,),
+                )
+            )
+        for role, name in (
+            ("actor", "actor train"),
+            ("critic", "critic train"),
+            ("reference", "forward (reference / old log-probs)"),
+        ):
             if role not in ranks:
                 continue
             parts = resident + ((f"{role} activations", ranks[role].transient),)
@@ -525,25 +604,49 @@ def plan_memory(run: SizedRun) -> MemoryPlan:
                 parts += (("rollout asleep", asleep),)
             phases.append(Phase(name, parts + (reserve,)))
         if colocated:
-            phases.append(Phase("rollout", resident + (("rollout engine", rollout.total),
-                                                       reserve)))
+            phases.append(Phase("rollout", resident + (("rollout engine", rollout.total), reserve)))
         label = "shared device" if colocated else "training device"
-        per_stage.append((ranks, DeviceMemory(f"{label}, pp stage {stage}/{par.pp}",
-                                              tuple(phases))))
+        per_stage.append(
+            (ranks, DeviceMemory(f"{label}, pp stage {stage}/{par.pp}", tuple(phases)))
+        )
     worst_ranks, worst_dev = max(per_stage, key=lambda x: x[1].peak.total)
     devices = [worst_dev]
     if not colocated:
         # With gpu_memory_utilization vLLM's own budget covers its CUDA context and
         # non-torch memory; a fixed-size KV cache does not.
         parts = (("rollout engine", rollout.total),) + (
-            (reserve,) if run.gpu_memory_utilization is None else ())
+            (reserve,) if run.gpu_memory_utilization is None else ()
+        )
         devices.append(DeviceMemory("rollout device", (Phase("rollout", parts),)))
-    return MemoryPlan(run=run, roles=tuple(worst_ranks.values()) + (rollout,),
-                      devices=tuple(devices), notes=tuple(notes))
+    return MemoryPlan(
+        run=run,
+        roles=tuple(worst_ranks.values()) + (rollout,),
+        devices=tuple(devices),
+        notes=tuple(notes),
+    )
 
 
-__all__ = ["POLICY_LOSS_FP32_ROWS", "ActivationModel", "Component", "DeviceMemory", "MemoryPlan",
-           "Phase", "RankMemory", "StateBytes", "Suggestion", "in_flight_layers",
-           "kv_bytes_per_token", "last_stage_terms", "layer_activation_bytes",
-           "layer_activation_terms", "mcore_layer_params", "mcore_stage_params", "plan_memory", "recompute_workspace",
-           "role_train", "state_bytes_per_param", "sync_buffers", "vllm_rank_params"]
+__all__ = [
+    "POLICY_LOSS_FP32_ROWS",
+    "ActivationModel",
+    "Component",
+    "DeviceMemory",
+    "MemoryPlan",
+    "Phase",
+    "RankMemory",
+    "StateBytes",
+    "Suggestion",
+    "in_flight_layers",
+    "kv_bytes_per_token",
+    "last_stage_terms",
+    "layer_activation_bytes",
+    "layer_activation_terms",
+    "mcore_layer_params",
+    "mcore_stage_params",
+    "plan_memory",
+    "recompute_workspace",
+    "role_train",
+    "state_bytes_per_param",
+    "sync_buffers",
+    "vllm_rank_params",
+]

@@ -42,8 +42,12 @@ from typing import TYPE_CHECKING, Literal
 from mcore_rl.config import ConfigError
 from mcore_rl.launch.cluster import ClusterConfig
 from mcore_rl.launch.placement import PlacementPlan, plan_placement
-from mcore_rl.rollout.config import (SLEEP_LEVEL, RolloutConfig, engines_run_eager,
-                                     engines_sleep_level)
+from mcore_rl.rollout.config import (
+    SLEEP_LEVEL,
+    RolloutConfig,
+    engines_run_eager,
+    engines_sleep_level,
+)
 from mcore_rl.rollout.expert_parallel import check_expert_parallel
 
 if TYPE_CHECKING:  # the run config imports the planner; the planner only reads it
@@ -145,8 +149,7 @@ class ResolvedRun:
         return tuple(s.device for s in self._sync_slots(engines))
 
     def _sync_slots(self, engines: int | None) -> list:
-        return list(self.placement.actor) + [
-            s for e in self.placement.engines[:engines] for s in e]
+        return list(self.placement.actor) + [s for e in self.placement.engines[:engines] for s in e]
 
     def summary(self) -> dict:
         """The JSON-able view `mcore-rl explain` prints as its last line."""
@@ -175,8 +178,9 @@ def cuda_device_gib() -> float:
     return torch.cuda.get_device_properties(0).total_memory / 2**30
 
 
-def run_device(cfg: "RLConfig", *, assume_gpu: bool = False,
-               cuda_available: bool | None = None) -> Device:
+def run_device(
+    cfg: RLConfig, *, assume_gpu: bool = False, cuda_available: bool | None = None
+) -> Device:
     """The compute device of the run (see the module docstring)."""
     if cfg.cluster.device == "gpu":
         return "cuda"
@@ -193,22 +197,23 @@ def layer_spec_of(device: Device) -> Literal["local", "te"]:
     return "te" if device == "cuda" else "local"
 
 
-def sync_backend_of(cfg: "RLConfig", device: Device) -> Literal["gloo", "nccl"]:
+def sync_backend_of(cfg: RLConfig, device: Device) -> Literal["gloo", "nccl"]:
     """`cluster.sync_backend` as configured, else the device's own."""
     if cfg.cluster.sync_backend is not None:
         return cfg.cluster.sync_backend
     return "nccl" if device == "cuda" else "gloo"
 
 
-def local_devices(cfg: "RLConfig") -> int:
+def local_devices(cfg: RLConfig) -> int:
     """Devices of a "local" cluster: the actor's ranks (rounded up to whole engines, so no
     engine straddles), then the engines' TP ranks."""
     world, tp = cfg.actor.world_size, cfg.rollout.tp
     return -(-world // tp) * tp + tp * cfg.rollout.engines
 
 
-def resolved_cluster(cfg: "RLConfig", device: Device, *,
-                     cuda_available: bool | None = None) -> ClusterConfig:
+def resolved_cluster(
+    cfg: RLConfig, device: Device, *, cuda_available: bool | None = None
+) -> ClusterConfig:
     """The allocation the run is sized for: `cfg.cluster` as written, or for a "local"
     cluster this machine — one node of the devices the run uses, each with this machine's
     memory (CPU: the host's, no reserve; GPU: device 0's) — or, when a GPU is only assumed,
@@ -216,9 +221,15 @@ def resolved_cluster(cfg: "RLConfig", device: Device, *,
     c = cfg.cluster
     backend = sync_backend_of(cfg, device)
     if c.device != "local":
-        return ClusterConfig(device=c.device, nodes=c.nodes, gpus_per_node=c.gpus_per_node,
-                             device_gib=c.device_gib, reserve_gib=c.reserve_gib,
-                             placement=c.placement, sync_backend=backend)
+        return ClusterConfig(
+            device=c.device,
+            nodes=c.nodes,
+            gpus_per_node=c.gpus_per_node,
+            device_gib=c.device_gib,
+            reserve_gib=c.reserve_gib,
+            placement=c.placement,
+            sync_backend=backend,
+        )
     memory_gib, reserve_gib = c.device_gib, c.reserve_gib
     if device == "cpu":
         import psutil
@@ -226,13 +237,18 @@ def resolved_cluster(cfg: "RLConfig", device: Device, *,
         memory_gib, reserve_gib = psutil.virtual_memory().total / 2**30, 0.0
     elif cuda_present() if cuda_available is None else cuda_available:
         memory_gib = cuda_device_gib()
-    return ClusterConfig(device="gpu" if device == "cuda" else "cpu", nodes=1,
-                         gpus_per_node=local_devices(cfg), device_gib=memory_gib,
-                         reserve_gib=reserve_gib, placement="disaggregated",
-                         sync_backend=backend)
+    return ClusterConfig(
+        device="gpu" if device == "cuda" else "cpu",
+        nodes=1,
+        gpus_per_node=local_devices(cfg),
+        device_gib=memory_gib,
+        reserve_gib=reserve_gib,
+        placement="disaggregated",
+        sync_backend=backend,
+    )
 
 
-def placement_plan_of(cfg: "RLConfig") -> PlacementPlan:
+def placement_plan_of(cfg: RLConfig) -> PlacementPlan:
     """The run's devices: as `cluster` describes them; for a "local" cluster, one node
     holding the actor's ranks, then the engines' (disaggregated)."""
     world, tp = cfg.actor.world_size, cfg.rollout.tp
@@ -240,19 +256,26 @@ def placement_plan_of(cfg: "RLConfig") -> PlacementPlan:
         placement, per_node = cfg.cluster.placement, cfg.cluster.gpus_per_node
     else:
         placement, per_node = "disaggregated", local_devices(cfg)
-    return plan_placement(actor_world=world, engine_tp=tp, engines=cfg.rollout.engines,
-                          devices_per_node=per_node, placement=placement)
+    return plan_placement(
+        actor_world=world,
+        engine_tp=tp,
+        engines=cfg.rollout.engines,
+        devices_per_node=per_node,
+        placement=placement,
+    )
 
 
-def resolve_run(cfg: "RLConfig", *, assume_gpu: bool = False,
-                cuda_available: bool | None = None) -> ResolvedRun:
+def resolve_run(
+    cfg: RLConfig, *, assume_gpu: bool = False, cuda_available: bool | None = None
+) -> ResolvedRun:
     """The one resolution of `cfg` on this machine (or on an assumed GPU machine)."""
     device = run_device(cfg, assume_gpu=assume_gpu, cuda_available=cuda_available)
     check_expert_parallel(cfg.rollout.expert_parallel, device)
     plan = placement_plan_of(cfg)
     actor_slots = set(plan.actor)
-    transports = tuple("ipc" if any(s in actor_slots for s in slots) else "p2p"
-                       for slots in plan.engines)
+    transports = tuple(
+        "ipc" if any(s in actor_slots for s in slots) else "p2p" for slots in plan.engines
+    )
     shared = "ipc" in transports  # some engine computes on an actor rank's device
     check_late_engines(cfg.rollout, device, shared)
 
@@ -265,8 +288,7 @@ def resolve_run(cfg: "RLConfig", *, assume_gpu: bool = False,
         sync_backend=sync_backend_of(cfg, device),
         transports=transports,
         actor_devices=tuple(where(s.device) for s in plan.actor),
-        engine_devices=tuple(tuple(where(t) for t in range(len(slots)))
-                             for slots in plan.engines),
+        engine_devices=tuple(tuple(where(t) for t in range(len(slots))) for slots in plan.engines),
         param_dtype=cfg.train.dtype,
         rollout_dtype=cfg.rollout.dtype,
         wire_dtype=cfg.wire_dtype,
@@ -276,14 +298,17 @@ def resolve_run(cfg: "RLConfig", *, assume_gpu: bool = False,
         engine_visible_devices=tuple(tuple(s.device for s in slots) for slots in plan.engines),
         trainers_first=shared,
         release_trainer_cache=device == "cuda" and shared,
-        sync_bucket_mb=(SYNC_BUCKET_MB[device] if cfg.sync_bucket_mb is None
-                        else cfg.sync_bucket_mb),
+        sync_bucket_mb=(
+            SYNC_BUCKET_MB[device] if cfg.sync_bucket_mb is None else cfg.sync_bucket_mb
+        ),
         enforce_eager=engines_run_eager(cfg.rollout, device),
         sleep_level=engines_sleep_level(cfg.rollout, keeps_base=cfg.actor.lora.syncs_adapters),
         fused_kernels=trainers_fuse_kernels(cfg.train.fused_kernels, layer_spec_of(device)),
-        overlap_grad_reduce=(device == "cuda" and cfg.actor.dp > 1
-                             if cfg.train.overlap_grad_reduce is None
-                             else cfg.train.overlap_grad_reduce),
+        overlap_grad_reduce=(
+            device == "cuda" and cfg.actor.dp > 1
+            if cfg.train.overlap_grad_reduce is None
+            else cfg.train.overlap_grad_reduce
+        ),
         compiled_fusions=cfg.train.compile,
     )
 
@@ -295,12 +320,15 @@ def check_late_engines(rollout: RolloutConfig, device: Device, shared_devices: b
     it starts and fails when another process allocates or frees meanwhile. Refused there."""
     late = rollout.startup_engines is not None and rollout.startup_engines < rollout.engines
     if late and device == "cuda" and shared_devices:
-        raise ConfigError("rollout.startup_engines", rollout.startup_engines,
-                          f"{rollout.engines - rollout.startup_engines} engines would start "
-                          "vLLM on GPUs the trainer is training on (they share devices with "
-                          "actor ranks: cluster.placement=colocated), and vLLM fails its "
-                          "start-up when memory changes meanwhile; set it to null (every "
-                          "engine starts before the first step)")
+        raise ConfigError(
+            "rollout.startup_engines",
+            rollout.startup_engines,
+            f"{rollout.engines - rollout.startup_engines} engines would start "
+            "vLLM on GPUs the trainer is training on (they share devices with "
+            "actor ranks: cluster.placement=colocated), and vLLM fails its "
+            "start-up when memory changes meanwhile; set it to null (every "
+            "engine starts before the first step)",
+        )
 
 
 def trainers_fuse_kernels(configured: bool | None, layer_spec: str) -> bool:
@@ -308,11 +336,24 @@ def trainers_fuse_kernels(configured: bool | None, layer_spec: str) -> bool:
     spec, GPU); asked of a run without them it is refused."""
     fused = layer_spec == "te" if configured is None else configured
     if fused and layer_spec != "te":
-        raise ConfigError("train.fused_kernels", True, "needs TransformerEngine's kernels: a "
-                          "GPU run (layer spec te); leave it unset or false")
+        raise ConfigError(
+            "train.fused_kernels",
+            True,
+            "needs TransformerEngine's kernels: a GPU run (layer spec te); leave it unset or false",
+        )
     return fused
 
 
-__all__ = ["ResolvedRun", "check_late_engines", "cuda_present", "layer_spec_of",
-           "local_devices", "placement_plan_of", "resolve_run", "resolved_cluster", "run_device",
-           "sync_backend_of", "trainers_fuse_kernels"]
+__all__ = [
+    "ResolvedRun",
+    "check_late_engines",
+    "cuda_present",
+    "layer_spec_of",
+    "local_devices",
+    "placement_plan_of",
+    "resolve_run",
+    "resolved_cluster",
+    "run_device",
+    "sync_backend_of",
+    "trainers_fuse_kernels",
+]

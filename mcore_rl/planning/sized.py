@@ -18,9 +18,15 @@ from mcore_rl.config import ConfigError, from_dict, parse_overrides, to_dict
 from mcore_rl.launch.cluster import ClusterConfig
 from mcore_rl.models.presets import PRESETS
 from mcore_rl.models.spec import ModelSpec
+from mcore_rl.planning.resolve import (
+    Device,
+    layer_spec_of,
+    local_devices,
+    resolved_cluster,
+    run_device,
+    sync_backend_of,
+)
 from mcore_rl.rollout.config import vllm_batch_defaults
-from mcore_rl.planning.resolve import (Device, layer_spec_of, local_devices, resolved_cluster,
-                                       run_device, sync_backend_of)
 
 if TYPE_CHECKING:
     from mcore_rl.megatron.config import TrainConfig
@@ -41,8 +47,11 @@ def resolve_model(model: str | ModelSpec, field_name: str = "model") -> ModelSpe
         return PRESETS[model]
     config_file = Path(model) / "config.json"
     if not config_file.is_file():
-        raise ConfigError(field_name, model, "neither a preset "
-                          f"({', '.join(sorted(PRESETS))}) nor a directory with config.json")
+        raise ConfigError(
+            field_name,
+            model,
+            f"neither a preset ({', '.join(sorted(PRESETS))}) nor a directory with config.json",
+        )
     try:  # an architecture we do not support: one line, as `mcore-rl convert` says it
         return ModelSpec.from_hf_dir(model)
     except KeyError as err:
@@ -69,7 +78,7 @@ class SizedRun:
     trains with the local spec on a GPU without TransformerEngine); None: the device's.
     """
 
-    cfg: "RLConfig"
+    cfg: RLConfig
     device: Device
     cluster: ClusterConfig
     spec: ModelSpec
@@ -107,7 +116,7 @@ class SizedRun:
         c = self.cfg
         return c.prompts_per_step * c.samples_per_prompt // c.updates_per_batch
 
-    def num_micro_batches(self, train: "TrainConfig") -> float:
+    def num_micro_batches(self, train: TrainConfig) -> float:
         """Micro batches per optimizer step and DP rank (not whole when the batch does not
         split; preflight reports that)."""
         return self.global_batch / (train.micro_batch_size * self.cfg.actor.dp)
@@ -140,8 +149,13 @@ class SizedRun:
         return vllm_batch_defaults(self.device, self.cluster.device_gib, r.tp)[1]
 
 
-def sized_run(cfg: "RLConfig", *, assume_gpu: bool = False, cuda_available: bool | None = None,
-              model_dir: str | Path | None = None) -> SizedRun:
+def sized_run(
+    cfg: RLConfig,
+    *,
+    assume_gpu: bool = False,
+    cuda_available: bool | None = None,
+    model_dir: str | Path | None = None,
+) -> SizedRun:
     """Size `cfg` on this machine (or an assumed GPU machine). `model_dir`: the directory the
     run will load (the built demo model); None sizes from `cfg.model.planning_model()`.
     Raises ConfigError naming the field when there is nothing to size a model from."""
@@ -152,32 +166,54 @@ def sized_run(cfg: "RLConfig", *, assume_gpu: bool = False, cuda_available: bool
     if cfg.reward_model.enabled:
         reward_spec = resolve_model(cfg.reward_model.planning_model(), "reward_model.hf_dir")
     cluster = resolved_cluster(cfg, device, cuda_available=cuda_available)
-    return SizedRun(cfg=cfg, device=device, cluster=cluster, spec=spec,
-                    reward_spec=reward_spec, model=model, assume_gpu=assume_gpu)
+    return SizedRun(
+        cfg=cfg,
+        device=device,
+        cluster=cluster,
+        spec=spec,
+        reward_spec=reward_spec,
+        model=model,
+        assume_gpu=assume_gpu,
+    )
 
 
 def with_overrides(run: SizedRun, overrides: list[str] | tuple[str, ...]) -> SizedRun:
     """`run` with RLConfig overrides (`a.b.c=value`) applied, validated like a loaded config
     and re-sized on the same device; the model's shapes are kept."""
+
     def merge(base: dict, extra: dict) -> dict:
         out = dict(base)
         for k, v in extra.items():
-            out[k] = merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k),
-                                                                             dict) else v
+            out[k] = merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
         return out
 
     cfg = from_dict(type(run.cfg), merge(to_dict(run.cfg), parse_overrides(list(overrides))))
     on_gpu = run.device == "cuda"
     device = run_device(cfg, assume_gpu=on_gpu, cuda_available=on_gpu)
     if cfg.cluster.device == "local" and device == run.device:  # this machine, measured once
-        cluster = replace(run.cluster, gpus_per_node=local_devices(cfg),
-                          sync_backend=sync_backend_of(cfg, device))
+        cluster = replace(
+            run.cluster, gpus_per_node=local_devices(cfg), sync_backend=sync_backend_of(cfg, device)
+        )
     else:
         cluster = resolved_cluster(cfg, device, cuda_available=on_gpu)
-    return SizedRun(cfg=cfg, device=device, cluster=cluster, spec=run.spec,
-                    reward_spec=run.reward_spec, model=run.model, assume_gpu=run.assume_gpu,
-                    layer_spec=run.layer_spec)
+    return SizedRun(
+        cfg=cfg,
+        device=device,
+        cluster=cluster,
+        spec=run.spec,
+        reward_spec=run.reward_spec,
+        model=run.model,
+        assume_gpu=run.assume_gpu,
+        layer_spec=run.layer_spec,
+    )
 
 
-__all__ = ["GiB", "SizedRun", "TRAINER_GRAD_DTYPE", "model_name", "resolve_model", "sized_run",
-           "with_overrides"]
+__all__ = [
+    "GiB",
+    "SizedRun",
+    "TRAINER_GRAD_DTYPE",
+    "model_name",
+    "resolve_model",
+    "sized_run",
+    "with_overrides",
+]

@@ -20,8 +20,7 @@ if TYPE_CHECKING:
     from mcore_rl.run.config import RLConfig
 
 
-def sync_plan(cfg: "RLConfig", run: "ResolvedRun", spec: "ModelSpec",
-              engines: int | None = None) -> "Plan":
+def sync_plan(cfg: RLConfig, run: ResolvedRun, spec: ModelSpec, engines: int | None = None) -> Plan:
     """The plan of one sync from the actor's layout to the first `engines` engines' (default
     all) — the one the controller's weight sync builds (rl/weight_sync.py)."""
     from mcore_rl.config.dtypes import torch_dtype
@@ -30,15 +29,20 @@ def sync_plan(cfg: "RLConfig", run: "ResolvedRun", spec: "ModelSpec",
 
     engines = len(run.engine_devices) if engines is None else engines
     actor = megatron_shards(spec, cfg.actor, layer_spec=run.layer_spec)
-    inference = vllm_shards(spec, cfg.rollout.tp, engines,
-                            expert_parallel=run.expert_parallel)
-    return build_plan(actor, inference, bucket_bytes=int(run.sync_bucket_mb * (1 << 20)),
-                      element_size=torch_dtype(cfg.wire_dtype).itemsize,
-                      nodes=run.sync_nodes(engines), devices=run.sync_devices(engines))
+    inference = vllm_shards(spec, cfg.rollout.tp, engines, expert_parallel=run.expert_parallel)
+    return build_plan(
+        actor,
+        inference,
+        bucket_bytes=int(run.sync_bucket_mb * (1 << 20)),
+        element_size=torch_dtype(cfg.wire_dtype).itemsize,
+        nodes=run.sync_nodes(engines),
+        devices=run.sync_devices(engines),
+    )
 
 
-def adapter_sync_plan(cfg: "RLConfig", run: "ResolvedRun", spec: "ModelSpec",
-                      engines: int | None = None) -> "Plan":
+def adapter_sync_plan(
+    cfg: RLConfig, run: ResolvedRun, spec: ModelSpec, engines: int | None = None
+) -> Plan:
     """The plan of one adapter sync (`actor.lora.sync: adapter`): the actor's LoRA adapters,
     each held as its linear's shard is (`layouts.lora_shards`), to every engine rank whole
     (vLLM's LoRA layers cut their own slices)."""
@@ -49,23 +53,27 @@ def adapter_sync_plan(cfg: "RLConfig", run: "ResolvedRun", spec: "ModelSpec",
 
     engines = len(run.engine_devices) if engines is None else engines
     lora = cfg.actor.lora
-    adapters = lora_shards(megatron_shards(spec, cfg.actor, layer_spec=run.layer_spec),
-                           lora.rank, lora.targets)
-    return build_plan(adapters, whole_adapters(adapters, cfg.rollout.tp * engines),
-                      bucket_bytes=int(run.sync_bucket_mb * (1 << 20)),
-                      element_size=torch_dtype(cfg.wire_dtype).itemsize,
-                      nodes=run.sync_nodes(engines), devices=run.sync_devices(engines))
+    adapters = lora_shards(
+        megatron_shards(spec, cfg.actor, layer_spec=run.layer_spec), lora.rank, lora.targets
+    )
+    return build_plan(
+        adapters,
+        whole_adapters(adapters, cfg.rollout.tp * engines),
+        bucket_bytes=int(run.sync_bucket_mb * (1 << 20)),
+        element_size=torch_dtype(cfg.wire_dtype).itemsize,
+        nodes=run.sync_nodes(engines),
+        devices=run.sync_devices(engines),
+    )
 
 
-def sync_traffic(run: "ResolvedRun", plan: "Plan") -> dict:
+def sync_traffic(run: ResolvedRun, plan: Plan) -> dict:
     """Bytes per engine and transport of `plan` under `run`'s transports and nodes (module
     docstring), as plain JSON values."""
     from mcore_rl.resharding.sync_group import sync_group_spec
 
     spec = sync_group_spec(run, host="", port=0, prefix="", timeout_s=1.0)
     nodes, tp = run.sync_nodes(), max(1, plan.num_dst // max(1, len(run.engine_devices)))
-    engines = [{"ipc_bytes": 0, "p2p_bytes": 0, "network_bytes": 0}
-               for _ in run.engine_devices]
+    engines = [{"ipc_bytes": 0, "p2p_bytes": 0, "network_bytes": 0} for _ in run.engine_devices]
     pairs: dict[tuple[int, int], str] = {}
     cross_node_ipc = 0
     for rnd in plan.rounds:
@@ -82,13 +90,16 @@ def sync_traffic(run: "ResolvedRun", plan: "Plan") -> dict:
             else:
                 row["p2p_bytes"] += nbytes
                 row["network_bytes"] += nbytes * cross
-    return {"engines": engines, "cross_node_ipc_bytes": cross_node_ipc,
-            "ipc_bytes": sum(e["ipc_bytes"] for e in engines),
-            "p2p_bytes": sum(e["p2p_bytes"] for e in engines),
-            "network_bytes": sum(e["network_bytes"] for e in engines)}
+    return {
+        "engines": engines,
+        "cross_node_ipc_bytes": cross_node_ipc,
+        "ipc_bytes": sum(e["ipc_bytes"] for e in engines),
+        "p2p_bytes": sum(e["p2p_bytes"] for e in engines),
+        "network_bytes": sum(e["network_bytes"] for e in engines),
+    }
 
 
-def explain_traffic(cfg: "RLConfig", run: "ResolvedRun") -> dict:
+def explain_traffic(cfg: RLConfig, run: ResolvedRun) -> dict:
     """The keys `mcore-rl explain` adds to its JSON: `sync_traffic` (per engine and in all)
     and `cross_node_ipc_bytes`; both None, with `sync_traffic_error`, when the model cannot be
     sized here (no preset and no config.json) or the layouts do not connect. With LoRA's
@@ -102,13 +113,18 @@ def explain_traffic(cfg: "RLConfig", run: "ResolvedRun") -> dict:
     try:
         spec = resolve_model(cfg.model.planning_model(), "model.hf_dir")
         traffic = sync_traffic(run, sync_plan(cfg, run, spec))
-        adapters = (sync_traffic(run, adapter_sync_plan(cfg, run, spec))
-                    if cfg.actor.lora.syncs_adapters else None)
+        adapters = (
+            sync_traffic(run, adapter_sync_plan(cfg, run, spec))
+            if cfg.actor.lora.syncs_adapters
+            else None
+        )
     except (ConfigError, LayoutError, PlanError) as err:
-        return {"sync_traffic": None, "cross_node_ipc_bytes": None,
-                "sync_traffic_error": str(err)}
-    return {"sync_traffic": traffic, "cross_node_ipc_bytes": traffic["cross_node_ipc_bytes"],
-            "adapter_sync_traffic": adapters}
+        return {"sync_traffic": None, "cross_node_ipc_bytes": None, "sync_traffic_error": str(err)}
+    return {
+        "sync_traffic": traffic,
+        "cross_node_ipc_bytes": traffic["cross_node_ipc_bytes"],
+        "adapter_sync_traffic": adapters,
+    }
 
 
 __all__ = ["adapter_sync_plan", "explain_traffic", "sync_plan", "sync_traffic"]

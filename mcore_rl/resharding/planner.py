@@ -27,10 +27,10 @@ from __future__ import annotations
 
 import hashlib
 from collections import defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
-from mcore_rl.layouts.layout import (Box, ShardMap, box_numel, intersect, translate)
+from mcore_rl.layouts.layout import Box, ShardMap, box_numel, intersect, translate
 
 
 class PlanError(ValueError):
@@ -78,8 +78,7 @@ class Plan:
     def label(self, sync_rank: int) -> str:
         if sync_rank < self.num_src:
             return f"training rank {sync_rank} ({self.src_labels.get(sync_rank, '?')})"
-        return f"inference rank {sync_rank - self.num_src} " \
-               f"({self.dst_labels.get(sync_rank, '?')})"
+        return f"inference rank {sync_rank - self.num_src} ({self.dst_labels.get(sync_rank, '?')})"
 
     def expected_names(self, sync_rank: int) -> set[str]:
         return set(self.dst_shapes.get(sync_rank, {}))
@@ -120,16 +119,32 @@ class Plan:
     def _digest(self) -> bytes:
         digest = hashlib.sha256()
         for k, rnd in enumerate(self.rounds):
-            digest.update(repr((k, [(t.src_rank, t.src_key, t.src_box, t.dst_rank, t.dst_key,
-                                     t.dst_box) for t in rnd])).encode())
-        digest.update(repr(sorted((r, sorted(s.items())) for r, s in
-                                  self.dst_shapes.items())).encode())
+            digest.update(
+                repr(
+                    (
+                        k,
+                        [
+                            (t.src_rank, t.src_key, t.src_box, t.dst_rank, t.dst_key, t.dst_box)
+                            for t in rnd
+                        ],
+                    )
+                ).encode()
+            )
+        digest.update(
+            repr(sorted((r, sorted(s.items())) for r, s in self.dst_shapes.items())).encode()
+        )
         return digest.digest()
 
 
-def build_plan(src: ShardMap, dst: ShardMap, *, bucket_bytes: int = 64 << 20,
-               element_size: int = 4, nodes: Sequence[int] | None = None,
-               devices: Sequence[int] | None = None) -> Plan:
+def build_plan(
+    src: ShardMap,
+    dst: ShardMap,
+    *,
+    bucket_bytes: int = 64 << 20,
+    element_size: int = 4,
+    nodes: Sequence[int] | None = None,
+    devices: Sequence[int] | None = None,
+) -> Plan:
     """Plan the transfers that give every destination rank exactly its pieces.
 
     nodes: the node of every sync rank (sources, then destinations: the resolved run's
@@ -147,8 +162,10 @@ def build_plan(src: ShardMap, dst: ShardMap, *, bucket_bytes: int = 64 << 20,
     num_src = len(src.ranks)
     for name, given in (("nodes", nodes), ("devices", devices)):
         if given is not None and len(given) != num_src + len(dst.ranks):
-            raise PlanError(f"{name} names {len(given)} sync ranks but the plan has "
-                            f"{num_src} + {len(dst.ranks)}")
+            raise PlanError(
+                f"{name} names {len(given)} sync ranks but the plan has "
+                f"{num_src} + {len(dst.ranks)}"
+            )
     place = _placement(nodes, devices)
     by_hf = _index_sources(src)
     load: dict[int, int] = defaultdict(int)
@@ -161,8 +178,12 @@ def build_plan(src: ShardMap, dst: ShardMap, *, bucket_bytes: int = 64 << 20,
         for key, local in dst.ranks[d].items():
             dst_shapes[sync_d][key] = local.shape
             for piece in local.pieces:
-                needs += [(key, piece, region, holders) for region, holders in _regions(
-                    by_hf, piece.hf_name, piece.hf_box, key, dst.label(d))]
+                needs += [
+                    (key, piece, region, holders)
+                    for region, holders in _regions(
+                        by_hf, piece.hf_name, piece.hf_box, key, dst.label(d)
+                    )
+                ]
         # Sharded regions first (the fewest holders: one per DP replica), spread over their
         # replicas by load; then the regions more ranks replicate (norms over TP, the tied
         # output layer) from a source that already sends to d — the matching TP rank — so
@@ -173,23 +194,46 @@ def build_plan(src: ShardMap, dst: ShardMap, *, bucket_bytes: int = 64 << 20,
             for key, piece, region, holders in needs:
                 if (len(holders) > fewest) != replicated:
                     continue
-                s, s_key, s_local_box, s_hf_box = min(holders, key=lambda h: (
-                    place(h[0], sync_d), replicated and h[0] not in paired, load[h[0]], h[0]))
+                s, s_key, s_local_box, s_hf_box = min(
+                    holders,
+                    key=lambda h: (
+                        place(h[0], sync_d),
+                        replicated and h[0] not in paired,
+                        load[h[0]],
+                        h[0],
+                    ),
+                )
                 load[s] += box_numel(region) * element_size
                 paired.add(s)
-                transfers.append(Transfer(
-                    s, s_key, translate(region, s_hf_box, s_local_box),
-                    sync_d, key, translate(region, piece.hf_box, piece.local_box)))
-    rounds = _pack_rounds(_split_to_fit(transfers, bucket_bytes, element_size), bucket_bytes,
-                          element_size)
-    return Plan(rounds, dst_shapes, num_src, len(dst.ranks), element_size, bucket_bytes,
-                src_labels=dict(src.rank_labels),
-                dst_labels={num_src + r: lbl for r, lbl in dst.rank_labels.items()})
+                transfers.append(
+                    Transfer(
+                        s,
+                        s_key,
+                        translate(region, s_hf_box, s_local_box),
+                        sync_d,
+                        key,
+                        translate(region, piece.hf_box, piece.local_box),
+                    )
+                )
+    rounds = _pack_rounds(
+        _split_to_fit(transfers, bucket_bytes, element_size), bucket_bytes, element_size
+    )
+    return Plan(
+        rounds,
+        dst_shapes,
+        num_src,
+        len(dst.ranks),
+        element_size,
+        bucket_bytes,
+        src_labels=dict(src.rank_labels),
+        dst_labels={num_src + r: lbl for r, lbl in dst.rank_labels.items()},
+    )
 
 
 def _placement(nodes: Sequence[int] | None, devices: Sequence[int] | None):
     """How far a source sync rank is from a destination: 0 the same device, 1 the same node,
     2 another node (what is not told counts as the same)."""
+
     def distance(s: int, d: int) -> int:
         if nodes is not None and nodes[s] != nodes[d]:
             return 2
@@ -200,12 +244,14 @@ def _placement(nodes: Sequence[int] | None, devices: Sequence[int] | None):
 
 def _check_compatible(src: ShardMap, dst: ShardMap) -> None:
     if src.family != dst.family:
-        raise PlanError(f"model families differ: source is {src.family!r}, "
-                        f"destination is {dst.family!r}")
+        raise PlanError(
+            f"model families differ: source is {src.family!r}, destination is {dst.family!r}"
+        )
     for name, shape in dst.hf_shapes.items():
         if name in src.hf_shapes and src.hf_shapes[name] != shape:
-            raise PlanError(f"tensor {name}: source shape {src.hf_shapes[name]} but "
-                            f"destination shape {shape}")
+            raise PlanError(
+                f"tensor {name}: source shape {src.hf_shapes[name]} but destination shape {shape}"
+            )
 
 
 def _index_sources(src: ShardMap):
@@ -228,18 +274,21 @@ def _regions(by_hf, hf_name: str, want: Box, dst_key: str, dst_label: str):
             regions.setdefault(region, []).append((rank, key, local_box, hf_box))
     covered = sum(box_numel(r) for r in regions)
     if covered != box_numel(want) or _overlapping(list(regions)):
-        raise PlanError(f"{dst_label} tensor {dst_key} needs {hf_name}{list(want)}, which the "
-                        f"source ranks {'do not hold' if covered < box_numel(want) else 'hold in overlapping pieces'}"
-                        f" (covered {covered} of {box_numel(want)} elements)")
+        held = "do not hold" if covered < box_numel(want) else "hold in overlapping pieces"
+        raise PlanError(
+            f"{dst_label} tensor {dst_key} needs {hf_name}{list(want)}, which the "
+            f"source ranks {held} (covered {covered} of {box_numel(want)} elements)"
+        )
     return sorted(regions.items())
 
 
 def _overlapping(boxes: list[Box]) -> bool:
-    return any(intersect(a, b) for i, a in enumerate(boxes) for b in boxes[i + 1:])
+    return any(intersect(a, b) for i, a in enumerate(boxes) for b in boxes[i + 1 :])
 
 
-def _split_to_fit(transfers: list[Transfer], bucket_bytes: int,
-                  element_size: int) -> list[Transfer]:
+def _split_to_fit(
+    transfers: list[Transfer], bucket_bytes: int, element_size: int
+) -> list[Transfer]:
     """Cut transfers larger than a bucket along the HF tensor's leading dim (at least one row
     each). A stacked expert box carries an extra leading extent-1 dim: it is kept whole."""
     out = []
@@ -256,14 +305,22 @@ def _split_to_fit(transfers: list[Transfer], bucket_bytes: int,
         step = max(1, bucket_bytes // row_bytes)
         for start in range(0, s1 - s0, step):
             stop = min(start + step, s1 - s0)
-            out.append(Transfer(
-                t.src_rank, t.src_key, (*t.src_box[:s_lead], (s0 + start, s0 + stop), *rest),
-                t.dst_rank, t.dst_key, (*t.dst_box[:d_lead], (d0 + start, d0 + stop), *drest)))
+            out.append(
+                Transfer(
+                    t.src_rank,
+                    t.src_key,
+                    (*t.src_box[:s_lead], (s0 + start, s0 + stop), *rest),
+                    t.dst_rank,
+                    t.dst_key,
+                    (*t.dst_box[:d_lead], (d0 + start, d0 + stop), *drest),
+                )
+            )
     return out
 
 
-def _pack_rounds(transfers: list[Transfer], bucket_bytes: int,
-                 element_size: int) -> list[list[Transfer]]:
+def _pack_rounds(
+    transfers: list[Transfer], bucket_bytes: int, element_size: int
+) -> list[list[Transfer]]:
     """First-fit transfers into rounds where each rank sends ≤ bucket and receives ≤ bucket.
     Keeps each (src, dst) pair's transfers in plan order across rounds."""
     rounds: list[list[Transfer]] = []
@@ -273,15 +330,20 @@ def _pack_rounds(transfers: list[Transfer], bucket_bytes: int,
     first_free: dict[tuple[str, int], int] = defaultdict(int)  # rounds before it are full
     for t in transfers:
         nbytes = t.numel * element_size
-        k = max(pair_last.get((t.src_rank, t.dst_rank), 0),
-                first_free[("s", t.src_rank)], first_free[("d", t.dst_rank)])
+        k = max(
+            pair_last.get((t.src_rank, t.dst_rank), 0),
+            first_free[("s", t.src_rank)],
+            first_free[("d", t.dst_rank)],
+        )
         while True:
             if k == len(rounds):
                 rounds.append([])
                 sent.append(defaultdict(int))
                 recvd.append(defaultdict(int))
-            fits = (sent[k][t.src_rank] + nbytes <= bucket_bytes
-                    and recvd[k][t.dst_rank] + nbytes <= bucket_bytes)
+            fits = (
+                sent[k][t.src_rank] + nbytes <= bucket_bytes
+                and recvd[k][t.dst_rank] + nbytes <= bucket_bytes
+            )
             alone = sent[k][t.src_rank] == 0 and recvd[k][t.dst_rank] == 0
             if fits or alone:  # a single row larger than a bucket goes in a round of its own
                 break
@@ -291,7 +353,9 @@ def _pack_rounds(transfers: list[Transfer], bucket_bytes: int,
         recvd[k][t.dst_rank] += nbytes
         pair_last[(t.src_rank, t.dst_rank)] = k
         for side, rank, used in (("s", t.src_rank, sent), ("d", t.dst_rank, recvd)):
-            while first_free[(side, rank)] < len(rounds) and \
-                    used[first_free[(side, rank)]][rank] >= bucket_bytes:
+            while (
+                first_free[(side, rank)] < len(rounds)
+                and used[first_free[(side, rank)]][rank] >= bucket_bytes
+            ):
                 first_free[(side, rank)] += 1
     return rounds
