@@ -75,7 +75,7 @@ def _cycles(graph: grimp.ImportGraph) -> list[list[str]]:
 def test_no_module_import_cycles():
     import grimp
 
-    graph = grimp.build_graph("mcore_rl", exclude_type_checking_imports=True, cache_dir=None)
+    graph = grimp.build_graph("mcore_rl", exclude_type_checking_imports=False, cache_dir=None)
     assert _cycles(graph) == []
 
 

@@ -44,7 +44,8 @@ from mcore_rl.resharding.schedule import ScheduleCache
 from mcore_rl.resharding.nccl_group import NcclP2PGroup
 from mcore_rl.resharding.sync_group import (SyncGroupSpec, join_control_group, join_sync_group,
                                             prefixed_store)
-from mcore_rl.resharding.transport import SyncStats, receive_shards, send_shards, verify_plan
+from mcore_rl.resharding.stats import SyncStats
+from mcore_rl.resharding.transport import receive_shards, send_shards, verify_plan
 
 
 def engine_transport(spec: SyncGroupSpec, plan: Plan, dst_sync_rank: int) -> str:

@@ -25,16 +25,14 @@ from __future__ import annotations
 import datetime
 import time
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, Collection, Iterator, Sequence
+from typing import Collection, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
 
 from mcore_rl.resharding.host_memory import empty_host
-
-if TYPE_CHECKING:
-    from mcore_rl.resharding.planner import Plan
-    from mcore_rl.resharding.transport import SyncStats
+from mcore_rl.resharding.planner import Plan
+from mcore_rl.resharding.stats import SyncStats
 
 # One message of a round: (peer sync rank, the views it carries, in plan order). Send side:
 # slices of the training rank's parameters; receive side: slices of the destination tensors.

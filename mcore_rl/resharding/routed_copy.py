@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import Callable, Collection, Iterator
 
 from mcore_rl.resharding.copy_service import CopyService, Message, PostingCopyService
+from mcore_rl.resharding.stats import SyncStats
 
 
 def _plan_peers(plan, sync_rank: int, sending: bool) -> set[int]:
@@ -41,8 +42,6 @@ class RoutedCopy(PostingCopyService):
 
     def start(self, plan, sync_rank, *, sending, dtype, timeout_s, stats,
               peers: Collection[int] | None = None) -> None:
-        from mcore_rl.resharding.transport import SyncStats
-
         super().start(plan, sync_rank, sending=sending, dtype=dtype, timeout_s=timeout_s,
                       stats=stats, peers=peers)
         mine = _plan_peers(plan, sync_rank, sending)

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field
 from typing import Collection, Iterator, Mapping
 
 import torch
@@ -29,32 +28,7 @@ from mcore_rl.resharding.digest import DigestTally
 from mcore_rl.resharding.host_memory import ReceivePool, empty_host
 from mcore_rl.resharding.planner import Plan
 from mcore_rl.resharding.schedule import RankSchedule, compile_schedule
-
-
-@dataclass
-class SyncStats:
-    """What one rank moved. peak_extra_bytes: staging buffers alive at once (the rank's own
-    parameters/shards are not counted: it holds those anyway)."""
-
-    bytes_sent: int = 0
-    bytes_received: int = 0
-    peak_extra_bytes: int = 0
-    messages: int = 0
-    zero_copy_messages: int = 0
-    seconds: float = 0.0
-    digest_seconds: float = 0.0   # digesting what moved (`digest.py`)
-    compare_seconds: float = 0.0  # comparing the digests (waiting for the last rank included)
-    _live: int = field(default=0, repr=False)
-
-    def hold(self, nbytes: int) -> None:
-        self._live += nbytes
-        self.peak_extra_bytes = max(self.peak_extra_bytes, self._live)
-
-    def release(self, nbytes: int) -> None:
-        self._live -= nbytes
-
-    def as_dict(self) -> dict:
-        return {k: v for k, v in self.__dict__.items() if not k.startswith("_")}
+from mcore_rl.resharding.stats import SyncStats
 
 
 # one rank's record in the plan check: the plan's sha256, a refusal flag and its reason (utf-8)

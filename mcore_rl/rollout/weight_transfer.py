@@ -45,7 +45,7 @@ from vllm.distributed.weight_transfer.base import (WeightTransferEngine,
 from mcore_rl.resharding.channels import SyncChannels, engine_transport
 from mcore_rl.resharding.copy_service import SyncError
 from mcore_rl.resharding.plan_cache import PlanCache
-from mcore_rl.resharding.transport import SyncStats
+from mcore_rl.resharding.stats import SyncStats
 from mcore_rl.rollout.install import install_from_iterator, rank_shapes, worker_device
 from mcore_rl.rollout.lora import ReceivedAdapter, check_adapter
 
