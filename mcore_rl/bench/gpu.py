@@ -125,7 +125,7 @@ def actor_part(config: Path, overrides: list[str], updates: int, device: torch.d
     from mcore_rl.megatron.train import MicroBatch, setup_trainer
     from mcore_rl.planning.memory import training_rank
     from mcore_rl.planning.sized import sized_run
-    from mcore_rl.run.config import RLConfig
+    from mcore_rl.runconfig import RLConfig
 
     cfg = load_config(RLConfig, config, overrides)
     on_gpu = device.type == "cuda"

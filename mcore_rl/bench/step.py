@@ -190,7 +190,7 @@ class StepBenchConfig:
     def rl_config(self):
         """The RL config (with a shape not yet built: pointing at where it will be)."""
         from mcore_rl.config import load_config
-        from mcore_rl.run.config import RLConfig
+        from mcore_rl.runconfig import RLConfig
 
         cfg = self.built(Path("/shape-built-at-run-time")) if self.shape else self
         return load_config(RLConfig, cfg.config_path, list(cfg.overrides))
@@ -390,7 +390,7 @@ def _warm_up(controller, rl, model_dir: Path, scratch: Path) -> tuple[Path, floa
     if not rl.warmup.max_steps:
         return Path(model_dir), 0.0
     from mcore_rl.run.hf_export import export_actor_hf
-    from mcore_rl.run.metrics import MetricsWriter
+    from mcore_rl.rl.metrics import MetricsWriter
 
     start = time.perf_counter()
     writer = MetricsWriter(scratch / "run", phase="warmup")

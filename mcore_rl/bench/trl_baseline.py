@@ -238,7 +238,7 @@ def run_in_subprocess(config: str | None, overrides: list[str], hf_dir: str, ste
 
 def main(argv: list[str]) -> int:
     from mcore_rl.config import load_config
-    from mcore_rl.run.config import RLConfig
+    from mcore_rl.runconfig import RLConfig
 
     args = json.loads(Path(argv[0]).read_text())
     rl = load_config(RLConfig, args["config"], args["overrides"])

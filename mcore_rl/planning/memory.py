@@ -44,13 +44,13 @@ activation peak (a coarse estimate), workspaces and fragmentation (in the reserv
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
 from mcore_rl.config import ConfigError
 from mcore_rl.config.dtypes import dtype_bytes
 from mcore_rl.layouts.expert_placement import vllm_local_experts
 from mcore_rl.layouts.shards import VLLM_VOCAB_PADDING
-from mcore_rl.megatron.config import LORA_HEAD
+from mcore_rl.megatron.config import LORA_HEAD, TrainConfig
 from mcore_rl.models.spec import ModelSpec
 from mcore_rl.parallel.config import ParallelConfig
 from mcore_rl.planning.activations import (
@@ -61,10 +61,6 @@ from mcore_rl.planning.activations import (
     recompute_workspace,
 )
 from mcore_rl.planning.sized import TRAINER_GRAD_DTYPE, GiB, SizedRun
-
-if TYPE_CHECKING:
-    from mcore_rl.megatron.config import TrainConfig
-
 
 # --- parameters per rank ----------------------------------------------------------------------
 

@@ -37,7 +37,7 @@ Rules (resolve once, then obey):
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
 from mcore_rl.config import ConfigError
 from mcore_rl.launch.cluster import ClusterConfig
@@ -49,9 +49,7 @@ from mcore_rl.rollout.config import (
     engines_sleep_level,
 )
 from mcore_rl.rollout.expert_parallel import check_expert_parallel
-
-if TYPE_CHECKING:  # the run config imports the planner; the planner only reads it
-    from mcore_rl.run.config import RLConfig
+from mcore_rl.runconfig import RLConfig
 
 Device = Literal["cpu", "cuda"]
 Transport = Literal["p2p", "ipc"]

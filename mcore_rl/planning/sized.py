@@ -12,10 +12,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from mcore_rl.config import ConfigError, from_dict, parse_overrides, to_dict
 from mcore_rl.launch.cluster import ClusterConfig
+from mcore_rl.megatron.config import TrainConfig
 from mcore_rl.models.presets import PRESETS
 from mcore_rl.models.spec import ModelSpec
 from mcore_rl.planning.resolve import (
@@ -27,10 +27,7 @@ from mcore_rl.planning.resolve import (
     sync_backend_of,
 )
 from mcore_rl.rollout.config import vllm_batch_defaults
-
-if TYPE_CHECKING:
-    from mcore_rl.megatron.config import TrainConfig
-    from mcore_rl.run.config import RLConfig
+from mcore_rl.runconfig import RLConfig
 
 GiB = 1 << 30
 

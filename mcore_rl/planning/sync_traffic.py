@@ -11,13 +11,10 @@ regression shows.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from mcore_rl.models.spec import ModelSpec
-    from mcore_rl.planning.resolve import ResolvedRun
-    from mcore_rl.resharding.planner import Plan
-    from mcore_rl.run.config import RLConfig
+from mcore_rl.models.spec import ModelSpec
+from mcore_rl.planning.resolve import ResolvedRun
+from mcore_rl.resharding.planner import Plan
+from mcore_rl.runconfig import RLConfig
 
 
 def sync_plan(cfg: RLConfig, run: ResolvedRun, spec: ModelSpec, engines: int | None = None) -> Plan:

@@ -5,7 +5,6 @@ assembled over data parallelism."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -13,9 +12,7 @@ from mcore_rl.config.seeds import derive_seed
 from mcore_rl.launch.watchdog import Watchdog, collect_or_name_dead, still_running
 from mcore_rl.resharding import host_store
 from mcore_rl.rollout.batches import Batch, dp_slice
-
-if TYPE_CHECKING:  # the run layer above builds the config
-    from mcore_rl.run.config import RLConfig
+from mcore_rl.runconfig import RLConfig
 
 
 class ActorRanks:

@@ -4,9 +4,15 @@ from __future__ import annotations
 
 import torch
 
-from mcore_rl.algorithms import (AlgorithmConfig, gae_advantages, grpo_advantages,
-                                 kl_penalty_rewards, outcome_to_token_rewards,
-                                 reinforce_pp_advantages, rloo_advantages)
+from mcore_rl.algorithms import (
+    AlgorithmConfig,
+    gae_advantages,
+    grpo_advantages,
+    kl_penalty_rewards,
+    outcome_to_token_rewards,
+    reinforce_pp_advantages,
+    rloo_advantages,
+)
 
 
 def compute_advantages(algo: AlgorithmConfig, scores: torch.Tensor, groups: torch.Tensor,

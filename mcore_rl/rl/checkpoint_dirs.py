@@ -17,11 +17,10 @@ import errno
 import json
 import os
 import shutil
-from dataclasses import dataclass
 from pathlib import Path
 
+from mcore_rl.config import ConfigError
 from mcore_rl.conversion.output import fsync_dir, fsync_tree
-from mcore_rl.config import ConfigError, require_above, require_at_least
 
 MARKER = "complete.json"
 _PREFIX = "step_"
@@ -29,45 +28,6 @@ _PREFIX = "step_"
 CONTROLLER_FILE = "controller.json"
 # What checkpoints written before the field existed were saved with (CPU runs only).
 LEGACY_LAYER_SPEC = "local"
-
-
-@dataclass(frozen=True, kw_only=True)
-class CheckpointConfig:
-    """every: write a checkpoint every this many RL steps (0: none along the way). Whatever
-        it is, a run always writes one after its last step (a finished run keeps what it
-        trained: `mcore-rl export RUN_DIR OUT` turns it into an HF directory) and one when a
-        signal stops it. The default, 50, is for a real 1-70B run (the defaults of RLConfig):
-        a step takes minutes there, so at most ~50 steps of work are lost to a crash, while
-        the save — model and Adam states, about 16 bytes a parameter, ~1 TB at 70B — runs a
-        few times per thousand steps rather than every 10 (NeMo-RL's grpo_math_1B.yaml
-        save_period; verl's ppo_trainer.yaml saves nothing unless trainer.save_freq is set).
-        A stop is covered apart from it: SIGTERM, SIGUSR1 and Ctrl-C (SIGINT) save at the
-        end of the step in progress.
-    keep_last: keep this many newest complete checkpoints (0: keep all); older ones are
-        removed once a newer one is complete. The default, 3 (NeMo-RL's keep_top_k), bounds
-        the disk a long run fills, and still leaves earlier steps to go back to.
-    stop_grace_s: after SIGTERM/SIGUSR1/SIGINT, seconds to reach the next safe point (end of
-        the running step) and write the checkpoint; past it the run exits without one.
-    inject_error: fault injection for tests: "save@step<k>" makes the save after step k fail
-        as a full disk would, after the ranks wrote their shards. Leave null."""
-
-    every: int = 50
-    keep_last: int = 3
-    stop_grace_s: float = 600.0
-    inject_error: str | None = None
-
-    def __post_init__(self) -> None:
-        require_at_least(self, 0, "every", "keep_last")
-        require_above(self, 0, "stop_grace_s")
-        if self.inject_error is not None and not (
-                self.inject_error.startswith("save@step")
-                and self.inject_error.removeprefix("save@step").isdigit()):
-            raise ConfigError("inject_error", self.inject_error, 'expected "save@step<k>"')
-
-    def due(self, step: int, last_step: int) -> bool:
-        """Whether a checkpoint is written after `step`: every `every` steps, and always after
-        the last one."""
-        return step == last_step or (bool(self.every) and step % self.every == 0)
 
 
 class CheckpointWriteError(OSError):

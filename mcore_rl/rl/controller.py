@@ -21,35 +21,38 @@ import os
 import time
 from contextlib import nullcontext
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 
 from mcore_rl.algorithms import correction_weights, overlong_penalty
 from mcore_rl.config.seeds import derive_seed
+from mcore_rl.launch.timing import PhaseTimer
 from mcore_rl.launch.watchdog import Watchdog
 from mcore_rl.models.spec import ModelSpec
 from mcore_rl.planning.resolve import resolve_run
-from mcore_rl.rollout.multi_turn import build_multi_turn, episode_metrics, loss_masks
-from mcore_rl.tasks.config import build_reward, build_task
-from mcore_rl.tasks.tokenizer import load_tokenizer
-from mcore_rl.rl.advantages import compute_advantages, critic_metrics, packing_metrics
-from mcore_rl.rollout.batches import (Batch, Rollouts, build_batch, engine_logprobs,
-                                      rollout_logprob_diff, trained_tokens)
 from mcore_rl.rl.actor_ranks import ActorRanks
+from mcore_rl.rl.advantages import compute_advantages, critic_metrics, packing_metrics
 from mcore_rl.rl.checkpointer import Checkpointer
 from mcore_rl.rl.evaluation import GenerationLog
-from mcore_rl.rl.sampler import Sampler, fit_prompts, start_pipeline, start_reward_model
-from mcore_rl.launch.timing import PhaseTimer
-from mcore_rl.rollout.partial import current_version_logprob_diff
+from mcore_rl.rl.metrics import MetricsWriter
 from mcore_rl.rl.recovery import EngineFailed, EngineRecovery, InjectedKills
+from mcore_rl.rl.sampler import Sampler, fit_prompts, start_pipeline, start_reward_model
 from mcore_rl.rl.weight_sync import SyncFailed, WeightSync
+from mcore_rl.rollout.batches import (
+    Batch,
+    Rollouts,
+    build_batch,
+    engine_logprobs,
+    rollout_logprob_diff,
+    trained_tokens,
+)
 from mcore_rl.rollout.engine import RolloutError
 from mcore_rl.rollout.lora import EngineLoRA
-
-if TYPE_CHECKING:  # the run layer above builds both and hands them in
-    from mcore_rl.run.config import RLConfig
-    from mcore_rl.run.metrics import MetricsWriter
+from mcore_rl.rollout.multi_turn import build_multi_turn, episode_metrics, loss_masks
+from mcore_rl.rollout.partial import current_version_logprob_diff
+from mcore_rl.runconfig import RLConfig
+from mcore_rl.tasks.config import build_reward, build_task
+from mcore_rl.tasks.tokenizer import load_tokenizer
 
 
 def driver_address() -> str:

@@ -17,65 +17,9 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
 from pathlib import Path
 
-from mcore_rl.config import require_at_least
-
 GENERATIONS_FILE = "generations.jsonl"
-
-
-@dataclass(frozen=True, kw_only=True)
-class EvalConfig:
-    """Evaluation during RL on held-out prompts (rl/evaluation.py): `task.heldout_path` for a
-    jsonl task (no file: no evaluation, and preflight says so), the held-out split of the
-    built-in tasks.
-
-    every: evaluate after every this many RL steps, and after the last (0: never).
-    before_train: also evaluate the starting weights, before the first RL step (as step 0).
-    max_prompts: held-out prompts per evaluation at most (the same ones every time).
-    samples_per_prompt: k; with k > 1, `eval/pass@k` beside `eval/pass@1`.
-    temperature: 0 = greedy (then k > 1 samples are all alike: raise it for pass@k).
-    pass_threshold: a sample passes when its reward is at least this (exact-match rewards
-        give 1 or 0).
-    """
-
-    every: int = 10
-    before_train: bool = True
-    max_prompts: int = 256
-    samples_per_prompt: int = 1
-    temperature: float = 0.0
-    pass_threshold: float = 1.0
-
-    def __post_init__(self) -> None:
-        require_at_least(self, 0, "every", "temperature")
-        require_at_least(self, 1, "max_prompts", "samples_per_prompt")
-
-    def due(self, step: int, last_step: int) -> bool:
-        """Whether an evaluation follows RL step `step` (0: before the first)."""
-        if not self.every:
-            return False
-        if step == 0:
-            return self.before_train
-        return step % self.every == 0 or step == last_step
-
-
-@dataclass(frozen=True, kw_only=True)
-class GenerationsConfig:
-    """Readable samples in RUN_DIR/generations.jsonl and TensorBoard's text tab.
-
-    every: after every this many RL steps (0: never), `samples` of the step's samples (the
-        first sample of each of its first prompts); each evaluation adds `samples` of its own.
-    """
-
-    every: int = 10
-    samples: int = 4
-
-    def __post_init__(self) -> None:
-        require_at_least(self, 0, "every", "samples")
-
-    def due(self, step: int) -> bool:
-        return bool(self.every and self.samples) and step % self.every == 0
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -143,5 +87,4 @@ def markdown_table(records: list[dict]) -> str:
     return "\n".join(rows)
 
 
-__all__ = ["EvalConfig", "GENERATIONS_FILE", "GenerationLog", "GenerationsConfig",
-           "eval_metrics", "markdown_table", "pass_at_k"]
+__all__ = ["GENERATIONS_FILE", "GenerationLog", "eval_metrics", "markdown_table", "pass_at_k"]

@@ -41,14 +41,11 @@ import signal
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
-from mcore_rl.config import ConfigError, require_at_least
 from mcore_rl.rl import checkpoint_dirs
 from mcore_rl.rl.checkpoint_dirs import CheckpointWriteError
-
-INJECT_PHASES = ("gen", "sync")
+from mcore_rl.runconfig.sections import RecoveryConfig
 
 
 class EngineFailed(RuntimeError):
@@ -61,49 +58,6 @@ class EngineFailed(RuntimeError):
         super().__init__(message)
         self.engines, self.checkpoint = engines, checkpoint
         self.step_metrics: dict[str, float] | None = None
-
-
-@dataclass(frozen=True, kw_only=True)
-class RecoveryConfig:
-    """Restarting rollout engines that die (rollout.mode sync; see rl/recovery.py).
-
-    max_engine_restarts: engine restarts the whole run may make (each engine restarted counts
-        one); past them an engine failure writes a checkpoint and ends the run naming the
-        engine. 0: never restart.
-    restart_backoff_s: wait before the first restart of a failure; each further attempt at
-        the same failure waits twice as long, at most restart_backoff_max_s.
-    inject_kill: fault injection for tests: comma-separated "<phase>@<step>" — phase gen (as
-        the step's first generate call starts) or sync (while the step's weight sync is in
-        flight: engines receiving, trainer not yet sending) — SIGKILLs engine 0's processes
-        then. Leave null.
-    """
-
-    max_engine_restarts: int = 3
-    restart_backoff_s: float = 1.0
-    restart_backoff_max_s: float = 30.0
-    inject_kill: str | None = None
-
-    def __post_init__(self) -> None:
-        require_at_least(self, 0, "max_engine_restarts", "restart_backoff_s")
-        require_at_least(self, "restart_backoff_s", "restart_backoff_max_s")
-        self.injected_kills()  # raises on a malformed inject_kill
-
-    def injected_kills(self) -> set[tuple[str, int]]:
-        """inject_kill as {(phase, step)}."""
-        if self.inject_kill is None:
-            return set()
-        kills = set()
-        for item in self.inject_kill.split(","):
-            phase, _, step = item.strip().partition("@")
-            if phase not in INJECT_PHASES or not step.isdigit() or int(step) < 1:
-                raise ConfigError("inject_kill", self.inject_kill,
-                                  'expected comma-separated "<gen|sync>@<step>", step >= 1')
-            kills.add((phase, int(step)))
-        return kills
-
-    def backoff(self, attempt: int) -> float:
-        """Seconds to wait before attempt `attempt` (0, 1, ...) at restarting one failure."""
-        return min(self.restart_backoff_s * 2 ** attempt, self.restart_backoff_max_s)
 
 
 def kill_process_tree(pid: int) -> list[int]:
@@ -279,5 +233,4 @@ class EngineRecovery:
         return sync
 
 
-__all__ = ["EngineFailed", "EngineRecovery", "InjectedKills", "RecoveryConfig",
-           "kill_process_tree"]
+__all__ = ["EngineFailed", "EngineRecovery", "InjectedKills", "kill_process_tree"]

@@ -10,27 +10,23 @@ tokenizer, the engines, the reward model and the engine recovery it uses.
 from __future__ import annotations
 
 import concurrent.futures
-from typing import TYPE_CHECKING
 
 from mcore_rl.config.seeds import SAMPLE_BITS, derive_seed
+from mcore_rl.launch.timing import PhaseTimer
+from mcore_rl.launch.watchdog import Watchdog
+from mcore_rl.rl.evaluation import eval_metrics
+from mcore_rl.rl.recovery import EngineRecovery, InjectedKills
+from mcore_rl.rollout.batches import Batch, Rollouts, build_batch
 from mcore_rl.rollout.config import vllm_batch_defaults
 from mcore_rl.rollout.engine import Completion, RolloutError, SamplingConfig
 from mcore_rl.rollout.multi_turn import Episode
 from mcore_rl.rollout.partial import PartialBatch, PartialRolloutPipeline, advance
-from mcore_rl.tasks.base import Example, Prompt, RewardFailed, describe_prompt
-from mcore_rl.tasks.tokenizer import (encode_answers, encode_prompts, prompt_texts,
-                                      response_text)
 from mcore_rl.rollout.pipeline import RolloutPipeline, on_generation_thread
-from mcore_rl.rollout.batches import Batch, Rollouts, build_batch
-from mcore_rl.launch.timing import PhaseTimer
-from mcore_rl.launch.watchdog import Watchdog
-from mcore_rl.rl.evaluation import EvalConfig, eval_metrics
-from mcore_rl.rl.recovery import EngineRecovery, InjectedKills
-from mcore_rl.tasks.base import load_reward_fn
+from mcore_rl.runconfig import RLConfig
+from mcore_rl.runconfig.sections import EvalConfig
+from mcore_rl.tasks.base import Example, Prompt, RewardFailed, describe_prompt, load_reward_fn
 from mcore_rl.tasks.config import DEFAULT_REWARDS
-
-if TYPE_CHECKING:  # the run layer above builds the config
-    from mcore_rl.run.config import RLConfig
+from mcore_rl.tasks.tokenizer import encode_answers, encode_prompts, prompt_texts, response_text
 
 
 class Sampler:

@@ -14,8 +14,6 @@ checkpoint of such a run), and before the adapters exist every sync is a full on
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from mcore_rl.config.dtypes import torch_dtype
 from mcore_rl.launch.watchdog import WatchdogTimeout
 from mcore_rl.planning.sync_traffic import adapter_sync_plan, sync_plan
@@ -23,9 +21,7 @@ from mcore_rl.resharding import host_store, sync_group_spec
 from mcore_rl.resharding.plan_cache import PlanSender
 from mcore_rl.rl.actor_ranks import ActorRanks
 from mcore_rl.rl.recovery import InjectedKills
-
-if TYPE_CHECKING:  # the run layer above builds the config
-    from mcore_rl.run.config import RLConfig
+from mcore_rl.runconfig import RLConfig
 
 
 class SyncFailed(RuntimeError):

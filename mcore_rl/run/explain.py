@@ -263,7 +263,7 @@ def run_explain(args) -> int:
     from mcore_rl.planning.grid_checks import GRID_CHECKS, preflight
     from mcore_rl.planning.resolve import resolve_run
     from mcore_rl.planning.sized import sized_run
-    from mcore_rl.run.config import RLConfig
+    from mcore_rl.runconfig import RLConfig
 
     try:
         cfg = load_config(RLConfig, args.config, list(args.overrides))

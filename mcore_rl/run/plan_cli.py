@@ -63,7 +63,7 @@ def run_plan_memory(args) -> int:
     from mcore_rl.planning.knobs import plan_with_suggestions
     from mcore_rl.planning.report import format_plan, plan_to_json
     from mcore_rl.planning.sized import sized_run
-    from mcore_rl.run.config import RLConfig
+    from mcore_rl.runconfig import RLConfig
 
     try:
         cfg = load_config(RLConfig, args.config, _overrides(args))

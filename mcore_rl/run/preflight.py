@@ -34,7 +34,7 @@ from typing import Mapping
 from mcore_rl.config import ConfigError, ConfigFileError, check_config
 from mcore_rl.planning.grid_checks import Problem, format_problems, preflight
 from mcore_rl.planning.sized import sized_run
-from mcore_rl.run.config import RLConfig
+from mcore_rl.runconfig import RLConfig
 
 
 class PreflightFailed(RuntimeError):

@@ -112,7 +112,7 @@ def run_demo(cfg, out: Path, resume: str | Path = "auto", command: str = "demo")
     SIGTERM/SIGUSR1/SIGINT stop it at the next safe point with a checkpoint (raises
     RunStopped)."""
     from mcore_rl.rl.controller import RLController
-    from mcore_rl.run.metrics import plot_run
+    from mcore_rl.rl.metrics import plot_run
     from mcore_rl.launch.logs import configure_process_logs
     from mcore_rl.launch.process_cpu import cpu_by_role, cpu_floor_s
     from mcore_rl.launch.startup_gc import gc_paused
@@ -195,7 +195,7 @@ def _start_or_resume(controller, cfg, out: Path, model_dir: Path,
     """From scratch: warm-up (its metrics, the warmed-up HF export), a fresh RL optimizer.
     From a checkpoint: its weights and optimizer, metrics cut back to its step. Returns the
     warm-up accuracy (None when skipped or resumed) and the first RL step to run."""
-    from mcore_rl.run.metrics import MetricsWriter
+    from mcore_rl.rl.metrics import MetricsWriter
 
     if checkpoint is not None:
         controller.reset_optimizer()
@@ -221,7 +221,7 @@ def _train(controller, cfg, out: Path, stop, first_step: int) -> None:
     """RL steps first_step..cfg.steps through the run loop (`run.loop.run_steps`), each one's
     metrics written; checkpoints when due and at a stop request (then RunStopped)."""
     from mcore_rl.run.loop import run_steps
-    from mcore_rl.run.metrics import MetricsWriter
+    from mcore_rl.rl.metrics import MetricsWriter
 
     writer = MetricsWriter(out, **_loggers(cfg))
     if first_step == 1 and cfg.eval.due(0, cfg.steps):  # the starting weights, as step 0
@@ -343,7 +343,7 @@ def _run(args) -> int:
     problem, a --resume that cannot be used) its message on stderr and CONFIG_ERROR_EXIT; a
     reward function that raised: one line on stderr naming the sample and the checkpoint of
     the last completed step, and REWARD_FAILED_EXIT_CODE."""
-    from mcore_rl.run.config import RLConfig
+    from mcore_rl.runconfig import RLConfig
 
     if args.verbose:  # before Ray starts: workers inherit it (as they do MCORE_RL_VERBOSE=1)
         set_verbose(True)
@@ -452,7 +452,7 @@ def _plot(args) -> int:
     """Exit 0 with the charts' paths; a run directory that is not there or holds no metrics
     (or metrics that do not read): one line on stderr and CONFIG_ERROR_EXIT, no chart
     written."""
-    from mcore_rl.run.metrics import plot_compare, plot_run
+    from mcore_rl.rl.metrics import plot_compare, plot_run
 
     def refuse(message: str) -> int:
         print(f"mcore-rl plot: {message}", file=sys.stderr, flush=True)

@@ -95,7 +95,7 @@ def test_policy_loss_with_tis_weights_is_the_weighted_loss():
     ("level=seq", "level", "allowed values: token, sequence, geometric"),
 ])
 def test_bad_config_names_the_field(override, field, problem):
-    from mcore_rl.run.config import RLConfig
+    from mcore_rl.runconfig import RLConfig
 
     with pytest.raises(ConfigError) as err:
         load_config(RLConfig, DEMO_SIZED, [f"algorithm.rollout_correction.{override}"])

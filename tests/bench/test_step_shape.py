@@ -9,7 +9,7 @@ from mcore_rl.bench.shapes import get_shape
 from mcore_rl.bench.trl_baseline import trl_arguments
 from mcore_rl.config import ConfigError, load_config
 from mcore_rl.rollout.config import SamplingConfig
-from mcore_rl.run.config import RLConfig
+from mcore_rl.runconfig import RLConfig
 from tests.bench.test_bench_more import SPREAD_KEYS, run_cli_subprocess
 
 SHAPE = get_shape("qwen2_16k")

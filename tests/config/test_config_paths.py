@@ -56,7 +56,7 @@ def test_a_reward_file_loads_without_pythonpath_from_any_directory(config_dir, t
     script = textwrap.dedent("""
         import sys
         from mcore_rl.config import load_config, write_config
-        from mcore_rl.run.config import RLConfig
+        from mcore_rl.runconfig import RLConfig
         from mcore_rl.tasks import build_reward
         cfg = load_config(RLConfig, sys.argv[1])
         print(cfg.task.reward_fn)
@@ -101,7 +101,7 @@ def test_written_back_the_path_is_absolute_and_loads(config_dir, tmp_path):
 ])
 def test_a_missing_file_or_function_is_one_line_naming_task_reward_fn(config_dir, value,
                                                                       problem):
-    from mcore_rl.run.config import RLConfig
+    from mcore_rl.runconfig import RLConfig
 
     (config_dir / "rewards" / "broken.py").write_text("def score(:\n")
     (config_dir / "run.yaml").write_text(f"task:\n  reward_fn: {value}\n")

@@ -12,7 +12,7 @@ import typing
 
 from mcore_rl.config import load_config, to_dict
 from mcore_rl.megatron.config import OptimizerConfig, TrainConfig
-from mcore_rl.run.config import CriticOptimizerConfig, CriticTrainConfig, RLConfig
+from mcore_rl.runconfig import CriticOptimizerConfig, CriticTrainConfig, RLConfig
 from mcore_rl.train_lm import LMOptimizerConfig, LMRunConfig, LMTrainConfig
 
 pytestmark = pytest.mark.fast  # the fast tier: scripts/test.sh -m fast

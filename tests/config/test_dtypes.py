@@ -8,7 +8,7 @@ import torch
 
 from mcore_rl.config import ConfigError, load_config
 from mcore_rl.config.dtypes import dtype_bytes, dtype_name, torch_dtype
-from mcore_rl.run.config import RLConfig
+from mcore_rl.runconfig import RLConfig
 
 pytestmark = pytest.mark.fast  # the fast tier: scripts/test.sh -m fast
 

@@ -9,7 +9,7 @@ import dataclasses
 from pathlib import Path
 
 from mcore_rl.config.reference import field_docs, render_reference, rows
-from mcore_rl.run.config import RLConfig
+from mcore_rl.runconfig import RLConfig
 
 pytestmark = pytest.mark.fast  # the fast tier: scripts/test.sh -m fast
 

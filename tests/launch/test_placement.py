@@ -52,7 +52,7 @@ def test_shipped_gpu_configs_place_on_their_nodes(name):
 
     from mcore_rl.config import load_config
     from mcore_rl.planning.resolve import placement_plan_of
-    from mcore_rl.run.config import RLConfig
+    from mcore_rl.runconfig import RLConfig
 
     cfg = load_config(RLConfig, Path(__file__).parents[2] / "configs" / "gpu" / f"{name}.yaml")
     plan = placement_plan_of(cfg)

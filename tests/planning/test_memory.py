@@ -27,7 +27,7 @@ from mcore_rl.planning.memory import (
     vllm_rank_params,
 )
 from mcore_rl.planning.sized import TRAINER_GRAD_DTYPE, GiB, SizedRun, sized_run, with_overrides
-from mcore_rl.run.config import RLConfig
+from mcore_rl.runconfig import RLConfig
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs" / "gpu"
 LLAMA3_70B = get_preset("llama3-70b")

@@ -17,7 +17,7 @@ from mcore_rl.cli import main
 from mcore_rl.config import ConfigError, load_config
 from mcore_rl.planning.sized import sized_run
 from mcore_rl.run.preflight import preflight_config
-from mcore_rl.run.config import RLConfig
+from mcore_rl.runconfig import RLConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = ROOT / "configs" / "gpu"

@@ -29,7 +29,7 @@ from mcore_rl.resharding import SyncGroupSpec, build_plan, join_sync_group, sync
 from mcore_rl.resharding.copy_service import P2PCopy, SyncError, wait_work
 from mcore_rl.resharding.nccl_group import NcclP2PGroup, RoundWork, communicators
 from mcore_rl.resharding.transport import receive_shards, send_shards
-from mcore_rl.run.config import RLConfig
+from mcore_rl.runconfig import RLConfig
 
 CONFIGS = Path(__file__).parents[2] / "configs"
 GPU_RUNS = [(p.name, ()) for p in sorted((CONFIGS / "gpu").glob("*.yaml"))] + [

@@ -14,7 +14,7 @@ from mcore_rl.config import ConfigError, load_config
 from mcore_rl.rollout.engine import RolloutError
 from mcore_rl.rollout.pipeline import RolloutPipeline
 from mcore_rl.launch.timing import PhaseTimer
-from mcore_rl.run.config import RLConfig
+from mcore_rl.runconfig import RLConfig
 from tests.support import DEMO_SIZED
 
 pytestmark = pytest.mark.fast  # the fast tier: scripts/test.sh -m fast

@@ -10,8 +10,9 @@ import pytest
 
 from mcore_rl.config import ConfigError, load_config
 from mcore_rl.rl import checkpoint_dirs as store
-from mcore_rl.rl.checkpoint_dirs import CheckpointConfig, CheckpointWriteError
-from mcore_rl.run.config import RLConfig
+from mcore_rl.rl.checkpoint_dirs import CheckpointWriteError
+from mcore_rl.runconfig import CheckpointConfig
+from mcore_rl.runconfig import RLConfig
 from tests.support import DEMO_SIZED
 
 pytestmark = pytest.mark.fast  # the fast tier: scripts/test.sh -m fast

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from mcore_rl.config import load_config
-from mcore_rl.run.config import RLConfig
+from mcore_rl.runconfig import RLConfig
 from tests.support import DEMO_SIZED
 
 pytestmark = pytest.mark.slow  # end-to-end: started first on the parallel workers
@@ -58,7 +58,7 @@ def assert_export_round_trips(controller, model_dir, out):
 def test_two_rl_steps_with_vllm_and_streamed_sync(ray_cluster, tmp_path, grid, algo):
     from mcore_rl.rl.controller import RLController
     from mcore_rl.run.train import build_demo_model
-    from mcore_rl.run.metrics import MetricsWriter, plot_run
+    from mcore_rl.rl.metrics import MetricsWriter, plot_run
 
     cfg = small_config(*grid, *algo)
     model_dir = build_demo_model(cfg, tmp_path)

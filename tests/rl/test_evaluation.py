@@ -10,9 +10,8 @@ import math
 import pytest
 
 from mcore_rl.config import ConfigError, load_config
-from mcore_rl.rl.evaluation import (EvalConfig, GenerationLog, GenerationsConfig, eval_metrics,
-                                    markdown_table, pass_at_k)
-from mcore_rl.run.config import RLConfig
+from mcore_rl.rl.evaluation import GenerationLog, eval_metrics, markdown_table, pass_at_k
+from mcore_rl.runconfig import EvalConfig, GenerationsConfig, RLConfig
 
 pytestmark = pytest.mark.fast  # the fast tier: scripts/test.sh -m fast
 

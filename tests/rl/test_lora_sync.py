@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from mcore_rl.config import load_config
-from mcore_rl.run.config import RLConfig
+from mcore_rl.runconfig import RLConfig
 from tests.support import DEMO_SIZED
 from tests.support.rl_runs import sampled_logprob_gap, step_then_sample
 

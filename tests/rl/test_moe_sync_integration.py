@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from mcore_rl.config import load_config
-from mcore_rl.run.config import RLConfig
+from mcore_rl.runconfig import RLConfig
 from tests.support import DEMO_SIZED
 from tests.support.moe_routing import hf_routing
 from tests.support.ray_cluster import leaves_nothing

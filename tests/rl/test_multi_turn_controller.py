@@ -8,7 +8,7 @@ episodes is what `mcore-rl demo --task tool_calc` runs.)"""
 import pytest
 
 from mcore_rl.config import ConfigError, load_config
-from mcore_rl.run.config import RLConfig
+from mcore_rl.runconfig import RLConfig
 from tests.support import DEMO_SIZED
 
 MULTI_TURN = ["task.kind=tool_calc", "task.env=tests.support.scripted_env:three_turn_env",

@@ -13,7 +13,7 @@ recorded log-prob is its version's), and the checkpoint carries the unfinished g
 import pytest
 
 from mcore_rl.config import load_config
-from mcore_rl.run.config import RLConfig
+from mcore_rl.runconfig import RLConfig
 from tests.support.rl_runs import DETERMINISTIC as BASE_DETERMINISTIC
 from tests.support.rl_runs import run_steps
 from tests.support import DEMO_SIZED

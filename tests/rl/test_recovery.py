@@ -5,8 +5,8 @@ SIGKILLs, are in test_survive.py; RayEngines.restart in tests/rollout/test_ray_e
 import pytest
 
 from mcore_rl.config import ConfigError, load_config
-from mcore_rl.rl.recovery import RecoveryConfig
-from mcore_rl.run.config import RLConfig
+from mcore_rl.runconfig import RecoveryConfig
+from mcore_rl.runconfig import RLConfig
 from tests.support import DEMO_SIZED
 
 pytestmark = pytest.mark.fast  # the fast tier: scripts/test.sh -m fast

@@ -6,7 +6,7 @@ mismatch check comes from the update's own forward."""
 import dataclasses
 
 from mcore_rl.config import load_config
-from mcore_rl.run.config import RLConfig
+from mcore_rl.runconfig import RLConfig
 from tests.support import DEMO_SIZED
 
 

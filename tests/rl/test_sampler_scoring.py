@@ -19,7 +19,7 @@ from mcore_rl.launch.timing import PhaseTimer
 from mcore_rl.rl.sampler import Sampler
 from mcore_rl.rollout.engine import Completion
 from mcore_rl.rollout.pipeline import RolloutPipeline
-from mcore_rl.run.config import RLConfig
+from mcore_rl.runconfig import RLConfig
 from mcore_rl.tasks.base import Example, RewardFailed
 from mcore_rl.tasks.jsonl import JsonlTask
 from tests.support.user_model import WORD_PROBLEMS, bpe_chat_tokenizer

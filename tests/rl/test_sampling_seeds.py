@@ -10,7 +10,7 @@ import pytest
 from mcore_rl.config import load_config
 from mcore_rl.config.seeds import derive_seed
 from mcore_rl.rl.sampler import step_sampling
-from mcore_rl.run.config import RLConfig
+from mcore_rl.runconfig import RLConfig
 
 pytestmark = pytest.mark.fast  # the fast tier: scripts/test.sh -m fast
 

@@ -14,7 +14,7 @@ from mcore_rl.planning.resolve import resolve_run
 from mcore_rl.resharding import SyncGroupSpec, sync_group_spec
 from mcore_rl.resharding.plan_cache import PlanSender
 from mcore_rl.rl.weight_sync import WeightSync
-from mcore_rl.run.config import RLConfig
+from mcore_rl.runconfig import RLConfig
 
 pytestmark = pytest.mark.fast  # the fast tier: scripts/test.sh -m fast
 

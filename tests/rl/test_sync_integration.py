@@ -16,7 +16,7 @@ import time
 import pytest
 
 from mcore_rl.config import load_config
-from mcore_rl.run.config import RLConfig
+from mcore_rl.runconfig import RLConfig
 from tests.support import DEMO_SIZED
 from tests.support.ray_cluster import leaves_nothing
 from tests.support.rl_runs import sampled_logprob_gap, stepped_and_sampled

@@ -9,7 +9,7 @@ import pytest
 
 from mcore_rl.config import load_config
 from mcore_rl.launch.watchdog import WatchdogTimeout
-from mcore_rl.run.config import RLConfig
+from mcore_rl.runconfig import RLConfig
 from tests.support import DEMO_SIZED
 
 pytestmark = pytest.mark.slow  # end-to-end: started first on the parallel workers

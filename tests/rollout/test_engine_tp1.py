@@ -75,7 +75,7 @@ def test_consecutive_steps_do_not_repeat_each_others_samples(engine):
     do. (Seeds once added small integers: step k+1's sample j-1 was step k's sample j.)"""
     from mcore_rl.config import load_config
     from mcore_rl.rl.sampler import step_sampling
-    from mcore_rl.run.config import RLConfig
+    from mcore_rl.runconfig import RLConfig
 
     cfg = load_config(RLConfig, None, ["samples_per_prompt=8", "max_new_tokens=6",
                                        "max_prompt_tokens=8", "rollout.max_model_len=64"])

@@ -15,7 +15,7 @@ from mcore_rl.rollout.engine import Completion, SamplingConfig
 from mcore_rl.rollout.partial import PartialBatch, advance
 from mcore_rl.launch.timing import PhaseTimer
 from mcore_rl.rollout.partial import PartialRolloutPipeline
-from mcore_rl.run.config import RLConfig
+from mcore_rl.runconfig import RLConfig
 from tests.support import DEMO_SIZED
 
 pytestmark = pytest.mark.fast  # the fast tier: scripts/test.sh -m fast

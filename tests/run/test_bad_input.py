@@ -208,7 +208,7 @@ def test_an_override_written_as_an_option_says_how_it_is_written(capsys, argv, l
 
 def test_an_unknown_key_names_the_closest_known_ones(tmp_path, capsys):
     from mcore_rl.config import ConfigError, load_config
-    from mcore_rl.run.config import RLConfig
+    from mcore_rl.runconfig import RLConfig
 
     for override, close in (("actor.tpp=2", "(did you mean actor.tp, actor.pp or actor.vpp?)"),
                             ("stepz=3", "(did you mean steps?)"),

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from mcore_rl.cli import main
-from mcore_rl.run.metrics import plot_compare, trailing_mean
+from mcore_rl.rl.metrics import plot_compare, trailing_mean
 
 
 def _write_run(run_dir, rewards):

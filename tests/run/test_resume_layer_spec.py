@@ -78,7 +78,7 @@ def test_te_run_without_transformer_engine_is_refused_before_workers(monkeypatch
     import mcore_rl.planning.resolve as resolve
     from mcore_rl.config import load_config
     from mcore_rl.run.train import check_layer_spec_here
-    from mcore_rl.run.config import RLConfig
+    from mcore_rl.runconfig import RLConfig
 
     cfg = load_config(RLConfig, "configs/grpo_addition.yaml", [])
     check_layer_spec_here(cfg)  # this CPU machine: layer_spec 'local', nothing to refuse

@@ -10,7 +10,7 @@ import torch
 from mcore_rl.config import ConfigError, load_config
 from mcore_rl.rollout.engine import Completion
 from mcore_rl.rollout.batches import build_batch, trained_tokens
-from mcore_rl.run.config import RLConfig, derived_micro_batch
+from mcore_rl.runconfig import RLConfig, derived_micro_batch
 
 pytestmark = pytest.mark.fast  # the fast tier: scripts/test.sh -m fast
 

@@ -12,9 +12,8 @@ import pytest
 import yaml
 
 from mcore_rl.config import ConfigError, check_config, load_config, write_config
-from mcore_rl.run import metrics
-from mcore_rl.run.metrics import MetricsWriter, WandbConfig
-from mcore_rl.run.config import RLConfig
+from mcore_rl.rl.metrics import MetricsWriter
+from mcore_rl.runconfig import RLConfig, WandbConfig, sections
 
 ROOT = Path(__file__).resolve().parents[2]
 SHIPPED = sorted(p for p in [*ROOT.glob("configs/*.yaml"), *ROOT.glob("configs/gpu/*.yaml")]
@@ -154,7 +153,7 @@ def test_logging_wandb_loads_and_defaults_off():
 
 
 def test_wandb_without_the_package_is_one_config_error(tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(metrics, "wandb_installed", lambda: False)
+    monkeypatch.setattr(sections, "wandb_installed", lambda: False)
     with pytest.raises(ConfigError) as err:
         load_config(RLConfig, None, OFFLINE)
     message = str(err.value)

@@ -15,7 +15,7 @@ import pytest
 
 from mcore_rl.config import ConfigError, load_config, to_dict, write_config
 from mcore_rl.rl.checkpoint_dirs import CONTROLLER_FILE, MARKER
-from mcore_rl.run.config import RLConfig
+from mcore_rl.runconfig import RLConfig
 from mcore_rl.run.same_run import (MAY_CHANGE_ON_RESUME, check_same_run, differences,
                                    may_change)
 

@@ -255,7 +255,7 @@ def test_a_full_disk_and_a_dead_actor_rank_are_named(ray_cluster, tmp_path):
     from mcore_rl.rl.checkpoint_dirs import CheckpointWriteError
     from mcore_rl.rl.controller import RLController
     from mcore_rl.run.train import build_demo_model
-    from mcore_rl.run.config import RLConfig
+    from mcore_rl.runconfig import RLConfig
 
     cfg = load_config(RLConfig, DEMO_SIZED, [*OVERRIDES, "deadlines.train_s=120",
                                        "checkpoint.inject_error=save@step2"])

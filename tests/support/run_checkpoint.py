@@ -63,7 +63,7 @@ def fake_run_dir(run_dir: Path, actor_ckpt: Path, *, step: int = 3,
 
     from mcore_rl.config import load_config, write_config
     from mcore_rl.rl.checkpoint_dirs import CONTROLLER_FILE, MARKER
-    from mcore_rl.run.config import RLConfig
+    from mcore_rl.runconfig import RLConfig
     from mcore_rl.run.train import RESOLVED_CONFIG
     from tests.support import DEMO_SIZED
 

@@ -18,14 +18,11 @@ from mcore_rl.launch.cluster import ClusterConfig
 from mcore_rl.models.presets import PRESETS
 from mcore_rl.models.spec import ModelSpec
 from mcore_rl.rollout.config import RolloutConfig
-from mcore_rl.tasks.base import load_reward_fn  # noqa: F401 — callers import it from here
 from mcore_rl.tasks.config import TaskConfig
 from mcore_rl.megatron.config import ActorConfig, OptimizerConfig, TrainConfig
-from mcore_rl.rl.checkpoint_dirs import CheckpointConfig
-from mcore_rl.rl.evaluation import EvalConfig
-from mcore_rl.run.metrics import LoggingConfig
 from mcore_rl.reward_model import RewardModelConfig
-from mcore_rl.rl.recovery import RecoveryConfig
+from mcore_rl.runconfig.sections import (CheckpointConfig, EvalConfig, LoggingConfig,
+                                         RecoveryConfig)
 
 # The demo tokenizer (mcore_rl.tasks.tokenizer, trained on the addition task) has 16 pieces.
 DEMO_VOCAB = 16

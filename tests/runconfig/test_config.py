@@ -89,7 +89,7 @@ RL_CONFIGS = sorted(p for p in [*ROOT.glob("configs/*.yaml"), *ROOT.glob("config
 
 
 def test_every_shipped_rl_config_loads():
-    from mcore_rl.run.config import RLConfig
+    from mcore_rl.runconfig import RLConfig
 
     assert {p.name for p in RL_CONFIGS} >= {"grpo_addition.yaml", "ppo_addition.yaml",
                                             "tiny_ci.yaml", "llama3-8b.yaml", "llama2-13b.yaml",
@@ -115,7 +115,7 @@ def test_every_shipped_rl_config_loads():
 
 
 def test_demo_default_is_addition_on_the_built_model():
-    from mcore_rl.run.config import RLConfig
+    from mcore_rl.runconfig import RLConfig
 
     cfg = load_config(RLConfig)
     assert (cfg.task.kind, cfg.task.digits, cfg.task.reward_path) == (
@@ -147,7 +147,7 @@ def test_demo_default_is_addition_on_the_built_model():
     (["reward_fn=x:y"], "reward_fn", "unknown field"),  # moved to task.reward_fn
 ])
 def test_bad_rl_config_names_the_field(overrides, field, problem):
-    from mcore_rl.run.config import RLConfig
+    from mcore_rl.runconfig import RLConfig
 
     with pytest.raises(ConfigError) as err:
         load_config(RLConfig, ROOT / "configs" / "grpo_addition.yaml", overrides)
@@ -156,7 +156,7 @@ def test_bad_rl_config_names_the_field(overrides, field, problem):
 
 
 def test_gpu_config_without_weights_or_preset_names_the_fix():
-    from mcore_rl.run.config import RLConfig
+    from mcore_rl.runconfig import RLConfig
 
     cfg = load_config(RLConfig, ROOT / "configs" / "gpu" / "llama3-8b.yaml", ["model.preset=null"])
     with pytest.raises(ConfigError, match="set model.preset to the planner preset"):
@@ -169,7 +169,7 @@ def test_cluster_sync_backend_defaults_to_the_devices_own():
     """cluster.sync_backend null: the resolved device's own; set, it is checked against the
     device (preflight), also on a "local" cluster, where it is not ignored."""
     from mcore_rl.planning.resolve import resolve_run
-    from mcore_rl.run.config import RLConfig
+    from mcore_rl.runconfig import RLConfig
 
     grpo = ROOT / "configs" / "grpo_addition.yaml"
     assert load_config(RLConfig, grpo).cluster.sync_backend is None
@@ -184,7 +184,7 @@ def test_demo_model_moe_is_a_qwen3_moe_on_an_expert_parallel_actor():
     import argparse
 
     from mcore_rl.run.train import _config_path
-    from mcore_rl.run.config import RLConfig
+    from mcore_rl.runconfig import RLConfig
 
     args = argparse.Namespace(config=None, task=None, model="moe")
     cfg = load_config(RLConfig, _config_path(args))

@@ -5,58 +5,11 @@ charts (`mcore-rl plot RUN_DIR`), `plot_compare` overlays two runs' rewards
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
-from mcore_rl.config import ConfigError
-from mcore_rl.rl.evaluation import GenerationsConfig
-
-WANDB_INSTALL = "pip install 'mcore-rl[wandb]'"
-
-
-@dataclass(frozen=True, kw_only=True)
-class WandbConfig:
-    """Weights & Biases logging of every step's metrics (the keys of metrics.jsonl), beside
-    TensorBoard. Each phase (warm-up, RL) is its own wandb run named `name`/phase, grouped
-    under `name` (TensorBoard's tb/warmup and tb/rl); its files go to RUN_DIR/wandb.
-    project: the wandb project. name: the runs' group (null: the run directory's name).
-    mode: "online" (needs `wandb login`), "offline" (synced later with `wandb sync`) or
-    "disabled". Needs the wandb package (`pip install 'mcore-rl[wandb]'`)."""
-
-    project: str
-    name: str | None = None
-    mode: Literal["online", "offline", "disabled"] = "online"
-
-    def __post_init__(self) -> None:
-        if not self.project:
-            raise ConfigError("project", self.project, "must name a wandb project")
-
-
-@dataclass(frozen=True, kw_only=True)
-class LoggingConfig:
-    """Where step metrics go besides RUN_DIR/metrics.jsonl, TensorBoard and the console.
-    wandb: Weights & Biases (`WandbConfig`); null = off.
-    generations: a few samples a person can read, in RUN_DIR/generations.jsonl and
-        TensorBoard's text tab (`GenerationsConfig`)."""
-
-    wandb: WandbConfig | None = None
-    generations: GenerationsConfig = field(default_factory=GenerationsConfig)
-
-    def __post_init__(self) -> None:
-        if self.wandb is not None and not wandb_installed():
-            raise _no_wandb(self.wandb)
-
-
-def wandb_installed() -> bool:
-    return importlib.util.find_spec("wandb") is not None
-
-
-def _no_wandb(cfg: WandbConfig) -> ConfigError:
-    return ConfigError("wandb", vars(cfg),
-                       f"wandb logging needs the wandb package: {WANDB_INSTALL}")
+from mcore_rl.runconfig.sections import WandbConfig, no_wandb
 
 
 class MetricsWriter:
@@ -115,7 +68,7 @@ def _start_wandb(cfg: WandbConfig, run_config: dict[str, Any] | None, run_dir: P
     try:
         import wandb
     except ImportError:
-        raise _no_wandb(cfg).under("logging") from None
+        raise no_wandb(cfg).under("logging") from None
     name = cfg.name or run_dir.name
     return wandb.init(project=cfg.project, name=f"{name}/{phase}", group=name, job_type=phase,
                       mode=cfg.mode, dir=str(run_dir), config=run_config, reinit="create_new")
