@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 from mcore_rl.config.reference import render_reference
-from mcore_rl.run.config import RLConfig
+from mcore_rl.runconfig import RLConfig
 
 TARGET = Path(__file__).resolve().parent.parent / "docs" / "reference" / "config.md"
 
