@@ -275,7 +275,7 @@ def with_peak(cfg: StepBenchConfig) -> tuple[StepBenchConfig, str]:
     if cfg.peak_tflops is not None:
         return cfg, "given (peak_tflops)"
     from mcore_rl.config.dtypes import torch_dtype
-    from mcore_rl.planning.resolve import run_device
+    from mcore_rl.runconfig.resolve import run_device
 
     rl = cfg.rl_config()
     if run_device(rl) == "cuda":

@@ -1,8 +1,8 @@
 """`ClusterConfig`: the allocation an RL run is sized for (the run config's `cluster` section).
 
-Preflight, the memory planner and the run's resolution (`mcore_rl.planning.resolve`) read it;
+Preflight, the memory planner and the run's resolution (`mcore_rl.runconfig.resolve`) read it;
 the launcher (e.g. scripts/slurm/train.sbatch) must request the same. A "local" cluster is
-resolved to this machine by `mcore_rl.planning.resolve.resolved_cluster`, which returns a
+resolved to this machine by `mcore_rl.runconfig.resolve.resolved_cluster`, which returns a
 ClusterConfig with device "gpu" or "cpu" describing what the run will use.
 """
 

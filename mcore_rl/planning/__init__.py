@@ -1,6 +1,6 @@
-"""Before launch: the run's resolution (`resolve_run`: device, layer spec, sync backend,
-transports), its per-device memory (`plan_memory` of a `SizedRun`), and the preflight checks
-that list every configuration problem at once (`preflight`)."""
+"""Before launch: the run's per-device memory (`plan_memory` of a `SizedRun`), the preflight
+checks that list every configuration problem at once (`grid_checks`), what one sync moves
+(`sync_traffic`). The run's resolution (`resolve_run`) is the config's: `runconfig.resolve`."""
 
 from mcore_rl.planning.knobs import plan_with_suggestions
 from mcore_rl.planning.memory import MemoryPlan, plan_memory

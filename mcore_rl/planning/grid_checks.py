@@ -28,12 +28,12 @@ from mcore_rl.megatron.config import LORA_HEAD, LORA_TARGETS
 from mcore_rl.models.spec import ModelSpec
 from mcore_rl.planning.knobs import suggest
 from mcore_rl.planning.memory import MemoryPlan, plan_memory
-from mcore_rl.planning.resolve import placement_plan_of
 from mcore_rl.planning.sized import GiB, SizedRun
 from mcore_rl.rollout.expert_parallel import CPU_FIX as EP_CPU_FIX
 from mcore_rl.rollout.expert_parallel import CPU_REASON as EP_CPU_REASON
 from mcore_rl.rollout.expert_parallel import FIELD as EP_FIELD
 from mcore_rl.rollout.lora import VLLM_LORA_RANKS, unsupported_lora_reason
+from mcore_rl.runconfig.resolve import placement_plan_of
 
 
 @dataclass(frozen=True)

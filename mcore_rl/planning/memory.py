@@ -358,7 +358,7 @@ def sync_buffers(run: SizedRun) -> tuple[float, float]:
     Colocated (IPC): the actor rank's shared staging buffer of one bucket, the engine rank
     copying straight out of it; otherwise (point to point) two staging slots of a bucket on
     each side (`resharding.copy_service.P2PCopy`: round k + 1 posted before round k is done)."""
-    from mcore_rl.planning.resolve import SYNC_BUCKET_MB
+    from mcore_rl.runconfig.resolve import SYNC_BUCKET_MB
 
     mb = run.cfg.sync_bucket_mb
     bucket = (SYNC_BUCKET_MB[run.device] if mb is None else mb) * (1 << 20)

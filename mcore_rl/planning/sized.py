@@ -5,7 +5,7 @@ file `mcore-rl train` reads), the device it resolves to, the allocation (`Cluste
 It adds no fields of its own: every number the planner uses is an RLConfig field or derived
 from one here, the way the runtime derives it (the global batch, the trainer's fp32 grads,
 vLLM's batch defaults, what a sleeping engine frees). The device facts (layer spec, sync
-backend, the allocation) come from `mcore_rl.planning.resolve`, the rules the controller uses.
+backend, the allocation) come from `mcore_rl.runconfig.resolve`, the rules the controller uses.
 """
 
 from __future__ import annotations
@@ -18,7 +18,9 @@ from mcore_rl.launch.cluster import ClusterConfig
 from mcore_rl.megatron.config import TrainConfig
 from mcore_rl.models.presets import PRESETS
 from mcore_rl.models.spec import ModelSpec
-from mcore_rl.planning.resolve import (
+from mcore_rl.rollout.config import vllm_batch_defaults
+from mcore_rl.runconfig import RLConfig
+from mcore_rl.runconfig.resolve import (
     Device,
     layer_spec_of,
     local_devices,
@@ -26,8 +28,6 @@ from mcore_rl.planning.resolve import (
     run_device,
     sync_backend_of,
 )
-from mcore_rl.rollout.config import vllm_batch_defaults
-from mcore_rl.runconfig import RLConfig
 
 GiB = 1 << 30
 

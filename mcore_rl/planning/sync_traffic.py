@@ -12,9 +12,9 @@ regression shows.
 from __future__ import annotations
 
 from mcore_rl.models.spec import ModelSpec
-from mcore_rl.planning.resolve import ResolvedRun
 from mcore_rl.resharding.planner import Plan
 from mcore_rl.runconfig import RLConfig
+from mcore_rl.runconfig.resolve import ResolvedRun
 
 
 def sync_plan(cfg: RLConfig, run: ResolvedRun, spec: ModelSpec, engines: int | None = None) -> Plan:

@@ -132,7 +132,7 @@ def join_sync_group(spec: SyncGroupSpec, rank: int,
 
 def sync_group_spec(run, *, host: str, port: int, prefix: str, timeout_s: float,
                     engines: int | None = None) -> SyncGroupSpec:
-    """The sync group of a resolved run (`mcore_rl.planning.resolve.ResolvedRun`): its world
+    """The sync group of a resolved run (`mcore_rl.runconfig.resolve.ResolvedRun`): its world
     is the run's actor ranks plus the TP ranks of its first `engines` engines (default: all;
     fewer while late engines are still starting), its backend the run's `sync_backend` —
     never re-derived here."""

@@ -29,7 +29,7 @@ from mcore_rl.config.seeds import derive_seed
 from mcore_rl.launch.timing import PhaseTimer
 from mcore_rl.launch.watchdog import Watchdog
 from mcore_rl.models.spec import ModelSpec
-from mcore_rl.planning.resolve import resolve_run
+from mcore_rl.runconfig.resolve import resolve_run
 from mcore_rl.rl.actor_ranks import ActorRanks
 from mcore_rl.rl.advantages import compute_advantages, critic_metrics, packing_metrics
 from mcore_rl.rl.checkpointer import Checkpointer

@@ -1,6 +1,6 @@
 """`mcore-rl explain CONFIG [a.b=c ...] [--assume-gpu] [--ranks] [--json]`: what the run
 will do on this machine (or on an assumed GPU machine) — the resolved run
-(`mcore_rl.planning.resolve.ResolvedRun`) the controller hands to every worker.
+(`mcore_rl.runconfig.resolve.ResolvedRun`) the controller hands to every worker.
 
 By default one short table: the run's shape (model, algorithm, batch, lengths), how it is
 resolved (device, layer spec, sync backend, dtypes, start-up order, roles) and its devices
@@ -261,7 +261,7 @@ def run_explain(args) -> int:
 
     from mcore_rl.config import load_config
     from mcore_rl.planning.grid_checks import GRID_CHECKS, preflight
-    from mcore_rl.planning.resolve import resolve_run
+    from mcore_rl.runconfig.resolve import resolve_run
     from mcore_rl.planning.sized import sized_run
     from mcore_rl.runconfig import RLConfig
 

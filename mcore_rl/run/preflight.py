@@ -5,7 +5,7 @@ before `mcore-rl train` / `demo` start any worker. Their messages name the RLCon
 
 What is sized: the model as `ModelConfig.planning_model` says (the demo spec, hf_dir's
 config.json, or the preset when the checkpoint is not on this machine); the device as the
-run resolves (`mcore_rl.planning.resolve`: detected, or assumed with `assume_gpu`); the
+run resolves (`mcore_rl.runconfig.resolve`: detected, or assumed with `assume_gpu`); the
 devices as `cfg.cluster` says (this machine for device "local").
 
 Preflight reads what the run will read, where it is: model.hf_dir (and reward_model.hf_dir)
@@ -257,7 +257,7 @@ def allocation_problems(cfg: RLConfig, device: str, env: Mapping[str, str]) -> l
     never be placed. Nothing outside an allocation."""
     from mcore_rl.launch.allocation import SlurmAllocation, allocation_shortfall
     from mcore_rl.launch.placement import node_bundles
-    from mcore_rl.planning.resolve import placement_plan_of
+    from mcore_rl.runconfig.resolve import placement_plan_of
 
     allocation = SlurmAllocation.from_env(env)
     if allocation is None:
@@ -280,7 +280,7 @@ def kernel_problems(cfg: RLConfig, device: str) -> list[Problem]:
     what running without it costs (`models.kernels`): the actor ranks decide again on their
     node, and build without it rather than fail."""
     from mcore_rl.models.kernels import KERNELS, PROVIDERS, dropped, resolve_kernels
-    from mcore_rl.planning.resolve import layer_spec_of, trainers_fuse_kernels
+    from mcore_rl.runconfig.resolve import layer_spec_of, trainers_fuse_kernels
 
     try:
         fused = trainers_fuse_kernels(cfg.train.fused_kernels, layer_spec_of(device))

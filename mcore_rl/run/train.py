@@ -89,7 +89,7 @@ def check_layer_spec_here(cfg, resume: Path | None = None) -> None:
     """Before any worker starts: the resolved layer spec can be built here (a run on this
     machine that resolves "te" needs TransformerEngine), and a resumed checkpoint was saved
     under the same spec (`megatron.role_checkpoint.check_resume`). Raises ConfigError."""
-    from mcore_rl.planning.resolve import resolve_run
+    from mcore_rl.runconfig.resolve import resolve_run
 
     run = resolve_run(cfg)
     if cfg.cluster.device == "local" and run.layer_spec == "te":

@@ -10,19 +10,24 @@ from pathlib import Path
 from typing import ClassVar, Literal
 
 from mcore_rl.algorithms import AlgorithmConfig
-from mcore_rl.config import (ConfigError, raise_errors, require_above, require_at_least,
-                             require_in_range, run_checks)
+from mcore_rl.config import (
+    ConfigError,
+    raise_errors,
+    require_above,
+    require_at_least,
+    require_in_range,
+    run_checks,
+)
 from mcore_rl.config.dtypes import DtypeName, normalize_dtype_fields
 from mcore_rl.config.seeds import USE_THE_RUN_SEED
 from mcore_rl.launch.cluster import ClusterConfig
+from mcore_rl.megatron.config import ActorConfig, OptimizerConfig, TrainConfig
 from mcore_rl.models.presets import PRESETS
 from mcore_rl.models.spec import ModelSpec
-from mcore_rl.rollout.config import RolloutConfig
-from mcore_rl.tasks.config import TaskConfig
-from mcore_rl.megatron.config import ActorConfig, OptimizerConfig, TrainConfig
 from mcore_rl.reward_model import RewardModelConfig
-from mcore_rl.runconfig.sections import (CheckpointConfig, EvalConfig, LoggingConfig,
-                                         RecoveryConfig)
+from mcore_rl.rollout.config import RolloutConfig
+from mcore_rl.runconfig.sections import CheckpointConfig, EvalConfig, LoggingConfig, RecoveryConfig
+from mcore_rl.tasks.config import TaskConfig
 
 # The demo tokenizer (mcore_rl.tasks.tokenizer, trained on the addition task) has 16 pieces.
 DEMO_VOCAB = 16
@@ -63,16 +68,25 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         if self.preset is not None and self.preset not in PRESETS:
-            raise ConfigError("preset", self.preset,
-                              f"unknown preset; known: {', '.join(sorted(PRESETS))}")
+            raise ConfigError(
+                "preset", self.preset, f"unknown preset; known: {', '.join(sorted(PRESETS))}"
+            )
         if self.preset is not None and self.hf_dir is None:
-            raise ConfigError("preset", self.preset, "sizes preflight for an hf_dir checkpoint "
-                              "that is not on this machine: set hf_dir too")
+            raise ConfigError(
+                "preset",
+                self.preset,
+                "sizes preflight for an hf_dir checkpoint "
+                "that is not on this machine: set hf_dir too",
+            )
         if self.hf_dir is not None:
             return
         if self.hidden % self.heads or self.hidden // self.heads < 32:
-            raise ConfigError("hidden", self.hidden, f"hidden / heads must be a whole number "
-                                                     f">= 32 (vLLM CPU attention), heads={self.heads}")
+            raise ConfigError(
+                "hidden",
+                self.hidden,
+                f"hidden / heads must be a whole number "
+                f">= 32 (vLLM CPU attention), heads={self.heads}",
+            )
         if self.heads % self.kv_heads:
             raise ConfigError("kv_heads", self.kv_heads, f"must divide heads={self.heads}")
         require_at_least(self, 0, "experts", note="0: a dense model")
@@ -82,17 +96,36 @@ class ModelConfig:
     def demo_spec(self) -> ModelSpec:
         """Shapes of the locally built demo model (hf_dir null)."""
         if self.experts:
-            return ModelSpec(family="qwen3_moe", architecture="Qwen3MoeForCausalLM",
-                             hidden=self.hidden, ffn=self.ffn, heads=self.heads,
-                             kv_heads=self.kv_heads, head_dim=self.hidden // self.heads,
-                             layers=self.layers, vocab=DEMO_VOCAB,
-                             max_positions=DEMO_MAX_POSITIONS, qk_norm=True, norm_eps=1e-6,
-                             num_experts=self.experts, moe_ffn=self.expert_ffn,
-                             experts_per_token=self.experts_per_token, norm_topk_prob=True)
-        return ModelSpec(family="llama", architecture="LlamaForCausalLM", hidden=self.hidden,
-                         ffn=self.ffn, heads=self.heads, kv_heads=self.kv_heads,
-                         head_dim=self.hidden // self.heads, layers=self.layers,
-                         vocab=DEMO_VOCAB, max_positions=DEMO_MAX_POSITIONS)
+            return ModelSpec(
+                family="qwen3_moe",
+                architecture="Qwen3MoeForCausalLM",
+                hidden=self.hidden,
+                ffn=self.ffn,
+                heads=self.heads,
+                kv_heads=self.kv_heads,
+                head_dim=self.hidden // self.heads,
+                layers=self.layers,
+                vocab=DEMO_VOCAB,
+                max_positions=DEMO_MAX_POSITIONS,
+                qk_norm=True,
+                norm_eps=1e-6,
+                num_experts=self.experts,
+                moe_ffn=self.expert_ffn,
+                experts_per_token=self.experts_per_token,
+                norm_topk_prob=True,
+            )
+        return ModelSpec(
+            family="llama",
+            architecture="LlamaForCausalLM",
+            hidden=self.hidden,
+            ffn=self.ffn,
+            heads=self.heads,
+            kv_heads=self.kv_heads,
+            head_dim=self.hidden // self.heads,
+            layers=self.layers,
+            vocab=DEMO_VOCAB,
+            max_positions=DEMO_MAX_POSITIONS,
+        )
 
     def planning_model(self) -> str | ModelSpec:
         """What preflight sizes from: the demo spec, hf_dir when its config.json is here,
@@ -103,9 +136,13 @@ class ModelConfig:
             return self.hf_dir
         if self.preset is not None:
             return self.preset
-        raise ConfigError("model.hf_dir", self.hf_dir, "has no config.json on this machine: set "
-                          "model.preset to the planner preset of the same shapes "
-                          f"({', '.join(sorted(PRESETS))}) to check the run without it")
+        raise ConfigError(
+            "model.hf_dir",
+            self.hf_dir,
+            "has no config.json on this machine: set "
+            "model.preset to the planner preset of the same shapes "
+            f"({', '.join(sorted(PRESETS))}) to check the run without it",
+        )
 
     def context(self) -> tuple[int, str] | None:
         """The model's context in tokens (max_position_embeddings) and where it was read, from
@@ -117,13 +154,16 @@ class ModelConfig:
         config = Path(self.hf_dir) / "config.json"
         if config.is_file():
             try:
-                return ModelSpec.from_hf_dir(self.hf_dir).max_positions, \
-                    f"max_position_embeddings in {config}"
+                return ModelSpec.from_hf_dir(
+                    self.hf_dir
+                ).max_positions, f"max_position_embeddings in {config}"
             except (OSError, ValueError, KeyError, TypeError):
                 return None
         if self.preset is not None:
-            return (PRESETS[self.preset].max_positions,
-                    f"max_positions of model.preset={self.preset}")
+            return (
+                PRESETS[self.preset].max_positions,
+                f"max_positions of model.preset={self.preset}",
+            )
         return None
 
 
@@ -220,8 +260,9 @@ class DeadlineConfig:
     reward_model_s: float = 600.0
 
     def __post_init__(self) -> None:
-        require_above(self, 0, "startup_s", "gen_s", "train_s", "sync_s", "engine_call_s",
-                      "reward_model_s")
+        require_above(
+            self, 0, "startup_s", "gen_s", "train_s", "sync_s", "engine_call_s", "reward_model_s"
+        )
 
     def for_phase(self, phase: str) -> float:
         if phase in ("startup", "sync-join", "setup", "shutdown"):
@@ -336,14 +377,23 @@ class RLConfig:
 
         modes = {0: "sync", 1: "one_step"}
         if self.off_policy_steps not in modes:
-            raise ConfigError("off_policy_steps", self.off_policy_steps,
-                              "must be 0 or 1 (deprecated: use rollout.mode)")
+            raise ConfigError(
+                "off_policy_steps",
+                self.off_policy_steps,
+                "must be 0 or 1 (deprecated: use rollout.mode)",
+            )
         mode = modes[self.off_policy_steps]
         if self.rollout.mode not in ("sync", mode):
-            raise ConfigError("off_policy_steps", self.off_policy_steps,
-                              f"contradicts rollout.mode={self.rollout.mode}: drop it")
-        warnings.warn(f"off_policy_steps={self.off_policy_steps} is deprecated: use "
-                      f"rollout.mode={mode}", DeprecationWarning, stacklevel=3)
+            raise ConfigError(
+                "off_policy_steps",
+                self.off_policy_steps,
+                f"contradicts rollout.mode={self.rollout.mode}: drop it",
+            )
+        warnings.warn(
+            f"off_policy_steps={self.off_policy_steps} is deprecated: use rollout.mode={mode}",
+            DeprecationWarning,
+            stacklevel=3,
+        )
         try:
             rollout = dataclasses.replace(self.rollout, mode=mode)
         except ConfigError as err:
@@ -373,9 +423,11 @@ class RLConfig:
         multi-turn: each alone, a turn is capped by what the episode has left)."""
         total, context = self.task.episode.max_total_tokens, self.model.context()
         if self.task.multi_turn and context is not None and total > context[0]:
-            raise ConfigError("task.episode.max_total_tokens", total,
-                              f"an episode must fit the model's context of {context[0]} tokens "
-                              f"({context[1]})")
+            raise ConfigError(
+                "task.episode.max_total_tokens",
+                total,
+                f"an episode must fit the model's context of {context[0]} tokens ({context[1]})",
+            )
         prompt, new = self.max_prompt_tokens, self.max_new_tokens
         if any(n is not None and n < 1 for n in (prompt, new)):
             return  # _check_counts names it
@@ -388,18 +440,29 @@ class RLConfig:
                 prompt = new = min(LENGTH_DEFAULT, room // 2)
             elif prompt is None:
                 if new >= room:
-                    raise ConfigError("max_new_tokens", new, f"leaves no room for a prompt in "
-                                      f"{where}: set max_new_tokens < {room}")
+                    raise ConfigError(
+                        "max_new_tokens",
+                        new,
+                        f"leaves no room for a prompt in {where}: set max_new_tokens < {room}",
+                    )
                 prompt = min(LENGTH_DEFAULT, room - new)
             elif new is None:
                 if prompt >= room:
-                    raise ConfigError("max_prompt_tokens", prompt, f"leaves no room for a "
-                                      f"response in {where}: set max_prompt_tokens < {room}")
+                    raise ConfigError(
+                        "max_prompt_tokens",
+                        prompt,
+                        f"leaves no room for a response in {where}: set max_prompt_tokens < {room}",
+                    )
                 new = min(LENGTH_DEFAULT, room - prompt)
             elif prompt + new > room and not self.task.multi_turn:
-                raise ConfigError("max_new_tokens", new, (
-                    f"max_prompt_tokens + max_new_tokens = {prompt} + {new} = {prompt + new} "
-                    f"tokens exceed {where}: set max_prompt_tokens + max_new_tokens <= {room}"))
+                raise ConfigError(
+                    "max_new_tokens",
+                    new,
+                    (
+                        f"max_prompt_tokens + max_new_tokens = {prompt} + {new} = {prompt + new} "
+                        f"tokens exceed {where}: set max_prompt_tokens + max_new_tokens <= {room}"
+                    ),
+                )
         object.__setattr__(self, "max_prompt_tokens", prompt)
         object.__setattr__(self, "max_new_tokens", new)
 
@@ -421,27 +484,37 @@ class RLConfig:
         resolved seq_len (the rows of every role)."""
         need = self.sample_tokens
         if self.task.multi_turn and self.max_prompt_tokens >= need:
-            raise ConfigError("max_prompt_tokens", self.max_prompt_tokens,
-                              f"must leave room for a model token in task.episode."
-                              f"max_total_tokens={need}")
-        what = (f"max_prompt_tokens + max_new_tokens = {self.max_prompt_tokens} + "
-                f"{self.max_new_tokens} = {need}")
+            raise ConfigError(
+                "max_prompt_tokens",
+                self.max_prompt_tokens,
+                f"must leave room for a model token in task.episode.max_total_tokens={need}",
+            )
+        what = (
+            f"max_prompt_tokens + max_new_tokens = {self.max_prompt_tokens} + "
+            f"{self.max_new_tokens} = {need}"
+        )
         seq_len = self.train.seq_len
         if seq_len is None:  # a row holds seq_len + 1 tokens: the inputs and the last label
             tp = self.actor.tp if self.actor.sequence_parallel else 1
             seq_len = -(-(need - 1) // tp) * tp
         elif seq_len + 1 < need and not self.task.multi_turn:
-            raise ConfigError("train.seq_len", seq_len,
-                              f"rows of seq_len + 1 = {seq_len + 1} tokens cannot hold a sample "
-                              f"of {what} tokens: set train.seq_len >= {need - 1} (or null: "
-                              "derived)")
+            raise ConfigError(
+                "train.seq_len",
+                seq_len,
+                f"rows of seq_len + 1 = {seq_len + 1} tokens cannot hold a sample "
+                f"of {what} tokens: set train.seq_len >= {need - 1} (or null: "
+                "derived)",
+            )
         max_model_len = self.rollout.max_model_len
         if max_model_len is None:
             max_model_len = need
         elif max_model_len < need and not self.task.multi_turn:
-            raise ConfigError("rollout.max_model_len", max_model_len,
-                              f"the engines cannot hold a sample of {what} tokens: set "
-                              f"rollout.max_model_len >= {need} (or null: derived)")
+            raise ConfigError(
+                "rollout.max_model_len",
+                max_model_len,
+                f"the engines cannot hold a sample of {what} tokens: set "
+                f"rollout.max_model_len >= {need} (or null: derived)",
+            )
         if max_model_len != self.rollout.max_model_len:
             try:
                 rollout = dataclasses.replace(self.rollout, max_model_len=max_model_len)
@@ -450,8 +523,9 @@ class RLConfig:
             object.__setattr__(self, "rollout", rollout)
         return seq_len
 
-    def _resolve_train(self, role: str, train: TrainConfig, *, rows: int,
-                       seq_len: int) -> TrainConfig:
+    def _resolve_train(
+        self, role: str, train: TrainConfig, *, rows: int, seq_len: int
+    ) -> TrainConfig:
         """`train` with a null seq_len set to the run's and a null micro_batch_size derived
         for `rows` sequences per DP rank (`derived_micro_batch`)."""
         seq_len = train.seq_len or seq_len
@@ -468,33 +542,48 @@ class RLConfig:
         them; workers, planning and benches read plain values)."""
         per_dp = self.rows_per_dp
         seq_len = self._resolve_lengths()
-        object.__setattr__(self, "train", self._resolve_train(
-            "train", self.train, rows=per_dp, seq_len=seq_len))
-        object.__setattr__(self, "critic_train", self._resolve_train(
-            "critic_train", self.critic_train, rows=per_dp, seq_len=seq_len))
-        warm = self._resolve_train("warmup.train", self.warmup.train, seq_len=seq_len,
-                                   rows=max(1, self.warmup.batch_size // self.actor.dp))
+        object.__setattr__(
+            self, "train", self._resolve_train("train", self.train, rows=per_dp, seq_len=seq_len)
+        )
+        object.__setattr__(
+            self,
+            "critic_train",
+            self._resolve_train("critic_train", self.critic_train, rows=per_dp, seq_len=seq_len),
+        )
+        warm = self._resolve_train(
+            "warmup.train",
+            self.warmup.train,
+            seq_len=seq_len,
+            rows=max(1, self.warmup.batch_size // self.actor.dp),
+        )
         if warm is not self.warmup.train:
             object.__setattr__(self, "warmup", dataclasses.replace(self.warmup, train=warm))
 
     def _check_episode_fits(self) -> None:
         """A whole episode must fit the trainer's rows and the engines' context."""
         total = self.task.episode.max_total_tokens
-        for name, limit in (("train.seq_len + 1", self.train.seq_len + 1),
-                            ("rollout.max_model_len", self.rollout.max_model_len)):
+        for name, limit in (
+            ("train.seq_len + 1", self.train.seq_len + 1),
+            ("rollout.max_model_len", self.rollout.max_model_len),
+        ):
             if total > limit:
-                raise ConfigError("task.episode.max_total_tokens", total,
-                                  f"an episode must fit {name}={limit}")
+                raise ConfigError(
+                    "task.episode.max_total_tokens", total, f"an episode must fit {name}={limit}"
+                )
         # later turns send whole contexts: their prefill must not be split over engine steps;
         # until late engines join (rollout.startup_engines), fewer engines share each call
-        per_call = -(-self.prompts_per_step * self.samples_per_prompt
-                     // self.rollout.engines_at_startup)
+        per_call = -(
+            -self.prompts_per_step * self.samples_per_prompt // self.rollout.engines_at_startup
+        )
         budget = self.rollout.max_num_batched_tokens
         if budget is None or budget < per_call * total:
-            raise ConfigError("rollout.max_num_batched_tokens", budget,
-                              f"a multi-turn turn sends each engine up to {per_call} contexts "
-                              f"of up to {total} tokens: set >= {per_call * total} (vLLM 0.32 "
-                              "on CPU fails a seeded prefill split over steps)")
+            raise ConfigError(
+                "rollout.max_num_batched_tokens",
+                budget,
+                f"a multi-turn turn sends each engine up to {per_call} contexts "
+                f"of up to {total} tokens: set >= {per_call * total} (vLLM 0.32 "
+                "on CPU fails a seeded prefill split over steps)",
+            )
 
     def _check_partial_rollouts(self) -> None:
         """Partial rollouts continue single-turn samples of one draw; refused with what they
@@ -503,14 +592,20 @@ class RLConfig:
         if chunk is None:
             return
         if self.task.multi_turn:
-            raise ConfigError("rollout.partial_chunk_tokens", chunk,
-                              f"partial rollouts are single-turn; task.kind={self.task.kind} is "
-                              "multi-turn (task.multi_turn): set rollout.partial_chunk_tokens "
-                              "to null")
+            raise ConfigError(
+                "rollout.partial_chunk_tokens",
+                chunk,
+                f"partial rollouts are single-turn; task.kind={self.task.kind} is "
+                "multi-turn (task.multi_turn): set rollout.partial_chunk_tokens "
+                "to null",
+            )
         if self.algorithm.dynamic_sampling:
-            raise ConfigError("rollout.partial_chunk_tokens", chunk,
-                              "partial rollouts draw each batch once; "
-                              "algorithm.dynamic_sampling redraws groups: use one or the other")
+            raise ConfigError(
+                "rollout.partial_chunk_tokens",
+                chunk,
+                "partial rollouts draw each batch once; "
+                "algorithm.dynamic_sampling redraws groups: use one or the other",
+            )
 
     def _check_min_new_tokens(self) -> None:
         """min_new_tokens within [0, max_new_tokens], on single-turn whole-batch generation
@@ -520,11 +615,19 @@ class RLConfig:
             return
         require_in_range(self, 0, "max_new_tokens", "min_new_tokens")
         if n and self.task.multi_turn:
-            raise ConfigError("min_new_tokens", n, f"task.kind={self.task.kind} is multi-turn "
-                              "(a turn's cap is what the episode has left): set 0")
+            raise ConfigError(
+                "min_new_tokens",
+                n,
+                f"task.kind={self.task.kind} is multi-turn "
+                "(a turn's cap is what the episode has left): set 0",
+            )
         if n and self.rollout.partial_chunk_tokens is not None:
-            raise ConfigError("min_new_tokens", n, "partial rollouts generate chunks of "
-                              "rollout.partial_chunk_tokens: set 0 or turn them off")
+            raise ConfigError(
+                "min_new_tokens",
+                n,
+                "partial rollouts generate chunks of "
+                "rollout.partial_chunk_tokens: set 0 or turn them off",
+            )
 
     # The cross-field checks: each small, independent, raising ConfigError that names its
     # field. __post_init__ runs every one that applies and raises what they found together
@@ -535,12 +638,13 @@ class RLConfig:
             normalize_dtype_fields(self, "sync_dtype", allowed=("float32", "bfloat16"))
 
     def _check_counts(self) -> None:
-        require_at_least(self, 1, "steps", "prompts_per_step", "samples_per_prompt",
-                         "updates_per_batch")
-        require_at_least(self, 1, "max_prompt_tokens", "max_new_tokens", optional=True,
-                         note="null: derived")
-        require_above(self, 0, "sync_bucket_mb", optional=True, note="null: the device's "
-                      "default")
+        require_at_least(
+            self, 1, "steps", "prompts_per_step", "samples_per_prompt", "updates_per_batch"
+        )
+        require_at_least(
+            self, 1, "max_prompt_tokens", "max_new_tokens", optional=True, note="null: derived"
+        )
+        require_above(self, 0, "sync_bucket_mb", optional=True, note="null: the device's default")
 
     def _check_off_policy_steps(self) -> None:
         if self.off_policy_steps is not None:
@@ -555,22 +659,35 @@ class RLConfig:
     def _check_batch_split(self) -> None:
         batch = self.prompts_per_step * self.samples_per_prompt
         if batch % self.updates_per_batch:
-            raise ConfigError("updates_per_batch", self.updates_per_batch,
-                              f"must divide prompts_per_step*samples_per_prompt={batch}")
+            raise ConfigError(
+                "updates_per_batch",
+                self.updates_per_batch,
+                f"must divide prompts_per_step*samples_per_prompt={batch}",
+            )
         if self.rows_per_dp < 1:
-            raise ConfigError("updates_per_batch", self.updates_per_batch,
-                              f"leaves no sequences for each of actor.dp={self.actor.dp} ranks")
+            raise ConfigError(
+                "updates_per_batch",
+                self.updates_per_batch,
+                f"leaves no sequences for each of actor.dp={self.actor.dp} ranks",
+            )
 
     def _check_warmup_targets(self) -> None:
         if self.warmup.max_steps and not self.task.has_targets:
-            raise ConfigError("warmup.max_steps", self.warmup.max_steps,
-                              f"task.kind={self.task.kind} has no supervised targets: set 0")
+            raise ConfigError(
+                "warmup.max_steps",
+                self.warmup.max_steps,
+                f"task.kind={self.task.kind} has no supervised targets: set 0",
+            )
 
     def _check_demo_model_task(self) -> None:
         if self.model.hf_dir is None and self.task.kind not in ("addition", "tool_calc"):
-            raise ConfigError("model.hf_dir", None, "the built demo model has a synthetic "
-                              f"task's tokenizer; task.kind={self.task.kind} needs an HF "
-                              "checkpoint")
+            raise ConfigError(
+                "model.hf_dir",
+                None,
+                "the built demo model has a synthetic "
+                f"task's tokenizer; task.kind={self.task.kind} needs an HF "
+                "checkpoint",
+            )
 
     def _check_multi_turn_episode(self) -> None:
         if self.task.multi_turn:
@@ -578,8 +695,12 @@ class RLConfig:
 
     def _check_colocated_sleep(self) -> None:
         if self.cluster.placement == "colocated" and not self.rollout.enable_sleep:
-            raise ConfigError("rollout.enable_sleep", False, "cluster.placement=colocated "
-                              "shares every device with the trainer: the engines must sleep")
+            raise ConfigError(
+                "rollout.enable_sleep",
+                False,
+                "cluster.placement=colocated "
+                "shares every device with the trainer: the engines must sleep",
+            )
 
     def _check_micro_batches(self) -> None:
         per_dp = self.rows_per_dp
@@ -590,29 +711,44 @@ class RLConfig:
         for role, train in roles:
             # packed micro batches (max_tokens_per_micro_batch) take any number of rows
             if train.max_tokens_per_micro_batch is None and per_dp % train.micro_batch_size:
-                errors.append(ConfigError(f"{role}.micro_batch_size", train.micro_batch_size,
-                                          f"must divide the {per_dp} sequences each DP rank "
-                                          "gets per update"))
+                errors.append(
+                    ConfigError(
+                        f"{role}.micro_batch_size",
+                        train.micro_batch_size,
+                        f"must divide the {per_dp} sequences each DP rank gets per update",
+                    )
+                )
         raise_errors(errors)
 
     def _check_kl_in_reward(self) -> None:
-        if self.algorithm.kl_in_reward and \
-                self.algorithm.advantage_estimator in ("grpo", "rloo"):
-            raise ConfigError("algorithm.kl_mode", "reward",
-                              "group estimators (grpo, rloo) take the KL as a loss term")
+        if self.algorithm.kl_in_reward and self.algorithm.advantage_estimator in ("grpo", "rloo"):
+            raise ConfigError(
+                "algorithm.kl_mode",
+                "reward",
+                "group estimators (grpo, rloo) take the KL as a loss term",
+            )
 
     # checks of the fields as given (and the lengths derived from them); these must pass for
     # the batch split to be checked, and it for the sizes to be derived (`_resolve_sizes`)
-    BASIC_CHECKS: ClassVar[tuple] = (_check_sync_dtype, _check_counts, _check_off_policy_steps,
-                                     _derive_lengths)
+    BASIC_CHECKS: ClassVar[tuple] = (
+        _check_sync_dtype,
+        _check_counts,
+        _check_off_policy_steps,
+        _derive_lengths,
+    )
     # every other check, in the order they are reported; those of the derived sizes run only
     # once the sizes are derived, the rest whether or not any check above failed
     CHECKS: ClassVar[tuple] = (
-        _check_warmup_targets, _check_demo_model_task, _check_partial_rollouts,
-        _check_min_new_tokens, _check_multi_turn_episode, _check_colocated_sleep,
-        _check_micro_batches, _check_kl_in_reward)
-    SIZED_CHECKS: ClassVar[frozenset] = frozenset({_check_multi_turn_episode,
-                                                   _check_micro_batches})
+        _check_warmup_targets,
+        _check_demo_model_task,
+        _check_partial_rollouts,
+        _check_min_new_tokens,
+        _check_multi_turn_episode,
+        _check_colocated_sleep,
+        _check_micro_batches,
+        _check_kl_in_reward,
+    )
+    SIZED_CHECKS: ClassVar[frozenset] = frozenset({_check_multi_turn_episode, _check_micro_batches})
 
     def __post_init__(self) -> None:
         errors = run_checks(self, self.BASIC_CHECKS)
@@ -621,5 +757,9 @@ class RLConfig:
         if not errors:
             errors = run_checks(self, [RLConfig._resolve_sizes])
         sized = not errors
-        raise_errors(errors + run_checks(self, [check for check in self.CHECKS
-                                                if sized or check not in self.SIZED_CHECKS]))
+        raise_errors(
+            errors
+            + run_checks(
+                self, [check for check in self.CHECKS if sized or check not in self.SIZED_CHECKS]
+            )
+        )

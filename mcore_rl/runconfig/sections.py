@@ -40,8 +40,9 @@ class CheckpointConfig:
         require_at_least(self, 0, "every", "keep_last")
         require_above(self, 0, "stop_grace_s")
         if self.inject_error is not None and not (
-                self.inject_error.startswith("save@step")
-                and self.inject_error.removeprefix("save@step").isdigit()):
+            self.inject_error.startswith("save@step")
+            and self.inject_error.removeprefix("save@step").isdigit()
+        ):
             raise ConfigError("inject_error", self.inject_error, 'expected "save@step<k>"')
 
     def due(self, step: int, last_step: int) -> bool:
@@ -144,8 +145,9 @@ def wandb_installed() -> bool:
 
 
 def no_wandb(cfg: WandbConfig) -> ConfigError:
-    return ConfigError("wandb", vars(cfg),
-                       f"wandb logging needs the wandb package: {WANDB_INSTALL}")
+    return ConfigError(
+        "wandb", vars(cfg), f"wandb logging needs the wandb package: {WANDB_INSTALL}"
+    )
 
 
 INJECT_PHASES = ("gen", "sync")
@@ -184,16 +186,28 @@ class RecoveryConfig:
         for item in self.inject_kill.split(","):
             phase, _, step = item.strip().partition("@")
             if phase not in INJECT_PHASES or not step.isdigit() or int(step) < 1:
-                raise ConfigError("inject_kill", self.inject_kill,
-                                  'expected comma-separated "<gen|sync>@<step>", step >= 1')
+                raise ConfigError(
+                    "inject_kill",
+                    self.inject_kill,
+                    'expected comma-separated "<gen|sync>@<step>", step >= 1',
+                )
             kills.add((phase, int(step)))
         return kills
 
     def backoff(self, attempt: int) -> float:
         """Seconds to wait before attempt `attempt` (0, 1, ...) at restarting one failure."""
-        return min(self.restart_backoff_s * 2 ** attempt, self.restart_backoff_max_s)
+        return min(self.restart_backoff_s * 2**attempt, self.restart_backoff_max_s)
 
 
-__all__ = ["CheckpointConfig", "EvalConfig", "GenerationsConfig", "INJECT_PHASES",
-           "LoggingConfig", "RecoveryConfig", "WANDB_INSTALL", "WandbConfig", "no_wandb",
-           "wandb_installed"]
+__all__ = [
+    "CheckpointConfig",
+    "EvalConfig",
+    "GenerationsConfig",
+    "INJECT_PHASES",
+    "LoggingConfig",
+    "RecoveryConfig",
+    "WANDB_INSTALL",
+    "WandbConfig",
+    "no_wandb",
+    "wandb_installed",
+]

@@ -51,7 +51,7 @@ def test_shipped_gpu_configs_place_on_their_nodes(name):
     from pathlib import Path
 
     from mcore_rl.config import load_config
-    from mcore_rl.planning.resolve import placement_plan_of
+    from mcore_rl.runconfig.resolve import placement_plan_of
     from mcore_rl.runconfig import RLConfig
 
     cfg = load_config(RLConfig, Path(__file__).parents[2] / "configs" / "gpu" / f"{name}.yaml")

@@ -228,7 +228,7 @@ def test_cli_preflight(capsys):
 
 def test_cli_preflight_assume_gpu(capsys, monkeypatch):
     """`--assume-gpu` checks a local run as on a GPU machine: nccl is then right."""
-    import mcore_rl.planning.resolve as resolve
+    import mcore_rl.runconfig.resolve as resolve
 
     monkeypatch.setattr(resolve, "cuda_present", lambda: False)  # a CPU-only machine
     tiny = str(TINY)
@@ -561,7 +561,7 @@ def test_adapter_sync_keeps_the_sleeping_engines_base():
     instead of discarding it; an explicit level 2 is refused in one line."""
     from mcore_rl.models.presets import get_preset
     from mcore_rl.planning.grid_checks import check_lora
-    from mcore_rl.planning.resolve import resolve_run
+    from mcore_rl.runconfig.resolve import resolve_run
 
     def level(overrides):
         return resolve_run(load_config(RLConfig, L8, overrides), assume_gpu=True).sleep_level

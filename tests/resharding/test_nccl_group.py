@@ -24,7 +24,7 @@ from mcore_rl.launch.spawn import run_on_ranks
 from mcore_rl.layouts import hf_shards, materialize_rank, megatron_shards, vllm_shards
 from mcore_rl.models.presets import get_preset
 from mcore_rl.parallel import ParallelConfig
-from mcore_rl.planning.resolve import resolve_run
+from mcore_rl.runconfig.resolve import resolve_run
 from mcore_rl.resharding import SyncGroupSpec, build_plan, join_sync_group, sync_group_spec
 from mcore_rl.resharding.copy_service import P2PCopy, SyncError, wait_work
 from mcore_rl.resharding.nccl_group import NcclP2PGroup, RoundWork, communicators

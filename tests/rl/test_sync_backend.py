@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from mcore_rl.config import load_config
-from mcore_rl.planning.resolve import resolve_run
+from mcore_rl.runconfig.resolve import resolve_run
 from mcore_rl.resharding import SyncGroupSpec, sync_group_spec
 from mcore_rl.resharding.plan_cache import PlanSender
 from mcore_rl.rl.weight_sync import WeightSync

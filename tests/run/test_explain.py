@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-import mcore_rl.planning.resolve as resolve
+import mcore_rl.runconfig.resolve as resolve
 from mcore_rl.cli import main
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"

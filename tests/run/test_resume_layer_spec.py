@@ -75,7 +75,7 @@ def test_te_run_without_transformer_engine_is_refused_before_workers(monkeypatch
     """On a CUDA machine without TransformerEngine (like the GPU check machine) a local run
     resolves layer_spec 'te': refused with the field, not an ImportError in a worker."""
     import mcore_rl.models.gpt as gpt
-    import mcore_rl.planning.resolve as resolve
+    import mcore_rl.runconfig.resolve as resolve
     from mcore_rl.config import load_config
     from mcore_rl.run.train import check_layer_spec_here
     from mcore_rl.runconfig import RLConfig

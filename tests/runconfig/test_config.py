@@ -168,7 +168,7 @@ def test_gpu_config_without_weights_or_preset_names_the_fix():
 def test_cluster_sync_backend_defaults_to_the_devices_own():
     """cluster.sync_backend null: the resolved device's own; set, it is checked against the
     device (preflight), also on a "local" cluster, where it is not ignored."""
-    from mcore_rl.planning.resolve import resolve_run
+    from mcore_rl.runconfig.resolve import resolve_run
     from mcore_rl.runconfig import RLConfig
 
     grpo = ROOT / "configs" / "grpo_addition.yaml"

@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 
 from mcore_rl.config import ConfigError, load_config
-from mcore_rl.planning.resolve import resolve_run
+from mcore_rl.runconfig.resolve import resolve_run
 from mcore_rl.runconfig import RLConfig
 
 pytestmark = pytest.mark.fast  # the fast tier: scripts/test.sh -m fast

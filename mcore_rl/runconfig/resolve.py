@@ -49,7 +49,7 @@ from mcore_rl.rollout.config import (
     engines_sleep_level,
 )
 from mcore_rl.rollout.expert_parallel import check_expert_parallel
-from mcore_rl.runconfig import RLConfig
+from mcore_rl.runconfig.config import RLConfig
 
 Device = Literal["cpu", "cuda"]
 Transport = Literal["p2p", "ipc"]
