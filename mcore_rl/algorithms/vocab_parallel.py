@@ -100,13 +100,21 @@ class _VocabParallelLogProbEntropy(torch.autograd.Function):
         return grad.to(ctx.input_dtype), None, None
 
 
-# fp32 bytes of one chunk of [tokens, vocab shard] the chunked path works on at a time
+# fp32 bytes of one chunk of [tokens, vocab shard] the chunked path works on at a time: on a
+# GPU large enough that each pass's kernels stay busy (the chunk is there to cap memory); on
+# a CPU small enough that a chunk's passes (max, shift, exp, sums) run in its caches
 CHUNK_BYTES = 64 << 20
+CHUNK_BYTES_CPU = 4 << 20
 
 
 def chunk_tokens_for(vocab_shard: int, chunk_bytes: int = CHUNK_BYTES) -> int:
     """Tokens per chunk so that one fp32 [tokens, vocab_shard] buffer is `chunk_bytes`."""
     return max(1, chunk_bytes // (4 * max(vocab_shard, 1)))
+
+
+def chunk_bytes_on(device: torch.device) -> int:
+    """The chunk's fp32 bytes for logits on `device` (`CHUNK_BYTES`, `CHUNK_BYTES_CPU`)."""
+    return CHUNK_BYTES_CPU if device.type == "cpu" else CHUNK_BYTES
 
 
 class _ChunkedLogProbEntropy(torch.autograd.Function):
@@ -161,9 +169,10 @@ class _ChunkedLogProbEntropy(torch.autograd.Function):
     def backward(ctx, grad_logp: Tensor | None, grad_entropy: Tensor | None):
         logits, z_max, log_z, mean_logit, local, owned = ctx.saved_tensors
         real, chunk = ctx.real, ctx.chunk
-        grad = torch.zeros_like(logits)  # the padding columns' gradient stays 0
         if not real:
-            return grad, None, None, None, None, None
+            return torch.zeros_like(logits), None, None, None, None, None
+        grad = torch.empty_like(logits)  # every real column is written below
+        grad[:, real:].zero_()  # the padding columns' gradient is 0
         n = logits.shape[0]
         zeros = torch.zeros_like(z_max)
         g_logp = zeros if grad_logp is None else grad_logp
@@ -210,14 +219,14 @@ def chunked_log_probs_and_entropy(
     rank. Returns (log_probs, entropy), [...] fp32, equal on every rank of `tp_group` (None or
     of size 1: not sharded); differentiable w.r.t. `logits` (gradient in their dtype, zero
     on padding). The logits are not modified. chunk_tokens: rows per chunk (default: one
-    `CHUNK_BYTES` fp32 buffer); the results do not depend on it.
+    fp32 buffer of `chunk_bytes_on` the logits' device); the results do not depend on it.
     """
     shard = logits.shape[-1]
     if tp_group is not None and dist.get_world_size(tp_group) == 1:
         tp_group = None
     start = 0 if tp_group is None else dist.get_rank(tp_group) * shard
     real = max(0, min(shard, vocab - start))
-    chunk = chunk_tokens or chunk_tokens_for(shard)
+    chunk = chunk_tokens or chunk_tokens_for(shard, chunk_bytes_on(logits.device))
     lead = target.shape
     logp, entropy = _ChunkedLogProbEntropy.apply(
         logits.reshape(-1, shard), target.reshape(-1), real, start, tp_group, chunk
@@ -245,6 +254,8 @@ def vocab_parallel_log_probs_and_entropy(
 
 __all__ = [
     "CHUNK_BYTES",
+    "CHUNK_BYTES_CPU",
+    "chunk_bytes_on",
     "chunk_tokens_for",
     "chunked_log_probs_and_entropy",
     "log_probs_and_entropy",

@@ -203,7 +203,9 @@ def attach_lora(chunks: list[torch.nn.Module], spec: LoRAConfig) -> list[LoRAAda
 def _adapt(linear: torch.nn.Module, kind: Literal["column", "row"], spec: LoRAConfig,
            seed: int, *, swiglu: bool) -> LoRAAdapter:
     linear.lora = LoRAAdapter(linear, kind, spec, seed)
-    linear.register_forward_hook(_apply_adapter)
+    # first of the linear's forward hooks: it adds to the output the linear computed, in the
+    # layout the linear computed it (the output layer's is batch-major: models.gpt)
+    linear.register_forward_hook(_apply_adapter, prepend=True)
     _with_adapter_checkpoint(linear, swiglu=swiglu)
     return linear.lora
 

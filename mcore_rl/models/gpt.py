@@ -330,6 +330,8 @@ def build_gpt_model(spec: ModelSpec, parallel: ParallelConfig, groups: ParallelG
             vp_stage=v if parallel.vpp else None,
             **rope_kwargs(spec),
         )
+        if model.post_process and not config.sequence_parallel:
+            batch_major_output(model)
         if params_dtype == torch.bfloat16:
             model.bfloat16()
         if groups.device != "cpu":
@@ -338,6 +340,27 @@ def build_gpt_model(spec: ModelSpec, parallel: ParallelConfig, groups: ParallelG
             model.to(groups.device)
         chunks.append(model)
     return chunks
+
+
+def batch_major_output(chunk: GPTModel) -> None:
+    """Compute the chunk's logits batch-major. megatron's GPTModel returns
+    `logits.transpose(0, 1).contiguous()`: a copy of the largest activation, [s, b, V/tp] →
+    [b, s, V/tp], and two more of its gradient in the backward. Fed the hidden states as
+    [b, s, h] (a copy V/h times smaller), the output layer writes [b, s, V/tp] directly and
+    hands megatron the [s, b] view of it, whose `.contiguous()` is then free. By forward
+    hooks on the layer: a LoRA adapter's (prepended) sees the [b, s] input and output. Not
+    with sequence parallelism, where the layer gathers its input along dim 0."""
+    layer = chunk.output_layer
+
+    def batch_major_input(_layer, args, kwargs):
+        return (args[0].transpose(0, 1).contiguous(), *args[1:]), kwargs
+
+    def sequence_major_view(_layer, _args, output):
+        logits, bias = output
+        return logits.transpose(0, 1), bias
+
+    layer.register_forward_pre_hook(batch_major_input, with_kwargs=True)
+    layer.register_forward_hook(sequence_major_view)
 
 
 def load_chunks(chunks: list[torch.nn.Module], tensors: dict[str, torch.Tensor],

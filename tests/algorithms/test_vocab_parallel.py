@@ -128,3 +128,15 @@ def test_tp2_matches_gathered_reference(device):
                                        else "torch.float32")
     for name in per_rank[0]:  # outputs are replicated over TP
         assert per_rank[0][name]["logp_values"] == per_rank[1][name]["logp_values"]
+
+
+def test_the_chunk_fits_a_cpus_caches_and_a_gpus_kernels():
+    """The default chunk: 4 MiB of fp32 on the host (a chunk's passes run in cache), 64 MiB on
+    a device (the chunk only caps memory there) — the meta twin takes the device's."""
+    from mcore_rl.algorithms.vocab_parallel import (CHUNK_BYTES, CHUNK_BYTES_CPU,
+                                                    chunk_bytes_on, chunk_tokens_for)
+
+    assert chunk_bytes_on(torch.device("cpu")) == CHUNK_BYTES_CPU == 4 << 20
+    assert chunk_bytes_on(torch.device("meta")) == chunk_bytes_on(torch.device("cuda", 0)) \
+        == CHUNK_BYTES == 64 << 20
+    assert chunk_tokens_for(16384, CHUNK_BYTES_CPU) == 64
