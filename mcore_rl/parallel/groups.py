@@ -123,6 +123,31 @@ def init_training_groups(
         distributed_timeout_minutes=max(1, int(timeout_s // 60)),
     )
     rank = dist.get_rank()
+    coords, expert_coords = _checked_coords(config, rank)
+    groups = {
+        Axis.TP: mpu.get_tensor_model_parallel_group(),
+        Axis.PP: mpu.get_pipeline_model_parallel_group(),
+        Axis.DP: mpu.get_data_parallel_group(),
+        Axis.EP: mpu.get_expert_model_parallel_group(),
+        Axis.ETP: mpu.get_expert_tensor_parallel_group(),
+        Axis.EDP: mpu.get_expert_data_parallel_group(),
+    }
+    return ParallelGroups(
+        config=config,
+        rank=rank,
+        coords=coords,
+        groups=groups,
+        megatron=ProcessGroupCollection.use_mpu_process_groups(),
+        expert_coords=expert_coords,
+        device=device or _device_of_world(),
+    )
+
+
+def _checked_coords(config: ParallelConfig, rank: int) -> tuple[dict, dict]:
+    """This rank's coordinates on the grid and on the expert grid as megatron-core placed it,
+    checked against mcore-rl's grid order (`ParallelConfig.coords_of`, `expert_coords_of`)."""
+    from megatron.core import parallel_state as mpu
+
     coords = {
         "tp": mpu.get_tensor_model_parallel_rank(),
         "pp": mpu.get_pipeline_model_parallel_rank(),
@@ -144,23 +169,7 @@ def init_training_groups(
             f"megatron-core placed rank {rank} at {expert_coords} on the expert "
             f"grid, but mcore-rl expects {config.expert_coords_of(rank)}"
         )
-    groups = {
-        Axis.TP: mpu.get_tensor_model_parallel_group(),
-        Axis.PP: mpu.get_pipeline_model_parallel_group(),
-        Axis.DP: mpu.get_data_parallel_group(),
-        Axis.EP: mpu.get_expert_model_parallel_group(),
-        Axis.ETP: mpu.get_expert_tensor_parallel_group(),
-        Axis.EDP: mpu.get_expert_data_parallel_group(),
-    }
-    return ParallelGroups(
-        config=config,
-        rank=rank,
-        coords=coords,
-        groups=groups,
-        megatron=ProcessGroupCollection.use_mpu_process_groups(),
-        expert_coords=expert_coords,
-        device=device or _device_of_world(),
-    )
+    return coords, expert_coords
 
 
 def destroy_training_groups() -> None:

@@ -18,12 +18,19 @@ def _train_knob(run: SizedRun, field: str, value) -> list[str]:
     return [f"{role}.{field}={value}" for role in roles]
 
 
-def _candidates(run: SizedRun, spec: ModelSpec) -> list[tuple[str, list[str], str]]:
+Knob = tuple[str, list[str], str]
+
+
+def _candidates(run: SizedRun, spec: ModelSpec) -> list[Knob]:
     """(knob, overrides, note) — each changes one thing, keeping the number of devices where
     the knob allows it."""
-    t, par, r = run.cfg.train, run.cfg.actor, run.cfg.rollout
-    gpn = run.cluster.gpus_per_node
-    out: list[tuple[str, list[str], str]] = []
+    return _trainer_knobs(run) + _grid_knobs(run, spec) + _rollout_knobs(run, spec)
+
+
+def _trainer_knobs(run: SizedRun) -> list[Knob]:
+    """Smaller micro batches, more recomputation, the distributed optimizer, SP."""
+    t, par = run.cfg.train, run.cfg.actor
+    out: list[Knob] = []
     mb = t.micro_batch_size
     while mb > 1:
         mb //= 2
@@ -35,9 +42,16 @@ def _candidates(run: SizedRun, spec: ModelSpec) -> list[tuple[str, list[str], st
         out.append(("distributed optimizer", ["actor.use_distributed_optimizer=true"], ""))
     if par.tp > 1 and not par.sequence_parallel:
         out.append(("sequence parallel", ["actor.sequence_parallel=true"], ""))
+    return out
+
+
+def _grid_knobs(run: SizedRun, spec: ModelSpec) -> list[Knob]:
+    """The actor's TP or PP doubled (its DP halved where it splits)."""
+    par, gpn = run.cfg.actor, run.cluster.gpus_per_node
+    out: list[Knob] = []
+    dp = par.dp // 2 if par.dp % 2 == 0 else par.dp
     tp2 = par.tp * 2
     if spec.heads % tp2 == 0 and spec.kv_heads % tp2 == 0 and spec.ffn % tp2 == 0 and tp2 <= gpn:
-        dp = par.dp // 2 if par.dp % 2 == 0 else par.dp
         note = "same devices" if dp != par.dp else f"needs {tp2 * par.pp * dp} training devices"
         out.append((f"actor tp {tp2}", [f"actor.tp={tp2}", f"actor.dp={dp}"], note))
     pp2 = par.pp * 2
@@ -46,10 +60,15 @@ def _candidates(run: SizedRun, spec: ModelSpec) -> list[tuple[str, list[str], st
         and par.last_stage_layers is None
         and spec.layers % (pp2 * (par.vpp or 1)) == 0
     ):
-        dp = par.dp // 2 if par.dp % 2 == 0 else par.dp
         note = "same devices" if dp != par.dp else f"needs {par.tp * pp2 * dp} training devices"
         out.append((f"actor pp {pp2}", [f"actor.pp={pp2}", f"actor.dp={dp}"], note))
-    util = run.gpu_memory_utilization
+    return out
+
+
+def _rollout_knobs(run: SizedRun, spec: ModelSpec) -> list[Knob]:
+    """A smaller engine memory share (GPU) or KV cache (CPU), or the engines' TP doubled."""
+    r, gpn, util = run.cfg.rollout, run.cluster.gpus_per_node, run.gpu_memory_utilization
+    out: list[Knob] = []
     if run.cluster.placement == "colocated" and util is not None and util > 0.1:
         for new in (round(util - 0.1 * k, 2) for k in range(1, 9)):
             if new >= 0.1:
@@ -61,13 +80,8 @@ def _candidates(run: SizedRun, spec: ModelSpec) -> list[tuple[str, list[str], st
                     )
                 )
     if util is None:  # CPU: the KV cache is what the engine is given
-        out.append(
-            (
-                f"kv_cache_gib {r.kv_cache_gib / 2:g}",
-                [f"rollout.kv_cache_gib={r.kv_cache_gib / 2:g}"],
-                "",
-            )
-        )
+        half = r.kv_cache_gib / 2
+        out.append((f"kv_cache_gib {half:g}", [f"rollout.kv_cache_gib={half:g}"], ""))
     rtp = r.tp * 2
     if (
         spec.heads % rtp == 0

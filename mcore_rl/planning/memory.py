@@ -405,13 +405,7 @@ def training_rank(run: SizedRun, spec: ModelSpec, role: str, stage: int) -> Rank
                 Component("logits", logits, f"1 micro batch, [s·b, V/tp] {t.dtype} + fp32", False)
             )
         return RankMemory(role, where, tuple(comps))
-    shard = f", sharded over dp={par.dp}" if par.use_distributed_optimizer and par.dp > 1 else ""
-    comps.append(Component("grads", n * states.grads, f"{TRAINER_GRAD_DTYPE} DDP grad buffer"))
-    if states.main_params:
-        comps.append(Component("main params", n * states.main_params, f"fp32{shard}"))
-    if states.main_grads:
-        comps.append(Component("main grads", n * states.main_grads, f"fp32 copy{shard}"))
-    comps.append(Component("adam m, v", n * states.adam, f"2 × fp32{shard}"))
+    comps += _optimizer_components(n, states, par)
     if role == "actor":
         staging = sync_buffers(run)[0]
         comps.append(
@@ -421,10 +415,34 @@ def training_rank(run: SizedRun, spec: ModelSpec, role: str, stage: int) -> Rank
                 f"{_mib(staging)}: {_SYNC_DETAIL[run.cluster.placement]}",
             )
         )
+    comps += _activation_components(run, spec, role, stage, tail)
+    return RankMemory(role, where, tuple(comps))
+
+
+def _optimizer_components(n: int, states: StateBytes, par: ParallelConfig) -> list[Component]:
+    """The grads and optimizer states of `n` trained parameters."""
+    shard = f", sharded over dp={par.dp}" if par.use_distributed_optimizer and par.dp > 1 else ""
+    comps = [Component("grads", n * states.grads, f"{TRAINER_GRAD_DTYPE} DDP grad buffer")]
+    if states.main_params:
+        comps.append(Component("main params", n * states.main_params, f"fp32{shard}"))
+    if states.main_grads:
+        comps.append(Component("main grads", n * states.main_grads, f"fp32 copy{shard}"))
+    comps.append(Component("adam m, v", n * states.adam, f"2 × fp32{shard}"))
+    return comps
+
+
+def _activation_components(
+    run: SizedRun, spec: ModelSpec, role: str, stage: int, tail: dict[str, float]
+) -> list[Component]:
+    """A training rank's transient memory: the micro batches' activations in flight, the last
+    stage's `tail` (logits and loss), the routing an update replays, and the workspace the
+    backward rematerializes."""
+    t, par = role_train(run, role), run.cfg.actor
+    s, b, act = t.seq_len, t.micro_batch_size, activation_model(run, t)
     per_layer = layer_activation_bytes(spec, s, b, act)
     m = int(run.num_micro_batches(t)) or 1
     layers = in_flight_layers(par, spec.layers, stage, m)
-    comps.append(
+    comps = [
         Component(
             "activations",
             layers * per_layer,
@@ -432,10 +450,10 @@ def training_rank(run: SizedRun, spec: ModelSpec, role: str, stage: int) -> Rank
             f"{run.kernels} kernels{', SP' if par.sequence_parallel else ''})",
             False,
         )
-    )
-    if last:
-        for name, value in tail.items():
-            comps.append(Component(name, value, "last stage, 1 micro batch", False))
+    ]
+    comps += [
+        Component(name, value, "last stage, 1 micro batch", False) for name, value in tail.items()
+    ]
     if role == "actor" and spec.is_moe and run.cfg.algorithm.routing_replay != "none":
         comps.append(routing_component(run, spec))
     work = recompute_workspace(spec, s, b, act)
@@ -450,7 +468,7 @@ def training_rank(run: SizedRun, spec: ModelSpec, role: str, stage: int) -> Rank
                 False,
             )
         )
-    return RankMemory(role, where, tuple(comps))
+    return comps
 
 
 def routing_component(run: SizedRun, spec: ModelSpec) -> Component:
@@ -552,6 +570,51 @@ def reward_rank(run: SizedRun) -> RankMemory:
     )
 
 
+def _stage_memory(
+    run: SizedRun,
+    stage: int,
+    roles_on: list[str],
+    rollout: RankMemory,
+    reward: RankMemory | None,
+    asleep: float,
+    reserve: tuple[str, float],
+) -> tuple[dict[str, RankMemory], DeviceMemory]:
+    """Pipeline stage `stage`'s ranks and its device's phases: each role's states resident
+    throughout, its activations in its own phase; on a shared device the engine asleep while
+    the trainers work and awake for the rollout."""
+    colocated = run.cluster.placement == "colocated"
+    ranks = {role: training_rank(run, run.spec, role, stage) for role in roles_on}
+    if reward is not None:
+        ranks["reward model"] = reward
+    resident = tuple((f"{role} states", r.resident) for role, r in ranks.items())
+    phases = []
+    if reward is not None:
+        # scoring runs before the engines sleep: a colocated engine is awake then
+        awake = (("rollout engine", rollout.total),) if colocated else ()
+        phases.append(
+            Phase(
+                "reward scoring",
+                resident + (("reward model forward", reward.transient),) + awake + (reserve,),
+            )
+        )
+    for role, name in (
+        ("actor", "actor train"),
+        ("critic", "critic train"),
+        ("reference", "forward (reference / old log-probs)"),
+    ):
+        if role not in ranks:
+            continue
+        parts = resident + ((f"{role} activations", ranks[role].transient),)
+        if colocated:
+            parts += (("rollout asleep", asleep),)
+        phases.append(Phase(name, parts + (reserve,)))
+    if colocated:
+        phases.append(Phase("rollout", resident + (("rollout engine", rollout.total), reserve)))
+    label = "shared device" if colocated else "training device"
+    par = run.cfg.actor
+    return ranks, DeviceMemory(f"{label}, pp stage {stage}/{par.pp}", tuple(phases))
+
+
 def plan_memory(run: SizedRun) -> MemoryPlan:
     """Every role's per-rank memory and every device's phases (worst pipeline stage)."""
     spec = run.spec
@@ -572,39 +635,10 @@ def plan_memory(run: SizedRun) -> MemoryPlan:
         )
     asleep = 0.0 if run.engine_sleeps else rollout.total
     reward = reward_rank(run) if run.reward_spec is not None else None
-    per_stage: list[tuple[dict[str, RankMemory], DeviceMemory]] = []
-    for stage in range(par.pp):
-        ranks = {role: training_rank(run, spec, role, stage) for role in roles_on}
-        if reward is not None:
-            ranks["reward model"] = reward
-        resident = tuple((f"{role} states", r.resident) for role, r in ranks.items())
-        phases = []
-        if reward is not None:
-            # scoring runs before the engines sleep: a colocated engine is awake then
-            awake = (("rollout engine", rollout.total),) if colocated else ()
-            phases.append(
-                Phase(
-                    "reward scoring",
-                    resident + (("reward model forward", reward.transient),) + awake + (reserve,),
-                )
-            )
-        for role, name in (
-            ("actor", "actor train"),
-            ("critic", "critic train"),
-            ("reference", "forward (reference / old log-probs)"),
-        ):
-            if role not in ranks:
-                continue
-            parts = resident + ((f"{role} activations", ranks[role].transient),)
-            if colocated:
-                parts += (("rollout asleep", asleep),)
-            phases.append(Phase(name, parts + (reserve,)))
-        if colocated:
-            phases.append(Phase("rollout", resident + (("rollout engine", rollout.total), reserve)))
-        label = "shared device" if colocated else "training device"
-        per_stage.append(
-            (ranks, DeviceMemory(f"{label}, pp stage {stage}/{par.pp}", tuple(phases)))
-        )
+    per_stage = [
+        _stage_memory(run, stage, roles_on, rollout, reward, asleep, reserve)
+        for stage in range(par.pp)
+    ]
     worst_ranks, worst_dev = max(per_stage, key=lambda x: x[1].peak.total)
     devices = [worst_dev]
     if not colocated:

@@ -173,48 +173,9 @@ def build_plan(
     dst_shapes: dict[int, dict[str, tuple[int, ...]]] = {}
     for d in sorted(dst.ranks):
         sync_d = num_src + d
-        dst_shapes[sync_d] = {}
-        needs = []  # (key, piece, region, holders) of everything rank d receives
-        for key, local in dst.ranks[d].items():
-            dst_shapes[sync_d][key] = local.shape
-            for piece in local.pieces:
-                needs += [
-                    (key, piece, region, holders)
-                    for region, holders in _regions(
-                        by_hf, piece.hf_name, piece.hf_box, key, dst.label(d)
-                    )
-                ]
-        # Sharded regions first (the fewest holders: one per DP replica), spread over their
-        # replicas by load; then the regions more ranks replicate (norms over TP, the tied
-        # output layer) from a source that already sends to d — the matching TP rank — so
-        # replicated tensors open no extra sender/receiver pairs.
-        fewest = min((len(n[3]) for n in needs), default=0)
-        paired: set[int] = set()
-        for replicated in (False, True):
-            for key, piece, region, holders in needs:
-                if (len(holders) > fewest) != replicated:
-                    continue
-                s, s_key, s_local_box, s_hf_box = min(
-                    holders,
-                    key=lambda h: (
-                        place(h[0], sync_d),
-                        replicated and h[0] not in paired,
-                        load[h[0]],
-                        h[0],
-                    ),
-                )
-                load[s] += box_numel(region) * element_size
-                paired.add(s)
-                transfers.append(
-                    Transfer(
-                        s,
-                        s_key,
-                        translate(region, s_hf_box, s_local_box),
-                        sync_d,
-                        key,
-                        translate(region, piece.hf_box, piece.local_box),
-                    )
-                )
+        dst_shapes[sync_d] = {key: local.shape for key, local in dst.ranks[d].items()}
+        needs = _needs(by_hf, dst, d)
+        transfers += _assign_sources(needs, sync_d, place, load, element_size)
     rounds = _pack_rounds(
         _split_to_fit(transfers, bucket_bytes, element_size), bucket_bytes, element_size
     )
@@ -228,6 +189,59 @@ def build_plan(
         src_labels=dict(src.rank_labels),
         dst_labels={num_src + r: lbl for r, lbl in dst.rank_labels.items()},
     )
+
+
+def _needs(by_hf, dst: ShardMap, d: int) -> list[tuple]:
+    """(key, piece, region, holders) of every region destination rank `d` receives."""
+    needs = []
+    for key, local in dst.ranks[d].items():
+        for piece in local.pieces:
+            needs += [
+                (key, piece, region, holders)
+                for region, holders in _regions(
+                    by_hf, piece.hf_name, piece.hf_box, key, dst.label(d)
+                )
+            ]
+    return needs
+
+
+def _assign_sources(
+    needs: list[tuple], sync_d: int, place, load: dict[int, int], element_size: int
+) -> list[Transfer]:
+    """A source for each region sync rank `sync_d` needs. Sharded regions first (the fewest
+    holders: one per DP replica), spread over their replicas by load (`load`, updated); then
+    the regions more ranks replicate (norms over TP, the tied output layer) from a source that
+    already sends to the destination — the matching TP rank — so replicated tensors open no
+    extra sender/receiver pairs. Nearer sources (`place`) always come first."""
+    fewest = min((len(n[3]) for n in needs), default=0)
+    paired: set[int] = set()
+    transfers = []
+    for replicated in (False, True):
+        for key, piece, region, holders in needs:
+            if (len(holders) > fewest) != replicated:
+                continue
+            s, s_key, s_local_box, s_hf_box = min(
+                holders,
+                key=lambda h: (
+                    place(h[0], sync_d),
+                    replicated and h[0] not in paired,
+                    load[h[0]],
+                    h[0],
+                ),
+            )
+            load[s] += box_numel(region) * element_size
+            paired.add(s)
+            transfers.append(
+                Transfer(
+                    s,
+                    s_key,
+                    translate(region, s_hf_box, s_local_box),
+                    sync_d,
+                    key,
+                    translate(region, piece.hf_box, piece.local_box),
+                )
+            )
+    return transfers
 
 
 def _placement(nodes: Sequence[int] | None, devices: Sequence[int] | None):
