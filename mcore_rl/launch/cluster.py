@@ -9,7 +9,7 @@ ClusterConfig with device "gpu" or "cpu" describing what the run will use.
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import Literal
+from typing import ClassVar, Literal
 
 from mcore_rl.config import ConfigError, require_above, require_at_least
 
@@ -28,9 +28,9 @@ class ClusterConfig:
     placement: "colocated" (every device holds one actor rank and one engine rank; the
         engines sleep during training, so rollout.enable_sleep) or "disaggregated" (engines on
         their own devices: actor world + rollout.tp · rollout.engines devices).
-    sync_backend: the weight-sync group's process-group backend, "nccl" (GPU) or "gloo"
-        (CPU); null: the resolved device's own. nccl on a run that resolves to CPU is refused.
     """
+
+    MOVED: ClassVar[dict[str, str]] = {"sync_backend": "set sync.backend"}
 
     device: Literal["local", "gpu", "cpu"] = "local"
     nodes: int = 1
@@ -38,17 +38,23 @@ class ClusterConfig:
     device_gib: float = 80.0
     reserve_gib: float = 3.0
     placement: Literal["colocated", "disaggregated"] = "disaggregated"
-    sync_backend: Literal["nccl", "gloo"] | None = None
 
     def __post_init__(self) -> None:
         require_at_least(self, 1, "nodes", "gpus_per_node")
         require_above(self, 0, "device_gib")
         require_at_least(self, 0, "reserve_gib")
-        changed = [f.name for f in fields(self) if f.name not in ("device", "sync_backend")
-                   and getattr(self, f.name) != f.default]
+        changed = [
+            f.name
+            for f in fields(self)
+            if f.name != "device" and getattr(self, f.name) != f.default
+        ]
         if self.device == "local" and changed:
-            raise ConfigError("device", self.device, "sizes for this machine and ignores "
-                              f"{', '.join(changed)}: set device gpu or cpu to use them")
+            raise ConfigError(
+                "device",
+                self.device,
+                "sizes for this machine and ignores "
+                f"{', '.join(changed)}: set device gpu or cpu to use them",
+            )
 
     @property
     def total_devices(self) -> int:

@@ -364,17 +364,16 @@ def check_sync_backend(run: SizedRun, spec: ModelSpec) -> Iterable[Problem]:
         )
         yield Problem(
             "sync-backend",
-            f"cluster.sync_backend=nccl, but the run resolves to "
-            f"cpu ({why}): NCCL needs CUDA devices",
-            "cluster.sync_backend=gloo or null (the device's own); to plan for GPUs, "
+            f"sync.backend=nccl, but the run resolves to cpu ({why}): NCCL needs CUDA devices",
+            "sync.backend=gloo or null (the device's own); to plan for GPUs, "
             "--assume-gpu or cluster.device=gpu",
         )
     elif backend == "gloo" and run.device == "cuda":
         yield Problem(
             "sync-backend",
-            "cluster.sync_backend=gloo on gpu: gloo would stage "
+            "sync.backend=gloo on gpu: gloo would stage "
             "every weight through host memory at each sync",
-            "cluster.sync_backend=nccl (or null: the device's own)",
+            "sync.backend=nccl (or null: the device's own)",
         )
 
 

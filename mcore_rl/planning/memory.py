@@ -360,7 +360,7 @@ def sync_buffers(run: SizedRun) -> tuple[float, float]:
     each side (`resharding.copy_service.P2PCopy`: round k + 1 posted before round k is done)."""
     from mcore_rl.runconfig.resolve import SYNC_BUCKET_MB
 
-    mb = run.cfg.sync_bucket_mb
+    mb = run.cfg.sync.bucket_mb
     bucket = (SYNC_BUCKET_MB[run.device] if mb is None else mb) * (1 << 20)
     if run.cluster.placement == "colocated":
         return bucket, 0.0

@@ -188,9 +188,7 @@ def with_overrides(run: SizedRun, overrides: list[str] | tuple[str, ...]) -> Siz
     on_gpu = run.device == "cuda"
     device = run_device(cfg, assume_gpu=on_gpu, cuda_available=on_gpu)
     if cfg.cluster.device == "local" and device == run.device:  # this machine, measured once
-        cluster = replace(
-            run.cluster, gpus_per_node=local_devices(cfg), sync_backend=sync_backend_of(cfg, device)
-        )
+        cluster = replace(run.cluster, gpus_per_node=local_devices(cfg))
     else:
         cluster = resolved_cluster(cfg, device, cuda_available=on_gpu)
     return SizedRun(

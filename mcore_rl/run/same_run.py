@@ -50,8 +50,10 @@ MAY_CHANGE_ON_RESUME: dict[str, str] = {
                             "trains (follows cluster.placement)",
     "rollout.sleep_level": "what a sleeping engine keeps (the next sync restores every "
                            "weight)",
-    "sync_bucket_mb": "how the weight sync cuts its transfers: the engines receive the same "
+    "sync.bucket_mb": "how the weight sync cuts its transfers: the engines receive the same "
                       "weights",
+    "sync.backend": "what carries the weight sync's bytes: the engines receive the same "
+                    "weights",
     "task.reward_errors": "what a reward function that raises does: a run it stopped (exit 5) "
                           "may resume scoring such samples 0 (troubleshooting.md)",
 }

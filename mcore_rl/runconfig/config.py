@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import ClassVar, Literal
+from typing import ClassVar
 
 from mcore_rl.algorithms import AlgorithmConfig
 from mcore_rl.config import (
@@ -18,7 +18,6 @@ from mcore_rl.config import (
     require_in_range,
     run_checks,
 )
-from mcore_rl.config.dtypes import DtypeName, normalize_dtype_fields
 from mcore_rl.config.seeds import USE_THE_RUN_SEED
 from mcore_rl.launch.cluster import ClusterConfig
 from mcore_rl.megatron.config import ActorConfig, OptimizerConfig, TrainConfig
@@ -26,7 +25,13 @@ from mcore_rl.models.presets import PRESETS
 from mcore_rl.models.spec import ModelSpec
 from mcore_rl.reward_model import RewardModelConfig
 from mcore_rl.rollout.config import RolloutConfig
-from mcore_rl.runconfig.sections import CheckpointConfig, EvalConfig, LoggingConfig, RecoveryConfig
+from mcore_rl.runconfig.sections import (
+    CheckpointConfig,
+    EvalConfig,
+    LoggingConfig,
+    RecoveryConfig,
+    SyncConfig,
+)
 from mcore_rl.tasks.config import TaskConfig
 
 # The demo tokenizer (mcore_rl.tasks.tokenizer, trained on the addition task) has 16 pieces.
@@ -300,9 +305,6 @@ class RLConfig:
     max_new_tokens: the longest response (multi-turn: the longest model turn). Null: derived
         to fit the model's context (the rule: Lengths below, and the guide's "Lengths").
     temperature: sampling temperature.
-    sync_bucket_mb: the weight sync's bucket (the bytes one transfer round moves per
-        sender); null: the run plan's default for the device — 16 on CPU, 512 on GPU (fewer,
-        larger rounds of NCCL launches).
     min_new_tokens: the shortest response of an RL step's samples (EOS cannot end one
         earlier; vLLM's `min_tokens`); 0 = off. Benchmarks use it to fix response lengths
         (`mcore-rl bench step shape=...`). Single-turn, whole-batch generation only.
@@ -322,9 +324,7 @@ class RLConfig:
     to a multiple of actor.tp under sequence parallelism); an explicit one too small for a
     sample is refused. Micro batch sizes null are derived (`derived_micro_batch`) from the sequences
     each DP rank gets per update. The loaded config holds the resolved values.
-    sync_dtype: the weight sync's wire dtype — "auto" (bfloat16 when rollout.dtype is
-        bfloat16, else float32), "float32" or "bfloat16" (half the bytes; the engines install
-        the rounded weights into their own dtype); "fp32"/"bf16" are accepted.
+    sync: the weight sync's bucket, wire dtype and backend (`SyncConfig`).
     deadlines: per-phase deadlines of the watchdog.
     inject_stall: fault injection for watchdog tests: "<phase>@rank<r>" stalls actor rank r
         in that phase, "gen@engine<i>" stalls engine i's generation. Leave null.
@@ -340,6 +340,11 @@ class RLConfig:
         each of its samples, the warm-up batches, evaluations, the demo model's weights,
         megatron's init and RNG tracker and vLLM's engine seed.
     """
+
+    MOVED: ClassVar[dict[str, str]] = {
+        "sync_bucket_mb": "set sync.bucket_mb",
+        "sync_dtype": "set sync.dtype",
+    }
 
     actor: ActorConfig = field(default_factory=ActorConfig)
     warmup: WarmupConfig = field(default_factory=WarmupConfig)
@@ -359,8 +364,7 @@ class RLConfig:
     max_prompt_tokens: int | None = None
     max_new_tokens: int | None = None
     min_new_tokens: int = 0
-    sync_bucket_mb: float | None = None
-    sync_dtype: Literal["auto"] | DtypeName = "auto"
+    sync: SyncConfig = field(default_factory=SyncConfig)
     deadlines: DeadlineConfig = field(default_factory=DeadlineConfig)
     inject_stall: str | None = None
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
@@ -403,9 +407,9 @@ class RLConfig:
 
     @property
     def wire_dtype(self) -> str:
-        """The weight sync's dtype, "float32" or "bfloat16" (sync_dtype resolved)."""
-        if self.sync_dtype != "auto":
-            return self.sync_dtype
+        """The weight sync's dtype, "float32" or "bfloat16" (sync.dtype resolved)."""
+        if self.sync.dtype != "auto":
+            return self.sync.dtype
         return "bfloat16" if self.rollout.dtype == "bfloat16" else "float32"
 
     @property
@@ -633,10 +637,6 @@ class RLConfig:
     # field. __post_init__ runs every one that applies and raises what they found together
     # (`config.run_checks`): `mcore-rl preflight` lists each problem, not the first.
 
-    def _check_sync_dtype(self) -> None:
-        if self.sync_dtype != "auto":
-            normalize_dtype_fields(self, "sync_dtype", allowed=("float32", "bfloat16"))
-
     def _check_counts(self) -> None:
         require_at_least(
             self, 1, "steps", "prompts_per_step", "samples_per_prompt", "updates_per_batch"
@@ -644,7 +644,6 @@ class RLConfig:
         require_at_least(
             self, 1, "max_prompt_tokens", "max_new_tokens", optional=True, note="null: derived"
         )
-        require_above(self, 0, "sync_bucket_mb", optional=True, note="null: the device's default")
 
     def _check_off_policy_steps(self) -> None:
         if self.off_policy_steps is not None:
@@ -731,7 +730,6 @@ class RLConfig:
     # checks of the fields as given (and the lengths derived from them); these must pass for
     # the batch split to be checked, and it for the sizes to be derived (`_resolve_sizes`)
     BASIC_CHECKS: ClassVar[tuple] = (
-        _check_sync_dtype,
         _check_counts,
         _check_off_policy_steps,
         _derive_lengths,

@@ -12,7 +12,7 @@ Rules (resolve once, then obey):
 - device: "cuda" when the cluster section says gpu, or says local and CUDA is there (or
   `assume_gpu`); else "cpu".
 - layer_spec: "te" (TransformerEngine) on cuda, "local" (megatron's pure-PyTorch spec) on cpu.
-- sync_backend: `cluster.sync_backend` as configured; when null, the device's own (nccl on
+- sync_backend: `sync.backend` as configured; when null, the device's own (nccl on
   cuda, gloo on cpu). A configured backend the device cannot run (nccl on cpu) is kept here
   and refused by preflight (`mcore_rl.planning.grid_checks.check_sync_backend`).
 - cluster: the allocation the run is sized for, with a "local" cluster resolved to this
@@ -79,7 +79,7 @@ class ResolvedRun:
     cluster: the allocation as sized (device "gpu" or "cpu"; a "local" cluster resolved).
     expert_parallel: the engines run vLLM's expert parallelism (the weight sync's vLLM layout
     holds whole experts per rank).
-    sync_bucket_mb: the weight sync's bucket, MB (`sync_bucket_mb`, or the device's default:
+    sync_bucket_mb: the weight sync's bucket, MB (`sync.bucket_mb`, or the device's default:
     `SYNC_BUCKET_MB`).
     trainers_first: the actor ranks are built (weights and optimizer allocated) before any
     engine starts — where they share devices with the engines. vLLM sizes itself against the
@@ -196,9 +196,9 @@ def layer_spec_of(device: Device) -> Literal["local", "te"]:
 
 
 def sync_backend_of(cfg: RLConfig, device: Device) -> Literal["gloo", "nccl"]:
-    """`cluster.sync_backend` as configured, else the device's own."""
-    if cfg.cluster.sync_backend is not None:
-        return cfg.cluster.sync_backend
+    """`sync.backend` as configured, else the device's own."""
+    if cfg.sync.backend is not None:
+        return cfg.sync.backend
     return "nccl" if device == "cuda" else "gloo"
 
 
@@ -217,7 +217,6 @@ def resolved_cluster(
     memory (CPU: the host's, no reserve; GPU: device 0's) — or, when a GPU is only assumed,
     the cluster section's own GPU memory and reserve."""
     c = cfg.cluster
-    backend = sync_backend_of(cfg, device)
     if c.device != "local":
         return ClusterConfig(
             device=c.device,
@@ -226,7 +225,6 @@ def resolved_cluster(
             device_gib=c.device_gib,
             reserve_gib=c.reserve_gib,
             placement=c.placement,
-            sync_backend=backend,
         )
     memory_gib, reserve_gib = c.device_gib, c.reserve_gib
     if device == "cpu":
@@ -242,7 +240,6 @@ def resolved_cluster(
         device_gib=memory_gib,
         reserve_gib=reserve_gib,
         placement="disaggregated",
-        sync_backend=backend,
     )
 
 
@@ -297,7 +294,7 @@ def resolve_run(
         trainers_first=shared,
         release_trainer_cache=device == "cuda" and shared,
         sync_bucket_mb=(
-            SYNC_BUCKET_MB[device] if cfg.sync_bucket_mb is None else cfg.sync_bucket_mb
+            SYNC_BUCKET_MB[device] if cfg.sync.bucket_mb is None else cfg.sync.bucket_mb
         ),
         enforce_eager=engines_run_eager(cfg.rollout, device),
         sleep_level=engines_sleep_level(cfg.rollout, keeps_base=cfg.actor.lora.syncs_adapters),

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from mcore_rl.config import ConfigError, require_above, require_at_least
+from mcore_rl.config.dtypes import DtypeName, normalize_dtype_fields
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -199,6 +200,31 @@ class RecoveryConfig:
         return min(self.restart_backoff_s * 2**attempt, self.restart_backoff_max_s)
 
 
+@dataclass(frozen=True, kw_only=True)
+class SyncConfig:
+    """The weight sync, actor ranks → engines (rl/weight_sync.py over resharding/). Its
+    deadline is `deadlines.sync_s`, with every other deadline of the run.
+
+    bucket_mb: the bucket (the bytes one transfer round moves per sender); null: the run
+        plan's default for the device — 16 on CPU, 512 on GPU (fewer, larger rounds of NCCL
+        launches).
+    dtype: the wire dtype — "auto" (bfloat16 when rollout.dtype is bfloat16, else float32),
+        "float32" or "bfloat16" (half the bytes; the engines install the rounded weights into
+        their own dtype); "fp32"/"bf16" are accepted.
+    backend: the sync group's process-group backend, "nccl" (GPU) or "gloo" (CPU); null: the
+        resolved device's own. nccl on a run that resolves to CPU is refused.
+    """
+
+    bucket_mb: float | None = None
+    dtype: Literal["auto"] | DtypeName = "auto"
+    backend: Literal["nccl", "gloo"] | None = None
+
+    def __post_init__(self) -> None:
+        require_above(self, 0, "bucket_mb", optional=True, note="null: the device's default")
+        if self.dtype != "auto":
+            normalize_dtype_fields(self, "dtype", allowed=("float32", "bfloat16"))
+
+
 __all__ = [
     "CheckpointConfig",
     "EvalConfig",
@@ -206,6 +232,7 @@ __all__ = [
     "INJECT_PHASES",
     "LoggingConfig",
     "RecoveryConfig",
+    "SyncConfig",
     "WANDB_INSTALL",
     "WandbConfig",
     "no_wandb",

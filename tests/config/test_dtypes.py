@@ -26,20 +26,20 @@ def test_every_spelling_maps_to_torchs_name(spelling, canonical, torch_type):
 
 def test_rl_config_fields_are_normalized_at_load():
     cfg = load_config(RLConfig, None, ["train.dtype=bf16", "critic_train.dtype=bfloat16",
-                                       "rollout.dtype=bf16", "sync_dtype=fp32",
+                                       "rollout.dtype=bf16", "sync.dtype=fp32",
                                        "reward_model.dtype=bf16"])
-    assert (cfg.train.dtype, cfg.critic_train.dtype, cfg.rollout.dtype, cfg.sync_dtype,
+    assert (cfg.train.dtype, cfg.critic_train.dtype, cfg.rollout.dtype, cfg.sync.dtype,
             cfg.reward_model.dtype) == ("bfloat16",) * 3 + ("float32", "bfloat16")
     assert cfg.wire_dtype == "float32"
     auto = load_config(RLConfig, None, ["rollout.dtype=bf16"])
-    assert auto.sync_dtype == "auto" and auto.wire_dtype == "bfloat16"
+    assert auto.sync.dtype == "auto" and auto.wire_dtype == "bfloat16"
 
 
 @pytest.mark.parametrize("override,field", [
     ("train.dtype=float16", "train.dtype"),          # megatron's fp16 path is not wired here
     ("train.dtype=fp8", "train.dtype"),
     ("rollout.dtype=half", "rollout.dtype"),
-    ("sync_dtype=fp16", "sync_dtype"),
+    ("sync.dtype=fp16", "sync.dtype"),
     ("reward_model.dtype=float64", "reward_model.dtype"),
 ])
 def test_a_bad_dtype_names_its_field(override, field):

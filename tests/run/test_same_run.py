@@ -51,8 +51,8 @@ def test_only_the_listed_fields_may_change():
     base = to_dict(load_config(RLConfig, GRPO, []))
     changed = to_dict(load_config(RLConfig, GRPO, [
         "steps=300", "checkpoint.every=7", "checkpoint.keep_last=1", "deadlines.gen_s=9",
-        "rollout.engines=4", "recovery.max_engine_restarts=0", "cluster.sync_backend=gloo",
-        "rollout.enable_sleep=true", "sync_bucket_mb=8", "task.reward_errors=zero",
+        "rollout.engines=4", "recovery.max_engine_restarts=0", "sync.backend=gloo",
+        "rollout.enable_sleep=true", "sync.bucket_mb=8", "task.reward_errors=zero",
         "eval.every=0", "logging.wandb.project=p"]))
     assert differences(base, changed) == []
     for field in ("seed=1", "train.optimizer.lr=0.1", "max_new_tokens=6", "task.digits=3",

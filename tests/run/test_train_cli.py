@@ -31,9 +31,9 @@ def test_train_refuses_devices_that_cannot_run_it(tmp_path):
     """Issue #12: nccl on a run that resolves to CPU, and a colocated placement with more
     engine ranks than devices — each named, exit 2, before any worker or model exists."""
     proc, _ = run_train(tmp_path, "cluster.device=cpu", "cluster.gpus_per_node=3",
-                        "cluster.sync_backend=nccl", config="configs/tiny_ci.yaml")
+                        "sync.backend=nccl", config="configs/tiny_ci.yaml")
     assert proc.returncode == 2, proc.stdout + proc.stderr
-    assert "[sync-backend] cluster.sync_backend=nccl, but the run resolves to cpu" in proc.stderr
+    assert "[sync-backend] sync.backend=nccl, but the run resolves to cpu" in proc.stderr
     proc, _ = run_train(tmp_path, "cluster.device=cpu", "cluster.placement=colocated",
                         "cluster.gpus_per_node=2", "rollout.enable_sleep=true",
                         "rollout.engines=3", config="configs/tiny_ci.yaml")

@@ -165,18 +165,25 @@ def test_gpu_config_without_weights_or_preset_names_the_fix():
                        ).model.planning_model() == "llama3-8b"
 
 
-def test_cluster_sync_backend_defaults_to_the_devices_own():
-    """cluster.sync_backend null: the resolved device's own; set, it is checked against the
-    device (preflight), also on a "local" cluster, where it is not ignored."""
+def test_sync_backend_defaults_to_the_devices_own():
+    """sync.backend null: the resolved device's own; set, it is checked against the device
+    (preflight), also on a "local" cluster. The weight sync's settings sit in one section:
+    a key from where they were before is refused naming its new place."""
     from mcore_rl.runconfig.resolve import resolve_run
     from mcore_rl.runconfig import RLConfig
 
     grpo = ROOT / "configs" / "grpo_addition.yaml"
-    assert load_config(RLConfig, grpo).cluster.sync_backend is None
-    cfg = load_config(RLConfig, grpo, ["cluster.sync_backend=gloo"])
+    assert load_config(RLConfig, grpo).sync.backend is None
+    cfg = load_config(RLConfig, grpo, ["sync.backend=gloo"])
     assert resolve_run(cfg, assume_gpu=True, cuda_available=False).sync_backend == "gloo"
     with pytest.raises(ConfigError, match="allowed values: nccl, gloo"):
-        load_config(RLConfig, grpo, ["cluster.sync_backend=mpi"])
+        load_config(RLConfig, grpo, ["sync.backend=mpi"])
+    for old, new in (("cluster.sync_backend=gloo", "sync.backend"),
+                     ("sync_bucket_mb=64", "sync.bucket_mb"), ("sync_dtype=bf16", "sync.dtype")):
+        with pytest.raises(ConfigError) as err:
+            load_config(RLConfig, grpo, [old])
+        assert err.value.field == old.split("=")[0]
+        assert str(err.value).endswith(f"this key moved: set {new}")
 
 
 def test_demo_model_moe_is_a_qwen3_moe_on_an_expert_parallel_actor():

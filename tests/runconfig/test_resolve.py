@@ -54,12 +54,12 @@ def test_resolved_cluster_is_the_allocation_as_sized():
     used = len(local.actor_devices) + sum(len(e) for e in local.engine_devices)
     assert (local.cluster.device, local.cluster.nodes, local.cluster.gpus_per_node) == (
         "cpu", 1, used)
-    assert local.cluster.sync_backend == local.sync_backend == "gloo"
+    assert local.sync_backend == "gloo"
 
 
 def test_configured_backend_is_kept_for_preflight_to_judge():
     """nccl asked for on a CPU run stays nccl here; preflight refuses it, naming the field."""
-    run = resolve_run(_load(CONFIGS / "tiny_ci.yaml", "cluster.sync_backend=nccl"),
+    run = resolve_run(_load(CONFIGS / "tiny_ci.yaml", "sync.backend=nccl"),
                       cuda_available=False)
     assert (run.device, run.sync_backend) == ("cpu", "nccl")
 
@@ -219,7 +219,7 @@ def test_gpu_runs_sync_in_large_buckets(name, overrides):
     run = resolve_run(cfg, cuda_available=False)
     assert run.sync_bucket_mb == 512.0 and run.summary()["sync_bucket_mb"] == 512.0
     spec = sized_run(cfg, cuda_available=False).spec
-    small = resolve_run(_load(CONFIGS / "gpu" / name, *overrides, "sync_bucket_mb=16"),
+    small = resolve_run(_load(CONFIGS / "gpu" / name, *overrides, "sync.bucket_mb=16"),
                         cuda_available=False)
     assert small.sync_bucket_mb == 16.0
     assert len(sync_plan(cfg, run, spec).rounds) < len(sync_plan(cfg, small, spec).rounds)
@@ -227,8 +227,8 @@ def test_gpu_runs_sync_in_large_buckets(name, overrides):
 
 def test_cpu_runs_keep_small_buckets_and_a_bad_bucket_is_refused():
     assert resolve_run(_load(CONFIGS / "tiny_ci.yaml"), cuda_available=False).sync_bucket_mb == 16
-    with pytest.raises(ConfigError, match="sync_bucket_mb=0"):
-        _load(CONFIGS / "tiny_ci.yaml", "sync_bucket_mb=0")
+    with pytest.raises(ConfigError, match="sync.bucket_mb=0"):
+        _load(CONFIGS / "tiny_ci.yaml", "sync.bucket_mb=0")
 
 
 @pytest.mark.parametrize("name,overrides", GPU_RUNS)
