@@ -51,7 +51,10 @@ def _run(tmp_path: Path, **env) -> subprocess.CompletedProcess:
     script = tmp_path / "process.py"
     script.write_text(PROCESS)
     full_env = {**os.environ, "PYTHONPATH": str(ROOT), **env}
+    # what an earlier in-process run of this worker left behind (configure_process_logs sets
+    # both): the subprocess stands for a fresh process
     full_env.pop("VLLM_LOGGING_CONFIG_PATH", None)
+    full_env.pop("HF_HUB_DISABLE_PROGRESS_BARS", None)
     return subprocess.run([sys.executable, str(script), str(tmp_path / "run")], env=full_env,
                           capture_output=True, text=True, timeout=300, cwd=tmp_path)
 
