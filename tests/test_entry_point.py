@@ -32,7 +32,7 @@ def test_version(parser, capsys):
     (["demo", "steps=3"], None, ["steps=3"]),
     (["demo", "configs/tool_calc.yaml"], Path("configs/tool_calc.yaml"), []),
     # bench kinds keep their FILE string
-    (["bench", "step", "configs/x.yaml", "warmup_steps=1"], "configs/x.yaml", ["warmup_steps=1"]),
+    (["bench", "step", "configs/x.yaml", "untimed_steps=1"], "configs/x.yaml", ["untimed_steps=1"]),
     (["bench", "sync", "my_sync.yaml"], "my_sync.yaml", []),
 ])
 def test_config_positionally_or_as_option(parser, argv, config, overrides):

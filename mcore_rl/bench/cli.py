@@ -2,7 +2,7 @@
 run. sync, logprob and rollout are set like everything else: a frozen config dataclass
 (`SyncBenchConfig`, `LogprobBenchConfig`, `RolloutBenchConfig`) from `--config FILE` and
 `a.b=c` overrides; step takes the same overrides, of its own fields (`StepBenchConfig`:
-warmup_steps, peak_tflops, compare, baseline, shape) and of the RL config (every other key). Flags
+untimed_steps, peak_tflops, compare, baseline, shape) and of the RL config (every other key). Flags
 are only the common ones: --config, --repeats, --out. Each prints a human summary, writes
 JSON + markdown under --out (logprob, rollout and step also a PNG chart), and prints one JSON
 object as its last line."""
@@ -21,7 +21,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     for name, help_, doc in (
             ("sync", "weight sync: streamed shards vs gather+broadcast",
              "SyncBenchConfig in mcore_rl/bench/sync.py (the run config's names), e.g. "
-             "actor.tp=2 actor.pp=2 rollout.tp=2 sync_bucket_mb=16 baseline=[gather,link] "
+             "actor.tp=2 actor.pp=2 rollout.tp=2 sync.bucket_mb=16 baseline=[gather,link] "
              "check=true; plan_only=true projects any size with link_model.*"),
             ("logprob", "vocab-parallel log-prob+entropy vs gathered logits",
              "LogprobBenchConfig in mcore_rl/bench/logprob.py, e.g. tokens=4096 vocab=32000 "
@@ -49,7 +49,7 @@ def _add_common(parser: argparse.ArgumentParser, name: str, repeats: int | None)
 
 
 #: the flags `bench step` had before it took overrides: each names its override now
-_OLD_STEP_FLAGS = {"--warmup-steps": "warmup_steps", "--peak-tflops": "peak_tflops",
+_OLD_STEP_FLAGS = {"--warmup-steps": "untimed_steps", "--peak-tflops": "peak_tflops",
                    "--compare": "compare", "--baseline": "baseline"}
 
 
@@ -58,7 +58,7 @@ def _add_step(kinds) -> None:
     p.add_argument("--config", default=None,
                    help="RLConfig YAML (default: configs/grpo_addition.yaml, the demo)")
     p.add_argument("overrides", nargs="*", metavar="A.B=VALUE",
-                   help="StepBenchConfig fields in mcore_rl/bench/step.py (warmup_steps=1, "
+                   help="StepBenchConfig fields in mcore_rl/bench/step.py (untimed_steps=1, "
                         "peak_tflops=989, compare=[rollout.mode=async], baseline=trl, "
                         "shape=qwen2_16k: a realistic shape, mcore_rl/bench/shapes.py); "
                         "every other key overrides the RL config")

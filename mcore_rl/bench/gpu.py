@@ -251,11 +251,11 @@ def _device_name(device: torch.device) -> str:
 def refit_part(model: str, repeats: int, bucket_mb: float, device: torch.device) -> dict:
     """`bench sync` transport=ipc on the one GPU (on CPU: through shared memory), bit-exact,
     and the copy it is compared with."""
-    from mcore_rl.bench.sync import SyncBenchConfig, run_sync_bench
+    from mcore_rl.bench.sync import SyncBenchConfig, SyncSettings, run_sync_bench
 
     cfg = SyncBenchConfig(model=model, transport="ipc", device=device.type, check=True,
-                          sync_dtype="bfloat16", sync_bucket_mb=bucket_mb, repeats=repeats,
-                          warmup=1)
+                          sync=SyncSettings(dtype="bfloat16", bucket_mb=bucket_mb),
+                          repeats=repeats, untimed=1)
     report = run_sync_bench(cfg)
     received = max(report["bytes_received"].values())
     copy = copy_gbs(received, device)

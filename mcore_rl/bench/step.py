@@ -136,7 +136,7 @@ def step_metrics(timings: dict[str, float], flops: dict[str, float], *, actor_de
 class StepBenchConfig:
     """config: RLConfig YAML (None: the demo's, configs/grpo_addition.yaml); overrides:
     `a.b=value` strings.
-    repeats: measured RL steps; warmup_steps: unmeasured steps before them (start-up costs).
+    repeats: measured RL steps; untimed_steps: unmeasured steps before them (start-up costs).
     peak_tflops: dense peak per device, TFLOP/s, in the training dtype (e.g. 989 for H100
     bf16); the CPU default is a placeholder for a couple of cores.
     compare: extra overrides of a variant (e.g. "rollout.mode=async"): the same steps run
@@ -154,8 +154,11 @@ class StepBenchConfig:
 
     config: str | None = None
     overrides: tuple[str, ...] = ()
+    MOVED: ClassVar[dict[str, str]] = {
+        "warmup_steps": "set untimed_steps (`warmup` is the supervised warm-up)"}
+
     repeats: int = 2
-    warmup_steps: int = 1
+    untimed_steps: int = 1
     peak_tflops: float | None = None
     compare: tuple[str, ...] = ()
     baseline: str | None = None
@@ -170,14 +173,16 @@ class StepBenchConfig:
             raise ConfigError("baseline", self.baseline, "must be null or 'trl'")
         if self.repeats < 1:
             raise ConfigError("repeats", self.repeats, "must be >= 1")
-        if self.warmup_steps < 0:
-            raise ConfigError("warmup_steps", self.warmup_steps, "must be >= 0")
+        if self.untimed_steps < 0:
+            raise ConfigError("untimed_steps", self.untimed_steps, "must be >= 0")
         if self.peak_tflops is not None and not self.peak_tflops > 0:
             raise ConfigError("peak_tflops", self.peak_tflops, "must be > 0 (or null: measured)")
 
-    #: the fields `a.b=c` overrides set here; every other key is the RL config's
+    #: the fields `a.b=c` overrides set here (and the moved ones, refused naming their new
+    #: key); every other key is the RL config's
     OWN: ClassVar[frozenset[str]] = frozenset(
-        {"repeats", "warmup_steps", "peak_tflops", "compare", "baseline", "shape"})
+        {"repeats", "untimed_steps", "peak_tflops", "compare", "baseline", "shape",
+         "warmup_steps"})
 
     @property
     def config_path(self) -> str:
@@ -207,7 +212,7 @@ class StepBenchConfig:
     def variant(self) -> "StepBenchConfig":
         """This benchmark with the `compare` overrides applied (and no further variant)."""
         return StepBenchConfig(config=self.config, overrides=self.overrides + self.compare,
-                               repeats=self.repeats, warmup_steps=self.warmup_steps,
+                               repeats=self.repeats, untimed_steps=self.untimed_steps,
                                peak_tflops=self.peak_tflops, shape=self.shape)
 
 
@@ -356,11 +361,11 @@ def _measure(cfg: StepBenchConfig) -> dict:
             def record(step: int, metrics: dict) -> None:
                 measured = controller.sampler
                 prompts.append(measured.step_prompts)
-                if step > cfg.warmup_steps:
+                if step > cfg.untimed_steps:
                     steps.append((metrics, list(measured.gen_seq_lens)))
                     lens.append(measured.gen_lens)
 
-            run_steps(controller, range(1, cfg.warmup_steps + cfg.repeats + 1), record)
+            run_steps(controller, range(1, cfg.untimed_steps + cfg.repeats + 1), record)
         finally:
             controller.shutdown()
         process_s = time.perf_counter() - start
@@ -374,10 +379,10 @@ def _measure(cfg: StepBenchConfig) -> dict:
 
             trl = run_in_subprocess(cfg.config_path, list(cfg.overrides), str(start_dir),
                                     len(prompts))
-            report["baseline"] = trl_summary(trl, cfg.warmup_steps, same_prompts=(
+            report["baseline"] = trl_summary(trl, cfg.untimed_steps, same_prompts=(
                 trl["prompts"] == prompts))
             report["baseline"]["lengths"] = length_summary(
-                trl["lengths"][cfg.warmup_steps:])
+                trl["lengths"][cfg.untimed_steps:])
             report["ratio_vs_trl"] = (report["timing_s"]["step"]["median"]
                                       / report["baseline"]["timing_s"]["step"]["median"])
     return report
@@ -459,7 +464,7 @@ def build_report(cfg: StepBenchConfig, rl, spec: ModelSpec,
         "devices": actor_devices + rollout_devices,
         "sequences_per_step": rows, "seq_len": rl.train.seq_len,
         "train_dtype": rl.train.dtype, "peak_tflops_per_device": cfg.peak_tflops,
-        "repeats": cfg.repeats, "warmup_steps": cfg.warmup_steps, "startup_s": startup_s,
+        "repeats": cfg.repeats, "untimed_steps": cfg.untimed_steps, "startup_s": startup_s,
         "timing_s": {p: spread([s["timings"][p] for s in per_step]) for p in phases},
         "flops": {p: spread([s["flops"][p] for s in per_step])
                   for p in per_step[0]["flops"]},
@@ -471,7 +476,7 @@ def build_report(cfg: StepBenchConfig, rl, spec: ModelSpec,
     report["per_step"] = per_step
     report["reward_mean"] = [s["reward_mean"] for s in per_step]
     report["config"] = {"config": cfg.config, "overrides": list(cfg.overrides),
-                        "repeats": cfg.repeats, "warmup_steps": cfg.warmup_steps,
+                        "repeats": cfg.repeats, "untimed_steps": cfg.untimed_steps,
                         "peak_tflops": cfg.peak_tflops, "compare": list(cfg.compare),
                         "baseline": cfg.baseline}
     return report

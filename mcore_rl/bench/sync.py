@@ -61,6 +61,19 @@ class InferenceGrid:
 
 
 @dataclass(frozen=True, kw_only=True)
+class SyncSettings:
+    """The weight sync's settings a bench sync takes, named as the run config's `sync`
+    section: bucket_mb, the transport bucket; dtype, the wire dtype (float32 | bfloat16)."""
+
+    bucket_mb: float = 64.0
+    dtype: DtypeName = "float32"
+
+    def __post_init__(self) -> None:
+        normalize_dtype_fields(self, "dtype", allowed=("float32", "bfloat16"))
+        require_above(self, 0, "bucket_mb")
+
+
+@dataclass(frozen=True, kw_only=True)
 class SyncBenchConfig:
     """`mcore-rl bench sync a.b=c ...`. The grid and sync keys are the run config's
     (`RLConfig`) names.
@@ -70,12 +83,13 @@ class SyncBenchConfig:
     actor: the training grid (actor.tp, actor.pp, actor.vpp, actor.dp, actor.ep, actor.etp;
         etp * ep must divide tp * dp).
     rollout: the vLLM side (rollout.tp, rollout.engines, rollout.expert_parallel).
-    sync_bucket_mb: transport bucket. sync_dtype: float32 | bfloat16 (fp32/bf16 accepted).
+    sync: the run config's `sync` names — sync.bucket_mb: transport bucket; sync.dtype:
+        float32 | bfloat16 (fp32/bf16 accepted).
     baseline: baselines also run, a list of: "gather" (gather every shard to training rank 0,
         which broadcasts whole tensors), "link" (the plan's byte matrix as plain sends on the
         same group, `sync_link.py`; the report gains `link_efficiency` = link time / sync time).
     check: compare every received shard bit for bit with the reference.
-    repeats: timed repetitions (median reported); warmup: untimed ones before them (a run
+    repeats: timed repetitions (median reported); untimed: repetitions before them (a run
         syncs every step: the first sync of a process pays one-off costs).
     timeout_s: every send/recv deadline. seed: the random weights of a preset.
     transport: "p2p" (sends on the sync group) or "ipc" (colocated: inference rank d on
@@ -90,12 +104,11 @@ class SyncBenchConfig:
     model: str = "tiny"
     actor: ParallelConfig = field(default_factory=ParallelConfig)
     rollout: InferenceGrid = field(default_factory=InferenceGrid)
-    sync_bucket_mb: float = 64.0
-    sync_dtype: DtypeName = "float32"
+    sync: SyncSettings = field(default_factory=SyncSettings)
     baseline: tuple[Literal["gather", "link"], ...] = ()
     check: bool = False
     repeats: int = 1
-    warmup: int = 0
+    untimed: int = 0
     timeout_s: float = 300.0
     seed: int = 0
     transport: Literal["p2p", "ipc"] = "p2p"
@@ -107,16 +120,18 @@ class SyncBenchConfig:
     MOVED: ClassVar[dict[str, str]] = {
         "train": "actor (the run config's name: actor.tp, actor.pp, ...)",
         "infer": "rollout (rollout.tp, rollout.engines, rollout.expert_parallel)",
-        "bucket_mb": "sync_bucket_mb",
-        "dtype": "sync_dtype"}
+        "bucket_mb": "sync.bucket_mb",
+        "dtype": "sync.dtype",
+        "sync_bucket_mb": "sync.bucket_mb",
+        "sync_dtype": "sync.dtype",
+        "warmup": "untimed (`warmup` is the supervised warm-up)"}
 
     def __post_init__(self):
-        normalize_dtype_fields(self, "sync_dtype", allowed=("float32", "bfloat16"))
         require_one_of(self, "transport", ("p2p", "ipc"))
         require_one_of(self, "device", ("cpu", "cuda"))
         require_at_least(self, 1, "repeats")
-        require_at_least(self, 0, "warmup")
-        require_above(self, 0, "sync_bucket_mb", "timeout_s")
+        require_at_least(self, 0, "untimed")
+        require_above(self, 0, "timeout_s")
         unknown = [b for b in self.baseline if b not in ("gather", "link")]
         if unknown:
             raise ConfigError("baseline", list(self.baseline), "allowed values: gather, link")
@@ -149,7 +164,7 @@ class SyncBenchConfig:
 
     @property
     def bucket_bytes(self) -> int:
-        return int(self.sync_bucket_mb * (1 << 20))
+        return int(self.sync.bucket_mb * (1 << 20))
 
 
 def resolve_model(model: str) -> ModelSpec:
@@ -169,7 +184,7 @@ def make_plan(cfg: SyncBenchConfig, spec: ModelSpec) -> tuple[ShardMap, ShardMap
         raise err.under("actor") from None
     src = megatron_shards(spec, cfg.actor)
     dst = inference_shards(cfg, spec)
-    element_size = torch_dtype(cfg.sync_dtype).itemsize
+    element_size = torch_dtype(cfg.sync.dtype).itemsize
     return src, dst, build_plan(src, dst, bucket_bytes=cfg.bucket_bytes,
                                 element_size=element_size)
 
@@ -198,7 +213,7 @@ def rank_main(rank: int, world_size: int, cfg: SyncBenchConfig) -> dict:
     """One process of the benchmark. Returns this rank's measurements."""
     spec = resolve_model(cfg.model)
     src, dst, plan = make_plan(cfg, spec)
-    dtype = torch_dtype(cfg.sync_dtype)
+    dtype = torch_dtype(cfg.sync.dtype)
     weights = _weights(cfg, src)
     port = int(os.environ["MCORE_RL_STORE_PORT"])
     # the rendezvous store: rank 0's (the local launcher's on one machine, srun's first node)
@@ -243,13 +258,13 @@ def _repeat(cfg, barrier, runs: dict, expected) -> dict:
     each repeat. A run that returns received shards is checked against `expected`."""
     walls = {name: [] for name in runs}
     last: dict = {}
-    for i in range(cfg.warmup + cfg.repeats):
+    for i in range(cfg.untimed + cfg.repeats):
         for name, once in runs.items():
             last.pop(name, None)  # the previous run's shards go before the next arrive
             _barrier(*barrier)
             start = time.perf_counter()
             last[name] = once(i)
-            if i >= cfg.warmup:
+            if i >= cfg.untimed:
                 walls[name].append(time.perf_counter() - start)
     results = {}
     for name, (stats, received) in last.items():
@@ -402,8 +417,8 @@ def summarize(cfg: SyncBenchConfig, spec: ModelSpec, plan: Plan, per_rank: list[
         "model": cfg.model, "params": spec.num_params(),
         "model_bytes": spec.num_params() * plan.element_size,
         "actor": actor_label(cfg.actor),
-        "rollout": rollout_label(cfg), "sync_bucket_mb": cfg.sync_bucket_mb,
-        "sync_dtype": cfg.sync_dtype, "rounds": len(plan.rounds), **ours,
+        "rollout": rollout_label(cfg), "sync_bucket_mb": cfg.sync.bucket_mb,
+        "sync_dtype": cfg.sync.dtype, "rounds": len(plan.rounds), **ours,
         "max_peak_extra_bytes": max(ours["peak_extra_bytes"].values()),
         "rss_bytes": {r["rank"]: r["rss_bytes"] for r in per_rank},
         **_ideal(plan, dst),
@@ -468,8 +483,8 @@ def plan_only_report(cfg: SyncBenchConfig) -> dict:
         "model": cfg.model, "params": spec.num_params(),
         "model_bytes": spec.num_params() * plan.element_size,
         "actor": actor_label(cfg.actor),
-        "rollout": rollout_label(cfg), "sync_bucket_mb": cfg.sync_bucket_mb,
-        "sync_dtype": cfg.sync_dtype, "rounds": len(plan.rounds),
+        "rollout": rollout_label(cfg), "sync_bucket_mb": cfg.sync.bucket_mb,
+        "sync_dtype": cfg.sync.dtype, "rounds": len(plan.rounds),
         "transfers": sum(len(r) for r in plan.rounds),
         "assumptions": link.describe(),
         "projected_s": project_transport(plan, link),

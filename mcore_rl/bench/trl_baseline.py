@@ -64,7 +64,7 @@ def trl_arguments(rl, out_dir: str, steps: int) -> dict:
         scale_rewards="group" if algo.grpo_norm_by_std else "none",
         loss_type=_LOSS_TYPES[algo.loss_agg], num_iterations=1,
         learning_rate=opt.lr, lr_scheduler_type="constant_with_warmup",
-        warmup_steps=opt.warmup_steps, adam_beta1=opt.adam_beta1, adam_beta2=opt.adam_beta2,
+        warmup_steps=opt.lr_warmup_steps, adam_beta1=opt.adam_beta1, adam_beta2=opt.adam_beta2,
         adam_epsilon=opt.adam_eps, weight_decay=opt.weight_decay,
         max_grad_norm=opt.clip_grad if opt.clip_grad else 1e30,
         dataloader_num_workers=0, remove_unused_columns=False,

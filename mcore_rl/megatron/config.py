@@ -101,15 +101,19 @@ class OptimizerConfig:
     """Adam (decoupled weight decay, as megatron-core's `adam`) with gradient clipping.
 
     lr / min_lr: peak and floor learning rate (the default lr, 1e-6, is an RL actor's for a
-    1-70B model, as verl's and NeMo-RL's); warmup_steps: linear warm-up from 0 to lr;
+    1-70B model, as verl's and NeMo-RL's); lr_warmup_steps: linear warm-up from 0 to lr;
     decay: after warm-up, "constant" or "cosine" down to min_lr over decay_steps.
     clip_grad: clip the global gradient norm to this.
     Weight decay skips biases and norms (megatron's default).
     """
 
+    MOVED: ClassVar[dict[str, str]] = {
+        "warmup_steps": "set lr_warmup_steps (the learning rate's; `warmup` is the supervised "
+                        "warm-up)"}
+
     lr: float = 1e-6
     min_lr: float = 0.0
-    warmup_steps: int = 0
+    lr_warmup_steps: int = 0
     decay: Literal["constant", "cosine"] = "constant"
     decay_steps: int = 1
     adam_beta1: float = 0.9
@@ -122,7 +126,7 @@ class OptimizerConfig:
         require_above(self, 0, "lr")
         require_in_range(self, 0, "lr", "min_lr")
         require_in_range(self, 0, 1, "adam_beta1", "adam_beta2", high_open=True)
-        require_at_least(self, 0, "adam_eps", "weight_decay", "warmup_steps")
+        require_at_least(self, 0, "adam_eps", "weight_decay", "lr_warmup_steps")
         # megatron computes the grad norm only while clipping; the step reports it.
         require_above(self, 0, "clip_grad", note="a large value effectively turns clipping off")
         require_at_least(self, 1, "decay_steps")

@@ -190,14 +190,14 @@ def build_optimizer(model: list[DistributedDataParallel], cfg: OptimizerConfig,
 
 def build_scheduler(optimizer, cfg: OptimizerConfig) -> OptimizerParamScheduler:
     """Linear warm-up to lr, then constant or cosine to min_lr (sets each group's lr).
-    Step k (from 0) trains at lr·(k+1)/warmup_steps during warm-up: megatron's scheduler
+    Step k (from 0) trains at lr·(k+1)/lr_warmup_steps during warm-up: megatron's scheduler
     would give the very first step lr 0, so it starts one step in."""
     scheduler = OptimizerParamScheduler(
         optimizer, init_lr=0.0, max_lr=cfg.lr, min_lr=cfg.min_lr,
-        lr_warmup_steps=cfg.warmup_steps, lr_decay_steps=cfg.warmup_steps + cfg.decay_steps,
+        lr_warmup_steps=cfg.lr_warmup_steps, lr_decay_steps=cfg.lr_warmup_steps + cfg.decay_steps,
         lr_decay_style=cfg.decay, start_wd=cfg.weight_decay, end_wd=cfg.weight_decay,
         wd_incr_steps=1, wd_incr_style="constant")
-    if cfg.warmup_steps:
+    if cfg.lr_warmup_steps:
         scheduler.step(increment=1)
     return scheduler
 

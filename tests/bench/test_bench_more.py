@@ -128,7 +128,7 @@ def test_rollout_bench(tmp_path):
 
 def test_step_bench(tmp_path):
     report, stdout = run_cli_subprocess(
-        "bench", "step", "--repeats", "2", "warmup_steps=1", "peak_tflops=0.5",
+        "bench", "step", "--repeats", "2", "untimed_steps=1", "peak_tflops=0.5",
         "--out", str(tmp_path), "compare=[rollout.mode=async]", "baseline=trl",
         "actor.dp=1", "algorithm.rollout_correction.mode=none",  # the demo's bypass has no pass
         "prompts_per_step=2", "samples_per_prompt=4", "updates_per_batch=1",

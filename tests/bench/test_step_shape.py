@@ -35,6 +35,9 @@ def test_unknown_shape_is_refused(capsys):
 
     assert main(["bench", "step", "shape=qwen2_99k"]) == 2
     assert "qwen2_16k" in capsys.readouterr().err
+    # `warmup` is the supervised warm-up only: the bench's unmeasured steps are untimed_steps
+    assert main(["bench", "step", "warmup_steps=1"]) == 2
+    assert "warmup_steps=1: this key moved: set untimed_steps" in capsys.readouterr().err
 
 
 @pytest.mark.slow
@@ -42,7 +45,7 @@ def test_step_bench_realistic_shape(tmp_path):
     """Built model, tokenizer and prompts; one measured step each side (2 prompts x 2
     samples, one mini-batch); every response on both sides is at least min_new_tokens."""
     report, stdout = run_cli_subprocess(
-        "bench", "step", "shape=qwen2_16k", "baseline=trl", "warmup_steps=0",
+        "bench", "step", "shape=qwen2_16k", "baseline=trl", "untimed_steps=0",
         "--repeats", "1", "prompts_per_step=2", "samples_per_prompt=2", "updates_per_batch=1",
         "--out", str(tmp_path), timeout=600)
     shape = report["shape"]

@@ -16,7 +16,7 @@ def run_cli(capsys, *argv):
 
 def test_sync_with_baseline_checks_bytes_and_memory(capsys, tmp_path):
     code, report, _ = run_cli(capsys, "bench", "sync", "model=micro", "actor.tp=2",
-                              "actor.pp=2", "rollout.tp=2", "sync_bucket_mb=0.0625",
+                              "actor.pp=2", "rollout.tp=2", "sync.bucket_mb=0.0625",
                               "baseline=[gather,link]", "check=true", "--out", str(tmp_path))
     assert code == 0
     assert report["check"] == "pass" and report["baseline"]["check"] == "pass"
@@ -40,12 +40,13 @@ def test_sync_with_baseline_checks_bytes_and_memory(capsys, tmp_path):
 def _check_link_baseline(report):
     """--baseline link moved the plan's byte matrix, and link_efficiency is its time over
     ours (medians, and run by run)."""
-    from mcore_rl.bench.sync import InferenceGrid, SyncBenchConfig, make_plan, resolve_model
+    from mcore_rl.bench.sync import (InferenceGrid, SyncBenchConfig, SyncSettings, make_plan,
+                                     resolve_model)
     from mcore_rl.bench.sync_link import byte_matrix
     from mcore_rl.parallel import ParallelConfig
 
     cfg = SyncBenchConfig(model="micro", actor=ParallelConfig(tp=2, pp=2),
-                          rollout=InferenceGrid(tp=2), sync_bucket_mb=0.0625)
+                          rollout=InferenceGrid(tp=2), sync=SyncSettings(bucket_mb=0.0625))
     _, _, plan = make_plan(cfg, resolve_model("micro"))
     link = report["link"]
     assert link["byte_matrix"] == {f"{s}->{d}": n for (s, d), n in byte_matrix(plan).items()}
@@ -63,7 +64,7 @@ def _check_link_baseline(report):
 def test_plan_only_projects_70b_against_the_baseline(capsys):
     code, report, out = run_cli(capsys, "bench", "sync", "plan_only=true", "model=llama3-70b",
                                 "actor.tp=8", "actor.pp=2", "rollout.tp=8", "rollout.engines=2",
-                                "sync_dtype=bf16", "sync_bucket_mb=512")
+                                "sync.dtype=bf16", "sync.bucket_mb=512")
     assert code == 0
     assert report["projected_s"] > 0 and report["baseline_projected_s"] > report["projected_s"]
     # one inference rank needs ~1/8 of the bf16 weights, never the whole 141 GB
@@ -75,7 +76,7 @@ def test_moe_sync_tp2ep2_is_bit_exact_and_each_rank_gets_only_its_shards(capsys)
     # TP2·EP2 (experts whole on each EP rank) → vLLM TP2: stacked w13/w2 per inference rank
     code, report, _ = run_cli(capsys, "bench", "sync", "model=micro-moe", "actor.tp=2",
                               "actor.ep=2", "actor.etp=1", "rollout.tp=2",
-                              "sync_bucket_mb=0.0625", "check=true")
+                              "sync.bucket_mb=0.0625", "check=true")
     assert code == 0 and report["check"] == "pass"
     assert report["actor"] == "tp2 pp1 vpp1 dp1 ep2 etp1"
     assert report["received_over_ideal"] == 1.0
@@ -84,8 +85,8 @@ def test_moe_sync_tp2ep2_is_bit_exact_and_each_rank_gets_only_its_shards(capsys)
 def test_plan_only_projects_qwen3_30b_a3b_with_expert_parallel(capsys):
     code, report, out = run_cli(capsys, "bench", "sync", "plan_only=true",
                                 "model=qwen3-30b-a3b", "actor.tp=4", "actor.dp=2", "actor.ep=8",
-                                "actor.etp=1", "rollout.tp=8", "sync_dtype=bf16",
-                                "sync_bucket_mb=512")
+                                "actor.etp=1", "rollout.tp=8", "sync.dtype=bf16",
+                                "sync.bucket_mb=512")
     assert code == 0
     assert report["baseline_projected_s"] > report["projected_s"] > 0
     # every inference rank receives exactly its own shards: 1/8 of the ~61 GB, nothing more
@@ -106,7 +107,7 @@ def test_plan_only_projects_qwen3_30b_a3b_with_expert_parallel(capsys):
     (["actor.tpp=2"], "actor.tpp=2: unknown field"),
     (["rollout.engines=0"], "rollout.engines=0: must be >= 1"),
     (["baseline=[gather,nccl]"], "baseline[1]='nccl': allowed values: gather, link"),
-    (["sync_bucket_mb=big"], "sync_bucket_mb='big': expected a number"),
+    (["sync.bucket_mb=big"], "sync.bucket_mb='big': expected a number"),
     (["link_model.gpus_per_node=0"], "link_model.gpus_per_node=0: must be >= 1"),
     # the bench's names of before (train.*, infer.*, infer.ep, bucket_mb, dtype) are refused
     # with the run config's name that replaced them
@@ -116,8 +117,10 @@ def test_plan_only_projects_qwen3_30b_a3b_with_expert_parallel(capsys):
                      "rollout.engines, rollout.expert_parallel)"),
     (["rollout.ep=true"], "config error: rollout.ep=True: this key moved: "
                           "rollout.expert_parallel"),
-    (["bucket_mb=16"], "config error: bucket_mb=16: this key moved: sync_bucket_mb"),
-    (["dtype=bf16"], "config error: dtype='bf16': this key moved: sync_dtype"),
+    (["bucket_mb=16"], "config error: bucket_mb=16: this key moved: sync.bucket_mb"),
+    (["dtype=bf16"], "config error: dtype='bf16': this key moved: sync.dtype"),
+    (["sync_bucket_mb=16"], "config error: sync_bucket_mb=16: this key moved: sync.bucket_mb"),
+    (["warmup=1"], "config error: warmup=1: this key moved: untimed"),
 ])
 def test_bad_input_fails_before_any_rank_starts(capsys, argv, message):
     code = main(["bench", "sync", "model=micro", *argv])  # a later model= wins
@@ -144,7 +147,7 @@ def test_ipc_transport_is_exact_with_one_bucket_of_staging(capsys):
     """Colocated ranks (inference rank d on training rank d's device): the refit goes through
     one shared staging buffer per training rank, bit-exact."""
     code, report, _ = run_cli(capsys, "bench", "sync", "model=micro", "actor.tp=2",
-                              "rollout.tp=2", "sync_bucket_mb=0.0625", "transport=ipc",
+                              "rollout.tp=2", "sync.bucket_mb=0.0625", "transport=ipc",
                               "check=true")
     assert code == 0
     assert report["transport"] == "ipc" and report["check"] == "pass"
@@ -177,12 +180,12 @@ def test_gather_baseline_collects_experts_spread_over_expert_dp():
     on rank 1 (DP replica 1, expert-DP replica 0 of EP rank 1). The baseline gathers every
     piece from the lowest rank holding it — rank 1 sends its experts and nothing dense — so
     the broadcast model is whole and its check passes."""
-    from mcore_rl.bench.sync import (InferenceGrid, SyncBenchConfig, _gather_senders,
-                                     make_plan, resolve_model, run_sync_bench)
+    from mcore_rl.bench.sync import (InferenceGrid, SyncBenchConfig, SyncSettings,
+                                     _gather_senders, make_plan, resolve_model, run_sync_bench)
     from mcore_rl.parallel import ParallelConfig
 
     cfg = SyncBenchConfig(model="micro-moe", actor=ParallelConfig(dp=2, ep=2),
-                          rollout=InferenceGrid(tp=2), sync_bucket_mb=0.0625,
+                          rollout=InferenceGrid(tp=2), sync=SyncSettings(bucket_mb=0.0625),
                           baseline=("gather",), check=True)
     src, _, _ = make_plan(cfg, resolve_model(cfg.model))
     senders = _gather_senders(src)

@@ -184,6 +184,13 @@ def test_sync_backend_defaults_to_the_devices_own():
             load_config(RLConfig, grpo, [old])
         assert err.value.field == old.split("=")[0]
         assert str(err.value).endswith(f"this key moved: set {new}")
+    # `warmup` is the supervised warm-up only: the learning rate's is lr_warmup_steps
+    with pytest.raises(ConfigError) as err:
+        load_config(RLConfig, grpo, ["train.optimizer.warmup_steps=5"])
+    assert err.value.field == "train.optimizer.warmup_steps"
+    assert "this key moved: set lr_warmup_steps" in str(err.value)
+    assert load_config(RLConfig, grpo, ["train.optimizer.lr_warmup_steps=5"]).train.optimizer \
+        .lr_warmup_steps == 5
 
 
 def test_demo_model_moe_is_a_qwen3_moe_on_an_expert_parallel_actor():
