@@ -100,28 +100,7 @@ class ModelConfig:
 
     def demo_spec(self) -> ModelSpec:
         """Shapes of the locally built demo model (hf_dir null)."""
-        if self.experts:
-            return ModelSpec(
-                family="qwen3_moe",
-                architecture="Qwen3MoeForCausalLM",
-                hidden=self.hidden,
-                ffn=self.ffn,
-                heads=self.heads,
-                kv_heads=self.kv_heads,
-                head_dim=self.hidden // self.heads,
-                layers=self.layers,
-                vocab=DEMO_VOCAB,
-                max_positions=DEMO_MAX_POSITIONS,
-                qk_norm=True,
-                norm_eps=1e-6,
-                num_experts=self.experts,
-                moe_ffn=self.expert_ffn,
-                experts_per_token=self.experts_per_token,
-                norm_topk_prob=True,
-            )
-        return ModelSpec(
-            family="llama",
-            architecture="LlamaForCausalLM",
+        dims = dict(
             hidden=self.hidden,
             ffn=self.ffn,
             heads=self.heads,
@@ -131,6 +110,19 @@ class ModelConfig:
             vocab=DEMO_VOCAB,
             max_positions=DEMO_MAX_POSITIONS,
         )
+        if self.experts:
+            return ModelSpec(
+                family="qwen3_moe",
+                architecture="Qwen3MoeForCausalLM",
+                **dims,
+                qk_norm=True,
+                norm_eps=1e-6,
+                num_experts=self.experts,
+                moe_ffn=self.expert_ffn,
+                experts_per_token=self.experts_per_token,
+                norm_topk_prob=True,
+            )
+        return ModelSpec(family="llama", architecture="LlamaForCausalLM", **dims)
 
     def planning_model(self) -> str | ModelSpec:
         """What preflight sizes from: the demo spec, hf_dir when its config.json is here,
