@@ -224,6 +224,7 @@ def test_stage_params_count_exactly_each_ranks_shards(spec_name, parallel_kw):
         assert vllm_rank_params(moe_spec, tp, expert_parallel=True) == held
 
 
+@pytest.mark.fast  # the fast tier: scripts/test.sh -m fast
 @pytest.mark.parametrize("parallel_kw", [dict(), dict(tp=2, pp=2), dict(tp=2, dp=2)])
 def test_lora_params_count_exactly_each_ranks_adapter_shards(parallel_kw):
     """The planner's LoRA parameter count equals the elements of the rank's adapter shards
