@@ -33,6 +33,8 @@ micro batches (filled with all-padding micro batches).
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -272,10 +274,8 @@ def thd_params(lengths: tuple[int, ...], device: torch.device | str):
     padded micro batches."""
     from megatron.core.packed_seq_params import PackedSeqParams
 
-    bounds = [0]
-    for n in lengths:
-        bounds.append(bounds[-1] + n)
-    cu_seqlens = host_ints_on(tuple(bounds), device).to(torch.int32)
+    bounds = tuple(itertools.accumulate(lengths, initial=0))
+    cu_seqlens = host_ints_on(bounds, device).to(torch.int32)
     longest = max(lengths)
     return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens,
                            max_seqlen_q=longest, max_seqlen_kv=longest)
@@ -286,12 +286,20 @@ def per_sequence(x: torch.Tensor, segment_ids: torch.Tensor | None,
     """A per-token tensor of a micro batch → one row per sequence, [k, L_max], zeros after
     each sequence's end (differentiable). Unpacked batches (`segment_ids` None) already are;
     a packed one's `lengths` are `pack`'s host segment lengths."""
+    return per_sequence_view(segment_ids, lengths, x.device)(x)
+
+
+def per_sequence_view(segment_ids: torch.Tensor | None, lengths: tuple[int, ...] | None,
+                      device: torch.device | str) -> Callable[[torch.Tensor], torch.Tensor]:
+    """`per_sequence` for every per-token tensor of one micro batch (on `device`): the
+    segments' counts reach the device once, not once per tensor."""
     if segment_ids is None:
-        return x
+        return lambda x: x
     if lengths is None:
         raise ValueError("per_sequence: a packed micro batch needs its segment lengths "
                          "(packing.pack's segment_lengths)")
-    return sequence_rows(x, host_ints_on(lengths, x.device), max(lengths))
+    counts, longest = host_ints_on(lengths, device), max(lengths)
+    return lambda x: sequence_rows(x, counts, longest)
 
 
 def sequence_rows(x: torch.Tensor, counts: torch.Tensor, longest: int) -> torch.Tensor:

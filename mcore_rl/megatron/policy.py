@@ -29,7 +29,7 @@ from mcore_rl.parallel.groups import Axis
 from mcore_rl.megatron.train import (MegatronTrainer, MicroBatch, global_report_sum,
                                      optimizer_step)
 from mcore_rl.megatron import routing_replay as rr
-from mcore_rl.megatron.packing import model_inputs, per_sequence
+from mcore_rl.megatron.packing import model_inputs, per_sequence_view
 from mcore_rl.megatron.schedule import run_schedule
 
 @dataclass(frozen=True)
@@ -115,8 +115,7 @@ def _policy_loss(batch: PolicyBatch, algo: AlgorithmConfig, trainer: MegatronTra
     logp, entropy = logp_and_entropy(trainer, logits, batch.labels)
     # one row per sequence (packed rows are split by segment) so that the library's
     # aggregation sees sequences, then × the normaliser = this micro batch's share of the sum
-    rows = functools.partial(per_sequence, segment_ids=batch.segment_ids,
-                             lengths=batch.segment_lengths)
+    rows = per_sequence_view(batch.segment_ids, batch.segment_lengths, logp.device)
     logp, entropy, mask = rows(logp), rows(entropy), rows(batch.response_mask.float())
     agg = algo.loss_agg
     old_logp = rows(batch.old_logp)

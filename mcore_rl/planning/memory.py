@@ -415,7 +415,7 @@ def training_rank(run: SizedRun, spec: ModelSpec, role: str, stage: int) -> Rank
                 f"{_mib(staging)}: {_SYNC_DETAIL[run.cluster.placement]}",
             )
         )
-    comps += _activation_components(run, spec, role, stage, tail)
+    comps += _activation_components(run, spec, t, act, role, stage, tail)
     return RankMemory(role, where, tuple(comps))
 
 
@@ -432,13 +432,18 @@ def _optimizer_components(n: int, states: StateBytes, par: ParallelConfig) -> li
 
 
 def _activation_components(
-    run: SizedRun, spec: ModelSpec, role: str, stage: int, tail: dict[str, float]
+    run: SizedRun,
+    spec: ModelSpec,
+    t: TrainConfig,
+    act: ActivationModel,
+    role: str,
+    stage: int,
+    tail: dict[str, float],
 ) -> list[Component]:
     """A training rank's transient memory: the micro batches' activations in flight, the last
     stage's `tail` (logits and loss), the routing an update replays, and the workspace the
     backward rematerializes."""
-    t, par = role_train(run, role), run.cfg.actor
-    s, b, act = t.seq_len, t.micro_batch_size, activation_model(run, t)
+    par, s, b = run.cfg.actor, t.seq_len, t.micro_batch_size
     per_layer = layer_activation_bytes(spec, s, b, act)
     m = int(run.num_micro_batches(t)) or 1
     layers = in_flight_layers(par, spec.layers, stage, m)

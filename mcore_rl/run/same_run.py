@@ -94,7 +94,7 @@ def _lora_off_in_both(field: str, old: dict, new: dict) -> bool:
     """A LoRA setting (`<role>.lora.<key>`, the rank aside) while both runs have LoRA off
     (rank 0): it shapes nothing."""
     section, _, key = field.rpartition(".")
-    if not section.endswith("lora") or key == "rank":
+    if section.rpartition(".")[2] != "lora" or key == "rank":
         return False
     rank = f"{section}.rank"
     return old.get(rank) == 0 and new.get(rank) == 0

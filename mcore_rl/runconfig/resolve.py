@@ -218,14 +218,7 @@ def resolved_cluster(
     the cluster section's own GPU memory and reserve."""
     c = cfg.cluster
     if c.device != "local":
-        return ClusterConfig(
-            device=c.device,
-            nodes=c.nodes,
-            gpus_per_node=c.gpus_per_node,
-            device_gib=c.device_gib,
-            reserve_gib=c.reserve_gib,
-            placement=c.placement,
-        )
+        return c
     memory_gib, reserve_gib = c.device_gib, c.reserve_gib
     if device == "cpu":
         import psutil
