@@ -1,72 +1,24 @@
-"""The demos learn: shortened runs of `mcore-rl demo` (the real CLI: warm-up, Megatron actor,
-vLLM engines, streamed sync, GRPO) whose reward must rise — and, for the multi-turn tool demo,
-whose tool-error rate must not grow.
+"""The addition demo learns: shortened runs of `mcore-rl demo` (the real CLI: warm-up, Megatron
+actor, vLLM engines, streamed sync, GRPO) whose reward must rise, with the whole model and with
+LoRA adapters from the same warm-up (the multi-turn tool demo: test_tool_demo_learns.py).
 
 These guard the learning dynamics, which the unit tests of the loss, the masks and the engine's
-log-probs cannot: the tool demo once stopped learning while every mechanical check passed (its
-warm-up stopped on greedy accuracy, leaving sampled rewards at ~0.5 %; a change of summation
-order in the warm-up then decided whether the first few rewarded samples pulled RL up or
-pushed it into malformed calls). Each run is cut to what shows the rise in under two minutes
-here; the full demos stay out of CI. The held-out evaluation (`eval.every`) runs where a test
-reads it (the addition demo's RL); the other runs turn it off, as it only measures the
-weights and never changes what is trained."""
+log-probs cannot. Each run is cut to what shows the rise in under two minutes here; the full
+demos stay out of CI. The held-out evaluation (`eval.every`) runs where a test reads it (the
+full-model run); the LoRA run turns it off, as it only measures the weights and never changes
+what is trained."""
 
 from __future__ import annotations
 
 import json
-import statistics
-import subprocess
-import sys
 
 import pytest
 
-# end-to-end CLI runs that load every core: run apart from the other such file on the
+from tests.support.demo_runs import evaluations, mean, run_demo
+
+# end-to-end CLI runs that load every core: run apart from the other such files on the
 # parallel workers (tests/support/scheduling.py's WHOLE_MACHINE)
 pytestmark = pytest.mark.slow
-
-
-def run_demo(tmp_path, *args: str) -> tuple[list[dict], list[dict]]:
-    """(RL step metrics, warm-up metrics) of `mcore-rl demo ARGS --out tmp_path`."""
-    proc = subprocess.run([sys.executable, "-m", "mcore_rl.cli", "demo", "--out", str(tmp_path),
-                           *args], capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-
-    def rows(name):
-        path = tmp_path / name
-        return ([json.loads(line) for line in path.read_text().splitlines()]
-                if path.is_file() else [])  # no warm-up: no warm-up metrics
-
-    # the RL steps' rows (an evaluation before the first step is a row of its own)
-    return ([r for r in rows("metrics.jsonl") if "reward_mean" in r],
-            rows("warmup_metrics.jsonl"))
-
-
-def evaluations(run_dir) -> dict[int, dict]:
-    """The rows of a run's metrics.jsonl that hold an evaluation, by step."""
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r for r in rows if "eval/reward_mean" in r}
-
-
-def mean(rows: list[dict], key: str) -> float:
-    return statistics.mean(r[key] for r in rows)
-
-
-def test_tool_demo_learns_to_call_and_copy(tmp_path):
-    steps, warmup = run_demo(tmp_path, "--task", "tool_calc", "steps=16", "eval.every=0")
-    assert [r["step"] for r in steps] == list(range(1, 17))
-    # the warm-up stopped on the accuracy RL samples (T=1), so RL starts with a signal
-    assert warmup[-1]["accuracy"] >= 0.05, warmup[-1]
-    first, last = steps[:3], steps[-5:]
-    # reward rises (when the warm-up stopped on greedy accuracy: 0.005 -> 0.000 on this seed)
-    assert mean(last, "reward_mean") >= mean(first, "reward_mean") + 0.25, \
-        [r["reward_mean"] for r in steps]
-    # ... by calling the calculator well: more calls, no more of them failing
-    assert mean(last, "tool_calls/mean") > mean(first, "tool_calls/mean")
-    assert mean(last, "tool_errors/frac") <= mean(first, "tool_errors/frac"), \
-        [r["tool_errors/frac"] for r in steps]
-    # from the first step, groups whose samples differ in reward carry the gradient
-    assert mean(first, "informative_groups_frac") >= 0.1, first
-    assert max(r["rollout_logprob_max_diff"] for r in steps) < 1e-4
 
 
 @pytest.fixture(scope="module")

@@ -90,7 +90,9 @@ def ray_session(request):
 @pytest.fixture
 def ray_cluster(ray_session):
     """The session's Ray for one test, which must leave no actor, placement group or process
-    of its own in it."""
+    of its own in it. Started again if it was stopped after its `last_user`: a worker may run
+    its files in another order than the session's collection lists them."""
+    ray_session.start()
     with leaves_nothing(ray_session, "this test"):
         yield ray_session
 

@@ -18,7 +18,8 @@ import pytest
 
 from tests.support.durations import file_of
 
-WHOLE_MACHINE = ("tests/run/test_demo_learns.py", "tests/run/test_survive.py")
+WHOLE_MACHINE = ("tests/run/test_demo_learns.py", "tests/run/test_tool_demo_learns.py",
+                 "tests/run/test_survive.py")
 
 
 def worker_group(nodeid: str) -> str:
