@@ -44,7 +44,7 @@ from typing import ClassVar, Sequence
 
 from mcore_rl.bench.report import Table, spread
 from mcore_rl.config import ConfigError
-from mcore_rl.launch.process_cpu import cpu_by_role, cpu_floor_s
+from mcore_rl.launch.process_cpu import cpu_floor_s
 from mcore_rl.models.spec import ModelSpec
 
 # gen_wait: one-step off-policy only — the time a step blocked on generation that ran beside
@@ -335,39 +335,27 @@ def _measure(cfg: StepBenchConfig) -> dict:
     """Start the controller on the run's model (model.hf_dir, or the demo model built
     locally), run the supervised warm-up if warmup.max_steps > 0, then unmeasured + measured
     RL steps; with `baseline`, TRL from the same starting weights. Returns the report."""
-    from mcore_rl.launch.startup_gc import gc_paused
-    from mcore_rl.rl.controller import RLController
-    from mcore_rl.run.loop import run_steps
-    from mcore_rl.run.train import model_dir_while_ray_starts
+    from mcore_rl.run.lifecycle import RLRun
 
     rl = cfg.rl_config()
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="mcore-rl-bench-step-") as scratch:
-        with gc_paused():  # as the demo starts (launch/startup_gc.py)
-            model_dir, owns_ray = model_dir_while_ray_starts(rl, Path(scratch))
-            spec = ModelSpec.from_hf_dir(model_dir)
-            controller = RLController(rl, model_dir, Path(scratch) / "run",
-                                      sampler_cls=_measured_sampler_cls(), owns_ray=owns_ray)
-        try:
-            startup_s = time.perf_counter() - start
-            startup_cpu = cpu_by_role()  # the CPU work behind it, in every process started
-            start_dir, warmup_s = _warm_up(controller, rl, model_dir, Path(scratch))
-            controller.reset_optimizer()
+        with RLRun(rl, Path(scratch) / "run", sampler_cls=_measured_sampler_cls()) as run:
+            spec = ModelSpec.from_hf_dir(run.model_dir)
             # the steady state is measured: late engines (rollout.startup_engines) join first
-            controller.admit_late_engines(wait=True)
-            controller.sync_weights()
+            run.begin(export_to=Path(scratch) / "start_hf", admit_late_engines=True)
+            start_dir = run.warmed_up_dir or run.model_dir
             steps, prompts, lens = [], [], []
 
             def record(step: int, metrics: dict) -> None:
-                measured = controller.sampler
+                measured = run.controller.sampler
                 prompts.append(measured.step_prompts)
                 if step > cfg.untimed_steps:
                     steps.append((metrics, list(measured.gen_seq_lens)))
                     lens.append(measured.gen_lens)
 
-            run_steps(controller, range(1, cfg.untimed_steps + cfg.repeats + 1), record)
-        finally:
-            controller.shutdown()
+            run.train(range(1, cfg.untimed_steps + cfg.repeats + 1), record)
+        startup_s, startup_cpu, warmup_s = run.startup_s, run.startup_cpu, run.warmup_s
         process_s = time.perf_counter() - start
         report = build_report(cfg, rl, spec, steps, startup_s)
         report["lengths"] = length_summary(lens)
@@ -386,25 +374,6 @@ def _measure(cfg: StepBenchConfig) -> dict:
             report["ratio_vs_trl"] = (report["timing_s"]["step"]["median"]
                                       / report["baseline"]["timing_s"]["step"]["median"])
     return report
-
-
-def _warm_up(controller, rl, model_dir: Path, scratch: Path) -> tuple[Path, float]:
-    """The supervised warm-up when the config asks for one, then the actor exported as an HF
-    directory: the starting weights of the RL steps (and of a baseline). Returns (that
-    directory, seconds); without a warm-up the starting model itself and 0."""
-    if not rl.warmup.max_steps:
-        return Path(model_dir), 0.0
-    from mcore_rl.run.hf_export import export_actor_hf
-    from mcore_rl.rl.metrics import MetricsWriter
-
-    start = time.perf_counter()
-    writer = MetricsWriter(scratch / "run", phase="warmup")
-    try:
-        controller.warmup(writer)
-    finally:
-        writer.close()
-    return export_actor_hf(controller, model_dir, scratch / "start_hf"), \
-        time.perf_counter() - start
 
 
 def length_summary(steps: list[dict[str, list[int]]]) -> dict:

@@ -20,7 +20,8 @@ import sys
 from pathlib import Path
 
 from mcore_rl.config import CONFIG_ERROR_EXIT
-from mcore_rl.run.train import DEMO_MODEL_DIR, RESOLVED_CONFIG
+from mcore_rl.run.lifecycle import DEMO_MODEL_DIR
+from mcore_rl.run.train import RESOLVED_CONFIG
 
 # the role a checkpoint step directory holds the policy under (workers.actor.save_checkpoint)
 ACTOR_DIR = "actor"

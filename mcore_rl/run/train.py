@@ -19,70 +19,14 @@ import sys
 import time
 from pathlib import Path
 
-from mcore_rl.config.seeds import derive_seed
 from mcore_rl.config import CONFIG_ERROR_EXIT, ConfigError, load_config, to_dict, write_config
 from mcore_rl.launch.logs import add_verbose_argument, set_verbose
 from mcore_rl.rl import checkpoint_dirs
+from mcore_rl.run.lifecycle import RLRun
 
 
-# sentencepiece vocabulary (a soft limit) of the demo tokenizer per task kind: addition needs
-# 16 pieces; the tool task's traces and error messages need 52 characters, and 64 lets BPE
-# merge its tool name ("calc") into one piece
-DEMO_TOKENIZER_VOCAB = {"addition": 16, "tool_calc": 64}
-# OUT/<this>: the actor after the warm-up as an HF directory (`run.hf_export`); a run
-# with model.hf_dir=OUT/warmup_hf warmup.max_steps=0 starts from the same weights
-WARMUP_HF = "warmup_hf"
 # OUT/<this>: the run's resolved config (every derived value filled in), written when it starts
 RESOLVED_CONFIG = "config.yaml"
-# OUT/<this>: the demo model (tokenizer included) a run without model.hf_dir builds
-DEMO_MODEL_DIR = "model"
-
-
-def build_demo_model(cfg, out: Path) -> Path:
-    """Tokenizer trained on the task's own text + random-weight HF Llama in out/model (shapes:
-    `cfg.model.demo_spec()`; the vocabulary is the tokenizer's)."""
-    from mcore_rl.models.hf_factory import make_hf_model_dir
-    from mcore_rl.tasks.config import build_task
-    from mcore_rl.tasks.tokenizer import build_tokenizer_dir
-
-    tok_dir = build_tokenizer_dir(out / "tokenizer", build_task(cfg.task),
-                                  vocab_size=DEMO_TOKENIZER_VOCAB[cfg.task.kind])
-    return make_hf_model_dir(cfg.model.demo_spec(), out / DEMO_MODEL_DIR,
-                             seed=derive_seed(cfg.seed, "model"),
-                             tokenizer_dir_or_obj=tok_dir)
-
-
-def model_dir_of(cfg, out: Path) -> Path:
-    """The model the run loads: model.hf_dir, or the demo model built into `out`."""
-    if cfg.model.hf_dir is None:
-        return build_demo_model(cfg, out)
-    from mcore_rl.run.preflight import tokenizer_missing
-
-    hf_dir = Path(cfg.model.hf_dir)
-    missing = [name for name in ("config.json",) if not (hf_dir / name).is_file()]
-    if missing or not any(hf_dir.glob("*.safetensors")) or tokenizer_missing(hf_dir):
-        raise ConfigError("model.hf_dir", str(hf_dir), "expected an HF checkpoint directory "
-                          "(config.json, *.safetensors, tokenizer files)")
-    return hf_dir
-
-
-def model_dir_while_ray_starts(cfg, out: Path) -> tuple[Path, bool]:
-    """`model_dir_of(cfg, out)` with the driver's Ray started (`start_local_ray`), and whether
-    this call started it (the run then owns it: `RLController(owns_ray=...)`). The demo
-    model is built in a thread meanwhile: ray.init mostly waits on the processes it launches,
-    and the build (transformers' import, the tokenizer's training) is seconds of driver CPU.
-    A given model.hf_dir is checked first, so a bad one fails before Ray starts."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    from mcore_rl.launch.ray_runtime import start_local_ray
-
-    if cfg.model.hf_dir is not None:
-        model_dir = model_dir_of(cfg, out)
-        return model_dir, start_local_ray()
-    with ThreadPoolExecutor(1, thread_name_prefix="demo-model") as pool:
-        model_dir = pool.submit(model_dir_of, cfg, out)
-        started = start_local_ray()
-        return model_dir.result(), started
 
 
 def check_layer_spec_here(cfg, resume: Path | None = None) -> None:
@@ -106,16 +50,14 @@ def check_layer_spec_here(cfg, resume: Path | None = None) -> None:
         check_resume(resume, run.layer_spec)
 
 
-def run_demo(cfg, out: Path, resume: str | Path = "auto", command: str = "demo") -> dict:
+def run_rl(cfg, out: Path, resume: str | Path = "auto", command: str = "demo") -> dict:
     """The run; `resume`: "auto" (the newest complete checkpoint in OUT/checkpoints, if any),
     "never" (start over: OUT's checkpoints and metrics are removed) or a checkpoint path.
     SIGTERM/SIGUSR1/SIGINT stop it at the next safe point with a checkpoint (raises
     RunStopped)."""
-    from mcore_rl.rl.controller import RLController
-    from mcore_rl.rl.metrics import plot_run
     from mcore_rl.launch.logs import configure_process_logs
-    from mcore_rl.launch.process_cpu import cpu_by_role, cpu_floor_s
-    from mcore_rl.launch.startup_gc import gc_paused
+    from mcore_rl.launch.process_cpu import cpu_floor_s
+    from mcore_rl.rl.metrics import plot_run
     from mcore_rl.run.signals import RunStopped, StopControl
 
     start = time.perf_counter()
@@ -128,29 +70,23 @@ def run_demo(cfg, out: Path, resume: str | Path = "auto", command: str = "demo")
         return {"already_complete": True, "checkpoint": str(checkpoint)}
     write_config(cfg, out / RESOLVED_CONFIG)  # a refused run leaves an earlier one's in place
     stop = StopControl(cfg.checkpoint.stop_grace_s).install()
-    with gc_paused():  # transformers' import, the tokenizer's training (launch/startup_gc.py)
-        model_dir, owns_ray = model_dir_while_ray_starts(cfg, out)
-        # the controller's init_local_ray finds Ray up: the run hands it the Ray it started
-        controller = RLController(cfg, model_dir, out, owns_ray=owns_ray)
-    startup_s = seconds_since_process_start()  # every worker and engine up: step 1 can start
-    startup_cpu = cpu_by_role()  # what that start-up cost every process it started
-    stop.install()  # again: Ray's driver installed its own (aborting) SIGTERM handler
     try:
-        accuracy, first_step = _start_or_resume(controller, cfg, out, model_dir, checkpoint)
-        if stop.requested:  # during start-up or warm-up: nothing to save yet
-            raise RunStopped(first_step - 1, stop.signal_name, checkpoint)
-        controller.sync_weights()
-        _train(controller, cfg, out, stop, first_step)
-        digests = controller.weights_digests()
+        with RLRun(cfg, out) as run:
+            startup_s = seconds_since_process_start()  # every worker and engine up
+            stop.install()  # again: Ray's driver installed its own (aborting) SIGTERM handler
+            first_step = _begin(run, cfg, out, checkpoint, stop)
+            if stop.requested:  # during start-up or warm-up: nothing to save yet
+                raise RunStopped(first_step - 1, stop.signal_name, checkpoint)
+            _train(run, cfg, out, stop, first_step)
+            digests = run.controller.weights_digests()
     finally:
-        controller.shutdown()
         stop.restore()
     plot_run(out)
-    summary = _summary(cfg, out, accuracy=accuracy, first_step=first_step, digests=digests,
-                       wall_s=time.perf_counter() - start)
+    summary = _summary(cfg, out, accuracy=run.warmup_accuracy, first_step=first_step,
+                       digests=digests, wall_s=time.perf_counter() - start)
     summary["startup_s"] = startup_s
-    summary["startup_cpu_s"] = startup_cpu
-    summary["startup_cpu_floor_s"] = cpu_floor_s(startup_cpu["total"])
+    summary["startup_cpu_s"] = run.startup_cpu
+    summary["startup_cpu_floor_s"] = cpu_floor_s(run.startup_cpu["total"])
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     k = min(5, summary["steps"])
     print(f"{command} done in {summary['wall_s']:.0f} s: reward {summary['reward_first5']:.3f} "
@@ -160,7 +96,7 @@ def run_demo(cfg, out: Path, resume: str | Path = "auto", command: str = "demo")
 
 
 def seconds_since_process_start() -> float:
-    """Wall time since this process started (imports included, which run_demo's own clock
+    """Wall time since this process started (imports included, which run_rl's own clock
     misses)."""
     import psutil
 
@@ -190,45 +126,36 @@ def _preflight(cfg, out: Path, resume: str | Path) -> Path | None:
     return checkpoint
 
 
-def _start_or_resume(controller, cfg, out: Path, model_dir: Path,
-                     checkpoint: Path | None) -> tuple[float | None, int]:
-    """From scratch: warm-up (its metrics, the warmed-up HF export), a fresh RL optimizer.
-    From a checkpoint: its weights and optimizer, metrics cut back to its step. Returns the
-    warm-up accuracy (None when skipped or resumed) and the first RL step to run."""
+def _begin(run: RLRun, cfg, out: Path, checkpoint: Path | None, stop) -> int:
+    """The run's metrics files cut back to where it starts, then `RLRun.begin`: from scratch
+    the warm-up (its metrics in OUT/warmup_metrics.jsonl, the warmed-up model in
+    OUT/warmup_hf), from a checkpoint its state. Returns the first RL step to run."""
     from mcore_rl.rl.metrics import MetricsWriter
 
     if checkpoint is not None:
-        controller.reset_optimizer()
-        first_step = controller.load_checkpoint(checkpoint) + 1
+        first_step = run.begin(checkpoint, stop=stop)
         checkpoint_dirs.truncate_metrics(out, first_step - 1)
         print(f"resumed from {checkpoint} (step {first_step - 1})")
-        return None, first_step
+        return first_step
     checkpoint_dirs.truncate_metrics(out, 0)
     warm = MetricsWriter(out, phase="warmup", **_loggers(cfg))
-    accuracy = controller.warmup(warm) if cfg.warmup.max_steps else None
-    warm.close()
-    if cfg.warmup.max_steps:  # the warmed-up model, for runs that start from it
-        from mcore_rl.run.hf_export import export_actor_hf
-
-        export_actor_hf(controller, model_dir, out / WARMUP_HF)
-        # the base LoRA adapters (attached next) sit on: what the run's checkpoints record
-        controller.call_actors("set_base_model", str(out / WARMUP_HF), phase="setup")
-    controller.reset_optimizer()
-    return accuracy, 1
+    try:
+        return run.begin(warmup_writer=warm, stop=stop)
+    finally:
+        warm.close()
 
 
-def _train(controller, cfg, out: Path, stop, first_step: int) -> None:
-    """RL steps first_step..cfg.steps through the run loop (`run.loop.run_steps`), each one's
-    metrics written; checkpoints when due and at a stop request (then RunStopped)."""
-    from mcore_rl.run.loop import run_steps
+def _train(run: RLRun, cfg, out: Path, stop, first_step: int) -> None:
+    """RL steps first_step..cfg.steps through the run loop, each one's metrics written;
+    checkpoints when due and at a stop request (then RunStopped)."""
     from mcore_rl.rl.metrics import MetricsWriter
 
     writer = MetricsWriter(out, **_loggers(cfg))
     if first_step == 1 and cfg.eval.due(0, cfg.steps):  # the starting weights, as step 0
-        evaluated = controller.evaluate(0)
+        evaluated = run.controller.evaluate(0)
         if evaluated:  # {}: no held-out prompts (preflight said so)
             writer.write(0, evaluated)
-    run_steps(controller, range(first_step, cfg.steps + 1), writer.write,
+    run.train(range(first_step, cfg.steps + 1), writer.write,
               checkpoint_due=lambda step: cfg.checkpoint.due(step, cfg.steps),
               keep_last=cfg.checkpoint.keep_last, stop=stop,
               evaluate_due=lambda step: cfg.eval.due(step, cfg.steps))
@@ -375,7 +302,7 @@ def _run(args) -> int:
     from mcore_rl.tasks.base import RewardFailed
 
     try:
-        run_demo(cfg, args.out, getattr(args, "resume", "auto"), command=args.command)
+        run_rl(cfg, args.out, getattr(args, "resume", "auto"), command=args.command)
     except RunStopped as stopped:  # SIGTERM/SIGUSR1: checkpointed, "requeue me" (75); Ctrl-C: 130
         print(f"mcore-rl {args.command}: {stopped}", flush=True)
         return stopped.exit_code

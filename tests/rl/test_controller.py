@@ -56,24 +56,19 @@ def assert_export_round_trips(controller, model_dir, out):
                                        (["actor.tp=1", "actor.pp=2"], PPO)],
                          ids=["actor-tp2-grpo", "actor-pp2-ppo"])
 def test_two_rl_steps_with_vllm_and_streamed_sync(ray_cluster, tmp_path, grid, algo):
-    from mcore_rl.rl.controller import RLController
-    from mcore_rl.run.train import build_demo_model
     from mcore_rl.rl.metrics import MetricsWriter, plot_run
+    from mcore_rl.run.lifecycle import RLRun, build_demo_model
 
     cfg = small_config(*grid, *algo)
     model_dir = build_demo_model(cfg, tmp_path)
-    controller = RLController(cfg, model_dir, tmp_path)
-    try:
-        assert_export_round_trips(controller, model_dir, tmp_path / "export")
-        controller.reset_optimizer()  # the RL optimizer config (as the demo after warm-up)
-        controller.sync_weights()
+    with RLRun(cfg, tmp_path, model_dir=model_dir) as run:
+        assert_export_round_trips(run.controller, model_dir, tmp_path / "export")
+        # the RL optimizer (as the demo's after its warm-up), then the first sync
+        assert run.begin() == 1
         writer = MetricsWriter(tmp_path)
-        steps = [controller.rl_step(step) for step in (1, 2)]
-        for i, m in enumerate(steps, 1):
-            writer.write(i, m)
+        steps = []
+        run.train((1, 2), lambda step, m: (writer.write(step, m), steps.append(m)))
         writer.close()
-    finally:
-        controller.shutdown()
     phases = PHASES + (("ref", "values", "update_critic") if algo is PPO else ())
     for m in steps:
         assert all(f"timing_s/{p}" in m for p in phases)
@@ -99,8 +94,7 @@ def test_colocated_placement_sleeps_engines_and_packs(ray_cluster, tmp_path):
     bundle per node); the engines sleep through training and wake for the sync (vLLM's
     sleep is a no-op on CPU: this is the placement and ordering, the memory freeing is
     GPU-only). Micro batches are packed by a token budget through the Ray workers."""
-    from mcore_rl.rl.controller import RLController
-    from mcore_rl.run.train import build_demo_model
+    from mcore_rl.run.lifecycle import RLRun, build_demo_model
 
     cfg = small_config(
         "actor.tp=2", "rollout.engines=2", "rollout.enable_sleep=true",
@@ -108,15 +102,12 @@ def test_colocated_placement_sleeps_engines_and_packs(ray_cluster, tmp_path):
         "cluster.reserve_gib=0", "cluster.placement=colocated", "sync.backend=gloo",
         "train.max_tokens_per_micro_batch=96", *GRPO)
     model_dir = build_demo_model(cfg, tmp_path)
-    controller = RLController(cfg, model_dir, tmp_path)
-    try:
-        controller.reset_optimizer()
-        controller.sync_weights()
+    with RLRun(cfg, tmp_path, model_dir=model_dir) as run:
+        controller = run.controller
+        run.begin()
         steps = [controller.rl_step(step) for step in (1, 2)]
         ranks = controller.actors.call("where", phase="startup")
         engines = controller.engines.where
-    finally:
-        controller.shutdown()
     group = ranks[0]["placement_group"]
     assert group is not None
     assert all(r["placement_group"] == group for r in ranks + engines)
@@ -145,10 +136,9 @@ def test_reward_model_scores_rollouts_in_the_loop(ray_cluster, tmp_path):
 
     from mcore_rl.models.hf_factory import make_hf_reward_model_dir
     from mcore_rl.models.spec import ModelSpec
-    from mcore_rl.tasks.tokenizer import load_tokenizer
-    from mcore_rl.rl.controller import RLController
-    from mcore_rl.run.train import build_demo_model
     from mcore_rl.launch.timing import PhaseTimer
+    from mcore_rl.run.lifecycle import RLRun, build_demo_model
+    from mcore_rl.tasks.tokenizer import load_tokenizer
 
     base = ["actor.tp=1", "task.reward_fn=mcore_rl.tasks.base:no_reward"]
     model_dir = build_demo_model(small_config(*base), tmp_path)
@@ -157,16 +147,13 @@ def test_reward_model_scores_rollouts_in_the_loop(ray_cluster, tmp_path):
                                       pad_token_id=pad)
     cfg = small_config(*base, "reward_model.enabled=true", f"reward_model.hf_dir={rm_dir}",
                        "reward_model.parallel.tp=2", "reward_model.coeff=0.5")
-    controller = RLController(cfg, model_dir, tmp_path)
-    try:
-        controller.reset_optimizer()
-        controller.sync_weights()
+    with RLRun(cfg, tmp_path, model_dir=model_dir) as run:
+        controller = run.controller
+        run.begin()
         rollouts = controller.sampler.collect(1, PhaseTimer())
         metrics = controller.rl_step(2)
         prompts = rollouts.prompt_ids
         assert prompts == [controller.sampler.encode(e.prompt) for e in rollouts.examples]
-    finally:
-        controller.shutdown()
     hf = AutoModelForSequenceClassification.from_pretrained(rm_dir, torch_dtype=torch.float32)
     # one unpadded row at a time: its score is at its last token, also when the response ends
     # in a generated pad id (with pad_token_id set HF scores the last token that is not one)
@@ -187,20 +174,17 @@ def test_bf16_wire_sync_halves_the_bytes(ray_cluster, tmp_path):
     """sync.dtype bf16: the actor's fp32 shards go over the wire as bf16 (half the bytes of
     the plan's fp32 elements) and the fp32 engine installs the rounded weights — its
     log-probs then differ from the actor's by rounding only."""
-    from mcore_rl.rl.controller import RLController
-    from mcore_rl.run.train import build_demo_model
+    from mcore_rl.run.lifecycle import RLRun, build_demo_model
 
     cfg = small_config("actor.tp=2", "sync.dtype=bf16", *GRPO)
     assert cfg.wire_dtype == "bfloat16"
     model_dir = build_demo_model(cfg, tmp_path)
-    controller = RLController(cfg, model_dir, tmp_path)
-    try:
-        controller.reset_optimizer()
-        first = controller.sync_weights()
+    with RLRun(cfg, tmp_path, model_dir=model_dir) as run:
+        controller = run.controller
+        run.begin()
+        first = run.first_sync
         step = controller.rl_step(1)
         elements = sum(t.numel for round_ in controller.weight_sync.plan.rounds for t in round_)
-    finally:
-        controller.shutdown()
     assert controller.weight_sync.plan.element_size == 2
     assert first["sync_bytes"] == step["sync_bytes"] == 2 * elements
     # bf16 keeps 8 mantissa bits: the engine's weights are the actor's, rounded
@@ -235,7 +219,7 @@ def test_a_late_engine_joins_at_a_sync_and_samples_from_the_actors_weights(ray_c
     and the bypass mismatch check (the first mini-batch's forward vs the engines' log-probs)
     would show the step's update."""
     from mcore_rl.rl.controller import RLController
-    from mcore_rl.run.train import build_demo_model
+    from mcore_rl.run.lifecycle import build_demo_model
 
     cfg = small_config("actor.tp=1", "actor.dp=2", "rollout.engines=2",
                        "rollout.startup_engines=1", "rollout.cpus_per_engine=0",

@@ -39,7 +39,7 @@ def base_weights(model_dir):
 def test_lora_actor_step_syncs_merged_weights_and_keeps_the_base(ray_cluster, tmp_path,
                                                                  warmup_steps):
     from mcore_rl.layouts import assemble_hf, megatron_shards
-    from mcore_rl.run.train import build_demo_model
+    from mcore_rl.run.lifecycle import build_demo_model
     from tests.rl.test_sync_integration import hf_model_with
 
     cfg = load_config(RLConfig, DEMO_SIZED, LORA_STEP + [f"warmup.max_steps={warmup_steps}",
@@ -64,7 +64,7 @@ def test_lora_actor_step_syncs_merged_weights_and_keeps_the_base(ray_cluster, tm
 def test_lora_actor_step_syncs_the_adapters_alone_into_vllms_lora(ray_cluster, tmp_path,
                                                                   sft_steps):
     from mcore_rl.layouts import assemble_hf, megatron_shards
-    from mcore_rl.run.train import build_demo_model
+    from mcore_rl.run.lifecycle import build_demo_model
     from tests.rl.test_sync_integration import hf_model_with
 
     cfg = load_config(RLConfig, DEMO_SIZED, LORA_STEP + [f"warmup.max_steps={2 * sft_steps}",

@@ -81,20 +81,15 @@ class MoeRun:
 def run(ray_session, tmp_path_factory):
     """One controller for the module's tests (its actor ranks record and replay; its engines,
     on CPU, return no routing)."""
-    from mcore_rl.rl.controller import RLController
-    from mcore_rl.run.train import build_demo_model
+    from mcore_rl.run.lifecycle import RLRun, build_demo_model
 
     tmp = tmp_path_factory.mktemp("moe_run")
     cfg = load_config(RLConfig, DEMO_SIZED, BASE + MOE + GRID)
     model_dir = build_demo_model(cfg, tmp)
     with leaves_nothing(ray_session, "test_moe_sync_integration's controller"):
-        controller = RLController(cfg, model_dir, tmp)
-        try:
-            controller.reset_optimizer()
-            controller.sync_weights()
-            yield MoeRun(controller, model_dir)
-        finally:
-            controller.shutdown()
+        with RLRun(cfg, tmp, model_dir=model_dir) as rl_run:
+            rl_run.begin()
+            yield MoeRun(rl_run.controller, model_dir)
 
 
 def test_megatron_ep2_to_vllm_matches_hf(run, ray_cluster, tmp_path):

@@ -38,22 +38,18 @@ def test_episode_must_fit_the_rows_and_one_engine_step():
 
 
 def test_multi_turn_steps_through_the_controller(ray_cluster, tmp_path):
-    from mcore_rl.rl.controller import RLController
-    from mcore_rl.run.train import build_demo_model
     from mcore_rl.launch.timing import PhaseTimer
+    from mcore_rl.run.lifecycle import RLRun, build_demo_model
     from tests.support.scripted_env import OBSERVATION
 
     cfg = load_config(RLConfig, DEMO_SIZED, [*MULTI_TURN, *PPO])
     model_dir = build_demo_model(cfg, tmp_path)
-    controller = RLController(cfg, model_dir, tmp_path)
-    try:
-        controller.reset_optimizer()
-        controller.sync_weights()
+    with RLRun(cfg, tmp_path, model_dir=model_dir) as run:
+        controller = run.controller
+        run.begin()
         rollouts = controller.sampler.collect(1, PhaseTimer())
         steps = [controller.rl_step(step) for step in (1, 2)]
         obs = controller.sampler.tokenizer(OBSERVATION, add_special_tokens=False)["input_ids"]
-    finally:
-        controller.shutdown()
     episodes = [e for group in rollouts.completions for e in group]
     assert len(episodes) == 16
     for e in episodes:

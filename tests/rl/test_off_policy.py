@@ -27,7 +27,7 @@ DETERMINISTIC = BASE_DETERMINISTIC + (
 
 @pytest.mark.parametrize("partial", [None, 2], ids=["whole", "partial"])
 def test_async_with_staleness_bound_overlaps_and_resumes_exactly(ray_cluster, tmp_path, partial):
-    from mcore_rl.run.train import build_demo_model
+    from mcore_rl.run.lifecycle import build_demo_model
 
     cfg = load_config(RLConfig, DEMO_SIZED, [f"rollout.partial_chunk_tokens={partial or 'null'}",
         "rollout.mode=async", "rollout.max_staleness=2",
@@ -80,7 +80,7 @@ def test_free_running_async_keeps_the_staleness_bound(ray_cluster, tmp_path):
     records the version each batch ahead was generated on."""
     import torch
 
-    from mcore_rl.run.train import build_demo_model
+    from mcore_rl.run.lifecycle import build_demo_model
 
     cfg = load_config(RLConfig, "configs/tiny_ci.yaml", [
         "rollout.mode=async", "rollout.max_staleness=2", "rollout.deterministic=false",

@@ -18,7 +18,7 @@ def _with_correction(cfg, **fields):
 
 def test_on_policy_correction_is_identity_and_bypass_skips_old_logprobs(ray_cluster, tmp_path):
     from mcore_rl.rl.controller import RLController
-    from mcore_rl.run.train import build_demo_model
+    from mcore_rl.run.lifecycle import build_demo_model
 
     cfg = load_config(RLConfig, DEMO_SIZED, [
         "warmup.max_steps=0", "steps=4", "prompts_per_step=4", "samples_per_prompt=4",

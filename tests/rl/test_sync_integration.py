@@ -42,7 +42,7 @@ def tp2pp2(ray_session, tmp_path_factory):
     """The module's controller: the actor TP2·PP2, one vLLM engine TP2. Yields (controller,
     the model folder the engine started from)."""
     from mcore_rl.rl.controller import RLController
-    from mcore_rl.run.train import build_demo_model
+    from mcore_rl.run.lifecycle import build_demo_model
 
     tmp = tmp_path_factory.mktemp("sync_run")
     cfg = load_config(RLConfig, DEMO_SIZED, BASE + GRID)

@@ -23,7 +23,7 @@ DEADLINE = 12.0
 ], ids=["collective", "generation"])
 def test_a_stalled_worker_is_named_with_stack_dumps(ray_cluster, tmp_path, stall, phase, late):
     from mcore_rl.rl.controller import RLController
-    from mcore_rl.run.train import build_demo_model
+    from mcore_rl.run.lifecycle import build_demo_model
 
     cfg = load_config(RLConfig, DEMO_SIZED, [
         "warmup.max_steps=0", "steps=1", "prompts_per_step=4", "samples_per_prompt=4",

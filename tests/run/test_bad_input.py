@@ -166,7 +166,7 @@ def test_a_full_disk_is_one_line_and_exit_4(tmp_path, capsys, monkeypatch):
     def full_disk(*args, **kwargs):
         raise CheckpointWriteError(errno.ENOSPC, message)
 
-    monkeypatch.setattr(train, "run_demo", full_disk)
+    monkeypatch.setattr(train, "run_rl", full_disk)
     assert main(["train", GRPO, "--out", str(tmp_path / "run")]) == 4
     assert _one_line(capsys.readouterr()) == f"mcore-rl train: checkpoint error: {message}"
 

@@ -61,12 +61,12 @@ def test_the_last_completed_step_is_checkpointed_before_the_failure_goes_on(
     (None, "no step completed in this run (its checkpoints are as they were)"),
 ])
 def test_train_prints_one_line_and_exits_with_its_code(monkeypatch, capsys, checkpoint, tail):
-    def run_demo(cfg, out, resume, command):
+    def run_rl(cfg, out, resume, command):
         failed = reward_failed(3)
         failed.checkpoint = checkpoint
         raise failed
 
-    monkeypatch.setattr(train, "run_demo", run_demo)
+    monkeypatch.setattr(train, "run_rl", run_rl)
     args = argparse.Namespace(command="train", config=train.DEMO_CONFIG, overrides=[],
                               out=Path("unused"), resume="auto", verbose=False)
     assert train._run(args) == REWARD_FAILED_EXIT_CODE == 5

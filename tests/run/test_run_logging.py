@@ -51,8 +51,8 @@ def test_resolved_config_is_written_whole_or_not_at_all(tmp_path, monkeypatch):
 
 
 def test_the_run_writes_its_resolved_config(tmp_path, monkeypatch):
-    """run_demo writes OUT/config.yaml once preflight passed, before anything is built."""
-    from mcore_rl.run import train as demo
+    """run_rl writes OUT/config.yaml once preflight passed, before anything is built."""
+    from mcore_rl.run import lifecycle, train
 
     class Built(Exception):
         pass
@@ -60,10 +60,10 @@ def test_the_run_writes_its_resolved_config(tmp_path, monkeypatch):
     def stop_here(*args, **kwargs):
         raise Built
 
-    monkeypatch.setattr(demo, "model_dir_while_ray_starts", stop_here)
+    monkeypatch.setattr(lifecycle, "model_dir_while_ray_starts", stop_here)
     cfg = load_config(RLConfig, ROOT / "configs/tiny_ci.yaml", ["steps=3"])
     with pytest.raises(Built):
-        demo.run_demo(cfg, tmp_path / "run")
+        train.run_rl(cfg, tmp_path / "run")
     assert load_config(RLConfig, tmp_path / "run" / "config.yaml", []) == cfg
 
 

@@ -116,7 +116,7 @@ def test_train_refuses_a_grpo_config_in_a_ppo_run_dir_before_any_worker(tmp_path
 def test_a_steps_increase_resumes(tmp_path, monkeypatch):
     """The same config with more steps passes the check and goes on to build the run (stopped
     there), resuming the run's checkpoint; its config.yaml then says the new steps."""
-    from mcore_rl.run import train
+    from mcore_rl.run import lifecycle, train
 
     run = tmp_path / "run"
     step_dir = saved_run(run, ROOT / "configs" / "tiny_ci.yaml", "steps=3")
@@ -127,9 +127,9 @@ def test_a_steps_increase_resumes(tmp_path, monkeypatch):
     def build(cfg, out):
         raise Built(train.start_point(out, "auto"))
 
-    monkeypatch.setattr(train, "model_dir_while_ray_starts", build)
+    monkeypatch.setattr(lifecycle, "model_dir_while_ray_starts", build)
     cfg = load_config(RLConfig, ROOT / "configs" / "tiny_ci.yaml", ["steps=6"])
     with pytest.raises(Built) as built:
-        train.run_demo(cfg, run)
+        train.run_rl(cfg, run)
     assert built.value.args[0] == step_dir
     assert load_config(RLConfig, run / "config.yaml", []).steps == 6

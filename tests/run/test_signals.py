@@ -17,7 +17,7 @@ import pytest
 
 from mcore_rl.config import ConfigError, load_config
 from mcore_rl.launch import ray_runtime
-from mcore_rl.run.train import model_dir_while_ray_starts
+from mcore_rl.run.lifecycle import model_dir_while_ray_starts
 from mcore_rl.runconfig import RLConfig
 from tests.support import DEMO_SIZED
 

@@ -253,17 +253,15 @@ def test_a_full_disk_and_a_dead_actor_rank_are_named(ray_cluster, tmp_path):
     from mcore_rl.config import load_config
     from mcore_rl.launch.watchdog import WorkerDied
     from mcore_rl.rl.checkpoint_dirs import CheckpointWriteError
-    from mcore_rl.rl.controller import RLController
-    from mcore_rl.run.train import build_demo_model
+    from mcore_rl.run.lifecycle import RLRun, build_demo_model
     from mcore_rl.runconfig import RLConfig
 
     cfg = load_config(RLConfig, DEMO_SIZED, [*OVERRIDES, "deadlines.train_s=120",
                                        "checkpoint.inject_error=save@step2"])
-    controller = RLController(cfg, build_demo_model(cfg, tmp_path / "model"), tmp_path)
     root = tmp_path / "checkpoints"
-    try:
-        controller.reset_optimizer()
-        controller.sync_weights()
+    with RLRun(cfg, tmp_path, model_dir=build_demo_model(cfg, tmp_path / "model")) as run:
+        controller = run.controller
+        run.begin()
         controller.rl_step(1)
         first = controller.save_checkpoint(1)
         controller.rl_step(2)
@@ -276,8 +274,6 @@ def test_a_full_disk_and_a_dead_actor_rank_are_named(ray_cluster, tmp_path):
         with pytest.raises(WorkerDied) as died:
             controller.rl_step(2)
         elapsed = time.monotonic() - start
-    finally:
-        controller.shutdown()
     message = str(full_disk.value)
     assert len(message.splitlines()) == 1 and "\x1b[" not in message, message  # no traceback
     assert f"checkpoint after step 2 not written: {root / '.step_2.tmp'}" in message

@@ -1,5 +1,6 @@
-"""A short RL run through RLController, optionally resumed from or saving a checkpoint —
-shared by the resume tests (on- and off-policy)."""
+"""A short RL run (`run.lifecycle.RLRun`), optionally resumed from or saving a checkpoint —
+shared by the resume tests (on- and off-policy) — and one step then samples, for the sync
+checks."""
 
 from __future__ import annotations
 
@@ -11,32 +12,22 @@ def run_steps(cfg, model_dir, out, steps, *, resume_from=None, save_at=None):
     """RL steps `steps` (after loading `resume_from` when given, which must have been taken
     after steps[0] - 1). Returns (metrics by step, actor weight digests, the checkpoint written
     after step `save_at` or None)."""
-    from mcore_rl.rl.controller import RLController
-    from mcore_rl.run.loop import run_steps
+    from mcore_rl.run.lifecycle import RLRun
 
-    controller = RLController(cfg, model_dir, out)
-    try:
-        controller.reset_optimizer()
-        if resume_from is not None:
-            assert controller.load_checkpoint(resume_from) == steps[0] - 1
-        controller.sync_weights()
+    with RLRun(cfg, out, model_dir=model_dir) as run:
+        assert run.begin(resume_from) == steps[0]
         metrics = {}
-        checkpoint = run_steps(controller, steps, metrics.__setitem__,
+        checkpoint = run.train(steps, metrics.__setitem__,
                                checkpoint_due=lambda step: step == save_at)
-        return metrics, controller.weights_digests(), checkpoint
-    finally:
-        controller.shutdown()
+        return metrics, run.controller.weights_digests(), checkpoint
 
 
 def step_then_sample(cfg, model_dir, out, *, greedy: bool = False, sft_steps: int = 0) -> dict:
-    """`stepped_and_sampled` on a controller of its own, started here and stopped."""
-    from mcore_rl.rl.controller import RLController
+    """`stepped_and_sampled` on a run of its own, started here and shut down."""
+    from mcore_rl.run.lifecycle import RLRun
 
-    controller = RLController(cfg, model_dir, out)
-    try:
-        return stepped_and_sampled(controller, greedy=greedy, sft_steps=sft_steps)
-    finally:
-        controller.shutdown()
+    with RLRun(cfg, out, model_dir=model_dir) as run:
+        return stepped_and_sampled(run.controller, greedy=greedy, sft_steps=sft_steps)
 
 
 def stepped_and_sampled(controller, *, greedy: bool = False, sft_steps: int = 0) -> dict:
