@@ -146,7 +146,10 @@ class ShardMap:
 
 
 def box_numel(box: Box) -> int:
-    return _numel(tuple(stop - start for start, stop in box))
+    n = 1
+    for start, stop in box:
+        n *= stop - start
+    return n
 
 
 def _numel(shape: tuple[int, ...]) -> int:
@@ -161,8 +164,15 @@ def box_slices(box: Box) -> tuple[slice, ...]:
 
 
 def intersect(a: Box, b: Box) -> Box | None:
-    out = tuple((max(a0, b0), min(a1, b1)) for (a0, a1), (b0, b1) in zip(a, b, strict=True))
-    return out if all(start < stop for start, stop in out) else None
+    if len(a) != len(b):
+        raise ValueError(f"boxes of {len(a)} and {len(b)} dims: {a} and {b}")
+    out = []
+    for (a0, a1), (b0, b1) in zip(a, b):
+        start, stop = (a0 if a0 > b0 else b0), (a1 if a1 < b1 else b1)
+        if start >= stop:  # empty along this dim: no need to look at the others
+            return None
+        out.append((start, stop))
+    return tuple(out)
 
 
 def translate(inner: Box, frm: Box, to: Box) -> Box:

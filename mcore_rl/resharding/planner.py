@@ -29,6 +29,7 @@ import hashlib
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 
 from mcore_rl.layouts.layout import Box, ShardMap, box_numel, intersect, translate
 
@@ -48,7 +49,7 @@ class Transfer:
     dst_key: str
     dst_box: Box
 
-    @property
+    @cached_property  # read by the planner, the packer and every byte count, per transfer
     def numel(self) -> int:
         return box_numel(self.src_box)
 
@@ -220,15 +221,18 @@ def _assign_sources(
         for key, piece, region, holders in needs:
             if (len(holders) > fewest) != replicated:
                 continue
-            s, s_key, s_local_box, s_hf_box = min(
-                holders,
-                key=lambda h: (
-                    place(h[0], sync_d),
-                    replicated and h[0] not in paired,
-                    load[h[0]],
-                    h[0],
-                ),
-            )
+            if len(holders) == 1:  # one holder: nothing to choose
+                s, s_key, s_local_box, s_hf_box = holders[0]
+            else:
+                s, s_key, s_local_box, s_hf_box = min(
+                    holders,
+                    key=lambda h: (
+                        place(h[0], sync_d),
+                        replicated and h[0] not in paired,
+                        load[h[0]],
+                        h[0],
+                    ),
+                )
             load[s] += box_numel(region) * element_size
             paired.add(s)
             transfers.append(
@@ -286,12 +290,12 @@ def _regions(by_hf, hf_name: str, want: Box, dst_key: str, dst_label: str):
         region = intersect(want, hf_box)
         if region is not None:
             regions.setdefault(region, []).append((rank, key, local_box, hf_box))
-    covered = sum(box_numel(r) for r in regions)
-    if covered != box_numel(want) or _overlapping(list(regions)):
-        held = "do not hold" if covered < box_numel(want) else "hold in overlapping pieces"
+    covered, wanted = sum(box_numel(r) for r in regions), box_numel(want)
+    if covered != wanted or (len(regions) > 1 and _overlapping(list(regions))):
+        held = "do not hold" if covered < wanted else "hold in overlapping pieces"
         raise PlanError(
             f"{dst_label} tensor {dst_key} needs {hf_name}{list(want)}, which the "
-            f"source ranks {held} (covered {covered} of {box_numel(want)} elements)"
+            f"source ranks {held} (covered {covered} of {wanted} elements)"
         )
     return sorted(regions.items())
 
