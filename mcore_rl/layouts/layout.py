@@ -164,10 +164,8 @@ def box_slices(box: Box) -> tuple[slice, ...]:
 
 
 def intersect(a: Box, b: Box) -> Box | None:
-    if len(a) != len(b):
-        raise ValueError(f"boxes of {len(a)} and {len(b)} dims: {a} and {b}")
     out = []
-    for (a0, a1), (b0, b1) in zip(a, b):
+    for (a0, a1), (b0, b1) in zip(a, b, strict=True):
         start, stop = (a0 if a0 > b0 else b0), (a1 if a1 < b1 else b1)
         if start >= stop:  # empty along this dim: no need to look at the others
             return None
