@@ -8,7 +8,6 @@ from pathlib import Path
 
 import torch
 
-from mcore_rl.config.seeds import derive_seed
 from mcore_rl.launch.watchdog import Watchdog, collect_or_name_dead, still_running
 from mcore_rl.resharding import host_store
 from mcore_rl.rollout.batches import Batch, dp_slice
@@ -24,7 +23,7 @@ class ActorRanks:
                  watchdog: Watchdog, critic: bool, reference: bool):
         import ray
 
-        from mcore_rl.workers.actor import ActorWorker
+        from mcore_rl.workers.actor import ActorRankSpec, ActorWorker
 
         self.deadlines, self.watchdog, self.dp = cfg.deadlines, watchdog, cfg.actor.dp
         self.pids: list[int] = []  # known once the ranks answer (`wait_started`)
@@ -37,18 +36,11 @@ class ActorRanks:
         world = cfg.actor.world_size
         self._store = host_store(host, world_size=world + 1, timeout_s=cfg.deadlines.startup_s)
         slots, remote_cls = placement.plan.actor, ray.remote(num_cpus=0)(ActorWorker)
+        rank_spec = ActorRankSpec.of_run(cfg, run, spec, str(model_dir), critic=critic,
+                                         reference=reference, stack_dir=str(watchdog.stack_dir),
+                                         slots=tuple(slot.device for slot in slots))
         self.workers = [remote_cls.options(**placement.options_for_node(slots[rank].node)).remote(
-            rank, world, (host, self._store.port), spec, cfg.actor,
-            cfg.warmup.train, str(model_dir),
-            cfg.deadlines.train_s, critic_train=cfg.critic_train if critic else None,
-            reference=reference, stack_dir=str(watchdog.stack_dir),
-            inject_stall=cfg.inject_stall, slot=slots[rank].device,
-            device=run.actor_devices[rank],
-            layer_spec=run.layer_spec, fused_kernels=run.fused_kernels,
-            overlap_grad_reduce=run.overlap_grad_reduce, compiled_fusions=run.compiled_fusions,
-            lora=cfg.actor.lora, lora_from_start=cfg.warmup.max_steps == 0,
-            routing_replay=cfg.algorithm.routing_replay != "none",
-            release_cache=run.release_trainer_cache, seed=derive_seed(cfg.seed, "train"))
+            rank, world, (host, self._store.port), rank_spec)
             for rank in range(world)]
         watchdog.watch("rank", lambda: self.pids)
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -30,6 +30,89 @@ from mcore_rl.resharding import Plan, SyncGroupSpec
 from mcore_rl.resharding.plan_cache import PlanCache, PlanRef
 from mcore_rl.config.dtypes import torch_dtype
 from mcore_rl.megatron.config import LoRAConfig, TrainConfig
+from mcore_rl.runconfig import RLConfig
+from mcore_rl.runconfig.resolve import ResolvedRun
+
+
+@dataclass(frozen=True)
+class ActorRankSpec:
+    """What every actor rank of a run is built from: derived once from the resolved run
+    (`of_run`) and handed to each rank whole; a rank reads its own device and slot by rank.
+
+    train: the config the actor is built and warmed up with (the warm-up's;
+    `reset_optimizer` hands it RL's); critic_train: the critic's (PPO), when one is colocated
+    on each rank. reference: a frozen reference policy too (with LoRA, the base with
+    the adapters off: no model of its own). seed: megatron's weight init and RNG tracker of
+    every model here (the run's `derive_seed(seed, "train")`). layer_spec: megatron's layer
+    spec of every model here, as the run resolved it (`ResolvedRun.layer_spec`: "local" or
+    "te"); it also names the tensors loaded and sent. fused_kernels / overlap_grad_reduce /
+    compiled_fusions: the run plan's, for every trainer here; each fused kernel is turned on
+    only where its provider imports in the rank's process (`ActorWorker.fused_kernels` says
+    which, and why). lora: adapters on the actor (`actor.lora`; off with rank 0): the base is
+    frozen and the weights sent to the engines are merged per shard. lora_from_start: the
+    adapters are there from the start (no full-model warm-up: the base never gets grad
+    buffers or optimizer states); otherwise they are added when RL starts
+    (`reset_optimizer`). routing_replay: the MoE routers can record and replay their experts
+    (`algorithm.routing_replay`, megatron/routing_replay.py). release_cache: after each update
+    the caching allocator gives its free blocks back to the device — where engines share the
+    rank's GPU (the run plan's `release_trainer_cache`), so their KV cache wakes into the
+    memory the plan's rollout phase counts as free. stack_dir: where each rank dumps its
+    stacks on SIGUSR1 (the watchdog). inject_stall: fault injection for watchdog tests
+    ("<phase>@rank<r>"). devices: each rank's torch device (`ResolvedRun.actor_devices`;
+    empty: all "cpu"); a CUDA device becomes the current one before anything is allocated.
+    slots: each rank's device index on its node (the placement plan; reported by `where`)."""
+
+    model: ModelSpec
+    parallel: ParallelConfig
+    train: TrainConfig
+    hf_dir: str
+    timeout_s: float = 600.0
+    critic_train: TrainConfig | None = None
+    reference: bool = False
+    seed: int = derive_seed(0, "train")
+    layer_spec: str = "local"
+    fused_kernels: bool = False
+    overlap_grad_reduce: bool = False
+    compiled_fusions: bool = False
+    lora: LoRAConfig | None = None
+    lora_from_start: bool = True
+    routing_replay: bool = False
+    release_cache: bool = False
+    stack_dir: str | None = None
+    inject_stall: str | None = None
+    devices: tuple[str, ...] = ()
+    slots: tuple[int | None, ...] = ()
+
+    @classmethod
+    def of_run(cls, cfg: RLConfig, run: ResolvedRun, model: ModelSpec, hf_dir: str, *,
+               critic: bool, reference: bool, stack_dir: str,
+               slots: tuple[int | None, ...]) -> ActorRankSpec:
+        """The run's actor ranks: `cfg`'s actor, trainers and deadlines, `run`'s devices,
+        layer spec and kernel choices, the placement's `slots`."""
+        return cls(model=model, parallel=cfg.actor, train=cfg.warmup.train, hf_dir=hf_dir,
+                   timeout_s=cfg.deadlines.train_s,
+                   critic_train=cfg.critic_train if critic else None, reference=reference,
+                   seed=derive_seed(cfg.seed, "train"), layer_spec=run.layer_spec,
+                   fused_kernels=run.fused_kernels, overlap_grad_reduce=run.overlap_grad_reduce,
+                   compiled_fusions=run.compiled_fusions, lora=cfg.actor.lora,
+                   lora_from_start=cfg.warmup.max_steps == 0,
+                   routing_replay=cfg.algorithm.routing_replay != "none",
+                   release_cache=run.release_trainer_cache, stack_dir=stack_dir,
+                   inject_stall=cfg.inject_stall, devices=tuple(run.actor_devices),
+                   slots=slots)
+
+    def device(self, rank: int) -> str:
+        return self.devices[rank] if self.devices else "cpu"
+
+    def slot(self, rank: int) -> int | None:
+        return self.slots[rank] if self.slots else None
+
+    @property
+    def kernels(self) -> dict:
+        """The run plan's kernel intent, as `setup_trainer` / `build_gpt_model` take it."""
+        return dict(layer_spec=self.layer_spec, fused_kernels=self.fused_kernels,
+                    overlap_grad_reduce=self.overlap_grad_reduce,
+                    compiled_fusions=self.compiled_fusions)
 
 
 class ActorWorker:
@@ -37,101 +120,86 @@ class ActorWorker:
 
     @gc_paused()  # megatron's import and the model build: mcore_rl/launch/startup_gc.py
     def __init__(self, rank: int, world_size: int, store_address: tuple[str, int],
-                 spec: ModelSpec,
-                 parallel: ParallelConfig, train: TrainConfig, hf_dir: str,
-                 timeout_s: float = 600.0, *, critic_train: TrainConfig | None = None,
-                 reference: bool = False, stack_dir: str | None = None,
-                 inject_stall: str | None = None, slot: int | None = None,
-                 device: str = "cpu", layer_spec: str = "local",
-                 fused_kernels: bool = False, overlap_grad_reduce: bool = False,
-                 compiled_fusions: bool = False, lora: LoRAConfig | None = None,
-                 lora_from_start: bool = True, routing_replay: bool = False,
-                 release_cache: bool = False, seed: int = derive_seed(0, "train")):
-        """Roles colocated on this rank: the actor always; a critic (PPO) when
-        `critic_train` is given; a frozen reference policy when `reference`.
-        seed: megatron's weight init and RNG tracker of every model here (the run's
-        `derive_seed(seed, "train")`).
-        layer_spec: megatron's layer spec of every model here, as the run resolved it
-        (`ResolvedRun.layer_spec`: "local" or "te"); it also names the tensors loaded and sent.
-        fused_kernels / overlap_grad_reduce / compiled_fusions: the run plan's, for every
-        trainer here; each fused kernel is turned on only where its provider imports in this
-        process (`fused_kernels()` says which, and why).
-        lora: LoRA adapters on the actor (`actor.lora`; off with rank 0): the actor's base is
-        frozen, the reference policy is that base (adapters off, no model of its own), and
-        the weights sent to the engines are merged per shard. lora_from_start: the adapters
-        are there from the start (no full-model warm-up: the base never gets grad buffers or
-        optimizer states); otherwise they are added when RL starts (`reset_optimizer`).
-        routing_replay: the actor's MoE routers can record and replay their experts
-        (`algorithm.routing_replay`, megatron/routing_replay.py).
-        release_cache: after each update the caching allocator gives its free blocks (the
-        update's activation and logits peak) back to the device — where engines share this
-        rank's GPU (the run plan's `release_trainer_cache`), so their KV cache wakes into the
-        memory the plan's rollout phase counts as free.
-        stack_dir: where this process dumps its stacks on SIGUSR1 (the watchdog).
-        inject_stall: fault injection for watchdog tests ("<phase>@rank<r>").
-        slot: this rank's device index on its node (the run's placement plan; reported by
-        `where`). device: the torch device it computes on, as the run plan resolved it
-        (`ResolvedRun.actor_devices[rank]`: "cpu" or "cuda:<i>"); a CUDA device becomes the
-        current one before anything is allocated."""
-        if stack_dir:  # the run directory: stacks for the watchdog, library logs (quiet console)
-            configure_process_logs(Path(stack_dir).parent, f"rank{rank}")
-            self._stack_file = arm_stack_dump(stack_dir, f"rank{rank}")
-        self.inject_stall = inject_stall
-        self.release_cache = release_cache
-        from mcore_rl.models.gpt import build_gpt_model, load_chunks
-        from mcore_rl.megatron.value import FrozenModel, attach_value_head
-        from mcore_rl.megatron.train import setup_trainer
-
-        self.slot, self.device = slot, device
-        self.groups = join_worker_world(rank, world_size, store_address, parallel,
-                                        timeout_s=timeout_s, device=device)
-        self.rank, self.spec, self.parallel, self.hf_dir = rank, spec, parallel, hf_dir
-        self.base_model = hf_dir  # the HF model the frozen base equals (a LoRA checkpoint's)
-        self.layer_spec = layer_spec
-        self.shards = megatron_shards(spec, parallel, layer_spec=layer_spec)
-        weights = SafetensorsWeights(hf_dir)
-        dtype = torch_dtype(train.dtype)
-
-        def load(chunks):
-            load_chunks(chunks, materialize_rank(self.shards, rank, weights.__getitem__, dtype),
-                        parallel.vpp)
-
-        def load_critic(chunks):  # initialized from the policy, then a fresh value head
-            load(chunks)
-            attach_value_head(chunks, spec.hidden, self.groups.is_last_stage,
-                              tp_group=self.groups.group(Axis.TP))
-
-        # the run plan's intent; each model build turns on only the fused kernels whose
-        # providers import here (models.kernels), which `fused_kernels()` reports
-        kernels = dict(layer_spec=layer_spec, fused_kernels=fused_kernels,
-                       overlap_grad_reduce=overlap_grad_reduce,
-                       compiled_fusions=compiled_fusions)
-        self._kernel_intent = (fused_kernels, compiled_fusions)
-        self.lora = lora if lora is not None and lora.enabled else None
-        self.lora_attached = self.lora is not None and lora_from_start
-        self.trainer = setup_trainer(spec, self.groups, train, load_weights=load, seed=seed,
-                                     lora=self.lora if self.lora_attached else None, **kernels)
-        self.train_cfg = train
-        if routing_replay:
-            from mcore_rl.megatron.routing_replay import install_replay
-
-            install_replay(self.trainer.unwrapped())
-        self.critic = (setup_trainer(spec, self.groups, critic_train, load_weights=load_critic,
-                                     seed=seed, **kernels)
-                       if critic_train is not None else None)
-        self.reference = None
-        self.reference_is_base = reference and self.lora is not None
-        if reference and not self.reference_is_base:
-            chunks = build_gpt_model(spec, parallel, self.groups, params_dtype=dtype,
-                                     seed=seed, layer_spec=layer_spec,
-                                     fused_kernels=fused_kernels,
-                                     compiled_fusions=compiled_fusions)  # the actor's numerics
-            load(chunks)
-            for chunk in chunks:
-                chunk.eval().requires_grad_(False)
-            self.reference = FrozenModel(spec, chunks, self.groups)
+                 spec: ActorRankSpec):
+        """Rank `rank` of the actor's world (its store at `store_address`): the actor always;
+        a critic (PPO) and a frozen reference policy where `spec` asks for them."""
+        if spec.stack_dir:  # the run directory: stacks for the watchdog, library logs
+            configure_process_logs(Path(spec.stack_dir).parent, f"rank{rank}")
+            self._stack_file = arm_stack_dump(spec.stack_dir, f"rank{rank}")
+        self.inject_stall, self.release_cache = spec.inject_stall, spec.release_cache
+        self.slot, self.device = spec.slot(rank), spec.device(rank)
+        self.groups = join_worker_world(rank, world_size, store_address, spec.parallel,
+                                        timeout_s=spec.timeout_s, device=self.device)
+        self.rank, self.spec, self.parallel = rank, spec.model, spec.parallel
+        self.hf_dir = spec.hf_dir
+        self.base_model = spec.hf_dir  # the HF model the frozen base equals (a LoRA ckpt's)
+        self.layer_spec = spec.layer_spec
+        self.shards = megatron_shards(spec.model, spec.parallel, layer_spec=spec.layer_spec)
+        self._kernel_intent = (spec.fused_kernels, spec.compiled_fusions)
+        self.lora = spec.lora if spec.lora is not None and spec.lora.enabled else None
+        self.lora_attached = self.lora is not None and spec.lora_from_start
+        self.train_cfg = spec.train
+        weights = SafetensorsWeights(spec.hf_dir)  # opened for the builds only
+        self.trainer = self._build_actor(spec, weights)
+        self.critic = (self._build_critic(spec, weights)
+                       if spec.critic_train is not None else None)
+        self.reference_is_base = spec.reference and self.lora is not None
+        self.reference = (self._build_reference(spec, weights)
+                          if spec.reference and not self.reference_is_base else None)
         self.sync_group = None
         self._plans = PlanCache()  # the sync plans sent to this rank, by fingerprint
+
+    def _load(self, chunks, weights: SafetensorsWeights, dtype: str) -> None:
+        """This rank's slices of the HF `weights` into `chunks`."""
+        from mcore_rl.models.gpt import load_chunks
+
+        load_chunks(chunks, materialize_rank(self.shards, self.rank, weights.__getitem__,
+                                             torch_dtype(dtype)), self.parallel.vpp)
+
+    def _build_actor(self, spec: ActorRankSpec, weights: SafetensorsWeights):
+        """The actor's trainer (LoRA adapters attached where they start with the run); each
+        model build turns on only the fused kernels whose providers import here
+        (models.kernels), which `fused_kernels()` reports."""
+        from mcore_rl.megatron.train import setup_trainer
+
+        trainer = setup_trainer(spec.model, self.groups, spec.train,
+                                load_weights=lambda chunks: self._load(chunks, weights,
+                                                                       spec.train.dtype),
+                                seed=spec.seed, lora=self.lora if self.lora_attached else None,
+                                **spec.kernels)
+        if spec.routing_replay:
+            from mcore_rl.megatron.routing_replay import install_replay
+
+            install_replay(trainer.unwrapped())
+        return trainer
+
+    def _build_critic(self, spec: ActorRankSpec, weights: SafetensorsWeights):
+        """The critic's trainer: initialized from the policy's weights, then a fresh value
+        head."""
+        from mcore_rl.megatron.train import setup_trainer
+        from mcore_rl.megatron.value import attach_value_head
+
+        def load_critic(chunks):
+            self._load(chunks, weights, spec.train.dtype)
+            attach_value_head(chunks, spec.model.hidden, self.groups.is_last_stage,
+                              tp_group=self.groups.group(Axis.TP))
+
+        return setup_trainer(spec.model, self.groups, spec.critic_train,
+                             load_weights=load_critic, seed=spec.seed, **spec.kernels)
+
+    def _build_reference(self, spec: ActorRankSpec, weights: SafetensorsWeights):
+        """The frozen reference policy: the starting weights with the actor's numerics."""
+        from mcore_rl.megatron.value import FrozenModel
+        from mcore_rl.models.gpt import build_gpt_model
+
+        chunks = build_gpt_model(spec.model, spec.parallel, self.groups,
+                                 params_dtype=torch_dtype(spec.train.dtype), seed=spec.seed,
+                                 layer_spec=spec.layer_spec, fused_kernels=spec.fused_kernels,
+                                 compiled_fusions=spec.compiled_fusions)
+        self._load(chunks, weights, spec.train.dtype)
+        for chunk in chunks:
+            chunk.eval().requires_grad_(False)
+        return FrozenModel(spec.model, chunks, self.groups)
 
     # --- batches ----------------------------------------------------------------------------
 

@@ -30,16 +30,16 @@ def policy_batch(n=16, s=12, seed=0):
 
 
 def update_ranks(rank, world_size, model_dir, one_call):
-    from mcore_rl.workers.actor import ActorWorker
     from mcore_rl.rollout.batches import dp_slice, mini_batches
+    from mcore_rl.workers.actor import ActorRankSpec, ActorWorker
 
     released = []  # the CUDA caching allocator's releases (no CUDA here: counted)
     torch.cuda.empty_cache = lambda: released.append(1)
     train = TrainConfig(micro_batch_size=2, seq_len=12,
                         optimizer=OptimizerConfig(lr=1e-3, clip_grad=1.0))
     worker = ActorWorker(rank, world_size, ("127.0.0.1", int(os.environ["MCORE_RL_STORE_PORT"])),
-                         SPEC, ParallelConfig(dp=2), train, str(model_dir), timeout_s=120.0,
-                         release_cache=one_call)
+                         ActorRankSpec(SPEC, ParallelConfig(dp=2), train, str(model_dir),
+                                       timeout_s=120.0, release_cache=one_call))
     before = worker.weights_digest()
     batch, algo = policy_batch(), AlgorithmConfig(clip_c=None)
     dp_rank = worker.dp_rank()  # each rank gets its DP slice's rows, as the controller sends
@@ -79,12 +79,13 @@ def fused_intent_rank(rank, world_size, model_dir):
     from megatron.core import tensor_parallel
 
     from mcore_rl.parallel.groups import Axis
-    from mcore_rl.workers.actor import ActorWorker
+    from mcore_rl.workers.actor import ActorRankSpec, ActorWorker
 
     train = TrainConfig(micro_batch_size=2, seq_len=12, optimizer=OptimizerConfig(lr=1e-3))
     worker = ActorWorker(rank, world_size, ("127.0.0.1", int(os.environ["MCORE_RL_STORE_PORT"])),
-                         SPEC, ParallelConfig(), train, str(model_dir), timeout_s=120.0,
-                         critic_train=train, reference=True, fused_kernels=True)
+                         ActorRankSpec(SPEC, ParallelConfig(), train, str(model_dir),
+                                       timeout_s=120.0, critic_train=train, reference=True,
+                                       fused_kernels=True))
     before = worker.weights_digest()
     reports = worker.update(policy_batch(n=4), AlgorithmConfig(clip_c=None))
     configs = {"actor": worker.trainer.config, "critic": worker.critic.config,
