@@ -5,6 +5,7 @@ tool's settings). Run them by hand with the commands in the assertion messages."
 
 from __future__ import annotations
 
+import ast
 import subprocess
 import sys
 from pathlib import Path
@@ -43,3 +44,37 @@ def test_ruff_format_is_applied():
 def test_mypy_finds_no_type_error():
     proc = _run("mypy", "--no-incremental", *TYPED)
     assert proc.returncode == 0, f"`.venv/bin/mypy {' '.join(TYPED)}`:\n" + proc.stdout[-4000:]
+
+
+MAX_FUNCTION_LINES = 60  # STYLE.md: small functions
+
+
+def _code_lines(node: ast.FunctionDef | ast.AsyncFunctionDef, lines: list[str]) -> int:
+    """Lines of `node`'s body that hold code: not its docstring, a comment or a blank line."""
+    first = node.body[0]
+    start = first.lineno
+    if (isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant)
+            and isinstance(first.value.value, str)):
+        start = first.end_lineno + 1
+    return sum(1 for line in lines[start - 1:node.end_lineno]
+               if line.strip() and not line.strip().startswith("#"))
+
+
+def test_no_function_is_longer_than_the_style_allows():
+    """Every function in mcore_rl has at most MAX_FUNCTION_LINES lines of code (a nested
+    function counts within its parent too): a longer one is split into named steps."""
+    long = []
+    for path in sorted((ROOT / "mcore_rl").rglob("*.py")):
+        text = path.read_text()
+        lines = text.splitlines()
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                n = _code_lines(node, lines)
+                if n > MAX_FUNCTION_LINES:
+                    long.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name}: {n} lines")
+    assert not long, "functions over the style's length:\n" + "\n".join(long)
+
+
+def test_the_length_count_leaves_out_docstrings_comments_and_blank_lines():
+    source = 'def f():\n    """doc\n    more"""\n    # why\n\n    x = 1\n    return x\n'
+    assert _code_lines(ast.parse(source).body[0], source.splitlines()) == 2

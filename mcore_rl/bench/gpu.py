@@ -118,11 +118,9 @@ def made_up_rollouts(rows: int, seq_len: int, prompt: int, vocab: int, seed: int
 def actor_part(config: Path, overrides: list[str], updates: int, device: torch.device) -> dict:
     """Plan the actor rank, then build it and run `updates` RL updates (old log-probs, then
     one optimizer step on the whole batch), measuring each."""
-    from mcore_rl.bench.step import FlopsModel
     from mcore_rl.config import load_config
     from mcore_rl.config.seeds import derive_seed
-    from mcore_rl.megatron.policy import PolicyBatch, compute_logprobs, policy_update
-    from mcore_rl.megatron.train import MicroBatch, setup_trainer
+    from mcore_rl.megatron.train import setup_trainer
     from mcore_rl.planning.memory import training_rank
     from mcore_rl.planning.sized import sized_run
     from mcore_rl.runconfig import RLConfig
@@ -133,9 +131,9 @@ def actor_part(config: Path, overrides: list[str], updates: int, device: torch.d
     planned = training_rank(run, run.spec, "actor", 0)
     train, spec = cfg.train, run.spec
     rows, seq, mbs = run.global_batch, train.seq_len, train.micro_batch_size
-    groups = _world(device)
-    trainer = setup_trainer(spec, groups, train, layer_spec="local", fused_kernels=False,
-                            compiled_fusions=False, seed=derive_seed(cfg.seed, "train"))
+    trainer = setup_trainer(spec, _world(device), train, layer_spec="local",
+                            fused_kernels=False, compiled_fusions=False,
+                            seed=derive_seed(cfg.seed, "train"))
     _sync(device)
     out: dict = {"ran": True, "device": _device_name(device), "model": cfg.model.preset,
                  "params": spec.num_params(), "layer_spec": "local", "dtype": train.dtype,
@@ -143,9 +141,37 @@ def actor_part(config: Path, overrides: list[str], updates: int, device: torch.d
                  "tokens_per_update": rows * seq}
     if on_gpu:
         out["memory_after_build_bytes"] = torch.cuda.memory_allocated(device)
+    measured = _timed_updates(trainer, cfg, spec, rows, seq, updates, device)
+    out["updates"] = [{"logprob_s": a, "update_s": b, "loss": r["loss"],
+                       "grad_norm": r["grad_norm"], "update_tokens": r["update_tokens"]}
+                      for a, b, r in zip(measured["logprob_s"], measured["update_s"],
+                                         measured["reports"])]
+    out["throughput"] = _throughput(spec, rows, seq, measured)
+    if on_gpu:
+        out["throughput"].update(_against_peaks(out["throughput"]["update_tflops"], device))
+        out["memory"] = {**_memory_report(planned, measured["peaks"], measured["resident"]),
+                         "measured_logprob_peak_bytes": measured["logprob_peaks"],
+                         "policy_loss": loss_transient(trainer, cfg.algorithm, mbs, seq, device)}
+    else:
+        out["memory"] = {
+            "planned_bytes": planned.total, "planned_resident_bytes": planned.resident,
+            "measured": None, "why": "torch's allocator statistics are CUDA's: measured on a GPU"}
+    return out
+
+
+def _timed_updates(trainer, cfg, spec, rows: int, seq: int, updates: int,
+                   device: torch.device) -> dict[str, list]:
+    """`updates` RL updates on made-up rollouts, each the old log-probs' pass then one policy
+    update over the whole batch: their seconds, reports and (on a GPU) memory peaks."""
+    from mcore_rl.config.seeds import derive_seed
+    from mcore_rl.megatron.policy import PolicyBatch, compute_logprobs, policy_update
+    from mcore_rl.megatron.train import MicroBatch
+
+    on_gpu = device.type == "cuda"
+    mbs = cfg.train.micro_batch_size
     prompt = cfg.max_prompt_tokens or seq // 8
-    logprob_s, update_s, peaks, resident, reports = [], [], [], [], []
-    logprob_peaks: list[int] = []
+    got: dict[str, list] = {key: [] for key in ("logprob_s", "update_s", "reports", "peaks",
+                                                "resident", "logprob_peaks")}
     for u in range(updates):
         batch = made_up_rollouts(rows, seq, prompt, spec.vocab, derive_seed(cfg.seed, "data", u),
                                  device)
@@ -159,47 +185,43 @@ def actor_part(config: Path, overrides: list[str], updates: int, device: torch.d
         _sync(device)
         mid = time.perf_counter()
         if on_gpu:
-            logprob_peaks.append(torch.cuda.max_memory_allocated(device))
+            got["logprob_peaks"].append(torch.cuda.max_memory_allocated(device))
             torch.cuda.reset_peak_memory_stats(device)
         micro = [PolicyBatch(tokens=batch["tokens"][i:i + mbs], labels=batch["labels"][i:i + mbs],
                              response_mask=batch["response_mask"][i:i + mbs],
                              old_logp=old[i:i + mbs], advantages=batch["advantages"][i:i + mbs])
                  for i in range(0, rows, mbs)]
-        reports.append(policy_update(trainer, micro, cfg.algorithm))
+        got["reports"].append(policy_update(trainer, micro, cfg.algorithm))
         _sync(device)
-        logprob_s.append(mid - start)
-        update_s.append(time.perf_counter() - mid)
+        got["logprob_s"].append(mid - start)
+        got["update_s"].append(time.perf_counter() - mid)
         del batch, forward, old, micro
         if on_gpu:
-            peaks.append(torch.cuda.max_memory_allocated(device))
-            resident.append(torch.cuda.memory_allocated(device))
-    flops = FlopsModel.policy(spec)
-    timed = update_s[1:] or update_s  # the first update pays one-off costs
-    timed_logprob = logprob_s[1:] or logprob_s
-    update_flops = flops.train([seq] * rows)
-    out["updates"] = [{"logprob_s": a, "update_s": b, "loss": r["loss"],
-                       "grad_norm": r["grad_norm"], "update_tokens": r["update_tokens"]}
-                      for a, b, r in zip(logprob_s, update_s, reports)]
-    out["throughput"] = {
-        "update_s": statistics.median(timed), "logprob_s": statistics.median(timed_logprob),
-        "update_tokens_per_s": rows * seq / statistics.median(timed),
-        "logprob_tokens_per_s": rows * seq / statistics.median(timed_logprob),
-        "update_tflops": update_flops / statistics.median(timed) / 1e12}
-    if on_gpu:
-        peak = datasheet_peak_tflops(out["device"])
-        achieved = out["throughput"]["update_tflops"]
-        matmul = matmul_tflops(device)
-        out["throughput"].update({
-            "datasheet_peak_tflops": peak, "mfu": achieved / peak if peak else None,
-            "matmul_tflops": matmul, "fraction_of_matmul": achieved / matmul})
-        out["memory"] = {**_memory_report(planned, peaks, resident),
-                         "measured_logprob_peak_bytes": logprob_peaks,
-                         "policy_loss": loss_transient(trainer, cfg.algorithm, mbs, seq, device)}
-    else:
-        out["memory"] = {
-            "planned_bytes": planned.total, "planned_resident_bytes": planned.resident,
-            "measured": None, "why": "torch's allocator statistics are CUDA's: measured on a GPU"}
-    return out
+            got["peaks"].append(torch.cuda.max_memory_allocated(device))
+            got["resident"].append(torch.cuda.memory_allocated(device))
+    return got
+
+
+def _throughput(spec, rows: int, seq: int, measured: dict[str, list]) -> dict:
+    """Median update and log-prob seconds (the first of each pays one-off costs: left out
+    when there are more), tokens per second and the update's TFLOP/s."""
+    from mcore_rl.bench.step import FlopsModel
+
+    update_s = statistics.median(measured["update_s"][1:] or measured["update_s"])
+    logprob_s = statistics.median(measured["logprob_s"][1:] or measured["logprob_s"])
+    update_flops = FlopsModel.policy(spec).train([seq] * rows)
+    return {"update_s": update_s, "logprob_s": logprob_s,
+            "update_tokens_per_s": rows * seq / update_s,
+            "logprob_tokens_per_s": rows * seq / logprob_s,
+            "update_tflops": update_flops / update_s / 1e12}
+
+
+def _against_peaks(achieved_tflops: float, device: torch.device) -> dict:
+    """The update's TFLOP/s against the device's datasheet peak and its measured matmul rate."""
+    peak = datasheet_peak_tflops(_device_name(device))
+    matmul = matmul_tflops(device)
+    return {"datasheet_peak_tflops": peak, "mfu": achieved_tflops / peak if peak else None,
+            "matmul_tflops": matmul, "fraction_of_matmul": achieved_tflops / matmul}
 
 
 def loss_transient(trainer, algo, rows: int, seq: int, device: torch.device) -> dict:

@@ -246,18 +246,9 @@ def mcore_to_hf(src: str | Path, dst: str | Path, *, hf_config: str | Path | Non
     t0 = time.perf_counter()
     src, dst = Path(src).absolute(), Path(dst).absolute()
 
-    def preflight():
-        output.check_paths(src, dst, force=force)
-        reader = open_checkpoint(src)
-        lora = lora_meta_of(src, reader)
-        config_dir = model_config_dir(src, hf_config, lora.base_model if lora else None)
-        spec = read_spec(config_dir)
-        layout = checkpoint_layout(spec)
-        adapters = checked_adapters(reader, layout, lora.config) if lora else None
-        return (reader, config_dir, spec, layout, _plan_reads(layout, reader, dtype), lora,
-                adapters)
     # every rank, or none, goes on
-    reader, config_dir, spec, layout, units, lora, adapters = ranks.agree(preflight)
+    reader, config_dir, spec, layout, units, lora, adapters = ranks.agree(
+        lambda: _open_source(src, dst, hf_config, dtype, force=force))
     shapes = layout.tp1.hf_shapes
     unit_of = {name: u for u in units for name in u.hf_names}
     order = sorted(shapes, key=_natural_key)
@@ -298,6 +289,22 @@ def mcore_to_hf(src: str | Path, dst: str | Path, *, hf_config: str | Path | Non
     return ConvertReport("mcore-to-hf", str(src), str(dst), n, nbytes,
                          time.perf_counter() - t0, ranks.world, "/".join(out_dtypes),
                          merged=merged, lora_scale=lora.config.scale if lora else None)
+
+
+def _open_source(src: Path, dst: Path, hf_config: str | Path | None,
+                 dtype: torch.dtype | None, *, force: bool) -> tuple:
+    """mcore_to_hf's checks and reads before anything is written: the paths, the checkpoint
+    (its LoRA adapters, if any), the model's config folder, its spec and layout, and the
+    read units. Returns (reader, config_dir, spec, layout, units, lora meta, adapters)."""
+    output.check_paths(src, dst, force=force)
+    reader = open_checkpoint(src)
+    lora = lora_meta_of(src, reader)
+    config_dir = model_config_dir(src, hf_config, lora.base_model if lora else None)
+    spec = read_spec(config_dir)
+    layout = checkpoint_layout(spec)
+    adapters = checked_adapters(reader, layout, lora.config) if lora else None
+    return (reader, config_dir, spec, layout, _plan_reads(layout, reader, dtype), lora,
+            adapters)
 
 
 def _adapters_of(reader: ChunkReader, adapters: AdapterLayout | None, lora: LoraMeta | None,

@@ -93,10 +93,18 @@ class RLController:
                sampler_cls: type[Sampler]) -> None:
         """The workers (placement group, actor ranks, engines, reward model) and the
         components that use them."""
+        host = driver_address()
+        self._start_workers(cfg, model_dir, tokenizer, host)
+        self._build_components(cfg, tokenizer, task, reward, multi_turn, sampler_cls, host)
+        # rollout.startup_engines: the rest start now that the run is up, and join at a sync
+        self.engines.start_late_engines()
+
+    def _start_workers(self, cfg: RLConfig, model_dir: Path, tokenizer, host: str) -> None:
+        """The placement group, the actor ranks, the engines and the reward model, all up (in
+        the order the resolved run asks for), each watched by the watchdog."""
         from mcore_rl.launch.placement import RayPlacement
         from mcore_rl.rollout.ray_engines import RayEngines
 
-        host = driver_address()
         self.placement = RayPlacement(self.run.placement,
                                       cpus_per_engine=cfg.rollout.cpus_per_engine,
                                       gpu=self.run.device == "cuda",
@@ -134,6 +142,11 @@ class RLController:
         if not self.run.trainers_first:
             start_trainers()
         self.engines.wait_ready()
+
+    def _build_components(self, cfg: RLConfig, tokenizer, task, reward, multi_turn,
+                          sampler_cls: type[Sampler], host: str) -> None:
+        """What uses the workers, each given its dependencies: weight sync, checkpointer,
+        engine recovery, sampler, generation log, rollout pipeline."""
         self.kills = InjectedKills(cfg.recovery, self.engines)  # fault injection (tests)
         self.weight_sync = WeightSync(cfg, spec=self.spec, run=self.run, host=host,
                                       actors=self.actors, engines=self.engines,
@@ -156,8 +169,6 @@ class RLController:
         self.generation_log = GenerationLog(self.run_dir)
         # one_step / async: the batches generated ahead of training (None: sync)
         self.pipeline = start_pipeline(cfg, self.sampler, self.recovery, self.run.device)
-        # rollout.startup_engines: the rest start now that the run is up, and join at a sync
-        self.engines.start_late_engines()
 
     # --- what the run loop calls ------------------------------------------------------------
 
