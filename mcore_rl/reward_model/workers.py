@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -16,28 +17,45 @@ from mcore_rl.reward_model.scoring import (check_score_inputs, load_reward_model
                                            score_batch)
 
 
+@dataclass(frozen=True)
+class RewardRankSpec:
+    """What every reward-model rank of a run is built from, handed to each rank whole; a
+    rank reads its own device by rank.
+
+    timeout_s: the workers' collective timeout (the run's deadlines.reward_model_s).
+    layer_spec: megatron's layer spec, as the run resolved it (`ResolvedRun.layer_spec`).
+    stack_dir: where each rank dumps its stacks on SIGUSR1 (the watchdog). devices: each
+    rank's torch device ("cpu" or "cuda:<i>", made the current CUDA device); empty: all
+    "cpu"."""
+
+    cfg: RewardModelConfig
+    timeout_s: float
+    layer_spec: str = "local"
+    stack_dir: str | None = None
+    devices: tuple[str, ...] = ()
+
+    def device(self, rank: int) -> str:
+        return self.devices[rank] if self.devices else "cpu"
+
+
 class RewardWorker:
     """One Megatron rank of the reward model. Methods return plain, picklable values."""
 
     def __init__(self, rank: int, world_size: int, store_address: tuple[str, int],
-                 cfg: RewardModelConfig, stack_dir: str | None = None,
-                 device: str = "cpu", layer_spec: str = "local", *, timeout_s: float):
-        """device: the torch device this rank computes on, as the run plan resolved it ("cpu"
-        or "cuda:<i>", made the current CUDA device).
-        layer_spec: megatron's layer spec, as the run resolved it (`ResolvedRun.layer_spec`).
-        timeout_s: the workers' collective timeout (the run's deadlines.reward_model_s)."""
+                 spec: RewardRankSpec):
+        """Rank `rank` of the reward model's world (its store at `store_address`)."""
         from mcore_rl.launch.watchdog import arm_stack_dump
         from mcore_rl.parallel.groups import join_worker_world
 
-        if stack_dir:  # the run directory: stacks for the watchdog, library logs (quiet console)
+        if spec.stack_dir:  # the run directory: stacks for the watchdog, library logs
             from mcore_rl.launch.logs import configure_process_logs
 
-            configure_process_logs(Path(stack_dir).parent, f"reward{rank}")
-            self._stack_file = arm_stack_dump(stack_dir, f"reward_rank{rank}")
+            configure_process_logs(Path(spec.stack_dir).parent, f"reward{rank}")
+            self._stack_file = arm_stack_dump(spec.stack_dir, f"reward_rank{rank}")
         self.rank = rank
-        groups = join_worker_world(rank, world_size, store_address, cfg.parallel,
-                                   timeout_s=timeout_s, device=device)
-        self.model = load_reward_model(cfg, groups, layer_spec=layer_spec)
+        groups = join_worker_world(rank, world_size, store_address, spec.cfg.parallel,
+                                   timeout_s=spec.timeout_s, device=spec.device(rank))
+        self.model = load_reward_model(spec.cfg, groups, layer_spec=spec.layer_spec)
 
     def score(self, tokens: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor | None:
         """Scores [n] on one rank (tp 0, last stage, dp 0), a host tensor; None on the
@@ -88,16 +106,17 @@ class RewardModelGroup:
         world = cfg.parallel.world_size
         self._store = host_store(host, world_size=world + 1, timeout_s=timeout_s)
         remote_cls = ray.remote(num_cpus=0)(RewardWorker)
+        spec = RewardRankSpec(cfg, timeout_s, layer_spec=layer_spec,
+                              stack_dir=str(stack_dir) if stack_dir else None,
+                              devices=tuple(devices[r % len(devices)] for r in range(world)))
         self.workers = []
         for rank in range(world):
-            options, device = {}, devices[rank % len(devices)]
+            options = {}
             if placement is not None:
                 slot = placement.plan.actor[rank % len(placement.plan.actor)]
                 options = placement.options_for_node(slot.node)
             self.workers.append(remote_cls.options(**options).remote(
-                rank, world, (host, self._store.port), cfg,
-                str(stack_dir) if stack_dir else None, device, layer_spec,
-                timeout_s=timeout_s))
+                rank, world, (host, self._store.port), spec))
         self.pids: list[int] = []
         self.pids = self._call("pid", phase="reward-startup")
 

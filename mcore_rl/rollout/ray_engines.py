@@ -21,6 +21,7 @@ from __future__ import annotations
 import os
 import re
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -42,34 +43,56 @@ _FORWARDED = frozenset({"describe_shards", "check_shapes", "start_join_sync_grou
                         "finish_sync", "sleep", "wake_up", "reset_prefix_cache", "shutdown"})
 
 
+@dataclass(frozen=True)
+class EngineSpec:
+    """What every rollout engine of a run is started from, handed to each engine whole; an
+    engine reads its own device slots by index.
+
+    call_timeout_s: the deadline of an engine call given none of its own. seed: every
+    engine's vLLM seed (a run's `derive_seed(seed, "engine")`). stack_dir: where engines dump
+    their stacks on SIGUSR1 (the watchdog). inject_stall: fault injection for watchdog tests
+    ("gen@engine<i>"). lora: the policy's adapter is served by vLLM's LoRA
+    (`actor.lora.sync: adapter`). routed_experts: completions carry each token's experts
+    (`RolloutEngine`). devices: each engine's TP device slots on its node, from the run's
+    placement plan (empty without one). narrow_visible_devices (a GPU placement):
+    CUDA_VISIBLE_DEVICES is narrowed to an engine's slots before anything touches CUDA, so
+    vLLM's TP rank t then computes on cuda:t; with a placement plan the engine's device kind
+    is the plan's (a GPU placement: CUDA), never re-derived in the engine."""
+
+    model_dir: str
+    cfg: RolloutConfig
+    call_timeout_s: float
+    seed: int = 0
+    stack_dir: str | None = None
+    inject_stall: str | None = None
+    lora: EngineLoRA | None = None
+    routed_experts: bool = False
+    devices: tuple[tuple[int, ...], ...] = ()
+    narrow_visible_devices: bool = False
+
+    def devices_of(self, index: int) -> list[int] | None:
+        return list(self.devices[index]) if self.devices else None
+
+
 class EngineHost:
     """The Ray actor body: one RolloutEngine (Ray wraps this class with `ray.remote`)."""
 
-    def __init__(self, model_dir: str, cfg: RolloutConfig, index: int,
-                 stack_dir: str | None = None, inject_stall: str | None = None,
-                 devices: list[int] | None = None, *, call_timeout_s: float, seed: int = 0,
-                 narrow_visible_devices: bool = False, lora: EngineLoRA | None = None,
-                 routed_experts: bool = False):
-        """devices: this engine's TP device slots on its node, from the run's placement plan
-        (None without one). narrow_visible_devices (a GPU placement): CUDA_VISIBLE_DEVICES is
-        narrowed to those slots before anything here touches CUDA, so vLLM's TP rank t then
-        computes on cuda:t. With a placement plan the engine's device kind is the plan's (a GPU
-        placement: CUDA), never re-derived here. lora: the policy's adapter is served by
-        vLLM's LoRA (`actor.lora.sync: adapter`). routed_experts: completions carry each
-        token's experts (`RolloutEngine`)."""
-        if stack_dir:  # the controller's watchdog asks for stacks with SIGUSR1
-            configure_process_logs(Path(stack_dir).parent, f"engine{index}")
-            self._stack_file = arm_stack_dump(stack_dir, f"engine{index}")
-        self.inject_stall = inject_stall
-        self.devices = devices
-        if narrow_visible_devices:
+    def __init__(self, index: int, spec: EngineSpec):
+        """Engine `index` of the run's engines, as `spec` says."""
+        if spec.stack_dir:  # the controller's watchdog asks for stacks with SIGUSR1
+            configure_process_logs(Path(spec.stack_dir).parent, f"engine{index}")
+            self._stack_file = arm_stack_dump(spec.stack_dir, f"engine{index}")
+        self.inject_stall = spec.inject_stall
+        self.devices = devices = spec.devices_of(index)
+        if spec.narrow_visible_devices:
             from mcore_rl.launch.placement import restrict_visible_devices
 
             restrict_visible_devices(devices)
-        planned = None if devices is None else ("cuda" if narrow_visible_devices else "cpu")
-        self.engine = RolloutEngine(model_dir, cfg, engine_index=index,
-                                    call_timeout_s=call_timeout_s, seed=seed, device=planned,
-                                    lora=lora, routed_experts=routed_experts)
+        planned = None if devices is None else ("cuda" if spec.narrow_visible_devices else "cpu")
+        self.engine = RolloutEngine(spec.model_dir, spec.cfg, engine_index=index,
+                                    call_timeout_s=spec.call_timeout_s, seed=spec.seed,
+                                    device=planned, lora=spec.lora,
+                                    routed_experts=spec.routed_experts)
 
     def ready(self) -> dict[str, Any]:
         import ray
@@ -128,8 +151,14 @@ class RayEngines:
         self._sync_timeout = call_timeout_s
         self._host_cls = ray.remote(num_cpus=cfg.cpus_per_engine, max_restarts=0,
                                     max_concurrency=1)(EngineHost)
-        self._args = (str(model_dir), str(stack_dir) if stack_dir else None, inject_stall)
         self._placement = placement
+        self.spec = EngineSpec(
+            str(model_dir), cfg, call_timeout_s, seed=seed,
+            stack_dir=str(stack_dir) if stack_dir else None, inject_stall=inject_stall,
+            lora=lora, routed_experts=routed_experts,
+            devices=(() if placement is None else tuple(
+                tuple(slot.device for slot in engine) for engine in placement.plan.engines)),
+            narrow_visible_devices=placement is not None and placement.gpu)
         self.startup_s, self.pids, self.where = [], [], []
         # the engines in the run; late ones (cfg.startup_engines) are added by admit_late_engines
         self._actors = [self._start(i) for i in range(cfg.engines_at_startup)]
@@ -208,12 +237,10 @@ class RayEngines:
 
     def _start(self, i: int):
         """Engine i's actor, in its slot of the placement plan (node bundle, TP devices)."""
-        options, devices, env = {}, None, {}
-        narrow = self._placement is not None and self._placement.gpu
+        options, env = {}, {}
         if self._placement is not None:
             options = self._placement.options_for_node(self._placement.plan.engine_node(i))
-            devices = [slot.device for slot in self._placement.plan.engines[i]]
-            if narrow:  # its physical slots: CUDA_VISIBLE_DEVICES, set by us
+            if self.spec.narrow_visible_devices:  # its physical slots: CUDA_VISIBLE_DEVICES
                 from mcore_rl.launch.placement import RAY_NOSET_VISIBLE_DEVICES
 
                 env.update(RAY_NOSET_VISIBLE_DEVICES)
@@ -221,14 +248,7 @@ class RayEngines:
             env.update(IDLE_THREADS_SLEEP)
         if env:
             options["runtime_env"] = {"env_vars": env}
-        model_dir, stack_dir, inject_stall = self._args
-        return self._host_cls.options(**options).remote(model_dir, self.cfg, i, stack_dir,
-                                                        inject_stall, devices,
-                                                        call_timeout_s=self.call_timeout_s,
-                                                        seed=self.seed,
-                                                        narrow_visible_devices=narrow,
-                                                        lora=self.lora,
-                                                        routed_experts=self.routed_experts)
+        return self._host_cls.options(**options).remote(i, self.spec)
 
     def restart(self, indices: Sequence[int]) -> None:
         """Replace engines `indices` (dead or broken) with fresh ones in the same slots: the
