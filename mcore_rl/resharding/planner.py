@@ -168,14 +168,14 @@ def build_plan(
                 f"{num_src} + {len(dst.ranks)}"
             )
     place = _placement(nodes, devices)
-    by_hf = _index_sources(src)
+    sources = _SourceIndex(src)
     load: dict[int, int] = defaultdict(int)
     transfers: list[Transfer] = []
     dst_shapes: dict[int, dict[str, tuple[int, ...]]] = {}
     for d in sorted(dst.ranks):
         sync_d = num_src + d
         dst_shapes[sync_d] = {key: local.shape for key, local in dst.ranks[d].items()}
-        needs = _needs(by_hf, dst, d)
+        needs = _needs(sources, dst, d)
         transfers += _assign_sources(needs, sync_d, place, load, element_size)
     rounds = _pack_rounds(
         _split_to_fit(transfers, bucket_bytes, element_size), bucket_bytes, element_size
@@ -192,15 +192,15 @@ def build_plan(
     )
 
 
-def _needs(by_hf, dst: ShardMap, d: int) -> list[tuple]:
+def _needs(sources: _SourceIndex, dst: ShardMap, d: int) -> list[tuple]:
     """(key, piece, region, holders) of every region destination rank `d` receives."""
     needs = []
     for key, local in dst.ranks[d].items():
         for piece in local.pieces:
             needs += [
                 (key, piece, region, holders)
-                for region, holders in _regions(
-                    by_hf, piece.hf_name, piece.hf_box, key, dst.label(d)
+                for region, holders in sources.regions(
+                    piece.hf_name, piece.hf_box, key, dst.label(d)
                 )
             ]
     return needs
@@ -272,24 +272,44 @@ def _check_compatible(src: ShardMap, dst: ShardMap) -> None:
             )
 
 
-def _index_sources(src: ShardMap):
-    """hf_name → [(rank, key, local_box, hf_box)] over all source ranks."""
-    by_hf: dict[str, list[tuple[int, str, Box, Box]]] = defaultdict(list)
-    for rank in sorted(src.ranks):
-        for key, local in src.ranks[rank].items():
-            for piece in local.pieces:
-                by_hf[piece.hf_name].append((rank, key, piece.local_box, piece.hf_box))
-    return by_hf
+class _SourceIndex:
+    """The source pieces of every HF tensor, `pieces[hf_name]`: [(rank, key, local_box,
+    hf_box)] over all source ranks. Tensors whose pieces lie on the same ranks at the same
+    boxes (every expert of a layer, the same projection in every layer) share a geometry, so
+    how a wanted box splits over their pieces is worked out once per geometry and box."""
+
+    def __init__(self, src: ShardMap):
+        self.pieces: dict[str, list[tuple[int, str, Box, Box]]] = defaultdict(list)
+        for rank in sorted(src.ranks):
+            for key, local in src.ranks[rank].items():
+                for piece in local.pieces:
+                    self.pieces[piece.hf_name].append((rank, key, piece.local_box, piece.hf_box))
+        ids: dict[tuple, int] = {}
+        self._geometry = {
+            name: ids.setdefault(tuple((r, lb, hb) for r, _, lb, hb in pieces), len(ids))
+            for name, pieces in self.pieces.items()
+        }
+        self._splits: dict[tuple, list[tuple[Box, tuple[int, ...]]]] = {}
+
+    def regions(self, hf_name: str, want: Box, dst_key: str, dst_label: str):
+        """Split `want` into the regions source pieces cut it into; each with all its
+        holders. Source replicas hold identical regions, so grouping by box finds the
+        replica set. Raises PlanError when the pieces miss part of `want` or overlap."""
+        pieces = self.pieces.get(hf_name, [])
+        memo = (self._geometry.get(hf_name), want)
+        split = self._splits.get(memo)
+        if split is None:
+            split = self._splits[memo] = _split(pieces, hf_name, want, dst_key, dst_label)
+        return [(region, [pieces[i] for i in holders]) for region, holders in split]
 
 
-def _regions(by_hf, hf_name: str, want: Box, dst_key: str, dst_label: str):
-    """Split `want` into the regions source pieces cut it into; each with all its holders.
-    Source replicas hold identical regions, so grouping by box finds the replica set."""
-    regions: dict[Box, list] = {}
-    for rank, key, local_box, hf_box in by_hf.get(hf_name, ()):
+def _split(pieces, hf_name: str, want: Box, dst_key: str, dst_label: str):
+    """`_SourceIndex.regions` worked out: [(region, indices of its holders in `pieces`)]."""
+    regions: dict[Box, list[int]] = {}
+    for i, (_, _, _, hf_box) in enumerate(pieces):
         region = intersect(want, hf_box)
         if region is not None:
-            regions.setdefault(region, []).append((rank, key, local_box, hf_box))
+            regions.setdefault(region, []).append(i)
     covered, wanted = sum(box_numel(r) for r in regions), box_numel(want)
     if covered != wanted or (len(regions) > 1 and _overlapping(list(regions))):
         held = "do not hold" if covered < wanted else "hold in overlapping pieces"
@@ -297,7 +317,7 @@ def _regions(by_hf, hf_name: str, want: Box, dst_key: str, dst_label: str):
             f"{dst_label} tensor {dst_key} needs {hf_name}{list(want)}, which the "
             f"source ranks {held} (covered {covered} of {wanted} elements)"
         )
-    return sorted(regions.items())
+    return [(region, tuple(holders)) for region, holders in sorted(regions.items())]
 
 
 def _overlapping(boxes: list[Box]) -> bool:
