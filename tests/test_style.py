@@ -18,7 +18,8 @@ ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 # linted and formatted
 PURE = ["mcore_rl/config", "mcore_rl/parallel", "mcore_rl/algorithms", "mcore_rl/layouts",
-        "mcore_rl/runconfig", "mcore_rl/planning", "mcore_rl/resharding/planner.py"]
+        "mcore_rl/runconfig", "mcore_rl/planning", "mcore_rl/resharding/planner.py",
+        "mcore_rl/resharding/fp8.py"]
 # type-checked: the pure layers but the run's config and planning, whose "null = derived"
 # fields are still typed Optional after the run is resolved (docs/design/architecture.md)
 TYPED = [p for p in PURE if p not in ("mcore_rl/runconfig", "mcore_rl/planning")]

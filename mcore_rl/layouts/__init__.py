@@ -12,6 +12,7 @@ from mcore_rl.layouts.shards import (
     materialize_rank,
     megatron_shards,
     validate_megatron_grid,
+    vllm_fp8_names,
     vllm_shards,
 )
 from mcore_rl.models.spec import LAYER_SPECS, LayerSpec
@@ -34,6 +35,7 @@ __all__ = [
     "materialize_rank",
     "megatron_shards",
     "validate_megatron_grid",
+    "vllm_fp8_names",
     "vllm_local_experts",
     "vllm_shards",
 ]

@@ -35,13 +35,13 @@ LLAMA: tuple[Row, ...] = (
         hf=_QKV,
         shapes=(("heads", "hidden"), ("kv_heads", "hidden"), ("kv_heads", "hidden")),
         mcore=Side(f"{_M}.self_attention.linear_qkv.weight", split_dim=0, interleave="kv_heads"),
-        vllm=Side(f"{_L}.self_attn.qkv_proj.weight", split_dim=0, replicate_short=True),
+        vllm=Side(f"{_L}.self_attn.qkv_proj.weight", split_dim=0, replicate_short=True, fp8=True),
     ),
     Row(
         hf=(f"{_L}.self_attn.o_proj.weight",),
         shapes=(("hidden", "heads"),),
         mcore=Side(f"{_M}.self_attention.linear_proj.weight", split_dim=1),
-        vllm=Side(f"{_L}.self_attn.o_proj.weight", split_dim=1),
+        vllm=Side(f"{_L}.self_attn.o_proj.weight", split_dim=1, fp8=True),
     ),
     Row(
         hf=(f"{_L}.post_attention_layernorm.weight",),
@@ -56,14 +56,14 @@ LLAMA: tuple[Row, ...] = (
         shapes=(("ffn", "hidden"), ("ffn", "hidden")),
         when=("dense_mlp",),
         mcore=Side(f"{_M}.mlp.linear_fc1.weight", split_dim=0),
-        vllm=Side(f"{_L}.mlp.gate_up_proj.weight", split_dim=0),
+        vllm=Side(f"{_L}.mlp.gate_up_proj.weight", split_dim=0, fp8=True),
     ),
     Row(
         hf=(f"{_L}.mlp.down_proj.weight",),
         shapes=(("hidden", "ffn"),),
         when=("dense_mlp",),
         mcore=Side(f"{_M}.mlp.linear_fc2.weight", split_dim=1),
-        vllm=Side(f"{_L}.mlp.down_proj.weight", split_dim=1),
+        vllm=Side(f"{_L}.mlp.down_proj.weight", split_dim=1, fp8=True),
     ),
     Row(
         hf=("model.norm.weight",),
@@ -160,7 +160,7 @@ def _moe_rows(block: str, gate: str, up: str, down: str) -> tuple[Row, ...]:
             shapes=(("experts", "hidden"),),
             when=("moe",),
             mcore=Side(f"{_M}.mlp.router.weight"),
-            vllm=Side(f"{_L}.{block}.gate.weight"),
+            vllm=Side(f"{_L}.{block}.gate.weight", fp8=True),
         ),
         Row(
             hf=(f"{e}.{gate}.weight", f"{e}.{up}.weight"),
@@ -173,7 +173,10 @@ def _moe_rows(block: str, gate: str, up: str, down: str) -> tuple[Row, ...]:
                 grouped_name=f"{grouped}.linear_fc1.weight{{expert}}",
             ),
             vllm=Side(
-                f"{_L}.{block}.experts.routed_experts.w13_weight", split_dim=0, stack_experts=True
+                f"{_L}.{block}.experts.routed_experts.w13_weight",
+                split_dim=0,
+                stack_experts=True,
+                fp8=True,
             ),
         ),
         Row(
@@ -187,7 +190,10 @@ def _moe_rows(block: str, gate: str, up: str, down: str) -> tuple[Row, ...]:
                 grouped_name=f"{grouped}.linear_fc2.weight{{expert}}",
             ),
             vllm=Side(
-                f"{_L}.{block}.experts.routed_experts.w2_weight", split_dim=1, stack_experts=True
+                f"{_L}.{block}.experts.routed_experts.w2_weight",
+                split_dim=1,
+                stack_experts=True,
+                fp8=True,
             ),
         ),
     )

@@ -44,6 +44,9 @@ class Side:
         r // (tp / units) (vLLM's kv-head replication); otherwise TP must divide the units.
     pad_vocab: pad the split dim before splitting: "megatron" (to a multiple of 128·TP) or
         "vllm" (to a multiple of 64, then split evenly); padding rows are zeros.
+    fp8: vLLM only — vLLM's online FP8 methods (`fp8_per_tensor`, `fp8_per_block`) quantize
+        this tensor: the weight of a linear layer (`LinearBase`, the MoE router included) or of
+        the routed experts; embeddings, the LM head, norms and biases stay in the model dtype.
     grouped_name: Megatron only, per-expert rows — the name of local expert `{expert}`'s
         tensor where the layer spec runs the experts as one grouped GEMM (TEGroupedMLP: the
         grouped linear holds expert j as `weight<j>`, same shape as SequentialMLP's
@@ -62,6 +65,7 @@ class Side:
     pad_vocab: Literal["megatron", "vllm"] | None = None
     stack_experts: bool = False
     grouped_name: str | None = None
+    fp8: bool = False
 
     def megatron_name(self, layer_spec: LayerSpec) -> str:
         """The parameter name under megatron-core's `layer_spec` ("local" or "te").

@@ -351,6 +351,17 @@ def vllm_shards(
     return smap
 
 
+def vllm_fp8_names(spec: ModelSpec) -> frozenset[str]:
+    """The vLLM parameters its online FP8 methods quantize (the rows whose vLLM side is
+    `fp8`), by name."""
+    names: set[str] = set()
+    for row in _rows(spec, 1):
+        if row.vllm is not None and row.vllm.fp8:
+            places: Iterable[int | None] = range(spec.layers) if row.place == "layer" else [None]
+            names.update(row.vllm.name.format(layer=layer) for layer in places)
+    return frozenset(names)
+
+
 def check_vllm_expert_parallel(spec: ModelSpec, tp: int) -> None:
     """vLLM's EP places whole routed experts: a dense model has none, and every rank must get
     at least one (vLLM would build empty expert tensors)."""
