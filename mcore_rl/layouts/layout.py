@@ -13,6 +13,7 @@ checks all work on those boxes; nothing anywhere copies tensors by name.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from math import prod
 from typing import Literal
 
 from mcore_rl.models.spec import LayerSpec, check_layer_spec, grouped_expert_gemm
@@ -150,17 +151,14 @@ class ShardMap:
 
 
 def box_numel(box: Box) -> int:
-    n = 1
+    n = 1  # a loop, not prod() over a generator: the planner calls this per region
     for start, stop in box:
         n *= stop - start
     return n
 
 
 def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
+    return prod(shape)
 
 
 def box_slices(box: Box) -> tuple[slice, ...]:

@@ -11,7 +11,29 @@ import torch
 from mcore_rl.launch.watchdog import Watchdog, collect_or_name_dead, still_running
 from mcore_rl.resharding import host_store
 from mcore_rl.rollout.batches import Batch, dp_slice
+from mcore_rl.models.spec import ModelSpec
 from mcore_rl.runconfig import RLConfig
+from mcore_rl.runconfig.resolve import ResolvedRun
+
+
+def actor_rank_spec(cfg: RLConfig, run: ResolvedRun, model: ModelSpec, hf_dir: str, *,
+                    critic: bool, reference: bool, stack_dir: str,
+                    slots: tuple[int | None, ...]):
+    """The `ActorRankSpec` every actor rank of the run is built from: `cfg`'s actor, trainers
+    and deadlines, `run`'s devices, layer spec and kernel choices, the placement's `slots`."""
+    from mcore_rl.config.seeds import derive_seed
+    from mcore_rl.workers.actor import ActorRankSpec
+
+    return ActorRankSpec(
+        model=model, parallel=cfg.actor, train=cfg.warmup.train, hf_dir=hf_dir,
+        timeout_s=cfg.deadlines.train_s, critic_train=cfg.critic_train if critic else None,
+        reference=reference, seed=derive_seed(cfg.seed, "train"), layer_spec=run.layer_spec,
+        fused_kernels=run.fused_kernels, overlap_grad_reduce=run.overlap_grad_reduce,
+        compiled_fusions=run.compiled_fusions, lora=cfg.actor.lora,
+        lora_from_start=cfg.warmup.max_steps == 0,
+        routing_replay=cfg.algorithm.routing_replay != "none",
+        release_cache=run.release_trainer_cache, stack_dir=stack_dir,
+        inject_stall=cfg.inject_stall, devices=tuple(run.actor_devices), slots=slots)
 
 
 class ActorRanks:
@@ -23,7 +45,7 @@ class ActorRanks:
                  watchdog: Watchdog, critic: bool, reference: bool):
         import ray
 
-        from mcore_rl.workers.actor import ActorRankSpec, ActorWorker
+        from mcore_rl.workers.actor import ActorWorker
 
         self.deadlines, self.watchdog, self.dp = cfg.deadlines, watchdog, cfg.actor.dp
         self.pids: list[int] = []  # known once the ranks answer (`wait_started`)
@@ -36,9 +58,9 @@ class ActorRanks:
         world = cfg.actor.world_size
         self._store = host_store(host, world_size=world + 1, timeout_s=cfg.deadlines.startup_s)
         slots, remote_cls = placement.plan.actor, ray.remote(num_cpus=0)(ActorWorker)
-        rank_spec = ActorRankSpec.of_run(cfg, run, spec, str(model_dir), critic=critic,
-                                         reference=reference, stack_dir=str(watchdog.stack_dir),
-                                         slots=tuple(slot.device for slot in slots))
+        rank_spec = actor_rank_spec(cfg, run, spec, str(model_dir), critic=critic,
+                                    reference=reference, stack_dir=str(watchdog.stack_dir),
+                                    slots=tuple(slot.device for slot in slots))
         self.workers = [remote_cls.options(**placement.options_for_node(slots[rank].node)).remote(
             rank, world, (host, self._store.port), rank_spec)
             for rank in range(world)]

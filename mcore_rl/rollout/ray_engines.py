@@ -147,7 +147,6 @@ class RayEngines:
                 raise ConfigError(name, value, "must be > 0 seconds")
         self.cfg = cfg
         self.start_timeout_s, self.call_timeout_s = start_timeout_s, call_timeout_s
-        self.seed, self.lora, self.routed_experts = seed, lora, routed_experts
         self._sync_timeout = call_timeout_s
         self._host_cls = ray.remote(num_cpus=cfg.cpus_per_engine, max_restarts=0,
                                     max_concurrency=1)(EngineHost)

@@ -30,14 +30,13 @@ from mcore_rl.resharding import Plan, SyncGroupSpec
 from mcore_rl.resharding.plan_cache import PlanCache, PlanRef
 from mcore_rl.config.dtypes import torch_dtype
 from mcore_rl.megatron.config import LoRAConfig, TrainConfig
-from mcore_rl.runconfig import RLConfig
-from mcore_rl.runconfig.resolve import ResolvedRun
 
 
 @dataclass(frozen=True)
 class ActorRankSpec:
-    """What every actor rank of a run is built from: derived once from the resolved run
-    (`of_run`) and handed to each rank whole; a rank reads its own device and slot by rank.
+    """What every actor rank of a run is built from: derived once from the resolved run by the
+    driver's handle (`rl.actor_ranks.actor_rank_spec`) and handed to each rank whole; a rank
+    reads its own device and slot by rank.
 
     train: the config the actor is built and warmed up with (the warm-up's;
     `reset_optimizer` hands it RL's); critic_train: the critic's (PPO), when one is colocated
@@ -82,24 +81,6 @@ class ActorRankSpec:
     inject_stall: str | None = None
     devices: tuple[str, ...] = ()
     slots: tuple[int | None, ...] = ()
-
-    @classmethod
-    def of_run(cls, cfg: RLConfig, run: ResolvedRun, model: ModelSpec, hf_dir: str, *,
-               critic: bool, reference: bool, stack_dir: str,
-               slots: tuple[int | None, ...]) -> ActorRankSpec:
-        """The run's actor ranks: `cfg`'s actor, trainers and deadlines, `run`'s devices,
-        layer spec and kernel choices, the placement's `slots`."""
-        return cls(model=model, parallel=cfg.actor, train=cfg.warmup.train, hf_dir=hf_dir,
-                   timeout_s=cfg.deadlines.train_s,
-                   critic_train=cfg.critic_train if critic else None, reference=reference,
-                   seed=derive_seed(cfg.seed, "train"), layer_spec=run.layer_spec,
-                   fused_kernels=run.fused_kernels, overlap_grad_reduce=run.overlap_grad_reduce,
-                   compiled_fusions=run.compiled_fusions, lora=cfg.actor.lora,
-                   lora_from_start=cfg.warmup.max_steps == 0,
-                   routing_replay=cfg.algorithm.routing_replay != "none",
-                   release_cache=run.release_trainer_cache, stack_dir=stack_dir,
-                   inject_stall=cfg.inject_stall, devices=tuple(run.actor_devices),
-                   slots=slots)
 
     def device(self, rank: int) -> str:
         return self.devices[rank] if self.devices else "cpu"

@@ -82,14 +82,14 @@ def fp8_sync(spec, parallel, infer_tp, engines=1, expert_parallel=False):
     from_senders: dict[int, dict[str, list]] = {d: {} for d in plan.dst_shapes}
     for rnd, rnd_flags in zip(plan.rounds, flags, strict=True):
         for t, quantize in zip(rnd, rnd_flags, strict=True):
-            region = sent[t.src_rank][t.src_key][box_slices(t.src_box)].to(torch.bfloat16)
+            # the region as the engine holds it (a stacked expert's slot: one more dim)
+            region = sent[t.src_rank][t.src_key][box_slices(t.src_box)].to(
+                torch.bfloat16).reshape([stop - start for start, stop in t.dst_box])
             if quantize:  # the sender's work: its own region only
                 from_senders[t.dst_rank].setdefault(t.dst_key, []).append(
-                    (t.dst_box, *quantize_blocks(region.reshape(
-                        [stop - start for start, stop in t.dst_box]))))
+                    (t.dst_box, *quantize_blocks(region)))
             else:
-                staging[t.dst_rank][t.dst_key][box_slices(t.dst_box)] = region.reshape(
-                    [stop - start for start, stop in t.dst_box])
+                staging[t.dst_rank][t.dst_key][box_slices(t.dst_box)] = region
     got, want = {}, {}
     for d in plan.dst_shapes:
         engine_rank = d - plan.num_src

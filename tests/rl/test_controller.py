@@ -65,9 +65,13 @@ def test_two_rl_steps_with_vllm_and_streamed_sync(ray_cluster, tmp_path, grid, a
         assert_export_round_trips(run.controller, model_dir, tmp_path / "export")
         # the RL optimizer (as the demo's after its warm-up), then the first sync
         assert run.begin() == 1
-        writer = MetricsWriter(tmp_path)
-        steps = []
-        run.train((1, 2), lambda step, m: (writer.write(step, m), steps.append(m)))
+        writer, steps = MetricsWriter(tmp_path), []
+
+        def record(step: int, metrics: dict) -> None:
+            writer.write(step, metrics)
+            steps.append(metrics)
+
+        run.train((1, 2), record)
         writer.close()
     phases = PHASES + (("ref", "values", "update_critic") if algo is PPO else ())
     for m in steps:
