@@ -4,6 +4,7 @@ faked srun environment), and the Ray-on-SLURM commands."""
 
 import json
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -100,10 +101,46 @@ _CHILD = textwrap.dedent("""
 """)
 
 
-def _fake_srun(mode: str) -> list[tuple[int, str]]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+def _port_below_the_ephemeral_range() -> int:
+    """A free port under Linux's ephemeral range (32768+): a port bound to 0 comes from that
+    range, where any process's outgoing connection may take it between this probe and rank 0's
+    bind; below it, only a process that binds that number can."""
+    rng = random.Random()
+    for _ in range(100):
+        port = rng.randrange(20000, 32000)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError("no free port in 20000-31999")
+
+
+# launch_ranks' rendezvous waits timeout_s + 60 = 120 s: a rank stuck there ends in its own
+# diagnosis before this deadline ends the test
+_RANK_DEADLINE_S = 240
+
+
+def _fake_srun(mode: str, tries: int = 3) -> list[tuple[int, str]]:
+    """Two processes as one srun step would start them. Rank 0's store binds the port given;
+    if another process took it first, both ranks are stopped and the step starts again."""
+    for _ in range(tries):
+        procs = _start_fake_ranks(mode, _port_below_the_ephemeral_range())
+        out = []
+        for p in procs:
+            stdout, stderr = p.communicate(timeout=_RANK_DEADLINE_S)
+            out.append((p.returncode, stdout.strip().splitlines()[-1] if stdout.strip() else stderr))
+            if p is procs[0] and "Address already in use" in out[0][1]:
+                procs[1].kill()
+                procs[1].communicate()
+                break
+        else:
+            return out
+    raise AssertionError(f"rank 0 found its port taken {tries} times")
+
+
+def _start_fake_ranks(mode: str, port: int) -> list[subprocess.Popen]:
     procs = []
     for rank in range(2):
         env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
@@ -112,11 +149,7 @@ def _fake_srun(mode: str) -> list[tuple[int, str]]:
                    PYTHONPATH=ROOT)
         procs.append(subprocess.Popen([sys.executable, "-c", _CHILD, mode], env=env, cwd=ROOT,
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    out = []
-    for p in procs:
-        stdout, stderr = p.communicate(timeout=120)
-        out.append((p.returncode, stdout.strip().splitlines()[-1] if stdout.strip() else stderr))
-    return out
+    return procs
 
 
 def test_launch_ranks_runs_one_rank_per_task_and_returns_every_value():
