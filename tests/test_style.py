@@ -20,9 +20,9 @@ BIN = Path(sys.executable).parent
 PURE = ["mcore_rl/config", "mcore_rl/parallel", "mcore_rl/algorithms", "mcore_rl/layouts",
         "mcore_rl/runconfig", "mcore_rl/planning", "mcore_rl/resharding/planner.py",
         "mcore_rl/resharding/fp8.py"]
-# type-checked: the pure layers but the run's config and planning, whose "null = derived"
-# fields are still typed Optional after the run is resolved (docs/design/architecture.md)
-TYPED = [p for p in PURE if p not in ("mcore_rl/runconfig", "mcore_rl/planning")]
+# type-checked: every pure layer ("null = derived" fields are typed as the value they hold
+# once derived: mcore_rl/config/derived.py)
+TYPED = PURE
 
 
 def _run(*argv: str) -> subprocess.CompletedProcess:

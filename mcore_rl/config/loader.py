@@ -28,6 +28,7 @@ from typing import Any, Literal, TypeVar, Union, cast, get_args, get_origin, get
 
 import yaml
 
+from mcore_rl.config.derived import derived_field_type
 from mcore_rl.config.paths import resolve_relative
 
 T = TypeVar("T")
@@ -207,7 +208,7 @@ def collect(cls: type[T], data: Any, prefix: str = "") -> tuple[T | None, list[C
     otherwise judge a value that is already wrong."""
     if not isinstance(data, dict):
         return None, [ConfigError(prefix or cls.__name__, data, "expected a mapping")]
-    hints = get_type_hints(cls)
+    hints = get_type_hints(cls, include_extras=True)
     fields = {f.name: f for f in dataclasses.fields(cast(Any, cls)) if f.init}
     unknown = sorted(set(data) - set(fields))
     moved = getattr(cls, "MOVED", {})
@@ -242,7 +243,10 @@ def collect(cls: type[T], data: Any, prefix: str = "") -> tuple[T | None, list[C
     if errors:
         return None, errors
     try:
-        return cls(**kwargs), []
+        built = cls(**kwargs)
+        # a class with `null = derived` fields of its own returns itself with them decided
+        derive = getattr(built, "derived", None)
+        return (derive() if callable(derive) else built), []
     except ConfigError as err:  # ConfigErrors: each of them
         return None, [e.under(prefix) for e in getattr(err, "errors", [err])]
     except TypeError as err:  # a required field is missing
@@ -279,6 +283,9 @@ def _join(prefix: str, name: str) -> str:
 
 
 def _coerce(tp: Any, value: Any, path: str) -> Any:
+    derived_type = derived_field_type(tp)
+    if derived_type is not None:  # Derived[X]: null (the owner derives it) or an X
+        return None if value is None else _coerce(derived_type, value, path)
     origin = get_origin(tp)
     if isinstance(tp, type) and dataclasses.is_dataclass(tp):
         return from_dict(tp, value, path)

@@ -104,6 +104,14 @@ def _cell(text: str) -> str:
     return text.replace("|", "\\|").replace("\n", " ")
 
 
+def _type_name(f: dataclasses.Field) -> str:
+    """The field's annotation as written; a `Derived[X]` one as `X | None` (null = derived)."""
+    text = str(f.type)
+    if text.startswith("Derived[") and text.endswith("]"):
+        return f"{text[len('Derived[') : -1]} | None"
+    return text
+
+
 def rows(cls: type, default: Any = None, prefix: str = "") -> list[tuple[str, str, str, str]]:
     """(dotted key, type, default, description) for every field of `cls` and, recursively,
     of its nested config dataclasses; `default` is the instance whose values are the
@@ -124,7 +132,7 @@ def rows(cls: type, default: Any = None, prefix: str = "") -> list[tuple[str, st
             value = dataclasses.MISSING
         key = prefix + f.name
         sub = _config_class(hints[f.name])
-        type_name = _cell(str(f.type))
+        type_name = _cell(_type_name(f))
         if sub is not None and dataclasses.is_dataclass(value):
             text = docs.get(f.name) or _first_sentence(sub)
             out.append((key, type_name, "(section)", _cell(text)))

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field, replace
 from typing import ClassVar, Literal
 
 from mcore_rl.config import ConfigError, require_above, require_at_least, require_in_range
+from mcore_rl.config.derived import DERIVED, Derived
 from mcore_rl.config.dtypes import DtypeName, normalize_dtype_fields
 from mcore_rl.config.seeds import USE_THE_RUN_SEED
 from mcore_rl.models.spec import ModelSpec
@@ -175,9 +176,9 @@ class TrainConfig:
     every trainer.
     """
 
-    micro_batch_size: int | None = None
+    micro_batch_size: Derived[int] = DERIVED
     num_micro_batches: int = 1
-    seq_len: int | None = None
+    seq_len: Derived[int] = DERIVED
     dtype: DtypeName = "float32"
     recompute: Literal["none", "selective", "full"] = "none"
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)

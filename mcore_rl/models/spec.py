@@ -115,6 +115,16 @@ class ModelSpec:
         return self.num_experts or 0
 
     @property
+    def expert_ffn(self) -> int:
+        """Each routed expert's intermediate size: `moe_ffn`, 0 for a dense MLP."""
+        return self.moe_ffn or 0
+
+    @property
+    def top_k(self) -> int:
+        """Routed experts per token: `experts_per_token`, 0 for a dense MLP."""
+        return self.experts_per_token or 0
+
+    @property
     def q_dim(self) -> int:
         return self.heads * self.head_dim
 

@@ -21,9 +21,11 @@ What is counted, per rank (tensors deduplicated by storage, so views count once)
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 import torch
+
+from mcore_rl.config.dtypes import DtypeName
 
 
 def _key(t: torch.Tensor) -> tuple[int, int]:
@@ -141,11 +143,11 @@ def predict_case(
     parallel_kw: dict,
     coords: dict,
     *,
-    dtype: str = "float32",
+    dtype: DtypeName = "float32",
     micro_batch_size: int = 2,
     num_micro_batches: int = 4,
     seq_len: int = 64,
-    recompute: str = "none",
+    recompute: Literal["none", "selective", "full"] = "none",
 ) -> dict[str, float]:
     """The planner's figures for the rank at `coords` of a `measure_case` case (local kernels,
     fp32 grads as the trainer uses), in the same categories."""
@@ -196,11 +198,11 @@ def measure_case(
     spec_name: str,
     parallel_kw: dict,
     *,
-    dtype: str = "float32",
+    dtype: DtypeName = "float32",
     micro_batch_size: int = 2,
     num_micro_batches: int = 4,
     seq_len: int = 64,
-    recompute: str = "none",
+    recompute: Literal["none", "selective", "full"] = "none",
 ) -> dict[str, Any]:
     """Build the grid, run one training step under the saved-tensor tracker, return this
     rank's coordinates, static bytes and peak activation bytes."""

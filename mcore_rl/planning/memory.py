@@ -74,11 +74,11 @@ def mcore_layer_params(spec: ModelSpec, tp: int, ep: int = 1, etp: int | None = 
     qkv = spec.hidden * qkv_out + (qkv_out if spec.qkv_bias else 0)
     norms = 2 * spec.hidden + (2 * spec.head_dim if spec.qk_norm else 0)
     if spec.is_moe:
-        experts = spec.num_experts // ep * 3 * spec.moe_ffn * spec.hidden // (etp or tp)
+        experts = spec.routed_experts // ep * 3 * spec.expert_ffn * spec.hidden // (etp or tp)
         return (
             (qkv + spec.q_dim * spec.hidden) // tp
             + experts
-            + spec.num_experts * spec.hidden
+            + spec.routed_experts * spec.hidden
             + norms
         )
     return (qkv + spec.q_dim * spec.hidden + 3 * spec.ffn * spec.hidden) // tp + norms
@@ -141,10 +141,10 @@ def vllm_rank_params(spec: ModelSpec, tp: int, expert_parallel: bool = False) ->
     qkv = spec.hidden * (q + 2 * kv) + ((q + 2 * kv) if spec.qkv_bias else 0)
     layer = qkv + q * spec.hidden + 2 * spec.hidden + (2 * spec.head_dim if spec.qk_norm else 0)
     if spec.is_moe and expert_parallel:  # whole experts on each rank; router replicated
-        experts = len(vllm_local_experts(spec.num_experts, tp, 0))
-        layer += experts * 3 * spec.moe_ffn * spec.hidden + spec.num_experts * spec.hidden
+        experts = len(vllm_local_experts(spec.routed_experts, tp, 0))
+        layer += experts * 3 * spec.expert_ffn * spec.hidden + spec.routed_experts * spec.hidden
     elif spec.is_moe:  # vLLM: every expert on every rank, each split over TP; router replicated
-        layer += spec.num_experts * (3 * spec.moe_ffn * spec.hidden // tp + spec.hidden)
+        layer += spec.routed_experts * (3 * spec.expert_ffn * spec.hidden // tp + spec.hidden)
     else:
         layer += 3 * spec.ffn * spec.hidden // tp
     vocab_rows = -(-spec.vocab // VLLM_VOCAB_PADDING) * VLLM_VOCAB_PADDING // tp
@@ -377,7 +377,7 @@ def training_rank(run: SizedRun, spec: ModelSpec, role: str, stage: int) -> Rank
     """One TP rank of pipeline stage `stage` of a training role ("actor", "critic",
     "reference"), all on the actor's grid."""
     t, par = role_train(run, role), run.cfg.actor
-    head = "value" if role == "critic" else "lm"
+    head: Literal["lm", "value"] = "value" if role == "critic" else "lm"
     n = mcore_stage_params(spec, par, stage, head)
     where = f"pp stage {stage}/{par.pp}"
     states = state_bytes_per_param(
@@ -480,7 +480,7 @@ def routing_component(run: SizedRun, spec: ModelSpec) -> Component:
     """The experts an update replays (`algorithm.routing_replay`): int16 [rows, s, layers, k]
     for one mini-batch's DP slice, on the device while it trains."""
     rows = run.global_batch // run.cfg.actor.dp
-    s, k = run.cfg.train.seq_len, spec.experts_per_token
+    s, k = run.cfg.train.seq_len, spec.top_k
     return Component(
         "MoE routing (replay)",
         2.0 * rows * s * spec.layers * k,
@@ -531,7 +531,7 @@ def rollout_rank(run: SizedRun, spec: ModelSpec) -> tuple[RankMemory, list[str]]
             f"rollout.max_num_seqs={seqs} (vLLM preempts; slower)"
         )
     kv = max(kv, 0)
-    comps = (
+    comps: tuple[Component, ...] = (
         Component("weights", weights, f"{r.dtype}, {_g(n)} params (1/{r.tp} of the model)"),
         Component("activations", act, f"one step of {tok} tokens + sampler logits (estimate)"),
         Component("kv cache", kv, kv_detail),
@@ -554,6 +554,7 @@ def reward_rank(run: SizedRun) -> RankMemory:
     through one layer plus its head input — forward only, nothing kept. Its ranks share the
     training devices (reward rank r on the device of actor rank r mod the actor's world)."""
     rm, spec = run.cfg.reward_model, run.reward_spec
+    assert spec is not None, "reward_rank: the run has no reward model"
     par = rm.parallel
     stage_params = [mcore_stage_params(spec, par, stage, "value") for stage in range(par.pp)]
     n = max(stage_params)

@@ -15,6 +15,7 @@ from typing import ClassVar, Literal
 
 from mcore_rl.config import (ConfigError, require_above, require_at_least, require_in_range,
                              require_one_of)
+from mcore_rl.config.derived import DERIVED, Derived
 from mcore_rl.config.dtypes import DtypeName, normalize_dtype_fields
 from mcore_rl.config.seeds import SAMPLE_BITS, USE_THE_RUN_SEED, mix, sample_seed
 
@@ -95,7 +96,7 @@ class RolloutConfig:
     tp: int = 1
     engines: int = 1
     startup_engines: int | None = None
-    max_model_len: int | None = None
+    max_model_len: Derived[int] = DERIVED
     max_num_seqs: int | None = None
     max_num_batched_tokens: int | None = None
     block_size: int | None = None

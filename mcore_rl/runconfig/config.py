@@ -5,9 +5,10 @@ and `mcore-rl plan-memory` all read."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import ClassVar
+from typing import Any, ClassVar, Literal
 
 from mcore_rl.algorithms import AlgorithmConfig
 from mcore_rl.config import (
@@ -18,6 +19,7 @@ from mcore_rl.config import (
     require_in_range,
     run_checks,
 )
+from mcore_rl.config.derived import DERIVED, Derived
 from mcore_rl.config.seeds import USE_THE_RUN_SEED
 from mcore_rl.launch.cluster import ClusterConfig
 from mcore_rl.megatron.config import ActorConfig, OptimizerConfig, TrainConfig
@@ -100,7 +102,7 @@ class ModelConfig:
 
     def demo_spec(self) -> ModelSpec:
         """Shapes of the locally built demo model (hf_dir null)."""
-        dims = dict(
+        dims: dict[str, Any] = dict(
             hidden=self.hidden,
             ffn=self.ffn,
             heads=self.heads,
@@ -223,6 +225,23 @@ LENGTH_DEFAULT = 1024
 # ppo_max_token_len_per_gpu default): small rows get one micro batch per update, long ones
 # fewer rows per micro batch.
 DERIVED_MICRO_BATCH_TOKENS = 16384
+
+
+def _derived_train(role: str, train: TrainConfig, *, rows: int, seq_len: int) -> TrainConfig:
+    """`train` with a null seq_len set to the run's and a null micro_batch_size derived for
+    `rows` sequences per DP rank (`derived_micro_batch`); `train` itself when both are set."""
+    seq_len = train.seq_len or seq_len
+    mbs = train.micro_batch_size or derived_micro_batch(rows, seq_len)
+    if (train.seq_len, train.micro_batch_size) == (seq_len, mbs):
+        return train
+    try:
+        return dataclasses.replace(train, seq_len=seq_len, micro_batch_size=mbs)
+    except ConfigError as err:
+        raise err.under(role) from None
+
+
+def _sample_words(prompt: int, new: int) -> str:
+    return f"max_prompt_tokens + max_new_tokens = {prompt} + {new} = {prompt + new}"
 
 
 def derived_micro_batch(rows: int, seq_len: int) -> int:
@@ -353,8 +372,8 @@ class RLConfig:
     samples_per_prompt: int = 8
     updates_per_batch: int = 1
     temperature: float = 1.0
-    max_prompt_tokens: int | None = None
-    max_new_tokens: int | None = None
+    max_prompt_tokens: Derived[int] = DERIVED
+    max_new_tokens: Derived[int] = DERIVED
     min_new_tokens: int = 0
     sync: SyncConfig = field(default_factory=SyncConfig)
     deadlines: DeadlineConfig = field(default_factory=DeadlineConfig)
@@ -367,11 +386,77 @@ class RLConfig:
     off_policy_steps: int | None = None
     seed: int = 0
 
-    def _map_off_policy_steps(self) -> None:
-        """The deprecated `off_policy_steps` becomes rollout.mode (and is then cleared)."""
-        import warnings
+    # Derived values: `derived_fields` decides every `null = derived` field, purely, from the
+    # config as written; `derived` returns the config with them set (the loader returns that).
 
-        modes = {0: "sync", 1: "one_step"}
+    def derived(self) -> RLConfig:
+        """This config with every `null = derived` field decided (`derived_fields`); itself
+        when nothing is left to derive. A deprecated key it maps warns here, once."""
+        if self.off_policy_steps is not None:
+            import warnings
+
+            mode = self._rollout_of_off_policy_steps().mode
+            warnings.warn(
+                f"off_policy_steps={self.off_policy_steps} is deprecated: use rollout.mode={mode}",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+        fields = self.derived_fields()
+        if all(getattr(self, name) == value for name, value in fields.items()):
+            return self
+        return dataclasses.replace(self, **fields)
+
+    @property
+    def is_derived(self) -> bool:
+        """Every `null = derived` field holds its value (and no deprecated key is left to map)."""
+        trains = (self.train, self.critic_train, self.warmup.train)
+        return (
+            self.off_policy_steps is None
+            and None not in (self.max_prompt_tokens, self.max_new_tokens)
+            and self.rollout.max_model_len is not None
+            and all(None not in (t.seq_len, t.micro_batch_size) for t in trains)
+        )
+
+    def derived_fields(self) -> dict[str, Any]:
+        """The one place the run's derived values are decided: the fields to replace, each
+        with its value (an explicit value is kept, and checked against what it must hold).
+        Pure: reads this config and the model's context (`ModelConfig.context`); raises
+        ConfigError naming a field that cannot hold a sample. The rule: RLConfig's docstring,
+        "Lengths"."""
+        fields: dict[str, Any] = {}
+        rollout = self.rollout
+        if self.off_policy_steps is not None:
+            rollout = self._rollout_of_off_policy_steps()
+            fields["off_policy_steps"] = None
+        prompt, new = self._derived_lengths()
+        need = self.task.episode.max_total_tokens if self.task.multi_turn else prompt + new
+        seq_len = self._derived_seq_len(prompt, new, need)
+        max_model_len = self._derived_max_model_len(prompt, new, need)
+        if max_model_len != rollout.max_model_len:
+            try:
+                rollout = dataclasses.replace(rollout, max_model_len=max_model_len)
+            except ConfigError as err:
+                raise err.under("rollout") from None
+        per_dp = self.rows_per_dp
+        warm_rows = max(1, self.warmup.batch_size // self.actor.dp)
+        warm = _derived_train("warmup.train", self.warmup.train, rows=warm_rows, seq_len=seq_len)
+        fields.update(
+            max_prompt_tokens=prompt,
+            max_new_tokens=new,
+            rollout=rollout,
+            train=_derived_train("train", self.train, rows=per_dp, seq_len=seq_len),
+            critic_train=_derived_train(
+                "critic_train", self.critic_train, rows=per_dp, seq_len=seq_len
+            ),
+            warmup=self.warmup
+            if warm is self.warmup.train
+            else dataclasses.replace(self.warmup, train=warm),
+        )
+        return fields
+
+    def _rollout_of_off_policy_steps(self) -> RolloutConfig:
+        """rollout with the mode the deprecated `off_policy_steps` names."""
+        modes: dict[int, Literal["sync", "one_step"]] = {0: "sync", 1: "one_step"}
         if self.off_policy_steps not in modes:
             raise ConfigError(
                 "off_policy_steps",
@@ -385,17 +470,10 @@ class RLConfig:
                 self.off_policy_steps,
                 f"contradicts rollout.mode={self.rollout.mode}: drop it",
             )
-        warnings.warn(
-            f"off_policy_steps={self.off_policy_steps} is deprecated: use rollout.mode={mode}",
-            DeprecationWarning,
-            stacklevel=3,
-        )
         try:
-            rollout = dataclasses.replace(self.rollout, mode=mode)
+            return dataclasses.replace(self.rollout, mode=mode)
         except ConfigError as err:
             raise ConfigError("off_policy_steps", self.off_policy_steps, str(err)) from None
-        object.__setattr__(self, "rollout", rollout)
-        object.__setattr__(self, "off_policy_steps", None)
 
     @property
     def wire_dtype(self) -> str:
@@ -412,9 +490,9 @@ class RLConfig:
             return self.task.episode.max_total_tokens
         return self.max_prompt_tokens + self.max_new_tokens
 
-    def _derive_lengths(self) -> None:
-        """max_prompt_tokens / max_new_tokens left null, derived to fit the sample budget
-        (`length_budget`): each at most LENGTH_DEFAULT, one of them set leaves the other the
+    def _derived_lengths(self) -> tuple[int, int]:
+        """max_prompt_tokens / max_new_tokens: null ones derived to fit the sample budget
+        (`length_budget`), each at most LENGTH_DEFAULT, one of them set leaves the other the
         rest, neither set halves it; set ones are checked against it (single-turn: their sum;
         multi-turn: each alone, a turn is capped by what the episode has left)."""
         total, context = self.task.episode.max_total_tokens, self.model.context()
@@ -425,42 +503,38 @@ class RLConfig:
                 f"an episode must fit the model's context of {context[0]} tokens ({context[1]})",
             )
         prompt, new = self.max_prompt_tokens, self.max_new_tokens
-        if any(n is not None and n < 1 for n in (prompt, new)):
-            return  # _check_counts names it
         budget = self.length_budget()
         if budget is None:  # the model's context is not known here
-            prompt, new = prompt or LENGTH_DEFAULT, new or LENGTH_DEFAULT
-        else:
-            room, where = budget
-            if prompt is None and new is None:
-                prompt = new = min(LENGTH_DEFAULT, room // 2)
-            elif prompt is None:
-                if new >= room:
-                    raise ConfigError(
-                        "max_new_tokens",
-                        new,
-                        f"leaves no room for a prompt in {where}: set max_new_tokens < {room}",
-                    )
-                prompt = min(LENGTH_DEFAULT, room - new)
-            elif new is None:
-                if prompt >= room:
-                    raise ConfigError(
-                        "max_prompt_tokens",
-                        prompt,
-                        f"leaves no room for a response in {where}: set max_prompt_tokens < {room}",
-                    )
-                new = min(LENGTH_DEFAULT, room - prompt)
-            elif prompt + new > room and not self.task.multi_turn:
+            return prompt or LENGTH_DEFAULT, new or LENGTH_DEFAULT
+        room, where = budget
+        if prompt is None and new is None:
+            return min(LENGTH_DEFAULT, room // 2), min(LENGTH_DEFAULT, room // 2)
+        if prompt is None:
+            if new >= room:
                 raise ConfigError(
                     "max_new_tokens",
                     new,
-                    (
-                        f"max_prompt_tokens + max_new_tokens = {prompt} + {new} = {prompt + new} "
-                        f"tokens exceed {where}: set max_prompt_tokens + max_new_tokens <= {room}"
-                    ),
+                    f"leaves no room for a prompt in {where}: set max_new_tokens < {room}",
                 )
-        object.__setattr__(self, "max_prompt_tokens", prompt)
-        object.__setattr__(self, "max_new_tokens", new)
+            return min(LENGTH_DEFAULT, room - new), new
+        if new is None:
+            if prompt >= room:
+                raise ConfigError(
+                    "max_prompt_tokens",
+                    prompt,
+                    f"leaves no room for a response in {where}: set max_prompt_tokens < {room}",
+                )
+            return prompt, min(LENGTH_DEFAULT, room - prompt)
+        if prompt + new > room and not self.task.multi_turn:
+            raise ConfigError(
+                "max_new_tokens",
+                new,
+                (
+                    f"max_prompt_tokens + max_new_tokens = {prompt} + {new} = {prompt + new} "
+                    f"tokens exceed {where}: set max_prompt_tokens + max_new_tokens <= {room}"
+                ),
+            )
+        return prompt, new
 
     def length_budget(self) -> tuple[int, str] | None:
         """The most tokens one sample may hold, and what says so in words: a multi-turn task's
@@ -474,93 +548,51 @@ class RLConfig:
             return None
         return context[0], f"the model's context of {context[0]} tokens ({context[1]})"
 
-    def _resolve_lengths(self) -> int:
-        """train.seq_len and rollout.max_model_len: null ones derived from `sample_tokens`,
-        explicit ones checked against it (multi-turn: `_check_episode_fits`). Returns the
-        resolved seq_len (the rows of every role)."""
-        need = self.sample_tokens
-        if self.task.multi_turn and self.max_prompt_tokens >= need:
+    def _derived_seq_len(self, prompt: int, new: int, need: int) -> int:
+        """train.seq_len (the rows of every role): null derived from the `need` tokens of a
+        sample, explicit checked against it (multi-turn: `_check_episode_fits`)."""
+        if self.task.multi_turn and prompt >= need:
             raise ConfigError(
                 "max_prompt_tokens",
-                self.max_prompt_tokens,
+                prompt,
                 f"must leave room for a model token in task.episode.max_total_tokens={need}",
             )
-        what = (
-            f"max_prompt_tokens + max_new_tokens = {self.max_prompt_tokens} + "
-            f"{self.max_new_tokens} = {need}"
-        )
         seq_len = self.train.seq_len
         if seq_len is None:  # a row holds seq_len + 1 tokens: the inputs and the last label
             tp = self.actor.tp if self.actor.sequence_parallel else 1
-            seq_len = -(-(need - 1) // tp) * tp
-        elif seq_len + 1 < need and not self.task.multi_turn:
+            return -(-(need - 1) // tp) * tp
+        if seq_len + 1 < need and not self.task.multi_turn:
             raise ConfigError(
                 "train.seq_len",
                 seq_len,
                 f"rows of seq_len + 1 = {seq_len + 1} tokens cannot hold a sample "
-                f"of {what} tokens: set train.seq_len >= {need - 1} (or null: "
-                "derived)",
+                f"of {_sample_words(prompt, new)} tokens: set train.seq_len >= {need - 1} "
+                "(or null: derived)",
             )
+        return seq_len
+
+    def _derived_max_model_len(self, prompt: int, new: int, need: int) -> int:
+        """rollout.max_model_len: null derived as the `need` tokens of a sample, explicit
+        checked against it (multi-turn: `_check_episode_fits`)."""
         max_model_len = self.rollout.max_model_len
         if max_model_len is None:
-            max_model_len = need
-        elif max_model_len < need and not self.task.multi_turn:
+            return need
+        if max_model_len < need and not self.task.multi_turn:
             raise ConfigError(
                 "rollout.max_model_len",
                 max_model_len,
-                f"the engines cannot hold a sample of {what} tokens: set "
+                f"the engines cannot hold a sample of {_sample_words(prompt, new)} tokens: set "
                 f"rollout.max_model_len >= {need} (or null: derived)",
             )
-        if max_model_len != self.rollout.max_model_len:
-            try:
-                rollout = dataclasses.replace(self.rollout, max_model_len=max_model_len)
-            except ConfigError as err:
-                raise err.under("rollout") from None
-            object.__setattr__(self, "rollout", rollout)
-        return seq_len
+        return max_model_len
 
-    def _resolve_train(
-        self, role: str, train: TrainConfig, *, rows: int, seq_len: int
-    ) -> TrainConfig:
-        """`train` with a null seq_len set to the run's and a null micro_batch_size derived
-        for `rows` sequences per DP rank (`derived_micro_batch`)."""
-        seq_len = train.seq_len or seq_len
-        mbs = train.micro_batch_size or derived_micro_batch(rows, seq_len)
-        if (train.seq_len, train.micro_batch_size) == (seq_len, mbs):
-            return train
-        try:
-            return dataclasses.replace(train, seq_len=seq_len, micro_batch_size=mbs)
-        except ConfigError as err:
-            raise err.under(role) from None
-
-    def _resolve_sizes(self) -> None:
-        """Every derived length and micro batch size, resolved once (the loaded config holds
-        them; workers, planning and benches read plain values)."""
-        per_dp = self.rows_per_dp
-        seq_len = self._resolve_lengths()
-        object.__setattr__(
-            self, "train", self._resolve_train("train", self.train, rows=per_dp, seq_len=seq_len)
-        )
-        object.__setattr__(
-            self,
-            "critic_train",
-            self._resolve_train("critic_train", self.critic_train, rows=per_dp, seq_len=seq_len),
-        )
-        warm = self._resolve_train(
-            "warmup.train",
-            self.warmup.train,
-            seq_len=seq_len,
-            rows=max(1, self.warmup.batch_size // self.actor.dp),
-        )
-        if warm is not self.warmup.train:
-            object.__setattr__(self, "warmup", dataclasses.replace(self.warmup, train=warm))
-
-    def _check_episode_fits(self) -> None:
-        """A whole episode must fit the trainer's rows and the engines' context."""
+    def _check_episode_fits(self, derived: dict[str, Any]) -> None:
+        """A whole episode must fit the trainer's rows and the engines' context (`derived`:
+        the derived fields, `derived_fields`)."""
         total = self.task.episode.max_total_tokens
         for name, limit in (
-            ("train.seq_len + 1", self.train.seq_len + 1),
-            ("rollout.max_model_len", self.rollout.max_model_len),
+            ("train.seq_len + 1", derived["train"].seq_len + 1),
+            ("rollout.max_model_len", derived["rollout"].max_model_len),
         ):
             if total > limit:
                 raise ConfigError(
@@ -639,7 +671,7 @@ class RLConfig:
 
     def _check_off_policy_steps(self) -> None:
         if self.off_policy_steps is not None:
-            self._map_off_policy_steps()
+            self._rollout_of_off_policy_steps()
 
     @property
     def rows_per_dp(self) -> int:
@@ -680,9 +712,9 @@ class RLConfig:
                 "checkpoint",
             )
 
-    def _check_multi_turn_episode(self) -> None:
+    def _check_multi_turn_episode(self, derived: dict[str, Any]) -> None:
         if self.task.multi_turn:
-            self._check_episode_fits()
+            self._check_episode_fits(derived)
 
     def _check_colocated_sleep(self) -> None:
         if self.cluster.placement == "colocated" and not self.rollout.enable_sleep:
@@ -693,11 +725,11 @@ class RLConfig:
                 "shares every device with the trainer: the engines must sleep",
             )
 
-    def _check_micro_batches(self) -> None:
+    def _check_micro_batches(self, derived: dict[str, Any]) -> None:
         per_dp = self.rows_per_dp
-        roles = [("train", self.train)]
+        roles = [("train", derived["train"])]
         if self.algorithm.advantage_estimator == "gae":
-            roles.append(("critic_train", self.critic_train))
+            roles.append(("critic_train", derived["critic_train"]))
         errors = []
         for role, train in roles:
             # packed micro batches (max_tokens_per_micro_batch) take any number of rows
@@ -719,15 +751,12 @@ class RLConfig:
                 "group estimators (grpo, rloo) take the KL as a loss term",
             )
 
-    # checks of the fields as given (and the lengths derived from them); these must pass for
-    # the batch split to be checked, and it for the sizes to be derived (`_resolve_sizes`)
-    BASIC_CHECKS: ClassVar[tuple] = (
-        _check_counts,
-        _check_off_policy_steps,
-        _derive_lengths,
-    )
-    # every other check, in the order they are reported; those of the derived sizes run only
-    # once the sizes are derived, the rest whether or not any check above failed
+    # checks of the fields as given; these must pass for the batch split to be checked, and it
+    # for the derived values to be decided (`derived_fields` raises what cannot be derived or
+    # does not fit)
+    BASIC_CHECKS: ClassVar[tuple] = (_check_counts, _check_off_policy_steps)
+    # every other check, in the order they are reported; those of the derived values (given
+    # them) run once they are decided, the rest whether or not any check above failed
     CHECKS: ClassVar[tuple] = (
         _check_warmup_targets,
         _check_demo_model_task,
@@ -741,15 +770,20 @@ class RLConfig:
     SIZED_CHECKS: ClassVar[frozenset] = frozenset({_check_multi_turn_episode, _check_micro_batches})
 
     def __post_init__(self) -> None:
+        """Checks only: the config as written, and the values `derived_fields` decides for it
+        (the config itself holds them once `derived` returned it)."""
         errors = run_checks(self, self.BASIC_CHECKS)
         if not errors:
             errors = run_checks(self, [RLConfig._check_batch_split])
+        derived = None
         if not errors:
-            errors = run_checks(self, [RLConfig._resolve_sizes])
-        sized = not errors
-        raise_errors(
-            errors
-            + run_checks(
-                self, [check for check in self.CHECKS if sized or check not in self.SIZED_CHECKS]
-            )
-        )
+            try:
+                derived = self.derived_fields()
+            except ConfigError as err:
+                errors = getattr(err, "errors", [err])
+        checks = [
+            check if check not in self.SIZED_CHECKS else functools.partial(check, derived=derived)
+            for check in self.CHECKS
+            if derived is not None or check not in self.SIZED_CHECKS
+        ]
+        raise_errors(errors + run_checks(self, checks))

@@ -261,7 +261,7 @@ def resolve_run(
     check_expert_parallel(cfg.rollout.expert_parallel, device)
     plan = placement_plan_of(cfg)
     actor_slots = set(plan.actor)
-    transports = tuple(
+    transports: tuple[Transport, ...] = tuple(
         "ipc" if any(s in actor_slots for s in slots) else "p2p" for slots in plan.engines
     )
     shared = "ipc" in transports  # some engine computes on an actor rank's device
@@ -306,12 +306,12 @@ def check_late_engines(rollout: RolloutConfig, device: Device, shared_devices: b
     trainers also use (colocated) that is the start-up race the run otherwise avoids by
     building the trainers first: vLLM sizes itself against the free memory it measures while
     it starts and fails when another process allocates or frees meanwhile. Refused there."""
-    late = rollout.startup_engines is not None and rollout.startup_engines < rollout.engines
-    if late and device == "cuda" and shared_devices:
+    startup = rollout.startup_engines
+    if startup is not None and startup < rollout.engines and device == "cuda" and shared_devices:
         raise ConfigError(
             "rollout.startup_engines",
             rollout.startup_engines,
-            f"{rollout.engines - rollout.startup_engines} engines would start "
+            f"{rollout.engines - startup} engines would start "
             "vLLM on GPUs the trainer is training on (they share devices with "
             "actor ranks: cluster.placement=colocated), and vLLM fails its "
             "start-up when memory changes meanwhile; set it to null (every "

@@ -2,6 +2,7 @@
 small ones live in their YAMLs), lengths are declared once and derived, micro batches are
 derived, and nothing is cut silently."""
 
+import dataclasses
 import json
 
 import pytest
@@ -72,6 +73,33 @@ def test_lengths_fit_exactly_and_sequence_parallel_rounds_up():
     assert cfg.train.seq_len == 1071  # explicit and just large enough
     sp = load_config(RLConfig, None, MINIMAL + ["actor.tp=2", "actor.sequence_parallel=true"])
     assert sp.train.seq_len == 1072 and sp.rollout.max_model_len == 1072
+
+
+def test_derived_values_are_decided_by_one_pure_function_and_the_loader_returns_them():
+    loaded = load_config(RLConfig, None, MINIMAL)
+    written = RLConfig(model=loaded.model, task=loaded.task, max_new_tokens=48, steps=50,
+                       prompts_per_step=16, samples_per_prompt=8)
+    # as written: the nulls are still null, and deciding them changes nothing in it
+    assert not written.is_derived and written.train.seq_len is None
+    fields = written.derived_fields()
+    assert written.train.seq_len is None and written.max_prompt_tokens is None
+    assert (fields["max_prompt_tokens"], fields["max_new_tokens"]) == (1024, 48)
+    assert (fields["train"].seq_len, fields["rollout"].max_model_len) == (1071, 1072)
+    derived = written.derived()
+    assert derived is not written and derived.is_derived
+    assert derived.derived() is derived  # nothing left to derive: itself
+    assert derived == loaded  # what the loader returns: what every reader gets
+    # an explicit value is kept as written and checked against what it must hold
+    assert written.derived_fields()["train"].micro_batch_size == 8
+    with pytest.raises(ConfigError, match="train.seq_len >= 1071"):
+        dataclasses.replace(derived, train=dataclasses.replace(derived.train, seq_len=1000))
+
+
+def test_a_derived_field_takes_null_or_its_type_and_nothing_else():
+    assert load_config(RLConfig, None, MINIMAL + ["train.seq_len=null"]).train.seq_len == 1071
+    with pytest.raises(ConfigError, match="expected an integer") as err:
+        load_config(RLConfig, None, MINIMAL + ["train.seq_len=long"])
+    assert err.value.field == "train.seq_len"
 
 
 def test_derived_micro_batch_is_a_divisor_under_the_token_cap():
