@@ -181,6 +181,11 @@ def _print_summary(report: dict) -> None:
               f"{report['baseline_projected_s'] / report['projected_s']:.1f}x; busiest "
               f"inference rank receives {report['max_rank_bytes_received'] / gib:.2f} GiB "
               f"(its own shards: {report['ideal_rank_bytes'] / gib:.2f} GiB)")
+        if "fp8_sync" in report:
+            fp8 = report["fp8_sync"]
+            print(f"{report['quantization']}: one sync {fp8['total_bytes'] / gib:.2f} GiB vs "
+                  f"{fp8['without_fp8_bytes'] / gib:.2f} GiB unquantized ({fp8['ratio']:.3f}x); "
+                  f"projected {report['fp8_projected_s']:.3f} s")
         return
     print(f"ours ({report['transport']}): {report['wall_s']:.3f} s, check {report['check']}, "
           f"max staging {report['max_peak_extra_bytes'] / (1 << 20):.1f} MiB (training ranks "

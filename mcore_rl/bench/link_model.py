@@ -13,12 +13,14 @@ send and receive directions are independent); a round lasts as long as its busie
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from mcore_rl.config import require_above, require_at_least
 from mcore_rl.layouts import ShardMap
 from mcore_rl.parallel import ParallelConfig
 from mcore_rl.resharding import Plan
+from mcore_rl.resharding.planner import Transfer
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -54,13 +56,17 @@ class LinkModel:
                 "inference ranks on the following nodes")
 
 
-def project_transport(plan: Plan, link: LinkModel) -> float:
-    """Projected seconds for our transport: Σ over rounds of the busiest rank's time."""
+def project_transport(plan: Plan, link: LinkModel,
+                      transfer_bytes: Callable[[Transfer], int] | None = None) -> float:
+    """Projected seconds for our transport: Σ over rounds of the busiest rank's time.
+    `transfer_bytes`: a transfer's bytes on the wire (default: numel × the plan's element
+    size; an FP8 sync sends its quantized transfers at one byte per element)."""
+    nbytes_of = transfer_bytes or (lambda t: t.numel * plan.element_size)
     total = 0.0
     for k in range(len(plan.rounds)):
         send, recv = defaultdict(float), defaultdict(float)
         for (s, d), transfers in plan.messages(k).items():
-            nbytes = sum(t.numel for t in transfers) * plan.element_size
+            nbytes = sum(nbytes_of(t) for t in transfers)
             cost = link.seconds(nbytes, s, d, plan.num_src)
             send[s] += cost
             recv[d] += cost

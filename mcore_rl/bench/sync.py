@@ -47,11 +47,14 @@ class InferenceGrid:
     """The vLLM side (`rollout.*`, the run config's names). tp: tensor-parallel size of each
     engine. engines: how many engines. expert_parallel: vLLM expert parallelism (each inference
     rank holds whole experts, vLLM's placement, instead of a 1/tp slice of every expert; MoE
-    models only)."""
+    models only). quantization: plan_only — the engines' FP8 scheme ("fp8_per_tensor",
+    "fp8_per_block", the run config's `rollout.quantization`): the report adds what the FP8
+    sync moves (`fp8_sync`) and its projected time."""
 
     tp: int = 1
     engines: int = 1
     expert_parallel: bool = False
+    quantization: Literal["fp8_per_tensor", "fp8_per_block"] | None = None
 
     #: old spellings (the loader names their new place)
     MOVED: ClassVar[dict[str, str]] = {"ep": "rollout.expert_parallel"}
@@ -132,6 +135,10 @@ class SyncBenchConfig:
         require_at_least(self, 1, "repeats")
         require_at_least(self, 0, "untimed")
         require_above(self, 0, "timeout_s")
+        if self.rollout.quantization is not None and not self.plan_only:
+            raise ConfigError("rollout.quantization", self.rollout.quantization,
+                              "projected only (plan_only=true): a measured sync installs "
+                              "unquantized weights")
         unknown = [b for b in self.baseline if b not in ("gather", "link")]
         if unknown:
             raise ConfigError("baseline", list(self.baseline), "allowed values: gather, link")
@@ -196,7 +203,8 @@ def inference_shards(cfg: SyncBenchConfig, spec: ModelSpec) -> ShardMap:
 
 def rollout_label(cfg: SyncBenchConfig) -> str:
     rollout = cfg.rollout
-    return f"tp{rollout.tp}{' ep' if rollout.expert_parallel else ''} x{rollout.engines}"
+    fp8 = f" {rollout.quantization}" if rollout.quantization else ""
+    return f"tp{rollout.tp}{' ep' if rollout.expert_parallel else ''} x{rollout.engines}{fp8}"
 
 
 def _weights(cfg: SyncBenchConfig, src: ShardMap):
@@ -495,6 +503,30 @@ def plan_only_report(cfg: SyncBenchConfig) -> dict:
         * plan.element_size,
         "bytes_received": received, "bytes_sent": sent,
         **_ideal(plan, dst),
+        **_fp8_projection(cfg, spec, plan, link),
+    }
+
+
+def _fp8_projection(cfg: SyncBenchConfig, spec, plan: Plan, link) -> dict:
+    """With rollout.quantization: the FP8 sync's bytes (`resharding.fp8.fp8_wire_bytes`) and
+    its projected time, each quantized transfer at one byte per element (scales, a few bytes
+    per tensor or block, are left out of the time)."""
+    scheme = cfg.rollout.quantization
+    if scheme is None:
+        return {}
+    from mcore_rl.bench.link_model import project_transport
+    from mcore_rl.layouts import vllm_fp8_names
+    from mcore_rl.resharding.fp8 import fp8_wire_bytes, sender_quantized
+
+    is_fp8 = vllm_fp8_names(spec).__contains__
+    flags = sender_quantized(plan, is_fp8, scheme=scheme)
+    quantized = {id(t) for rnd, fs in zip(plan.rounds, flags) for t, f in zip(rnd, fs) if f}
+    wire = fp8_wire_bytes(plan, is_fp8, element_size=plan.element_size, scheme=scheme)
+    return {
+        "quantization": scheme,
+        "fp8_sync": {**wire, "ratio": wire["total_bytes"] / wire["without_fp8_bytes"]},
+        "fp8_projected_s": project_transport(
+            plan, link, lambda t: t.numel * (1 if id(t) in quantized else plan.element_size)),
     }
 
 

@@ -33,6 +33,13 @@ from mcore_rl.rollout.expert_parallel import CPU_FIX as EP_CPU_FIX
 from mcore_rl.rollout.expert_parallel import CPU_REASON as EP_CPU_REASON
 from mcore_rl.rollout.expert_parallel import FIELD as EP_FIELD
 from mcore_rl.rollout.lora import VLLM_LORA_RANKS, unsupported_lora_reason
+from mcore_rl.rollout.quantization import CPU_FIX as FP8_CPU_FIX
+from mcore_rl.rollout.quantization import CPU_REASON as FP8_CPU_REASON
+from mcore_rl.rollout.quantization import FIELD as FP8_FIELD
+from mcore_rl.rollout.quantization import INSTALL_FIX as FP8_INSTALL_FIX
+from mcore_rl.rollout.quantization import INSTALL_REASON as FP8_INSTALL_REASON
+from mcore_rl.rollout.quantization import correction_advice as fp8_correction_advice
+from mcore_rl.rollout.quantization import grid_problem as fp8_grid_problem
 from mcore_rl.runconfig.resolve import placement_plan_of
 
 
@@ -352,6 +359,35 @@ def check_rollout_ep(run: SizedRun, spec: ModelSpec) -> Iterable[Problem]:
         )
 
 
+def check_rollout_fp8(run: SizedRun, spec: ModelSpec) -> Iterable[Problem]:
+    """rollout.quantization: FP8 engines — GPU only, a grid the sync's layouts match, and
+    (for now) refused until the sync installs FP8 (`mcore_rl.rollout.quantization`); a
+    warning when the rollout correction is off."""
+    r = run.cfg.rollout
+    if r.quantization is None:
+        return
+    if run.device == "cpu":
+        yield Problem(
+            "rollout-fp8",
+            f"{FP8_FIELD}={r.quantization}, but the run resolves to cpu: {FP8_CPU_REASON}",
+            FP8_CPU_FIX,
+        )
+    grid = fp8_grid_problem(r.quantization, spec, r.tp, r.expert_parallel)
+    if grid is not None:
+        yield Problem("rollout-fp8", *grid)
+    yield Problem(
+        "rollout-fp8", f"{FP8_FIELD}={r.quantization}: {FP8_INSTALL_REASON}", FP8_INSTALL_FIX
+    )
+    mode = run.cfg.algorithm.rollout_correction.mode
+    if mode not in ("tis", "mis"):
+        yield Problem(
+            "rollout-fp8",
+            fp8_correction_advice(mode),
+            "algorithm.rollout_correction.mode=tis",
+            "warning",
+        )
+
+
 def check_sync_backend(run: SizedRun, spec: ModelSpec) -> Iterable[Problem]:
     """The weight-sync backend runs on the resolved device: nccl needs CUDA; gloo on GPUs
     would stage every weight through host memory."""
@@ -560,6 +596,7 @@ CHECKS: tuple[tuple[str, Callable[[SizedRun, ModelSpec], Iterable[Problem]]], ..
     ("placement", check_placement),
     ("rollout-tp", check_rollout_tp),
     ("rollout-ep", check_rollout_ep),
+    ("rollout-fp8", check_rollout_fp8),
     ("sync-backend", check_sync_backend),
     ("cpu-head-dim", check_cpu_engine),
     ("reward-model", check_reward_model),

@@ -61,6 +61,7 @@ from mcore_rl.planning.activations import (
     recompute_workspace,
 )
 from mcore_rl.planning.sized import TRAINER_GRAD_DTYPE, GiB, SizedRun
+from mcore_rl.rollout.config import RolloutConfig
 
 # --- parameters per rank ----------------------------------------------------------------------
 
@@ -150,6 +151,42 @@ def vllm_rank_params(spec: ModelSpec, tp: int, expert_parallel: bool = False) ->
     vocab_rows = -(-spec.vocab // VLLM_VOCAB_PADDING) * VLLM_VOCAB_PADDING // tp
     heads = 1 if spec.tied_embeddings else 2
     return spec.layers * layer + heads * vocab_rows * spec.hidden + spec.hidden
+
+
+def vllm_rank_fp8_params(spec: ModelSpec, tp: int, expert_parallel: bool = False) -> int:
+    """Of `vllm_rank_params`, those vLLM's online FP8 stores in one byte (the layout tables'
+    `Side.fp8`): every layer's qkv, o, MLP (or experts and router) weights — not biases,
+    norms, embeddings or the LM head."""
+    q = spec.q_dim // tp
+    kv = vllm_kv_heads_per_rank(spec, tp) * spec.head_dim
+    layer = spec.hidden * (q + 2 * kv) + q * spec.hidden
+    if spec.is_moe and expert_parallel:
+        experts = len(vllm_local_experts(spec.routed_experts, tp, 0))
+        layer += experts * 3 * spec.expert_ffn * spec.hidden + spec.routed_experts * spec.hidden
+    elif spec.is_moe:
+        layer += spec.routed_experts * (3 * spec.expert_ffn * spec.hidden // tp + spec.hidden)
+    else:
+        layer += 3 * spec.ffn * spec.hidden // tp
+    return spec.layers * layer
+
+
+# one fp32 scale per 128×128 block of an FP8 weight (block-wise FP8); per tensor: a few floats
+FP8_SCALE_BYTES_PER_PARAM = {"fp8_per_block": 4 / (128 * 128), "fp8_per_tensor": 0.0}
+
+
+def engine_weight_bytes(spec: ModelSpec, r: RolloutConfig) -> tuple[float, str]:
+    """One engine rank's weights in bytes, and how they are stored: in rollout.dtype, or
+    with rollout.quantization the FP8 tensors at one byte per element plus their scales."""
+    n, width = vllm_rank_params(spec, r.tp, r.expert_parallel), dtype_bytes(r.dtype)
+    if r.quantization is None:
+        return n * width, f"{r.dtype}, {_g(n)} params (1/{r.tp} of the model)"
+    n8 = vllm_rank_fp8_params(spec, r.tp, r.expert_parallel)
+    scales = n8 * FP8_SCALE_BYTES_PER_PARAM[r.quantization]
+    return (
+        n8 + scales + (n - n8) * width,
+        f"{r.quantization}: {_g(n8)} params in FP8, {_g(n - n8)} in {r.dtype} "
+        f"(1/{r.tp} of the model)",
+    )
 
 
 def kv_bytes_per_token(spec: ModelSpec, tp: int, dtype_bytes: int) -> int:
@@ -496,8 +533,7 @@ def rollout_rank(run: SizedRun, spec: ModelSpec) -> tuple[RankMemory, list[str]]
     r = run.cfg.rollout
     notes = []
     B = dtype_bytes(r.dtype)
-    n = vllm_rank_params(spec, r.tp, r.expert_parallel)
-    weights = n * B
+    weights, stored = engine_weight_bytes(spec, r)
     tok, seqs, seq_len = run.max_num_batched_tokens, run.max_num_seqs, r.max_model_len
     vocab = -(-spec.vocab // VLLM_VOCAB_PADDING) * VLLM_VOCAB_PADDING
     # Coarse: hidden states, qkv, MLP intermediates of one step's tokens, plus the sampler's
@@ -532,7 +568,7 @@ def rollout_rank(run: SizedRun, spec: ModelSpec) -> tuple[RankMemory, list[str]]
         )
     kv = max(kv, 0)
     comps: tuple[Component, ...] = (
-        Component("weights", weights, f"{r.dtype}, {_g(n)} params (1/{r.tp} of the model)"),
+        Component("weights", weights, stored),
         Component("activations", act, f"one step of {tok} tokens + sampler logits (estimate)"),
         Component("kv cache", kv, kv_detail),
     )

@@ -96,12 +96,35 @@ def sync_traffic(run: ResolvedRun, plan: Plan) -> dict:
     }
 
 
+def fp8_sync(cfg: RLConfig, spec: ModelSpec, plan: Plan) -> dict | None:
+    """With `rollout.quantization`, what one sync of `plan` moves under that FP8 scheme
+    (`resharding.fp8.fp8_wire_bytes`) and how it compares with the sync unquantized: the
+    scheme, the byte counts, `ratio` (FP8 / unquantized) and `sender_share` (of the FP8
+    tensors' elements, those the trainer ranks quantize). None without quantization."""
+    from mcore_rl.layouts import vllm_fp8_names
+    from mcore_rl.resharding.fp8 import fp8_wire_bytes
+
+    scheme = cfg.rollout.quantization
+    if scheme is None:
+        return None
+    names = vllm_fp8_names(spec)
+    wire = fp8_wire_bytes(plan, names.__contains__, element_size=plan.element_size, scheme=scheme)
+    fp8_elements = sum(t.numel for rnd in plan.rounds for t in rnd if t.dst_key in names)
+    return {
+        "scheme": scheme,
+        **wire,
+        "ratio": wire["total_bytes"] / wire["without_fp8_bytes"],
+        "sender_share": wire["fp8_bytes"] / fp8_elements if fp8_elements else 0.0,
+    }
+
+
 def explain_traffic(cfg: RLConfig, run: ResolvedRun) -> dict:
     """The keys `mcore-rl explain` adds to its JSON: `sync_traffic` (per engine and in all)
     and `cross_node_ipc_bytes`; both None, with `sync_traffic_error`, when the model cannot be
     sized here (no preset and no config.json) or the layouts do not connect. With LoRA's
     adapter sync, `adapter_sync_traffic`: what each step's sync moves (`sync_traffic` is then
-    the base's, sent once per sync group when a warm-up changed it)."""
+    the base's, sent once per sync group when a warm-up changed it). With
+    `rollout.quantization`, `fp8_sync` (`fp8_sync`)."""
     from mcore_rl.config import ConfigError
     from mcore_rl.layouts.shards import LayoutError
     from mcore_rl.planning.sized import resolve_model
@@ -109,7 +132,8 @@ def explain_traffic(cfg: RLConfig, run: ResolvedRun) -> dict:
 
     try:
         spec = resolve_model(cfg.model.planning_model(), "model.hf_dir")
-        traffic = sync_traffic(run, sync_plan(cfg, run, spec))
+        plan = sync_plan(cfg, run, spec)
+        traffic = sync_traffic(run, plan)
         adapters = (
             sync_traffic(run, adapter_sync_plan(cfg, run, spec))
             if cfg.actor.lora.syncs_adapters
@@ -121,7 +145,8 @@ def explain_traffic(cfg: RLConfig, run: ResolvedRun) -> dict:
         "sync_traffic": traffic,
         "cross_node_ipc_bytes": traffic["cross_node_ipc_bytes"],
         "adapter_sync_traffic": adapters,
+        "fp8_sync": fp8_sync(cfg, spec, plan),
     }
 
 
-__all__ = ["adapter_sync_plan", "explain_traffic", "sync_plan", "sync_traffic"]
+__all__ = ["adapter_sync_plan", "explain_traffic", "fp8_sync", "sync_plan", "sync_traffic"]

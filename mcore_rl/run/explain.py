@@ -106,6 +106,25 @@ def lora_row(lora) -> str:
             f"{engines}")
 
 
+def fp8_row(cfg, run, spec) -> str:
+    """`rollout.quantization`: the scheme, one sync's bytes against the unquantized sync (from
+    the real plan), who quantizes, the rollout correction, and why it does not run yet."""
+    from mcore_rl.planning.sync_traffic import fp8_sync, sync_plan
+    from mcore_rl.rollout.quantization import INSTALL_REASON, correction_advice
+
+    fp8 = fp8_sync(cfg, spec, sync_plan(cfg, run, spec))
+    gib = 1 << 30
+    who = ("every FP8 region, after one all-reduce of each tensor's amax"
+           if fp8["scheme"] == "fp8_per_tensor" else
+           f"the regions on the 128×128 block grid ({fp8['sender_share']:.0%} of the FP8 "
+           "elements), the engine ranks the rest")
+    return (f"{fp8['scheme']} · one sync {fp8['total_bytes'] / gib:.1f} GiB vs "
+            f"{fp8['without_fp8_bytes'] / gib:.1f} GiB unquantized ({fp8['ratio']:.3f}×) · "
+            f"the trainer ranks quantize {who}\n"
+            f"{correction_advice(cfg.algorithm.rollout_correction.mode)}\n"
+            f"refused for now (preflight): {INSTALL_REASON}")
+
+
 def megatron_experts(run) -> str:
     return MEGATRON_EXPERTS[grouped_expert_gemm(run.layer_spec)]
 
@@ -220,6 +239,7 @@ def render(run, title: str, *, cfg, spec, ranks: bool = False):
         ("trainers run", trainer_kernels(run)),
         ("kernels", kernels_row(kernel_decisions(run))),
         *([("LoRA", lora_row(cfg.actor.lora))] if cfg.actor.lora.enabled else []),
+        *([("FP8 rollouts", fp8_row(cfg, run, spec))] if cfg.rollout.quantization else []),
         ("start-up", START_UP[run.trainers_first]),
         *([("after update", "the trainers give their cached activation peak back to the "
                                "GPU (the engines' KV cache wakes into it)")]

@@ -49,6 +49,7 @@ from mcore_rl.rollout.config import (
     engines_sleep_level,
 )
 from mcore_rl.rollout.expert_parallel import check_expert_parallel
+from mcore_rl.rollout.quantization import check_quantization
 from mcore_rl.runconfig.config import RLConfig
 
 Device = Literal["cpu", "cuda"]
@@ -259,6 +260,7 @@ def resolve_run(
     """The one resolution of `cfg` on this machine (or on an assumed GPU machine)."""
     device = run_device(cfg, assume_gpu=assume_gpu, cuda_available=cuda_available)
     check_expert_parallel(cfg.rollout.expert_parallel, device)
+    check_quantization(cfg.rollout.quantization, device)
     plan = placement_plan_of(cfg)
     actor_slots = set(plan.actor)
     transports: tuple[Transport, ...] = tuple(

