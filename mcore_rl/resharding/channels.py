@@ -45,7 +45,7 @@ from mcore_rl.resharding.nccl_group import NcclP2PGroup
 from mcore_rl.resharding.sync_group import (SyncGroupSpec, join_control_group, join_sync_group,
                                             prefixed_store)
 from mcore_rl.resharding.stats import SyncStats
-from mcore_rl.resharding.transport import receive_shards, send_shards, verify_plan
+from mcore_rl.resharding.transport import ReceiveTarget, receive_shards, send_shards, verify_plan
 
 
 def engine_transport(spec: SyncGroupSpec, plan: Plan, dst_sync_rank: int) -> str:
@@ -169,8 +169,8 @@ class SyncChannels:
         return {**stats.as_dict(), **out}
 
     def receive(self, plan: Plan, transport: str | None = None, *, dtype: torch.dtype,
-                timeout_s: float, stats: SyncStats | None = None
-                ) -> Iterator[tuple[str, torch.Tensor]]:
+                timeout_s: float, stats: SyncStats | None = None,
+                into: ReceiveTarget | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         """This inference rank's shards, each source pair by its transport
         (`SyncGroupSpec.pair_transport`: the engine's, p2p from other nodes), on this rank's
         device. transport: the engine's transport as the caller knows it (checked against the
@@ -178,6 +178,8 @@ class SyncChannels:
         Host shards are assembled in the memory the previous receive used
         (`host_memory.ReceivePool`): what this yields is valid until the next `receive` —
         copy what you keep (the vLLM installer copies into the engine's parameters).
+        into: where a wholly covered shard is received straight into (the engine's own
+        parameter, `rollout.install.receive_target`), see `receive_shards`.
 
         Verified, always (digest.py): once the caller is done with a tensor (it asks for the
         next), its digest is taken — of what the caller reported installing (`installed`),
@@ -202,7 +204,8 @@ class SyncChannels:
         try:
             for key, tensor in receive_shards(
                     plan, self.bulk, self.rank, dtype=dtype, timeout_s=timeout_s, stats=stats,
-                    device=self.device, copy=copy, schedule=schedule, pool=self._receive_pool):
+                    device=self.device, copy=copy, schedule=schedule, pool=self._receive_pool,
+                    into=into):
                 yield key, tensor
                 if not digests.installed(key):  # the caller kept it as it is
                     digests.add_installed(self.rank, key, tensor)

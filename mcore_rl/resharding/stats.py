@@ -9,10 +9,13 @@ from dataclasses import dataclass, field
 @dataclass
 class SyncStats:
     """What one rank moved. peak_extra_bytes: staging buffers alive at once (the rank's own
-    parameters/shards are not counted: it holds those anyway)."""
+    parameters/shards are not counted: it holds those anyway). bytes_in_place: of
+    bytes_received, those received straight into the tensors they replace (an engine's
+    parameters: no buffer, no install copy)."""
 
     bytes_sent: int = 0
     bytes_received: int = 0
+    bytes_in_place: int = 0
     peak_extra_bytes: int = 0
     messages: int = 0
     zero_copy_messages: int = 0

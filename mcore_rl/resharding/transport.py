@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Collection, Iterator, Mapping
+from typing import Any, Callable, Collection, Iterator, Mapping
 
 import torch
 import torch.distributed as dist
@@ -125,7 +125,8 @@ def receive_shards(plan: Plan, group: dist.ProcessGroup, sync_rank: int, *,
                    stats: SyncStats | None = None, device: str | torch.device = "cpu",
                    copy: CopyService | None = None,
                    schedule: RankSchedule | None = None,
-                   pool: ReceivePool | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+                   pool: ReceivePool | None = None,
+                   into: ReceiveTarget | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """Receive this inference rank's shards; yield `(name, tensor)` as each tensor completes
     (padding rows are zeros). Raises SyncError if anything expected never arrives.
 
@@ -134,6 +135,8 @@ def receive_shards(plan: Plan, group: dist.ProcessGroup, sync_rank: int, *,
     `group`). schedule: this rank's compiled share of the plan (compiled when not given).
     pool: assemble into the host memory the previous receive of this plan used
     (`host_memory.ReceivePool`; the yielded tensors are then valid until the next receive).
+    into(key, shape, dtype, device): the tensor a wholly covered shard is received straight
+    into (the engine's own parameter: one copy fewer), or None for a buffer.
 
     Rounds overlap: round k + window is posted as soon as round k has landed, before round
     k's tensors are yielded, so the wire stays busy while the caller installs them."""
@@ -150,6 +153,8 @@ def receive_shards(plan: Plan, group: dist.ProcessGroup, sync_rank: int, *,
     if pool is not None:
         pool.start(plan.fingerprint())
     allocate = pool.take if pool is not None else _fresh
+    if into is not None:
+        allocate = _into_first(into, allocate, stats)
 
     def post(k: int) -> None:
         _post_round(k, schedule, copy, tensors, dtype, device, allocate)
@@ -195,6 +200,22 @@ def _post_round(k: int, schedule: RankSchedule, copy: CopyService,
 def _fresh(key: str, shape: tuple[int, ...], dtype: torch.dtype, *, device,
            zero: bool) -> torch.Tensor:
     return empty_host(shape, dtype, device=device, zero=zero)
+
+
+# (key, shape, dtype, device) -> the tensor to receive a whole shard into, or None
+ReceiveTarget = Callable[[str, tuple[int, ...], torch.dtype, Any], "torch.Tensor | None"]
+
+
+def _into_first(into: ReceiveTarget, allocate, stats: SyncStats):
+    """`allocate`, but a wholly covered shard (no padding to zero) goes where `into` says
+    when it names a place (counted in `stats.bytes_in_place`)."""
+    def take(key, shape, dtype, *, device, zero):
+        target = None if zero else into(key, tuple(shape), dtype, device)
+        if target is None:
+            return allocate(key, shape, dtype, device=device, zero=zero)
+        stats.bytes_in_place += target.numel() * target.element_size()
+        return target
+    return take
 
 
 def _land_round(k: int, round_items, copy: CopyService, remaining: dict[str, int]) -> list[str]:

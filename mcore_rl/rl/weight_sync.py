@@ -125,7 +125,8 @@ class WeightSync:
             self._base_current = True
         adapter = self._sync(self._adapter_sender, merged=False, adapter=True)
         return {**{k: stats.get(k, 0.0) + adapter[k]
-                   for k in ("sync_bytes", "sync_bytes_ipc", "sync_digest_s", "sync_compare_s")},
+                   for k in ("sync_bytes", "sync_bytes_ipc", "sync_bytes_in_place",
+                             "sync_digest_s", "sync_compare_s")},
                 "sync_adapter_bytes": adapter["sync_bytes"]}
 
     def _sync(self, sender: PlanSender, *, merged: bool, adapter: bool = False
@@ -143,7 +144,8 @@ class WeightSync:
         by name, when there are any (a bare transport error only says a peer left).
         Every sync is verified (resharding/digest.py): `sync_digest_s` is what digesting cost
         the slowest rank (what it sent or installed), `sync_compare_s` the comparison's own
-        time (the rank that reached it last waited least)."""
+        time (the rank that reached it last waited least). `sync_bytes_in_place`: the bytes
+        the engines received straight into their parameters (no install copy)."""
         try:
             stats = self.actors.call("send_weights", plan, self.cfg.wire_dtype,
                                      self.cfg.deadlines.sync_s, merged, phase="sync")
@@ -160,6 +162,7 @@ class WeightSync:
         ranks = [r for report in reports for r in report.ranks]
         return {"sync_bytes": float(sum(s["bytes_sent"] for s in stats)),
                 "sync_bytes_ipc": float(sum(s.get("bytes_sent_ipc", 0) for s in stats)),
+                "sync_bytes_in_place": float(sum(r.bytes_in_place for r in ranks)),
                 "sync_digest_s": float(max([s["digest_seconds"] for s in stats] +
                                            [r.digest_seconds for r in ranks])),
                 "sync_compare_s": float(min([s["compare_seconds"] for s in stats] +

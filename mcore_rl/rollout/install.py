@@ -26,7 +26,7 @@ from typing import Callable, Iterable
 import torch
 from torch import nn
 
-from mcore_rl.rollout.moe_install import MoEInstaller, moe_logical_shape
+from mcore_rl.rollout.moe_install import MoEInstaller, is_fused_moe, moe_logical_shape
 
 
 def logical_shape(module: nn.Module, leaf: str, param: torch.Tensor) -> tuple[int, ...]:
@@ -86,6 +86,25 @@ def _quant_owners(model: nn.Module) -> dict[int, list[nn.Module]]:
     return owners
 
 
+def receive_target(model: nn.Module, name: str, shape: tuple[int, ...], dtype: torch.dtype,
+                   device: torch.device | str) -> torch.Tensor | None:
+    """The parameter a whole shard `name` can be received straight into, or None (it goes
+    through a receive buffer, then `install_from_iterator` copies it in): the parameter as
+    the model holds it now — same shape, dtype and device, contiguous, not repacked for a
+    kernel (a CPU-packed linear is empty; fused experts keep a kernel's layout). Receiving
+    into it saves the copy from the buffer; its data pointer (CUDA graphs) is unchanged."""
+    try:
+        module, leaf = _parameter_owner(model, name)
+    except ValueError:
+        return None  # the install names it
+    param = module._parameters[leaf]
+    if (is_fused_moe(module) or param.numel() == 0 or tuple(param.shape) != tuple(shape)
+            or param.dtype != dtype or param.device != torch.device(device)
+            or not param.is_contiguous()):
+        return None
+    return param.data
+
+
 @torch.no_grad()
 def install_from_iterator(model: nn.Module, items: Iterable[tuple[str, torch.Tensor]], *,
                           installed: Callable[[str, torch.Tensor], None] | None = None
@@ -125,7 +144,8 @@ def install_from_iterator(model: nn.Module, items: Iterable[tuple[str, torch.Ten
             setattr(module, leaf, nn.Parameter(fresh, requires_grad=False))
             repack = [module]
         else:
-            param.copy_(tensor)
+            if tensor.data_ptr() != param.data_ptr():  # else received into it (receive_target)
+                param.copy_(tensor)
             repack = owners.get(id(param), [])
             if param.shape == tensor.shape and param.dtype == tensor.dtype:
                 holder = param

@@ -26,8 +26,9 @@ from mcore_rl.rollout.lora import target_modules
 
 @dataclass
 class RankSync:
-    """What one worker did in a sync: names installed, bytes received, seconds spent (in all;
-    installing; digesting what it installed; comparing digests with the group's)."""
+    """What one worker did in a sync: names installed, bytes received (of them, received
+    straight into the parameters they replace), seconds spent (in all; installing; digesting
+    what it installed; comparing digests with the group's)."""
 
     rank: int
     sync_rank: int
@@ -38,6 +39,7 @@ class RankSync:
     install_seconds: float
     digest_seconds: float = 0.0
     compare_seconds: float = 0.0
+    bytes_in_place: int = 0
 
 
 @dataclass
@@ -202,7 +204,7 @@ class EngineSync:
             report.ranks.append(RankSync(
                 rank, reply["sync_rank"], reply["names"], reply["bytes_received"],
                 reply["peak_extra_bytes"], reply["seconds"], reply["install_seconds"],
-                reply["digest_seconds"], reply["compare_seconds"]))
+                reply["digest_seconds"], reply["compare_seconds"], reply["bytes_in_place"]))
         self._reinstall_adapter(self._sync_adapter)
         self.reset_prefix_cache()
         report.seconds = time.perf_counter() - sync.started

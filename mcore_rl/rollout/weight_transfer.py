@@ -32,6 +32,7 @@ for the caller to check.
 
 from __future__ import annotations
 
+import functools
 import time
 import traceback
 from dataclasses import dataclass
@@ -46,7 +47,8 @@ from mcore_rl.resharding.channels import SyncChannels, engine_transport
 from mcore_rl.resharding.copy_service import SyncError
 from mcore_rl.resharding.plan_cache import PlanCache
 from mcore_rl.resharding.stats import SyncStats
-from mcore_rl.rollout.install import install_from_iterator, rank_shapes, worker_device
+from mcore_rl.rollout.install import (install_from_iterator, rank_shapes, receive_target,
+                                      worker_device)
 from mcore_rl.rollout.lora import ReceivedAdapter, check_adapter
 
 
@@ -211,8 +213,12 @@ class ShardTransferEngine(WeightTransferEngine[ShardInitInfo, ShardUpdateInfo]):
             raise ValueError(f"sync rank {sync_rank}: {problem}")
         stats, waiting = SyncStats(), [time.perf_counter() - start]  # not installing
         transport = engine_transport(channels.spec, plan, sync_rank)
+        # weights go straight into the parameters they replace where those can take them
+        # (an adapter is kept whole elsewhere)
+        into = None if info.adapter is not None else functools.partial(receive_target,
+                                                                        self.model)
         received = items = channels.receive(plan, transport, dtype=_dtype(info.dtype),
-                                            timeout_s=info.timeout_s, stats=stats)
+                                            timeout_s=info.timeout_s, stats=stats, into=into)
         if info.corrupt is not None and info.corrupt[0] == sync_rank:
             items = _flip_first_bit(received, info.corrupt[1])
         try:
@@ -232,6 +238,7 @@ class ShardTransferEngine(WeightTransferEngine[ShardInitInfo, ShardUpdateInfo]):
                 "digest_seconds": stats.digest_seconds,
                 "compare_seconds": stats.compare_seconds,
                 "bytes_received": stats.bytes_received,
+                "bytes_in_place": stats.bytes_in_place,
                 "peak_extra_bytes": stats.peak_extra_bytes, "transport": transport,
                 "transports": channels.transports_used(plan)}
 

@@ -18,6 +18,7 @@ from mcore_rl.parallel import ParallelConfig
 from mcore_rl.resharding import (SyncGroupSpec, build_plan, join_sync_group, receive_shards,
                                  send_shards, verify_plan)
 from mcore_rl.resharding.host_memory import ReceivePool
+from mcore_rl.resharding.schedule import compile_schedule
 
 MICRO = get_preset("micro")  # 4 heads, 2 kv heads, head_dim 32, 4 layers, vocab 250
 WIDE = MICRO.with_(heads=8, kv_heads=4, head_dim=16, hidden=128)
@@ -95,7 +96,7 @@ def run_case(rank, case_index, spec, parallel, infer_tp, engines, expert_paralle
     if rank < plan.num_src:
         local = materialize_rank(src, rank, hf.__getitem__)
         stats = send_shards(plan, group, rank, local, dtype=torch.float32)
-        for seed in (8, 9) if pooled else ():
+        for seed in (8, 9, 10) if pooled else ():
             new = hf_reference(spec, seed)
             send_shards(plan, group, rank, materialize_rank(src, rank, new.__getitem__),
                         dtype=torch.float32)
@@ -114,7 +115,8 @@ def run_case(rank, case_index, spec, parallel, infer_tp, engines, expert_paralle
 
 def _pooled_resyncs(plan, group, rank, spec, dst):
     """Two syncs into one pool (weights of seeds 8, 9): is each exact, the second in the
-    first's memory?"""
+    first's memory? Then one (seed 10) straight into given tensors (`into`, as an engine
+    receives into its parameters): exact, and which shards went there?"""
     pool, ptrs, exact = ReceivePool(), [], []
     for seed in (8, 9):
         expected = materialize_rank(dst, rank - plan.num_src, hf_reference(spec, seed).__getitem__)
@@ -122,7 +124,21 @@ def _pooled_resyncs(plan, group, rank, spec, dst):
         ptrs.append({k: t.data_ptr() for k, t in received.items()})
         exact.append(set(received) == set(expected) and all(
             torch.equal(expected[k], received[k]) for k in expected))
-    return {"exact": exact, "same_memory": ptrs[0] == ptrs[1], "pooled_bytes": pool.nbytes}
+    targets = {}
+
+    def into(key, shape, dtype, device):
+        targets[key] = torch.full(shape, float("nan"), dtype=dtype)  # stale "parameters"
+        return targets[key]
+
+    expected = materialize_rank(dst, rank - plan.num_src, hf_reference(spec, 10).__getitem__)
+    received = dict(receive_shards(plan, group, rank, dtype=torch.float32, pool=pool, into=into))
+    exact.append(set(received) == set(expected) and all(
+        torch.equal(expected[k], received[k]) for k in expected))
+    covered = compile_schedule(plan, rank, sending=False).covered
+    whole = {k for k, t in expected.items() if covered.get(k, 0) == t.numel()}
+    return {"exact": exact, "same_memory": ptrs[0] == ptrs[1], "pooled_bytes": pool.nbytes,
+            "into": sorted(k for k in received if received[k] is targets.get(k)),
+            "whole": sorted(whole), "asked_for": sorted(targets), "keys": len(received)}
 
 
 def run_table(rank, world_size):
@@ -152,7 +168,12 @@ def test_every_inference_rank_gets_its_exact_shard(table, case_id):
     for r in dst:
         assert not r["missing"] and not r["extra"] and not r["mismatched"], r
         if case_id == POOLED:  # reused memory: exact, padding zero, no fresh allocation
-            assert r["pool_reuse"]["exact"] == [True, True], r["pool_reuse"]
+            assert r["pool_reuse"]["exact"] == [True, True, True], r["pool_reuse"]
+            # every wholly covered shard, and only those, went straight where `into` said;
+            # a padded one (vocabulary rows past the model's) through a zeroed buffer
+            reuse = r["pool_reuse"]
+            assert reuse["into"] == reuse["whole"] == reuse["asked_for"], reuse
+            assert 0 < len(reuse["whole"]) < reuse["keys"]  # both kinds in this row
             assert r["pool_reuse"]["same_memory"], r["pool_reuse"]
             assert r["pool_reuse"]["pooled_bytes"] == r["bytes"]
     for r in (r for r in results if r["role"] == "src"):

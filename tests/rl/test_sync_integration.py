@@ -69,6 +69,8 @@ def test_megatron_tp2pp2_to_vllm_tp2_matches_hf(tp2pp2, ray_cluster):
     assert 0 < step["sync_compare_s"] < step["timing_s/sync"]
     # disaggregated: every byte goes point to point over the sync group
     assert run["run"].transports == ("p2p",) and step["sync_bytes_ipc"] == 0
+    # the shards vLLM's CPU parameters can take whole (not prepacked linears) landed in them
+    assert 0 < step["sync_bytes_in_place"] < step["sync_bytes"]
     hf_state = assemble_hf(megatron_shards(run["spec"], cfg.actor), run["shards"])
     model = hf_model_with(model_dir, hf_state)
     worst = sampled_logprob_gap(model, prompts, sampled)

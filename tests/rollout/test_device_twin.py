@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from device_twin import TWIN, assert_on_twin
+from mcore_rl.rollout.install import install_from_iterator, receive_target
 from mcore_rl.rollout.moe_install import MoEInstaller
 
 pytestmark = [pytest.mark.device_twin, pytest.mark.fast]
@@ -82,3 +83,41 @@ def test_moe_install_replaces_a_prepacked_parameter():
     assert module.w13_weight is not old13
     assert module.w13_weight.shape == (E, 2 * I_PAD, H)
     assert module.w13_weight.weight_loader == "loader13"
+
+
+def _dense_model(device) -> nn.Module:
+    model = nn.Sequential(nn.Linear(4, 3, bias=False, device=device))
+    return model.requires_grad_(False)
+
+
+def test_a_shard_received_into_its_parameter_is_installed_without_a_copy():
+    """N13: a whole shard is received straight into the parameter it replaces
+    (`receive_target`), and the install then copies nothing: same storage, same pointer."""
+    model = _dense_model("cpu")
+    param, ptr = model[0].weight, model[0].weight.data_ptr()
+    target = receive_target(model, "0.weight", (3, 4), torch.float32, "cpu")
+    assert target.data_ptr() == ptr
+    target.copy_(torch.arange(12.0).view(3, 4))  # what the transport does as bytes land
+    seen = {}
+    names = install_from_iterator(model, [("0.weight", target)],
+                                  installed=lambda n, t: seen.update({n: t}))
+    assert names == ["0.weight"] and model[0].weight is param and param.data_ptr() == ptr
+    assert torch.equal(param, torch.arange(12.0).view(3, 4)) and seen["0.weight"] is param
+    # whatever the parameter cannot take goes through a buffer and a copy
+    for shape, dtype, device in [((4, 3), torch.float32, "cpu"), ((3, 4), torch.bfloat16, "cpu"),
+                                 ((3, 4), torch.float32, TWIN)]:
+        assert receive_target(model, "0.weight", shape, dtype, device) is None
+    assert receive_target(model, "1.weight", (3, 4), torch.float32, "cpu") is None
+    experts = _experts("cpu")  # fused experts hold a kernel's layout: through the installer
+    parent = nn.Module()
+    parent.experts = experts
+    assert receive_target(parent, "experts.w2_weight", (E, H, I_PAD), torch.float32,
+                          "cpu") is None
+
+
+def test_receive_target_on_device():
+    model = _dense_model(TWIN)
+    target = receive_target(model, "0.weight", (3, 4), torch.float32, TWIN)
+    assert_on_twin(target)
+    install_from_iterator(model, [("0.weight", target)])
+    assert_on_twin(model[0].weight)
