@@ -111,7 +111,7 @@ def fp8_sync(spec, parallel, infer_tp, engines=1, expert_parallel=False):
     return got, want, plan, flags
 
 
-@pytest.mark.parametrize("spec,parallel,infer_tp,engines,expert_parallel", [
+GRIDS = pytest.mark.parametrize("spec,parallel,infer_tp,engines,expert_parallel", [
     (DENSE, ParallelConfig(tp=2), 2, 1, False),
     (DENSE, ParallelConfig(tp=2), 1, 1, False),
     (DENSE, ParallelConfig(tp=1, pp=2), 2, 2, False),
@@ -120,6 +120,9 @@ def fp8_sync(spec, parallel, infer_tp, engines=1, expert_parallel=False):
     (MOE, ParallelConfig(tp=1, dp=2, ep=2), 2, 1, True),
 ], ids=["dense tp2->tp2", "dense tp2->tp1", "dense pp2->tp2x2", "dense tp2dp2->tp4",
         "moe ep2->tp2", "moe ep2->tp2 ep"])
+
+
+@GRIDS
 def test_every_engine_rank_installs_vllms_own_fp8(spec, parallel, infer_tp, engines,
                                                   expert_parallel):
     got, want, plan, flags = fp8_sync(spec, parallel, infer_tp, engines, expert_parallel)
@@ -141,22 +144,12 @@ def test_every_engine_rank_installs_vllms_own_fp8(spec, parallel, infer_tp, engi
     assert wire["total_bytes"] < wire["without_fp8_bytes"]
 
 
-GRIDS = pytest.mark.parametrize("spec,parallel,infer_tp,engines,expert_parallel", [
-    (DENSE, ParallelConfig(tp=2), 2, 1, False),
-    (DENSE, ParallelConfig(tp=2), 1, 1, False),
-    (DENSE, ParallelConfig(tp=1, pp=2), 2, 2, False),
-    (DENSE, ParallelConfig(tp=2, dp=2), 4, 1, False),
-    (MOE, ParallelConfig(tp=1, dp=2, ep=2), 2, 1, False),
-    (MOE, ParallelConfig(tp=1, dp=2, ep=2), 2, 1, True),
-], ids=["dense tp2->tp2", "dense tp2->tp1", "dense pp2->tp2x2", "dense tp2dp2->tp4",
-        "moe ep2->tp2", "moe ep2->tp2 ep"])
-
-
-def vllm_per_tensor_reference(dst, engine_ranks, key, tp1_shape):
+def vllm_per_tensor_reference(engine_ranks, tp1_shape, moe_tp: bool):
     """vLLM's online per-tensor FP8 of `key` on each of one engine's ranks (`engine_ranks`:
     rank -> its BF16 tensor): each rank's amax (per expert for a stacked tensor), MAX-reduced
-    over the engine's TP ranks where the weight is split (a replicated router is not), the
-    scale `_fp8_scale(amax)` and the static cast of `QuantFP8.forward_native`."""
+    over the engine's TP ranks where the weight is split (a replicated router is not; experts
+    when `moe_tp`, each split over TP), the scale `_fp8_scale(amax)` and the static cast of
+    `QuantFP8.forward_native`."""
     from vllm.config import VllmConfig, set_current_vllm_config
     from vllm.model_executor.layers.quantization.input_quant_fp8 import QuantFP8
     from vllm.model_executor.layers.quantization.online.fp8 import _fp8_scale
@@ -169,8 +162,7 @@ def vllm_per_tensor_reference(dst, engine_ranks, key, tp1_shape):
     stacked = tensors[0].dim() == 3
     amaxes = [weight_amax(t.flatten(1), dim=-1) if stacked else weight_amax(t).reshape(1)
               for t in tensors]
-    split = len(tensors) > 1 and (not stacked or dst.get("moe_tp", True)) and \
-        (stacked or tuple(tensors[0].shape) != tuple(tp1_shape))
+    split = len(tensors) > 1 and (moe_tp if stacked else tuple(tensors[0].shape) != tp1_shape)
     if split:  # amax_for_tp_weight_quant / amax_for_moe_weight_quant: MAX over the TP group
         amaxes = [torch.stack(amaxes).amax(0)] * len(tensors)
     out = {}
@@ -234,9 +226,8 @@ def per_tensor_sync(spec, parallel, infer_tp, engines, expert_parallel):
             want[d] = {k: v for k, v in expected.items() if k not in fp8}
         for key in fp8:
             holders = {d: tensors[key] for d, tensors in ranks.items() if key in tensors}
-            moe_tp = {"moe_tp": not expert_parallel}
-            for d, pair in vllm_per_tensor_reference(moe_tp, holders, key,
-                                                     full[key].shape).items():
+            for d, pair in vllm_per_tensor_reference(holders, full[key].shape,
+                                                     moe_tp=not expert_parallel).items():
                 want[d][key] = pair
     for d, tensors in got.items():
         for key, per_slot in scales.get(d, {}).items():
