@@ -11,7 +11,12 @@ import argparse
 import importlib
 import os
 import sys
+from importlib.metadata import PackageNotFoundError
+from importlib.metadata import version as dist_version
 from pathlib import Path
+
+from mcore_rl.launch.exit_codes import INTERRUPT_EXIT_CODE
+from mcore_rl.launch.startup_gc import gc_paused
 
 # name → module providing add_parser(). Add a row when a command becomes real.
 COMMANDS: dict[str, str] = {
@@ -46,9 +51,6 @@ POSITIONAL_CONFIG = ("demo", "train", "bench")
 def version() -> str:
     """The installed distribution's version (the source tree's setup.cfg one when not
     installed)."""
-    from importlib.metadata import PackageNotFoundError
-    from importlib.metadata import version as dist_version
-
     try:
         return dist_version("mcore-rl")
     except PackageNotFoundError:
@@ -70,9 +72,6 @@ def main(argv: list[str] | None = None) -> int:
     """Run one command; a Ctrl-C that the command does not handle itself (train and demo stop
     at the next step with a checkpoint, convert removes its partial output) is one line and
     exit 130 (128 + SIGINT), not a traceback."""
-    from mcore_rl.launch.exit_codes import INTERRUPT_EXIT_CODE
-    from mcore_rl.launch.startup_gc import gc_paused
-
     _bind_localhost_by_default()
     try:
         with gc_paused():  # the commands' imports (mcore_rl/launch/startup_gc.py)

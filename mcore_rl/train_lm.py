@@ -20,12 +20,20 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 import torch
+import torch.distributed as dist
 
-from mcore_rl.config.seeds import STREAM_BITS, USE_THE_RUN_SEED, derive_seed, mix
 from mcore_rl.config import ConfigError, load_config, require_at_least, to_dict
+from mcore_rl.config.seeds import STREAM_BITS, USE_THE_RUN_SEED, derive_seed, mix
+from mcore_rl.launch.spawn import run_on_ranks
+from mcore_rl.megatron.config import OptimizerConfig, TrainConfig, check_model_fits_parallel
 from mcore_rl.models.presets import PRESETS, get_preset
 from mcore_rl.parallel.config import ParallelConfig
-from mcore_rl.megatron.config import OptimizerConfig, TrainConfig, check_model_fits_parallel
+from mcore_rl.parallel.groups import (
+    Axis,
+    default_backend,
+    destroy_training_groups,
+    init_training_groups,
+)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -100,7 +108,7 @@ def _micro_batches(cfg: LMRunConfig, step: int, dp_rank: int,
                    device: torch.device | str = "cpu"):
     """This DP rank's slice of the step's global batch, as MicroBatch objects on `device`
     (the model's)."""
-    from mcore_rl.megatron.train import MicroBatch
+    from mcore_rl.megatron.train import MicroBatch  # lazy: megatron
 
     t = cfg.train
     per_rank = t.num_micro_batches * t.micro_batch_size
@@ -129,10 +137,6 @@ def rank_device(rank: int) -> int | None:
     """This process's CUDA device on its node when the job trains over NCCL (torchrun/srun on
     GPUs: LOCAL_RANK, else the rank), None over gloo (CPU; the locally spawned ranks, which
     join a gloo world). The backend is `default_backend()`'s, the one place it is chosen."""
-    import torch.distributed as dist
-
-    from mcore_rl.parallel.groups import default_backend
-
     backend = dist.get_backend() if dist.is_initialized() else default_backend()
     if backend != "nccl":
         return None
@@ -142,8 +146,7 @@ def rank_device(rank: int) -> int | None:
 def run_rank(rank: int, world: int, cfg: LMRunConfig) -> list[dict]:
     """Train on this rank; global rank 0 prints one line per step. Returns the step log."""
     _quiet_cpu_warnings()
-    from mcore_rl.parallel.groups import Axis, destroy_training_groups, init_training_groups
-    from mcore_rl.megatron.train import setup_trainer, train_step
+    from mcore_rl.megatron.train import setup_trainer, train_step  # lazy: megatron
 
     device = rank_device(rank)
     if device is not None:  # before NCCL or megatron allocate anything on the device
@@ -177,7 +180,6 @@ def run(cfg: LMRunConfig) -> list[dict]:
             raise ConfigError("actor", to_dict(cfg.actor),
                               f"needs {cfg.actor.world_size} ranks, the job has {world}")
         return run_rank(int(os.environ["RANK"]), world, cfg)
-    from mcore_rl.launch.spawn import run_on_ranks
 
     return run_on_ranks(run_rank, cfg.actor.world_size, cfg, timeout_s=900)[0]
 

@@ -4,11 +4,14 @@ itself back through others."""
 
 from __future__ import annotations
 
-import pytest
-
+import ast
 import os
+import re
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+import pytest
 
 # grimp and import-linter (the `test` extra) are imported by the tests that use them: a machine
 # without them (the GPU check machine: scripts/gpu_check.sh) still collects this module.
@@ -92,3 +95,256 @@ def test_the_cycle_finder_finds_a_cycle(tmp_path, monkeypatch):
 
     graph = grimp.build_graph("cyclic_pkg", cache_dir=None)
     assert _cycles(graph) == [["cyclic_pkg.a", "cyclic_pkg.b"]]
+
+
+# --- imports by rule: test_every_function_level_import_defers_a_heavy_library ---------------
+# The libraries a lazy import may defer: heavy to import (the cumulative time of `python -X
+# importtime -c "import X"` on the 2-core CPU machine) or optional (an extra, built by hand, or
+# absent on the GPU check machine: scripts/gpu_check.sh). Light ones are imported at the top:
+# numpy 0.09 s, tqdm 0.04 s, psutil, yaml, sentencepiece 0.015 s, tokenizers 0.01 s, rich,
+# safetensors 0.005 s.
+HEAVY = {
+    "megatron": "megatron.core 3.9 s (torch included)",
+    "peft": "3.7 s (torch and transformers included)",
+    "vllm": "3.1 s (torch included); the `cpu`/`gpu` extras, not on the GPU check machine",
+    "torch": "1.0 s",
+    # a part of a library as heavy as a library: a lazy import of it is marked with its name
+    "torch.distributed.checkpoint": "0.6 s more than torch (it loads sympy)",
+    "transformers": "0.8 s; its model, config and tokenizer classes load torch",
+    "datasets": "0.6 s",
+    "wandb": "0.45 s; the `wandb` extra",
+    "matplotlib": "0.15 s, pyplot 0.4 s",
+    "ray": "0.3 s; not on the GPU check machine",
+    "tensorboard": "torch.utils.tensorboard: 0.13 s more than torch",
+    "trl": "the `bench` extra; its GRPOTrainer loads vLLM, Ray, peft and datasets",
+    "transformer_engine": "the `gpu` extra",
+    "apex": "built by hand (docs/getting-started/install.md)",
+    "fused_weight_gradient_mlp_cuda": "apex's CUDA extension",
+}
+# what importing a library, or one of its modules, loads of the others (sys.modules after it)
+LOADS = {
+    "megatron": {"torch"}, "vllm": {"torch"}, "peft": {"torch", "transformers"},
+    "transformers": {"torch"}, "trl": {"torch", "transformers"}, "transformer_engine": {"torch"},
+    "apex": {"torch"}, "fused_weight_gradient_mlp_cuda": {"torch"},
+    "safetensors.torch": {"torch"}, "torch.utils.tensorboard": {"tensorboard"},
+}
+# Files being edited elsewhere whose lazy imports still break the rule: each line says the fix.
+# The test fails once a file keeps the rule: then strike its line (and, at the end, the list).
+PENDING = {
+    "mcore_rl/config/dtypes.py",  # torch_dtype: mark `import torch  # lazy: torch`
+    "mcore_rl/config/loader.py",  # `import difflib` to the top
+    # to the top: all but megatron.train (mark it `# lazy: megatron`)
+    "mcore_rl/planning/measure.py",
+    "mcore_rl/planning/memory.py",  # `from mcore_rl.runconfig.resolve import ...` to the top
+    "mcore_rl/planning/sync_traffic.py",  # every function-level import to the top
+    "mcore_rl/runconfig/config.py",  # `import warnings` to the top
+    "mcore_rl/runconfig/resolve.py",  # `import torch` (twice) and `import psutil` to the top
+}
+
+_MARK = re.compile(r"#\s*lazy:\s*([A-Za-z_][\w.]*(?:\s*,\s*[A-Za-z_][\w.]*)*)")
+_Import = ast.Import | ast.ImportFrom
+_BLOCKS = ("body", "orelse", "finalbody")
+
+
+def _is_type_checking(node: ast.AST) -> bool:
+    test = node.test if isinstance(node, ast.If) else None
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def _split_imports(tree: ast.Module) -> tuple[list[_Import], list[_Import]]:
+    """(module-level imports, function-level ones), those under `if TYPE_CHECKING:` left out."""
+    module_level: list[_Import] = []
+    function_level: list[_Import] = []
+
+    def visit(statements: list[ast.stmt], in_function: bool) -> None:
+        for node in statements:
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                (function_level if in_function else module_level).append(node)
+                continue
+            inside = in_function or isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+            # an import is a statement: only the blocks of statements can hold one
+            for block in ("orelse",) if _is_type_checking(node) else _BLOCKS:
+                visit(getattr(node, block, ()), inside)
+            for clause in [*getattr(node, "handlers", ()), *getattr(node, "cases", ())]:
+                visit(clause.body, inside)
+
+    visit(tree.body, False)
+    return module_level, function_level
+
+
+class _ImportClosures:
+    """What each first-party module loads at import time: its module-level imports, followed
+    through first-party modules (and their packages' `__init__`s), as third-party top-level
+    package names."""
+
+    def __init__(self, root: Path, first_party: tuple[str, ...]):
+        self.root, self.first_party = root, first_party
+        self.files: dict[str, Path] = {}
+        for package in first_party:
+            for path in sorted((root / package).rglob("*.py")):
+                parts = path.relative_to(root).with_suffix("").parts
+                self.files[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+        self.trees = {name: ast.parse(path.read_text(), str(path))
+                      for name, path in self.files.items()}
+        self.imports = {name: _split_imports(tree) for name, tree in self.trees.items()}
+        self._closures: dict[str, frozenset[str]] = {}
+
+    def targets(self, node: _Import, module: str) -> list[str]:
+        """The dotted names `node` imports (`from a import b`: `a.b`, a module or a name)."""
+        if isinstance(node, ast.Import):
+            return [alias.name for alias in node.names]
+        base = node.module or ""
+        if node.level:
+            is_package = self.files[module].name == "__init__.py"
+            package = module if is_package else module.rpartition(".")[0]
+            for _ in range(node.level - 1):
+                package = package.rpartition(".")[0]
+            base = f"{package}.{base}" if base else package
+        return [base if alias.name == "*" else f"{base}.{alias.name}" for alias in node.names]
+
+    def libraries(self, dotted: str) -> frozenset[str]:
+        """The third-party packages (and heavy parts of them: `HEAVY`) importing `dotted`
+        loads."""
+        top = dotted.partition(".")[0]
+        if top in self.first_party:
+            parts = dotted.split(".")
+            found: set[str] = set()
+            for i in range(1, len(parts) + 1):
+                if ".".join(parts[:i]) in self.files:
+                    found |= self.closure(".".join(parts[:i]))
+            return frozenset(found)
+        if top in sys.stdlib_module_names:
+            return frozenset()
+        parts = dotted.split(".")
+        found = {top}
+        for prefix in (".".join(parts[:i]) for i in range(1, len(parts) + 1)):
+            found |= LOADS.get(prefix, set()) | ({prefix} & HEAVY.keys())
+        return frozenset(found)
+
+    def closure(self, module: str) -> frozenset[str]:
+        """The third-party packages importing first-party `module` loads."""
+        if module not in self._closures:
+            self._closures[module] = frozenset()  # a module-level cycle ends here
+            found: set[str] = set()
+            parent = module.rpartition(".")[0]
+            if parent in self.files:
+                found |= self.closure(parent)
+            for node in self.imports[module][0]:
+                for dotted in self.targets(node, module):
+                    found |= self.libraries(dotted)
+            self._closures[module] = frozenset(found)
+        return self._closures[module]
+
+
+def _marked(lines: list[str], node: _Import) -> list[str] | None:
+    """The libraries named by `# lazy: LIB[, LIB]` on the import's lines or the line above."""
+    for line in lines[node.lineno - 1:node.end_lineno]:
+        if match := _MARK.search(line):
+            return [name.strip() for name in match.group(1).split(",")]
+    above = lines[node.lineno - 2].strip() if node.lineno > 1 else ""
+    if above.startswith("#") and (match := _MARK.match(above)):
+        return [name.strip() for name in match.group(1).split(",")]
+    return None
+
+
+def lazy_import_problems(root: Path, package: str,
+                         first_party: tuple[str, ...] = ()) -> list[str]:
+    """`path:line: import — why` for each function-level import in `package` (under `root`)
+    that breaks the rule (the docstring above)."""
+    closures = _ImportClosures(root, (package, *first_party))
+    problems = []
+    for module, path in closures.files.items():
+        if module.partition(".")[0] != package:
+            continue
+        lines = path.read_text().splitlines()
+        module_level, function_level = closures.imports[module]
+        at_top = {ast.unparse(node) for node in module_level}
+        loaded = closures.closure(module)
+        for node in function_level:
+            target: set[str] = set()
+            for dotted in closures.targets(node, module):
+                target |= closures.libraries(dotted)
+            deferred = sorted((target - loaded) & HEAVY.keys(),
+                              key=list(HEAVY).index)
+            marks = _marked(lines, node)
+            if marks is None:
+                if deferred:
+                    why = f"not marked: mark it `# lazy: {deferred[0]}`"
+                elif ast.unparse(node) in at_top:
+                    why = "the module imports it at its top already: remove it"
+                else:
+                    why = ("defers no heavy library the module does not load already: import "
+                           "it at the module's top")
+            else:
+                wrong = [f"`{lib}` is not a heavy library (HEAVY)" for lib in marks
+                         if lib not in HEAVY]
+                wrong += [f"it does not load {lib}" for lib in marks
+                          if lib in HEAVY and lib not in target]
+                wrong += [f"the module loads {lib} at import time already" for lib in marks
+                          if lib in HEAVY and lib in loaded]
+                if not wrong:
+                    continue
+                why = "; ".join(wrong) + (
+                    f" (it defers {', '.join(deferred)})" if deferred
+                    else ": import it at the module's top")
+            problems.append(f"{path.relative_to(root)}:{node.lineno}: "
+                            f"{' '.join(ast.unparse(node).split())} — {why}")
+    return problems
+
+
+def test_every_function_level_import_defers_a_heavy_library():
+    """A function-level import (lazy import) is allowed only where it defers loading a heavy or
+    optional library (`HEAVY`) that the importing module does not already load at import time.
+    An import of an mcore_rl module defers what that module loads at import time, transitively
+    (its module-level imports and its packages' `__init__`s, `if TYPE_CHECKING:` blocks left
+    out), less what the importing module loads itself. Each one is marked with the library it
+    defers, `# lazy: LIB` at the end of the import's line or alone on the line just above it.
+    Every other import (the standard library, light third-party libraries, mcore_rl modules that
+    load nothing heavy the importer does not already load) sits at the top of its module.
+    The files in `PENDING` wait for their fix."""
+    problems = lazy_import_problems(ROOT, "mcore_rl", first_party=("tools",))
+    broken = [p for p in problems if p.partition(":")[0] not in PENDING]
+    assert not broken, "\n".join(broken)
+    kept = PENDING - {p.partition(":")[0] for p in problems}
+    assert not kept, f"these keep the rule now: strike them from PENDING: {sorted(kept)}"
+
+
+def test_the_lazy_import_check_finds_what_breaks_the_rule(tmp_path):
+    """The check above can fail: unmarked, needless and wrongly marked lazy imports are found;
+    marked ones that defer a heavy library are not."""
+    package = tmp_path / "lazy_pkg"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "heavy.py").write_text("import json\n\nimport torch\n")
+    (package / "light.py").write_text("from . import util\n")
+    (package / "util.py").write_text("import os\n")
+    (package / "uses_torch.py").write_text(
+        "from typing import TYPE_CHECKING\n\nimport torch\n\n"
+        "if TYPE_CHECKING:\n    import vllm\n\n\n"
+        "def a():\n    import json\n\n\n"                           # 10: stdlib
+        "def b():\n    from lazy_pkg import heavy  # lazy: torch\n\n\n"  # 14: loads torch already
+        "def c():\n    import torch\n\n\n"                          # 18: duplicate
+        "def d():\n    import vllm  # lazy: vllm\n\n\n"              # 22: fine
+        "def e():\n    import torch.distributed.checkpoint  # lazy: torch.distributed.checkpoint\n")
+    (package / "no_torch.py").write_text(
+        "def a():\n    from lazy_pkg import heavy  # lazy: torch\n\n\n"  # 2: fine
+        "def b():\n    # lazy: torch\n    from lazy_pkg.heavy import json\n\n\n"  # 7: fine
+        "def c():\n    from lazy_pkg import light  # lazy: torch\n\n\n"  # 11: defers nothing
+        "def d():\n    from .heavy import torch\n\n\n"              # 15: not marked
+        "def e():\n    import vllm  # lazy: vllm, numpy\n")           # 19: numpy is light
+    problems = lazy_import_problems(tmp_path, "lazy_pkg")
+    assert [p.split(" — ")[0] for p in problems] == [
+        "lazy_pkg/no_torch.py:11: from lazy_pkg import light",
+        "lazy_pkg/no_torch.py:15: from .heavy import torch",
+        "lazy_pkg/no_torch.py:19: import vllm",
+        "lazy_pkg/uses_torch.py:10: import json",
+        "lazy_pkg/uses_torch.py:14: from lazy_pkg import heavy",
+        "lazy_pkg/uses_torch.py:18: import torch",
+    ], problems
+    assert "does not load torch" in problems[0]
+    assert "mark it `# lazy: torch`" in problems[1]
+    assert "`numpy` is not a heavy library" in problems[2]
+    assert "import it at the module's top" in problems[3]
+    assert "loads torch at import time already" in problems[4]
+    assert "imports it at its top already" in problems[5]

@@ -14,6 +14,11 @@ import json
 import sys
 from pathlib import Path
 
+from mcore_rl.bench import step
+from mcore_rl.bench.report import write_outputs
+from mcore_rl.bench.trl_baseline import check_available, trl_arguments
+from mcore_rl.config import CONFIG_ERROR_EXIT, ConfigError, load_config
+
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     bench = sub.add_parser("bench", help="benchmarks (ratios against same-run baselines)")
@@ -73,8 +78,6 @@ def bench_config(cls, args):
     """The benchmark's frozen config: `--config` YAML, then the `a.b=c` overrides, then
     `--repeats` (a flag for the one field every benchmark has). Raises ConfigError naming the
     field."""
-    from mcore_rl.config import load_config
-
     overrides = list(args.overrides)
     if args.repeats is not None:
         overrides.append(f"repeats={args.repeats}")
@@ -84,10 +87,6 @@ def bench_config(cls, args):
 def _run_bench(args, name: str, make_config, run, module) -> int:
     """Shared tail of logprob / rollout / step: config errors exit 2, summary, files, JSON
     last line."""
-    from mcore_rl.bench.report import write_outputs
-
-    from mcore_rl.config import CONFIG_ERROR_EXIT
-
     try:
         cfg = make_config(args)
     except (ValueError, KeyError, OSError, ImportError) as err:  # ConfigError: a ValueError
@@ -106,33 +105,27 @@ def _run_bench(args, name: str, make_config, run, module) -> int:
 
 def _refuse(name: str, err: Exception) -> int:
     """A benchmark whose config does not load: one line on stderr, CONFIG_ERROR_EXIT."""
-    from mcore_rl.config import CONFIG_ERROR_EXIT, ConfigError
-
     what = "config error: " if isinstance(err, ConfigError) else ""
     print(f"mcore-rl bench {name}: {what}{err}", file=sys.stderr)
     return CONFIG_ERROR_EXIT
 
 
 def run_logprob(args) -> int:
-    from mcore_rl.bench import logprob
+    from mcore_rl.bench import logprob  # lazy: torch
 
     return _run_bench(args, "logprob", lambda a: bench_config(logprob.LogprobBenchConfig, a),
                       logprob.run_logprob_bench, logprob)
 
 
 def run_rollout(args) -> int:
-    from mcore_rl.bench import rollout
+    from mcore_rl.bench import rollout  # lazy: torch
 
     return _run_bench(args, "rollout", lambda a: bench_config(rollout.RolloutBenchConfig, a),
                       rollout.run_rollout_bench, rollout)
 
 
 def run_step(args) -> int:
-    from mcore_rl.bench import step
-
     def make(a):
-        from mcore_rl.config import ConfigError
-
         for flag, name in _OLD_STEP_FLAGS.items():
             if getattr(a, "old_" + name):
                 raise ConfigError(flag, getattr(a, "old_" + name)[0],
@@ -141,7 +134,6 @@ def run_step(args) -> int:
         rl = cfg.rl_config()  # fail on a bad config before anything starts
         cfg.variant().rl_config()
         if cfg.baseline == "trl":  # settings TRL cannot match, or TRL missing, fail here too
-            from mcore_rl.bench.trl_baseline import check_available, trl_arguments
 
             trl_arguments(rl, "unused", 1)
             check_available()
@@ -151,14 +143,14 @@ def run_step(args) -> int:
 
 
 def run_sync(args) -> int:
-    from mcore_rl.bench.sync import SyncBenchConfig, plan_only_report, run_sync_bench
+    from mcore_rl.bench.sync import SyncBenchConfig, plan_only_report, run_sync_bench  # lazy: torch
 
     try:
         cfg = bench_config(SyncBenchConfig, args)
         report = plan_only_report(cfg) if cfg.plan_only else run_sync_bench(cfg)
     except (ValueError, KeyError, OSError) as err:
         return _refuse("sync", err)
-    from mcore_rl.launch.slurm import is_primary
+    from mcore_rl.launch.slurm import is_primary  # lazy: torch
 
     if is_primary():  # under srun every task gets the report; one prints and writes it
         _print_summary(report)
@@ -207,8 +199,6 @@ def _print_summary(report: dict) -> None:
 def _write(out: Path, name: str, report: dict) -> None:
     """sync.json, sync.md and sync.png: time and the largest staging buffer, ours vs the
     baseline (or the projections, with --plan-only)."""
-    from mcore_rl.bench.report import write_outputs
-
     def chart(fig):
         if "projected_s" in report:
             ax = fig.add_subplot(1, 1, 1)

@@ -23,8 +23,10 @@ part's code on the CPU instead (its CPU twin: tests/bench/test_gpu.py).
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import math
+import platform
 import statistics
 import sys
 import time
@@ -33,6 +35,20 @@ from dataclasses import replace
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
+
+from mcore_rl.bench.step import FlopsModel
+from mcore_rl.bench.sync import SyncBenchConfig, SyncSettings, resolve_model, run_sync_bench
+from mcore_rl.config import load_config
+from mcore_rl.config.seeds import derive_seed
+from mcore_rl.layouts import hf_shards
+from mcore_rl.parallel import ParallelConfig
+from mcore_rl.parallel.groups import backend_for, init_training_groups
+from mcore_rl.parallel.world import join_default_group
+from mcore_rl.planning.memory import training_rank
+from mcore_rl.planning.sized import sized_run
+from mcore_rl.resharding import digest
+from mcore_rl.runconfig import RLConfig
 
 ACTOR_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "bench" / "gpu_actor.yaml"
 
@@ -84,14 +100,6 @@ def copy_gbs(nbytes: int, device: torch.device, repeats: int = 10) -> float:
 
 def _world(device: torch.device):
     """A one-rank world on `device` (NCCL on CUDA) and megatron's groups for TP1."""
-    import datetime
-
-    import torch.distributed as dist
-
-    from mcore_rl.parallel import ParallelConfig
-    from mcore_rl.parallel.groups import backend_for, init_training_groups
-    from mcore_rl.parallel.world import join_default_group
-
     if device.type == "cuda":
         torch.cuda.set_device(device)
     store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True,
@@ -118,12 +126,7 @@ def made_up_rollouts(rows: int, seq_len: int, prompt: int, vocab: int, seed: int
 def actor_part(config: Path, overrides: list[str], updates: int, device: torch.device) -> dict:
     """Plan the actor rank, then build it and run `updates` RL updates (old log-probs, then
     one optimizer step on the whole batch), measuring each."""
-    from mcore_rl.config import load_config
-    from mcore_rl.config.seeds import derive_seed
-    from mcore_rl.megatron.train import setup_trainer
-    from mcore_rl.planning.memory import training_rank
-    from mcore_rl.planning.sized import sized_run
-    from mcore_rl.runconfig import RLConfig
+    from mcore_rl.megatron.train import setup_trainer  # lazy: megatron
 
     cfg = load_config(RLConfig, config, overrides)
     on_gpu = device.type == "cuda"
@@ -163,9 +166,9 @@ def _timed_updates(trainer, cfg, spec, rows: int, seq: int, updates: int,
                    device: torch.device) -> dict[str, list]:
     """`updates` RL updates on made-up rollouts, each the old log-probs' pass then one policy
     update over the whole batch: their seconds, reports and (on a GPU) memory peaks."""
-    from mcore_rl.config.seeds import derive_seed
+    # lazy: megatron
     from mcore_rl.megatron.policy import PolicyBatch, compute_logprobs, policy_update
-    from mcore_rl.megatron.train import MicroBatch
+    from mcore_rl.megatron.train import MicroBatch  # lazy: megatron
 
     on_gpu = device.type == "cuda"
     mbs = cfg.train.micro_batch_size
@@ -205,8 +208,6 @@ def _timed_updates(trainer, cfg, spec, rows: int, seq: int, updates: int,
 def _throughput(spec, rows: int, seq: int, measured: dict[str, list]) -> dict:
     """Median update and log-prob seconds (the first of each pays one-off costs: left out
     when there are more), tokens per second and the update's TFLOP/s."""
-    from mcore_rl.bench.step import FlopsModel
-
     update_s = statistics.median(measured["update_s"][1:] or measured["update_s"])
     logprob_s = statistics.median(measured["logprob_s"][1:] or measured["logprob_s"])
     update_flops = FlopsModel.policy(spec).train([seq] * rows)
@@ -228,7 +229,7 @@ def loss_transient(trainer, algo, rows: int, seq: int, device: torch.device) -> 
     """What the policy loss itself allocates beyond its input logits, forward and backward,
     for one micro batch: bytes, and in fp32 vocabulary rows ([rows·seq, V/tp] fp32), the unit
     the planner's logits terms are in."""
-    from mcore_rl.megatron.policy import PolicyBatch, _policy_loss
+    from mcore_rl.megatron.policy import PolicyBatch, _policy_loss  # lazy: megatron
 
     vocab = trainer.spec.mcore_padded_vocab(trainer.groups.config.tp) // trainer.groups.config.tp
     g = torch.Generator(device=device).manual_seed(0)
@@ -273,8 +274,6 @@ def _device_name(device: torch.device) -> str:
 def refit_part(model: str, repeats: int, bucket_mb: float, device: torch.device) -> dict:
     """`bench sync` transport=ipc on the one GPU (on CPU: through shared memory), bit-exact,
     and the copy it is compared with."""
-    from mcore_rl.bench.sync import SyncBenchConfig, SyncSettings, run_sync_bench
-
     cfg = SyncBenchConfig(model=model, transport="ipc", device=device.type, check=True,
                           sync=SyncSettings(dtype="bfloat16", bucket_mb=bucket_mb),
                           repeats=repeats, untimed=1)
@@ -299,10 +298,6 @@ def digest_alone(model: str, device: torch.device, repeats: int = 3) -> dict:
     sync beside it): seconds per whole model and GB/s — what a receiver pays per sync — with
     the digest's own mixing block, and with a 4× larger one (`by_block_units`: the choice a
     GPU measurement decides, resharding/digest.py's `_BLOCK_DEVICE`)."""
-    from mcore_rl.bench.sync import resolve_model
-    from mcore_rl.layouts import hf_shards
-    from mcore_rl.resharding import digest
-
     shapes = hf_shards(resolve_model(model)).hf_shapes
     tensors = [torch.empty(shape, dtype=torch.bfloat16, device=device).random_(-1000, 1000)
                for shape in shapes.values()]
@@ -433,15 +428,13 @@ def markdown(s: dict) -> str:
 
 
 def env_part() -> dict:
-    import platform
-
     info = {"ran": True, "python": platform.python_version(), "torch": torch.__version__,
             "cuda": torch.version.cuda, "cuda_available": torch.cuda.is_available()}
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name(0)
         info["gpu_memory_bytes"] = torch.cuda.get_device_properties(0).total_memory
     try:
-        import megatron.core
+        import megatron.core  # lazy: megatron
 
         info["megatron_core"] = megatron.core.__version__
     except Exception as err:  # the summary says so; the parts that need it fail on their own

@@ -32,13 +32,14 @@ from dataclasses import asdict, dataclass
 
 import torch
 import torch.distributed as dist
+from torch.profiler import ProfilerActivity, profile
 
-from mcore_rl.algorithms.vocab_parallel import (chunked_log_probs_and_entropy,
-                                                log_probs_and_entropy)
+from mcore_rl.algorithms.vocab_parallel import chunked_log_probs_and_entropy, log_probs_and_entropy
 from mcore_rl.bench.report import Table, bar_with_spread, spread
 from mcore_rl.config import ConfigError, require_at_least
 from mcore_rl.config.dtypes import normalize_dtype_fields, torch_dtype
 from mcore_rl.config.seeds import STREAM_BITS, mix
+from mcore_rl.launch.spawn import run_on_ranks
 
 PATHS = ("ours", "baseline")
 
@@ -75,8 +76,6 @@ class LogprobBenchConfig:
 def peak_allocated_bytes(fn) -> tuple[object, int]:
     """Run `fn()` under the torch profiler; return its result and the peak of the running
     sum of allocator events (bytes allocated by `fn` and still live, at its worst moment)."""
-    from torch.profiler import ProfilerActivity, profile
-
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         result = fn()
     events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
@@ -180,8 +179,6 @@ def summarize(cfg: LogprobBenchConfig, per_rank: list[dict]) -> dict:
 
 def run_logprob_bench(cfg: LogprobBenchConfig) -> dict:
     """Launch `tp` local gloo ranks, run both paths, return the report."""
-    from mcore_rl.launch.spawn import run_on_ranks
-
     per_rank = run_on_ranks(rank_main, cfg.tp, cfg, timeout_s=cfg.timeout_s)
     report = summarize(cfg, per_rank)
     report["config"] = asdict(cfg)

@@ -68,10 +68,10 @@ def write_outputs(out: Path, name: str, report: dict, tables: Sequence[Table],
     body += ["### all scalars", "", scalar_table(report)]
     paths[1].write_text("\n".join(body))
     if chart is not None:
-        import matplotlib
+        import matplotlib  # lazy: matplotlib
 
         matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        import matplotlib.pyplot as plt  # lazy: matplotlib
 
         fig = plt.figure(figsize=(9, 4))
         try:

@@ -23,7 +23,13 @@ from pathlib import Path
 import torch
 
 from mcore_rl.bench.report import Table, bar_with_spread, spread
+from mcore_rl.bench.sync import resolve_model
 from mcore_rl.config import ConfigError, require_above, require_at_least
+from mcore_rl.models.hf_factory import make_hf_model_dir
+from mcore_rl.models.hf_reference import load_hf_model
+from mcore_rl.models.spec import ModelSpec
+from mcore_rl.rollout.config import RolloutConfig, SamplingConfig
+from mcore_rl.rollout.engine import RolloutEngine
 
 PATHS = ("vllm", "hf")
 
@@ -59,9 +65,6 @@ class RolloutBenchConfig:
 
 
 def _model_dir(cfg: RolloutBenchConfig, scratch: Path) -> Path:
-    from mcore_rl.bench.sync import resolve_model
-    from mcore_rl.models.hf_factory import make_hf_model_dir
-
     if Path(cfg.model).is_dir():
         return Path(cfg.model)
     spec = resolve_model(cfg.model)
@@ -83,8 +86,6 @@ def _device() -> str:
 
 def run_hf(model_dir: Path, prompts: list[list[int]], cfg: RolloutBenchConfig) -> dict:
     """HF `generate` on the whole batch: warm-up, then `repeats` timed calls."""
-    from mcore_rl.models.hf_reference import load_hf_model
-
     device = _device()
     model = load_hf_model(model_dir).to(device)
     ids = torch.tensor(prompts, dtype=torch.long, device=device)
@@ -111,9 +112,6 @@ def run_hf(model_dir: Path, prompts: list[list[int]], cfg: RolloutBenchConfig) -
 
 def run_vllm(model_dir: Path, prompts: list[list[int]], cfg: RolloutBenchConfig) -> dict:
     """Our RolloutEngine (vLLM in-process, TP1): warm-up, then `repeats` timed calls."""
-    from mcore_rl.rollout.config import RolloutConfig, SamplingConfig
-    from mcore_rl.rollout.engine import RolloutEngine
-
     engine = RolloutEngine(model_dir, RolloutConfig(
         tp=1, max_model_len=cfg.max_model_len, kv_cache_gib=cfg.kv_cache_gib,
         enable_prefix_caching=False), call_timeout_s=cfg.timeout_s, seed=cfg.seed)
@@ -148,8 +146,6 @@ def _agreement(a: list[list[int]], b: list[list[int]]) -> float:
 
 def run_rollout_bench(cfg: RolloutBenchConfig) -> dict:
     """Build (or take) the model, run HF then vLLM, return the report."""
-    from mcore_rl.models.spec import ModelSpec
-
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     with tempfile.TemporaryDirectory(prefix="mcore-rl-bench-rollout-") as scratch:

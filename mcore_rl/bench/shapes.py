@@ -26,8 +26,11 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+
 from mcore_rl.config import ConfigError
 from mcore_rl.models.spec import ModelSpec
+from mcore_rl.tasks.tokenizer import load_tokenizer
 
 PACKAGE = Path(__file__).resolve().parents[1]
 BENCH_CONFIGS = PACKAGE.parent / "configs" / "bench"
@@ -91,8 +94,7 @@ def train_tokenizer(texts: list[str], vocab: int):
     """A byte-level BPE of `vocab` pieces (fewer if the text has too few pairs) trained on
     `texts` with Qwen2's split; EOS and padding `<|endoftext|>`, no BOS (prompts are encoded
     as they are)."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
+    from transformers import PreTrainedTokenizerFast  # lazy: transformers
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.Sequence([
@@ -132,8 +134,7 @@ def fixed_length_prompts(tokenizer, texts: list[str], tokens: int, count: int) -
 def build_shape(name: str, out: Path, *, seed: int = 0) -> tuple[str, ...]:
     """Write shape `name`'s model, tokenizer and prompts into `out` (module doc); returns the
     RL overrides pointing at them (`shape_overrides`)."""
-    from mcore_rl.models.hf_factory import make_hf_model_dir
-    from mcore_rl.tasks.tokenizer import load_tokenizer
+    from mcore_rl.models.hf_factory import make_hf_model_dir  # lazy: torch
 
     shape = get_shape(name)
     out = Path(out)

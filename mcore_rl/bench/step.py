@@ -43,7 +43,11 @@ from pathlib import Path
 from typing import ClassVar, Sequence
 
 from mcore_rl.bench.report import Table, spread
-from mcore_rl.config import ConfigError
+from mcore_rl.bench.shapes import build_shape, get_shape, shape_overrides
+from mcore_rl.bench.trl_baseline import PHASES as TRL_PHASES
+from mcore_rl.bench.trl_baseline import run_in_subprocess
+from mcore_rl.config import ConfigError, load_config
+from mcore_rl.config.dtypes import torch_dtype
 from mcore_rl.launch.process_cpu import cpu_floor_s
 from mcore_rl.models.spec import ModelSpec
 
@@ -166,8 +170,6 @@ class StepBenchConfig:
 
     def __post_init__(self) -> None:
         if self.shape is not None:
-            from mcore_rl.bench.shapes import get_shape
-
             get_shape(self.shape)  # raises ConfigError("shape", ...) for an unknown one
         if self.baseline not in (None, "trl"):
             raise ConfigError("baseline", self.baseline, "must be null or 'trl'")
@@ -188,14 +190,13 @@ class StepBenchConfig:
     def config_path(self) -> str:
         """The RL config's YAML: `config`, or the demo's (both sides of a TRL comparison read
         this one file)."""
-        from mcore_rl.run.train import DEMO_CONFIG
+        from mcore_rl.run.train import DEMO_CONFIG  # lazy: torch
 
         return str(self.config or DEMO_CONFIG)
 
     def rl_config(self):
         """The RL config (with a shape not yet built: pointing at where it will be)."""
-        from mcore_rl.config import load_config
-        from mcore_rl.runconfig import RLConfig
+        from mcore_rl.runconfig import RLConfig  # lazy: torch
 
         cfg = self.built(Path("/shape-built-at-run-time")) if self.shape else self
         return load_config(RLConfig, cfg.config_path, list(cfg.overrides))
@@ -204,8 +205,6 @@ class StepBenchConfig:
         """This benchmark on its shape as built into `shape_dir` (`shapes.build_shape`): the
         shape's RL config (unless `config` is given) with overrides pointing at the model and
         prompts there, then this benchmark's overrides."""
-        from mcore_rl.bench.shapes import get_shape, shape_overrides
-
         return replace(self, shape=None, config=self.config or str(get_shape(self.shape).config),
                        overrides=shape_overrides(shape_dir) + self.overrides)
 
@@ -221,8 +220,6 @@ def step_bench_config(config: str | None, overrides: Sequence[str], *,
     """The benchmark from `a.b=c` overrides: keys in `StepBenchConfig.OWN` set the benchmark,
     every other key overrides the RL config (`config`: its YAML). Raises ConfigError naming
     the field."""
-    from mcore_rl.config import load_config
-
     own = [o for o in overrides if o.partition("=")[0] in StepBenchConfig.OWN]
     rest = tuple(o for o in overrides if o.partition("=")[0] not in StepBenchConfig.OWN)
     if repeats is not None:
@@ -232,7 +229,7 @@ def step_bench_config(config: str | None, overrides: Sequence[str], *,
 
 
 def _measured_sampler_cls():
-    from mcore_rl.rl.sampler import Sampler
+    from mcore_rl.rl.sampler import Sampler  # lazy: torch
 
     class MeasuredSampler(Sampler):
         """The run's Sampler, recording the lengths of the sequences it generates (for the
@@ -256,7 +253,7 @@ def _measured_sampler_cls():
 
 def matmul_tflops(dtype: "torch.dtype", n: int = 512, seconds: float = 0.5) -> float:
     """TFLOP/s of n×n×n matrix products in `dtype` on one CPU thread (after 3 warm-ups)."""
-    import torch
+    import torch  # lazy: torch
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -279,8 +276,7 @@ def with_peak(cfg: StepBenchConfig) -> tuple[StepBenchConfig, str]:
     one) measured now (`matmul_tflops` in the actor's dtype). A GPU run must give it."""
     if cfg.peak_tflops is not None:
         return cfg, "given (peak_tflops)"
-    from mcore_rl.config.dtypes import torch_dtype
-    from mcore_rl.runconfig.resolve import run_device
+    from mcore_rl.runconfig.resolve import run_device  # lazy: torch
 
     rl = cfg.rl_config()
     if run_device(rl) == "cuda":
@@ -306,7 +302,6 @@ def run_step_bench(cfg: StepBenchConfig) -> dict:
 def _run_step_bench_shape(cfg: StepBenchConfig) -> dict:
     if cfg.shape is None:
         return _run_step_bench(cfg)
-    from mcore_rl.bench.shapes import build_shape, get_shape
 
     with tempfile.TemporaryDirectory(prefix=f"mcore-rl-bench-{cfg.shape}-") as built:
         start = time.perf_counter()
@@ -335,7 +330,7 @@ def _measure(cfg: StepBenchConfig) -> dict:
     """Start the controller on the run's model (model.hf_dir, or the demo model built
     locally), run the supervised warm-up if warmup.max_steps > 0, then unmeasured + measured
     RL steps; with `baseline`, TRL from the same starting weights. Returns the report."""
-    from mcore_rl.run.lifecycle import RLRun
+    from mcore_rl.run.lifecycle import RLRun  # lazy: torch
 
     rl = cfg.rl_config()
     start = time.perf_counter()
@@ -363,8 +358,6 @@ def _measure(cfg: StepBenchConfig) -> dict:
                       steps_run=len(prompts), startup_cpu_s=startup_cpu,
                       startup_cpu_floor_s=cpu_floor_s(startup_cpu["total"]))
         if cfg.baseline == "trl":
-            from mcore_rl.bench.trl_baseline import run_in_subprocess
-
             trl = run_in_subprocess(cfg.config_path, list(cfg.overrides), str(start_dir),
                                     len(prompts))
             report["baseline"] = trl_summary(trl, cfg.untimed_steps, same_prompts=(
@@ -390,8 +383,6 @@ def length_summary(steps: list[dict[str, list[int]]]) -> dict:
 def trl_summary(trl: dict, unmeasured: int, *, same_prompts: bool) -> dict:
     """The TRL run's measured steps (after `unmeasured`) as median/min/max per phase, beside
     its start-up, process time and rewards."""
-    from mcore_rl.bench.trl_baseline import PHASES as TRL_PHASES
-
     measured = trl["per_step"][unmeasured:]
     return {"name": "trl", "version": trl["trl_version"], "steps_run": len(trl["per_step"]),
             "same_prompts": same_prompts, "threads": trl["threads"],

@@ -28,10 +28,11 @@ import psutil
 import torch
 import torch.distributed as dist
 
-from mcore_rl.bench.link_model import LinkModel
+from mcore_rl.bench.link_model import LinkModel, project_baseline, project_transport
 from mcore_rl.bench.sync_link import LinkBaseline, byte_matrix
 from mcore_rl.config import ConfigError, require_above, require_at_least, require_one_of
 from mcore_rl.config.dtypes import DtypeName, normalize_dtype_fields, torch_dtype
+from mcore_rl.launch.slurm import launch_ranks
 from mcore_rl.layouts import ShardMap, materialize_rank, megatron_shards, vllm_shards
 from mcore_rl.layouts.layout import box_numel, box_slices
 from mcore_rl.models.hf_weights import RandomWeights, SafetensorsWeights
@@ -466,8 +467,6 @@ def _link_report(plan: Plan, link: dict, ours: dict) -> dict:
 def run_sync_bench(cfg: SyncBenchConfig) -> dict:
     """Launch T + D local processes (or, under srun/torchrun, run this task's rank), run the
     benchmark, return the report."""
-    from mcore_rl.launch.slurm import launch_ranks
-
     spec = resolve_model(cfg.model)
     _, _, plan = make_plan(cfg, spec)  # fail on bad input before any process starts
     per_rank = launch_ranks(rank_main, plan.world_size, cfg, init_default_group=False,
@@ -480,8 +479,6 @@ def run_sync_bench(cfg: SyncBenchConfig) -> dict:
 def plan_only_report(cfg: SyncBenchConfig) -> dict:
     """Plan on shapes alone (any model size) and project both transports' times on
     `cfg.link_model`."""
-    from mcore_rl.bench.link_model import project_baseline, project_transport
-
     link = cfg.link_model
     spec = resolve_model(cfg.model)
     src, dst, plan = make_plan(cfg, spec)

@@ -24,12 +24,18 @@ forward, backward and optimizer steps of the mini-batches).
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import os
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
-from mcore_rl.config import ConfigError
+from mcore_rl.config import ConfigError, load_config
+from mcore_rl.tasks.config import build_reward, build_task
+from mcore_rl.tasks.tokenizer import response_text
 
 PHASES = ("gen", "reward", "old_logprob", "prep", "update", "step")
 _LOSS_TYPES = {"token-mean": "dapo", "seq-mean-token-mean": "grpo"}
@@ -73,8 +79,6 @@ def trl_arguments(rl, out_dir: str, steps: int) -> dict:
 
 def check_available() -> None:
     """Raise ImportError saying how to install TRL when it is missing."""
-    import importlib.util
-
     if importlib.util.find_spec("trl") is None:
         raise ImportError("baseline=trl needs Hugging Face TRL: pip install '.[bench]'")
 
@@ -88,8 +92,6 @@ def _field(rl, dotted: str):
 
 def step_examples(rl, steps: int) -> list:
     """The examples our controller samples at steps 1..steps (dynamic sampling off)."""
-    from mcore_rl.tasks.config import build_task
-
     task = build_task(rl.task)
     return [task.train_examples(rl.prompts_per_step, step=s, attempt=0, seed=rl.seed)
             for s in range(1, steps + 1)]
@@ -99,13 +101,10 @@ def run_trl(rl, hf_dir: str, steps: int, scratch: str) -> dict:
     """TRL's GRPO for `steps` RL steps from `hf_dir`; per-step phase seconds, rewards, the
     prompts of each step, start-up seconds (imports + model + trainer)."""
     start = time.perf_counter()
-    import torch
-    import transformers
-    from datasets import Dataset
-    from trl import GRPOConfig, GRPOTrainer
-
-    from mcore_rl.tasks.config import build_reward
-    from mcore_rl.tasks.tokenizer import response_text
+    import torch  # lazy: torch
+    import transformers  # lazy: transformers
+    from datasets import Dataset  # lazy: datasets
+    from trl import GRPOConfig, GRPOTrainer  # lazy: trl
 
     imported = time.perf_counter()
     tokenizer = transformers.AutoTokenizer.from_pretrained(hf_dir)
@@ -214,10 +213,6 @@ def run_in_subprocess(config: str | None, overrides: list[str], hf_dir: str, ste
                       timeout_s: float = 1800.0) -> dict:
     """`run_trl` in a fresh Python process (see the module doc); its wall seconds from
     process start to exit are reported as `process_s`."""
-    import os
-    import subprocess
-    import tempfile
-
     with tempfile.TemporaryDirectory(prefix="mcore-rl-trl-") as scratch:
         args = Path(scratch) / "args.json"
         args.write_text(json.dumps({"config": config, "overrides": overrides,
@@ -237,8 +232,7 @@ def run_in_subprocess(config: str | None, overrides: list[str], hf_dir: str, ste
 
 
 def main(argv: list[str]) -> int:
-    from mcore_rl.config import load_config
-    from mcore_rl.runconfig import RLConfig
+    from mcore_rl.runconfig import RLConfig  # lazy: torch
 
     args = json.loads(Path(argv[0]).read_text())
     rl = load_config(RLConfig, args["config"], args["overrides"])

@@ -18,7 +18,7 @@ def apply_cpu_compat(device: str = "cpu") -> list[str]:
     per thread (torch function modes are thread-local): call it in the thread that runs
     megatron.
     """
-    from mcore_rl.compat import megatron_cpu
+    from mcore_rl.compat import megatron_cpu  # lazy: torch
 
     if str(device).startswith("cuda"):
         # megatron-core's own gap without TransformerEngine, whatever the device

@@ -66,7 +66,7 @@ def deferring(real_compile: Callable) -> Callable:
 
 def _enter() -> None:
     global _depth, _real_compile
-    import torch
+    import torch  # lazy: torch
 
     with _lock:
         if _depth == 0:
@@ -77,7 +77,7 @@ def _enter() -> None:
 
 def _exit() -> None:
     global _depth, _real_compile
-    import torch
+    import torch  # lazy: torch
 
     with _lock:
         _depth -= 1

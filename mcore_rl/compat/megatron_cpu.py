@@ -248,7 +248,7 @@ def _replace(owner: Any, name: str, make: Callable[[Callable], Any]) -> bool:
 def check_version(installed: str | None = None) -> None:
     """Refuse any megatron-core but the one the shims were written against."""
     if installed is None:
-        import megatron.core
+        import megatron.core  # lazy: megatron
 
         installed = megatron.core.__version__
     if installed != MEGATRON_CORE_VERSION:
@@ -261,14 +261,16 @@ def check_version(installed: str | None = None) -> None:
 def _installers() -> dict[str, Callable[[], bool]]:
     """Shim name → installer (returns False when already installed), in dependency order:
     later shims' code paths also need the earlier ones."""
-    from megatron.core.dist_checkpointing.strategies.filesystem_async import (
-        FileSystemWriterAsync)
-    from megatron.core.fusions import fused_softmax
-    from megatron.core.optimizer import clip_grads, distrib_optimizer, optimizer
-    from megatron.core.tensor_parallel import random as tp_random
-    from megatron.core.transformer import torch_norm
-    from megatron.core.transformer import utils as transformer_utils
-    from megatron.core.transformer.moe import moe_utils
+    # lazy: megatron
+    from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
+    from megatron.core.fusions import fused_softmax  # lazy: megatron
+    from megatron.core.optimizer import clip_grads, distrib_optimizer, optimizer  # lazy: megatron
+    from megatron.core.tensor_parallel import random as tp_random  # lazy: megatron
+    from megatron.core.transformer import torch_norm  # lazy: megatron
+    from megatron.core.transformer import utils as transformer_utils  # lazy: megatron
+    from megatron.core.transformer.moe import moe_utils  # lazy: megatron
+
+    # lazy: megatron
     from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
 
     return {

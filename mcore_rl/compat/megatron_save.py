@@ -31,7 +31,7 @@ _SHIM_ATTR = "_mcore_rl_save_shim"
 def _in_process_results_queue() -> queue.Queue:
     """filesystem_async._get_write_results_queue for synchronous saves: one queue per
     process, made on first use and kept in the module's own cache."""
-    from megatron.core.dist_checkpointing.strategies import filesystem_async
+    from megatron.core.dist_checkpointing.strategies import filesystem_async  # lazy: megatron
 
     if filesystem_async._results_queue is None:
         filesystem_async._results_queue = queue.Queue()
@@ -44,9 +44,9 @@ setattr(_in_process_results_queue, _SHIM_ATTR, True)
 def install() -> bool:
     """Replace megatron's results-queue factory (idempotent: False when already replaced).
     Call it before a synchronous save, in the process that saves."""
-    from megatron.core.dist_checkpointing.strategies import filesystem_async
+    from megatron.core.dist_checkpointing.strategies import filesystem_async  # lazy: megatron
 
-    from mcore_rl.compat.megatron_cpu import check_version
+    from mcore_rl.compat.megatron_cpu import check_version  # lazy: torch
 
     check_version()
     if getattr(filesystem_async._get_write_results_queue, _SHIM_ATTR, False):

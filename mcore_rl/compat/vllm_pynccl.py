@@ -26,8 +26,8 @@ def pynccl() -> tuple[ModuleType, ModuleType]:
     """vLLM's `pynccl` and `pynccl_wrapper` modules, imported with the process environment
     left as it was (see the module docstring)."""
     before = dict(os.environ)
-    from vllm.distributed.device_communicators import pynccl as communicator
-    from vllm.distributed.device_communicators import pynccl_wrapper as wrapper
+    from vllm.distributed.device_communicators import pynccl as communicator  # lazy: vllm
+    from vllm.distributed.device_communicators import pynccl_wrapper as wrapper  # lazy: vllm
 
     changed = sorted(k for k in set(before) | set(os.environ)
                      if before.get(k) != os.environ.get(k))

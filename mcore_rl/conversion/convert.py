@@ -43,20 +43,38 @@ from pathlib import Path
 from typing import Callable
 
 import torch
+from tqdm import tqdm
 
 from mcore_rl.conversion import output
 from mcore_rl.conversion.dcp_io import ChunkReader, TensorChunk, save_chunks
 from mcore_rl.conversion.errors import ConversionError
-from mcore_rl.conversion.hf_source import (PreadSafetensors, check_hf_tensors, copy_side_files,
-                                           read_config, read_spec)
+from mcore_rl.conversion.hf_source import (
+    PreadSafetensors,
+    check_hf_tensors,
+    copy_side_files,
+    read_config,
+    read_spec,
+)
 from mcore_rl.conversion.layout import AdapterLayout, CkptLayout, CkptTensor, checkpoint_layout
-from mcore_rl.conversion.lora_checkpoint import (AdapterMerge, LoraMeta, checked_adapters,
-                                                 lora_meta_of, read_adapters)
+from mcore_rl.conversion.lora_checkpoint import (
+    AdapterMerge,
+    LoraMeta,
+    checked_adapters,
+    lora_meta_of,
+    read_adapters,
+)
 from mcore_rl.conversion.ranks import Ranks, current_ranks, partition
-from mcore_rl.conversion.safetensors_io import (create_files, fsync_files, plan_shards,
-                                                write_index, write_tensor)
+from mcore_rl.conversion.safetensors_io import (
+    create_files,
+    fsync_files,
+    plan_shards,
+    write_index,
+    write_tensor,
+)
 from mcore_rl.layouts import LocalTensor, ShardMap, materialize_rank
 from mcore_rl.layouts.layout import box_slices
+from mcore_rl.models.hf_factory import hf_config_from_spec
+from mcore_rl.models.spec import ModelSpec
 
 HF_CONFIG_DIR = "hf_config"
 METADATA_FILE = "mcore_rl_checkpoint.json"
@@ -181,6 +199,7 @@ def _chunk(t: CkptTensor, key: str, tp1: ShardMap, weights,
 def _write_megatron_files(out: Path) -> None:
     """What `dist_checkpointing.save` writes besides the sharded tensors: `metadata.json`
     (backend) and `common.pt` (the non-sharded state: none for a GPTModel)."""
+    # lazy: megatron
     from megatron.core.dist_checkpointing.core import CheckpointingConfig, save_config
 
     save_config(CheckpointingConfig(sharded_backend="torch_dist"), str(out))
@@ -189,7 +208,7 @@ def _write_megatron_files(out: Path) -> None:
 
 def _write_metadata(out: Path, src: Path, spec, layout: CkptLayout, dtypes: list[str],
                     tensors: int, nbytes: int) -> None:
-    import megatron.core
+    import megatron.core  # lazy: megatron
 
     meta = {
         "format": FORMAT, "format_version": FORMAT_VERSION,
@@ -424,9 +443,6 @@ def _major_dtype(units: list[_ReadUnit]) -> torch.dtype:
 
 def _write_hf_config(config_dir: Path, out: Path, spec, dtype: torch.dtype) -> None:
     """config.json through the one HF-config writer, keeping the source's special token ids."""
-    from mcore_rl.models.hf_factory import hf_config_from_spec
-    from mcore_rl.models.spec import ModelSpec
-
     source = read_config(config_dir)
     config = hf_config_from_spec(spec, dtype=dtype, **{
         k: source.get(k) for k in ("bos_token_id", "eos_token_id", "pad_token_id")})
@@ -450,8 +466,6 @@ class _Progress:
         self.bar = None
         self.n, self.total = 0, total_tensors
         if enabled and ranks.is_first:
-            from tqdm import tqdm
-
             desc = what if not ranks.distributed else f"{what} (rank 0 of {ranks.world})"
             self.bar = tqdm(total=total_bytes, unit="B", unit_scale=True, unit_divisor=1024,
                             desc=desc, file=sys.stderr, dynamic_ncols=True, leave=True)

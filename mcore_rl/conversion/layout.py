@@ -186,7 +186,7 @@ class CkptLayout:
 
 
 def checkpoint_layout(spec: ModelSpec) -> CkptLayout:
-    from megatron.core.dist_checkpointing.mapping import ShardedObject
+    from megatron.core.dist_checkpointing.mapping import ShardedObject  # lazy: megatron
 
     tp1 = megatron_shards(spec, ParallelConfig(), layer_spec=CHECKPOINT_SPELLING)
     local = megatron_shards(spec, ParallelConfig(), layer_spec="local")
@@ -243,7 +243,7 @@ def _stored_key(name: str, spec: ModelSpec) -> tuple[str, list[int]]:
 def _local_spec_keys_map(spec: ModelSpec) -> dict[str, str]:
     """The local layer spec's `sharded_state_dict_keys_map` (layer-relative name prefixes),
     read from megatron-core for this model's spec."""
-    from mcore_rl.models.gpt import layer_spec
+    from mcore_rl.models.gpt import layer_spec  # lazy: megatron
 
     return dict(layer_spec("local", spec).submodules.sharded_state_dict_keys_map or {})
 

@@ -24,6 +24,7 @@ from mcore_rl.conversion.errors import ConversionError
 from mcore_rl.conversion.layout import AdapterLayout, CkptLayout, CkptTensor, adapter_layout
 from mcore_rl.layouts.lora import hf_lora_name
 from mcore_rl.layouts.shards import assemble_hf
+from mcore_rl.megatron.role_checkpoint import LORA_FILE, saved_lora
 
 if TYPE_CHECKING:
     from mcore_rl.conversion.dcp_io import ChunkReader
@@ -49,8 +50,6 @@ def stored_adapter_keys(reader: "ChunkReader") -> list[str]:
 
 def read_lora_json(src: Path) -> LoraMeta | None:
     """`src/lora.json` (`role_checkpoint.saved_lora`), or None when there is none."""
-    from mcore_rl.megatron.role_checkpoint import saved_lora
-
     try:
         saved = saved_lora(src)
     except ValueError as err:
@@ -61,8 +60,6 @@ def read_lora_json(src: Path) -> LoraMeta | None:
 def lora_meta_of(src: Path, reader: "ChunkReader") -> LoraMeta | None:
     """The LoRA metadata of the checkpoint `src`: None for a full model (no adapter tensors,
     no lora.json). Adapter tensors without lora.json are refused: their scale is unknown."""
-    from mcore_rl.megatron.role_checkpoint import LORA_FILE
-
     meta = read_lora_json(src)
     keys = stored_adapter_keys(reader)
     if meta is None and keys:

@@ -16,11 +16,16 @@ from pathlib import Path
 from typing import Mapping
 
 import torch
+from safetensors.torch import save_file
 
 from mcore_rl.conversion import output
 from mcore_rl.conversion.errors import ConversionError
+from mcore_rl.conversion.hf_source import read_spec
+from mcore_rl.conversion.layout import checkpoint_layout
+from mcore_rl.conversion.lora_checkpoint import checked_adapters, read_adapters, read_lora_json
 from mcore_rl.layouts.layout import ShardMap
 from mcore_rl.layouts.shards import assemble_hf
+from mcore_rl.megatron.role_checkpoint import LORA_FILE
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 # PEFT stores a causal LM's adapter under the PeftModel's names: `base_model.model.<hf name>`.
@@ -47,8 +52,7 @@ def write_peft_adapter(dst: Path, tensors: Mapping[str, torch.Tensor], *, rank: 
                        alpha: float, dropout: float = 0.0, base_model: str | None = None,
                        force: bool = False) -> Path:
     """Write `tensors` (`peft_tensors`) as a PEFT LoRA adapter at `dst`."""
-    from peft import LoraConfig
-    from safetensors.torch import save_file
+    from peft import LoraConfig  # lazy: peft
 
     if (dst.exists() or dst.is_symlink()) and not force:
         raise ConversionError(f"destination {dst} already exists (pass --force to replace it)")
@@ -71,12 +75,8 @@ def mcore_to_peft(src: str | Path, dst: str | Path, *, hf_config: str | Path | N
     """Write the adapters of the LoRA role checkpoint `src` as a PEFT adapter at `dst`.
     hf_config: a folder with the base model's config.json (default: the base recorded in
     `src/lora.json`)."""
+    # lazy: torch.distributed.checkpoint
     from mcore_rl.conversion.convert import model_config_dir, open_checkpoint
-    from mcore_rl.conversion.hf_source import read_spec
-    from mcore_rl.conversion.layout import checkpoint_layout
-    from mcore_rl.conversion.lora_checkpoint import (checked_adapters, read_adapters,
-                                                     read_lora_json)
-    from mcore_rl.megatron.role_checkpoint import LORA_FILE
 
     src, dst = Path(src).absolute(), Path(dst).absolute()
     reader = open_checkpoint(src)

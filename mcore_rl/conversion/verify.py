@@ -16,8 +16,11 @@ from pathlib import Path
 
 import torch
 
+from mcore_rl.launch.spawn import run_on_ranks
+from mcore_rl.megatron.dist_checkpoint import load_dist_checkpoint
 from mcore_rl.models.spec import ModelSpec
 from mcore_rl.parallel.config import ParallelConfig
+from mcore_rl.parallel.groups import Axis, destroy_training_groups, init_training_groups
 
 
 @dataclass(frozen=True)
@@ -53,7 +56,7 @@ def round_weights(modules, dtype: torch.dtype | None) -> None:
 @torch.no_grad()
 def hf_logits(hf_dir: str | Path, tokens: torch.Tensor,
               weights_dtype: torch.dtype | None = None) -> torch.Tensor:
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM  # lazy: transformers
 
     model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32,
                                                  local_files_only=True)
@@ -66,8 +69,6 @@ def megatron_logits(spec: ModelSpec, parallel: ParallelConfig, ckpt_dir: str | P
                     tokens: torch.Tensor, *, weights_dtype: torch.dtype | None = None,
                     timeout_s: float = 600.0) -> torch.Tensor:
     """Logits [prompts, seq, vocab] of the checkpoint loaded into Megatron on `parallel`."""
-    from mcore_rl.launch.spawn import run_on_ranks
-
     results = run_on_ranks(_megatron_logits_rank, parallel.world_size, spec, parallel,
                            str(ckpt_dir), tokens, weights_dtype, timeout_s=timeout_s)
     return next(r for r in results if r is not None)
@@ -75,10 +76,8 @@ def megatron_logits(spec: ModelSpec, parallel: ParallelConfig, ckpt_dir: str | P
 
 def _megatron_logits_rank(rank: int, world: int, spec: ModelSpec, parallel: ParallelConfig,
                           ckpt_dir: str, tokens: torch.Tensor, weights_dtype=None):
-    from mcore_rl.megatron.dist_checkpoint import load_dist_checkpoint
-    from mcore_rl.models.gpt import build_gpt_model
-    from mcore_rl.parallel.groups import Axis, destroy_training_groups, init_training_groups
-    from mcore_rl.megatron.train import MicroBatch, forward_logits
+    from mcore_rl.megatron.train import MicroBatch, forward_logits  # lazy: megatron
+    from mcore_rl.models.gpt import build_gpt_model  # lazy: megatron
 
     groups = init_training_groups(parallel)
     try:

@@ -31,6 +31,7 @@ import argparse
 import json
 import logging
 import os
+import sys
 from pathlib import Path
 
 VERBOSE_ENV = "MCORE_RL_VERBOSE"
@@ -100,13 +101,11 @@ def _no_progress_bars() -> None:
     """Hugging Face's tqdm bars ("Writing model shards", downloads) off: they are console
     output, not logging. The environment reaches libraries imported later and child
     processes; the calls reach the ones already imported (they read it at import)."""
-    import sys
-
     os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"
     if "huggingface_hub" in sys.modules:
         sys.modules["huggingface_hub"].utils.disable_progress_bars()
     if "transformers" in sys.modules:
-        from transformers.utils import logging as hf_logging
+        from transformers.utils import logging as hf_logging  # lazy: transformers
 
         hf_logging.disable_progress_bar()
 

@@ -139,8 +139,8 @@ class RayPlacement:
 
     def __init__(self, plan: PlacementPlan, *, cpus_per_engine: float, gpu: bool,
                  timeout_s: float = 120.0):
-        import ray
-        from ray.util.placement_group import placement_group
+        import ray  # lazy: ray
+        from ray.util.placement_group import placement_group  # lazy: ray
 
         self.plan = plan
         self.gpu = gpu  # engines narrow CUDA_VISIBLE_DEVICES to their slots only on GPU
@@ -155,12 +155,12 @@ class RayPlacement:
                                f"{ray.cluster_resources()}")
 
     def options_for_node(self, node: int) -> dict:
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy  # lazy: ray
 
         return {"scheduling_strategy": PlacementGroupSchedulingStrategy(
             placement_group=self.group, placement_group_bundle_index=node)}
 
     def remove(self) -> None:
-        import ray
+        import ray  # lazy: ray
 
         ray.util.remove_placement_group(self.group)

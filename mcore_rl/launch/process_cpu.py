@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import os
 
+import psutil
+
 # a process's role from its title (Ray names an actor's process "ray::<Class>[.<method>]");
 # processes below one (vLLM's TP workers under an engine) inherit it
 ROLES = (("actor ranks", "ray::ActorWorker"), ("engines", "ray::EngineHost"),
@@ -29,8 +31,6 @@ def role_of(title: str) -> str | None:
 def cpu_by_role() -> dict[str, float]:
     """User + system CPU seconds: "driver" (this process) and each role's processes below it,
     and "total". Processes that exit while being read are skipped."""
-    import psutil
-
     me = psutil.Process()
     spent = {"driver": _cpu(me)}
 
@@ -57,8 +57,6 @@ def cpu_floor_s(total_cpu_s: float, cores: int | None = None) -> float:
 
 
 def _cpu(proc) -> float:
-    import psutil
-
     try:
         times = proc.cpu_times()
     except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):

@@ -66,7 +66,7 @@ def connect_from_env(env: Mapping[str, str] = os.environ) -> bool:
     address = env.get("RAY_ADDRESS")
     if not address:
         return False
-    import ray
+    import ray  # lazy: ray
 
     if ray.is_initialized():
         return True
@@ -203,7 +203,7 @@ class SlurmRayCluster:
         self._wait_for_port(deadline)
         if len(self.nodes) > 1:
             self._workers = subprocess.Popen(self._worker_step(), preexec_fn=_die_with_parent)
-        import ray
+        import ray  # lazy: ray
 
         os.environ["RAY_ADDRESS"] = self.address
         ray.init(address=self.address, _node_ip_address=self.head_ip)
@@ -236,7 +236,7 @@ class SlurmRayCluster:
                               f"within {self.cfg.join_timeout_s:.0f} s")
 
     def _wait_for_nodes(self, deadline: float) -> None:
-        import ray
+        import ray  # lazy: ray
 
         want = len(self.nodes)
         alive: list[dict] = []
@@ -258,7 +258,7 @@ class SlurmRayCluster:
 
     def stop(self) -> None:
         try:
-            import ray
+            import ray  # lazy: ray
 
             if ray.is_initialized():
                 ray.shutdown()

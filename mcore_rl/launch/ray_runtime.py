@@ -24,7 +24,9 @@ import os
 import signal
 import sys
 
-from mcore_rl.launch.logs import verbose
+import psutil
+
+from mcore_rl.launch.logs import reapply_process_logs, verbose
 
 
 def init_local_ray(num_cpus: int | None = None, host_ip: str = "127.0.0.1") -> bool:
@@ -44,18 +46,16 @@ def init_local_ray(num_cpus: int | None = None, host_ip: str = "127.0.0.1") -> b
         os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     os.environ.setdefault("VLLM_HOST_IP", host_ip)
-    import ray
+    import ray  # lazy: ray
 
     if ray.is_initialized():
         return False
-    from mcore_rl.launch.ray_cluster import connect_from_env
+    from mcore_rl.launch.ray_cluster import connect_from_env  # lazy: torch
 
     if connect_from_env():  # a cluster named by RAY_ADDRESS (e.g. started by the sbatch script)
         return True
     # library INFO lines of every worker stay in their RUN_DIR/logs files unless --verbose;
     # `import ray` gave the driver's "ray" logger its console handler back
-    from mcore_rl.launch.logs import reapply_process_logs
-
     reapply_process_logs()
     ray.init(num_cpus=num_cpus or os.cpu_count(), include_dashboard=False,
              _node_ip_address=host_ip, log_to_driver=verbose())
@@ -90,8 +90,6 @@ def start_local_ray() -> bool:
     processes shielded from the group's SIGTERM and SIGINT (see the module doc). Returns True
     when this call initialized Ray (the caller stops it), False when it was up already."""
     global _started_deaf_to_sigterm
-    from mcore_rl.launch.ray_runtime import init_local_ray
-
     # not `import ray` here: init_local_ray sets Ray's environment before the first import
     if "ray" in sys.modules and sys.modules["ray"].is_initialized():
         return False
@@ -107,8 +105,7 @@ def stop_local_ray() -> None:
     second later each. Workers and engines should be stopped first (the controller does).
     Only for the caller whose `init_local_ray` / `start_local_ray` returned True."""
     global _started_deaf_to_sigterm
-    import psutil
-    import ray
+    import ray  # lazy: ray
 
     node = ray._private.worker._global_node  # processes this driver started (none: a cluster)
     below = []  # the raylet's agents and workers: they fate-share with it by reporting its
@@ -134,7 +131,6 @@ def kill_local_ray() -> None:
     when this process did not start a local Ray."""
     if not _started_deaf_to_sigterm or "ray" not in sys.modules:
         return
-    import psutil
 
     node = sys.modules["ray"]._private.worker._global_node
     if node is None:

@@ -39,8 +39,12 @@ from dataclasses import dataclass, field
 from multiprocessing.reduction import ForkingPickler
 from typing import Any, Callable
 
+import numpy as np
+import torch
 import torch.distributed as dist
+from torch.distributed import distributed_c10d
 
+from mcore_rl.compat import megatron_state
 from mcore_rl.launch.listen import listening_store
 from mcore_rl.parallel.world import join_default_group
 
@@ -84,8 +88,6 @@ def _child_main(fn, rank, world_size, store_port, init_default_group, env, args,
     os.environ.update(env)
     # torch was imported (with fn's module) before this env existed: apply the thread count
     # now, or every rank runs one thread per core and the collectives stall on a small machine
-    import torch
-
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     try:
@@ -126,9 +128,6 @@ class _FreshState:
 
     @classmethod
     def capture(cls) -> _FreshState:
-        import numpy as np
-        import torch
-
         root = logging.getLogger()
         return cls(environ=dict(os.environ), cwd=os.getcwd(), torch_rng=torch.get_rng_state(),
                    numpy_rng=np.random.get_state(), python_rng=random.getstate(),
@@ -139,9 +138,6 @@ class _FreshState:
                    threads={t.ident for t in threading.enumerate()})
 
     def restore(self) -> None:
-        import numpy as np
-        import torch
-
         os.environ.clear()
         os.environ.update(self.environ)
         os.chdir(self.cwd)
@@ -163,10 +159,6 @@ class _FreshState:
         root.handlers[:] = self.root_logger[1]
 
     def left(self) -> list[str]:
-        import torch
-
-        from mcore_rl.compat import megatron_state
-
         out = [f"process group: {what}" for what in _process_groups_left()]
         out += [f"megatron-core: {what}" for what in megatron_state.left()]
         out += [f"thread {t.name!r} still running" for t in threading.enumerate()
@@ -182,8 +174,6 @@ class _FreshState:
 
 
 def _torch_settings() -> tuple:
-    import torch
-
     return (torch.get_default_dtype(), torch.are_deterministic_algorithms_enabled(),
             torch.is_deterministic_algorithms_warn_only_enabled(), torch.is_grad_enabled())
 
@@ -201,8 +191,6 @@ def _gloo_threads() -> list[str]:
 
 
 def _process_groups_left() -> list[str]:
-    from torch.distributed import distributed_c10d
-
     out = ["the default group"] if dist.is_initialized() else []
     if distributed_c10d._world.pg_map:  # noqa: SLF001 — torch's registry of live groups
         out.append(f"{len(distributed_c10d._world.pg_map)} registered")  # noqa: SLF001
@@ -222,8 +210,6 @@ def _drop_autograd_graphs() -> None:
     of its fp32 parameters) then keeps its whole model — and the model its groups — out of
     reach of `gc.collect()`. A view cannot be detached in place: the lists and dicts holding
     it get a detached one instead. No one backpropagates through what a finished call left."""
-    import torch
-
     views = []
     for obj in gc.get_objects():  # (not what gc.freeze() kept from earlier calls)
         if issubclass(type(obj), torch.Tensor) and obj.grad_fn is not None:
@@ -245,8 +231,6 @@ def _drop_autograd_graphs() -> None:
 
 def _end_call(fresh: _FreshState) -> list[str]:
     """Leave this call's world and put the process back as `fresh`; what could not be."""
-    from mcore_rl.compat import megatron_state
-
     megatron_state.reset()  # before the default group: it destroys its own gloo groups
     if dist.is_initialized():
         dist.destroy_process_group()
@@ -271,7 +255,6 @@ def _pool_main(slot: int, env: dict[str, str], tasks, results) -> None:
     """A reused rank: run each call `tasks` brings, as rank `slot`, until told to stop (None)
     or the parent is gone."""
     os.environ.update(env)
-    import torch
 
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     faulthandler.register(signal.SIGUSR1, all_threads=True)

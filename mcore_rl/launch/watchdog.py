@@ -46,8 +46,8 @@ def collect_or_name_dead(refs: list, deadline_s: float, phase: str,
     value for those that finished in time. A worker whose process died raises WorkerDied
     naming it at once; another error of a worker is re-raised as Ray gives it, unless another
     worker turns out dead within `DEATH_GRACE_S` (the error was its peer's: WorkerDied)."""
-    import ray
-    from ray.exceptions import RayActorError
+    import ray  # lazy: ray
+    from ray.exceptions import RayActorError  # lazy: ray
 
     def died(i: int, err: Exception) -> WorkerDied:
         pid = f" (pid {pids[i]})" if pids and i < len(pids) else ""
@@ -80,8 +80,8 @@ def collect_or_name_dead(refs: list, deadline_s: float, phase: str,
 def _first_death(pending: list, index: dict, timeout_s: float) -> tuple[int, Exception] | None:
     """(worker index, its error) of the first of `pending` whose worker died within
     `timeout_s`; None when none did (the others answered, failed otherwise, or are late)."""
-    import ray
-    from ray.exceptions import RayActorError
+    import ray  # lazy: ray
+    from ray.exceptions import RayActorError  # lazy: ray
 
     end = time.monotonic() + timeout_s
     while pending:
@@ -102,7 +102,7 @@ def still_running(late_calls: Mapping[int, object]) -> set[int]:
     """The workers (index -> the Ray call that missed its deadline) still inside that call.
     A Ray actor runs one call at a time: such a worker answers nothing else (a clean shutdown
     included) until it returns."""
-    import ray
+    import ray  # lazy: ray
 
     return {i for i, ref in late_calls.items() if not ray.wait([ref], timeout=0)[0]}
 

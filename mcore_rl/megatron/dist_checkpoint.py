@@ -24,7 +24,7 @@ def load_dist_checkpoint(chunks: list[torch.nn.Module], ckpt_dir: str | Path) ->
     optimizer, whose tensors are not asked for and whose non-sharded state (`common.pt`:
     `optimizer.param_groups`, ...) megatron's load merges into what it returns; those
     top-level keys, not the model's, are dropped here."""
-    from megatron.core import dist_checkpointing
+    from megatron.core import dist_checkpointing  # lazy: megatron
 
     wanted = megatron_sharded_state_dict(chunks)
     state = dist_checkpointing.load(wanted, str(ckpt_dir))

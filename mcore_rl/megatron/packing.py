@@ -272,7 +272,7 @@ def thd_params(lengths: tuple[int, ...], device: torch.device | str):
     (int32, on `device`) and the longest segment, both from the host.
     Runs only on GPU (TE spec); its CPU twin is the block-diagonal mask path, tested against
     padded micro batches."""
-    from megatron.core.packed_seq_params import PackedSeqParams
+    from megatron.core.packed_seq_params import PackedSeqParams  # lazy: megatron
 
     bounds = tuple(itertools.accumulate(lengths, initial=0))
     cu_seqlens = host_ints_on(bounds, device).to(torch.int32)

@@ -26,6 +26,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from mcore_rl.compat import megatron_save
+from mcore_rl.config import ConfigError
+from mcore_rl.megatron.config import LoRAConfig
 from mcore_rl.megatron.dist_checkpoint import load_chunk_states, megatron_sharded_state_dict
 
 if TYPE_CHECKING:
@@ -45,9 +48,7 @@ LORA_FILE = "lora.json"
 def save_role(trainer, ckpt_dir: Path, rank: int, *, base_model: str | None = None) -> None:
     """Every rank of the role's grid calls this (megatron saves collectively). base_model: the
     HF directory the role's weights came from (recorded for a LoRA role)."""
-    from megatron.core import dist_checkpointing
-
-    from mcore_rl.compat import megatron_save
+    from megatron.core import dist_checkpointing  # lazy: megatron
 
     megatron_save.install()  # no spawned process on the first save (compat/megatron_save.py)
     ckpt_dir.mkdir(parents=True, exist_ok=True)
@@ -65,9 +66,6 @@ def saved_lora(ckpt_dir: Path) -> tuple[LoRAConfig, str | None] | None:
     None when the checkpoint has none. Only what the adapters' tensors depend on is read: the
     training-side fields (lr, sync) may differ between the version that wrote the file and
     this one. ValueError naming the file when it is unreadable."""
-    from mcore_rl.config import ConfigError
-    from mcore_rl.megatron.config import LoRAConfig
-
     path = ckpt_dir / LORA_FILE
     if not path.is_file():
         return None
@@ -97,7 +95,7 @@ def _write_json(path: Path, data: dict) -> None:
 
 def load_role(trainer, ckpt_dir: Path, rank: int) -> None:
     """Restore model, optimizer, LR schedule and RNG saved by `save_role`."""
-    from megatron.core import dist_checkpointing
+    from megatron.core import dist_checkpointing  # lazy: megatron
 
     model_sd = _model_sharded_state_dict(trainer)
     opt_sd = trainer.optimizer.sharded_state_dict(model_sd, is_loading=True)

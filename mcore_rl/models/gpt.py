@@ -28,13 +28,18 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from megatron.core import tensor_parallel
-from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt import GPTModel, gpt_layer_specs
 from megatron.core.transformer import TransformerConfig
 
 from mcore_rl.compat import apply_cpu_compat
 from mcore_rl.models.kernels import kernel_switches, resolve_kernels
-from mcore_rl.models.spec import LayerSpec, check_layer_spec, grouped_expert_gemm
-from mcore_rl.models.spec import ModelSpec, UnsupportedModelError
+from mcore_rl.models.spec import (
+    LayerSpec,
+    ModelSpec,
+    UnsupportedModelError,
+    check_layer_spec,
+    grouped_expert_gemm,
+)
 from mcore_rl.parallel.config import ParallelConfig
 from mcore_rl.parallel.groups import Axis, ParallelGroups
 
@@ -241,8 +246,6 @@ def layer_spec(name: LayerSpec, spec: ModelSpec | None = None):
     The two build the same tensors under partly different names (`layouts.Side.megatron_name`);
     every load and the weight sync name tensors by the same `name`.
     """
-    from megatron.core.models.gpt import gpt_layer_specs
-
     check_layer_spec(name)
     arch = {} if spec is None else dict(num_experts=spec.num_experts,
                                         moe_grouped_gemm=grouped_expert_gemm(name),
@@ -265,6 +268,7 @@ def te_importable() -> bool:
     """Whether TransformerEngine's PyTorch modules import (the bare `transformer-engine`
     meta-package imports but has no `pytorch`; megatron-core then stubs TE with mocks)."""
     try:
+        # lazy: transformer_engine
         import transformer_engine.pytorch  # noqa: F401
     except Exception:  # ImportError, or TE's own errors when its CUDA libraries are missing
         return False

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from mcore_rl.models.spec import ARCHITECTURES, ModelSpec, UnsupportedModelError
+from mcore_rl.tasks.tokenizer import save_tokenizer
 
 # architecture → (config class, model class) in `transformers`.
 _CLASSES = {
@@ -45,7 +46,7 @@ def hf_config_from_spec(spec: ModelSpec, *, bos_token_id: int | None = None,
     - qwen3 / qwen3_moe without `qk_norm`, or any other family with it (only Qwen3 has q/k
       norms); mixtral with `ffn != moe_ffn` (its one `intermediate_size` is the experts').
     """
-    import transformers
+    import transformers  # lazy: transformers
 
     _check_hf_expressible(spec)
     fields: dict[str, Any] = dict(
@@ -143,9 +144,7 @@ def make_hf_model_dir(spec: ModelSpec, out_dir: str | Path, *, seed: int,
     pad_token_id: written to config.json when no tokenizer is given (a tokenizer brings its
         own); HF sequence classifiers need it to find each row's last token in a batch.
     """
-    import transformers
-
-    from mcore_rl.tasks.tokenizer import save_tokenizer
+    import transformers  # lazy: transformers
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

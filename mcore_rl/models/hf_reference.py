@@ -12,7 +12,7 @@ import torch
 
 def load_hf_model(model_dir: str | Path, *, dtype: torch.dtype = torch.float32):
     """`AutoModelForCausalLM` from a local folder, offline, in `dtype`, eval mode."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM  # lazy: transformers
 
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), local_files_only=True,
                                                  dtype=dtype)

@@ -89,10 +89,11 @@ def _te_rope(device: str) -> str | None:
     megatron.core.extensions.transformer_engine; None there makes TransformerConfig refuse
     apply_rope_fusion)."""
     try:
+        # lazy: transformer_engine
         import transformer_engine.pytorch  # noqa: F401
     except Exception as err:  # ImportError, or TE's own errors when CUDA libraries are missing
         return _import_failure("TransformerEngine", err)
-    from megatron.core.models.common.embeddings import rope_utils
+    from megatron.core.models.common.embeddings import rope_utils  # lazy: megatron
 
     if rope_utils.fused_apply_rotary_pos_emb is None:
         return "the installed TransformerEngine has no fused RoPE megatron-core can use"
@@ -103,6 +104,7 @@ def _te_rope(device: str) -> str | None:
 def _apex_wgrad(device: str) -> str | None:
     """apex's CUDA extension, imported as megatron imports it (tensor_parallel/layers.py)."""
     try:
+        # lazy: fused_weight_gradient_mlp_cuda
         import fused_weight_gradient_mlp_cuda  # noqa: F401
     except Exception as err:
         return _import_failure("apex's fused_weight_gradient_mlp_cuda", err)
@@ -114,11 +116,11 @@ def _torch_compile(device: str) -> str | None:
     """What megatron's jit_fuser (torch.compile, inductor) needs to compile for `device`:
     Triton on CUDA, a C++ compiler on the host."""
     if device.startswith("cuda"):
-        from torch.utils._triton import has_triton
+        from torch.utils._triton import has_triton  # lazy: torch
 
         return None if has_triton() else "Triton (torch.compile's CUDA backend) is not importable"
     try:
-        from torch._inductor.cpp_builder import get_cpp_compiler
+        from torch._inductor.cpp_builder import get_cpp_compiler  # lazy: torch
 
         get_cpp_compiler()
     except Exception as err:

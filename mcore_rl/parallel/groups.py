@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime
 import enum
+import os
 from dataclasses import dataclass, field
 
 import torch
@@ -101,8 +102,8 @@ def init_training_groups(
     up) and its world size must equal tp * pp * dp. device: this rank's torch device as the
     run plan resolved it (None: the world's, see `_device_of_world`).
     """
-    from megatron.core import parallel_state as mpu
-    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core import parallel_state as mpu  # lazy: megatron
+    from megatron.core.process_groups_config import ProcessGroupCollection  # lazy: megatron
 
     if not dist.is_initialized():
         join_default_group(default_backend(), timeout=datetime.timedelta(seconds=timeout_s))
@@ -146,7 +147,7 @@ def init_training_groups(
 def _checked_coords(config: ParallelConfig, rank: int) -> tuple[dict, dict]:
     """This rank's coordinates on the grid and on the expert grid as megatron-core placed it,
     checked against mcore-rl's grid order (`ParallelConfig.coords_of`, `expert_coords_of`)."""
-    from megatron.core import parallel_state as mpu
+    from megatron.core import parallel_state as mpu  # lazy: megatron
 
     coords = {
         "tp": mpu.get_tensor_model_parallel_rank(),
@@ -173,7 +174,7 @@ def _checked_coords(config: ParallelConfig, rank: int) -> tuple[dict, dict]:
 
 
 def destroy_training_groups() -> None:
-    from megatron.core import parallel_state as mpu
+    from megatron.core import parallel_state as mpu  # lazy: megatron
 
     if mpu.model_parallel_is_initialized():
         mpu.destroy_model_parallel()
@@ -193,8 +194,6 @@ def join_worker_world(
     "cuda:<i>") made current before anything is allocated, the process group on that device's
     backend through the TCPStore the driver hosts at `store_address` (world_size + 1 members:
     the driver holds one), then megatron's groups for `parallel`."""
-    import os
-
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
     if device.startswith("cuda"):

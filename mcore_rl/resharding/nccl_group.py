@@ -26,6 +26,7 @@ bytes (`PyNcclCommunicator.from_unique_id_bytes`) — nothing is pickled.
 
 from __future__ import annotations
 
+import ctypes
 import datetime
 import time
 from dataclasses import dataclass
@@ -214,8 +215,6 @@ def _nccl_error_reader(comm) -> Callable[[], int]:
     `PyNcclCommunicator` (an error of the call itself is returned as the result). The library
     vLLM loaded (`comm.nccl.lib`) exports it, but vLLM 0.32's `NCCLLibrary` does not bind it:
     a ctypes prototype of our own calls it, changing nothing of vLLM's."""
-    import ctypes
-
     prototype = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.POINTER(ctypes.c_int))
     call, handle = prototype(("ncclCommGetAsyncError", comm.nccl.lib)), comm.comm
 

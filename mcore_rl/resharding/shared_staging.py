@@ -28,6 +28,7 @@ import uuid
 import weakref
 
 import torch
+from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
 
 _NAME = re.compile(r"^mcore-rl-staging-[0-9a-f]{32}-r\d+$")
 
@@ -173,7 +174,6 @@ def _open_shm(path: str, nbytes: int) -> torch.Tensor:
 
 
 def _cuda_handle(tensor: torch.Tensor) -> bytes:  # pragma: no cover - GPU only
-    from torch.multiprocessing.reductions import reduce_tensor
 
     _rebuild, args = reduce_tensor(tensor)
     (_cls, size, stride, offset, _storage_cls, _dtype, device, handle, storage_bytes,
@@ -188,7 +188,6 @@ def _cuda_handle(tensor: torch.Tensor) -> bytes:  # pragma: no cover - GPU only
 
 
 def _open_cuda(info: dict, device: torch.device) -> torch.Tensor:  # pragma: no cover - GPU
-    from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
     index = device.index if device.index is not None else torch.cuda.current_device()
     return rebuild_cuda_tensor(

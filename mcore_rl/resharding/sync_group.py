@@ -14,6 +14,8 @@ from dataclasses import dataclass, replace
 
 import torch.distributed as dist
 
+from mcore_rl.launch.listen import listening_store
+
 
 @dataclass(frozen=True)
 class SyncGroupSpec:
@@ -92,8 +94,6 @@ def host_store(host: str = "127.0.0.1", port: int = 0, world_size: int = 1,
     """Start the TCPStore the sync group rendezvouses on (call on sync rank 0 only). It
     listens on `host` only (`launch.listen`). `port=0` lets the OS choose; read the chosen
     one from `.port`."""
-    from mcore_rl.launch.listen import listening_store
-
     return listening_store(host, port, world_size, timeout_s=timeout_s)
 
 

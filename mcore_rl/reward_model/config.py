@@ -9,6 +9,7 @@ from typing import ClassVar
 
 from mcore_rl.config import ConfigError, require_at_least
 from mcore_rl.config.dtypes import DtypeName, normalize_dtype_fields
+from mcore_rl.models.presets import PRESETS
 from mcore_rl.parallel import ParallelConfig
 
 
@@ -58,7 +59,6 @@ class RewardModelConfig:
         if self.parallel.vpp is not None:
             raise ConfigError("parallel.vpp", self.parallel.vpp, "not supported for the "
                               "forward-only reward model: use null")
-        from mcore_rl.models.presets import PRESETS
 
         if self.preset is not None and self.preset not in PRESETS:
             raise ConfigError("preset", self.preset,

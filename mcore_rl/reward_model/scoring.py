@@ -11,9 +11,13 @@ import torch
 import torch.distributed as dist
 
 from mcore_rl.config.dtypes import torch_dtype
+from mcore_rl.layouts import materialize_rank, megatron_shards
+from mcore_rl.megatron.packing import model_inputs
+from mcore_rl.models.hf_weights import SafetensorsWeights
 from mcore_rl.models.spec import ModelSpec
-from mcore_rl.reward_model.weights import check_reward_model_dir
+from mcore_rl.parallel.groups import Axis
 from mcore_rl.reward_model.config import RewardModelConfig, RewardModelError
+from mcore_rl.reward_model.weights import check_reward_model_dir
 
 
 @dataclass(frozen=True)
@@ -49,11 +53,8 @@ def load_reward_model(cfg: RewardModelConfig, groups, spec: ModelSpec | None = N
     """Build this rank's chunks for `groups`' grid with megatron's `layer_spec` (the run's) and
     stream its slices of the checkpoint (embedding on stage 0, decoder layers of its stage,
     final norm and score head on the last stage; TP-split and named as the actor's)."""
-    from mcore_rl.layouts import materialize_rank, megatron_shards
-    from mcore_rl.models.gpt import build_gpt_model, load_chunks
-    from mcore_rl.models.hf_weights import SafetensorsWeights
-    from mcore_rl.parallel.groups import Axis
-    from mcore_rl.megatron.value import attach_value_head
+    from mcore_rl.megatron.value import attach_value_head  # lazy: megatron
+    from mcore_rl.models.gpt import build_gpt_model, load_chunks  # lazy: megatron
 
     spec = spec or check_reward_model_dir(cfg.hf_dir)
     parallel, dtype = groups.config, torch_dtype(cfg.dtype)
@@ -97,9 +98,7 @@ def score_batch(model: RewardModel, tokens: torch.Tensor,
     stage all-gathers the blocks over DP. Returns the [n] scores on the rank at (tp 0, last
     stage, dp 0), None elsewhere, on the model's device (the rows are moved there).
     """
-    from mcore_rl.parallel.groups import Axis
-    from mcore_rl.megatron.schedule import run_schedule
-    from mcore_rl.megatron.packing import model_inputs
+    from mcore_rl.megatron.schedule import run_schedule  # lazy: megatron
 
     groups, mbs = model.groups, model.micro_batch_size
     check_score_inputs(tokens, lengths, model.spec.vocab)  # on the host, as they arrive

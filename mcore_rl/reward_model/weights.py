@@ -19,7 +19,7 @@ def _weights_file(hf_dir: Path) -> Path:
 def check_reward_model_dir(hf_dir: str | Path) -> ModelSpec:
     """The spec of a usable reward checkpoint: a sequence classifier with num_labels=1 whose
     safetensors hold `score.weight` [1, hidden]. Errors name the file and field or tensor."""
-    from mcore_rl.models.hf_weights import SafetensorsWeights
+    from mcore_rl.models.hf_weights import SafetensorsWeights  # lazy: torch
 
     hf_dir = Path(hf_dir)
     spec = ModelSpec.from_hf_dir(hf_dir)

@@ -11,10 +11,19 @@ from pathlib import Path
 import torch
 
 from mcore_rl.config import ConfigError
-from mcore_rl.reward_model.weights import check_reward_model_dir
+from mcore_rl.launch.logs import configure_process_logs
+from mcore_rl.launch.ray_runtime import init_local_ray
+from mcore_rl.launch.watchdog import WatchdogTimeout, arm_stack_dump, dump_stacks
+from mcore_rl.parallel.groups import join_worker_world, leave_worker_world
+from mcore_rl.resharding import host_store
 from mcore_rl.reward_model.config import RewardModelConfig, RewardModelError
-from mcore_rl.reward_model.scoring import (check_score_inputs, load_reward_model, pad_sequences,
-                                           score_batch)
+from mcore_rl.reward_model.scoring import (
+    check_score_inputs,
+    load_reward_model,
+    pad_sequences,
+    score_batch,
+)
+from mcore_rl.reward_model.weights import check_reward_model_dir
 
 
 @dataclass(frozen=True)
@@ -44,11 +53,7 @@ class RewardWorker:
     def __init__(self, rank: int, world_size: int, store_address: tuple[str, int],
                  spec: RewardRankSpec):
         """Rank `rank` of the reward model's world (its store at `store_address`)."""
-        from mcore_rl.launch.watchdog import arm_stack_dump
-        from mcore_rl.parallel.groups import join_worker_world
-
         if spec.stack_dir:  # the run directory: stacks for the watchdog, library logs
-            from mcore_rl.launch.logs import configure_process_logs
 
             configure_process_logs(Path(spec.stack_dir).parent, f"reward{rank}")
             self._stack_file = arm_stack_dump(spec.stack_dir, f"reward_rank{rank}")
@@ -67,8 +72,6 @@ class RewardWorker:
         return os.getpid()
 
     def shutdown(self) -> bool:
-        from mcore_rl.parallel.groups import leave_worker_world
-
         leave_worker_world()
         return True
 
@@ -89,10 +92,7 @@ class RewardModelGroup:
         does. None: wherever Ray puts it. devices: the torch device of each actor rank
         (`ResolvedRun.actor_devices`); reward rank r computes on devices[r mod len(devices)].
         layer_spec: the run's (`ResolvedRun.layer_spec`)."""
-        import ray
-
-        from mcore_rl.resharding import host_store
-        from mcore_rl.launch.ray_runtime import init_local_ray
+        import ray  # lazy: ray
 
         if not cfg.enabled:
             raise ConfigError("enabled", False, "RewardModelGroup needs an enabled reward model")
@@ -123,9 +123,7 @@ class RewardModelGroup:
     def _call(self, method: str, *args, phase: str, timeout_s: float | None = None) -> list:
         """`method` on every worker under a deadline; past it, the error names the late ranks
         (and the workers' stack dumps when `stack_dir` is set)."""
-        import ray
-
-        from mcore_rl.launch.watchdog import WatchdogTimeout, dump_stacks
+        import ray  # lazy: ray
 
         deadline = self.timeout_s if timeout_s is None else timeout_s
         refs = [getattr(w, method).remote(*args) for w in self.workers]
@@ -153,7 +151,7 @@ class RewardModelGroup:
 
     def shutdown(self) -> None:
         """Stop the workers (their groups, then the processes); Ray itself stays up."""
-        import ray
+        import ray  # lazy: ray
 
         try:
             ray.wait([w.shutdown.remote() for w in self.workers],

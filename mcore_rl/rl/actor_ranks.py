@@ -8,12 +8,15 @@ from pathlib import Path
 
 import torch
 
+from mcore_rl.config.seeds import derive_seed
 from mcore_rl.launch.watchdog import Watchdog, collect_or_name_dead, still_running
+from mcore_rl.models.kernels import dropped_on_ranks
+from mcore_rl.models.spec import ModelSpec
 from mcore_rl.resharding import host_store
 from mcore_rl.rollout.batches import Batch, dp_slice
-from mcore_rl.models.spec import ModelSpec
 from mcore_rl.runconfig import RLConfig
 from mcore_rl.runconfig.resolve import ResolvedRun
+from mcore_rl.workers.actor import ActorRankSpec, ActorWorker
 
 
 def actor_rank_spec(cfg: RLConfig, run: ResolvedRun, model: ModelSpec, hf_dir: str, *,
@@ -21,9 +24,6 @@ def actor_rank_spec(cfg: RLConfig, run: ResolvedRun, model: ModelSpec, hf_dir: s
                     slots: tuple[int | None, ...]):
     """The `ActorRankSpec` every actor rank of the run is built from: `cfg`'s actor, trainers
     and deadlines, `run`'s devices, layer spec and kernel choices, the placement's `slots`."""
-    from mcore_rl.config.seeds import derive_seed
-    from mcore_rl.workers.actor import ActorRankSpec
-
     return ActorRankSpec(
         model=model, parallel=cfg.actor, train=cfg.warmup.train, hf_dir=hf_dir,
         timeout_s=cfg.deadlines.train_s, critic_train=cfg.critic_train if critic else None,
@@ -43,9 +43,7 @@ class ActorRanks:
 
     def __init__(self, cfg: RLConfig, model_dir: Path, *, spec, run, placement, host: str,
                  watchdog: Watchdog, critic: bool, reference: bool):
-        import ray
-
-        from mcore_rl.workers.actor import ActorWorker
+        import ray  # lazy: ray
 
         self.deadlines, self.watchdog, self.dp = cfg.deadlines, watchdog, cfg.actor.dp
         self.pids: list[int] = []  # known once the ranks answer (`wait_started`)
@@ -70,8 +68,6 @@ class ActorRanks:
         """Every rank up (model built, weights loaded), under the start-up deadline. Each
         rank reports the fused kernels it turned on (`kernels`); one the plan asked for that
         a rank's node cannot run is said in one line."""
-        from mcore_rl.models.kernels import dropped_on_ranks
-
         self.pids = self.call("pid", phase="startup")
         self.dp_ranks = self.call("dp_rank", phase="startup")
         self.kernels = self.call("fused_kernels", phase="startup")
@@ -101,7 +97,7 @@ class ActorRanks:
         (`dp_slice`, of each of `mini_batches` mini-batches): every slice is put into Ray's
         object store once and read by the ranks of that slice (TP, PP, CP peers), rather
         than the whole batch serialized once per rank."""
-        import ray
+        import ray  # lazy: ray
 
         slices = [ray.put(dp_slice(rows, self.dp, d, mini_batches)) for d in range(self.dp)]
         return self.wait([getattr(w, method).remote(slices[d], *args)
@@ -144,7 +140,7 @@ class ActorRanks:
         """Ask every rank to leave its groups (one still inside a call that missed its
         deadline is not asked; one stuck in a collective does not answer), then kill every
         rank's actor: the Ray they ran in may outlive the run (`RLController.owns_ray`)."""
-        import ray
+        import ray  # lazy: ray
 
         stuck = still_running(self._unanswered)
         refs = [w.shutdown.remote() for i, w in enumerate(self.workers) if i not in stuck]

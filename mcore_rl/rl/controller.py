@@ -19,17 +19,18 @@ from __future__ import annotations
 import math
 import os
 import time
-from contextlib import nullcontext
+from contextlib import ExitStack, nullcontext
 from pathlib import Path
 
 import torch
 
 from mcore_rl.algorithms import correction_weights, overlong_penalty
 from mcore_rl.config.seeds import derive_seed
+from mcore_rl.launch.placement import RayPlacement
+from mcore_rl.launch.ray_runtime import init_local_ray, stop_local_ray
 from mcore_rl.launch.timing import PhaseTimer
 from mcore_rl.launch.watchdog import Watchdog
 from mcore_rl.models.spec import ModelSpec
-from mcore_rl.runconfig.resolve import resolve_run
 from mcore_rl.rl.actor_ranks import ActorRanks
 from mcore_rl.rl.advantages import compute_advantages, critic_metrics, packing_metrics
 from mcore_rl.rl.checkpointer import Checkpointer
@@ -50,7 +51,9 @@ from mcore_rl.rollout.engine import RolloutError
 from mcore_rl.rollout.lora import EngineLoRA
 from mcore_rl.rollout.multi_turn import build_multi_turn, episode_metrics, loss_masks
 from mcore_rl.rollout.partial import current_version_logprob_diff
+from mcore_rl.rollout.ray_engines import RayEngines
 from mcore_rl.runconfig import RLConfig
+from mcore_rl.runconfig.resolve import resolve_run
 from mcore_rl.tasks.config import build_reward, build_task
 from mcore_rl.tasks.tokenizer import load_tokenizer
 
@@ -70,8 +73,6 @@ class RLController:
         """owns_ray: the caller started Ray for this run (`start_local_ray` returned True)
         and hands it over; else the controller owns Ray only if it starts it itself. The
         owner's `shutdown` stops Ray; a Ray that was up already is left up."""
-        from mcore_rl.launch.ray_runtime import init_local_ray
-
         self.cfg, self.run_dir = cfg, Path(run_dir)
         self.spec = ModelSpec.from_hf_dir(model_dir)
         tokenizer = load_tokenizer(model_dir)
@@ -102,9 +103,6 @@ class RLController:
     def _start_workers(self, cfg: RLConfig, model_dir: Path, tokenizer, host: str) -> None:
         """The placement group, the actor ranks, the engines and the reward model, all up (in
         the order the resolved run asks for), each watched by the watchdog."""
-        from mcore_rl.launch.placement import RayPlacement
-        from mcore_rl.rollout.ray_engines import RayEngines
-
         self.placement = RayPlacement(self.run.placement,
                                       cpus_per_engine=cfg.rollout.cpus_per_engine,
                                       gpu=self.run.device == "cuda",
@@ -460,10 +458,6 @@ class RLController:
         when one before it failed (the error is raised once all have run); then Ray, if this
         controller started it: a Ray that was up already outlives the run, so nothing of the
         run may."""
-        from contextlib import ExitStack
-
-        from mcore_rl.launch.ray_runtime import stop_local_ray
-
         with ExitStack() as stops:  # run last-registered first
             if self.owns_ray:
                 stops.callback(stop_local_ray)

@@ -63,7 +63,7 @@ class GenerationLog:
                 f.write(json.dumps({"step": step, "kind": kind, **record},
                                    ensure_ascii=False) + "\n")
         if self._tb is None:
-            from torch.utils.tensorboard import SummaryWriter
+            from torch.utils.tensorboard import SummaryWriter  # lazy: torch
 
             self._tb = SummaryWriter(str(self.tb_dir))
         self._tb.add_text(f"generations/{kind}", markdown_table(records), step)

@@ -9,6 +9,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from rich.console import Console
+
 from mcore_rl.runconfig.sections import WandbConfig, no_wandb
 
 
@@ -23,8 +25,7 @@ class MetricsWriter:
 
     def __init__(self, run_dir: Path, phase: str = "rl", *, wandb: WandbConfig | None = None,
                  run_config: dict[str, Any] | None = None):
-        from rich.console import Console
-        from torch.utils.tensorboard import SummaryWriter
+        from torch.utils.tensorboard import SummaryWriter  # lazy: tensorboard
 
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -66,7 +67,7 @@ def _start_wandb(cfg: WandbConfig, run_config: dict[str, Any] | None, run_dir: P
     """The wandb run of one phase, its files under RUN_DIR/wandb (wandb imported here only:
     it is an optional dependency)."""
     try:
-        import wandb
+        import wandb  # lazy: wandb
     except ImportError:
         raise no_wandb(cfg).under("logging") from None
     name = cfg.name or run_dir.name
@@ -80,10 +81,10 @@ TOOL_CURVES = ("tool_calls/mean", "tool_errors/frac", "turns/mean")
 def plot_run(run_dir: str | Path) -> list[Path]:
     """reward.png (reward per step) and phases.png (seconds per phase per step); for
     multi-turn runs also tools.png (reward, tool calls and errors, turns per step)."""
-    import matplotlib
+    import matplotlib  # lazy: matplotlib
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # lazy: matplotlib
 
     run_dir = Path(run_dir)
     every = _read_metrics(run_dir)
@@ -127,10 +128,10 @@ def plot_run(run_dir: str | Path) -> list[Path]:
 def plot_compare(run_dir: str | Path, other_dir: str | Path, window: int = 10) -> Path:
     """RUN_DIR/reward_compare.png: both runs' reward per step (thin) and its trailing
     `window`-step mean (thick), labelled by run directory name."""
-    import matplotlib
+    import matplotlib  # lazy: matplotlib
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # lazy: matplotlib
 
     run_dir = Path(run_dir)
     runs = [(Path(d).name, _step_records(_read_metrics(d))) for d in (run_dir, other_dir)]

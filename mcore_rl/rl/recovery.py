@@ -43,6 +43,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import psutil
+
 from mcore_rl.rl import checkpoint_dirs
 from mcore_rl.rl.checkpoint_dirs import CheckpointWriteError
 from mcore_rl.runconfig.sections import RecoveryConfig
@@ -63,8 +65,6 @@ class EngineFailed(RuntimeError):
 def kill_process_tree(pid: int) -> list[int]:
     """SIGKILL `pid` and every process under it (vLLM's engine-core / TP worker processes);
     returns the pids signalled once they are gone."""
-    import psutil
-
     try:
         root = psutil.Process(pid)
         victims = [root, *root.children(recursive=True)]

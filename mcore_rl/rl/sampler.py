@@ -14,6 +14,7 @@ import concurrent.futures
 from mcore_rl.config.seeds import SAMPLE_BITS, derive_seed
 from mcore_rl.launch.timing import PhaseTimer
 from mcore_rl.launch.watchdog import Watchdog
+from mcore_rl.reward_model import RewardModelGroup, check_reward_model_dir
 from mcore_rl.rl.evaluation import eval_metrics
 from mcore_rl.rl.recovery import EngineRecovery, InjectedKills
 from mcore_rl.rollout.batches import Batch, Rollouts, build_batch
@@ -26,6 +27,7 @@ from mcore_rl.runconfig import RLConfig
 from mcore_rl.runconfig.sections import EvalConfig
 from mcore_rl.tasks.base import Example, Prompt, RewardFailed, describe_prompt, load_reward_fn
 from mcore_rl.tasks.config import DEFAULT_REWARDS
+from mcore_rl.tasks.jsonl import JsonlTask
 from mcore_rl.tasks.tokenizer import encode_answers, encode_prompts, prompt_texts, response_text
 
 
@@ -272,8 +274,6 @@ def fit_prompts(cfg: RLConfig, task, tokenizer) -> dict[str, float]:
     them: task.overlong_prompts "error" stops the run naming the first longer one (file,
     line, tokens), "filter" drops them. Returns the step metrics that report it
     (`prompts/filtered_overlong`: training rows dropped; `..._heldout`: held-out rows)."""
-    from mcore_rl.tasks.jsonl import JsonlTask
-
     if not isinstance(task, JsonlTask):  # generated prompts: checked as encoded
         return {"prompts/filtered_overlong": 0.0}
     dropped = task.fit_prompts(
@@ -292,7 +292,6 @@ def start_reward_model(cfg: RLConfig, tokenizer, *, host: str, stack_dir, placem
     rm = cfg.reward_model
     if not rm.enabled:
         return None
-    from mcore_rl.reward_model import RewardModelGroup, check_reward_model_dir
 
     vocab = check_reward_model_dir(rm.hf_dir).vocab
     if vocab < len(tokenizer):

@@ -40,8 +40,8 @@ from __future__ import annotations
 
 import threading
 import time
-from pathlib import Path
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 import torch
@@ -49,14 +49,17 @@ import torch
 from mcore_rl.config import ConfigError
 from mcore_rl.launch.startup_gc import gc_paused
 from mcore_rl.resharding.plan_cache import PlanCache
+from mcore_rl.rollout.config import (
+    RolloutConfig,
+    SamplingConfig,
+    engines_run_eager,
+    engines_sleep_level,
+)
 from mcore_rl.rollout.errors import RolloutError
 from mcore_rl.rollout.expert_parallel import engine_args as expert_parallel_args
 from mcore_rl.rollout.lora import EngineLoRA, lora_request
-from mcore_rl.rollout.config import (RolloutConfig, SamplingConfig, engines_run_eager,
-                                     engines_sleep_level)
 from mcore_rl.rollout.sync_client import EngineSync
-from mcore_rl.rollout.vllm_env import (compiler_off, configure_vllm_env,
-                                       model_inspected_in_process)
+from mcore_rl.rollout.vllm_env import compiler_off, configure_vllm_env, model_inspected_in_process
 from mcore_rl.rollout.vllm_plugin import BACKEND, plugin_missing
 
 WORKER_EXTENSION = "mcore_rl.rollout.worker_extension.WorkerExtension"
@@ -139,7 +142,7 @@ class RolloutEngine(EngineSync):
         try:
             # two blocks: the imported heap is frozen before LLM() runs its five gc.collect()s
             with gc_paused():
-                from vllm import LLM
+                from vllm import LLM  # lazy: vllm
             with (gc_paused(), compiler_off(not cfg.compile),  # TP workers start in here
                   model_inspected_in_process(self.on_cpu)):
                 self.llm = LLM(**self._llm_kwargs(str(model_dir)))
@@ -191,8 +194,8 @@ class RolloutEngine(EngineSync):
         `prompts[0]` (seeds depend on it, see the module doc). routing_start (with
         `routed_experts`): per prompt, the positions whose experts the caller holds already
         (a continued episode or sample); its completions' routing starts there."""
-        from vllm import SamplingParams
-        from vllm.inputs import TokensPrompt
+        from vllm import SamplingParams  # lazy: vllm
+        from vllm.inputs import TokensPrompt  # lazy: vllm
 
         self._check_idle("generate")
         limit = self.cfg.max_model_len - 1

@@ -54,7 +54,7 @@ class EngineLoRA:
 
 def lora_request():
     """The request every generate call passes once an adapter is installed."""
-    from vllm.lora.request import LoRARequest
+    from vllm.lora.request import LoRARequest  # lazy: vllm
 
     return LoRARequest(ADAPTER_NAME, ADAPTER_ID, ADAPTER_PATH)
 
@@ -68,8 +68,8 @@ def unsupported_lora_reason(architecture: str, lm_head: bool = False) -> str | N
     """Why vLLM cannot serve a LoRA adapter on `architecture` (None: it can): the model class
     must implement vLLM's SupportsLoRA, and name `lm_head` among its `embedding_modules` for
     an adapter on the output layer (`lm_head`)."""
-    from vllm.model_executor.models import ModelRegistry
-    from vllm.model_executor.models.interfaces import supports_lora
+    from vllm.model_executor.models import ModelRegistry  # lazy: vllm
+    from vllm.model_executor.models.interfaces import supports_lora  # lazy: vllm
 
     if architecture not in ModelRegistry.get_supported_archs():
         return f"vLLM does not know the architecture {architecture}"
@@ -97,8 +97,8 @@ def install_adapter(model: torch.nn.Module, tensors: Mapping[str, torch.Tensor],
     tensors) with the PEFT config `peft`; returns the names installed. Raises ValueError for
     an engine started without LoRA, a name that is not a LoRA matrix or a module vLLM's model
     cannot adapt, and vLLM's own refusals (a rank above the engine's, ...)."""
-    from vllm.lora.lora_model import LoRAModel
-    from vllm.lora.peft_helper import PEFTHelper
+    from vllm.lora.lora_model import LoRAModel  # lazy: vllm
+    from vllm.lora.peft_helper import PEFTHelper  # lazy: vllm
 
     manager = check_adapter(model, tensors, int(peft["r"]))
     helper = PEFTHelper.from_dict(dict(peft))

@@ -34,12 +34,13 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from mcore_rl.tasks.envs.base import Environment, EpisodeConfig
-from mcore_rl.tasks.envs.tool_format import TagFormat
 from mcore_rl.rollout.config import SamplingConfig
 from mcore_rl.rollout.engine import Completion
 from mcore_rl.rollout.routing import cut_routing, joined_routing, routing_start
 from mcore_rl.tasks.base import Example
+from mcore_rl.tasks.envs.base import Environment, EpisodeConfig, load_env_factory
+from mcore_rl.tasks.envs.tool_format import TagFormat, tool_format
+from mcore_rl.tasks.tokenizer import response_text
 
 Generate = Callable[[list[list[int]], SamplingConfig], list[list[Completion]]]
 
@@ -151,8 +152,6 @@ class MultiTurnRollout:
 
     def _advance(self, r: _Running, completion: Completion) -> None:
         """Append one model turn, let the environment answer, append its observation."""
-        from mcore_rl.tasks.tokenizer import response_text
-
         ids, logprobs = list(completion.token_ids), list(completion.logprobs)
         keep = min(self.fmt.cut_after_call(ids, self.tokenizer),
                    self.episode.max_total_tokens - r.length)
@@ -232,9 +231,6 @@ def build_multi_turn(task_cfg, tokenizer, reward_fn) -> MultiTurnRollout | None:
     """The task's multi-turn rollout (None for a single-turn task)."""
     if not task_cfg.multi_turn:
         return None
-    from mcore_rl.tasks.envs.base import load_env_factory
-
-    from mcore_rl.tasks.envs.tool_format import tool_format
 
     return MultiTurnRollout(load_env_factory(task_cfg.env_path), reward_fn, task_cfg.episode,
                             tokenizer, fmt=tool_format(tokenizer, task_cfg.chat_template))

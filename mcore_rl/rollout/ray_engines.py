@@ -29,12 +29,13 @@ import torch
 
 from mcore_rl.config import ConfigError
 from mcore_rl.launch.logs import configure_process_logs
+from mcore_rl.launch.placement import RAY_NOSET_VISIBLE_DEVICES, restrict_visible_devices
 from mcore_rl.launch.watchdog import arm_stack_dump, maybe_stall, still_running
 from mcore_rl.rollout.config import RolloutConfig, SamplingConfig
 from mcore_rl.rollout.engine import Completion, RolloutEngine
 from mcore_rl.rollout.errors import RolloutError
-from mcore_rl.rollout.sync_client import SyncReport
 from mcore_rl.rollout.lora import EngineLoRA
+from mcore_rl.rollout.sync_client import SyncReport
 from mcore_rl.rollout.vllm_env import IDLE_THREADS_SLEEP
 
 # Engine methods an actor may run on request (besides generate).
@@ -85,8 +86,6 @@ class EngineHost:
         self.inject_stall = spec.inject_stall
         self.devices = devices = spec.devices_of(index)
         if spec.narrow_visible_devices:
-            from mcore_rl.launch.placement import restrict_visible_devices
-
             restrict_visible_devices(devices)
         planned = None if devices is None else ("cuda" if spec.narrow_visible_devices else "cpu")
         self.engine = RolloutEngine(spec.model_dir, spec.cfg, engine_index=index,
@@ -95,7 +94,7 @@ class EngineHost:
                                     routed_experts=spec.routed_experts)
 
     def ready(self) -> dict[str, Any]:
-        import ray
+        import ray  # lazy: ray
 
         context = ray.get_runtime_context()
         return {"startup_s": self.engine.startup_s, "pid": os.getpid(),
@@ -137,7 +136,7 @@ class RayEngines:
         lora: every engine serves the policy's LoRA adapter (`rollout.lora.EngineLoRA`).
         routed_experts: every completion carries its tokens' experts (`Completion.routing`).
         """
-        import ray
+        import ray  # lazy: ray
 
         if not ray.is_initialized():
             raise RuntimeError("Ray is not initialized: call init_local_ray() or ray.init()")
@@ -205,7 +204,7 @@ class RayEngines:
         every late engine is up. A late engine that failed to start, or is not up within
         start_timeout_s of its start, raises RolloutError naming it (the late engines not yet
         admitted are stopped)."""
-        import ray
+        import ray  # lazy: ray
 
         admitted = []
         while self._late:
@@ -228,7 +227,7 @@ class RayEngines:
         return admitted
 
     def _stop_late(self) -> None:
-        import ray
+        import ray  # lazy: ray
 
         late, self._late = self._late, []
         for _, actor, _, _ in late:
@@ -240,7 +239,6 @@ class RayEngines:
         if self._placement is not None:
             options = self._placement.options_for_node(self._placement.plan.engine_node(i))
             if self.spec.narrow_visible_devices:  # its physical slots: CUDA_VISIBLE_DEVICES
-                from mcore_rl.launch.placement import RAY_NOSET_VISIBLE_DEVICES
 
                 env.update(RAY_NOSET_VISIBLE_DEVICES)
         if self.cfg.in_process_threads is not None:  # RolloutEngine sets the count
@@ -254,7 +252,7 @@ class RayEngines:
         old actor is killed (and its processes with it), a new one starts and loads
         `model_dir`. The new engines hold those weights, not the trainer's, and are in no
         sync group. Raises RolloutError naming an engine that fails to start."""
-        import ray
+        import ray  # lazy: ray
 
         for i in indices:
             ray.kill(self._actors[i], no_restart=True)
@@ -270,7 +268,7 @@ class RayEngines:
         """Engines `indices` (alive) drop their sync state after a peer of the group died:
         an install still in flight is waited out (its error is expected and ignored) and the
         group is left, so they can join a new one."""
-        import ray
+        import ray  # lazy: ray
 
         for method in ("finish_sync", "leave_sync_group"):
             refs = [self._actors[i].call.remote(method) for i in indices]
@@ -322,8 +320,8 @@ class RayEngines:
     def dead_engines(self, timeout_s: float = 5.0) -> list[int]:
         """Engines whose process is gone or that do not answer within `timeout_s` (used to
         name the culprit when a sync or call fails)."""
-        import ray
-        from ray.exceptions import GetTimeoutError, RayActorError
+        import ray  # lazy: ray
+        from ray.exceptions import GetTimeoutError, RayActorError  # lazy: ray
 
         dead = []
         for i, ref in enumerate([a.ready.remote() for a in self._actors]):
@@ -407,7 +405,7 @@ class RayEngines:
         a second on vLLM's heap) in a process the kill ends anyway. An engine still inside a
         call that missed its deadline is killed at once: it would take the shutdown only
         after that call."""
-        import ray
+        import ray  # lazy: ray
 
         if getattr(self, "_late", None):
             self._stop_late()  # still starting (or never admitted): nothing to close cleanly
@@ -430,8 +428,8 @@ class RayEngines:
         """Results of `calls` ([(engine, ObjectRef)]) in order; the first failure or the
         deadline (`timeout_s` from now, or the monotonic time `deadline` of a wait that
         began earlier) raises RolloutError naming the engine(s) and the phase."""
-        import ray
-        from ray.exceptions import RayActorError, RayError, RayTaskError
+        import ray  # lazy: ray
+        from ray.exceptions import RayActorError, RayError, RayTaskError  # lazy: ray
 
         deadline = time.monotonic() + timeout_s if deadline is None else deadline
         engine_of = {ref: i for i, ref in calls}

@@ -48,7 +48,7 @@ def configure_vllm_env(cfg: RolloutConfig, on_cpu: bool, routed_experts: bool = 
         if cfg.tp > 1:
             os.environ["VLLM_CPU_OMP_THREADS_BIND"] = _threads_bind(cfg)
     try:  # vLLM caches env reads once an engine has started; a new engine must re-read them
-        from vllm import envs
+        from vllm import envs  # lazy: vllm
         envs.disable_envs_cache()
     except ImportError:  # pragma: no cover
         pass
@@ -73,7 +73,7 @@ def compiler_off(off: bool) -> Iterator[None]:
     if not off:
         yield
         return
-    import torch._dynamo
+    import torch._dynamo  # lazy: torch
 
     saved = os.environ.get("TORCH_COMPILE_DISABLE")
     os.environ["TORCH_COMPILE_DISABLE"] = "1"
@@ -103,7 +103,7 @@ def model_inspected_in_process(on_cpu: bool) -> Iterator[None]:
     if not on_cpu:  # pragma: no cover - GPU only
         yield
         return
-    from vllm.model_executor.models import registry
+    from vllm.model_executor.models import registry  # lazy: vllm
 
     saved = getattr(registry, "_run_in_subprocess", None)
     if saved is None:  # pragma: no cover - another vLLM version

@@ -28,7 +28,7 @@ ALLOW_LIST = "VLLM_PLUGINS"  # vLLM's allow-list of plugin names (vllm/envs.py)
 def register() -> None:
     """Register the backend with vLLM, lazily (the engine module is imported by the worker that
     builds it). Idempotent: vLLM may run general plugins more than once in a process."""
-    from vllm.distributed.weight_transfer import WeightTransferEngineFactory
+    from vllm.distributed.weight_transfer import WeightTransferEngineFactory  # lazy: vllm
 
     try:
         WeightTransferEngineFactory.register_engine(BACKEND, *ENGINE_CLASS)

@@ -21,8 +21,13 @@ import argparse
 import json
 import sys
 
-from mcore_rl.config import CONFIG_ERROR_EXIT, ConfigError
+from rich.console import Console
+from rich.table import Table
+
+from mcore_rl.config import CONFIG_ERROR_EXIT, ConfigError, load_config
+from mcore_rl.models.kernels import resolve_kernels
 from mcore_rl.models.spec import grouped_expert_gemm
+from mcore_rl.run.plan_cli import add_assume_gpu
 
 LAYER_SPECS = {"te": "te (TransformerEngine: fused norm + linear names, flash attention)",
                "local": "local (megatron's pure-PyTorch layers and names)"}
@@ -74,8 +79,6 @@ KERNELS_DECIDED = ("on each actor rank's node, before it builds its model; shown
 
 def kernel_decisions(run):
     """Each fused kernel as a rank on this machine would turn it on (`models.kernels`)."""
-    from mcore_rl.models.kernels import resolve_kernels
-
     return resolve_kernels(run.fused_kernels, run.compiled_fusions, device=run.device)
 
 
@@ -143,8 +146,6 @@ def hosted_roles(cfg) -> str:
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    from mcore_rl.run.plan_cli import add_assume_gpu
-
     p = sub.add_parser("explain", help="what a run config will run here: its shape, device, "
                                        "layer spec, sync backend and devices by role")
     p.add_argument("config", help="run config YAML (e.g. configs/gpu/llama3-70b.yaml)")
@@ -215,8 +216,6 @@ def shape_of(cfg, spec) -> list[tuple[str, str]]:
 def render(run, title: str, *, cfg, spec, ranks: bool = False):
     """The resolved run as rich renderables: one table of the run's shape, resolution and
     devices by role; with `ranks`, a row per engine and per actor rank too."""
-    from rich.table import Table
-
     c, a = run.cluster, cfg.actor
     facts = Table(title=title, show_header=False, title_justify="left")
     facts.add_column("what", style="bold")
@@ -277,13 +276,10 @@ def render(run, title: str, *, cfg, spec, ranks: bool = False):
 def run_explain(args) -> int:
     """Exit 0 with the resolved run; 2 when the config does not load, fails a grid check
     or cannot be placed."""
-    from rich.console import Console
-
-    from mcore_rl.config import load_config
-    from mcore_rl.planning.grid_checks import GRID_CHECKS, preflight
-    from mcore_rl.runconfig.resolve import resolve_run
-    from mcore_rl.planning.sized import sized_run
-    from mcore_rl.runconfig import RLConfig
+    from mcore_rl.planning.grid_checks import GRID_CHECKS, preflight  # lazy: torch
+    from mcore_rl.planning.sized import sized_run  # lazy: torch
+    from mcore_rl.runconfig import RLConfig  # lazy: torch
+    from mcore_rl.runconfig.resolve import resolve_run  # lazy: torch
 
     try:
         cfg = load_config(RLConfig, args.config, list(args.overrides))
@@ -299,7 +295,7 @@ def run_explain(args) -> int:
     if errors:
         return CONFIG_ERROR_EXIT
     if args.json:
-        from mcore_rl.planning.sync_traffic import explain_traffic
+        from mcore_rl.planning.sync_traffic import explain_traffic  # lazy: torch
 
         # one sync's bytes per engine by transport, from the real plan (IPC never crosses a
         # node)

@@ -19,7 +19,10 @@ import json
 import sys
 from pathlib import Path
 
-from mcore_rl.config import CONFIG_ERROR_EXIT
+from mcore_rl.config import CONFIG_ERROR_EXIT, ConfigError
+from mcore_rl.config.loader import read_config_file
+from mcore_rl.conversion.errors import ConversionError
+from mcore_rl.rl import checkpoint_dirs
 from mcore_rl.run.lifecycle import DEMO_MODEL_DIR
 from mcore_rl.run.train import RESOLVED_CONFIG
 
@@ -34,8 +37,6 @@ class ExportError(ValueError):
 def run_checkpoint(run_dir: Path, step: int | None = None) -> Path:
     """The step directory to export: RUN_DIR's newest complete checkpoint, or step `step`'s
     (which must be complete). ExportError naming what there is otherwise."""
-    from mcore_rl.rl import checkpoint_dirs
-
     root = checkpoint_dirs.checkpoint_root(run_dir)
     complete = checkpoint_dirs.complete_checkpoints(root)
     steps = ", ".join(str(checkpoint_dirs.step_of(p)) for p in complete) or "none"
@@ -54,8 +55,6 @@ def run_checkpoint(run_dir: Path, step: int | None = None) -> Path:
 def base_model_dir(run_dir: Path) -> Path:
     """The HF directory whose config.json and tokenizer the export takes: model.hf_dir of
     RUN_DIR/config.yaml, or RUN_DIR/model (the demo model the run built) when it is null."""
-    from mcore_rl.config.loader import read_config_file
-
     config = Path(run_dir) / RESOLVED_CONFIG
     if not config.is_file():
         raise ExportError(f"{run_dir}: not a run directory (no {RESOLVED_CONFIG}: `mcore-rl "
@@ -75,7 +74,7 @@ def export_run(run_dir: Path, out: Path, *, step: int | None = None, force: bool
                progress: bool = True):
     """Convert RUN_DIR's checkpoint (module doc) into the HF directory `out`; returns the
     conversion's ConvertReport. ExportError / ConversionError on bad input."""
-    from mcore_rl.conversion.convert import mcore_to_hf
+    from mcore_rl.conversion.convert import mcore_to_hf  # lazy: torch.distributed.checkpoint
 
     run_dir = Path(run_dir)
     model_dir = base_model_dir(run_dir)
@@ -107,9 +106,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def _run(args) -> int:
     """Exit 0 with OUT written; bad input (no run directory, no such checkpoint, OUT exists)
     is one line on stderr and exit CONFIG_ERROR_EXIT."""
-    from mcore_rl.config import ConfigError
-    from mcore_rl.conversion.errors import ConversionError
-
     try:
         report = export_run(args.run_dir, args.out, step=args.step, force=args.force,
                             progress=not args.no_progress)

@@ -21,9 +21,9 @@ def export_actor_hf(controller, source_dir: Path, out: Path) -> Path:
     """Write the controller's actor weights as an HF directory at `out` (config and tokenizer
     from `source_dir`, weights in one model.safetensors). Written to a temporary sibling and
     renamed, so `out` is complete or absent; an existing `out` is replaced."""
-    from safetensors.torch import save_file
+    from safetensors.torch import save_file  # lazy: torch
 
-    from mcore_rl.layouts import assemble_hf, megatron_shards
+    from mcore_rl.layouts import assemble_hf, megatron_shards  # lazy: torch
 
     shards = megatron_shards(controller.spec, controller.cfg.actor,
                              layer_spec=controller.run.layer_spec)

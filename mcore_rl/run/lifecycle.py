@@ -13,9 +13,22 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from mcore_rl.config import ConfigError
+from mcore_rl.config.seeds import derive_seed
+from mcore_rl.launch.process_cpu import cpu_by_role
+from mcore_rl.launch.ray_runtime import start_local_ray
+from mcore_rl.launch.startup_gc import gc_paused
+from mcore_rl.models.hf_factory import make_hf_model_dir
+from mcore_rl.rl.controller import RLController
+from mcore_rl.rl.metrics import MetricsWriter
+from mcore_rl.run.hf_export import export_actor_hf
 from mcore_rl.run.loop import run_steps
+from mcore_rl.run.preflight import tokenizer_missing
+from mcore_rl.tasks.config import build_task
+from mcore_rl.tasks.tokenizer import build_tokenizer_dir
 
 # RUN_DIR/<this>: the actor after the warm-up as an HF directory (`run.hf_export`); a run
 # with model.hf_dir=RUN_DIR/warmup_hf warmup.max_steps=0 starts from the same weights
@@ -45,10 +58,6 @@ class RLRun:
         self.startup_cpu: dict[str, float] = {}
 
     def __enter__(self) -> RLRun:
-        from mcore_rl.launch.process_cpu import cpu_by_role
-        from mcore_rl.launch.startup_gc import gc_paused
-        from mcore_rl.rl.controller import RLController
-
         start = time.perf_counter()
         owns_ray = False
         with gc_paused():  # transformers' import, the tokenizer's training (launch/startup_gc.py)
@@ -93,9 +102,6 @@ class RLRun:
         return first_step
 
     def _warm_up(self, writer, export_to: Path) -> None:
-        from mcore_rl.rl.metrics import MetricsWriter
-        from mcore_rl.run.hf_export import export_actor_hf
-
         start = time.perf_counter()
         own = writer is None
         writer = MetricsWriter(self.run_dir, phase="warmup") if own else writer
@@ -119,11 +125,8 @@ class RLRun:
 
 def model_dir_of(cfg, out: Path) -> Path:
     """The model the run loads: model.hf_dir, or the demo model built into `out`."""
-    from mcore_rl.config import ConfigError
-
     if cfg.model.hf_dir is None:
         return build_demo_model(cfg, out)
-    from mcore_rl.run.preflight import tokenizer_missing
 
     hf_dir = Path(cfg.model.hf_dir)
     missing = [name for name in ("config.json",) if not (hf_dir / name).is_file()]
@@ -139,10 +142,6 @@ def model_dir_while_ray_starts(cfg, out: Path) -> tuple[Path, bool]:
     model is built in a thread meanwhile: ray.init mostly waits on the processes it launches,
     and the build (transformers' import, the tokenizer's training) is seconds of driver CPU.
     A given model.hf_dir is checked first, so a bad one fails before Ray starts."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    from mcore_rl.launch.ray_runtime import start_local_ray
-
     if cfg.model.hf_dir is not None:
         model_dir = model_dir_of(cfg, out)
         return model_dir, start_local_ray()
@@ -163,11 +162,6 @@ DEMO_MODEL_DIR = "model"
 def build_demo_model(cfg, out: Path) -> Path:
     """Tokenizer trained on the task's own text + random-weight HF Llama in out/model (shapes:
     `cfg.model.demo_spec()`; the vocabulary is the tokenizer's)."""
-    from mcore_rl.config.seeds import derive_seed
-    from mcore_rl.models.hf_factory import make_hf_model_dir
-    from mcore_rl.tasks.config import build_task
-    from mcore_rl.tasks.tokenizer import build_tokenizer_dir
-
     tok_dir = build_tokenizer_dir(out / "tokenizer", build_task(cfg.task),
                                   vocab_size=DEMO_TOKENIZER_VOCAB[cfg.task.kind])
     return make_hf_model_dir(cfg.model.demo_spec(), out / DEMO_MODEL_DIR,

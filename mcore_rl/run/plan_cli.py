@@ -17,7 +17,7 @@ import argparse
 import json
 import sys
 
-from mcore_rl.config import CONFIG_ERROR_EXIT, ConfigError, ConfigFileError
+from mcore_rl.config import CONFIG_ERROR_EXIT, ConfigError, ConfigFileError, load_config
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -59,11 +59,10 @@ def _overrides(args) -> list[str]:
 
 def run_plan_memory(args) -> int:
     """Exit 0 if the run fits, 1 if it does not, 2 if the config is invalid."""
-    from mcore_rl.config import load_config
-    from mcore_rl.planning.knobs import plan_with_suggestions
-    from mcore_rl.planning.report import format_plan, plan_to_json
-    from mcore_rl.planning.sized import sized_run
-    from mcore_rl.runconfig import RLConfig
+    from mcore_rl.planning.knobs import plan_with_suggestions  # lazy: torch
+    from mcore_rl.planning.report import format_plan, plan_to_json  # lazy: torch
+    from mcore_rl.planning.sized import sized_run  # lazy: torch
+    from mcore_rl.runconfig import RLConfig  # lazy: torch
 
     try:
         cfg = load_config(RLConfig, args.config, _overrides(args))
@@ -81,8 +80,8 @@ def run_plan_memory(args) -> int:
 def run_preflight(args) -> int:
     """Exit 0 when there is no error (warnings allowed); CONFIG_ERROR_EXIT (2) when there is
     one, or the config file cannot be read."""
-    from mcore_rl.planning.grid_checks import format_problems
-    from mcore_rl.run.preflight import preflight_config
+    from mcore_rl.planning.grid_checks import format_problems  # lazy: torch
+    from mcore_rl.run.preflight import preflight_config  # lazy: torch
 
     try:
         _, problems = preflight_config(args.config, _overrides(args),

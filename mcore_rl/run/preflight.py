@@ -32,9 +32,18 @@ from pathlib import Path
 from typing import Mapping
 
 from mcore_rl.config import ConfigError, ConfigFileError, check_config
+from mcore_rl.launch.allocation import SlurmAllocation, allocation_shortfall
+from mcore_rl.launch.placement import node_bundles
+from mcore_rl.models.kernels import KERNELS, PROVIDERS, dropped, resolve_kernels
+from mcore_rl.models.presets import PRESETS
+from mcore_rl.models.spec import ModelSpec
 from mcore_rl.planning.grid_checks import Problem, format_problems, preflight
 from mcore_rl.planning.sized import sized_run
+from mcore_rl.rollout.vllm_plugin import plugin_missing
 from mcore_rl.runconfig import RLConfig
+from mcore_rl.runconfig.resolve import layer_spec_of, placement_plan_of, trainers_fuse_kernels
+from mcore_rl.tasks.jsonl import DatasetError, read_jsonl
+from mcore_rl.tasks.tokenizer import encode_prompts, load_tokenizer
 
 
 class PreflightFailed(RuntimeError):
@@ -46,8 +55,6 @@ def _preset_mismatch(cfg: RLConfig) -> list[Problem]:
     m = cfg.model
     if m.preset is None or m.hf_dir is None or not (Path(m.hf_dir) / "config.json").is_file():
         return []
-    from mcore_rl.models.presets import PRESETS
-    from mcore_rl.models.spec import ModelSpec
 
     if ModelSpec.from_hf_dir(m.hf_dir) == PRESETS[m.preset]:
         return []
@@ -118,7 +125,6 @@ def dataset_problems(cfg: RLConfig, *, remote_paths: bool = False) -> list[Probl
     task = cfg.task
     if task.kind != "jsonl":
         return []
-    from mcore_rl.tasks.jsonl import DatasetError, read_jsonl
 
     problems = []
     for field in ("path", "heldout_path"):
@@ -145,7 +151,6 @@ def _tokenizer_here(cfg: RLConfig):
     if hf_dir is None or not any((Path(hf_dir) / name).is_file() for name in (
             "tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
         return None
-    from mcore_rl.tasks.tokenizer import load_tokenizer
 
     return load_tokenizer(hf_dir)
 
@@ -164,7 +169,6 @@ def prompt_length_problems(cfg: RLConfig, field: str, prompts: list) -> list[Pro
                         "checkpoint's tokenizer files")]
     if tokenizer is None or not prompts:
         return []
-    from mcore_rl.tasks.tokenizer import encode_prompts
 
     try:
         lengths = [len(ids) for ids in encode_prompts(tokenizer, prompts,
@@ -245,8 +249,6 @@ def preflight_run(cfg: RLConfig, model_dir: str | Path | None = None, *,
 def plugin_problems(env: Mapping[str, str]) -> list[Problem]:
     """vLLM's processes must load mcore-rl's weight-transfer backend: its entry point is
     installed and a VLLM_PLUGINS allow-list names it (`rollout.vllm_plugin.plugin_missing`)."""
-    from mcore_rl.rollout.vllm_plugin import plugin_missing
-
     missing = plugin_missing(env)
     return [] if missing is None else [Problem("vllm-plugin", missing.problem, missing.fix)]
 
@@ -255,10 +257,6 @@ def allocation_problems(cfg: RLConfig, device: str, env: Mapping[str, str]) -> l
     """Inside a SLURM allocation: its nodes, GPUs and CPUs per node against the bundles the
     run's Ray placement group will reserve (`launch.allocation`); an error when one can
     never be placed. Nothing outside an allocation."""
-    from mcore_rl.launch.allocation import SlurmAllocation, allocation_shortfall
-    from mcore_rl.launch.placement import node_bundles
-    from mcore_rl.runconfig.resolve import placement_plan_of
-
     allocation = SlurmAllocation.from_env(env)
     if allocation is None:
         return []
@@ -279,9 +277,6 @@ def kernel_problems(cfg: RLConfig, device: str) -> list[Problem]:
     """A warning per fused kernel the plan asks for whose provider does not import here, with
     what running without it costs (`models.kernels`): the actor ranks decide again on their
     node, and build without it rather than fail."""
-    from mcore_rl.models.kernels import KERNELS, PROVIDERS, dropped, resolve_kernels
-    from mcore_rl.runconfig.resolve import layer_spec_of, trainers_fuse_kernels
-
     try:
         fused = trainers_fuse_kernels(cfg.train.fused_kernels, layer_spec_of(device))
     except ConfigError:  # refused by the resolution itself (train.fused_kernels on CPU)

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from mcore_rl.config import ConfigError, to_dict
+from mcore_rl.config.loader import read_config_file
 
 # Dotted field paths (a section: every field under it) that a resumed run may change, and why
 # they do not make it another run.
@@ -109,8 +110,6 @@ def check_same_run(run_dir: Path, cfg, saved_config: Path, checkpoint: Path) -> 
     """Refuse to resume `checkpoint` in `run_dir` with `cfg` (the resolved RLConfig) when
     `saved_config` (RUN_DIR/config.yaml, if there is one) differs from it in a field that
     shapes training: ConfigError naming the fields with both values and how to start fresh."""
-    from mcore_rl.config.loader import read_config_file
-
     if not saved_config.is_file():
         return
     found = differences(read_config_file(saved_config), to_dict(cfg))

@@ -29,8 +29,8 @@ import sys
 import threading
 import time
 
-from mcore_rl.launch.exit_codes import (INTERRUPT_EXIT_CODE, STOP_EXIT_CODE,
-                                        STOP_TIMEOUT_EXIT_CODE)
+from mcore_rl.launch.exit_codes import INTERRUPT_EXIT_CODE, STOP_EXIT_CODE, STOP_TIMEOUT_EXIT_CODE
+from mcore_rl.launch.ray_runtime import kill_local_ray
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 
@@ -117,8 +117,6 @@ class StopControl:
 def _exit_now(code: int) -> None:
     """Exit without cleaning up; the local Ray's processes (and the workers and engines under
     them) are killed first, which they would otherwise outlive in part."""
-    from mcore_rl.launch.ray_runtime import kill_local_ray
-
     try:
         kill_local_ray()
     finally:

@@ -14,16 +14,35 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import sys
+import tempfile
 import time
 from pathlib import Path
 
-from mcore_rl.config import CONFIG_ERROR_EXIT, ConfigError, load_config, to_dict, write_config
-from mcore_rl.launch.logs import add_verbose_argument, set_verbose
-from mcore_rl.rl import checkpoint_dirs
-from mcore_rl.run.lifecycle import RLRun
+import psutil
 
+from mcore_rl.config import CONFIG_ERROR_EXIT, ConfigError, load_config, to_dict, write_config
+from mcore_rl.launch.exit_codes import (
+    CHECKPOINT_WRITE_EXIT_CODE,
+    REWARD_FAILED_EXIT_CODE,
+    WORKER_FAILED_EXIT_CODE,
+)
+from mcore_rl.launch.logs import add_verbose_argument, configure_process_logs, set_verbose
+from mcore_rl.launch.process_cpu import cpu_floor_s
+from mcore_rl.launch.watchdog import WatchdogTimeout, WorkerDied
+from mcore_rl.rl import checkpoint_dirs
+from mcore_rl.rl.checkpoint_dirs import CheckpointNotFound, CheckpointWriteError, check_resume
+from mcore_rl.rl.metrics import MetricsWriter, plot_compare, plot_run
+from mcore_rl.rl.recovery import EngineFailed
+from mcore_rl.run.lifecycle import RLRun
+from mcore_rl.run.preflight import PreflightFailed, check_run
+from mcore_rl.run.same_run import check_same_run
+from mcore_rl.run.signals import RunStopped, StopControl
+from mcore_rl.runconfig import RLConfig
+from mcore_rl.runconfig.resolve import resolve_run
+from mcore_rl.tasks.base import RewardFailed
 
 # OUT/<this>: the run's resolved config (every derived value filled in), written when it starts
 RESOLVED_CONFIG = "config.yaml"
@@ -33,11 +52,9 @@ def check_layer_spec_here(cfg, resume: Path | None = None) -> None:
     """Before any worker starts: the resolved layer spec can be built here (a run on this
     machine that resolves "te" needs TransformerEngine), and a resumed checkpoint was saved
     under the same spec (`megatron.role_checkpoint.check_resume`). Raises ConfigError."""
-    from mcore_rl.runconfig.resolve import resolve_run
-
     run = resolve_run(cfg)
     if cfg.cluster.device == "local" and run.layer_spec == "te":
-        from mcore_rl.models.gpt import te_importable
+        from mcore_rl.models.gpt import te_importable  # lazy: megatron
 
         if not te_importable():
             raise ConfigError("cluster.device", cfg.cluster.device, (
@@ -45,7 +62,6 @@ def check_layer_spec_here(cfg, resume: Path | None = None) -> None:
                 "TransformerEngine (transformer_engine.pytorch) is not importable: install it "
                 "(pip install .[gpu]), or set cluster.device=cpu for the local layer spec"))
     if resume is not None:  # a checkpoint of the other layer spec fails here, not in a worker
-        from mcore_rl.rl.checkpoint_dirs import check_resume
 
         check_resume(resume, run.layer_spec)
 
@@ -55,11 +71,6 @@ def run_rl(cfg, out: Path, resume: str | Path = "auto", command: str = "demo") -
     "never" (start over: OUT's checkpoints and metrics are removed) or a checkpoint path.
     SIGTERM/SIGUSR1/SIGINT stop it at the next safe point with a checkpoint (raises
     RunStopped)."""
-    from mcore_rl.launch.logs import configure_process_logs
-    from mcore_rl.launch.process_cpu import cpu_floor_s
-    from mcore_rl.rl.metrics import plot_run
-    from mcore_rl.run.signals import RunStopped, StopControl
-
     start = time.perf_counter()
     out.mkdir(parents=True, exist_ok=True)
     configure_process_logs(out, "driver")  # library logs to OUT/logs unless --verbose
@@ -98,8 +109,6 @@ def run_rl(cfg, out: Path, resume: str | Path = "auto", command: str = "demo") -
 def seconds_since_process_start() -> float:
     """Wall time since this process started (imports included, which run_rl's own clock
     misses)."""
-    import psutil
-
     return time.time() - psutil.Process().create_time()
 
 
@@ -110,9 +119,6 @@ def _preflight(cfg, out: Path, resume: str | Path) -> Path | None:
     converted checkpoint) before anything moves; with "auto", the found checkpoint too. A
     resume must continue the run OUT holds: its config.yaml and this config may differ only
     in fields that do not shape training (`run.same_run`), else ConfigError."""
-    from mcore_rl.run.preflight import check_run
-    from mcore_rl.run.same_run import check_same_run
-
     for said in check_run(cfg):  # warnings and notes
         fix = "vs" if said.severity == "note" else "fix"
         print(f"preflight {said.severity} [{said.check}] {said.message} ({fix}: {said.fix})")
@@ -130,8 +136,6 @@ def _begin(run: RLRun, cfg, out: Path, checkpoint: Path | None, stop) -> int:
     """The run's metrics files cut back to where it starts, then `RLRun.begin`: from scratch
     the warm-up (its metrics in OUT/warmup_metrics.jsonl, the warmed-up model in
     OUT/warmup_hf), from a checkpoint its state. Returns the first RL step to run."""
-    from mcore_rl.rl.metrics import MetricsWriter
-
     if checkpoint is not None:
         first_step = run.begin(checkpoint, stop=stop)
         checkpoint_dirs.truncate_metrics(out, first_step - 1)
@@ -148,8 +152,6 @@ def _begin(run: RLRun, cfg, out: Path, checkpoint: Path | None, stop) -> int:
 def _train(run: RLRun, cfg, out: Path, stop, first_step: int) -> None:
     """RL steps first_step..cfg.steps through the run loop, each one's metrics written;
     checkpoints when due and at a stop request (then RunStopped)."""
-    from mcore_rl.rl.metrics import MetricsWriter
-
     writer = MetricsWriter(out, **_loggers(cfg))
     if first_step == 1 and cfg.eval.due(0, cfg.steps):  # the starting weights, as step 0
         evaluated = run.controller.evaluate(0)
@@ -270,8 +272,6 @@ def _run(args) -> int:
     problem, a --resume that cannot be used) its message on stderr and CONFIG_ERROR_EXIT; a
     reward function that raised: one line on stderr naming the sample and the checkpoint of
     the last completed step, and REWARD_FAILED_EXIT_CODE."""
-    from mcore_rl.runconfig import RLConfig
-
     if args.verbose:  # before Ray starts: workers inherit it (as they do MCORE_RL_VERBOSE=1)
         set_verbose(True)
 
@@ -290,16 +290,6 @@ def _run(args) -> int:
     if problem is not None:
         return refuse(f"--out {args.out}: {problem}")
     created.extend(p for p in [outermost_missing(args.out)] if p is not None)
-    from mcore_rl.launch.watchdog import WatchdogTimeout, WorkerDied
-    from mcore_rl.run.preflight import PreflightFailed
-
-    from mcore_rl.rl.checkpoint_dirs import CheckpointNotFound, CheckpointWriteError
-    from mcore_rl.launch.exit_codes import (CHECKPOINT_WRITE_EXIT_CODE,
-                                            REWARD_FAILED_EXIT_CODE,
-                                            WORKER_FAILED_EXIT_CODE)
-    from mcore_rl.run.signals import RunStopped
-    from mcore_rl.rl.recovery import EngineFailed
-    from mcore_rl.tasks.base import RewardFailed
 
     try:
         run_rl(cfg, args.out, getattr(args, "resume", "auto"), command=args.command)
@@ -333,9 +323,6 @@ def out_dir_problem(out: Path) -> str | None:
     process cannot write where it is or would be made (a read-only filesystem, a directory
     without permission, /proc or /sys). Tried by making and removing a temporary entry there,
     so it holds as root too (root passes permission checks, not a read-only filesystem)."""
-    import os
-    import tempfile
-
     out, here = Path(out), None
     try:  # a parent without search permission makes even exists() fail
         if out.exists() and not out.is_dir():
@@ -379,8 +366,6 @@ def _plot(args) -> int:
     """Exit 0 with the charts' paths; a run directory that is not there or holds no metrics
     (or metrics that do not read): one line on stderr and CONFIG_ERROR_EXIT, no chart
     written."""
-    from mcore_rl.rl.metrics import plot_compare, plot_run
-
     def refuse(message: str) -> int:
         print(f"mcore-rl plot: {message}", file=sys.stderr, flush=True)
         return CONFIG_ERROR_EXIT

@@ -7,8 +7,11 @@ from typing import Literal
 
 from mcore_rl.config import ConfigError
 from mcore_rl.config.paths import code_ref, relative_to_config
-from mcore_rl.tasks.envs.base import EpisodeConfig, load_env_factory
+from mcore_rl.tasks.addition import AdditionTask
 from mcore_rl.tasks.base import RewardFn, Task, load_reward_fn
+from mcore_rl.tasks.envs.base import EpisodeConfig, load_env_factory
+from mcore_rl.tasks.jsonl import JsonlTask
+from mcore_rl.tasks.tool_calc import ToolCalcTask
 
 DEFAULT_REWARDS = {"addition": "mcore_rl.tasks.addition:reward",
                    "jsonl": "mcore_rl.tasks.math:answer_reward",
@@ -80,12 +83,8 @@ class TaskConfig:
     def __post_init__(self) -> None:
         if self.kind in ("addition", "tool_calc"):
             if self.kind == "addition":
-                from mcore_rl.tasks.addition import AdditionTask
-
                 AdditionTask(digits=self.digits)  # raises ConfigError("digits", ...)
             else:
-                from mcore_rl.tasks.tool_calc import ToolCalcTask
-
                 ToolCalcTask(digits=self.digits)
             for name in ("path", "heldout_path"):
                 if getattr(self, name) is not None:
@@ -135,14 +134,9 @@ class TaskConfig:
 def build_task(cfg: TaskConfig) -> Task:
     """The task of `cfg`; a jsonl task reads its files here (errors name file and line)."""
     if cfg.kind == "addition":
-        from mcore_rl.tasks.addition import AdditionTask
-
         return AdditionTask(digits=cfg.digits)
     if cfg.kind == "tool_calc":
-        from mcore_rl.tasks.tool_calc import ToolCalcTask
-
         return ToolCalcTask(digits=cfg.digits)
-    from mcore_rl.tasks.jsonl import JsonlTask
 
     return JsonlTask(cfg.path, heldout_path=cfg.heldout_path, prompt_key=cfg.prompt_key,
                      answer_key=cfg.answer_key, chats=not cfg.multi_turn)

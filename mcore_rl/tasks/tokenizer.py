@@ -56,7 +56,7 @@ def train_sentencepiece(task: AdditionTask | None = None, *, vocab_size: int = 1
 def hf_tokenizer_from_spm(model: bytes | str | Path):
     """Wrap a sentencepiece model (bytes or path of a `tokenizer.model`) as an HF
     `LlamaTokenizer` that adds BOS (not EOS), pads with `<pad>` and adds no dummy prefix."""
-    from transformers import LlamaTokenizer
+    from transformers import LlamaTokenizer  # lazy: transformers
 
     data = model if isinstance(model, bytes) else Path(model).read_bytes()
     with tempfile.TemporaryDirectory(prefix="mcore_rl_spm_") as tmp:
@@ -85,7 +85,7 @@ def build_tokenizer_dir(out_dir: str | Path, task: AdditionTask | None = None, *
 
 def load_tokenizer(path: str | Path):
     """`AutoTokenizer` from a local folder, offline."""
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer  # lazy: transformers
 
     return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
 

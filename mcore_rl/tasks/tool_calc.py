@@ -28,9 +28,10 @@ from dataclasses import dataclass
 
 from mcore_rl.config import ConfigError
 from mcore_rl.config.seeds import derive_seed
-from mcore_rl.tasks.envs.tool_format import TagFormat
 from mcore_rl.tasks.addition import EOS_TEXT
 from mcore_rl.tasks.base import Example
+from mcore_rl.tasks.envs.tool_env import calculator_env
+from mcore_rl.tasks.envs.tool_format import TagFormat
 
 _PROMPT_RE = re.compile(r"([1-9][0-9]*)\*([1-9][0-9]*)=")
 FORMAT = TagFormat()
@@ -131,8 +132,6 @@ class ToolCalcTask:
     def corpus(self, n: int = 2000, *, seed: int = 0) -> list[str]:
         """Tokenizer input: prompts with whole traces, direct answers, and the error
         observations the calculator environment can show."""
-        from mcore_rl.tasks.envs.tool_env import calculator_env
-
         lines = [self.prompt(a, b) + self.trace(a, b, tool=i % 4 != 0)
                  for i, (a, b) in enumerate(self.sample_pairs(n, seed=seed, split="train"))]
         env = calculator_env(Example("1*1=", "1"), reward)

@@ -9,27 +9,33 @@ it into micro batches (the pipeline needs equal shapes).
 
 from __future__ import annotations
 
+import hashlib
 import os
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
 
-from mcore_rl.config.seeds import derive_seed
 from mcore_rl.algorithms import AlgorithmConfig
+from mcore_rl.config.dtypes import torch_dtype
+from mcore_rl.config.seeds import derive_seed
 from mcore_rl.launch.logs import configure_process_logs
 from mcore_rl.launch.startup_gc import gc_paused
 from mcore_rl.launch.watchdog import arm_stack_dump, maybe_stall
 from mcore_rl.layouts import materialize_rank, megatron_shards
+from mcore_rl.megatron.config import LoRAConfig, TrainConfig
+from mcore_rl.megatron.packing import forward_micro_rows, pack, plan_for_grid, unpack, valid_lengths
+from mcore_rl.megatron.role_checkpoint import load_role, save_role, saved_base_model
 from mcore_rl.models.hf_weights import SafetensorsWeights
+from mcore_rl.models.kernels import resolve_kernels
 from mcore_rl.models.spec import ModelSpec
 from mcore_rl.parallel import ParallelConfig
 from mcore_rl.parallel.groups import Axis, join_worker_world, leave_worker_world
 from mcore_rl.resharding import Plan, SyncGroupSpec
+from mcore_rl.resharding.channels import SyncChannels
 from mcore_rl.resharding.plan_cache import PlanCache, PlanRef
-from mcore_rl.config.dtypes import torch_dtype
-from mcore_rl.megatron.config import LoRAConfig, TrainConfig
+from mcore_rl.rollout.batches import mini_batches
 
 
 @dataclass(frozen=True)
@@ -132,7 +138,7 @@ class ActorWorker:
 
     def _load(self, chunks, weights: SafetensorsWeights, dtype: str) -> None:
         """This rank's slices of the HF `weights` into `chunks`."""
-        from mcore_rl.models.gpt import load_chunks
+        from mcore_rl.models.gpt import load_chunks  # lazy: megatron
 
         load_chunks(chunks, materialize_rank(self.shards, self.rank, weights.__getitem__,
                                              torch_dtype(dtype)), self.parallel.vpp)
@@ -141,7 +147,7 @@ class ActorWorker:
         """The actor's trainer (LoRA adapters attached where they start with the run); each
         model build turns on only the fused kernels whose providers import here
         (models.kernels), which `fused_kernels()` reports."""
-        from mcore_rl.megatron.train import setup_trainer
+        from mcore_rl.megatron.train import setup_trainer  # lazy: megatron
 
         trainer = setup_trainer(spec.model, self.groups, spec.train,
                                 load_weights=lambda chunks: self._load(chunks, weights,
@@ -149,7 +155,7 @@ class ActorWorker:
                                 seed=spec.seed, lora=self.lora if self.lora_attached else None,
                                 **spec.kernels)
         if spec.routing_replay:
-            from mcore_rl.megatron.routing_replay import install_replay
+            from mcore_rl.megatron.routing_replay import install_replay  # lazy: megatron
 
             install_replay(trainer.unwrapped())
         return trainer
@@ -157,8 +163,8 @@ class ActorWorker:
     def _build_critic(self, spec: ActorRankSpec, weights: SafetensorsWeights):
         """The critic's trainer: initialized from the policy's weights, then a fresh value
         head."""
-        from mcore_rl.megatron.train import setup_trainer
-        from mcore_rl.megatron.value import attach_value_head
+        from mcore_rl.megatron.train import setup_trainer  # lazy: megatron
+        from mcore_rl.megatron.value import attach_value_head  # lazy: megatron
 
         def load_critic(chunks):
             self._load(chunks, weights, spec.train.dtype)
@@ -170,8 +176,8 @@ class ActorWorker:
 
     def _build_reference(self, spec: ActorRankSpec, weights: SafetensorsWeights):
         """The frozen reference policy: the starting weights with the actor's numerics."""
-        from mcore_rl.megatron.value import FrozenModel
-        from mcore_rl.models.gpt import build_gpt_model
+        from mcore_rl.megatron.value import FrozenModel  # lazy: megatron
+        from mcore_rl.models.gpt import build_gpt_model  # lazy: megatron
 
         chunks = build_gpt_model(spec.model, spec.parallel, self.groups,
                                  params_dtype=torch_dtype(spec.train.dtype), seed=spec.seed,
@@ -197,8 +203,6 @@ class ActorWorker:
         mine = {k: v.to(on) for k, v in tensors.items()}
         n, s = mine["tokens"].shape
         if train.max_tokens_per_micro_batch is not None:
-            from mcore_rl.megatron.packing import pack, plan_for_grid, valid_lengths
-
             # from the host copy: the plan is made on the host, so no device sync for it
             lengths = valid_lengths(tensors[mask]) if mask else [s] * n
             plan = plan_for_grid(lengths, train.max_tokens_per_micro_batch, seq_len=s,
@@ -214,10 +218,6 @@ class ActorWorker:
     def _forward_train(self, train: TrainConfig | None, n: int) -> TrainConfig:
         """`train` whose micro_batch_size is the forward-only passes' for this DP slice's `n`
         rows (`packing.forward_micro_rows`); packed passes are unchanged."""
-        from dataclasses import replace
-
-        from mcore_rl.megatron.packing import forward_micro_rows
-
         train = train or self.train_cfg
         if train.max_tokens_per_micro_batch is not None:
             return train
@@ -243,7 +243,7 @@ class ActorWorker:
     def sft_step(self, rows: dict[str, torch.Tensor]) -> dict:
         """One supervised step on this DP slice's rows (tokens, labels, loss_mask)."""
         maybe_stall("warmup", f"rank{self.rank}", self.inject_stall)
-        from mcore_rl.megatron.train import MicroBatch, train_step
+        from mcore_rl.megatron.train import MicroBatch, train_step  # lazy: megatron
 
         batches, _ = self._micro(rows, MicroBatch, mask="loss_mask")
         return asdict(train_step(self.trainer, batches))
@@ -253,7 +253,7 @@ class ActorWorker:
         forward-only passes' micro batches, and the PackPlan (None: fixed rows).
         `response_mask` bounds the valid tokens (without it rows are packed whole);
         `routing` [n, s, layers, k]: the experts the pass replays."""
-        from mcore_rl.megatron.train import MicroBatch
+        from mcore_rl.megatron.train import MicroBatch  # lazy: megatron
 
         response_mask = rows.get("response_mask")
         labels = rows["labels"]
@@ -269,8 +269,6 @@ class ActorWorker:
         """Per-micro-batch outputs back to this slice's rows [n, s, ...] (packed ones
         unpacked, zeros after each row's valid tokens), on the host for the controller."""
         if plan is not None:
-            from mcore_rl.megatron.packing import unpack
-
             return unpack(out, plan).cpu()
         return torch.cat(out).cpu()
 
@@ -290,7 +288,7 @@ class ActorWorker:
         passes skip each row's padding (0 there). routing [n, s, layers, k]: the experts the
         MoE layers use (the rollout's, `algorithm.routing_replay: rollout`)."""
         maybe_stall("old_logprob", f"rank{self.rank}", self.inject_stall)
-        from mcore_rl.megatron.policy import compute_logprobs
+        from mcore_rl.megatron.policy import compute_logprobs  # lazy: megatron
 
         return self._forward_only(compute_logprobs, self.trainer, rows)
 
@@ -300,8 +298,8 @@ class ActorWorker:
         the layers of other pipeline stages) from TP rank 0 of every stage, `logp` from the
         last stage's; `dp`: the slice they cover (`algorithm.routing_replay: old`)."""
         maybe_stall("old_logprob", f"rank{self.rank}", self.inject_stall)
-        from mcore_rl.megatron.policy import compute_logprobs
-        from mcore_rl.megatron.routing_replay import flip_counts
+        from mcore_rl.megatron.policy import compute_logprobs  # lazy: megatron
+        from mcore_rl.megatron.routing_replay import flip_counts  # lazy: megatron
 
         batches, plan = self._forward_batches(rows)
         routing: list[torch.Tensor] = []
@@ -314,10 +312,10 @@ class ActorWorker:
 
     def ref_logprobs(self, rows: dict[str, torch.Tensor]) -> torch.Tensor | None:
         """The frozen reference policy's log-probs of the labels."""
-        from mcore_rl.megatron.policy import compute_logprobs
+        from mcore_rl.megatron.policy import compute_logprobs  # lazy: megatron
 
         if self.reference_is_base:  # LoRA: the base is the reference
-            from mcore_rl.megatron.lora import adapters_disabled
+            from mcore_rl.megatron.lora import adapters_disabled  # lazy: megatron
 
             with adapters_disabled(self.trainer.unwrapped()):
                 return self._forward_only(compute_logprobs, self.trainer, rows)
@@ -327,7 +325,7 @@ class ActorWorker:
 
     def values(self, rows: dict[str, torch.Tensor]) -> torch.Tensor | None:
         """The critic's values V(state before label t), [n, s]."""
-        from mcore_rl.megatron.value import compute_values
+        from mcore_rl.megatron.value import compute_values  # lazy: megatron
 
         critic = self._critic()
         return self._forward_only(compute_values, critic, rows, train=critic.train)
@@ -340,7 +338,7 @@ class ActorWorker:
         crosses once and the controller waits once (a Ray round trip per mini-batch adds up on
         small batches). Returns each mini-batch's report."""
         maybe_stall("update_actor", f"rank{self.rank}", self.inject_stall)
-        from mcore_rl.megatron.policy import PolicyBatch, policy_update
+        from mcore_rl.megatron.policy import PolicyBatch, policy_update  # lazy: megatron
 
         reports = self._each_mini_batch(batch, mini_batches, PolicyBatch, self.trainer,
                                         policy_update, algo)
@@ -351,7 +349,7 @@ class ActorWorker:
                       mini_batches: int = 1) -> list[dict]:
         """The critic's value update, cut and reported as `update`'s."""
         maybe_stall("update_critic", f"rank{self.rank}", self.inject_stall)
-        from mcore_rl.megatron.value import ValueBatch, value_update
+        from mcore_rl.megatron.value import ValueBatch, value_update  # lazy: megatron
 
         reports = self._each_mini_batch(batch, mini_batches, ValueBatch, self._critic(),
                                         value_update, algo)
@@ -372,10 +370,8 @@ class ActorWorker:
         """`update(role, micro batches, algo)` (one optimizer step) on each of `count`
         mini-batches of `batch` — this rank's rows of each, cut into `role`'s micro batches of
         `cls`; each one's report with its packing."""
-        from mcore_rl.rollout.batches import mini_batches
-
         if "routing" in batch:  # the update's counts: not the π_old pass's
-            from mcore_rl.megatron.routing_replay import flip_counts
+            from mcore_rl.megatron.routing_replay import flip_counts  # lazy: megatron
 
             flip_counts(role.unwrapped())
         reports = []
@@ -392,7 +388,7 @@ class ActorWorker:
         controller)."""
         if not replayed:
             return {}
-        from mcore_rl.megatron.routing_replay import flip_counts
+        from mcore_rl.megatron.routing_replay import flip_counts  # lazy: megatron
 
         flips, replayed, seen = flip_counts(role.unwrapped())
         return {"routing_flips_local": float(flips), "routing_replayed_local": float(replayed),
@@ -400,7 +396,9 @@ class ActorWorker:
 
     def reset_optimizer(self, train: TrainConfig) -> bool:
         """A fresh optimizer and LR schedule (e.g. RL after the supervised warm-up)."""
-        from mcore_rl.megatron.schedule import configure_schedule
+        from mcore_rl.megatron.schedule import configure_schedule  # lazy: megatron
+
+        # lazy: megatron
         from mcore_rl.megatron.train import add_lora, build_optimizer, build_scheduler
 
         dtype = torch_dtype(train.dtype)
@@ -430,8 +428,6 @@ class ActorWorker:
     def join_sync_group(self, spec: SyncGroupSpec, device: str = "cpu") -> bool:
         """Join the weight-sync world. device: this rank's device from the resolved run
         (`actor_devices[rank]`): where IPC staging lives for colocated engines."""
-        from mcore_rl.resharding.channels import SyncChannels
-
         self.sync_group = SyncChannels.join(spec, self.rank, device)
         return True
 
@@ -459,13 +455,13 @@ class ActorWorker:
                 if not name.endswith("_extra_state"):
                     out[prefix.format(v=v) + name] = tensor.detach()
             if self.lora is not None:
-                from mcore_rl.megatron.lora import lora_linears
+                from mcore_rl.megatron.lora import lora_linears  # lazy: megatron
 
                 adapted.update({f"{prefix.format(v=v)}{name}.weight": linear
                                 for name, linear in lora_linears([chunk])})
         if self.lora is None or not merged:
             return out
-        from mcore_rl.megatron.lora import MergedWeights
+        from mcore_rl.megatron.lora import MergedWeights  # lazy: megatron
 
         return MergedWeights(out, adapted)
 
@@ -489,16 +485,12 @@ class ActorWorker:
 
     def save_checkpoint(self, ckpt_dir: str) -> bool:
         """Actor (and critic) model + optimizer + schedule + RNG into ckpt_dir (collective)."""
-        from mcore_rl.megatron.role_checkpoint import save_role
-
         save_role(self.trainer, Path(ckpt_dir) / "actor", self.rank, base_model=self.base_model)
         if self.critic is not None:
             save_role(self.critic, Path(ckpt_dir) / "critic", self.rank)
         return True
 
     def load_checkpoint(self, ckpt_dir: str) -> bool:
-        from mcore_rl.megatron.role_checkpoint import load_role, saved_base_model
-
         load_role(self.trainer, Path(ckpt_dir) / "actor", self.rank)
         self.base_model = saved_base_model(Path(ckpt_dir) / "actor") or self.base_model
         if self.critic is not None:
@@ -518,8 +510,6 @@ class ActorWorker:
 
     def weights_digest(self) -> str:
         """sha256 of this rank's actor parameters (resume tests compare runs bit for bit)."""
-        import hashlib
-
         digest = hashlib.sha256()
         for key, tensor in sorted(self.local_tensors().items()):
             digest.update(key.encode())
@@ -531,8 +521,6 @@ class ActorWorker:
         """This rank's fused kernels: each one the plan asked for (`wanted`), whether the
         actor's model runs it (`on`, read from the config it was built with) and why
         (`models.kernels.resolve_kernels` in this process, on this node)."""
-        from mcore_rl.models.kernels import resolve_kernels
-
         fused, compiled = self._kernel_intent
         config = self.trainer.config
         return [{**d.as_dict(), "on": bool(getattr(config, d.field))}
@@ -543,7 +531,7 @@ class ActorWorker:
 
     def where(self) -> dict:
         """Node, placement group and device of this rank (placement checks)."""
-        import ray
+        import ray  # lazy: ray
 
         context = ray.get_runtime_context()
         return {"node_id": context.get_node_id(), "slot": self.slot, "device": self.device,

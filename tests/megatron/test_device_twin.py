@@ -219,9 +219,9 @@ def test_train_lm_rank_device(monkeypatch):
 
     monkeypatch.setattr(torch.distributed, "is_initialized", lambda: False)
     monkeypatch.setenv("LOCAL_RANK", "3")
-    monkeypatch.setattr("mcore_rl.parallel.groups.default_backend", lambda: "nccl")
+    monkeypatch.setattr(lm, "default_backend", lambda: "nccl")
     assert lm.rank_device(7) == 3
-    monkeypatch.setattr("mcore_rl.parallel.groups.default_backend", lambda: "gloo")
+    monkeypatch.setattr(lm, "default_backend", lambda: "gloo")
     assert lm.rank_device(7) is None
 
 

@@ -16,7 +16,7 @@ import time
 import pytest
 
 from mcore_rl.config import ConfigError, load_config
-from mcore_rl.launch import ray_runtime
+from mcore_rl.run import lifecycle
 from mcore_rl.run.lifecycle import model_dir_while_ray_starts
 from mcore_rl.runconfig import RLConfig
 from tests.support import DEMO_SIZED
@@ -82,7 +82,7 @@ def test_local_ray_ignores_sigterm_and_sigint_and_stop_ends_every_process_at_onc
 
 def test_a_bad_model_hf_dir_fails_before_ray_starts(tmp_path, monkeypatch):
     started = []
-    monkeypatch.setattr(ray_runtime, "start_local_ray", lambda: started.append(True))
+    monkeypatch.setattr(lifecycle, "start_local_ray", lambda: started.append(True))
     cfg = load_config(RLConfig, DEMO_SIZED, [f"model.hf_dir={tmp_path}"])
     with pytest.raises(ConfigError, match="model.hf_dir"):
         model_dir_while_ray_starts(cfg, tmp_path / "out")

@@ -23,12 +23,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 from mcore_rl.config import require_at_least
-
-if TYPE_CHECKING:  # tasks.config imports this module: no import of tasks at load time
-    from mcore_rl.tasks.base import Example, RewardFn
+from mcore_rl.tasks.base import Example, RewardFn, load_by_path
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -82,8 +80,6 @@ EnvFactory = Callable[["Example", "RewardFn", object], Environment]
 def load_env_factory(path: str) -> EnvFactory:
     """"package.module:function" → the factory; it must accept (example, reward_fn,
     tool_format). Raises ValueError / ImportError / AttributeError naming what is wrong."""
-    from mcore_rl.tasks.base import Example, load_by_path
-
     return load_by_path(path, (Example("p", "a"), lambda p, r, a: 0.0, None),
                         "(example, reward_fn, tool_format)")
 

@@ -16,6 +16,7 @@ without one is an answer: the episode ends.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 
@@ -117,8 +118,6 @@ class ChatToolFormat:
         self.tokenizer = tokenizer
 
     def parse(self, turn: str) -> ToolCall | MalformedCall | None:
-        import json
-
         start = turn.find(self.call_open)
         if start < 0:
             return None
