@@ -128,19 +128,6 @@ LOADS = {
     "apex": {"torch"}, "fused_weight_gradient_mlp_cuda": {"torch"},
     "safetensors.torch": {"torch"}, "torch.utils.tensorboard": {"tensorboard"},
 }
-# Files being edited elsewhere whose lazy imports still break the rule: each line says the fix.
-# The test fails once a file keeps the rule: then strike its line (and, at the end, the list).
-PENDING = {
-    "mcore_rl/config/dtypes.py",  # torch_dtype: mark `import torch  # lazy: torch`
-    "mcore_rl/config/loader.py",  # `import difflib` to the top
-    # to the top: all but megatron.train (mark it `# lazy: megatron`)
-    "mcore_rl/planning/measure.py",
-    "mcore_rl/planning/memory.py",  # `from mcore_rl.runconfig.resolve import ...` to the top
-    "mcore_rl/planning/sync_traffic.py",  # every function-level import to the top
-    "mcore_rl/runconfig/config.py",  # `import warnings` to the top
-    "mcore_rl/runconfig/resolve.py",  # `import torch` (twice) and `import psutil` to the top
-}
-
 _MARK = re.compile(r"#\s*lazy:\s*([A-Za-z_][\w.]*(?:\s*,\s*[A-Za-z_][\w.]*)*)")
 _Import = ast.Import | ast.ImportFrom
 _BLOCKS = ("body", "orelse", "finalbody")
@@ -301,13 +288,9 @@ def test_every_function_level_import_defers_a_heavy_library():
     out), less what the importing module loads itself. Each one is marked with the library it
     defers, `# lazy: LIB` at the end of the import's line or alone on the line just above it.
     Every other import (the standard library, light third-party libraries, mcore_rl modules that
-    load nothing heavy the importer does not already load) sits at the top of its module.
-    The files in `PENDING` wait for their fix."""
+    load nothing heavy the importer does not already load) sits at the top of its module."""
     problems = lazy_import_problems(ROOT, "mcore_rl", first_party=("tools",))
-    broken = [p for p in problems if p.partition(":")[0] not in PENDING]
-    assert not broken, "\n".join(broken)
-    kept = PENDING - {p.partition(":")[0] for p in problems}
-    assert not kept, f"these keep the rule now: strike them from PENDING: {sorted(kept)}"
+    assert not problems, "\n".join(problems)
 
 
 def test_the_lazy_import_check_finds_what_breaks_the_rule(tmp_path):

@@ -33,7 +33,8 @@ from mcore_rl.bench.sync_link import LinkBaseline, byte_matrix
 from mcore_rl.config import ConfigError, require_above, require_at_least, require_one_of
 from mcore_rl.config.dtypes import DtypeName, normalize_dtype_fields, torch_dtype
 from mcore_rl.launch.slurm import launch_ranks
-from mcore_rl.layouts import ShardMap, materialize_rank, megatron_shards, vllm_shards
+from mcore_rl.layouts import (ShardMap, materialize_rank, megatron_shards, vllm_fp8_names,
+                              vllm_shards)
 from mcore_rl.layouts.layout import box_numel, box_slices
 from mcore_rl.models.hf_weights import RandomWeights, SafetensorsWeights
 from mcore_rl.models.presets import PRESETS, get_preset
@@ -41,6 +42,7 @@ from mcore_rl.models.spec import ModelSpec
 from mcore_rl.parallel import ParallelConfig
 from mcore_rl.resharding import Plan, SyncGroupSpec, SyncStats, build_plan, join_sync_group
 from mcore_rl.resharding.channels import SyncChannels
+from mcore_rl.resharding.fp8 import fp8_wire_bytes, sender_quantized
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -511,10 +513,6 @@ def _fp8_projection(cfg: SyncBenchConfig, spec, plan: Plan, link) -> dict:
     scheme = cfg.rollout.quantization
     if scheme is None:
         return {}
-    from mcore_rl.bench.link_model import project_transport
-    from mcore_rl.layouts import vllm_fp8_names
-    from mcore_rl.resharding.fp8 import fp8_wire_bytes, sender_quantized
-
     is_fp8 = vllm_fp8_names(spec).__contains__
     flags = sender_quantized(plan, is_fp8, scheme=scheme)
     quantized = {id(t) for rnd, fs in zip(plan.rounds, flags) for t, f in zip(rnd, fs) if f}

@@ -32,7 +32,7 @@ def dtype_name(value: object, field: str, allowed: tuple[str, ...] = CANONICAL) 
 
 def torch_dtype(name: str):
     """The torch dtype of a dtype name (canonical or short)."""
-    import torch
+    import torch  # lazy: torch
 
     return getattr(torch, dtype_name(name, "dtype"))
 

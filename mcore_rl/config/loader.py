@@ -20,6 +20,7 @@ command exits `CONFIG_ERROR_EXIT` on a config error.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import os
 import types
 from collections.abc import Callable, Iterable
@@ -256,7 +257,6 @@ def collect(cls: type[T], data: Any, prefix: str = "") -> tuple[T | None, list[C
 def _did_you_mean(name: str, known: Iterable[str], prefix: str) -> str:
     """ " (did you mean a.b?)" naming the known keys of that level closest to `name`
     (difflib's ratio >= 0.6, at most 3, the closest first), or "" when none is close."""
-    import difflib
 
     close = [
         _join(prefix, key)

@@ -25,7 +25,21 @@ from typing import Any, Literal
 
 import torch
 
-from mcore_rl.config.dtypes import DtypeName
+from mcore_rl.config.dtypes import DtypeName, dtype_bytes
+from mcore_rl.launch.spawn import run_on_ranks
+from mcore_rl.megatron.config import TrainConfig
+from mcore_rl.models.presets import get_preset
+from mcore_rl.parallel.config import ParallelConfig
+from mcore_rl.parallel.groups import destroy_training_groups, init_training_groups
+from mcore_rl.planning.memory import (
+    ActivationModel,
+    in_flight_layers,
+    last_stage_terms,
+    layer_activation_bytes,
+    mcore_stage_params,
+    recompute_workspace,
+    state_bytes_per_param,
+)
 
 
 def _key(t: torch.Tensor) -> tuple[int, int]:
@@ -151,18 +165,6 @@ def predict_case(
 ) -> dict[str, float]:
     """The planner's figures for the rank at `coords` of a `measure_case` case (local kernels,
     fp32 grads as the trainer uses), in the same categories."""
-    from mcore_rl.config.dtypes import dtype_bytes
-    from mcore_rl.models.presets import get_preset
-    from mcore_rl.parallel.config import ParallelConfig
-    from mcore_rl.planning.memory import (
-        ActivationModel,
-        in_flight_layers,
-        last_stage_terms,
-        layer_activation_bytes,
-        mcore_stage_params,
-        recompute_workspace,
-        state_bytes_per_param,
-    )
 
     spec = get_preset(spec_name)
     par = ParallelConfig(**parallel_kw)
@@ -206,11 +208,7 @@ def measure_case(
 ) -> dict[str, Any]:
     """Build the grid, run one training step under the saved-tensor tracker, return this
     rank's coordinates, static bytes and peak activation bytes."""
-    from mcore_rl.megatron.config import TrainConfig
-    from mcore_rl.megatron.train import MicroBatch, setup_trainer, train_step
-    from mcore_rl.models.presets import get_preset
-    from mcore_rl.parallel.config import ParallelConfig
-    from mcore_rl.parallel.groups import init_training_groups
+    from mcore_rl.megatron.train import MicroBatch, setup_trainer, train_step  # lazy: megatron
 
     spec = get_preset(spec_name)
     parallel = ParallelConfig(**parallel_kw)
@@ -249,7 +247,6 @@ def measure_case(
 
 def measure_grids(rank: int, world: int, cases: list[dict]) -> list[dict[str, Any]]:
     """Rank function for `run_on_ranks`: `measure_case(**case)` for each case in turn."""
-    from mcore_rl.parallel.groups import destroy_training_groups
 
     results = []
     for case in cases:
@@ -292,7 +289,6 @@ VALIDATION: dict[int, list[dict]] = {
 
 
 def _validation_table() -> str:
-    from mcore_rl.launch.spawn import run_on_ranks
 
     keys = ("weights", "grads", "main params", "adam")
     rows = [

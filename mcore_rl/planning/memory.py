@@ -62,6 +62,7 @@ from mcore_rl.planning.activations import (
 )
 from mcore_rl.planning.sized import TRAINER_GRAD_DTYPE, GiB, SizedRun
 from mcore_rl.rollout.config import RolloutConfig
+from mcore_rl.runconfig.resolve import SYNC_BUCKET_MB
 
 # --- parameters per rank ----------------------------------------------------------------------
 
@@ -395,7 +396,6 @@ def sync_buffers(run: SizedRun) -> tuple[float, float]:
     Colocated (IPC): the actor rank's shared staging buffer of one bucket, the engine rank
     copying straight out of it; otherwise (point to point) two staging slots of a bucket on
     each side (`resharding.copy_service.P2PCopy`: round k + 1 posted before round k is done)."""
-    from mcore_rl.runconfig.resolve import SYNC_BUCKET_MB
 
     mb = run.cfg.sync.bucket_mb
     bucket = (SYNC_BUCKET_MB[run.device] if mb is None else mb) * (1 << 20)

@@ -11,8 +11,17 @@ regression shows.
 
 from __future__ import annotations
 
+from mcore_rl.config import ConfigError
+from mcore_rl.config.dtypes import torch_dtype
+from mcore_rl.layouts import megatron_shards, vllm_fp8_names, vllm_shards
+from mcore_rl.layouts.lora import lora_shards, whole_adapters
+from mcore_rl.layouts.shards import LayoutError
 from mcore_rl.models.spec import ModelSpec
-from mcore_rl.resharding.planner import Plan
+from mcore_rl.planning.sized import resolve_model
+from mcore_rl.resharding import build_plan
+from mcore_rl.resharding.fp8 import fp8_wire_bytes
+from mcore_rl.resharding.planner import Plan, PlanError
+from mcore_rl.resharding.sync_group import sync_group_spec
 from mcore_rl.runconfig import RLConfig
 from mcore_rl.runconfig.resolve import ResolvedRun
 
@@ -20,9 +29,6 @@ from mcore_rl.runconfig.resolve import ResolvedRun
 def sync_plan(cfg: RLConfig, run: ResolvedRun, spec: ModelSpec, engines: int | None = None) -> Plan:
     """The plan of one sync from the actor's layout to the first `engines` engines' (default
     all) — the one the controller's weight sync builds (rl/weight_sync.py)."""
-    from mcore_rl.config.dtypes import torch_dtype
-    from mcore_rl.layouts import megatron_shards, vllm_shards
-    from mcore_rl.resharding import build_plan
 
     engines = len(run.engine_devices) if engines is None else engines
     actor = megatron_shards(spec, cfg.actor, layer_spec=run.layer_spec)
@@ -43,10 +49,6 @@ def adapter_sync_plan(
     """The plan of one adapter sync (`actor.lora.sync: adapter`): the actor's LoRA adapters,
     each held as its linear's shard is (`layouts.lora_shards`), to every engine rank whole
     (vLLM's LoRA layers cut their own slices)."""
-    from mcore_rl.config.dtypes import torch_dtype
-    from mcore_rl.layouts import megatron_shards
-    from mcore_rl.layouts.lora import lora_shards, whole_adapters
-    from mcore_rl.resharding import build_plan
 
     engines = len(run.engine_devices) if engines is None else engines
     lora = cfg.actor.lora
@@ -66,7 +68,6 @@ def adapter_sync_plan(
 def sync_traffic(run: ResolvedRun, plan: Plan) -> dict:
     """Bytes per engine and transport of `plan` under `run`'s transports and nodes (module
     docstring), as plain JSON values."""
-    from mcore_rl.resharding.sync_group import sync_group_spec
 
     spec = sync_group_spec(run, host="", port=0, prefix="", timeout_s=1.0)
     nodes, tp = run.sync_nodes(), max(1, plan.num_dst // max(1, len(run.engine_devices)))
@@ -101,8 +102,6 @@ def fp8_sync(cfg: RLConfig, spec: ModelSpec, plan: Plan) -> dict | None:
     (`resharding.fp8.fp8_wire_bytes`) and how it compares with the sync unquantized: the
     scheme, the byte counts, `ratio` (FP8 / unquantized) and `sender_share` (of the FP8
     tensors' elements, those the trainer ranks quantize). None without quantization."""
-    from mcore_rl.layouts import vllm_fp8_names
-    from mcore_rl.resharding.fp8 import fp8_wire_bytes
 
     scheme = cfg.rollout.quantization
     if scheme is None:
@@ -125,10 +124,6 @@ def explain_traffic(cfg: RLConfig, run: ResolvedRun) -> dict:
     adapter sync, `adapter_sync_traffic`: what each step's sync moves (`sync_traffic` is then
     the base's, sent once per sync group when a warm-up changed it). With
     `rollout.quantization`, `fp8_sync` (`fp8_sync`)."""
-    from mcore_rl.config import ConfigError
-    from mcore_rl.layouts.shards import LayoutError
-    from mcore_rl.planning.sized import resolve_model
-    from mcore_rl.resharding.planner import PlanError
 
     try:
         spec = resolve_model(cfg.model.planning_model(), "model.hf_dir")

@@ -112,8 +112,8 @@ def lora_row(lora) -> str:
 def fp8_row(cfg, run, spec) -> str:
     """`rollout.quantization`: the scheme, one sync's bytes against the unquantized sync (from
     the real plan), who quantizes, the rollout correction, and why it does not run yet."""
-    from mcore_rl.planning.sync_traffic import fp8_sync, sync_plan
-    from mcore_rl.rollout.quantization import INSTALL_REASON, correction_advice
+    from mcore_rl.planning.sync_traffic import fp8_sync, sync_plan  # lazy: torch
+    from mcore_rl.rollout.quantization import INSTALL_REASON, correction_advice  # lazy: torch
 
     fp8 = fp8_sync(cfg, spec, sync_plan(cfg, run, spec))
     gib = 1 << 30

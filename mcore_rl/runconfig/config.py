@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Literal
@@ -393,8 +394,6 @@ class RLConfig:
         """This config with every `null = derived` field decided (`derived_fields`); itself
         when nothing is left to derive. A deprecated key it maps warns here, once."""
         if self.off_policy_steps is not None:
-            import warnings
-
             mode = self._rollout_of_off_policy_steps().mode
             warnings.warn(
                 f"off_policy_steps={self.off_policy_steps} is deprecated: use rollout.mode={mode}",

@@ -39,6 +39,9 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, replace
 from typing import Literal
 
+import psutil
+import torch
+
 from mcore_rl.config import ConfigError
 from mcore_rl.launch.cluster import ClusterConfig
 from mcore_rl.launch.placement import PlacementPlan, plan_placement
@@ -164,7 +167,6 @@ class ResolvedRun:
 
 def cuda_present() -> bool:
     """Whether this process sees a CUDA device (the one place resolution asks torch)."""
-    import torch
 
     return torch.cuda.is_available()
 
@@ -172,7 +174,6 @@ def cuda_present() -> bool:
 def cuda_device_gib() -> float:
     """Memory of this machine's CUDA device 0, GiB (with `cuda_present`, what resolution asks
     torch about this machine)."""
-    import torch
 
     return torch.cuda.get_device_properties(0).total_memory / 2**30
 
@@ -222,8 +223,6 @@ def resolved_cluster(
         return c
     memory_gib, reserve_gib = c.device_gib, c.reserve_gib
     if device == "cpu":
-        import psutil
-
         memory_gib, reserve_gib = psutil.virtual_memory().total / 2**30, 0.0
     elif cuda_present() if cuda_available is None else cuda_available:
         memory_gib = cuda_device_gib()
