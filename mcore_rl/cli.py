@@ -3,7 +3,7 @@ lists them. A subcommand module exposes `add_parser(subparsers)` which registers
 sets `func` (called with the parsed args, returning an exit code).
 
 `demo`, `train` and `bench <kind>` take their config as `--config FILE` or as the first
-positional argument (`mcore-rl train configs/x.yaml a.b=c`)."""
+positional argument (`mcore-rl train configs/grpo_addition.yaml a.b=c`)."""
 
 from __future__ import annotations
 

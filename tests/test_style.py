@@ -6,6 +6,7 @@ tool's settings). Run them by hand with the commands in the assertion messages."
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -79,3 +80,33 @@ def test_no_function_is_longer_than_the_style_allows():
 def test_the_length_count_leaves_out_docstrings_comments_and_blank_lines():
     source = 'def f():\n    """doc\n    more"""\n    # why\n\n    x = 1\n    return x\n'
     assert _code_lines(ast.parse(source).body[0], source.splitlines()) == 2
+
+
+# a repository path as code and docs name one: mcore_rl/..., tests/..., docs/...
+_REPO_PATH = re.compile(r"(?<![\w/.-])((?:mcore_rl|tests|scripts|docs|configs|tools)/[\w./-]*?"
+                        r"\w\.(?:py|md|yaml|yml|sh|jsonl|json|toml|txt))(?![\w-])")
+_NAMED_IN = ("mcore_rl", "scripts", "docs", "configs", "tools", ".ci")
+
+
+def _repository_references() -> list[tuple[str, int, str]]:
+    files = [p for d in _NAMED_IN for p in (ROOT / d).rglob("*") if p.is_file()
+             and p.suffix in (".py", ".md", ".yaml", ".sh", "")] + [ROOT / "README.md"]
+    found = []
+    for path in files:
+        for number, line in enumerate(path.read_text(errors="ignore").splitlines(), 1):
+            found += [(str(path.relative_to(ROOT)), number, m.group(1))
+                      for m in _REPO_PATH.finditer(line)]
+    return found
+
+
+def test_every_repository_path_the_code_and_docs_name_exists():
+    """A path the code, scripts, configs and docs name inside the repository exists, and none
+    points outside it (a sibling checkout, a machine's own directory): a reader can follow
+    every reference from the checkout alone."""
+    references = _repository_references()
+    assert len(references) > 100  # the pattern finds the references there are
+    missing = [f"{where}:{n}: {ref}" for where, n, ref in references if not (ROOT / ref).exists()]
+    assert not missing, "\n".join(missing)
+    outside = [f"{p.relative_to(ROOT)}" for d in _NAMED_IN for p in (ROOT / d).rglob("*.py")
+               if "../shared" in p.read_text() or "/work/" in p.read_text()]
+    assert not outside, outside
