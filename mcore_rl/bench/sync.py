@@ -42,7 +42,7 @@ from mcore_rl.models.spec import ModelSpec
 from mcore_rl.parallel import ParallelConfig
 from mcore_rl.resharding import Plan, SyncGroupSpec, SyncStats, build_plan, join_sync_group
 from mcore_rl.resharding.channels import SyncChannels
-from mcore_rl.resharding.fp8 import fp8_wire_bytes, sender_quantized
+from mcore_rl.resharding.fp8 import fp8_wire_bytes, sender_quantized, tensor_units
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -502,11 +502,11 @@ def plan_only_report(cfg: SyncBenchConfig) -> dict:
         * plan.element_size,
         "bytes_received": received, "bytes_sent": sent,
         **_ideal(plan, dst),
-        **_fp8_projection(cfg, spec, plan, link),
+        **_fp8_projection(cfg, spec, dst, plan, link),
     }
 
 
-def _fp8_projection(cfg: SyncBenchConfig, spec, plan: Plan, link) -> dict:
+def _fp8_projection(cfg: SyncBenchConfig, spec, dst: ShardMap, plan: Plan, link) -> dict:
     """With rollout.quantization: the FP8 sync's bytes (`resharding.fp8.fp8_wire_bytes`) and
     its projected time, each quantized transfer at one byte per element (scales, a few bytes
     per tensor or block, are left out of the time)."""
@@ -516,7 +516,8 @@ def _fp8_projection(cfg: SyncBenchConfig, spec, plan: Plan, link) -> dict:
     is_fp8 = vllm_fp8_names(spec).__contains__
     flags = sender_quantized(plan, is_fp8, scheme=scheme)
     quantized = {id(t) for rnd, fs in zip(plan.rounds, flags) for t, f in zip(rnd, fs) if f}
-    wire = fp8_wire_bytes(plan, is_fp8, element_size=plan.element_size, scheme=scheme)
+    wire = fp8_wire_bytes(plan, is_fp8, element_size=plan.element_size, scheme=scheme,
+                          units=tensor_units(dst, plan.num_src, is_fp8))
     return {
         "quantization": scheme,
         "fp8_sync": {**wire, "ratio": wire["total_bytes"] / wire["without_fp8_bytes"]},

@@ -19,7 +19,7 @@ from mcore_rl.layouts.shards import LayoutError
 from mcore_rl.models.spec import ModelSpec
 from mcore_rl.planning.sized import resolve_model
 from mcore_rl.resharding import build_plan
-from mcore_rl.resharding.fp8 import fp8_wire_bytes
+from mcore_rl.resharding.fp8 import fp8_wire_bytes, tensor_units
 from mcore_rl.resharding.planner import Plan, PlanError
 from mcore_rl.resharding.sync_group import sync_group_spec
 from mcore_rl.runconfig import RLConfig
@@ -97,7 +97,7 @@ def sync_traffic(run: ResolvedRun, plan: Plan) -> dict:
     }
 
 
-def fp8_sync(cfg: RLConfig, spec: ModelSpec, plan: Plan) -> dict | None:
+def fp8_sync(cfg: RLConfig, run: ResolvedRun, spec: ModelSpec, plan: Plan) -> dict | None:
     """With `rollout.quantization`, what one sync of `plan` moves under that FP8 scheme
     (`resharding.fp8.fp8_wire_bytes`) and how it compares with the sync unquantized: the
     scheme, the byte counts, `ratio` (FP8 / unquantized) and `sender_share` (of the FP8
@@ -107,7 +107,13 @@ def fp8_sync(cfg: RLConfig, spec: ModelSpec, plan: Plan) -> dict | None:
     if scheme is None:
         return None
     names = vllm_fp8_names(spec)
-    wire = fp8_wire_bytes(plan, names.__contains__, element_size=plan.element_size, scheme=scheme)
+    engines = vllm_shards(
+        spec, cfg.rollout.tp, plan.num_dst // cfg.rollout.tp, expert_parallel=run.expert_parallel
+    )
+    units = tensor_units(engines, plan.num_src, names.__contains__)
+    wire = fp8_wire_bytes(
+        plan, names.__contains__, element_size=plan.element_size, scheme=scheme, units=units
+    )
     fp8_elements = sum(t.numel for rnd in plan.rounds for t in rnd if t.dst_key in names)
     return {
         "scheme": scheme,
@@ -140,7 +146,7 @@ def explain_traffic(cfg: RLConfig, run: ResolvedRun) -> dict:
         "sync_traffic": traffic,
         "cross_node_ipc_bytes": traffic["cross_node_ipc_bytes"],
         "adapter_sync_traffic": adapters,
-        "fp8_sync": fp8_sync(cfg, spec, plan),
+        "fp8_sync": fp8_sync(cfg, run, spec, plan),
     }
 
 

@@ -102,13 +102,15 @@ def fp8_wire_bytes(
     element_size: int = 2,
     block: tuple[int, int] = BLOCK,
     scheme: str = "fp8_per_block",
+    units: dict | None = None,
 ) -> dict[str, int]:
     """Bytes on the wire of one sync under FP8 `scheme`, against the same plan unquantized
     (`element_size`: the wire dtype's, 2 for BF16): sender-quantized elements at one byte plus
     their scales (block-wise: a block's; per tensor: one per tensor, per expert of a stacked
     one, and receiving rank); the rest (off the grid, or tensors vLLM keeps unquantized) as
     today. Per tensor, `amax_bytes` is what the trainer ranks all-reduce first: one float per
-    logical tensor (not counted in total_bytes: it is not sent to the engines)."""
+    logical tensor (`units`: `tensor_units` of the engines' layout; 0 without them), not
+    counted in total_bytes (it is not sent to the engines)."""
     fp8_elements = scales = other_elements = 0
     per_tensor: set[tuple[int, str, int]] = set()
     for rnd, flags in zip(plan.rounds, sender_quantized(plan, is_fp8, block, scheme), strict=True):
@@ -122,7 +124,7 @@ def fp8_wire_bytes(
             else:
                 per_tensor.add((t.dst_rank, t.dst_key, _slot(t.dst_box)))
     scales += len(per_tensor)
-    logical = {(key, slot) for _, key, slot in per_tensor}
+    logical = ordered_units(units) if units and scheme == "fp8_per_tensor" else []
     return {
         "fp8_bytes": fp8_elements,
         "scale_bytes": scales * SCALE_BYTES,

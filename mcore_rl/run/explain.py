@@ -115,7 +115,7 @@ def fp8_row(cfg, run, spec) -> str:
     from mcore_rl.planning.sync_traffic import fp8_sync, sync_plan  # lazy: torch
     from mcore_rl.rollout.quantization import INSTALL_REASON, correction_advice  # lazy: torch
 
-    fp8 = fp8_sync(cfg, spec, sync_plan(cfg, run, spec))
+    fp8 = fp8_sync(cfg, run, spec, sync_plan(cfg, run, spec))
     gib = 1 << 30
     who = ("every FP8 region, after one all-reduce of each tensor's amax"
            if fp8["scheme"] == "fp8_per_tensor" else

@@ -232,13 +232,13 @@ def per_tensor_sync(spec, parallel, infer_tp, engines, expert_parallel):
     for d, tensors in got.items():
         for key, per_slot in scales.get(d, {}).items():
             tensors[key] = (tensors[key], torch.cat([per_slot[i] for i in sorted(per_slot)]))
-    return got, want, plan
+    return got, want, plan, len(order)
 
 
 @GRIDS
 def test_per_tensor_fp8_every_engine_rank_installs_vllms_own(spec, parallel, infer_tp, engines,
                                                              expert_parallel):
-    got, want, plan = per_tensor_sync(spec, parallel, infer_tp, engines, expert_parallel)
+    got, want, plan, amaxes = per_tensor_sync(spec, parallel, infer_tp, engines, expert_parallel)
     checked = 0
     for d, tensors in want.items():
         assert got[d].keys() == tensors.keys(), d
@@ -253,13 +253,19 @@ def test_per_tensor_fp8_every_engine_rank_installs_vllms_own(spec, parallel, inf
     assert checked
     # every FP8 transfer is the sender's: one byte per element, a scale per tensor and rank
     fp8 = vllm_fp8_names(spec).__contains__
-    wire = fp8_wire_bytes(plan, fp8, scheme="fp8_per_tensor")
+    units = tensor_units(vllm_shards(spec, infer_tp, engines, expert_parallel=expert_parallel),
+                         plan.num_src, fp8)
+    wire = fp8_wire_bytes(plan, fp8, scheme="fp8_per_tensor", units=units)
     flags = sender_quantized(plan, fp8, scheme="fp8_per_tensor")
     assert all(f == fp8(t.dst_key) for rnd, fs in zip(plan.rounds, flags) for t, f in zip(rnd, fs))
     assert wire["fp8_bytes"] == sum(t.numel for rnd in plan.rounds for t in rnd if fp8(t.dst_key))
     block = fp8_wire_bytes(plan, fp8, scheme="fp8_per_block")
     assert wire["total_bytes"] <= block["total_bytes"] < wire["without_fp8_bytes"]
-    assert 0 < wire["amax_bytes"] < wire["scale_bytes"] + 4 * len(plan.dst_shapes) * 64
+    # what the senders exchange for the scales: one float per logical tensor (per expert), no
+    # tensor data — every weight stays split as the trainer holds it
+    # (per layer: q/k/v and o; gate/up and down, or the router and each expert's two weights)
+    n_logical = spec.layers * (2 + (1 + 2 * spec.routed_experts if spec.is_moe else 2))
+    assert amaxes == n_logical and wire["amax_bytes"] == 4 * n_logical
 
 
 def test_a_per_tensor_scale_spans_the_whole_logical_tensor():

@@ -13,7 +13,7 @@ import pytest
 import mcore_rl.runconfig.resolve as resolve
 from mcore_rl.cli import main
 from mcore_rl.config import ConfigError, load_config
-from mcore_rl.layouts import vllm_fp8_names
+from mcore_rl.layouts import vllm_fp8_names, vllm_shards
 from mcore_rl.models.presets import get_preset
 from mcore_rl.planning.memory import plan_memory, vllm_rank_fp8_params, vllm_rank_params
 from mcore_rl.planning.sized import sized_run
@@ -101,8 +101,11 @@ def test_explain_shows_the_fp8_sync_from_the_real_plan(no_cuda, capsys):
     run = resolve.resolve_run(cfg, assume_gpu=True)
     spec = cfg.model.demo_spec()
     plan = sync_plan(cfg, run, spec)
-    want = fp8.fp8_wire_bytes(plan, vllm_fp8_names(spec).__contains__, element_size=4,
-                              scheme="fp8_per_tensor")
+    is_fp8 = vllm_fp8_names(spec).__contains__
+    units = fp8.tensor_units(vllm_shards(spec, cfg.rollout.tp, cfg.rollout.engines), plan.num_src,
+                             is_fp8)
+    want = fp8.fp8_wire_bytes(plan, is_fp8, element_size=4, scheme="fp8_per_tensor", units=units)
+    assert want["amax_bytes"] == 4 * spec.layers * (3 + 2 * spec.routed_experts)
     assert {k: got[k] for k in want} == want
     assert got["sender_share"] == 1.0 and got["ratio"] == want["total_bytes"] / (
         4 * sum(t.numel for rnd in plan.rounds for t in rnd))
