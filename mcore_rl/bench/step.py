@@ -16,6 +16,9 @@ Model FLOPs (the convention of PaLM, appendix B, and Megatron-LM's throughput re
         F_train(s) = 3 * F_fwd(s) = 6*N*s + 12*L*d*s^2
     i.e. per token 2N + 4*L*d*s (inference) and 6N + 12*L*d*s (training), the "12 * layers *
     hidden * seq" attention term. Activation recomputation is not counted (that is HFU).
+    The output layer counts at every position, as the convention has it, though the policy
+    update computes logits at its response positions only (`PolicyBatch.logit_window`): the
+    update's MFU includes prompt logits it does not compute.
 Which sequences: the actor passes run on the padded batch the controller builds,
 prompts_per_step * samples_per_prompt rows of `train.seq_len` tokens, each update epoch once
 (`updates_per_batch` mini-batches cover the batch once); generation counts one forward over

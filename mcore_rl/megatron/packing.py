@@ -310,3 +310,14 @@ def sequence_rows(x: torch.Tensor, counts: torch.Tensor, longest: int) -> torch.
     valid = offsets.unsqueeze(0) < counts.unsqueeze(1)
     index = torch.where(valid, starts.unsqueeze(1) + offsets.unsqueeze(0), 0)
     return torch.where(valid, x[0][index], x.new_zeros(()))
+
+
+def response_window(mask: torch.Tensor) -> tuple[int, int] | None:
+    """[lo, hi): the first and one past the last label position where any row of `mask`
+    ([b, s], on the host: no device sync) is nonzero; None when none is. The policy update
+    computes logits there only (`policy.PolicyBatch.logit_window`)."""
+    columns = mask.ne(0).any(0).nonzero()
+    if not len(columns):
+        return None
+    return int(columns[0]), int(columns[-1]) + 1
+

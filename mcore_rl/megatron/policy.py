@@ -13,13 +13,19 @@ the number of sequences with a response token for the sequence means — and meg
 `finalize_model_grads` divides the gradients by the normaliser summed over micro batches and DP
 (`calculate_per_token_loss`), exactly as `aggregate_loss` in one process over the whole
 mini-batch would. The entropy bonus and KL loss terms aggregate the same way.
+
+The update computes logits only where a response token is (`PolicyBatch.logit_window`): the
+output layer — a large share of a small model's work, and its [tokens, vocab] logits the
+largest activation — and the loss skip the prompt positions, whose loss weight is zero (as
+TRL's `logits_to_keep`). Same loss and gradients; not with sequence parallelism (the output
+layer's input is split along the sequence there) or packed rows.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 
 import torch
 
@@ -48,10 +54,47 @@ class PolicyBatch:
     segment_ids: torch.Tensor | None = None
     segment_lengths: tuple[int, ...] | None = None  # packed: the host counts (`packing.pack`)
     routing: torch.Tensor | None = None  # MoE experts to replay [b, s, layers, k]
+    # the label positions [lo, hi) holding every response token of the micro batch (host
+    # ints, `packing.response_window`): the only ones the update computes logits for;
+    # None: all
+    logit_window: tuple[int, int] | None = None
 
     @property
     def loss_mask(self) -> torch.Tensor:  # what the schedule helper checks shapes of
         return self.response_mask
+
+    def cropped(self, lo: int, hi: int) -> PolicyBatch:
+        """The per-token fields at label positions [lo, hi) (the logits the update computed)."""
+        per_token = {f.name: getattr(self, f.name)[:, lo:hi] for f in fields(self)
+                     if f.name in _PER_TOKEN and getattr(self, f.name) is not None}
+        return replace(self, **per_token, logit_window=None)
+
+
+# the [b, s] fields of PolicyBatch that the loss reads per label position
+_PER_TOKEN = ("labels", "response_mask", "old_logp", "advantages", "ref_logp", "is_weights")
+
+
+@contextlib.contextmanager
+def logits_only_in(chunk: torch.nn.Module, window: tuple[int, int] | None):
+    """While it is open, `chunk`'s output layer (on the last pipeline stage) computes logits
+    for sequence positions [lo, hi) only: its input hidden states [s, b, h] are cut to
+    [hi - lo, b, h] first, so the logits are [b, hi - lo, V]."""
+    layer = getattr(rr.unwrapped(chunk), "output_layer", None)
+    if window is None or layer is None:
+        yield
+        return
+    lo, hi = window
+
+    def keep(module, args, kwargs):
+        return (args[0][lo:hi], *args[1:]), kwargs
+
+    # first of the layer's hooks: megatron's [s, b, h] (models.gpt.batch_major_output's
+    # hook, when there, transposes what this one keeps)
+    handle = layer.register_forward_pre_hook(keep, with_kwargs=True, prepend=True)
+    try:
+        yield
+    finally:
+        handle.remove()
 
 
 def logp_and_entropy(trainer: MegatronTrainer, logits: torch.Tensor,
@@ -112,7 +155,7 @@ def _normaliser(mask: torch.Tensor, agg: str) -> torch.Tensor:
 
 def _policy_loss(batch: PolicyBatch, algo: AlgorithmConfig, trainer: MegatronTrainer,
                  logits: torch.Tensor):
-    logp, entropy = logp_and_entropy(trainer, logits, batch.labels)
+    logp, entropy = logp_and_entropy(trainer, logits, batch.labels)  # batch: cropped to them
     # one row per sequence (packed rows are split by segment) so that the library's
     # aggregation sees sequences, then × the normaliser = this micro batch's share of the sum
     rows = per_sequence_view(batch.segment_ids, batch.segment_lengths, logp.device)
@@ -147,9 +190,13 @@ def _policy_loss(batch: PolicyBatch, algo: AlgorithmConfig, trainer: MegatronTra
 
 def _policy_forward(data_iterator, model, *, algo: AlgorithmConfig, trainer: MegatronTrainer):
     batch = next(data_iterator)
-    with rr.replaying_rows(model, batch.routing, _sequence_parallel_group(trainer, model),
-                           training=True):
+    sp_group = _sequence_parallel_group(trainer, model)
+    window = batch.logit_window if sp_group is None and batch.segment_ids is None else None
+    with rr.replaying_rows(model, batch.routing, sp_group, training=True), \
+            logits_only_in(model, window):
         logits = model(**model_inputs(batch, model.config))
+    if window is not None:
+        batch = batch.cropped(*window)
     return logits, functools.partial(_policy_loss, batch, algo, trainer)
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import hashlib
 import os
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
 import torch
@@ -25,7 +25,8 @@ from mcore_rl.launch.startup_gc import gc_paused
 from mcore_rl.launch.watchdog import arm_stack_dump, maybe_stall
 from mcore_rl.layouts import materialize_rank, megatron_shards
 from mcore_rl.megatron.config import LoRAConfig, TrainConfig
-from mcore_rl.megatron.packing import forward_micro_rows, pack, plan_for_grid, unpack, valid_lengths
+from mcore_rl.megatron.packing import (forward_micro_rows, pack, plan_for_grid, response_window,
+                                       unpack, valid_lengths)
 from mcore_rl.megatron.role_checkpoint import load_role, save_role, saved_base_model
 from mcore_rl.models.hf_weights import SafetensorsWeights
 from mcore_rl.models.kernels import resolve_kernels
@@ -212,7 +213,8 @@ class ActorWorker:
         if n % mbs:
             raise ValueError(f"{n} sequences per DP rank do not split into micro batches of "
                              f"micro_batch_size={mbs}")
-        return [cls(**{k: v[i:i + mbs] for k, v in mine.items()})
+        return [cls(**{k: v[i:i + mbs] for k, v in mine.items()},
+                    **_windowed(cls, tensors, mask, slice(i, i + mbs)))
                 for i in range(0, n, mbs)], None
 
     def _forward_train(self, train: TrainConfig | None, n: int) -> TrainConfig:
@@ -540,3 +542,11 @@ class ActorWorker:
     def shutdown(self) -> bool:
         leave_worker_world()
         return True
+
+
+def _windowed(cls, tensors: dict[str, torch.Tensor], mask: str | None, rows: slice) -> dict:
+    """`logit_window` for a micro batch class that takes one (the policy update's): the label
+    positions holding its rows' response tokens, from the host copy of `tensors[mask]`."""
+    if mask is None or "logit_window" not in {f.name for f in fields(cls)}:
+        return {}
+    return {"logit_window": response_window(tensors[mask][rows])}

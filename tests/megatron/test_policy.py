@@ -147,3 +147,59 @@ def test_padding_logits_are_left_out_without_a_copy(dtype):
     tol = 1e-2 if dtype == torch.bfloat16 else 1e-5  # bf16: the gradient is rounded on the way out
     torch.testing.assert_close(logits.grad[..., :vocab].float(), real.grad, rtol=0, atol=tol)
     assert not logits.grad[..., vocab:].any() and logits.grad.dtype == dtype
+
+
+def update_with_and_without_the_logit_window(rank, world_size, sequence_parallel):
+    from mcore_rl.megatron.packing import response_window
+    from mcore_rl.megatron.policy import PolicyBatch, compute_logprobs, policy_update
+    from mcore_rl.megatron.train import MicroBatch, setup_trainer
+    from mcore_rl.parallel.groups import init_training_groups
+
+    spec = get_preset("micro")
+    groups = init_training_groups(ParallelConfig(tp=2, sequence_parallel=sequence_parallel))
+    train = TrainConfig(micro_batch_size=4, num_micro_batches=2, seq_len=12,
+                        optimizer=OptimizerConfig(lr=1e-3, clip_grad=1.0))
+    algo = AlgorithmConfig(clip_c=None, entropy_coeff=0.01)
+    tokens, labels, _, _ = fixed_batch(spec, seed=4)
+    mask = torch.zeros(8, 12)  # responses start and end at different positions per row
+    for row, (start, stop) in enumerate([(3, 8), (5, 10), (4, 12), (6, 9)] * 2):
+        mask[row, start:stop] = 1.0
+    adv = torch.where(torch.arange(8) % 2 == 0, 1.0, -1.0).unsqueeze(-1) * mask
+    rows = [slice(0, 4), slice(4, 8)]
+    windows = [response_window(mask[r]) for r in rows]
+    out = {"windows": windows}
+    for windowed in (False, True):
+        actor = setup_trainer(spec, groups, train, seed=5)  # the same weights both times
+        micro = [MicroBatch(tokens[r], labels[r], mask[r]) for r in rows]
+        old = torch.cat(compute_logprobs(actor, micro))
+        logit_rows = []  # the positions the output layer computed logits for, per forward
+        hook = actor.unwrapped()[0].output_layer.register_forward_hook(
+            lambda _m, _a, out: logit_rows.append(out[0].shape[0]))
+        report = policy_update(actor, [
+            PolicyBatch(tokens[r], labels[r], mask[r], old[r], adv[r],
+                        logit_window=w if windowed else None) for r, w in zip(rows, windows)],
+            algo)
+        hook.remove()
+        out[windowed] = {"report": report, "rows": logit_rows,
+                         "logp": torch.cat(compute_logprobs(actor, micro))}
+    return out
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_logits_only_where_responses_are_update_the_same(sequence_parallel):
+    """The update's output layer and loss at the micro batch's response positions only
+    (`PolicyBatch.logit_window`): the same losses, metrics, gradient norm and updated policy
+    as over every position, at TP2 (with sequence parallelism the window is not applied)."""
+    seen = run_on_ranks(update_with_and_without_the_logit_window, 2, sequence_parallel,
+                        timeout_s=300)[0]
+    assert seen["windows"] == [(3, 12), (3, 12)]
+    full, windowed = seen[False], seen[True]
+    # sequence-major logits [s, b, V/tp]: 9 of the 12 positions with the window, all 12
+    # without (and with sequence parallelism, where the window is not applied)
+    assert full["rows"] == [12, 12]
+    assert windowed["rows"] == ([12, 12] if sequence_parallel else [9, 9])
+    for key in ("pg_loss", "loss", "entropy", "ppo_kl", "clip_frac", "grad_norm"):
+        a, b = full["report"][key], windowed["report"][key]
+        assert abs(a - b) <= 1e-6 + 1e-5 * abs(a), (key, a, b)
+    assert torch.allclose(full["logp"], windowed["logp"], atol=1e-6)
+    assert full["report"]["grad_norm"] > 0
