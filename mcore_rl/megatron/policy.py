@@ -110,27 +110,35 @@ def logp_and_entropy(trainer: MegatronTrainer, logits: torch.Tensor,
 def compute_logprobs(trainer: MegatronTrainer, micro_batches: list[MicroBatch], *,
                      routing_out: list | None = None) -> list[torch.Tensor] | None:
     """Log-probs of the labels per micro batch ([b, s], fp32) on the last pipeline stage;
-    None on other stages. Forward only (old / reference log-probs). A micro batch with
+    None on other stages. Forward only (old / reference log-probs). A micro batch with a
+    `logit_window` gets logits and log-probs there only (0 elsewhere: no response token is
+    there; not with sequence parallelism or packed rows, as the update). A micro batch with
     `routing` replays it (megatron/routing_replay.py); `routing_out` (a list): filled with each
     micro batch's routing as this rank's MoE routers chose it, [b, s, layers, k] (-1 in the
     layers other stages hold; gathered over TP with sequence parallelism)."""
     recorded: dict[int, list[torch.Tensor]] = {}
 
-    def collect(labels, logits, non_loss_data=False):
+    def collect(labels, window, logits, non_loss_data=False):
         # called by the schedule on the last pipeline stage only (others hold hidden states)
-        logp, _ = logp_and_entropy(trainer, logits, labels)
+        if window is None:
+            return logp_and_entropy(trainer, logits, labels)[0]
+        lo, hi = window
+        logp = logits.new_zeros(labels.shape, dtype=torch.float32)
+        logp[:, lo:hi] = logp_and_entropy(trainer, logits, labels[:, lo:hi])[0]
         return logp
 
     def step(data_iterator, chunk):
         batch = next(data_iterator)
         sp_group = _sequence_parallel_group(trainer, chunk)
+        window = _window_of(batch, sp_group)
         record = rr.recording(chunk) if routing_out is not None else contextlib.nullcontext()
-        with rr.replaying_rows(chunk, batch.routing, sp_group), record:
+        with rr.replaying_rows(chunk, batch.routing, sp_group), record, \
+                logits_only_in(chunk, window):
             out = chunk(**model_inputs(batch, chunk.config))
         if routing_out is not None:
             recorded.setdefault(id(chunk), []).append(rr.recorded_rows(
                 chunk, batch.tokens.shape[0], trainer.spec.layers, sp_group))
-        return out, functools.partial(collect, batch.labels)
+        return out, functools.partial(collect, batch.labels, window)
 
     with torch.no_grad():
         out = run_schedule(trainer.model, trainer.groups, micro_batches, forward_step=step,
@@ -138,6 +146,13 @@ def compute_logprobs(trainer: MegatronTrainer, micro_batches: list[MicroBatch], 
     if routing_out is not None:  # micro batch i: the i-th forward of every chunk, merged
         routing_out.extend(torch.stack(parts).amax(0) for parts in zip(*recorded.values()))
     return out if trainer.groups.is_last_stage else None
+
+
+def _window_of(batch, sp_group) -> tuple[int, int] | None:
+    """The micro batch's logit window where it applies: not with sequence parallelism (the
+    output layer's input is split along the sequence) or packed rows."""
+    window = getattr(batch, "logit_window", None)
+    return window if sp_group is None and batch.segment_ids is None else None
 
 
 def _sequence_parallel_group(trainer: MegatronTrainer, chunk):
@@ -191,7 +206,7 @@ def _policy_loss(batch: PolicyBatch, algo: AlgorithmConfig, trainer: MegatronTra
 def _policy_forward(data_iterator, model, *, algo: AlgorithmConfig, trainer: MegatronTrainer):
     batch = next(data_iterator)
     sp_group = _sequence_parallel_group(trainer, model)
-    window = batch.logit_window if sp_group is None and batch.segment_ids is None else None
+    window = _window_of(batch, sp_group)
     with rr.replaying_rows(model, batch.routing, sp_group, training=True), \
             logits_only_in(model, window):
         logits = model(**model_inputs(batch, model.config))

@@ -59,6 +59,9 @@ class MicroBatch:
     segment_ids: torch.Tensor | None = None
     segment_lengths: tuple[int, ...] | None = None  # packed: the host counts (`packing.pack`)
     routing: torch.Tensor | None = None  # MoE experts to replay per token (routing_replay)
+    # the label positions [lo, hi) a log-prob pass computes logits for (its response tokens,
+    # `packing.response_window`; `policy.compute_logprobs`); None: all
+    logit_window: tuple[int, int] | None = None
 
 
 @dataclass(frozen=True)

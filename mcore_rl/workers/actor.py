@@ -12,7 +12,7 @@ from __future__ import annotations
 import hashlib
 import os
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -192,12 +192,13 @@ class ActorWorker:
     # --- batches ----------------------------------------------------------------------------
 
     def _micro(self, tensors: dict[str, torch.Tensor], cls, *, train: TrainConfig | None = None,
-               mask: str | None = None):
+               mask: str | None = None, windowed: bool = False):
         """This DP rank's rows (`tensors`: the controller sends each DP slice its own,
         `rollout.batches.dp_slice`) as micro batches of `cls`, and the PackPlan: packed by
         `train.max_tokens_per_micro_batch` if set (each row's valid length ends at the last
         nonzero of `tensors[mask]`; mask None keeps rows whole), else None and fixed micro
-        batches of micro_batch_size rows."""
+        batches of micro_batch_size rows; `windowed`: each fixed one with the positions of
+        `tensors[mask]`'s nonzeros (`logit_window`: where a pass computes logits)."""
         train = train or self.train_cfg
         # batches arrive from the controller on the host; the model's device is where they run
         on = self._model_device()
@@ -214,7 +215,8 @@ class ActorWorker:
             raise ValueError(f"{n} sequences per DP rank do not split into micro batches of "
                              f"micro_batch_size={mbs}")
         return [cls(**{k: v[i:i + mbs] for k, v in mine.items()},
-                    **_windowed(cls, tensors, mask, slice(i, i + mbs)))
+                    **({"logit_window": response_window(tensors[mask][i:i + mbs])}
+                       if windowed and mask else {}))
                 for i in range(0, n, mbs)], None
 
     def _forward_train(self, train: TrainConfig | None, n: int) -> TrainConfig:
@@ -264,7 +266,7 @@ class ActorWorker:
         if rows.get("routing") is not None:
             batch["routing"] = rows["routing"]
         return self._micro(batch, MicroBatch, train=self._forward_train(train, len(labels)),
-                           mask=None if response_mask is None else "loss_mask")
+                           mask=None if response_mask is None else "loss_mask", windowed=True)
 
     @staticmethod
     def _rows(out: list[torch.Tensor], plan) -> torch.Tensor:
@@ -343,7 +345,7 @@ class ActorWorker:
         from mcore_rl.megatron.policy import PolicyBatch, policy_update  # lazy: megatron
 
         reports = self._each_mini_batch(batch, mini_batches, PolicyBatch, self.trainer,
-                                        policy_update, algo)
+                                        policy_update, algo, windowed=True)
         self._release_cached_memory()
         return reports
 
@@ -368,17 +370,19 @@ class ActorWorker:
         return self.critic
 
     def _each_mini_batch(self, batch: dict[str, torch.Tensor], count: int, cls, role,
-                         update, algo: AlgorithmConfig) -> list[dict]:
+                         update, algo: AlgorithmConfig, windowed: bool = False) -> list[dict]:
         """`update(role, micro batches, algo)` (one optimizer step) on each of `count`
         mini-batches of `batch` — this rank's rows of each, cut into `role`'s micro batches of
-        `cls`; each one's report with its packing."""
+        `cls` (`windowed`: with their response positions, `_micro`); each one's report with
+        its packing."""
         if "routing" in batch:  # the update's counts: not the π_old pass's
             from mcore_rl.megatron.routing_replay import flip_counts  # lazy: megatron
 
             flip_counts(role.unwrapped())
         reports = []
         for mini in mini_batches(batch, count):
-            micro, plan = self._micro(mini, cls, train=role.train, mask="response_mask")
+            micro, plan = self._micro(mini, cls, train=role.train, mask="response_mask",
+                                      windowed=windowed)
             reports.append({**update(role, micro, algo), **self._packing_metrics(plan),
                             **self._routing_counts(role, "routing" in mini)})
         return reports
@@ -543,10 +547,3 @@ class ActorWorker:
         leave_worker_world()
         return True
 
-
-def _windowed(cls, tensors: dict[str, torch.Tensor], mask: str | None, rows: slice) -> dict:
-    """`logit_window` for a micro batch class that takes one (the policy update's): the label
-    positions holding its rows' response tokens, from the host copy of `tensors[mask]`."""
-    if mask is None or "logit_window" not in {f.name for f in fields(cls)}:
-        return {}
-    return {"logit_window": response_window(tensors[mask][rows])}

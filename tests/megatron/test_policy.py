@@ -182,6 +182,13 @@ def update_with_and_without_the_logit_window(rank, world_size, sequence_parallel
         hook.remove()
         out[windowed] = {"report": report, "rows": logit_rows,
                          "logp": torch.cat(compute_logprobs(actor, micro))}
+    # a log-prob pass with the window: the same log-probs at the response tokens, 0 elsewhere
+    windowed_pass = torch.cat(compute_logprobs(actor, [
+        MicroBatch(tokens[r], labels[r], mask[r], logit_window=w) for r, w in zip(rows, windows)]))
+    out["pass"] = {"same": bool(torch.allclose(windowed_pass * mask, out[True]["logp"] * mask,
+                                               atol=1e-6)),
+                   "zero_outside": bool(windowed_pass[:, :3].eq(0).all())  # the window: 3..12
+                   if not sequence_parallel else None}
     return out
 
 
@@ -189,7 +196,8 @@ def update_with_and_without_the_logit_window(rank, world_size, sequence_parallel
 def test_logits_only_where_responses_are_update_the_same(sequence_parallel):
     """The update's output layer and loss at the micro batch's response positions only
     (`PolicyBatch.logit_window`): the same losses, metrics, gradient norm and updated policy
-    as over every position, at TP2 (with sequence parallelism the window is not applied)."""
+    as over every position, at TP2 (with sequence parallelism the window is not applied); a
+    log-prob pass's likewise (`MicroBatch.logit_window`: 0 outside the window)."""
     seen = run_on_ranks(update_with_and_without_the_logit_window, 2, sequence_parallel,
                         timeout_s=300)[0]
     assert seen["windows"] == [(3, 12), (3, 12)]
@@ -203,3 +211,6 @@ def test_logits_only_where_responses_are_update_the_same(sequence_parallel):
         assert abs(a - b) <= 1e-6 + 1e-5 * abs(a), (key, a, b)
     assert torch.allclose(full["logp"], windowed["logp"], atol=1e-6)
     assert full["report"]["grad_norm"] > 0
+    # the old / reference log-prob pass takes the window too
+    assert seen["pass"]["same"]
+    assert seen["pass"]["zero_outside"] in ((None,) if sequence_parallel else (True,))
