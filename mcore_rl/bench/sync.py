@@ -517,10 +517,10 @@ def _fp8_projection(cfg: SyncBenchConfig, spec, dst: ShardMap, plan: Plan, link)
     flags = sender_quantized(plan, is_fp8, scheme=scheme)
     quantized = {id(t) for rnd, fs in zip(plan.rounds, flags) for t, f in zip(rnd, fs) if f}
     wire = fp8_wire_bytes(plan, is_fp8, element_size=plan.element_size, scheme=scheme,
-                          units=tensor_units(dst, plan.num_src, is_fp8))
+                          units=tensor_units(dst, plan.num_src, is_fp8), flags=flags)
     return {
         "quantization": scheme,
-        "fp8_sync": {**wire, "ratio": wire["total_bytes"] / wire["without_fp8_bytes"]},
+        "fp8_sync": wire,
         "fp8_projected_s": project_transport(
             plan, link, lambda t: t.numel * (1 if id(t) in quantized else plan.element_size)),
     }

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -65,8 +65,8 @@ class PolicyBatch:
 
     def cropped(self, lo: int, hi: int) -> PolicyBatch:
         """The per-token fields at label positions [lo, hi) (the logits the update computed)."""
-        per_token = {f.name: getattr(self, f.name)[:, lo:hi] for f in fields(self)
-                     if f.name in _PER_TOKEN and getattr(self, f.name) is not None}
+        per_token = {name: getattr(self, name)[:, lo:hi] for name in _PER_TOKEN
+                     if getattr(self, name) is not None}
         return replace(self, **per_token, logit_window=None)
 
 
@@ -148,11 +148,10 @@ def compute_logprobs(trainer: MegatronTrainer, micro_batches: list[MicroBatch], 
     return out if trainer.groups.is_last_stage else None
 
 
-def _window_of(batch, sp_group) -> tuple[int, int] | None:
+def _window_of(batch: MicroBatch | PolicyBatch, sp_group) -> tuple[int, int] | None:
     """The micro batch's logit window where it applies: not with sequence parallelism (the
     output layer's input is split along the sequence) or packed rows."""
-    window = getattr(batch, "logit_window", None)
-    return window if sp_group is None and batch.segment_ids is None else None
+    return batch.logit_window if sp_group is None and batch.segment_ids is None else None
 
 
 def _sequence_parallel_group(trainer: MegatronTrainer, chunk):

@@ -43,6 +43,7 @@ activation peak (a coarse estimate), workspaces and fragmentation (in the reserv
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -61,6 +62,8 @@ from mcore_rl.planning.activations import (
     recompute_workspace,
 )
 from mcore_rl.planning.sized import TRAINER_GRAD_DTYPE, GiB, SizedRun
+from mcore_rl.resharding.fp8 import BLOCK as FP8_BLOCK
+from mcore_rl.resharding.fp8 import SCALE_BYTES as FP8_SCALE_BYTES
 from mcore_rl.rollout.config import RolloutConfig
 from mcore_rl.runconfig.resolve import SYNC_BUCKET_MB
 
@@ -136,12 +139,31 @@ def vllm_kv_heads_per_rank(spec: ModelSpec, tp: int) -> int:
 
 def vllm_rank_params(spec: ModelSpec, tp: int, expert_parallel: bool = False) -> int:
     """Parameters on one vLLM TP rank (kv heads replicated when tp > kv heads; vocab padded to
-    a multiple of 64, then split). expert_parallel: the busiest rank's whole experts (rank 0:
-    vLLM's linear placement gives the remainder to the first ranks)."""
+    a multiple of 64, then split): its linear and expert weights (`vllm_rank_fp8_params`),
+    the q/k/v biases and norms, and the embedding and LM head rows."""
     q = spec.q_dim // tp
     kv = vllm_kv_heads_per_rank(spec, tp) * spec.head_dim
-    qkv = spec.hidden * (q + 2 * kv) + ((q + 2 * kv) if spec.qkv_bias else 0)
-    layer = qkv + q * spec.hidden + 2 * spec.hidden + (2 * spec.head_dim if spec.qk_norm else 0)
+    bias = (q + 2 * kv) if spec.qkv_bias else 0
+    norms = 2 * spec.hidden + (2 * spec.head_dim if spec.qk_norm else 0)
+    vocab_rows = -(-spec.vocab // VLLM_VOCAB_PADDING) * VLLM_VOCAB_PADDING // tp
+    heads = 1 if spec.tied_embeddings else 2
+    return (
+        vllm_rank_fp8_params(spec, tp, expert_parallel)
+        + spec.layers * (bias + norms)
+        + heads * vocab_rows * spec.hidden
+        + spec.hidden
+    )
+
+
+def vllm_rank_fp8_params(spec: ModelSpec, tp: int, expert_parallel: bool = False) -> int:
+    """The linear and expert weights on one vLLM TP rank — what vLLM's online FP8 stores in one
+    byte (the layout tables' `Side.fp8`): every layer's qkv, o, MLP (or experts and router)
+    weights; not biases, norms, embeddings or the LM head. expert_parallel: the busiest
+    rank's whole experts (rank 0: vLLM's linear placement gives the remainder to the first
+    ranks)."""
+    q = spec.q_dim // tp
+    kv = vllm_kv_heads_per_rank(spec, tp) * spec.head_dim
+    layer = spec.hidden * (q + 2 * kv) + q * spec.hidden
     if spec.is_moe and expert_parallel:  # whole experts on each rank; router replicated
         experts = len(vllm_local_experts(spec.routed_experts, tp, 0))
         layer += experts * 3 * spec.expert_ffn * spec.hidden + spec.routed_experts * spec.hidden
@@ -149,30 +171,14 @@ def vllm_rank_params(spec: ModelSpec, tp: int, expert_parallel: bool = False) ->
         layer += spec.routed_experts * (3 * spec.expert_ffn * spec.hidden // tp + spec.hidden)
     else:
         layer += 3 * spec.ffn * spec.hidden // tp
-    vocab_rows = -(-spec.vocab // VLLM_VOCAB_PADDING) * VLLM_VOCAB_PADDING // tp
-    heads = 1 if spec.tied_embeddings else 2
-    return spec.layers * layer + heads * vocab_rows * spec.hidden + spec.hidden
-
-
-def vllm_rank_fp8_params(spec: ModelSpec, tp: int, expert_parallel: bool = False) -> int:
-    """Of `vllm_rank_params`, those vLLM's online FP8 stores in one byte (the layout tables'
-    `Side.fp8`): every layer's qkv, o, MLP (or experts and router) weights — not biases,
-    norms, embeddings or the LM head."""
-    q = spec.q_dim // tp
-    kv = vllm_kv_heads_per_rank(spec, tp) * spec.head_dim
-    layer = spec.hidden * (q + 2 * kv) + q * spec.hidden
-    if spec.is_moe and expert_parallel:
-        experts = len(vllm_local_experts(spec.routed_experts, tp, 0))
-        layer += experts * 3 * spec.expert_ffn * spec.hidden + spec.routed_experts * spec.hidden
-    elif spec.is_moe:
-        layer += spec.routed_experts * (3 * spec.expert_ffn * spec.hidden // tp + spec.hidden)
-    else:
-        layer += 3 * spec.ffn * spec.hidden // tp
     return spec.layers * layer
 
 
 # one fp32 scale per 128×128 block of an FP8 weight (block-wise FP8); per tensor: a few floats
-FP8_SCALE_BYTES_PER_PARAM = {"fp8_per_block": 4 / (128 * 128), "fp8_per_tensor": 0.0}
+FP8_SCALE_BYTES_PER_PARAM = {
+    "fp8_per_block": FP8_SCALE_BYTES / math.prod(FP8_BLOCK),
+    "fp8_per_tensor": 0.0,
+}
 
 
 def engine_weight_bytes(spec: ModelSpec, r: RolloutConfig) -> tuple[float, str]:

@@ -107,20 +107,13 @@ def fp8_sync(cfg: RLConfig, run: ResolvedRun, spec: ModelSpec, plan: Plan) -> di
     if scheme is None:
         return None
     names = vllm_fp8_names(spec)
-    engines = vllm_shards(
-        spec, cfg.rollout.tp, plan.num_dst // cfg.rollout.tp, expert_parallel=run.expert_parallel
-    )
-    units = tensor_units(engines, plan.num_src, names.__contains__)
+    # every engine's logical tensors are the same: one engine's layout names them all
+    engine = vllm_shards(spec, cfg.rollout.tp, 1, expert_parallel=run.expert_parallel)
+    units = tensor_units(engine, plan.num_src, names.__contains__)
     wire = fp8_wire_bytes(
         plan, names.__contains__, element_size=plan.element_size, scheme=scheme, units=units
     )
-    fp8_elements = sum(t.numel for rnd in plan.rounds for t in rnd if t.dst_key in names)
-    return {
-        "scheme": scheme,
-        **wire,
-        "ratio": wire["total_bytes"] / wire["without_fp8_bytes"],
-        "sender_share": wire["fp8_bytes"] / fp8_elements if fp8_elements else 0.0,
-    }
+    return {"scheme": scheme, **wire}
 
 
 def explain_traffic(cfg: RLConfig, run: ResolvedRun) -> dict:

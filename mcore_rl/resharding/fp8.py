@@ -103,20 +103,25 @@ def fp8_wire_bytes(
     block: tuple[int, int] = BLOCK,
     scheme: str = "fp8_per_block",
     units: dict | None = None,
-) -> dict[str, int]:
+    flags: list[list[bool]] | None = None,
+) -> dict[str, float]:
     """Bytes on the wire of one sync under FP8 `scheme`, against the same plan unquantized
     (`element_size`: the wire dtype's, 2 for BF16): sender-quantized elements at one byte plus
     their scales (block-wise: a block's; per tensor: one per tensor, per expert of a stacked
     one, and receiving rank); the rest (off the grid, or tensors vLLM keeps unquantized) as
     today. Per tensor, `amax_bytes` is what the trainer ranks all-reduce first: one float per
     logical tensor (`units`: `tensor_units` of the engines' layout; 0 without them), not
-    counted in total_bytes (it is not sent to the engines)."""
-    fp8_elements = scales = other_elements = 0
+    counted in total_bytes (it is not sent to the engines). `ratio`: total / unquantized;
+    `sender_share`: of the FP8 tensors' elements, those the senders quantize. flags: the
+    plan's `sender_quantized`, when the caller has it already."""
+    fp8_elements = scales = other_elements = fp8_tensor_elements = 0
     per_tensor: set[tuple[int, str, int]] = set()
-    for rnd, flags in zip(plan.rounds, sender_quantized(plan, is_fp8, block, scheme), strict=True):
-        for t, quantized in zip(rnd, flags, strict=True):
+    flags = flags if flags is not None else sender_quantized(plan, is_fp8, block, scheme)
+    for rnd, rnd_flags in zip(plan.rounds, flags, strict=True):
+        for t, quantized in zip(rnd, rnd_flags, strict=True):
             if not quantized:
                 other_elements += t.numel
+                fp8_tensor_elements += t.numel if is_fp8(t.dst_key) else 0
                 continue
             fp8_elements += t.numel
             if scheme == "fp8_per_block":
@@ -124,14 +129,19 @@ def fp8_wire_bytes(
             else:
                 per_tensor.add((t.dst_rank, t.dst_key, _slot(t.dst_box)))
     scales += len(per_tensor)
+    fp8_tensor_elements += fp8_elements
     logical = ordered_units(units) if units and scheme == "fp8_per_tensor" else []
+    total = fp8_elements + scales * SCALE_BYTES + other_elements * element_size
+    without = (fp8_elements + other_elements) * element_size
     return {
         "fp8_bytes": fp8_elements,
         "scale_bytes": scales * SCALE_BYTES,
         "unquantized_bytes": other_elements * element_size,
-        "total_bytes": fp8_elements + scales * SCALE_BYTES + other_elements * element_size,
-        "without_fp8_bytes": (fp8_elements + other_elements) * element_size,
+        "total_bytes": total,
+        "without_fp8_bytes": without,
         "amax_bytes": len(logical) * SCALE_BYTES,
+        "ratio": total / without if without else 1.0,
+        "sender_share": fp8_elements / fp8_tensor_elements if fp8_tensor_elements else 0.0,
     }
 
 

