@@ -50,6 +50,20 @@ def test_policy_loss_step(kl):
     assert_on_twin(loss, weight, report["policy"], report["logp_moved"], logits.grad)
 
 
+def test_policy_loss_step_on_the_logit_window():
+    """The update's loss at its response positions only (`PolicyBatch.cropped`, the window
+    `packing.response_window` reads from the host mask): every tensor stays on the device."""
+    host_mask = torch.tensor([[0, 1, 1, 1, 0], [0, 0, 1, 1, 1]], dtype=torch.float32)
+    lo, hi = packing.response_window(host_mask)
+    batch = _policy_batch(True).cropped(lo, hi)
+    logits = twin(torch.randn(B, hi - lo, 16)).requires_grad_()
+    loss, weight, report = _policy_loss(batch, AlgorithmConfig(kl_coeff=0.1, clip_c=3.0),
+                                        _fake_trainer(1), logits)
+    loss.backward()
+    assert (lo, hi) == (1, 5) and batch.labels.shape == (B, hi - lo)
+    assert_on_twin(loss, weight, report["policy"], batch.response_mask, logits.grad)
+
+
 def test_sequence_rows_of_a_packed_row():
     """packing.per_sequence's offsets were a CPU arange (its pure piece: `sequence_rows`;
     bincount, the host sync before it, has no meta kernel)."""
