@@ -185,7 +185,13 @@ class _ChunkedLogProbEntropy(torch.autograd.Function):
             # the max first, then log Z: with logits ~1e3 their sum would lose fp32 precision
             shifted = logits[rows, :real] - z_max[rows, None]  # fp32 (type promotion)
             probs = torch.sub(shifted, log_z[rows, None]).exp_()
-            coeff = shifted.mul_(slope[rows, None]).add_(offset[rows, None])
+            # no entropy gradient (the loss has no entropy term): the coefficient is one
+            # number per row, not a pass over the chunk
+            coeff = (
+                offset[rows, None]
+                if grad_entropy is None
+                else shifted.mul_(slope[rows, None]).add_(offset[rows, None])
+            )
             out = grad[rows, :real]
             # fp32 logits: straight into the gradient; others: in fp32, then rounded once
             part = (

@@ -62,11 +62,12 @@ class RolloutConfig:
     cpu_threads_bind: CPU only, tp > 1 — `VLLM_CPU_OMP_THREADS_BIND` ("0|1": rank 0 on core 0,
         rank 1 on core 1); "" splits this process's allowed cores evenly over the TP ranks.
     cpu_threads: CPU only, tp == 1 — the engine's OpenMP threads; null: Ray's default for its
-        actor (cpus_per_engine, at least 1). In a Ray actor its idle threads sleep at once
-        (`OMP_WAIT_POLICY=PASSIVE`) instead of spinning beside the training ranks, so with
-        mode sync, where the ranks wait while the engine generates, the engine can take the
-        ranks' cores too. Unused when tp > 1: each TP rank is a process whose threads follow
-        cpu_threads_bind (`in_process_threads` is what applies).
+        actor (cpus_per_engine, at least 1). With mode sync the ranks wait while the engine
+        generates, so the engine can take the ranks' cores too; with one_step or async, where
+        it generates while they train, its idle threads sleep at once
+        (`OMP_WAIT_POLICY=PASSIVE`) instead of spinning beside them. Unused when tp > 1: each
+        TP rank is a process whose threads follow cpu_threads_bind (`in_process_threads` is
+        what applies).
     cpus_per_engine: Ray CPUs reserved per engine actor.
     host_ip: address vLLM and Ray bind to (`VLLM_HOST_IP`); loopback for one machine.
     mode: when the engines generate relative to training (`mcore_rl.rollout.pipeline`):

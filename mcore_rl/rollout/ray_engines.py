@@ -36,7 +36,7 @@ from mcore_rl.rollout.engine import Completion, RolloutEngine
 from mcore_rl.rollout.errors import RolloutError
 from mcore_rl.rollout.lora import EngineLoRA
 from mcore_rl.rollout.sync_client import SyncReport
-from mcore_rl.rollout.vllm_env import IDLE_THREADS_SLEEP
+from mcore_rl.rollout.vllm_env import engine_actor_env
 
 # Engine methods an actor may run on request (besides generate).
 _FORWARDED = frozenset({"describe_shards", "check_shapes", "start_join_sync_group",
@@ -241,8 +241,7 @@ class RayEngines:
             if self.spec.narrow_visible_devices:  # its physical slots: CUDA_VISIBLE_DEVICES
 
                 env.update(RAY_NOSET_VISIBLE_DEVICES)
-        if self.cfg.in_process_threads is not None:  # RolloutEngine sets the count
-            env.update(IDLE_THREADS_SLEEP)
+        env.update(engine_actor_env(self.cfg))
         if env:
             options["runtime_env"] = {"env_vars": env}
         return self._host_cls.options(**options).remote(i, self.spec)

@@ -60,6 +60,18 @@ def configure_vllm_env(cfg: RolloutConfig, on_cpu: bool, routed_experts: bool = 
 IDLE_THREADS_SLEEP = {"OMP_WAIT_POLICY": "PASSIVE"}
 
 
+def engine_actor_env(cfg: RolloutConfig) -> dict[str, str]:
+    """The environment an engine's Ray actor starts with, for its OpenMP threads. An engine
+    that generates while the ranks train (mode one_step or async) and sets its own thread
+    count (`in_process_threads`) gets `IDLE_THREADS_SLEEP`: its threads would otherwise spin
+    between parallel regions on the cores the ranks train on. With mode sync the ranks wait
+    while the engine generates: OpenMP's default (a short spin, then sleep) keeps each of the
+    decode step's many small regions from waiting for its threads to wake up."""
+    if cfg.in_process_threads is not None and cfg.mode != "sync":
+        return dict(IDLE_THREADS_SLEEP)
+    return {}
+
+
 @contextmanager
 def compiler_off(off: bool) -> Iterator[None]:
     """With `off` (unless `rollout.compile` asks for compilation: nothing compiled unless asked),
@@ -120,4 +132,5 @@ def _call_here(fn):
     return fn()
 
 
-__all__ = ["IDLE_THREADS_SLEEP", "compiler_off", "configure_vllm_env", "model_inspected_in_process"]
+__all__ = ["IDLE_THREADS_SLEEP", "compiler_off", "configure_vllm_env", "engine_actor_env",
+           "model_inspected_in_process"]

@@ -87,12 +87,13 @@ def test_chunked_log_probs_and_entropy_on_device(tp_rank_1_of_2, vocab):
     of 2 tokens, on TP rank 1 of 2 holding ids 8-15: part or all of them padding (the
     collectives stubbed out: placement only)."""
     for dtype in (torch.float32, torch.bfloat16):
-        logits = twin(torch.randn(B, T, 8)).to(dtype).requires_grad_()
-        target = twin(torch.randint(0, vocab, (B, T)))
-        logp, entropy = vocab_parallel.chunked_log_probs_and_entropy(
-            logits, target, vocab=vocab, tp_group=object(), chunk_tokens=2)
-        (logp.sum() + entropy.sum()).backward()
-        assert_on_twin(logp, entropy, logits.grad)
+        for with_entropy in (True, False):  # the loss's entropy term, or none (coefficient 0)
+            logits = twin(torch.randn(B, T, 8)).to(dtype).requires_grad_()
+            target = twin(torch.randint(0, vocab, (B, T)))
+            logp, entropy = vocab_parallel.chunked_log_probs_and_entropy(
+                logits, target, vocab=vocab, tp_group=object(), chunk_tokens=2)
+            (logp.sum() + entropy.sum() if with_entropy else logp.sum()).backward()
+            assert_on_twin(logp, entropy, logits.grad)
 
 
 def test_gae_and_reinforce_pp_on_device():

@@ -95,7 +95,8 @@ def _tp2_checks(rank, world_size, device="cpu"):
     # tokens, and with megatron's padded vocabulary: ids >= 10 (rank 1's last two) or >= 6
     # (all of rank 1's) are padding, left out
     for name, kwargs in [("both_outputs", {}), ("logp_only", {"use_entropy": False}),
-                         ("bf16_input", {"dtype": torch.bfloat16})]:
+                         ("bf16_input", {"dtype": torch.bfloat16}),
+                         ("bf16_logp_only", {"dtype": torch.bfloat16, "use_entropy": False})]:
         chunked = functools.partial(_chunked, vocab=12, chunk_tokens=3)
         results[f"chunked_{name}"] = case(rank, tp_group, full, target, fn=chunked, **kwargs)
     for name, shift in (("large_logits", 1e3), ("max_on_rank1", 60.0 * (torch.arange(12) >= 6))):

@@ -13,6 +13,7 @@ from mcore_rl.compat import apply_cpu_compat
 from mcore_rl.models.gpt import transformer_config_from_spec
 from mcore_rl.models.presets import get_preset
 from mcore_rl.parallel import ParallelConfig
+from mcore_rl.parallel import groups
 from mcore_rl.parallel.groups import backend_for, join_worker_world
 
 pytestmark = pytest.mark.fast  # the fast tier: scripts/test.sh -m fast
@@ -61,6 +62,7 @@ def test_a_worker_joins_on_its_planned_device(monkeypatch):
     says so (recorded here; no GPU on this machine), before any store is contacted."""
     calls = []
     monkeypatch.setattr(torch.cuda, "set_device", lambda d: calls.append(("set_device", d)))
+    monkeypatch.setattr(groups, "reuse_freed_host_memory", lambda: calls.append("host memory"))
 
     class Joined(Exception):
         pass
@@ -77,4 +79,4 @@ def test_a_worker_joins_on_its_planned_device(monkeypatch):
     with pytest.raises(Joined):
         join_worker_world(0, 1, ("127.0.0.1", 1), ParallelConfig(), timeout_s=1.0,
                           device="cpu")
-    assert calls == []
+    assert calls == ["host memory"]  # a CPU rank caches its freed buffers as CUDA's allocator

@@ -4,6 +4,7 @@ import pytest
 
 from mcore_rl.config import ConfigError, from_dict
 from mcore_rl.rollout import RolloutConfig, SamplingConfig
+from mcore_rl.rollout.vllm_env import IDLE_THREADS_SLEEP, engine_actor_env
 
 pytestmark = pytest.mark.fast  # the fast tier: scripts/test.sh -m fast
 
@@ -53,6 +54,17 @@ def test_cpu_threads_are_for_in_process_engines():
     assert RolloutConfig(tp=2, cpu_threads=2, cpu_threads_bind="0|1").in_process_threads is None
     assert RolloutConfig(cpu_threads=2).in_process_threads == 2
     assert RolloutConfig().in_process_threads is None
+
+
+def test_an_engines_idle_threads_sleep_at_once_only_beside_training():
+    # generating while the ranks train: OpenMP threads that spin would take the ranks' cores
+    for mode in ("one_step", "async"):
+        assert engine_actor_env(RolloutConfig(cpu_threads=2, mode=mode)) == IDLE_THREADS_SLEEP
+    # sync: the ranks wait meanwhile; a short spin keeps each small region from waiting for
+    # its threads to wake. Threads vLLM places itself (tp > 1, or no count): left as they are
+    for cfg in (RolloutConfig(cpu_threads=2), RolloutConfig(mode="one_step"),
+                RolloutConfig(tp=2, cpu_threads=2, mode="async", cpu_threads_bind="0|1")):
+        assert engine_actor_env(cfg) == {}
 
 
 def test_a_deadline_key_in_the_rollout_section_says_where_it_moved():

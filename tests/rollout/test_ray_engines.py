@@ -25,7 +25,7 @@ from .helpers import MAX_MODEL_LEN, Trainer, hf_model_with, hf_state, perturbed,
 
 # cpu_threads: each engine's torch threads, set by the engine (Ray's default would be 1)
 CFG = RolloutConfig(engines=2, max_model_len=MAX_MODEL_LEN, kv_cache_gib=0.25, block_size=32,
-                    cpu_threads=2)
+                    cpu_threads=2, mode="one_step")
 DEADLINES = dict(start_timeout_s=240.0, call_timeout_s=60.0)  # a run's startup_s, engine_call_s
 GREEDY = SamplingConfig(temperature=0.0, max_tokens=8)
 
@@ -51,7 +51,8 @@ def engines(ray_session, micro_dir):
         eng.wait_ready()
         assert len(eng.pids) == 2 and all(pid != os.getpid() for pid in eng.pids)
         assert [where["threads"] for where in eng.where] == [2, 2]
-        # ... whose idle OpenMP threads sleep rather than spin beside other processes
+        # ... whose idle OpenMP threads sleep rather than spin beside the training ranks
+        # (mode one_step: rollout/vllm_env.engine_actor_env)
         assert _in_engine(eng, 0, lambda: os.environ.get("OMP_WAIT_POLICY")) == "PASSIVE"
         print(f"2 Ray engines ready in {time.perf_counter() - start:.1f} s "
               f"(vLLM start-up {[round(s, 1) for s in eng.startup_s]} s)")
