@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from mcore_rl.parallel.config import ParallelConfig
-from mcore_rl.parallel.host_memory import reuse_freed_host_memory
+from mcore_rl.parallel.host_allocator import reuse_freed_host_memory
 from mcore_rl.parallel.world import join_default_group
 
 
@@ -195,12 +195,12 @@ def join_worker_world(
     "cuda:<i>") made current before anything is allocated, the process group on that device's
     backend through the TCPStore the driver hosts at `store_address` (world_size + 1 members:
     the driver holds one), then megatron's groups for `parallel`. A CPU rank keeps its freed
-    large buffers for reuse (`host_memory`)."""
+    large buffers for reuse (`host_allocator`)."""
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
     if device.startswith("cuda"):
         torch.cuda.set_device(torch.device(device))
-    else:  # the caching a CUDA device's allocator gives: host_memory.py
+    else:  # the caching a CUDA device's allocator gives: host_allocator.py
         reuse_freed_host_memory()
     timeout = datetime.timedelta(seconds=timeout_s)
     host, port = store_address

@@ -1,4 +1,4 @@
-"""A CPU rank reuses its freed large buffers (mcore_rl/parallel/host_memory.py): a tensor the
+"""A CPU rank reuses its freed large buffers (mcore_rl/parallel/host_allocator.py): a tensor the
 size of a step's logits, freed and allocated again, comes back from malloc's heap with its
 pages already mapped, where glibc's default maps it afresh and page-faults it in again."""
 
@@ -15,7 +15,7 @@ pytestmark = pytest.mark.fast
 # in a fresh interpreter: mallopt changes the whole process's allocator
 ALLOCATE_TWICE = """
 import json, resource, sys, torch
-from mcore_rl.parallel.host_memory import reuse_freed_host_memory
+from mcore_rl.parallel.host_allocator import reuse_freed_host_memory
 applied = reuse_freed_host_memory() if sys.argv[1] == "reuse" else None
 def faults_of_one_step():
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
