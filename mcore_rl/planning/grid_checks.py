@@ -35,11 +35,13 @@ from mcore_rl.rollout.expert_parallel import FIELD as EP_FIELD
 from mcore_rl.rollout.lora import VLLM_LORA_RANKS, unsupported_lora_reason
 from mcore_rl.rollout.quantization import CPU_FIX as FP8_CPU_FIX
 from mcore_rl.rollout.quantization import CPU_REASON as FP8_CPU_REASON
+from mcore_rl.rollout.quantization import DTYPE_FIX as FP8_DTYPE_FIX
 from mcore_rl.rollout.quantization import FIELD as FP8_FIELD
 from mcore_rl.rollout.quantization import INSTALL_FIX as FP8_INSTALL_FIX
-from mcore_rl.rollout.quantization import INSTALL_REASON as FP8_INSTALL_REASON
 from mcore_rl.rollout.quantization import correction_advice as fp8_correction_advice
+from mcore_rl.rollout.quantization import dtype_problem as fp8_dtype_problem
 from mcore_rl.rollout.quantization import grid_problem as fp8_grid_problem
+from mcore_rl.rollout.quantization import install_refusal as fp8_install_refusal
 from mcore_rl.runconfig.resolve import placement_plan_of
 
 
@@ -361,8 +363,8 @@ def check_rollout_ep(run: SizedRun, spec: ModelSpec) -> Iterable[Problem]:
 
 def check_rollout_fp8(run: SizedRun, spec: ModelSpec) -> Iterable[Problem]:
     """rollout.quantization: FP8 engines — block-wise on GPUs only, a grid the sync's layouts
-    match, and (for now) refused until the sync carries FP8 (`mcore_rl.rollout.quantization`);
-    a warning when the rollout correction is off."""
+    match, BF16 engines and sync, and what the sync does not carry yet refused
+    (`mcore_rl.rollout.quantization`); a warning when the rollout correction is off."""
     r = run.cfg.rollout
     if r.quantization is None:
         return
@@ -375,9 +377,12 @@ def check_rollout_fp8(run: SizedRun, spec: ModelSpec) -> Iterable[Problem]:
     grid = fp8_grid_problem(r.quantization, spec, r.tp, r.expert_parallel)
     if grid is not None:
         yield Problem("rollout-fp8", *grid)
-    yield Problem(
-        "rollout-fp8", f"{FP8_FIELD}={r.quantization}: {FP8_INSTALL_REASON}", FP8_INSTALL_FIX
-    )
+    dtypes = fp8_dtype_problem(r.quantization, r.dtype, run.cfg.wire_dtype)
+    if dtypes is not None:
+        yield Problem("rollout-fp8", dtypes, FP8_DTYPE_FIX)
+    refusal = fp8_install_refusal(r.quantization, spec)
+    if refusal is not None:
+        yield Problem("rollout-fp8", f"{FP8_FIELD}={r.quantization}: {refusal}", FP8_INSTALL_FIX)
     mode = run.cfg.algorithm.rollout_correction.mode
     if mode not in ("tis", "mis"):
         yield Problem(

@@ -410,6 +410,14 @@ def sync_buffers(run: SizedRun) -> tuple[float, float]:
     return 2 * bucket, 2 * bucket
 
 
+def fp8_sync_sources(run: SizedRun, stage: int) -> tuple[tuple[str, float], ...]:
+    """An FP8 sync's sender side (`resharding/fp8.quantized_sources`): a one-byte copy of the
+    actor rank's shards it sends quantized — at most its parameters of stage `stage` — held
+    while it sends, after training has freed its activations."""
+    n = mcore_stage_params(run.spec, run.cfg.actor, stage, "lm")
+    return (("FP8 sync sources (1 byte per parameter, at most)", float(n)),)
+
+
 def role_train(run: SizedRun, role: str) -> TrainConfig:
     """The TrainConfig a training role runs with: the critic its own, the actor and the
     reference the run's `train`."""
@@ -656,6 +664,16 @@ def _stage_memory(
         if colocated:
             parts += (("rollout asleep", asleep),)
         phases.append(Phase(name, parts + (reserve,)))
+    if run.cfg.rollout.quantization == "fp8_per_tensor" and "actor" in ranks:
+        phases.append(
+            Phase(
+                "weight sync",
+                resident
+                + fp8_sync_sources(run, stage)
+                + ((("rollout asleep", asleep),) if colocated else ())
+                + (reserve,),
+            )
+        )
     if colocated:
         phases.append(Phase("rollout", resident + (("rollout engine", rollout.total), reserve)))
     label = "shared device" if colocated else "training device"

@@ -11,6 +11,8 @@ regression shows.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from mcore_rl.config import ConfigError
 from mcore_rl.config.dtypes import torch_dtype
 from mcore_rl.layouts import megatron_shards, vllm_fp8_names, vllm_shards
@@ -19,9 +21,10 @@ from mcore_rl.layouts.shards import LayoutError
 from mcore_rl.models.spec import ModelSpec
 from mcore_rl.planning.sized import resolve_model
 from mcore_rl.resharding import build_plan
-from mcore_rl.resharding.fp8 import fp8_wire_bytes, tensor_units
+from mcore_rl.resharding.fp8 import fp8_wire_bytes, per_tensor_units, tensor_units
 from mcore_rl.resharding.planner import Plan, PlanError
 from mcore_rl.resharding.sync_group import sync_group_spec
+from mcore_rl.rollout.quantization import install_refusal
 from mcore_rl.runconfig import RLConfig
 from mcore_rl.runconfig.resolve import ResolvedRun
 
@@ -33,7 +36,7 @@ def sync_plan(cfg: RLConfig, run: ResolvedRun, spec: ModelSpec, engines: int | N
     engines = len(run.engine_devices) if engines is None else engines
     actor = megatron_shards(spec, cfg.actor, layer_spec=run.layer_spec)
     inference = vllm_shards(spec, cfg.rollout.tp, engines, expert_parallel=run.expert_parallel)
-    return build_plan(
+    plan = build_plan(
         actor,
         inference,
         bucket_bytes=int(run.sync_bucket_mb * (1 << 20)),
@@ -41,6 +44,14 @@ def sync_plan(cfg: RLConfig, run: ResolvedRun, spec: ModelSpec, engines: int | N
         nodes=run.sync_nodes(engines),
         devices=run.sync_devices(engines),
     )
+    if (
+        cfg.rollout.quantization == "fp8_per_tensor"
+        and install_refusal(cfg.rollout.quantization, spec) is None
+    ):  # the senders quantize: resharding/fp8.py
+        plan = replace(
+            plan, fp8=per_tensor_units(plan, inference, vllm_fp8_names(spec).__contains__)
+        )
+    return plan
 
 
 def adapter_sync_plan(

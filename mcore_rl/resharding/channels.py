@@ -34,8 +34,9 @@ from typing import Iterator, Mapping
 import torch
 import torch.distributed as dist
 
-from mcore_rl.resharding.copy_service import CopyService, P2PCopy, SyncError
+from mcore_rl.resharding.copy_service import CopyService, P2PCopy, SyncError, wait_work
 from mcore_rl.resharding.digest import DigestLedger, DigestTally
+from mcore_rl.resharding.fp8 import fp8_parts, installed_scales, quantized_sources, sent_amax
 from mcore_rl.resharding.host_memory import ReceivePool
 from mcore_rl.resharding.ipc_copy import IpcCopy
 from mcore_rl.resharding.planner import Plan
@@ -80,6 +81,9 @@ class SyncChannels:
     # each synced plan's digest slots (digest.py), by fingerprint; the receive in flight's tally
     _ledgers: dict[bytes, DigestLedger] = field(default_factory=dict)
     _receiving: DigestTally | None = None
+    # FP8 scales a receive yields after its transfers: computed here from the amax exchange,
+    # not moved, so not digested when installed
+    _computed: frozenset[str] = frozenset()
 
     @classmethod
     def join(cls, spec: SyncGroupSpec, rank: int, device: str | torch.device = "cpu",
@@ -135,7 +139,33 @@ class SyncChannels:
              timeout_s: float) -> dict:
         """Stream this training rank's shards to every engine by its transport. Returns the
         stats (`bytes_sent_<transport>` per transport used). A failure closes the service it
-        happened in (its staging goes; the group is torn down after a failed sync)."""
+        happened in (its staging goes; the group is torn down after a failed sync).
+
+        FP8 engines (`plan.fp8`): every sync rank all-reduces each logical FP8 tensor's amax
+        (the senders' regions, in the engines' `dtype`), then this rank sends the rest of its
+        shards and, in one byte per element, its regions of FP8 tensors quantized with their
+        tensor's scale (`resharding/fp8.py`)."""
+        if plan.fp8 is None:
+            return self._send(plan, tensors, dtype=dtype, timeout_s=timeout_s)
+        rest, quantized = fp8_parts(plan)
+        amax = self._all_amax(sent_amax(plan, self.rank, tensors, dtype))
+        stats = self._send(rest, tensors, dtype=dtype, timeout_s=timeout_s)
+        sources = quantized_sources(plan, self.rank, tensors, dtype, amax)
+        return _summed(stats, self._send(quantized, sources, dtype=torch.uint8,
+                                         timeout_s=timeout_s))
+
+    def _all_amax(self, amax: torch.Tensor) -> torch.Tensor:
+        """The MAX of every sync rank's `amax` (an engine rank gives zeros), on the control
+        group: each logical FP8 tensor's largest magnitude, on every rank."""
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = dist.ReduceOp.MAX
+        amax = amax.cpu().contiguous()
+        wait_work(self.control.allreduce([amax], opts), "FP8 amax exchange",
+                  self.spec.timeout_s)
+        return amax
+
+    def _send(self, plan: Plan, tensors: Mapping[str, torch.Tensor], *, dtype: torch.dtype,
+              timeout_s: float) -> dict:
         by_transport: dict[str, set[int]] = {}
         for dst in range(plan.num_src, plan.world_size):
             by_transport.setdefault(self.spec.pair_transport(plan, self.rank, dst),
@@ -171,6 +201,28 @@ class SyncChannels:
     def receive(self, plan: Plan, transport: str | None = None, *, dtype: torch.dtype,
                 timeout_s: float, stats: SyncStats | None = None,
                 into: ReceiveTarget | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        """This inference rank's shards (`_receive`). FP8 engines (`plan.fp8`): after the amax
+        exchange (`send`), the shards kept in `dtype`, then the FP8 weights (uint8, their
+        bytes), then this rank's scale parameters (fp32 [1] each)."""
+        if plan.fp8 is None:
+            yield from self._receive(plan, transport, dtype=dtype, timeout_s=timeout_s,
+                                     stats=stats, into=into)
+            return
+        rest, quantized = fp8_parts(plan)
+        amax = self._all_amax(torch.zeros(plan.fp8.count, dtype=torch.float32))
+        for part, wire in ((rest, dtype), (quantized, torch.uint8)):
+            yield from self._receive(part, transport, dtype=wire, timeout_s=timeout_s,
+                                     stats=stats, into=into)
+        scales = installed_scales(plan, self.rank, amax, dtype)
+        self._computed = frozenset(name for name, _ in scales)
+        try:
+            yield from scales
+        finally:
+            self._computed = frozenset()
+
+    def _receive(self, plan: Plan, transport: str | None = None, *, dtype: torch.dtype,
+                 timeout_s: float, stats: SyncStats | None = None,
+                 into: ReceiveTarget | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         """This inference rank's shards, each source pair by its transport
         (`SyncGroupSpec.pair_transport`: the engine's, p2p from other nodes), on this rank's
         device. transport: the engine's transport as the caller knows it (checked against the
@@ -218,12 +270,15 @@ class SyncChannels:
             if self._receiving is digests:
                 self._receiving = None
         digests.compare(self.control, self.rank)
-        if stats is not None:
-            stats.digest_seconds, stats.compare_seconds = digests.seconds, digests.compare_seconds
+        if stats is not None:  # summed over an FP8 sync's two parts
+            stats.digest_seconds += digests.seconds
+            stats.compare_seconds += digests.compare_seconds
 
     def installed(self, key: str, tensor: torch.Tensor) -> None:
         """During `receive`: `key` now lives in `tensor` (the engine's parameter it was copied
         into, in the per-rank layout the plan describes): its digest is taken from there."""
+        if key in self._computed:
+            return
         if self._receiving is None:
             raise RuntimeError(f"sync rank {self.rank}: installed({key!r}) outside a receive")
         self._receiving.add_installed(self.rank, key, tensor)
@@ -275,4 +330,14 @@ class SyncChannels:
         self.bulk.shutdown()
 
 
+def _summed(a: dict, b: dict) -> dict:
+    """Two sends' stats as one: counts and seconds added (peak staging: the larger)."""
+    out = dict(a)
+    for key, value in b.items():
+        out[key] = max(out.get(key, 0), value) if key == "peak_extra_bytes" else \
+            out.get(key, 0) + value
+    return out
+
+
 __all__ = ["SyncChannels", "engine_transport", "pair_transport"]
+

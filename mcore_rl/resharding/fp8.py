@@ -31,8 +31,8 @@ from collections.abc import Callable
 
 import torch
 
-from mcore_rl.layouts.layout import Box, ShardMap, box_numel
-from mcore_rl.resharding.planner import Plan, Transfer
+from mcore_rl.layouts.layout import Box, ShardMap, box_numel, box_slices
+from mcore_rl.resharding.planner import Fp8Units, Plan, Transfer
 
 # vLLM's online FP8 methods, by their `quantization=` names
 SCHEMES = ("fp8_per_tensor", "fp8_per_block")
@@ -194,6 +194,126 @@ def ordered_units(units: dict) -> list[Unit]:
     return sorted(set(units.values()), key=sorted)
 
 
+def scale_name(key: str) -> str:
+    """vLLM's name of an FP8 linear weight's per-tensor scale parameter."""
+    return key.removesuffix("weight") + "weight_scale"
+
+
+def per_tensor_units(plan: Plan, dst: ShardMap, is_fp8: Callable[[str], bool]) -> Fp8Units:
+    """`plan` (to the engines of `dst`) under per-tensor FP8, as data (`Fp8Units`): each
+    transfer's logical tensor, each engine rank's scale parameters. Dense weights: a stacked
+    expert tensor's scales (one per expert, in the fused-expert kernel's layout) are not
+    installed by the sync yet."""
+    units = tensor_units(dst, plan.num_src, is_fp8)
+    stacked = sorted({key for _, key, slot in units if slot != -1})
+    if stacked:
+        raise ValueError(
+            f"per-tensor FP8 of stacked expert tensors ({stacked[0]}, ...) is not "
+            "synced yet: dense weights only"
+        )
+    order = {unit: i for i, unit in enumerate(ordered_units(units))}
+    scales: dict[int, dict[str, int]] = {}
+    for (rank, key, _), unit in sorted(units.items(), key=lambda item: item[0]):
+        scales.setdefault(rank, {})[scale_name(key)] = order[unit]
+    per_transfer = tuple(
+        tuple(-1 if unit is None else order[unit] for unit in rnd)
+        for rnd in transfer_units(plan, units)
+    )
+    return Fp8Units("fp8_per_tensor", len(order), per_transfer, scales)
+
+
+def fp8_parts(plan: Plan) -> tuple[Plan, Plan]:
+    """An FP8 plan's transfers as two plans of their own, in plan order: those that cross in
+    the engines' dtype, and those the senders quantize (one byte per element, sent as uint8).
+    Every rank derives the same two from the plan it verified; computed once per plan."""
+    cached = plan.__dict__.get("_fp8_parts")
+    if cached is not None:
+        return cached
+    if plan.fp8 is None:
+        raise ValueError("the plan has no FP8 tensors")
+    units = plan.fp8.transfer_unit
+    quantized = {
+        (t.dst_rank, t.dst_key)
+        for rnd, us in zip(plan.rounds, units, strict=True)
+        for t, u in zip(rnd, us, strict=True)
+        if u >= 0
+    }
+
+    def part(fp8: bool) -> Plan:
+        rounds = [
+            [t for t, u in zip(rnd, us, strict=True) if (u >= 0) == fp8]
+            for rnd, us in zip(plan.rounds, units, strict=True)
+        ]
+        shapes = {
+            d: {k: s for k, s in keys.items() if ((d, k) in quantized) == fp8}
+            for d, keys in plan.dst_shapes.items()
+        }
+        return Plan(
+            [rnd for rnd in rounds if rnd],
+            shapes,
+            plan.num_src,
+            plan.num_dst,
+            1 if fp8 else plan.element_size,
+            plan.bucket_bytes,
+            plan.src_labels,
+            plan.dst_labels,
+        )
+
+    parts = plan.__dict__["_fp8_parts"] = (part(False), part(True))
+    return parts
+
+
+def _quantized_transfers(plan: Plan, src_rank: int):
+    """(transfer, unit) of every transfer sync rank `src_rank` sends into an FP8 tensor."""
+    assert plan.fp8 is not None
+    for rnd, units in zip(plan.rounds, plan.fp8.transfer_unit, strict=True):
+        for t, unit in zip(rnd, units, strict=True):
+            if unit >= 0 and t.src_rank == src_rank:
+                yield t, unit
+
+
+def sent_amax(plan: Plan, src_rank: int, tensors, dtype: torch.dtype) -> torch.Tensor:
+    """This sender's largest magnitude of each logical FP8 tensor (fp32 [units]), over the
+    regions it sends into it, each in the engines' `dtype` (as vLLM loads them); 0 for the
+    tensors it sends nothing of. A MAX over every sync rank gives each tensor's amax."""
+    assert plan.fp8 is not None
+    amax = torch.zeros(plan.fp8.count, dtype=torch.float32)
+    for t, unit in _quantized_transfers(plan, src_rank):
+        region = tensors[t.src_key][box_slices(t.src_box)].to(dtype)
+        amax[unit] = torch.maximum(amax[unit], weight_amax(region).float().cpu())
+    return amax
+
+
+def quantized_sources(
+    plan: Plan, src_rank: int, tensors, dtype: torch.dtype, amax: torch.Tensor
+) -> dict[str, torch.Tensor]:
+    """What this sender's FP8 part sends from (`fp8_parts`): per source tensor, a uint8 copy
+    whose every region sent into an FP8 tensor holds that region in the engines' `dtype`
+    quantized with its logical tensor's scale (all-reduced `amax`); the rest is not sent."""
+    out: dict[str, torch.Tensor] = {}
+    scales = tensor_scale(amax.to(dtype))
+    for t, unit in _quantized_transfers(plan, src_rank):
+        source = tensors[t.src_key]
+        if t.src_key not in out:
+            out[t.src_key] = torch.zeros(source.shape, dtype=torch.uint8, device=source.device)
+        box = box_slices(t.src_box)
+        scale = scales[unit].reshape(1).to(source.device)
+        out[t.src_key][box] = quantize_with_scale(source[box].to(dtype), scale).view(torch.uint8)
+    return out
+
+
+def installed_scales(
+    plan: Plan, dst_rank: int, amax: torch.Tensor, dtype: torch.dtype
+) -> list[tuple[str, torch.Tensor]]:
+    """Engine rank `dst_rank`'s scale parameters (fp32 [1] each) from the all-reduced amax of
+    the weights it holds in `dtype` — the scales the senders quantized them with."""
+    assert plan.fp8 is not None
+    scales = tensor_scale(amax.to(dtype))
+    return [
+        (name, scales[unit].reshape(1)) for name, unit in plan.fp8.scales.get(dst_rank, {}).items()
+    ]
+
+
 def weight_amax(x: torch.Tensor) -> torch.Tensor:
     """The largest magnitude of `x`, in x's dtype (vLLM's `weight_amax`)."""
     lo, hi = x.aminmax()
@@ -242,11 +362,17 @@ __all__ = [
     "SCHEMES",
     "block_aligned",
     "blocks_of",
+    "fp8_parts",
     "fp8_wire_bytes",
+    "installed_scales",
     "ordered_units",
+    "per_tensor_units",
     "quantize_blocks",
     "quantize_with_scale",
+    "quantized_sources",
+    "scale_name",
     "sender_quantized",
+    "sent_amax",
     "tensor_scale",
     "tensor_units",
     "transfer_units",

@@ -54,6 +54,22 @@ class Transfer:
         return box_numel(self.src_box)
 
 
+@dataclass(frozen=True)
+class Fp8Units:
+    """Per-tensor FP8 engines in a plan (`resharding/fp8.per_tensor_units` decides it): which
+    logical tensor — the scale it shares — each transfer writes into, and each engine rank's
+    scale parameters. Unit indices are positions in one vector every sync rank all-reduces.
+
+    transfer_unit[k][i]: round k's transfer i's unit, -1 where its tensor stays unquantized.
+    scales[d][name]: destination sync rank d's scale parameter `name` holds unit's scale.
+    """
+
+    scheme: str
+    count: int
+    transfer_unit: tuple[tuple[int, ...], ...]
+    scales: dict[int, dict[str, int]]
+
+
 @dataclass
 class Plan:
     """Transfers grouped into rounds. `rounds[k]` lists round k's transfers in a fixed order;
@@ -61,6 +77,7 @@ class Plan:
 
     dst_shapes[d][key]: what destination sync rank d allocates (its own shard; padding zero).
     element_size: bytes per element of the transferred dtype.
+    fp8: the engines hold FP8 weights (`Fp8Units`); None: every tensor as it is.
     """
 
     rounds: list[list[Transfer]]
@@ -71,6 +88,7 @@ class Plan:
     bucket_bytes: int
     src_labels: dict[int, str] = field(default_factory=dict)
     dst_labels: dict[int, str] = field(default_factory=dict)
+    fp8: Fp8Units | None = None
 
     @property
     def world_size(self) -> int:
@@ -82,7 +100,16 @@ class Plan:
         return f"inference rank {sync_rank - self.num_src} ({self.dst_labels.get(sync_rank, '?')})"
 
     def expected_names(self, sync_rank: int) -> set[str]:
-        return set(self.dst_shapes.get(sync_rank, {}))
+        """What destination rank `sync_rank` installs in a sync (`written`)."""
+        return set(self.written(sync_rank))
+
+    def written(self, sync_rank: int) -> dict[str, tuple[int, ...]]:
+        """Every parameter a sync writes on destination rank `sync_rank`, with its shape: the
+        tensors the transfers fill and, for FP8 engines, their scales (one number each)."""
+        out = dict(self.dst_shapes.get(sync_rank, {}))
+        if self.fp8 is not None:
+            out.update(dict.fromkeys(self.fp8.scales.get(sync_rank, {}), (1,)))
+        return out
 
     def bytes_sent(self) -> dict[int, int]:
         return self._per_rank(lambda t: t.src_rank)
@@ -131,6 +158,8 @@ class Plan:
                     )
                 ).encode()
             )
+        if self.fp8 is not None:
+            digest.update(repr(self.fp8).encode())
         digest.update(
             repr(sorted((r, sorted(s.items())) for r, s in self.dst_shapes.items())).encode()
         )

@@ -90,7 +90,8 @@ class RolloutConfig:
         "fp8_per_block": vLLM's online FP8 (its `quantization=` names) — the linear and expert
         weights in FP8 with one scale per tensor (per expert) or per 128×128 block, from the
         actor's BF16 weights, quantized inside the weight sync (`mcore_rl.resharding.fp8`,
-        `mcore_rl.rollout.quantization`: what runs today and what is refused). GPU only.
+        `mcore_rl.rollout.quantization`: what runs today and what is refused). Needs
+        `dtype: bfloat16`; fp8_per_block needs a GPU.
     deterministic: true (default): the one_step / async schedule depends on step and version
         counts only (a sync waits for every queued batch): runs are reproducible, resumes exact.
         false: free-running — a sync waits only for the generation running then, queued batches

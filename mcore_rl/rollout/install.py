@@ -143,10 +143,11 @@ def receive_target(model: nn.Module, name: str, shape: tuple[int, ...], dtype: t
     param = module._parameters[leaf]
     if is_fp8_weight(module, leaf, param):  # FP8 bytes land in the kernel's layout
         view = fp8_weight_view(module, param)
-        if (view is None or tuple(view.shape) != tuple(shape) or param.dtype != dtype
+        if (view is None or tuple(view.shape) != tuple(shape)
+                or dtype not in (param.dtype, torch.uint8)
                 or param.device != torch.device(device)):
             return None
-        return view
+        return view.view(dtype)  # the sync carries FP8 as its bytes (uint8)
     if (is_fused_moe(module) or param.numel() == 0 or tuple(param.shape) != tuple(shape)
             or param.dtype != dtype or param.device != torch.device(device)
             or not param.is_contiguous()):
@@ -225,14 +226,16 @@ def _install_fp8(name: str, module: nn.Module, leaf: str, param: torch.Tensor,
             raise ValueError(f"{name}: got a {tensor.dtype} scale, vLLM holds {param.dtype}")
         param.copy_(tensor.reshape(()).expand(param.shape))  # one per row: the same number
         return tensor
-    if tensor.dtype != param.dtype:
+    wire = tensor.dtype  # FP8 itself, or its bytes as the sync carries them (uint8)
+    if wire not in (param.dtype, torch.uint8):
         raise ValueError(f"{name}: this rank holds it in {param.dtype} (vLLM's online FP8); "
-                         f"the sync delivered {tensor.dtype}")
+                         f"the sync delivered {wire}")
     view = fp8_weight_view(module, param)
     if view is None:
         raise ValueError(f"{name}: its FP8 kernel ({_kernel_name(module)}) keeps the weight "
                          f"as {tuple(param.shape)} with strides {param.stride()}, not [out, in] "
                          "or its transpose: the sync cannot write it in place")
+    view = view.view(wire)
     if tensor.data_ptr() != view.data_ptr():  # else received into it (receive_target)
         view.copy_(tensor)
     return view

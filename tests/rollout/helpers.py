@@ -59,10 +59,12 @@ class Trainer:
     the sync group) or "ipc" (the trainer's shared staging buffer, as for colocated engines)."""
 
     def __init__(self, tp: int, engines: int = 1, timeout_s: float = 60.0,
-                 transport: str = "p2p", plan=None, coverage=None):
+                 transport: str = "p2p", plan=None, coverage=None,
+                 dtype: torch.dtype = torch.float32):
         """plan: what a sync moves (default: the whole model, HF's layout to vLLM's).
         coverage: the plan each engine rank checks, as it joins, writes exactly its
-        parameters (default: the whole model's, as a run's weight sync passes)."""
+        parameters (default: the whole model's, as a run's weight sync passes). dtype: the
+        engines' (the wire's)."""
         from mcore_rl.layouts import hf_shards
         from mcore_rl.resharding import build_plan, host_store
 
@@ -71,7 +73,7 @@ class Trainer:
         self.store = host_store(world_size=self.plan.world_size)
         self.timeout_s = timeout_s
         self.incarnation = 0
-        self.transport, self.num_engines = transport, engines
+        self.transport, self.num_engines, self.dtype = transport, engines, dtype
         self.channels = None
 
     @property
@@ -97,7 +99,7 @@ class Trainer:
             engines.start_join_sync_group(spec, self.plan.num_src, plan=cover)
         else:  # one RolloutEngine: its ranks' shares
             engines.start_join_sync_group(spec, self.plan.num_src, expected=[
-                cover.dst_shapes[r] for r in range(cover.num_src, cover.world_size)])
+                cover.written(r) for r in range(cover.num_src, cover.world_size)])
         self.channels = SyncChannels.join(spec, 0, store=self.store)
         engines.finish_join_sync_group()
 
@@ -111,10 +113,10 @@ class Trainer:
         (engine report(s), the trainer's send stats: `SyncChannels.send`'s dict)."""
         from mcore_rl.resharding import SyncError
 
-        engines.begin_sync(self.plan, adapter=adapter)
+        engines.begin_sync(self.plan, adapter=adapter, dtype=self.dtype)
         try:
             self.channels.verify(self.plan)
-            stats = self.channels.send(self.plan, state, dtype=torch.float32,
+            stats = self.channels.send(self.plan, state, dtype=self.dtype,
                                        timeout_s=self.timeout_s)
         except SyncError:
             engines.finish_sync()  # raises the engine's own (more precise) error if it has one

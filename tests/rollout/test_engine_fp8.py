@@ -5,15 +5,20 @@ unquantized model."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
 from mcore_rl.models.hf_reference import load_hf_model, token_logprobs
-from mcore_rl.resharding.fp8 import FP8_DTYPE, quantize_with_scale, tensor_scale, weight_amax
+from mcore_rl.layouts import hf_shards, vllm_fp8_names, vllm_shards
+from mcore_rl.resharding import build_plan
+from mcore_rl.resharding.fp8 import (FP8_DTYPE, fp8_parts, per_tensor_units, quantize_with_scale,
+                                     tensor_scale, weight_amax)
 from mcore_rl.rollout import RolloutConfig, RolloutEngine, SamplingConfig, install_from_iterator
 
-from .helpers import (MAX_MODEL_LEN, hf_state, model_dir_with, perturbed, prompts,
-                      rank_items)
+from .helpers import (MAX_MODEL_LEN, SPEC, Trainer, hf_state, model_dir_with, perturbed,
+                      prompts, rank_items)
 
 FP8_LINEARS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
@@ -102,6 +107,48 @@ def _install(worker, items) -> dict:
     names = install_from_iterator(model, items)
     after = {n: p.data_ptr() for n, p in model.named_parameters()}
     return {"names": names, "moved": sorted(n for n in before if after[n] != before[n])}
+
+
+def _fp8_plan():
+    """The whole model from HF's layout to a TP1 engine's, its FP8 weights per tensor."""
+    dst = vllm_shards(SPEC, 1)
+    plan = build_plan(hf_shards(SPEC), dst, element_size=2)
+    return replace(plan, fp8=per_tensor_units(plan, dst, vllm_fp8_names(SPEC).__contains__))
+
+
+def test_an_fp8_sync_writes_the_senders_fp8_into_the_engine_in_place(engine, micro_dir):
+    """Through the real sync group: the sender all-reduces each weight's amax with the engine
+    rank, quantizes what it sends, and the engine rank receives the FP8 bytes straight into
+    the parameters its kernel reads, then installs the scales: exactly the sync's arithmetic
+    of the new weights (which a fresh engine loading them holds: the tests above and below),
+    every parameter in its own storage, one byte per FP8 element on the wire."""
+    new = perturbed(hf_state(micro_dir), seed=7)
+    plan = _fp8_plan()
+    (before,) = engine.llm.collective_rpc(_pointers)
+    trainer = Trainer(tp=1, plan=plan, coverage=plan, dtype=torch.bfloat16)
+    trainer.connect(engine)
+    try:
+        report, stats = trainer.sync(engine, new)
+    finally:
+        trainer.disconnect(engine)
+    (got,) = engine.llm.collective_rpc(_weights)
+    assert engine.llm.collective_rpc(_pointers) == [before]
+    for name, want in fp8_items(new):
+        held = got["params"][name]
+        held = held.t() if held.dtype == FP8_DTYPE else held
+        assert torch.equal(held.view(torch.uint8), want.view(torch.uint8)), name
+    fp8_elements = sum(t.numel for rnd in fp8_parts(plan)[1].rounds for t in rnd)
+    bf16_elements = sum(t.numel for rnd in fp8_parts(plan)[0].rounds for t in rnd)
+    assert fp8_elements > bf16_elements // 4  # the linears: most of micro's weights
+    assert stats["bytes_sent"] == fp8_elements + 2 * bf16_elements
+    (rank,) = report.ranks
+    assert rank.bytes_received == stats["bytes_sent"]
+    assert rank.bytes_in_place >= fp8_elements  # the FP8 weights: straight into the kernel's
+    assert set(rank.names) == set(got["params"])  # every parameter, the scales included
+
+
+def _pointers(worker) -> dict:
+    return {n: p.data_ptr() for n, p in worker.model_runner.get_model().named_parameters()}
 
 
 def test_fp8_weights_installed_in_place_generate_as_vllms_own_loading(engine, micro_dir,

@@ -15,7 +15,8 @@ from mcore_rl.cli import main
 from mcore_rl.config import ConfigError, load_config
 from mcore_rl.layouts import vllm_fp8_names, vllm_shards
 from mcore_rl.models.presets import get_preset
-from mcore_rl.planning.memory import plan_memory, vllm_rank_fp8_params, vllm_rank_params
+from mcore_rl.planning.memory import (mcore_stage_params, plan_memory, vllm_rank_fp8_params,
+                                      vllm_rank_params)
 from mcore_rl.planning.sized import sized_run
 from mcore_rl.planning.sync_traffic import sync_plan
 from mcore_rl.resharding import fp8
@@ -78,16 +79,28 @@ def test_preflight_says_each_fp8_problem_in_one_line(no_cuda, capsys):
     code, lines, _ = _fp8_problems(capsys, TINY, "rollout.quantization=fp8_per_block")
     assert code == 2
     assert [line.split("]")[0] for line in lines] == [
-        "ERROR [rollout-fp8", "ERROR [rollout-fp8", "warn  [rollout-fp8"]
-    assert "resolves to cpu" in lines[0] and "never received" in lines[1]
-    assert "rollout_correction.mode=none does not correct it" in lines[2]
-    code, lines, _ = _fp8_problems(capsys, TINY, "rollout.quantization=fp8_per_tensor")
-    assert code == 2 and len(lines) == 2 and "never received" in lines[0]
-    # on GPUs with the correction on: the install is the one thing refused
+        "ERROR [rollout-fp8"] * 3 + ["warn  [rollout-fp8"]
+    assert "resolves to cpu" in lines[0] and "need AMX tiles" in lines[0]
+    assert "engines load float32 and the sync carries float32" in lines[1]
+    assert "off the 128x128 block grid" in lines[2] and "never received" in lines[2]
+    assert "rollout_correction.mode=none does not correct it" in lines[3]
+    # per tensor on a dense model, BF16 engines: it runs (on CPU too); the correction advised
+    code, lines, _ = _fp8_problems(capsys, TINY, "rollout.quantization=fp8_per_tensor",
+                                   "rollout.dtype=bfloat16")
+    assert code == 0 and len(lines) == 1 and lines[0].startswith("warn")
+    code, lines, _ = _fp8_problems(capsys, L70, "--assume-gpu",
+                                   "rollout.quantization=fp8_per_tensor",
+                                   "algorithm.rollout_correction.mode=tis")
+    assert lines == []  # (the config's model and data are not on this machine: code 2)
+    # on GPUs with the correction on: what the sync does not carry yet is the one refusal
     code, lines, _ = _fp8_problems(capsys, L70, "--assume-gpu",
                                    "rollout.quantization=fp8_per_block",
                                    "algorithm.rollout_correction.mode=tis")
     assert code == 2 and len(lines) == 1 and "never received" in lines[0]
+    code, lines, _ = _fp8_problems(capsys, A3B, "--assume-gpu",
+                                   "rollout.quantization=fp8_per_tensor",
+                                   "algorithm.rollout_correction.mode=tis")
+    assert code == 2 and len(lines) == 1 and "per-expert FP8 scales" in lines[0]
     code, lines, _ = _fp8_problems(capsys, A3B, "--assume-gpu",
                                    "rollout.quantization=fp8_per_block")
     assert any("expert FFN share 192" in line for line in lines)
@@ -138,6 +151,21 @@ def test_the_memory_plan_stores_fp8_weights_in_a_byte_and_gives_the_kv_cache_the
     assert per_tensor["kv cache"] - bf16["kv cache"] == pytest.approx(fp8_params)
 
 
+def test_the_memory_plan_counts_the_fp8_senders_copy_in_a_sync_phase():
+    def sync_phases(*overrides):
+        cfg = load_config(RLConfig, L70, list(overrides))
+        plan = plan_memory(sized_run(cfg, assume_gpu=True))
+        return [p for d in plan.devices for p in d.phases if p.name == "weight sync"]
+
+    assert sync_phases() == []
+    (phase,) = sync_phases("rollout.quantization=fp8_per_tensor")
+    sources = dict(phase.parts)["FP8 sync sources (1 byte per parameter, at most)"]
+    # a byte for each parameter of an actor rank of the stage (70B over tp 8 x pp 4)
+    spec, actor = get_preset("llama3-70b"), load_config(RLConfig, L70, []).actor
+    assert sources in {mcore_stage_params(spec, actor, stage, "lm") for stage in range(4)}
+    assert 70e9 / 32 * 0.9 < sources < 70e9 / 32 * 1.1
+
+
 def test_bench_sync_projects_the_fp8_sync_and_refuses_to_measure_one(capsys):
     argv = ["bench", "sync", "plan_only=true", "model=qwen3-30b-a3b", "actor.tp=4", "actor.dp=2",
             "actor.ep=8", "actor.etp=1", "rollout.tp=8", "sync.dtype=bf16", "sync.bucket_mb=512"]
@@ -149,3 +177,31 @@ def test_bench_sync_projects_the_fp8_sync_and_refuses_to_measure_one(capsys):
     assert main(["bench", "sync", "model=micro", "rollout.quantization=fp8_per_block"]) == 2
     assert "rollout.quantization='fp8_per_block': projected only (plan_only=true)" in \
         capsys.readouterr().err
+
+
+def test_a_dense_per_tensor_run_syncs_fp8_as_plan_data(no_cuda):
+    """The run's plan (rl/weight_sync.py builds it) carries every FP8 weight's logical tensor:
+    one per fused q/k/v, o, gate/up and down of each layer, each engine rank's scale for
+    each; a MoE model's plan carries none (preflight refuses it)."""
+    cfg = load_config(RLConfig, TINY, ["rollout.quantization=fp8_per_tensor",
+                                       "rollout.dtype=bfloat16"])
+    run = resolve.resolve_run(cfg)
+    spec = cfg.model.demo_spec()
+    plan = sync_plan(cfg, run, spec)
+    assert plan.fp8 is not None and plan.fp8.count == 4 * spec.layers
+    fp8_names = vllm_fp8_names(spec)
+    for d, shapes in plan.dst_shapes.items():
+        weights = {k for k in shapes if k in fp8_names}
+        assert set(plan.fp8.scales[d]) == {fp8.scale_name(k) for k in weights}
+        assert plan.written(d) == {**shapes, **dict.fromkeys(plan.fp8.scales[d], (1,))}
+    assert all((u >= 0) == (t.dst_key in fp8_names) for rnd, us in
+               zip(plan.rounds, plan.fp8.transfer_unit) for t, u in zip(rnd, us))
+    rest, quantized = fp8.fp8_parts(plan)
+    assert sorted(map(repr, (t for rnd in rest.rounds + quantized.rounds for t in rnd))) == \
+        sorted(map(repr, (t for rnd in plan.rounds for t in rnd)))
+    assert quantized.element_size == 1
+    assert sync_plan(load_config(RLConfig, TINY, []), run, spec).fp8 is None
+    moe = str(CONFIGS / "demo_moe.yaml")
+    cfg = load_config(RLConfig, moe, ["rollout.quantization=fp8_per_tensor"])
+    assert sync_plan(cfg, resolve.resolve_run(cfg, assume_gpu=True),
+                     cfg.model.demo_spec()).fp8 is None
