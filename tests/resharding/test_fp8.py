@@ -296,3 +296,77 @@ def test_which_vllm_tensors_fp8_quantizes():
     assert {n.split(".", 3)[3] for n in dense} == {
         "self_attn.qkv_proj.weight", "self_attn.o_proj.weight", "mlp.gate_up_proj.weight",
         "mlp.down_proj.weight"}
+
+
+def _fp8_channels_sync(rank, world_size, parallel, infer_tp):
+    """One per-tensor FP8 sync on real gloo ranks through `SyncChannels` (what the actor ranks
+    and the engines' workers run): each sender holds its Megatron shards, every rank joins
+    the amax exchange; returns what each engine rank received, as bytes."""
+    import os
+    from dataclasses import replace
+
+    from mcore_rl.resharding import SyncGroupSpec
+    from mcore_rl.resharding.channels import SyncChannels
+    from mcore_rl.resharding.fp8 import per_tensor_units
+
+    src, dst = megatron_shards(DENSE, parallel), vllm_shards(DENSE, infer_tp)
+    plan = build_plan(src, dst, bucket_bytes=64 << 10, element_size=2)
+    plan = replace(plan, fp8=per_tensor_units(plan, dst, vllm_fp8_names(DENSE).__contains__))
+    spec = SyncGroupSpec("127.0.0.1", int(os.environ["MCORE_RL_STORE_PORT"]), "fp8/",
+                         world_size, timeout_s=60.0)
+    channels = SyncChannels.join(spec, rank)
+    try:
+        channels.verify(plan)
+        if rank < plan.num_src:
+            hf = _hf_weights(DENSE, seed=13)
+            stats = channels.send(plan, materialize_rank(src, rank, hf.__getitem__),
+                                  dtype=torch.bfloat16, timeout_s=60.0)
+            return {"sent": stats["bytes_sent"]}
+        return {"received": {k: (str(t.dtype), t.clone()) for k, t in
+                             channels.receive(plan, dtype=torch.bfloat16, timeout_s=60.0)}}
+    finally:
+        channels.close()
+
+
+def _hf_weights(spec, seed):
+    g = torch.Generator().manual_seed(seed)
+    return {n: torch.randn(s, generator=g) for n, s in hf_shards(spec).hf_shapes.items()}
+
+
+def test_per_tensor_fp8_through_the_sync_channels_of_several_senders():
+    """TP2·PP2 → TP2 on six gloo ranks: four senders each all-reduce their regions' amaxes
+    with the two engine ranks and send their FP8 regions in one byte; each engine rank gets
+    its FP8 weights' bytes and scales equal to vLLM's own per-tensor loading of its shard
+    (the MAX over the engine's TP ranks included), everything else in BF16 as it is."""
+    from mcore_rl.launch.spawn import run_on_ranks
+
+    parallel, infer_tp = ParallelConfig(tp=2, pp=2), 2
+    outs = run_on_ranks(_fp8_channels_sync, parallel.world_size + infer_tp, parallel, infer_tp,
+                        init_default_group=False, timeout_s=300)
+    hf = {k: v.to(torch.bfloat16) for k, v in _hf_weights(DENSE, seed=13).items()}
+    dst, fp8 = vllm_shards(DENSE, infer_tp), vllm_fp8_names(DENSE)
+    expected = {r: materialize_rank(dst, r, hf.__getitem__, torch.bfloat16)
+                for r in range(infer_tp)}
+    full = vllm_shards(DENSE, 1).ranks[0]
+    checked = 0
+    for key in fp8:
+        holders = {r: tensors[key] for r, tensors in expected.items()}
+        for r, (q, scale) in vllm_per_tensor_reference(holders, full[key].shape,
+                                                       moe_tp=True).items():
+            got = outs[parallel.world_size + r]["received"]
+            dtype, held = got[key]
+            assert dtype == "torch.uint8" and torch.equal(held, q.view(torch.uint8)), (r, key)
+            assert torch.equal(got[key.removesuffix("weight") + "weight_scale"][1], scale)
+            checked += 1
+    assert checked == len(fp8) * infer_tp
+    for r, tensors in expected.items():
+        got = outs[parallel.world_size + r]["received"]
+        for key in set(tensors) - fp8:
+            assert got[key][0] == "torch.bfloat16" and torch.equal(got[key][1], tensors[key])
+    # on the wire: one byte per element of every FP8 weight, two for the rest's transfers
+    plan = build_plan(megatron_shards(DENSE, parallel), dst, bucket_bytes=64 << 10)
+    fp8_elements = sum(t.numel() for tensors in expected.values() for k, t in tensors.items()
+                       if k in fp8)
+    rest_elements = sum(t.numel for rnd in plan.rounds for t in rnd if t.dst_key not in fp8)
+    sent = sum(out["sent"] for out in outs[:parallel.world_size])
+    assert sent == fp8_elements + 2 * rest_elements

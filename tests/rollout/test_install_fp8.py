@@ -40,6 +40,10 @@ def test_the_transposed_kernel_layout_is_written_through_its_out_in_view():
     assert names == ["proj.weight", "proj.weight_scale"]
     assert torch.equal(storage.view(torch.uint8), new.view(torch.uint8))  # in place
     assert model.proj.weight_scale.item() == 0.5
+    # as the sync carries it: the FP8 bytes (uint8)
+    newer = torch.randn(4, 6).to(torch.float8_e4m3fn)
+    install_from_iterator(model, [("proj.weight", newer.view(torch.uint8))])
+    assert torch.equal(storage.view(torch.uint8), newer.view(torch.uint8))
 
 
 def test_what_cannot_be_written_in_place_is_named():
