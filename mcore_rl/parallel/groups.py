@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from mcore_rl.parallel.config import ParallelConfig
-from mcore_rl.parallel.host_allocator import reuse_freed_host_memory
+from mcore_rl.parallel.host_allocator import pays_off, reuse_freed_host_memory
 from mcore_rl.parallel.world import join_default_group
 
 
@@ -189,18 +189,20 @@ def join_worker_world(
     *,
     timeout_s: float,
     device: str,
+    largest_step_bytes: float = 0.0,
 ) -> ParallelGroups:
     """A role's Ray worker joins its role's world: one intra-op thread (the workers share the
     machine's cores), `device` (the run plan's torch device of this rank: "cpu" or
     "cuda:<i>") made current before anything is allocated, the process group on that device's
     backend through the TCPStore the driver hosts at `store_address` (world_size + 1 members:
-    the driver holds one), then megatron's groups for `parallel`. A CPU rank keeps its freed
-    large buffers for reuse (`host_allocator`)."""
+    the driver holds one), then megatron's groups for `parallel`. A CPU rank whose per-step
+    tensors reach `largest_step_bytes` keeps its freed large buffers for reuse where that pays
+    (`host_allocator`)."""
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
     if device.startswith("cuda"):
         torch.cuda.set_device(torch.device(device))
-    else:  # the caching a CUDA device's allocator gives: host_allocator.py
+    elif pays_off(largest_step_bytes):  # the caching a CUDA device's allocator gives
         reuse_freed_host_memory()
     timeout = datetime.timedelta(seconds=timeout_s)
     host, port = store_address

@@ -8,7 +8,9 @@ so each step page-faults their whole size in again, a cost of the order of the m
 fills them. PyTorch's CUDA allocator keeps freed blocks for reuse; its host allocations go
 straight to malloc. Turning off malloc's mmap and trimming gives a CPU rank the same caching:
 freed blocks return to malloc's free lists and the next step's tensors reuse them; the
-process's memory stays at its peak between steps, as a GPU rank's reserved memory does.
+process's memory stays at its peak between steps, as a GPU rank's reserved memory does. (torch
+asks for aligned blocks, whose padding a freed block of the same size does not always cover:
+the first few steps may take new blocks until the freed ones coalesce.)
 """
 
 from __future__ import annotations
@@ -22,6 +24,17 @@ M_TRIM_THRESHOLD = -1
 M_MMAP_MAX = -4
 # mallopt takes an int: freed heap top is kept unless it exceeds 2 GiB
 KEEP_HEAP_TOP_BYTES = 2**31 - 1
+# the largest mmap threshold glibc sets itself (64-bit: DEFAULT_MMAP_THRESHOLD_MAX): a tensor
+# below it is reused from the heap already once one of its size was freed
+GLIBC_MMAP_THRESHOLD_MAX = 32 << 20
+
+
+def pays_off(largest_step_bytes: float) -> bool:
+    """Whether a rank whose largest per-step tensor (a micro batch's fp32 logits) has this
+    many bytes gains from `reuse_freed_host_memory`: only above glibc's own mmap threshold —
+    below it glibc reuses the blocks already, and a heap that never shrinks only costs (small
+    models, short runs: the test suite's ranks)."""
+    return largest_step_bytes > GLIBC_MMAP_THRESHOLD_MAX
 
 
 @functools.cache
@@ -49,4 +62,4 @@ def reuse_freed_host_memory() -> bool:
     )
 
 
-__all__ = ["reuse_freed_host_memory"]
+__all__ = ["GLIBC_MMAP_THRESHOLD_MAX", "pays_off", "reuse_freed_host_memory"]

@@ -151,8 +151,11 @@ class SyncChannels:
         amax = self._all_amax(sent_amax(plan, self.rank, tensors, dtype))
         stats = self._send(rest, tensors, dtype=dtype, timeout_s=timeout_s)
         sources = quantized_sources(plan, self.rank, tensors, dtype, amax)
-        return _summed(stats, self._send(quantized, sources, dtype=torch.uint8,
-                                         timeout_s=timeout_s))
+        part = self._send(quantized, sources, dtype=torch.uint8, timeout_s=timeout_s)
+        # the one-byte copy it sends from is held through that part (the memory plan's
+        # weight-sync phase counts it)
+        part["peak_extra_bytes"] += sum(t.numel() for t in sources.values())
+        return _summed(stats, part)
 
     def _all_amax(self, amax: torch.Tensor) -> torch.Tensor:
         """The MAX of every sync rank's `amax` (an engine rank gives zeros), on the control

@@ -96,6 +96,13 @@ class ActorRankSpec:
         return self.slots[rank] if self.slots else None
 
     @property
+    def logits_bytes(self) -> float:
+        """A micro batch's fp32 logits on one TP rank: the largest tensor a step allocates
+        anew (what `join_worker_world` sizes the host allocator's choice by)."""
+        rows = (self.train.micro_batch_size or 1) * (self.train.seq_len or 0)
+        return 4.0 * rows * self.model.vocab / self.parallel.tp
+
+    @property
     def kernels(self) -> dict:
         """The run plan's kernel intent, as `setup_trainer` / `build_gpt_model` take it."""
         return dict(layer_spec=self.layer_spec, fused_kernels=self.fused_kernels,
@@ -117,7 +124,8 @@ class ActorWorker:
         self.inject_stall, self.release_cache = spec.inject_stall, spec.release_cache
         self.slot, self.device = spec.slot(rank), spec.device(rank)
         self.groups = join_worker_world(rank, world_size, store_address, spec.parallel,
-                                        timeout_s=spec.timeout_s, device=self.device)
+                                        timeout_s=spec.timeout_s, device=self.device,
+                                        largest_step_bytes=spec.logits_bytes)
         self.rank, self.spec, self.parallel = rank, spec.model, spec.parallel
         self.hf_dir = spec.hf_dir
         self.base_model = spec.hf_dir  # the HF model the frozen base equals (a LoRA ckpt's)

@@ -79,4 +79,8 @@ def test_a_worker_joins_on_its_planned_device(monkeypatch):
     with pytest.raises(Joined):
         join_worker_world(0, 1, ("127.0.0.1", 1), ParallelConfig(), timeout_s=1.0,
                           device="cpu")
-    assert calls == ["host memory"]  # a CPU rank caches its freed buffers as CUDA's allocator
+    assert calls == []
+    with pytest.raises(Joined):  # a CPU rank whose logits outgrow malloc's own reuse
+        join_worker_world(0, 1, ("127.0.0.1", 1), ParallelConfig(), timeout_s=1.0,
+                          device="cpu", largest_step_bytes=64 << 20)
+    assert calls == ["host memory"]  # caches its freed buffers as CUDA's allocator does

@@ -17,6 +17,7 @@ from mcore_rl.resharding.fp8 import (FP8_DTYPE, fp8_parts, per_tensor_units, qua
                                      tensor_scale, weight_amax)
 from mcore_rl.rollout import RolloutConfig, RolloutEngine, SamplingConfig, install_from_iterator
 
+from gpu_twins import vllm_gpu_marks
 from .helpers import (MAX_MODEL_LEN, SPEC, Trainer, hf_state, model_dir_with, perturbed,
                       prompts, rank_items)
 
@@ -30,7 +31,7 @@ GREEDY = SamplingConfig(temperature=0.0, max_tokens=8)
 
 @pytest.fixture(scope="module")
 def engine(micro_dir):
-    eng = RolloutEngine(micro_dir, CFG, call_timeout_s=600.0, device="cpu")
+    eng = RolloutEngine(micro_dir, CFG, call_timeout_s=600.0)  # CUDA where there is one
     yield eng
     eng.shutdown()
 
@@ -47,27 +48,45 @@ def _weights(worker) -> dict:
             "kernels": kernels}
 
 
+def _as_synced(worker) -> dict:
+    """Every parameter as the sync writes it: an FP8 weight as [out, in] (the view of the
+    parameter its kernel reads, whatever layout that kernel keeps), on the host."""
+    from mcore_rl.rollout.install import fp8_weight_view, is_fp8_weight
+
+    model, out = worker.model_runner.get_model(), {}
+    for name, param in model.named_parameters():
+        module = model.get_submodule(name.rpartition(".")[0])
+        if is_fp8_weight(module, "weight", param) and name.endswith(".weight"):
+            view = fp8_weight_view(module, param)
+            out[name] = None if view is None else view.cpu().clone()
+        else:
+            out[name] = param.detach().cpu().clone()
+    return out
+
+
+def _check_synced(engine, state) -> None:
+    """The engine holds exactly what a sync of `state` writes (`fp8_items`)."""
+    (held,) = engine.llm.collective_rpc(_as_synced)
+    items = fp8_items(state)
+    assert set(held) == {name for name, _ in items}
+    for name, want in items:
+        have = held[name]
+        assert have is not None, f"{name}: kept in a layout the sync cannot write"
+        if want.dtype == FP8_DTYPE:
+            have, want = have.view(torch.uint8), want.view(torch.uint8)
+        elif name.endswith("weight_scale"):  # a kernel may keep one per output row
+            want = want.expand(have.numel()).reshape(have.shape)
+        assert torch.equal(have, want), name
+
+
 def test_an_fp8_engine_holds_the_syncs_fp8_of_its_checkpoint(engine, micro_dir):
+    """vLLM's own loading of the checkpoint: exactly what a sync of it writes (the sync's
+    arithmetic, resharding/fp8.py) — FP8 weights, their scales, the rest in BF16."""
     (got,) = engine.llm.collective_rpc(_weights)
-    params = got["params"]
-    # vLLM's own layers and torch FP8 kernel (nothing of ours but the casts' CPU twin)
-    assert set(got["kernels"].values()) == {"PerTensorTorchFP8ScaledMMLinearKernel"}
-    bf16 = {k: v.to(torch.bfloat16) for k, v in hf_state(micro_dir).items()}
-    checked = 0
-    for name, tensor in rank_items(bf16, 1, 0):
-        if name.rpartition(".")[0].rpartition(".")[2] not in FP8_LINEARS or \
-                not name.endswith(".weight"):
-            assert torch.equal(params[name], tensor), name  # kept in BF16
-            continue
-        # the kernel's layout: [in, out], a transposed view of the [out, in] weight
-        held = params[name].t()
-        assert held.dtype == FP8_DTYPE and held.shape == tensor.shape, name
-        scale = tensor_scale(weight_amax(tensor)).reshape(1)
-        assert torch.equal(params[name.removesuffix("weight") + "weight_scale"], scale), name
-        want = quantize_with_scale(tensor, scale)
-        assert torch.equal(held.view(torch.uint8), want.view(torch.uint8)), name
-        checked += 1
-    assert checked == 4 * 4  # four FP8 linears in each of micro's four layers
+    if engine.on_cpu:  # vLLM's own layers and torch FP8 kernel (ours: the casts' CPU twin)
+        assert set(got["kernels"].values()) == {"PerTensorTorchFP8ScaledMMLinearKernel"}
+    assert len(got["kernels"]) == len(FP8_LINEARS) * SPEC.layers
+    _check_synced(engine, hf_state(micro_dir))
 
 
 def test_an_fp8_engine_generates_close_to_the_unquantized_model(engine, micro_dir):
@@ -133,10 +152,7 @@ def test_an_fp8_sync_writes_the_senders_fp8_into_the_engine_in_place(engine, mic
         trainer.disconnect(engine)
     (got,) = engine.llm.collective_rpc(_weights)
     assert engine.llm.collective_rpc(_pointers) == [before]
-    for name, want in fp8_items(new):
-        held = got["params"][name]
-        held = held.t() if held.dtype == FP8_DTYPE else held
-        assert torch.equal(held.view(torch.uint8), want.view(torch.uint8)), name
+    _check_synced(engine, new)
     fp8_elements = sum(t.numel for rnd in fp8_parts(plan)[1].rounds for t in rnd)
     bf16_elements = sum(t.numel for rnd in fp8_parts(plan)[0].rounds for t in rnd)
     assert fp8_elements > bf16_elements // 4  # the linears: most of micro's weights
@@ -167,7 +183,7 @@ def test_fp8_weights_installed_in_place_generate_as_vllms_own_loading(engine, mi
     installed = engine.generate(ps, GREEDY)
     engine.shutdown()  # one live engine per process
     reference_dir = model_dir_with(micro_dir, new, tmp_path / "reference")
-    fresh = RolloutEngine(reference_dir, CFG, call_timeout_s=600.0, device="cpu")
+    fresh = RolloutEngine(reference_dir, CFG, call_timeout_s=600.0)
     try:
         reference = fresh.generate(ps, GREEDY)
     finally:
@@ -176,3 +192,37 @@ def test_fp8_weights_installed_in_place_generate_as_vllms_own_loading(engine, mi
         [[list(c.token_ids) for c in s] for s in reference]
     assert [s[0].logprobs for s in installed] == [s[0].logprobs for s in reference]
     assert [s[0].logprobs for s in installed] != [s[0].logprobs for s in before]
+
+
+@pytest.mark.parametrize("device", [pytest.param("cuda", id="cuda", marks=vllm_gpu_marks(
+    "tests/rollout/test_engine_fp8.py::test_an_fp8_sync_writes_the_senders_fp8_into_the_engine_"
+    "in_place"))])
+def test_gpu_fp8_engine_synced_in_place_generates_near_the_model(micro_dir, device, tmp_path):
+    """A real FP8 engine on a GPU (its own kernel, CUDA graphs): synced through the real sync
+    group, it holds exactly what the sync writes, every parameter in its own storage (the
+    captured graphs read them), and its log-probs of its greedy tokens stay near the fp32
+    model's with the new weights."""
+    engine = RolloutEngine(micro_dir, replace(CFG, gpu_memory_utilization=0.2),
+                           call_timeout_s=600.0, device=device)
+    try:
+        new = perturbed(hf_state(micro_dir), seed=9)
+        plan = _fp8_plan()
+        (before,) = engine.llm.collective_rpc(_pointers)
+        trainer = Trainer(tp=1, plan=plan, coverage=plan, dtype=torch.bfloat16)
+        trainer.connect(engine)
+        try:
+            trainer.sync(engine, new)
+        finally:
+            trainer.disconnect(engine)
+        assert engine.llm.collective_rpc(_pointers) == [before]
+        _check_synced(engine, new)
+        ps = prompts(4, 12, seed=3)
+        out = engine.generate(ps, GREEDY)
+        model = load_hf_model(model_dir_with(micro_dir, new, tmp_path / "new"))
+        fp32 = token_logprobs(model, [p + list(s[0].token_ids) for p, s in zip(ps, out)])
+        gap = torch.cat([torch.tensor(s[0].logprobs) - row[len(p) - 1:]
+                         for p, s, row in zip(ps, out, fp32)]).abs()
+        print(f"GPU FP8 engine vs the fp32 model: mean |diff| {gap.mean():.4f}")
+        assert torch.isfinite(gap).all() and gap.mean() < 1.0
+    finally:
+        engine.shutdown()
