@@ -143,15 +143,8 @@ def test_an_fp8_sync_writes_the_senders_fp8_into_the_engine_in_place(engine, mic
     every parameter in its own storage, one byte per FP8 element on the wire."""
     new = perturbed(hf_state(micro_dir), seed=7)
     plan = _fp8_plan()
-    (before,) = engine.llm.collective_rpc(_pointers)
-    trainer = Trainer(tp=1, plan=plan, coverage=plan, dtype=torch.bfloat16)
-    trainer.connect(engine)
-    try:
-        report, stats = trainer.sync(engine, new)
-    finally:
-        trainer.disconnect(engine)
+    report, stats = _sync_in_place(engine, plan, new)
     (got,) = engine.llm.collective_rpc(_weights)
-    assert engine.llm.collective_rpc(_pointers) == [before]
     _check_synced(engine, new)
     fp8_elements = sum(t.numel for rnd in fp8_parts(plan)[1].rounds for t in rnd)
     bf16_elements = sum(t.numel for rnd in fp8_parts(plan)[0].rounds for t in rnd)
@@ -161,6 +154,21 @@ def test_an_fp8_sync_writes_the_senders_fp8_into_the_engine_in_place(engine, mic
     assert rank.bytes_received == stats["bytes_sent"]
     assert rank.bytes_in_place >= fp8_elements  # the FP8 weights: straight into the kernel's
     assert set(rank.names) == set(got["params"])  # every parameter, the scales included
+
+
+def _sync_in_place(engine, plan, state):
+    """One sync of `state` by `plan` through a real sync group (BF16 on the wire, the FP8
+    weights in a byte); checks every parameter kept its storage. Returns (engine report,
+    sender stats)."""
+    (before,) = engine.llm.collective_rpc(_pointers)
+    trainer = Trainer(tp=1, plan=plan, coverage=plan, dtype=torch.bfloat16)
+    trainer.connect(engine)
+    try:
+        report, stats = trainer.sync(engine, state)
+    finally:
+        trainer.disconnect(engine)
+    assert engine.llm.collective_rpc(_pointers) == [before]
+    return report, stats
 
 
 def _pointers(worker) -> dict:
@@ -206,15 +214,7 @@ def test_gpu_fp8_engine_synced_in_place_generates_near_the_model(micro_dir, devi
                            call_timeout_s=600.0, device=device)
     try:
         new = perturbed(hf_state(micro_dir), seed=9)
-        plan = _fp8_plan()
-        (before,) = engine.llm.collective_rpc(_pointers)
-        trainer = Trainer(tp=1, plan=plan, coverage=plan, dtype=torch.bfloat16)
-        trainer.connect(engine)
-        try:
-            trainer.sync(engine, new)
-        finally:
-            trainer.disconnect(engine)
-        assert engine.llm.collective_rpc(_pointers) == [before]
+        _sync_in_place(engine, _fp8_plan(), new)
         _check_synced(engine, new)
         ps = prompts(4, 12, seed=3)
         out = engine.generate(ps, GREEDY)
