@@ -334,13 +334,13 @@ def _hf_weights(spec, seed):
 
 
 def test_per_tensor_fp8_through_the_sync_channels_of_several_senders():
-    """TP2·PP2 → TP2 on six gloo ranks: four senders each all-reduce their regions' amaxes
-    with the two engine ranks and send their FP8 regions in one byte; each engine rank gets
+    """TP2 → TP2 on four gloo ranks: two senders each all-reduce their regions' amaxes with
+    the two engine ranks and send their FP8 regions in one byte; each engine rank gets
     its FP8 weights' bytes and scales equal to vLLM's own per-tensor loading of its shard
     (the MAX over the engine's TP ranks included), everything else in BF16 as it is."""
     from mcore_rl.launch.spawn import run_on_ranks
 
-    parallel, infer_tp = ParallelConfig(tp=2, pp=2), 2
+    parallel, infer_tp = ParallelConfig(tp=2), 2
     outs = run_on_ranks(_fp8_channels_sync, parallel.world_size + infer_tp, parallel, infer_tp,
                         init_default_group=False, timeout_s=300)
     hf = {k: v.to(torch.bfloat16) for k, v in _hf_weights(DENSE, seed=13).items()}
