@@ -339,6 +339,7 @@ def test_per_tensor_fp8_through_the_sync_channels_of_several_senders():
     its FP8 weights' bytes and scales equal to vLLM's own per-tensor loading of its shard
     (the MAX over the engine's TP ranks included), everything else in BF16 as it is."""
     from mcore_rl.launch.spawn import run_on_ranks
+    from mcore_rl.resharding.fp8 import scale_name
 
     parallel, infer_tp = ParallelConfig(tp=2), 2
     outs = run_on_ranks(_fp8_channels_sync, parallel.world_size + infer_tp, parallel, infer_tp,
@@ -356,7 +357,7 @@ def test_per_tensor_fp8_through_the_sync_channels_of_several_senders():
             got = outs[parallel.world_size + r]["received"]
             dtype, held = got[key]
             assert dtype == "torch.uint8" and torch.equal(held, q.view(torch.uint8)), (r, key)
-            assert torch.equal(got[key.removesuffix("weight") + "weight_scale"][1], scale)
+            assert torch.equal(got[scale_name(key)][1], scale)
             checked += 1
     assert checked == len(fp8) * infer_tp
     for r, tensors in expected.items():

@@ -14,7 +14,7 @@ from mcore_rl.models.hf_reference import load_hf_model, token_logprobs
 from mcore_rl.layouts import hf_shards, vllm_fp8_names, vllm_shards
 from mcore_rl.resharding import build_plan
 from mcore_rl.resharding.fp8 import (FP8_DTYPE, fp8_parts, per_tensor_units, quantize_with_scale,
-                                     tensor_scale, weight_amax)
+                                     scale_name, tensor_scale, weight_amax)
 from mcore_rl.rollout import RolloutConfig, RolloutEngine, SamplingConfig, install_from_iterator
 
 from gpu_twins import vllm_gpu_marks
@@ -118,7 +118,7 @@ def fp8_items(state: dict[str, torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
         if name.endswith(".weight") and name.rpartition(".")[0].rpartition(".")[2] in FP8_LINEARS:
             scale = tensor_scale(weight_amax(tensor)).reshape(1)
             items += [(name, quantize_with_scale(tensor, scale)),
-                      (name.removesuffix("weight") + "weight_scale", scale)]
+                      (scale_name(name), scale)]
         else:
             items.append((name, tensor))
     return items
