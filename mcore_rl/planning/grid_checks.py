@@ -39,6 +39,7 @@ from mcore_rl.rollout.quantization import DTYPE_FIX as FP8_DTYPE_FIX
 from mcore_rl.rollout.quantization import FIELD as FP8_FIELD
 from mcore_rl.rollout.quantization import INSTALL_FIX as FP8_INSTALL_FIX
 from mcore_rl.rollout.quantization import correction_advice as fp8_correction_advice
+from mcore_rl.rollout.quantization import cpu_refuses as fp8_cpu_refuses
 from mcore_rl.rollout.quantization import dtype_problem as fp8_dtype_problem
 from mcore_rl.rollout.quantization import grid_problem as fp8_grid_problem
 from mcore_rl.rollout.quantization import install_refusal as fp8_install_refusal
@@ -362,13 +363,13 @@ def check_rollout_ep(run: SizedRun, spec: ModelSpec) -> Iterable[Problem]:
 
 
 def check_rollout_fp8(run: SizedRun, spec: ModelSpec) -> Iterable[Problem]:
-    """rollout.quantization: FP8 engines — block-wise on GPUs only, a grid the sync's layouts
-    match, BF16 engines and sync, and what the sync does not carry yet refused
+    """rollout.quantization: FP8 engines — block-wise on GPUs and AMX CPUs only, a grid the
+    sync's layouts match, BF16 engines and sync, and what the sync does not carry yet refused
     (`mcore_rl.rollout.quantization`); a warning when the rollout correction is off."""
     r = run.cfg.rollout
     if r.quantization is None:
         return
-    if run.device == "cpu" and r.quantization == "fp8_per_block":
+    if fp8_cpu_refuses(r.quantization, run.device):
         yield Problem(
             "rollout-fp8",
             f"{FP8_FIELD}={r.quantization}, but the run resolves to cpu: {FP8_CPU_REASON}",

@@ -411,11 +411,13 @@ def sync_buffers(run: SizedRun) -> tuple[float, float]:
 
 
 def fp8_sync_sources(run: SizedRun, stage: int) -> tuple[tuple[str, float], ...]:
-    """An FP8 sync's sender side (`resharding/fp8.quantized_sources`): a one-byte copy of the
-    actor rank's shards it sends quantized — at most its parameters of stage `stage` — held
+    """An FP8 sync's sender side (`resharding/fp8.quantized_sources`,
+    `block_quantized_sources`): a one-byte copy of the actor rank's shards it sends quantized
+    — at most its parameters of stage `stage` — and, block-wise, their block scales, held
     while it sends, after training has freed its activations."""
     n = mcore_stage_params(run.spec, run.cfg.actor, stage, "lm")
-    return (("FP8 sync sources (1 byte per parameter, at most)", float(n)),)
+    per_param = 1 + FP8_SCALE_BYTES_PER_PARAM[run.cfg.rollout.quantization or "fp8_per_tensor"]
+    return (("FP8 sync sources (1 byte per parameter, at most)", float(n) * per_param),)
 
 
 def role_train(run: SizedRun, role: str) -> TrainConfig:
@@ -664,7 +666,7 @@ def _stage_memory(
         if colocated:
             parts += (("rollout asleep", asleep),)
         phases.append(Phase(name, parts + (reserve,)))
-    if run.cfg.rollout.quantization == "fp8_per_tensor" and "actor" in ranks:
+    if run.cfg.rollout.quantization is not None and "actor" in ranks:
         phases.append(
             Phase(
                 "weight sync",

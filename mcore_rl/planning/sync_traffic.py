@@ -21,7 +21,12 @@ from mcore_rl.layouts.shards import LayoutError
 from mcore_rl.models.spec import ModelSpec
 from mcore_rl.planning.sized import resolve_model
 from mcore_rl.resharding import build_plan
-from mcore_rl.resharding.fp8 import fp8_wire_bytes, per_tensor_units, tensor_units
+from mcore_rl.resharding.fp8 import (
+    fp8_wire_bytes,
+    per_block_units,
+    per_tensor_units,
+    tensor_units,
+)
 from mcore_rl.resharding.planner import Plan, PlanError
 from mcore_rl.resharding.sync_group import sync_group_spec
 from mcore_rl.rollout.quantization import install_refusal
@@ -44,13 +49,11 @@ def sync_plan(cfg: RLConfig, run: ResolvedRun, spec: ModelSpec, engines: int | N
         nodes=run.sync_nodes(engines),
         devices=run.sync_devices(engines),
     )
-    if (
-        cfg.rollout.quantization == "fp8_per_tensor"
-        and install_refusal(cfg.rollout.quantization, spec) is None
-    ):  # the senders quantize: resharding/fp8.py
-        plan = replace(
-            plan, fp8=per_tensor_units(plan, inference, vllm_fp8_names(spec).__contains__)
-        )
+    scheme = cfg.rollout.quantization
+    if scheme is not None and install_refusal(scheme, spec) is None:
+        # the senders quantize (all, or what lies on the block grid): resharding/fp8.py
+        units = per_tensor_units if scheme == "fp8_per_tensor" else per_block_units
+        plan = replace(plan, fp8=units(plan, inference, vllm_fp8_names(spec).__contains__))
     return plan
 
 

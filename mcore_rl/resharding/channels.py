@@ -36,7 +36,8 @@ import torch.distributed as dist
 
 from mcore_rl.resharding.copy_service import CopyService, P2PCopy, SyncError, wait_work
 from mcore_rl.resharding.digest import DigestLedger, DigestTally
-from mcore_rl.resharding.fp8 import fp8_parts, installed_scales, quantized_sources, sent_amax
+from mcore_rl.resharding.fp8 import (block_parts, block_quantized_sources, fp8_parts,
+                                     installed_scales, quantized_sources, sent_amax)
 from mcore_rl.resharding.host_memory import ReceivePool
 from mcore_rl.resharding.ipc_copy import IpcCopy
 from mcore_rl.resharding.planner import Plan
@@ -147,6 +148,8 @@ class SyncChannels:
         tensor's scale (`resharding/fp8.py`)."""
         if plan.fp8 is None:
             return self._send(plan, tensors, dtype=dtype, timeout_s=timeout_s)
+        if plan.fp8.scheme == "fp8_per_block":
+            return self._send_blocks(plan, tensors, dtype=dtype, timeout_s=timeout_s)
         rest, quantized = fp8_parts(plan)
         amax = self._all_amax(sent_amax(plan, self.rank, tensors, dtype))
         stats = self._send(rest, tensors, dtype=dtype, timeout_s=timeout_s)
@@ -156,6 +159,23 @@ class SyncChannels:
         # weight-sync phase counts it)
         part["peak_extra_bytes"] += sum(t.numel() for t in sources.values())
         return _summed(stats, part)
+
+    def _send_blocks(self, plan: Plan, tensors: Mapping[str, torch.Tensor], *,
+                     dtype: torch.dtype, timeout_s: float) -> dict:
+        """Block-wise FP8 (`resharding/fp8.block_parts`): the shards in `dtype`, then every
+        region this rank quantizes (one byte per element), then those regions' block scales."""
+        rest, quantized, scales = block_parts(plan)
+        stats = self._send(rest, tensors, dtype=dtype, timeout_s=timeout_s)
+        regions, region_scales = block_quantized_sources(plan, self.rank, tensors, dtype)
+        for part, sources, wire in ((quantized, regions, torch.uint8),
+                                    (scales, region_scales, torch.float32)):
+            sent = self._send(part, sources, dtype=wire, timeout_s=timeout_s)
+            stats = _summed(stats, sent)
+        # the quantized copies are held through both parts (the memory plan's weight-sync
+        # phase counts them)
+        stats["peak_extra_bytes"] += sum(t.numel() for t in regions.values()) + sum(
+            t.numel() * t.element_size() for t in region_scales.values())
+        return stats
 
     def _all_amax(self, amax: torch.Tensor) -> torch.Tensor:
         """The MAX of every sync rank's `amax` (an engine rank gives zeros), on the control
@@ -210,6 +230,12 @@ class SyncChannels:
         if plan.fp8 is None:
             yield from self._receive(plan, transport, dtype=dtype, timeout_s=timeout_s,
                                      stats=stats, into=into)
+            return
+        if plan.fp8.scheme == "fp8_per_block":  # no exchange: each block is its own
+            for part, wire in zip(block_parts(plan), (dtype, torch.uint8, torch.float32),
+                                  strict=True):
+                yield from self._receive(part, transport, dtype=wire, timeout_s=timeout_s,
+                                         stats=stats, into=into)
             return
         rest, quantized = fp8_parts(plan)
         amax = self._all_amax(torch.zeros(plan.fp8.count, dtype=torch.float32))

@@ -9,8 +9,11 @@ fp8(x · (1/scale)). A block's numbers depend on its own elements only. So a tra
 destination box is a union of whole blocks of the engine rank's tensor (`block_aligned`) can be
 quantized by the trainer rank that sends it — one byte per element and one fp32 scale per
 block on the wire instead of two bytes per element — and the engine installs exactly what its
-own loading would have computed. A transfer off the block grid goes as it does today and is
-quantized where all of its blocks arrive: on the engine rank.
+own loading would have computed. The sync decides per engine tensor (`sender_tensors`): one
+every region of which is sent on the grid is quantized by its senders (`block_parts`,
+`block_quantized_sources`: each region quantized on its own, with its blocks' scales); one
+with any region off the grid crosses in the engines' dtype and is quantized whole where all
+of its blocks arrive: on the engine rank, by vLLM's own function (`rollout/install.py`).
 
 vLLM's online per-tensor FP8 (`quantization="fp8_per_tensor"`) gives a linear weight one
 scale: its largest magnitude over the whole logical tensor — vLLM all-reduces each TP rank's
@@ -28,6 +31,7 @@ Pure: no process group, no vLLM import (trainer ranks never import vLLM).
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 
 import torch
 
@@ -74,10 +78,12 @@ def sender_quantized(
     scheme: str = "fp8_per_block",
 ) -> list[list[bool]]:
     """For each round, each transfer: whether its sender quantizes it — its destination
-    tensor is one vLLM quantizes (`is_fp8(dst_key)`) and, block-wise, its box lies on the
-    block grid; per tensor, every such transfer (its scale is known to every sender)."""
+    tensor is one vLLM quantizes (`is_fp8(dst_key)`) and, block-wise, every region of that
+    tensor lies on the block grid (`sender_tensors`); per tensor, every such transfer (its
+    scale is known to every sender)."""
     _check_scheme(scheme)
-    return [[_quantizable(plan, t, is_fp8, block, scheme) for t in rnd] for rnd in plan.rounds]
+    senders = sender_tensors(plan, is_fp8, block) if scheme == "fp8_per_block" else None
+    return [[_quantizable(plan, t, is_fp8, senders) for t in rnd] for rnd in plan.rounds]
 
 
 def _check_scheme(scheme: str) -> None:
@@ -86,13 +92,11 @@ def _check_scheme(scheme: str) -> None:
 
 
 def _quantizable(
-    plan: Plan, t: Transfer, is_fp8: Callable[[str], bool], block: tuple[int, int], scheme: str
+    plan: Plan, t: Transfer, is_fp8: Callable[[str], bool], senders: set | None
 ) -> bool:
     if not is_fp8(t.dst_key):
         return False
-    return scheme == "fp8_per_tensor" or block_aligned(
-        t.dst_box, plan.dst_shapes[t.dst_rank][t.dst_key], block
-    )
+    return senders is None or (t.dst_rank, t.dst_key) in senders
 
 
 def fp8_wire_bytes(
@@ -219,13 +223,78 @@ def per_tensor_units(plan: Plan, dst: ShardMap, is_fp8: Callable[[str], bool]) -
         tuple(-1 if unit is None else order[unit] for unit in rnd)
         for rnd in transfer_units(plan, units)
     )
-    return Fp8Units("fp8_per_tensor", len(order), per_transfer, scales)
+    shapes: dict[int, dict[str, tuple[int, ...]]] = {
+        d: dict.fromkeys(names, (1,)) for d, names in scales.items()
+    }
+    return Fp8Units("fp8_per_tensor", len(order), per_transfer, scales, shapes)
+
+
+def block_scale_name(key: str) -> str:
+    """vLLM's name of an FP8 linear weight's block scales (its block method's)."""
+    return key.removesuffix("weight") + "weight_scale_inv"
+
+
+def scale_grid(shape: tuple[int, ...], block: tuple[int, int] = BLOCK) -> tuple[int, ...]:
+    """The shape of a weight's block scales: one per block of its last two dims."""
+    *lead, m, n = shape
+    return (*lead, -(-m // block[0]), -(-n // block[1]))
+
+
+def sender_tensors(
+    plan: Plan, is_fp8: Callable[[str], bool], block: tuple[int, int] = BLOCK
+) -> set[tuple[int, str]]:
+    """Block-wise: the engine tensors — (destination sync rank, key) — the senders quantize:
+    FP8 tensors every region of which is sent on the block grid. A tensor with any region off
+    the grid arrives in the engines' dtype and its engine rank quantizes it whole (a block
+    split between two senders is quantized where all of it arrives)."""
+    aligned: dict[tuple[int, str], bool] = {}
+    for rnd in plan.rounds:
+        for t in rnd:
+            if is_fp8(t.dst_key):
+                key = (t.dst_rank, t.dst_key)
+                shape = plan.dst_shapes[t.dst_rank][t.dst_key]
+                aligned[key] = aligned.get(key, True) and block_aligned(t.dst_box, shape, block)
+    return {key for key, ok in aligned.items() if ok}
+
+
+def per_block_units(plan: Plan, dst: ShardMap, is_fp8: Callable[[str], bool]) -> Fp8Units:
+    """`plan` (to the engines of `dst`) under block-wise FP8, as data (`Fp8Units`): the
+    transfers the senders quantize (`sender_tensors`), numbered, and each engine rank's block
+    scales. Dense weights: a stacked expert tensor's per-expert blocks are not synced yet."""
+    stacked = sorted(
+        key
+        for tensors in dst.ranks.values()
+        for key, local in tensors.items()
+        if is_fp8(key) and len(local.shape) == 3
+    )
+    if stacked:
+        raise ValueError(
+            f"block-wise FP8 of stacked expert tensors ({stacked[0]}, ...) is not synced "
+            "yet: dense weights only"
+        )
+    senders = sender_tensors(plan, is_fp8)
+    numbered = 0
+    per_transfer = []
+    for rnd in plan.rounds:
+        row = []
+        for t in rnd:
+            row.append(numbered if (t.dst_rank, t.dst_key) in senders else -1)
+            numbered += row[-1] >= 0
+        per_transfer.append(tuple(row))
+    shapes = {
+        d: {block_scale_name(k): scale_grid(shape) for k, shape in keys.items() if is_fp8(k)}
+        for d, keys in plan.dst_shapes.items()
+    }
+    shapes = {d: names for d, names in shapes.items() if names}
+    return Fp8Units("fp8_per_block", 0, tuple(per_transfer), {}, shapes)
 
 
 def fp8_parts(plan: Plan) -> tuple[Plan, Plan]:
     """An FP8 plan's transfers as two plans of their own, in plan order: those that cross in
     the engines' dtype, and those the senders quantize (one byte per element, sent as uint8).
-    Every rank derives the same two from the plan it verified; computed once per plan."""
+    Every rank derives the same two from the plan it verified; computed once per plan.
+    Block-wise, the second part's transfers send from one quantized region each
+    (`block_parts`)."""
     cached = plan.__dict__.get("_fp8_parts")
     if cached is not None:
         return cached
@@ -261,6 +330,93 @@ def fp8_parts(plan: Plan) -> tuple[Plan, Plan]:
 
     parts = plan.__dict__["_fp8_parts"] = (part(False), part(True))
     return parts
+
+
+def _region_key(t: Transfer, number: int) -> str:
+    """The name a sender's quantized region (or its scales) travels under: one per transfer."""
+    return f"{t.src_key}#fp8/{number}"
+
+
+def _dims(box: Box) -> tuple[int, ...]:
+    return tuple(stop - start for start, stop in box)
+
+
+def _whole(shape: tuple[int, ...]) -> Box:
+    return tuple((0, size) for size in shape)
+
+
+def block_parts(plan: Plan) -> tuple[Plan, Plan, Plan]:
+    """A block-wise FP8 plan as three plans of their own, every rank deriving the same from
+    the plan it verified (computed once per plan): the transfers that cross in the engines'
+    dtype (an engine rank quantizes the FP8 tensors among them); those the senders quantize,
+    each from its own region (one byte per element, as uint8); and each such region's block
+    scales (fp32) into the scale parameter's box of the blocks it covers."""
+    cached = plan.__dict__.get("_block_parts")
+    if cached is not None:
+        return cached
+    if plan.fp8 is None or plan.fp8.scheme != "fp8_per_block":
+        raise ValueError("the plan has no block-wise FP8 tensors")
+    rest, senders = fp8_parts(plan)
+    regions, scales = [], []
+    region_shapes: dict[int, dict[str, tuple[int, ...]]] = {}
+    scale_shapes: dict[int, dict[str, tuple[int, ...]]] = {}
+    for rnd, numbers in zip(plan.rounds, plan.fp8.transfer_unit, strict=True):
+        region_row, scale_row = [], []
+        for t, number in zip(rnd, numbers, strict=True):
+            if number < 0:
+                continue
+            name = _region_key(t, number)
+            region_row.append(replace(t, src_key=name, src_box=_whole(_dims(t.dst_box))))
+            grid = blocks_of(t.dst_box)
+            scale_key = block_scale_name(t.dst_key)
+            scale_row.append(
+                Transfer(t.src_rank, name, _whole(_dims(grid)), t.dst_rank, scale_key, grid)
+            )
+            region_shapes.setdefault(t.dst_rank, {})[t.dst_key] = senders.dst_shapes[t.dst_rank][
+                t.dst_key
+            ]
+            scale_shapes.setdefault(t.dst_rank, {})[scale_key] = plan.fp8.scale_shapes[t.dst_rank][
+                scale_key
+            ]
+        if region_row:
+            regions.append(region_row)
+            scales.append(scale_row)
+
+    def part(rounds, shapes, element_size):
+        return Plan(
+            rounds,
+            shapes,
+            plan.num_src,
+            plan.num_dst,
+            element_size,
+            plan.bucket_bytes,
+            plan.src_labels,
+            plan.dst_labels,
+        )
+
+    parts = plan.__dict__["_block_parts"] = (
+        rest,
+        part(regions, region_shapes, 1),
+        part(scales, scale_shapes, SCALE_BYTES),
+    )
+    return parts
+
+
+def block_quantized_sources(
+    plan: Plan, src_rank: int, tensors, dtype: torch.dtype
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """What this sender's quantized and scale parts (`block_parts`) send from: each region it
+    sends into an FP8 tensor, in the engines' `dtype`, quantized in the 128×128 blocks of the
+    engine rank's tensor — the region starts on that grid — as uint8 bytes, and its blocks'
+    scales (fp32), both under the region's own name."""
+    regions: dict[str, torch.Tensor] = {}
+    scales: dict[str, torch.Tensor] = {}
+    for t, number in _quantized_transfers(plan, src_rank):
+        region = tensors[t.src_key][box_slices(t.src_box)].to(dtype).reshape(_dims(t.dst_box))
+        quantized, scale = quantize_blocks(region)
+        name = _region_key(t, number)
+        regions[name], scales[name] = quantized.view(torch.uint8), scale
+    return regions, scales
 
 
 def _quantized_transfers(plan: Plan, src_rank: int):
@@ -361,17 +517,23 @@ __all__ = [
     "FP8_MAX",
     "SCHEMES",
     "block_aligned",
+    "block_parts",
+    "block_quantized_sources",
+    "block_scale_name",
     "blocks_of",
     "fp8_parts",
     "fp8_wire_bytes",
     "installed_scales",
     "ordered_units",
+    "per_block_units",
     "per_tensor_units",
     "quantize_blocks",
     "quantize_with_scale",
     "quantized_sources",
+    "scale_grid",
     "scale_name",
     "sender_quantized",
+    "sender_tensors",
     "sent_amax",
     "tensor_scale",
     "tensor_units",

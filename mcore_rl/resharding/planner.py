@@ -56,18 +56,24 @@ class Transfer:
 
 @dataclass(frozen=True)
 class Fp8Units:
-    """Per-tensor FP8 engines in a plan (`resharding/fp8.per_tensor_units` decides it): which
-    logical tensor — the scale it shares — each transfer writes into, and each engine rank's
-    scale parameters. Unit indices are positions in one vector every sync rank all-reduces.
+    """FP8 engines in a plan, as data (`resharding/fp8.per_tensor_units` and `per_block_units`
+    decide it): which transfers the senders quantize, and each engine rank's scale parameters.
 
-    transfer_unit[k][i]: round k's transfer i's unit, -1 where its tensor stays unquantized.
-    scales[d][name]: destination sync rank d's scale parameter `name` holds unit's scale.
+    Per tensor: transfer_unit[k][i] is round k's transfer i's logical tensor — the scale it
+    shares — a position in one vector of `count` amaxes every sync rank all-reduces;
+    scales[d][name]: destination sync rank d's scale parameter `name` holds that unit's scale.
+    Block-wise (count 0, no all-reduce): transfer_unit[k][i] numbers the transfers the senders
+    quantize (each sends its blocks' scales too); an FP8 tensor's other transfers arrive in
+    the engines' dtype and its engine rank quantizes it; scales is empty.
+    Either way -1 marks a transfer that crosses unquantized, and scale_shapes[d][name] is the
+    shape of every scale parameter the sync sets on destination sync rank d.
     """
 
     scheme: str
     count: int
     transfer_unit: tuple[tuple[int, ...], ...]
     scales: dict[int, dict[str, int]]
+    scale_shapes: dict[int, dict[str, tuple[int, ...]]]
 
 
 @dataclass
@@ -105,10 +111,10 @@ class Plan:
 
     def written(self, sync_rank: int) -> dict[str, tuple[int, ...]]:
         """Every parameter a sync writes on destination rank `sync_rank`, with its shape: the
-        tensors the transfers fill and, for FP8 engines, their scales (one number each)."""
+        tensors the transfers fill and, for FP8 engines, their scales."""
         out = dict(self.dst_shapes.get(sync_rank, {}))
         if self.fp8 is not None:
-            out.update(dict.fromkeys(self.fp8.scales.get(sync_rank, {}), (1,)))
+            out.update(self.fp8.scale_shapes.get(sync_rank, {}))
         return out
 
     def bytes_sent(self) -> dict[int, int]:

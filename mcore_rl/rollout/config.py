@@ -91,7 +91,7 @@ class RolloutConfig:
         weights in FP8 with one scale per tensor (per expert) or per 128×128 block, from the
         actor's BF16 weights, quantized inside the weight sync (`mcore_rl.resharding.fp8`,
         `mcore_rl.rollout.quantization`: what runs today and what is refused). Needs
-        `dtype: bfloat16`; fp8_per_block needs a GPU.
+        `dtype: bfloat16`; fp8_per_block needs a GPU or a CPU with AMX tiles.
     deterministic: true (default): the one_step / async schedule depends on step and version
         counts only (a sync waits for every queued batch): runs are reproducible, resumes exact.
         false: free-running — a sync waits only for the generation running then, queued batches

