@@ -429,14 +429,16 @@ def _quantized_transfers(plan: Plan, src_rank: int):
 
 
 def sent_amax(plan: Plan, src_rank: int, tensors, dtype: torch.dtype) -> torch.Tensor:
-    """This sender's largest magnitude of each logical FP8 tensor (fp32 [units]), over the
-    regions it sends into it, each in the engines' `dtype` (as vLLM loads them); 0 for the
-    tensors it sends nothing of. A MAX over every sync rank gives each tensor's amax."""
+    """This sender's largest magnitude of each logical FP8 tensor (fp32 [units], on its
+    tensors' device: one copy to the host after, not one per region), over the regions it
+    sends into it, each in the engines' `dtype` (as vLLM loads them); 0 for the tensors it
+    sends nothing of. A MAX over every sync rank gives each tensor's amax."""
     assert plan.fp8 is not None
-    amax = torch.zeros(plan.fp8.count, dtype=torch.float32)
+    device = next((t.device for t in tensors.values()), torch.device("cpu"))
+    amax = torch.zeros(plan.fp8.count, dtype=torch.float32, device=device)
     for t, unit in _quantized_transfers(plan, src_rank):
         region = tensors[t.src_key][box_slices(t.src_box)].to(dtype)
-        amax[unit] = torch.maximum(amax[unit], weight_amax(region).float().cpu())
+        amax[unit] = torch.maximum(amax[unit], weight_amax(region).float())
     return amax
 
 
@@ -448,12 +450,15 @@ def quantized_sources(
     quantized with its logical tensor's scale (all-reduced `amax`); the rest is not sent."""
     out: dict[str, torch.Tensor] = {}
     scales = tensor_scale(amax.to(dtype))
+    on_device: dict[torch.device, torch.Tensor] = {}  # the scales copied once per device
     for t, unit in _quantized_transfers(plan, src_rank):
         source = tensors[t.src_key]
         if t.src_key not in out:
             out[t.src_key] = torch.zeros(source.shape, dtype=torch.uint8, device=source.device)
+        if source.device not in on_device:
+            on_device[source.device] = scales.to(source.device)
         box = box_slices(t.src_box)
-        scale = scales[unit].reshape(1).to(source.device)
+        scale = on_device[source.device][unit].reshape(1)
         out[t.src_key][box] = quantize_with_scale(source[box].to(dtype), scale).view(torch.uint8)
     return out
 
