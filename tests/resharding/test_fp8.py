@@ -298,11 +298,16 @@ def test_which_vllm_tensors_fp8_quantizes():
         "mlp.down_proj.weight"}
 
 
-def _fp8_channels_sync(rank, world_size, parallel, infer_tp, scheme="fp8_per_tensor",
-                       bucket_bytes=64 << 10):
-    """One FP8 sync on real gloo ranks through `SyncChannels` (what the actor ranks and the
-    engines' workers run): each sender holds its Megatron shards (per tensor, every rank
-    joins the amax exchange); returns what each engine rank received, as bytes."""
+# (scheme, bucket bytes) of each sync `_fp8_channels_syncs` runs on one group; per tensor in
+# 64 KiB buckets (transfers split into bucket-sized rows), block-wise in a MiB (whole pieces)
+CHANNEL_SYNCS = (("fp8_per_tensor", 64 << 10), ("fp8_per_block", 1 << 20))
+
+
+def _fp8_channels_syncs(rank, world_size, parallel, infer_tp):
+    """FP8 syncs on real gloo ranks through `SyncChannels` (what the actor ranks and the
+    engines' workers run), one per `CHANNEL_SYNCS` entry on the same group: each sender holds
+    its Megatron shards (per tensor, every rank joins the amax exchange); returns, per
+    scheme, what each sender sent and each engine rank received, as bytes."""
     import os
     from dataclasses import replace
 
@@ -311,23 +316,43 @@ def _fp8_channels_sync(rank, world_size, parallel, infer_tp, scheme="fp8_per_ten
     from mcore_rl.resharding.fp8 import per_block_units, per_tensor_units
 
     src, dst = megatron_shards(DENSE, parallel), vllm_shards(DENSE, infer_tp)
-    plan = build_plan(src, dst, bucket_bytes=bucket_bytes, element_size=2)
-    units = per_tensor_units if scheme == "fp8_per_tensor" else per_block_units
-    plan = replace(plan, fp8=units(plan, dst, vllm_fp8_names(DENSE).__contains__))
     spec = SyncGroupSpec("127.0.0.1", int(os.environ["MCORE_RL_STORE_PORT"]), "fp8/",
                          world_size, timeout_s=60.0)
     channels = SyncChannels.join(spec, rank)
+    out = {}
     try:
-        channels.verify(plan)
-        if rank < plan.num_src:
-            hf = _hf_weights(DENSE, seed=13)
-            stats = channels.send(plan, materialize_rank(src, rank, hf.__getitem__),
-                                  dtype=torch.bfloat16, timeout_s=60.0)
-            return {"sent": stats["bytes_sent"]}
-        return {"received": {k: (str(t.dtype), t.clone()) for k, t in
-                             channels.receive(plan, dtype=torch.bfloat16, timeout_s=60.0)}}
+        for scheme, bucket_bytes in CHANNEL_SYNCS:
+            plan = build_plan(src, dst, bucket_bytes=bucket_bytes, element_size=2)
+            units = per_tensor_units if scheme == "fp8_per_tensor" else per_block_units
+            plan = replace(plan, fp8=units(plan, dst, vllm_fp8_names(DENSE).__contains__))
+            channels.verify(plan)
+            if rank < plan.num_src:
+                hf = _hf_weights(DENSE, seed=13)
+                stats = channels.send(plan, materialize_rank(src, rank, hf.__getitem__),
+                                      dtype=torch.bfloat16, timeout_s=60.0)
+                out[scheme] = {"sent": stats["bytes_sent"]}
+            else:
+                out[scheme] = {"received": {
+                    k: (str(t.dtype), t.clone()) for k, t in
+                    channels.receive(plan, dtype=torch.bfloat16, timeout_s=60.0)}}
+        return out
     finally:
         channels.close()
+
+
+CHANNELS_GRID = (ParallelConfig(tp=2), 2)  # TP2 -> TP2: four gloo ranks
+
+
+@pytest.fixture(scope="module")
+def channel_syncs():
+    """Every `CHANNEL_SYNCS` sync on the four ranks of one launch: per scheme, each rank's
+    result (`_fp8_channels_syncs`)."""
+    from mcore_rl.launch.spawn import run_on_ranks
+
+    parallel, infer_tp = CHANNELS_GRID
+    outs = run_on_ranks(_fp8_channels_syncs, parallel.world_size + infer_tp, parallel,
+                        infer_tp, init_default_group=False, timeout_s=300)
+    return {scheme: [out[scheme] for out in outs] for scheme, _ in CHANNEL_SYNCS}
 
 
 def _hf_weights(spec, seed):
@@ -335,17 +360,15 @@ def _hf_weights(spec, seed):
     return {n: torch.randn(s, generator=g) for n, s in hf_shards(spec).hf_shapes.items()}
 
 
-def test_per_tensor_fp8_through_the_sync_channels_of_several_senders():
+def test_per_tensor_fp8_through_the_sync_channels_of_several_senders(channel_syncs):
     """TP2 → TP2 on four gloo ranks: two senders each all-reduce their regions' amaxes with
     the two engine ranks and send their FP8 regions in one byte; each engine rank gets
     its FP8 weights' bytes and scales equal to vLLM's own per-tensor loading of its shard
     (the MAX over the engine's TP ranks included), everything else in BF16 as it is."""
-    from mcore_rl.launch.spawn import run_on_ranks
     from mcore_rl.resharding.fp8 import scale_name
 
-    parallel, infer_tp = ParallelConfig(tp=2), 2
-    outs = run_on_ranks(_fp8_channels_sync, parallel.world_size + infer_tp, parallel, infer_tp,
-                        init_default_group=False, timeout_s=300)
+    parallel, infer_tp = CHANNELS_GRID
+    outs = channel_syncs["fp8_per_tensor"]
     hf = {k: v.to(torch.bfloat16) for k, v in _hf_weights(DENSE, seed=13).items()}
     dst, fp8 = vllm_shards(DENSE, infer_tp), vllm_fp8_names(DENSE)
     expected = {r: materialize_rank(dst, r, hf.__getitem__, torch.bfloat16)
@@ -375,7 +398,7 @@ def test_per_tensor_fp8_through_the_sync_channels_of_several_senders():
     assert sent == fp8_elements + 2 * rest_elements
 
 
-def test_block_wise_fp8_through_the_sync_channels_of_several_senders():
+def test_block_wise_fp8_through_the_sync_channels_of_several_senders(channel_syncs):
     """TP2 → TP2 on four gloo ranks, block-wise: a weight whose every region lies on its
     engine rank's 128×128 grid (o, down) arrives as the senders' FP8 bytes and block scales,
     equal to vLLM's own block quantization of the engine rank's shard; one with a region off
@@ -385,13 +408,11 @@ def test_block_wise_fp8_through_the_sync_channels_of_several_senders():
     (Buckets of a MiB: transfers are whole pieces, not split into bucket-sized rows.)"""
     from dataclasses import replace
 
-    from mcore_rl.launch.spawn import run_on_ranks
     from mcore_rl.resharding.fp8 import (block_parts, block_scale_name, per_block_units,
                                          scale_grid)
 
-    parallel, infer_tp = ParallelConfig(tp=2), 2
-    outs = run_on_ranks(_fp8_channels_sync, parallel.world_size + infer_tp, parallel, infer_tp,
-                        "fp8_per_block", 1 << 20, init_default_group=False, timeout_s=300)
+    parallel, infer_tp = CHANNELS_GRID
+    outs = channel_syncs["fp8_per_block"]
     hf = {k: v.to(torch.bfloat16) for k, v in _hf_weights(DENSE, seed=13).items()}
     dst, fp8 = vllm_shards(DENSE, infer_tp), vllm_fp8_names(DENSE)
     kinds = {}
