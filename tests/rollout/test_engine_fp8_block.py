@@ -21,7 +21,8 @@ from mcore_rl.resharding.fp8 import (FP8_DTYPE, block_parts, block_scale_name, f
 from mcore_rl.rollout import RolloutConfig, RolloutEngine, SamplingConfig
 
 from gpu_twins import vllm_gpu_marks
-from .helpers import MAX_MODEL_LEN, SPEC, Trainer, hf_state, perturbed, prompts, rank_items
+from .helpers import (MAX_MODEL_LEN, SPEC, hf_state, perturbed, prompts, rank_items,
+                      sync_fp8)
 
 CFG = RolloutConfig(max_model_len=MAX_MODEL_LEN, kv_cache_gib=0.25, dtype="bfloat16",
                     quantization="fp8_per_block")
@@ -102,35 +103,6 @@ def _block_plan():
     return replace(plan, fp8=per_block_units(plan, dst, FP8_NAMES.__contains__))
 
 
-def _pointers(worker) -> dict:
-    return {n: p.data_ptr() for n, p in worker.model_runner.get_model().named_parameters()}
-
-
-def _movable(worker) -> set[str]:
-    """What an install may re-register: the weights of kernels that pack them."""
-    from mcore_rl.rollout.install import repacks_fp8
-
-    model = worker.model_runner.get_model()
-    return {f"{name}.{leaf}" for name, module in model.named_modules() if repacks_fp8(module)
-            for leaf in ("weight", "weight_scale_inv")}
-
-
-def _sync(engine, plan, state):
-    """One sync of `state` through a real sync group; every parameter keeps its storage but
-    those a kernel packs. Returns (engine report, sender stats)."""
-    (before,) = engine.llm.collective_rpc(_pointers)
-    trainer = Trainer(tp=1, plan=plan, coverage=plan, dtype=torch.bfloat16)
-    trainer.connect(engine)
-    try:
-        report, stats = trainer.sync(engine, state)
-    finally:
-        trainer.disconnect(engine)
-    (after,) = engine.llm.collective_rpc(_pointers)
-    (movable,) = engine.llm.collective_rpc(_movable)
-    assert {n for n in before if after[n] != before[n]} <= movable
-    return report, stats
-
-
 def test_a_block_fp8_sync_writes_vllms_own_loading_and_generates_as_it(engine, micro_dir):
     """Other weights, synced: the engine holds exactly vLLM's loading of them — the sender's
     FP8 blocks and scales, and the q/k/v the engine rank quantized — and generates otherwise;
@@ -143,7 +115,7 @@ def test_a_block_fp8_sync_writes_vllms_own_loading_and_generates_as_it(engine, m
         "self_attn.o_proj.weight", "mlp.gate_up_proj.weight", "mlp.down_proj.weight"}
     assert {t.dst_key for rnd in rest.rounds for t in rnd} & FP8_NAMES == {
         f"model.layers.{i}.self_attn.qkv_proj.weight" for i in range(SPEC.layers)}
-    report, stats = _sync(engine, plan, perturbed(hf_state(micro_dir), seed=7))
+    report, stats = sync_fp8(engine, plan, perturbed(hf_state(micro_dir), seed=7))
     _check_holds(engine, perturbed(hf_state(micro_dir), seed=7))
     (rank,) = report.ranks
     (held,) = engine.llm.collective_rpc(_held)
@@ -155,7 +127,7 @@ def test_a_block_fp8_sync_writes_vllms_own_loading_and_generates_as_it(engine, m
     other = engine.generate(OWN_PROMPTS, GREEDY)
     assert [s[0].logprobs for s in other] != [s[0].logprobs for s in engine.own_loading]
 
-    _sync(engine, plan, hf_state(micro_dir))
+    sync_fp8(engine, plan, hf_state(micro_dir))
     engine.reset_prefix_cache()
     again = engine.generate(OWN_PROMPTS, GREEDY)
     assert [[list(c.token_ids) for c in s] for s in again] == \
