@@ -205,26 +205,24 @@ def scale_name(key: str) -> str:
 
 def per_tensor_units(plan: Plan, dst: ShardMap, is_fp8: Callable[[str], bool]) -> Fp8Units:
     """`plan` (to the engines of `dst`) under per-tensor FP8, as data (`Fp8Units`): each
-    transfer's logical tensor, each engine rank's scale parameters. Dense weights: a stacked
-    expert tensor's scales (one per expert, in the fused-expert kernel's layout) are not
-    installed by the sync yet."""
+    transfer's logical tensor, each engine rank's scale parameters — one scale per linear
+    weight, one per local expert of a stacked expert tensor (vLLM's fused-expert layers hold
+    them as a vector, in slot order)."""
     units = tensor_units(dst, plan.num_src, is_fp8)
-    stacked = sorted({key for _, key, slot in units if slot != -1})
-    if stacked:
-        raise ValueError(
-            f"per-tensor FP8 of stacked expert tensors ({stacked[0]}, ...) is not "
-            "synced yet: dense weights only"
-        )
     order = {unit: i for i, unit in enumerate(ordered_units(units))}
-    scales: dict[int, dict[str, int]] = {}
-    for (rank, key, _), unit in sorted(units.items(), key=lambda item: item[0]):
-        scales.setdefault(rank, {})[scale_name(key)] = order[unit]
+    by_slot: dict[int, dict[str, dict[int, int]]] = {}
+    for (rank, key, slot), unit in units.items():
+        by_slot.setdefault(rank, {}).setdefault(scale_name(key), {})[slot] = order[unit]
+    scales = {
+        rank: {name: tuple(slots[s] for s in sorted(slots)) for name, slots in names.items()}
+        for rank, names in sorted(by_slot.items())
+    }
     per_transfer = tuple(
         tuple(-1 if unit is None else order[unit] for unit in rnd)
         for rnd in transfer_units(plan, units)
     )
-    shapes: dict[int, dict[str, tuple[int, ...]]] = {
-        d: dict.fromkeys(names, (1,)) for d, names in scales.items()
+    shapes = {
+        d: {name: (len(slots),) for name, slots in names.items()} for d, names in scales.items()
     }
     return Fp8Units("fp8_per_tensor", len(order), per_transfer, scales, shapes)
 
@@ -260,18 +258,7 @@ def sender_tensors(
 def per_block_units(plan: Plan, dst: ShardMap, is_fp8: Callable[[str], bool]) -> Fp8Units:
     """`plan` (to the engines of `dst`) under block-wise FP8, as data (`Fp8Units`): the
     transfers the senders quantize (`sender_tensors`), numbered, and each engine rank's block
-    scales. Dense weights: a stacked expert tensor's per-expert blocks are not synced yet."""
-    stacked = sorted(
-        key
-        for tensors in dst.ranks.values()
-        for key, local in tensors.items()
-        if is_fp8(key) and len(local.shape) == 3
-    )
-    if stacked:
-        raise ValueError(
-            f"block-wise FP8 of stacked expert tensors ({stacked[0]}, ...) is not synced "
-            "yet: dense weights only"
-        )
+    scales (a stacked expert tensor's: each expert's grid, in slot order)."""
     senders = sender_tensors(plan, is_fp8)
     numbered = 0
     per_transfer = []
@@ -466,12 +453,13 @@ def quantized_sources(
 def installed_scales(
     plan: Plan, dst_rank: int, amax: torch.Tensor, dtype: torch.dtype
 ) -> list[tuple[str, torch.Tensor]]:
-    """Engine rank `dst_rank`'s scale parameters (fp32 [1] each) from the all-reduced amax of
-    the weights it holds in `dtype` — the scales the senders quantized them with."""
+    """Engine rank `dst_rank`'s scale parameters (fp32 [1] each, [local experts] for a
+    stacked expert tensor) from the all-reduced amax of the weights it holds in `dtype` —
+    the scales the senders quantized them with."""
     assert plan.fp8 is not None
     scales = tensor_scale(amax.to(dtype))
     return [
-        (name, scales[unit].reshape(1)) for name, unit in plan.fp8.scales.get(dst_rank, {}).items()
+        (name, scales[list(units)]) for name, units in plan.fp8.scales.get(dst_rank, {}).items()
     ]
 
 

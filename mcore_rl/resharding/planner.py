@@ -61,7 +61,8 @@ class Fp8Units:
 
     Per tensor: transfer_unit[k][i] is round k's transfer i's logical tensor — the scale it
     shares — a position in one vector of `count` amaxes every sync rank all-reduces;
-    scales[d][name]: destination sync rank d's scale parameter `name` holds that unit's scale.
+    scales[d][name]: the units whose scales destination sync rank d's scale parameter `name`
+    holds, in order (one for a linear weight; one per local expert of a stacked tensor).
     Block-wise (count 0, no all-reduce): transfer_unit[k][i] numbers the transfers the senders
     quantize (each sends its blocks' scales too); an FP8 tensor's other transfers arrive in
     the engines' dtype and its engine rank quantizes it; scales is empty.
@@ -72,7 +73,7 @@ class Fp8Units:
     scheme: str
     count: int
     transfer_unit: tuple[tuple[int, ...], ...]
-    scales: dict[int, dict[str, int]]
+    scales: dict[int, dict[str, tuple[int, ...]]]
     scale_shapes: dict[int, dict[str, tuple[int, ...]]]
 
 

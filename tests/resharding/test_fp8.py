@@ -298,41 +298,60 @@ def test_which_vllm_tensors_fp8_quantizes():
         "mlp.down_proj.weight"}
 
 
-# (scheme, bucket bytes) of each sync `_fp8_channels_syncs` runs on one group; per tensor in
-# 64 KiB buckets (transfers split into bucket-sized rows), block-wise in a MiB (whole pieces)
-CHANNEL_SYNCS = (("fp8_per_tensor", 64 << 10), ("fp8_per_block", 1 << 20))
+# the syncs `_fp8_channels_syncs` runs on one group of four gloo ranks (two senders, an
+# engine of TP2): name -> (model, actor grid, scheme, bucket bytes, the weights' seed). Dense
+# per tensor in 64 KiB buckets (transfers split into bucket-sized rows), the others in a MiB
+# (whole pieces); each MoE sync's weights are those of its in-memory twin above
+# (`per_tensor_sync`, `fp8_sync`), whose expectations it reuses
+EP2 = ParallelConfig(tp=1, dp=2, ep=2)
+CHANNEL_SYNCS = {
+    "dense per tensor": (DENSE, ParallelConfig(tp=2), "fp8_per_tensor", 64 << 10, 13),
+    "dense block": (DENSE, ParallelConfig(tp=2), "fp8_per_block", 1 << 20, 13),
+    "moe per tensor": (MOE, EP2, "fp8_per_tensor", 1 << 20, 11),
+    "moe block": (MOE, EP2, "fp8_per_block", 1 << 20, 7),
+    "moe block, engine ep": (MOE, EP2, "fp8_per_block", 1 << 20, 7),
+}
+INFER_TP = 2
 
 
-def _fp8_channels_syncs(rank, world_size, parallel, infer_tp):
-    """FP8 syncs on real gloo ranks through `SyncChannels` (what the actor ranks and the
-    engines' workers run), one per `CHANNEL_SYNCS` entry on the same group: each sender holds
-    its Megatron shards (per tensor, every rank joins the amax exchange); returns, per
-    scheme, what each sender sent and each engine rank received, as bytes."""
-    import os
+def _channel_plan(spec, parallel, scheme, bucket_bytes, expert_parallel=False):
     from dataclasses import replace
+
+    from mcore_rl.resharding.fp8 import per_block_units, per_tensor_units
+
+    src = megatron_shards(spec, parallel)
+    dst = vllm_shards(spec, INFER_TP, expert_parallel=expert_parallel)
+    plan = build_plan(src, dst, bucket_bytes=bucket_bytes, element_size=2)
+    units = per_tensor_units if scheme == "fp8_per_tensor" else per_block_units
+    return src, replace(plan, fp8=units(plan, dst, vllm_fp8_names(spec).__contains__))
+
+
+def _fp8_channels_syncs(rank, world_size):
+    """FP8 syncs on real gloo ranks through `SyncChannels` (what the actor ranks and the
+    engines' workers run), every `CHANNEL_SYNCS` entry on the same group: each sender holds
+    its Megatron shards (per tensor, every rank joins the amax exchange); returns, per
+    sync, what each sender sent and each engine rank received, as bytes."""
+    import os
 
     from mcore_rl.resharding import SyncGroupSpec
     from mcore_rl.resharding.channels import SyncChannels
-    from mcore_rl.resharding.fp8 import per_block_units, per_tensor_units
 
-    src, dst = megatron_shards(DENSE, parallel), vllm_shards(DENSE, infer_tp)
-    spec = SyncGroupSpec("127.0.0.1", int(os.environ["MCORE_RL_STORE_PORT"]), "fp8/",
-                         world_size, timeout_s=60.0)
-    channels = SyncChannels.join(spec, rank)
+    group = SyncGroupSpec("127.0.0.1", int(os.environ["MCORE_RL_STORE_PORT"]), "fp8/",
+                          world_size, timeout_s=60.0)
+    channels = SyncChannels.join(group, rank)
     out = {}
     try:
-        for scheme, bucket_bytes in CHANNEL_SYNCS:
-            plan = build_plan(src, dst, bucket_bytes=bucket_bytes, element_size=2)
-            units = per_tensor_units if scheme == "fp8_per_tensor" else per_block_units
-            plan = replace(plan, fp8=units(plan, dst, vllm_fp8_names(DENSE).__contains__))
+        for name, (spec, parallel, scheme, bucket_bytes, seed) in CHANNEL_SYNCS.items():
+            src, plan = _channel_plan(spec, parallel, scheme, bucket_bytes,
+                                      expert_parallel=name.endswith("engine ep"))
             channels.verify(plan)
             if rank < plan.num_src:
-                hf = _hf_weights(DENSE, seed=13)
+                hf = _hf_weights(spec, seed)
                 stats = channels.send(plan, materialize_rank(src, rank, hf.__getitem__),
                                       dtype=torch.bfloat16, timeout_s=60.0)
-                out[scheme] = {"sent": stats["bytes_sent"]}
+                out[name] = {"sent": stats["bytes_sent"]}
             else:
-                out[scheme] = {"received": {
+                out[name] = {"received": {
                     k: (str(t.dtype), t.clone()) for k, t in
                     channels.receive(plan, dtype=torch.bfloat16, timeout_s=60.0)}}
         return out
@@ -340,19 +359,18 @@ def _fp8_channels_syncs(rank, world_size, parallel, infer_tp):
         channels.close()
 
 
-CHANNELS_GRID = (ParallelConfig(tp=2), 2)  # TP2 -> TP2: four gloo ranks
+CHANNELS_GRID = (ParallelConfig(tp=2), INFER_TP)  # the dense syncs: TP2 -> TP2
 
 
 @pytest.fixture(scope="module")
 def channel_syncs():
-    """Every `CHANNEL_SYNCS` sync on the four ranks of one launch: per scheme, each rank's
+    """Every `CHANNEL_SYNCS` sync on the four ranks of one launch: per sync, each rank's
     result (`_fp8_channels_syncs`)."""
     from mcore_rl.launch.spawn import run_on_ranks
 
-    parallel, infer_tp = CHANNELS_GRID
-    outs = run_on_ranks(_fp8_channels_syncs, parallel.world_size + infer_tp, parallel,
-                        infer_tp, init_default_group=False, timeout_s=300)
-    return {scheme: [out[scheme] for out in outs] for scheme, _ in CHANNEL_SYNCS}
+    outs = run_on_ranks(_fp8_channels_syncs, 2 + INFER_TP, init_default_group=False,
+                        timeout_s=300)
+    return {name: [out[name] for out in outs] for name in CHANNEL_SYNCS}
 
 
 def _hf_weights(spec, seed):
@@ -368,7 +386,7 @@ def test_per_tensor_fp8_through_the_sync_channels_of_several_senders(channel_syn
     from mcore_rl.resharding.fp8 import scale_name
 
     parallel, infer_tp = CHANNELS_GRID
-    outs = channel_syncs["fp8_per_tensor"]
+    outs = channel_syncs["dense per tensor"]
     hf = {k: v.to(torch.bfloat16) for k, v in _hf_weights(DENSE, seed=13).items()}
     dst, fp8 = vllm_shards(DENSE, infer_tp), vllm_fp8_names(DENSE)
     expected = {r: materialize_rank(dst, r, hf.__getitem__, torch.bfloat16)
@@ -412,7 +430,7 @@ def test_block_wise_fp8_through_the_sync_channels_of_several_senders(channel_syn
                                          scale_grid)
 
     parallel, infer_tp = CHANNELS_GRID
-    outs = channel_syncs["fp8_per_block"]
+    outs = channel_syncs["dense block"]
     hf = {k: v.to(torch.bfloat16) for k, v in _hf_weights(DENSE, seed=13).items()}
     dst, fp8 = vllm_shards(DENSE, infer_tp), vllm_fp8_names(DENSE)
     kinds = {}
@@ -445,3 +463,55 @@ def test_block_wise_fp8_through_the_sync_channels_of_several_senders(channel_syn
         + 4 * sum(t.numel for rnd in scales.rounds for t in rnd)
         + 2 * sum(t.numel for rnd in rest.rounds for t in rnd))
     assert wire["total_bytes"] < wire["without_fp8_bytes"]
+
+
+def test_moe_fp8_through_the_sync_channels_of_several_senders(channel_syncs):
+    """Qwen3-MoE, experts over EP2 on two senders → an engine of TP2: per tensor, every
+    engine rank gets its FP8 expert bytes and one scale per local expert (the vector vLLM's
+    fused-expert layer holds), the MAX over the engine's TP ranks included, equal to vLLM's
+    own loading (`per_tensor_sync`'s reference), and the linears' as dense; block-wise, to
+    the same engine and to one with expert parallelism (whole experts per rank), the tensors
+    on the grid (the linears, each expert's down projection) as the senders' FP8 blocks and
+    scales, those off it (each expert's gate/up seam) in BF16 for the engine rank
+    (`fp8_sync`'s reference)."""
+    from mcore_rl.resharding.fp8 import block_scale_name, scale_name
+
+    fp8 = vllm_fp8_names(MOE)
+    _, want, _, _ = per_tensor_sync(MOE, EP2, INFER_TP, 1, False)
+    outs = channel_syncs["moe per tensor"]
+    stacked = 0
+    for d, tensors in want.items():
+        got = outs[d]["received"]
+        for key, expected in tensors.items():
+            if key in fp8:
+                q, scale = expected
+                assert got[key][0] == "torch.uint8", (d, key)
+                assert torch.equal(got[key][1], q.view(torch.uint8)), (d, key)
+                assert torch.equal(got[scale_name(key)][1], scale.reshape(-1)), (d, key)
+                stacked += q.dim() == 3
+            else:
+                assert got[key] == ("torch.bfloat16", got[key][1])
+                assert torch.equal(got[key][1], expected), (d, key)
+    assert stacked == 2 * MOE.layers * INFER_TP  # w13 and w2 of every layer, on each rank
+    hf = {k: v.to(torch.bfloat16) for k, v in _hf_weights(MOE, 7).items()}
+    for name, expert_parallel in (("moe block", False), ("moe block, engine ep", True)):
+        _, want, _, _ = fp8_sync(MOE, EP2, INFER_TP, expert_parallel=expert_parallel)
+        dst = vllm_shards(MOE, INFER_TP, expert_parallel=expert_parallel)
+        outs, kinds = channel_syncs[name], set()
+        for d, tensors in want.items():
+            got, shard = outs[d]["received"], materialize_rank(dst, d - 2, hf.__getitem__,
+                                                               torch.bfloat16)
+            for key, expected in tensors.items():
+                dtype, held = got[key]
+                if key in fp8 and dtype == "torch.uint8":  # quantized by its senders
+                    q, scale = expected
+                    assert torch.equal(held, q.view(torch.uint8)), (name, d, key)
+                    assert torch.equal(got[block_scale_name(key)][1], scale), (name, d, key)
+                else:  # BF16: the rest, and FP8 tensors the engine rank quantizes
+                    assert dtype == "torch.bfloat16" and torch.equal(held, shard[key]), \
+                        (name, d, key)
+                kinds.add((key in fp8, dtype, held.dim()))
+        assert (True, "torch.uint8", 2) in kinds, name  # the linears on the grid
+        # each expert's gate/up: its seam (moe_ffn 192, or a 1/2 share of 96) off the grid;
+        # its down projection on it, quantized by its sender expert by expert
+        assert {(True, "torch.bfloat16", 3), (True, "torch.uint8", 3)} <= kinds, name
