@@ -221,7 +221,7 @@ def per_tensor_units(plan: Plan, dst: ShardMap, is_fp8: Callable[[str], bool]) -
         tuple(-1 if unit is None else order[unit] for unit in rnd)
         for rnd in transfer_units(plan, units)
     )
-    shapes = {
+    shapes: dict[int, dict[str, tuple[int, ...]]] = {
         d: {name: (len(slots),) for name, slots in names.items()} for d, names in scales.items()
     }
     return Fp8Units("fp8_per_tensor", len(order), per_transfer, scales, shapes)
