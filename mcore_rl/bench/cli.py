@@ -185,6 +185,12 @@ def _print_summary(report: dict) -> None:
     gb = 1e9
     print(f"ours: {report['sync_gbs_per_receiver']:.2f} GB/s per receiver "
           f"({max(report['bytes_received'].values()) / gb:.3f} GB into the busiest)")
+    if "fp8" in report:
+        fp8 = report["fp8"]
+        print(f"{report['quantization']}: {fp8['wall_s']:.3f} s, check {fp8['check']}, "
+              f"{report['fp8_bytes_sent'] / 1e6:.2f} MB sent vs "
+              f"{sum(report['bytes_sent'].values()) / 1e6:.2f} MB unquantized; unquantized / "
+              f"FP8 time {report['fp8_speedup']:.2f}x")
     if "link" in report:
         print(f"link (plan's byte matrix as plain sends): {report['link']['wall_s']:.3f} s, "
               f"{report['link_gbs_per_receiver']:.2f} GB/s per receiver; link_efficiency "

@@ -20,7 +20,7 @@ from __future__ import annotations
 import os
 import statistics
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import ClassVar, Literal
 
@@ -42,7 +42,10 @@ from mcore_rl.models.spec import ModelSpec
 from mcore_rl.parallel import ParallelConfig
 from mcore_rl.resharding import Plan, SyncGroupSpec, SyncStats, build_plan, join_sync_group
 from mcore_rl.resharding.channels import SyncChannels
-from mcore_rl.resharding.fp8 import fp8_wire_bytes, sender_quantized, tensor_units
+from mcore_rl.resharding.fp8 import (block_scale_name, fp8_wire_bytes, per_block_units,
+                                     per_tensor_units, quantize_blocks, quantize_with_scale,
+                                     scale_name, sender_quantized, tensor_scale, tensor_units,
+                                     weight_amax)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -50,9 +53,11 @@ class InferenceGrid:
     """The vLLM side (`rollout.*`, the run config's names). tp: tensor-parallel size of each
     engine. engines: how many engines. expert_parallel: vLLM expert parallelism (each inference
     rank holds whole experts, vLLM's placement, instead of a 1/tp slice of every expert; MoE
-    models only). quantization: plan_only — the engines' FP8 scheme ("fp8_per_tensor",
-    "fp8_per_block", the run config's `rollout.quantization`): the report adds what the FP8
-    sync moves (`fp8_sync`) and its projected time."""
+    models only). quantization: the engines' FP8 scheme ("fp8_per_tensor", "fp8_per_block",
+    the run config's `rollout.quantization`): the report adds what the FP8 sync moves
+    (`fp8_sync`) and, plan_only, its projected time; measured, the same plan synced with the
+    FP8 weights quantized inside it, alternating with the unquantized sync repeat by repeat
+    (`fp8`, `fp8_speedup`: unquantized time / FP8 time)."""
 
     tp: int = 1
     engines: int = 1
@@ -138,10 +143,11 @@ class SyncBenchConfig:
         require_at_least(self, 1, "repeats")
         require_at_least(self, 0, "untimed")
         require_above(self, 0, "timeout_s")
-        if self.rollout.quantization is not None and not self.plan_only:
-            raise ConfigError("rollout.quantization", self.rollout.quantization,
-                              "projected only (plan_only=true): a measured sync installs "
-                              "unquantized weights")
+        if (self.rollout.quantization is not None and not self.plan_only
+                and self.sync.dtype != "bfloat16"):
+            raise ConfigError("sync.dtype", self.sync.dtype,
+                              f"rollout.quantization={self.rollout.quantization} quantizes the "
+                              "weights as the engines load them: set sync.dtype=bf16")
         unknown = [b for b in self.baseline if b not in ("gather", "link")]
         if unknown:
             raise ConfigError("baseline", list(self.baseline), "allowed values: gather, link")
@@ -222,8 +228,8 @@ def _barrier(group: dist.ProcessGroup, device: str = "cpu") -> None:
 
 def rank_main(rank: int, world_size: int, cfg: SyncBenchConfig) -> dict:
     """One process of the benchmark. Returns this rank's measurements."""
-    spec = resolve_model(cfg.model)
-    src, dst, plan = make_plan(cfg, spec)
+    model = resolve_model(cfg.model)
+    src, dst, plan = make_plan(cfg, model)
     dtype = torch_dtype(cfg.sync.dtype)
     weights = _weights(cfg, src)
     port = int(os.environ["MCORE_RL_STORE_PORT"])
@@ -247,11 +253,17 @@ def rank_main(rank: int, world_size: int, cfg: SyncBenchConfig) -> dict:
     gloo_control = channels.control is not channels.bulk or channels.spec.backend == "gloo"
     barrier = (channels.control, "cpu") if gloo_control else (channels.bulk, device)
     runs = {"ours": lambda i: _ours_once(plan, channels, local, dtype, cfg)}
+    checks = {}
+    if cfg.rollout.quantization is not None:  # the same plan, its FP8 weights quantized in it
+        fp8_plan = with_fp8(plan, dst, model, cfg.rollout.quantization)
+        channels.verify(fp8_plan)
+        runs["fp8"] = lambda i: _ours_once(fp8_plan, channels, local, dtype, cfg)
+        checks["fp8"] = fp8_check
     if cfg.link_baseline:  # alternates with ours, repeat by repeat: both see the same machine load
         link = LinkBaseline(plan, channels.bulk, rank, device=device, timeout_s=cfg.timeout_s)
         runs["link"] = lambda i: (link.run(), None)
     try:
-        out.update(_repeat(cfg, barrier, runs, expected))
+        out.update(_repeat(cfg, barrier, runs, expected, checks))
         if cfg.gather_baseline:
             out.update(_repeat(cfg, barrier, {"baseline": lambda i: _baseline_once(
                 plan, src, dst, rank, local, dtype, cfg, host, port, i)}, expected))
@@ -264,9 +276,10 @@ def _to(tensors: dict[str, torch.Tensor], device: str) -> dict[str, torch.Tensor
     return tensors if device == "cpu" else {k: v.to(device) for k, v in tensors.items()}
 
 
-def _repeat(cfg, barrier, runs: dict, expected) -> dict:
+def _repeat(cfg, barrier, runs: dict, expected, checks: dict | None = None) -> dict:
     """Time each of `runs` (name → once(i)) `cfg.repeats` times, the runs alternating within
-    each repeat. A run that returns received shards is checked against `expected`."""
+    each repeat. A run that returns received shards is checked against `expected`: equal bit
+    for bit, or by `checks[name](expected, received)` (the names that fail)."""
     walls = {name: [] for name in runs}
     last: dict = {}
     for i in range(cfg.untimed + cfg.repeats):
@@ -282,12 +295,51 @@ def _repeat(cfg, barrier, runs: dict, expected) -> dict:
         result = {"wall_s": walls[name],
                   **(stats if isinstance(stats, dict) else stats.as_dict())}
         if expected is not None and received is not None:
+            if name in (checks or {}):
+                result["check_failures"] = checks[name](expected, received)
+                results[name] = result
+                continue
             bad = sorted(k for k in expected if k not in received
                          or not torch.equal(expected[k], received[k].cpu()))
             bad += sorted(set(received) - set(expected))
             result["check_failures"] = bad
         results[name] = result
     return results
+
+
+def with_fp8(plan: Plan, dst: ShardMap, spec: ModelSpec, scheme: str) -> Plan:
+    """`plan` with the engines' FP8 tensors quantized inside it (`resharding/fp8.py`)."""
+    units = per_tensor_units if scheme == "fp8_per_tensor" else per_block_units
+    return replace(plan, fp8=units(plan, dst, vllm_fp8_names(spec).__contains__))
+
+
+def fp8_check(expected: dict[str, torch.Tensor], received: dict[str, torch.Tensor]) -> list:
+    """The names an FP8 sync delivered otherwise than its arithmetic says, from this engine
+    rank's BF16 shards (`expected`): a weight its senders quantized block-wise is
+    `quantize_blocks` of its shard, scales included; one quantized per tensor is its shard
+    cast with the scale delivered (one per expert of a stacked tensor), a scale no smaller
+    than the shard's own amax gives (the MAX with the other ranks' shards is the tests'); the
+    rest, FP8 weights the engine rank quantizes included, arrive as they are."""
+    bad = []
+    for name, want in expected.items():
+        got = received.get(name)
+        if got is None:
+            bad.append(name)
+        elif got.dtype != torch.uint8:
+            bad += [] if torch.equal(want, got.cpu()) else [name]
+        elif block_scale_name(name) in received:
+            q, scales = quantize_blocks(want)
+            same = torch.equal(received[block_scale_name(name)].cpu(), scales)
+            bad += [] if same and torch.equal(q.view(torch.uint8), got.cpu()) else [name]
+        else:
+            scale = received[scale_name(name)].cpu()  # [1], or one per local expert
+            matrices = list(want) if want.dim() == 3 else [want]
+            own = tensor_scale(torch.stack([weight_amax(m) for m in matrices]))
+            q = quantize_with_scale(want, scale.reshape(-1, *[1] * (want.dim() - 1)))
+            ok = torch.equal(q.view(torch.uint8), got.cpu()) and bool((scale >= own).all())
+            bad += [] if ok else [name]
+    scale_names = {scale_name(n) for n in expected} | {block_scale_name(n) for n in expected}
+    return sorted(bad + [n for n in received if n not in expected and n not in scale_names])
 
 
 def _ours_once(plan, channels, local, dtype, cfg):
@@ -436,6 +488,8 @@ def summarize(cfg: SyncBenchConfig, spec: ModelSpec, plan: Plan, per_rank: list[
     }
     report["sync_gbs_per_receiver"] = _gbs(report["bytes_received"], ours["wall_s"])
     report["digest_share"] = (ours["digest_s"] + ours["compare_s"]) / ours["wall_s"]
+    if cfg.rollout.quantization is not None:
+        report.update(_fp8_report(cfg, spec, plan, fold("fp8"), ours))
     if cfg.link_baseline:
         report.update(_link_report(plan, fold("link"), ours))
     if cfg.gather_baseline:
@@ -446,6 +500,24 @@ def summarize(cfg: SyncBenchConfig, spec: ModelSpec, plan: Plan, per_rank: list[
         if cfg.check:
             report["check"] = "pass" if ours["check"] == base["check"] == "pass" else "fail"
     return report
+
+
+def _fp8_report(cfg: SyncBenchConfig, spec: ModelSpec, plan: Plan, fp8: dict,
+                ours: dict) -> dict:
+    """The FP8 sync's figures beside the unquantized one's: its fold, `fp8_speedup` (the
+    unquantized median over the FP8 one), the plan's byte counts (`fp8_sync`) and the bytes
+    its senders measured; `check` passes only where both syncs' do."""
+    dst = inference_shards(cfg, spec)
+    is_fp8 = vllm_fp8_names(spec).__contains__
+    wire = fp8_wire_bytes(with_fp8(plan, dst, spec, cfg.rollout.quantization), is_fp8,
+                          element_size=plan.element_size, scheme=cfg.rollout.quantization,
+                          units=tensor_units(dst, plan.num_src, is_fp8))
+    out = {"quantization": cfg.rollout.quantization, "fp8": fp8, "fp8_sync": wire,
+           "fp8_speedup": ours["wall_s"] / fp8["wall_s"],
+           "fp8_bytes_sent": sum(fp8["bytes_sent"].values())}
+    if cfg.check:
+        out["check"] = "pass" if ours["check"] == fp8["check"] == "pass" else "fail"
+    return out
 
 
 def _gbs(bytes_received: dict, wall_s: float) -> float:

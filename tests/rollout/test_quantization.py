@@ -183,7 +183,7 @@ def test_the_memory_plan_counts_the_fp8_senders_copy_in_a_sync_phase():
         pytest.approx(sources * (1 + 4 / 128 ** 2))
 
 
-def test_bench_sync_projects_the_fp8_sync_and_refuses_to_measure_one(capsys):
+def test_bench_sync_projects_the_fp8_sync_and_refuses_one_off_bf16(capsys):
     argv = ["bench", "sync", "plan_only=true", "model=qwen3-30b-a3b", "actor.tp=4", "actor.dp=2",
             "actor.ep=8", "actor.etp=1", "rollout.tp=8", "sync.dtype=bf16", "sync.bucket_mb=512"]
     assert main(argv + ["rollout.quantization=fp8_per_tensor"]) == 0
@@ -192,8 +192,28 @@ def test_bench_sync_projects_the_fp8_sync_and_refuses_to_measure_one(capsys):
     assert 0.5 < report["fp8_sync"]["ratio"] < 0.52
     assert report["fp8_projected_s"] < 0.6 * report["projected_s"]
     assert main(["bench", "sync", "model=micro", "rollout.quantization=fp8_per_block"]) == 2
-    assert "rollout.quantization='fp8_per_block': projected only (plan_only=true)" in \
+    assert "sync.dtype='float32': rollout.quantization=fp8_per_block quantizes the weights" in \
         capsys.readouterr().err
+
+
+def test_bench_sync_measures_the_fp8_sync_beside_the_unquantized_one(capsys):
+    """Measured (not plan_only): the same plan synced unquantized and with its FP8 weights
+    quantized inside it, alternating, on real ranks (a MoE model, EP2 senders to TP2: per
+    expert scales); each engine rank's FP8 shards checked against the arithmetic, and the
+    bytes its senders sent are the plan's: one per FP8 element, the scales computed on the
+    engine ranks."""
+    argv = ["bench", "sync", "model=micro-moe", "actor.tp=2", "actor.ep=2", "actor.etp=1",
+            "rollout.tp=2", "sync.dtype=bf16", "sync.bucket_mb=0.0625", "check=true",
+            "rollout.quantization=fp8_per_tensor"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    report = json.loads(out.strip().splitlines()[-1])
+    assert report["check"] == report["fp8"]["check"] == "pass", report["fp8"]
+    wire = report["fp8_sync"]
+    assert report["fp8_bytes_sent"] == wire["fp8_bytes"] + wire["unquantized_bytes"]
+    assert report["fp8_bytes_sent"] < 0.6 * sum(report["bytes_sent"].values())
+    assert report["fp8_speedup"] == pytest.approx(report["wall_s"] / report["fp8"]["wall_s"])
+    assert "fp8_per_tensor: " in out and "check pass" in out
 
 
 def test_a_dense_per_tensor_run_syncs_fp8_as_plan_data(no_cuda):
@@ -222,3 +242,40 @@ def test_a_dense_per_tensor_run_syncs_fp8_as_plan_data(no_cuda):
     cfg = load_config(RLConfig, moe, ["rollout.quantization=fp8_per_tensor"])
     assert sync_plan(cfg, resolve.resolve_run(cfg, assume_gpu=True),
                      cfg.model.demo_spec()).fp8 is None
+
+
+def test_the_bench_fp8_check_names_what_the_arithmetic_does_not_give():
+    """`bench sync`'s check of an FP8 sync: per tensor (a stacked tensor's scale per expert)
+    and block-wise, the delivered bytes and scales pass; a flipped byte, a scale below the
+    shard's own amax, or a missing tensor is named."""
+    import torch
+
+    from mcore_rl.bench.sync import fp8_check
+
+    g = torch.Generator().manual_seed(0)
+    linear = torch.randn(200, 130, generator=g).to(torch.bfloat16)
+    experts = torch.randn(2, 64, 32, generator=g).to(torch.bfloat16)
+    norm = torch.randn(130, generator=g).to(torch.bfloat16)
+    expected = {"a.weight": linear, "e.w13_weight": experts, "n.weight": norm}
+    tensor_scales = fp8.tensor_scale(linear.abs().max().reshape(1) * 2)  # as if another rank's
+    expert_scales = fp8.tensor_scale(torch.stack([e.abs().max() for e in experts]))
+    q, block_scales = fp8.quantize_blocks(linear)
+    per_tensor = {
+        "a.weight": fp8.quantize_with_scale(linear, tensor_scales).view(torch.uint8),
+        "a.weight_scale": tensor_scales,
+        "e.w13_weight": fp8.quantize_with_scale(experts, expert_scales.reshape(2, 1, 1))
+        .view(torch.uint8),
+        "e.w13_weight_scale": expert_scales, "n.weight": norm}
+    block = {"a.weight": q.view(torch.uint8), "a.weight_scale_inv": block_scales,
+             "e.w13_weight": experts, "n.weight": norm}  # experts: off the grid, in BF16
+    assert fp8_check(expected, per_tensor) == [] and fp8_check(expected, block) == []
+    flipped = per_tensor["a.weight"].clone()
+    flipped[3, 4] ^= 1
+    assert fp8_check(expected, {**per_tensor, "a.weight": flipped}) == ["a.weight"]
+    low = {**per_tensor, "e.w13_weight_scale": expert_scales / 2}
+    assert fp8_check(expected, low) == ["e.w13_weight"]
+    flipped = block["a.weight"].clone()
+    flipped[0, 0] ^= 1
+    assert fp8_check(expected, {**block, "a.weight": flipped}) == ["a.weight"]
+    assert fp8_check(expected, {k: v for k, v in block.items() if k != "n.weight"}) == [
+        "n.weight"]
