@@ -360,11 +360,18 @@ def _overlapping(boxes: list[Box]) -> bool:
     return any(intersect(a, b) for i, a in enumerate(boxes) for b in boxes[i + 1 :])
 
 
+# a transfer cut to fit a bucket is cut at multiples of this many rows where a bucket holds
+# that many: the pieces of a transfer that starts on a 128-row boundary then start on one
+# too, so block-wise FP8 senders can still quantize them (resharding/fp8.sender_tensors)
+CUT_ROWS = 128
+
+
 def _split_to_fit(
     transfers: list[Transfer], bucket_bytes: int, element_size: int
 ) -> list[Transfer]:
     """Cut transfers larger than a bucket along the HF tensor's leading dim (at least one row
-    each). A stacked expert box carries an extra leading extent-1 dim: it is kept whole."""
+    each; a multiple of `CUT_ROWS` where a bucket holds that many). A stacked expert box
+    carries an extra leading extent-1 dim: it is kept whole."""
     out = []
     for t in transfers:
         nbytes = t.numel * element_size
@@ -377,6 +384,8 @@ def _split_to_fit(
         (d0, _), *drest = t.dst_box[d_lead:]
         row_bytes = max(1, nbytes // (s1 - s0))
         step = max(1, bucket_bytes // row_bytes)
+        if step >= CUT_ROWS:  # cuts on the block grid of block-wise FP8 (resharding/fp8.py)
+            step -= step % CUT_ROWS
         for start in range(0, s1 - s0, step):
             stop = min(start + step, s1 - s0)
             out.append(

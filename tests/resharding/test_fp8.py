@@ -515,3 +515,23 @@ def test_moe_fp8_through_the_sync_channels_of_several_senders(channel_syncs):
         # each expert's gate/up: its seam (moe_ffn 192, or a 1/2 share of 96) off the grid;
         # its down projection on it, quantized by its sender expert by expert
         assert {(True, "torch.bfloat16", 3), (True, "torch.uint8", 3)} <= kinds, name
+
+
+def test_transfers_cut_to_fit_a_bucket_stay_on_the_block_grid():
+    """A bucket of 300 rows of the down projection (1024 wide; 800 rows of 384-wide weights):
+    the planner cuts at multiples of 128 rows (256; 768 of gate and of up), so the pieces of a
+    weight that starts on the grid start on it too, and block-wise FP8 senders quantize o,
+    gate/up and down whole (q/k/v's Megatron layout puts its pieces off the grid: its engine rank's)."""
+    from mcore_rl.resharding.fp8 import sender_tensors
+
+    spec = ModelSpec(family="llama", architecture="LlamaForCausalLM", hidden=384, ffn=1024,
+                     heads=6, kv_heads=2, head_dim=64, layers=1, vocab=300)
+    plan = build_plan(megatron_shards(spec, ParallelConfig(tp=1)), vllm_shards(spec, 1),
+                      bucket_bytes=300 * 1024 * 2, element_size=2)
+    for name, pieces in (("gate_up_proj", 4), ("down_proj", 2)):  # gate, up: 768 + 256 each
+        cut = [t for rnd in plan.rounds for t in rnd if f".{name}." in t.dst_key]
+        assert len(cut) == pieces and {t.dst_box[0][0] % 128 for t in cut} == {0}, cut
+    senders = {key.split(".", 3)[3] for _, key in
+               sender_tensors(plan, vllm_fp8_names(spec).__contains__)}
+    assert senders == {"self_attn.o_proj.weight", "mlp.gate_up_proj.weight",
+                       "mlp.down_proj.weight"}
