@@ -39,6 +39,7 @@ from mcore_rl.rollout.quantization import DTYPE_FIX as FP8_DTYPE_FIX
 from mcore_rl.rollout.quantization import FIELD as FP8_FIELD
 from mcore_rl.rollout.quantization import INSTALL_FIX as FP8_INSTALL_FIX
 from mcore_rl.rollout.quantization import correction_advice as fp8_correction_advice
+from mcore_rl.rollout.quantization import cpu_grid_problem as fp8_cpu_grid_problem
 from mcore_rl.rollout.quantization import cpu_refuses as fp8_cpu_refuses
 from mcore_rl.rollout.quantization import dtype_problem as fp8_dtype_problem
 from mcore_rl.rollout.quantization import grid_problem as fp8_grid_problem
@@ -378,6 +379,9 @@ def check_rollout_fp8(run: SizedRun, spec: ModelSpec) -> Iterable[Problem]:
     grid = fp8_grid_problem(r.quantization, spec, r.tp, r.expert_parallel)
     if grid is not None:
         yield Problem("rollout-fp8", *grid)
+    cpu_grid = fp8_cpu_grid_problem(r.quantization, spec, run.device)
+    if cpu_grid is not None:
+        yield Problem("rollout-fp8", *cpu_grid)
     dtypes = fp8_dtype_problem(r.quantization, r.dtype, run.cfg.wire_dtype)
     if dtypes is not None:
         yield Problem("rollout-fp8", dtypes, FP8_DTYPE_FIX)

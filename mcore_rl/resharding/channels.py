@@ -162,13 +162,14 @@ class SyncChannels:
 
     def _send_blocks(self, plan: Plan, tensors: Mapping[str, torch.Tensor], *,
                      dtype: torch.dtype, timeout_s: float) -> dict:
-        """Block-wise FP8 (`resharding/fp8.block_parts`): the shards in `dtype`, then every
-        region this rank quantizes (one byte per element), then those regions' block scales."""
+        """Block-wise FP8 (`resharding/fp8.block_parts`): the shards in `dtype`, then the block
+        scales of every region this rank quantizes, then those regions (one byte per
+        element): an engine rank holds the scales, a few bytes, when each weight lands."""
         rest, quantized, scales = block_parts(plan)
         stats = self._send(rest, tensors, dtype=dtype, timeout_s=timeout_s)
         regions, region_scales = block_quantized_sources(plan, self.rank, tensors, dtype)
-        for part, sources, wire in ((quantized, regions, torch.uint8),
-                                    (scales, region_scales, torch.float32)):
+        for part, sources, wire in ((scales, region_scales, torch.float32),
+                                    (quantized, regions, torch.uint8)):
             sent = self._send(part, sources, dtype=wire, timeout_s=timeout_s)
             stats = _summed(stats, sent)
         # the quantized copies are held through both parts (the memory plan's weight-sync
@@ -224,30 +225,33 @@ class SyncChannels:
     def receive(self, plan: Plan, transport: str | None = None, *, dtype: torch.dtype,
                 timeout_s: float, stats: SyncStats | None = None,
                 into: ReceiveTarget | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-        """This inference rank's shards (`_receive`). FP8 engines (`plan.fp8`): after the amax
-        exchange (`send`), the shards kept in `dtype`, then the FP8 weights (uint8, their
-        bytes), then this rank's scale parameters (fp32 [1] each)."""
+        """This inference rank's shards (`_receive`). FP8 engines (`plan.fp8`), each weight's
+        scales before it: per tensor, after the amax exchange (`send`), this rank's scale
+        parameters (fp32, computed here), the shards kept in `dtype`, then the FP8 weights
+        (uint8, their bytes); block-wise, the shards kept in `dtype`, the senders' block
+        scales, then the FP8 weights."""
         if plan.fp8 is None:
             yield from self._receive(plan, transport, dtype=dtype, timeout_s=timeout_s,
                                      stats=stats, into=into)
             return
         if plan.fp8.scheme == "fp8_per_block":  # no exchange: each block is its own
-            for part, wire in zip(block_parts(plan), (dtype, torch.uint8, torch.float32),
-                                  strict=True):
+            rest, quantized, scales = block_parts(plan)
+            for part, wire in ((rest, dtype), (scales, torch.float32),
+                               (quantized, torch.uint8)):
                 yield from self._receive(part, transport, dtype=wire, timeout_s=timeout_s,
                                          stats=stats, into=into)
             return
         rest, quantized = fp8_parts(plan)
         amax = self._all_amax(torch.zeros(plan.fp8.count, dtype=torch.float32))
-        for part, wire in ((rest, dtype), (quantized, torch.uint8)):
-            yield from self._receive(part, transport, dtype=wire, timeout_s=timeout_s,
-                                     stats=stats, into=into)
         scales = installed_scales(plan, self.rank, amax, dtype)
         self._computed = frozenset(name for name, _ in scales)
-        try:
+        try:  # the scales first: an engine rank holds them when each weight lands
             yield from scales
         finally:
             self._computed = frozenset()
+        for part, wire in ((rest, dtype), (quantized, torch.uint8)):
+            yield from self._receive(part, transport, dtype=wire, timeout_s=timeout_s,
+                                     stats=stats, into=into)
 
     def _receive(self, plan: Plan, transport: str | None = None, *, dtype: torch.dtype,
                  timeout_s: float, stats: SyncStats | None = None,

