@@ -1,7 +1,6 @@
 """Device twin of the MoE install into vLLM's fused experts, BF16 and FP8 (see
-tests/device_twin.py), and
-the check that a synced layer lands in the parameters vLLM loaded (CUDA graphs captured their
-storage: a replaced parameter would never be read)."""
+tests/device_twin.py), and the check that a synced layer lands in the parameters vLLM loaded
+(CUDA graphs captured their storage: a replaced parameter would never be read)."""
 
 from __future__ import annotations
 
