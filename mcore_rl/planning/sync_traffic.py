@@ -29,7 +29,6 @@ from mcore_rl.resharding.fp8 import (
 )
 from mcore_rl.resharding.planner import Plan, PlanError
 from mcore_rl.resharding.sync_group import sync_group_spec
-from mcore_rl.rollout.quantization import install_refusal
 from mcore_rl.runconfig import RLConfig
 from mcore_rl.runconfig.resolve import ResolvedRun
 
@@ -50,7 +49,7 @@ def sync_plan(cfg: RLConfig, run: ResolvedRun, spec: ModelSpec, engines: int | N
         devices=run.sync_devices(engines),
     )
     scheme = cfg.rollout.quantization
-    if scheme is not None and install_refusal(scheme, spec) is None:
+    if scheme is not None:
         # the senders quantize (all, or what lies on the block grid): resharding/fp8.py
         units = per_tensor_units if scheme == "fp8_per_tensor" else per_block_units
         plan = replace(plan, fp8=units(plan, inference, vllm_fp8_names(spec).__contains__))

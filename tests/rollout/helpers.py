@@ -255,3 +255,14 @@ def assert_holds_block_loading(engine, spec, state: dict[str, torch.Tensor]) -> 
     tensors = materialize_rank(vllm_shards(spec, 1), 0,
                                {k: v.to(torch.bfloat16) for k, v in state.items()}.__getitem__)
     assert_holds(engine, block_fp8_loading(tensors, vllm_fp8_names(spec)))
+
+
+def assert_own_loading_again(engine, other, again) -> None:
+    """`other` (generated on other weights) differs from what `engine` generated on vLLM's own
+    loading (`own_loading`); `again` (on those weights written back) equals it exactly: the
+    same greedy tokens and log-probs."""
+    own = engine.own_loading
+    assert [s[0].logprobs for s in other] != [s[0].logprobs for s in own]
+    assert [[list(c.token_ids) for c in s] for s in again] == \
+        [[list(c.token_ids) for c in s] for s in own]
+    assert [s[0].logprobs for s in again] == [s[0].logprobs for s in own]

@@ -133,9 +133,10 @@ class _Fp8Method:
         self.fp8_backend = Fp8MoeBackend.TRITON
 
 
-def _fp8_experts(device) -> nn.Module:
-    """An FP8 fused-expert layer (E experts of 2·128 × 128 and 128 × 128, one block scale
-    each), as vLLM's online block method leaves it."""
+def _fp8_experts(device, block: bool = True) -> nn.Module:
+    """An FP8 fused-expert layer (E experts of 2·128 × 128 and 128 × 128), as vLLM's online
+    block method (one scale per block of each) or per-tensor method (one per expert) leaves
+    it."""
     fp8 = torch.float8_e4m3fn
     module = nn.Module()
     module.moe_config = types.SimpleNamespace(intermediate_size_per_partition_unpadded=128,
@@ -147,8 +148,9 @@ def _fp8_experts(device) -> nn.Module:
                               ("w2_weight", (E, 128, 128), (E, 1, 1))):
         setattr(module, leaf, nn.Parameter(torch.zeros(shape, device=device).to(fp8),
                                            requires_grad=False))
-        setattr(module, f"{leaf}_scale_inv", nn.Parameter(torch.ones(grid, device=device),
-                                                          requires_grad=False))
+        scale, shape = (f"{leaf}_scale_inv", grid) if block else (f"{leaf}_scale", (E,))
+        setattr(module, scale, nn.Parameter(torch.ones(shape, device=device),
+                                            requires_grad=False))
     return module
 
 
@@ -169,4 +171,20 @@ def test_fp8_experts_install_in_place_on_device():
     installer.finish()
     assert computed == [[], [], ["experts.w2_weight_scale_inv"]]
     assert all(p is before[n] for n, p in module.named_parameters())  # the loaded ones
+    assert_on_twin(*module.parameters())
+
+
+def test_per_tensor_fp8_experts_install_in_place_on_device():
+    """Per tensor: both weights' FP8 bytes with one scale per expert, sent before them."""
+    module = _fp8_experts(TWIN, block=False)
+    before = dict(module.named_parameters())
+    installer = MoEInstaller()
+    for leaf, shape in (("w13_weight", (E, 256, 128)), ("w2_weight", (E, 128, 128))):
+        assert installer.add(f"experts.{leaf}_scale", module, f"{leaf}_scale",
+                             torch.ones(E, device=TWIN)) == []
+    for leaf, shape in (("w13_weight", (E, 256, 128)), ("w2_weight", (E, 128, 128))):
+        assert installer.add(f"experts.{leaf}", module, leaf,
+                             torch.zeros(shape, dtype=torch.uint8, device=TWIN)) == []
+    installer.finish()
+    assert all(p is before[n] for n, p in module.named_parameters())
     assert_on_twin(*module.parameters())

@@ -18,8 +18,8 @@ from mcore_rl.resharding.fp8 import (FP8_DTYPE, fp8_parts, per_tensor_units, qua
 from mcore_rl.rollout import RolloutConfig, RolloutEngine, SamplingConfig, install_from_iterator
 
 from gpu_twins import vllm_gpu_marks
-from .helpers import (MAX_MODEL_LEN, SPEC, hf_state, model_dir_with, perturbed, prompts,
-                      rank_items, repackable, sync_fp8)
+from .helpers import (MAX_MODEL_LEN, SPEC, assert_own_loading_again, hf_state, model_dir_with,
+                      perturbed, prompts, rank_items, repackable, sync_fp8)
 
 FP8_LINEARS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
@@ -187,10 +187,7 @@ def test_fp8_weights_installed_in_place_generate_as_vllms_own_loading(engine, mi
         engine.reset_prefix_cache()
         generated.append(engine.generate(OWN_PROMPTS, GREEDY))
     other, again = generated
-    assert [s[0].logprobs for s in other] != [s[0].logprobs for s in engine.own_loading]
-    assert [[list(c.token_ids) for c in s] for s in again] == \
-        [[list(c.token_ids) for c in s] for s in engine.own_loading]
-    assert [s[0].logprobs for s in again] == [s[0].logprobs for s in engine.own_loading]
+    assert_own_loading_again(engine, other, again)
 
 
 @pytest.mark.parametrize("device", [pytest.param("cuda", id="cuda", marks=vllm_gpu_marks(

@@ -19,8 +19,9 @@ from mcore_rl.resharding import build_plan
 from mcore_rl.resharding.fp8 import block_parts, fp8_wire_bytes, per_block_units
 from mcore_rl.rollout import SamplingConfig
 
-from .helpers import (SPEC, assert_holds_block_loading, block_fp8_config, block_fp8_devices,
-                      fp8_engine, held_fp8, hf_state, perturbed, prompts, sync_fp8)
+from .helpers import (SPEC, assert_holds_block_loading, assert_own_loading_again,
+                      block_fp8_config, block_fp8_devices, fp8_engine, held_fp8, hf_state,
+                      perturbed, prompts, sync_fp8)
 
 CFG = block_fp8_config()
 GREEDY = SamplingConfig(temperature=0.0, max_tokens=8)
@@ -77,14 +78,11 @@ def test_a_block_fp8_sync_writes_vllms_own_loading_and_generates_as_it(engine, m
     assert wire["total_bytes"] < 0.8 * wire["without_fp8_bytes"]
     engine.reset_prefix_cache()
     other = engine.generate(OWN_PROMPTS, GREEDY)
-    assert [s[0].logprobs for s in other] != [s[0].logprobs for s in engine.own_loading]
 
     sync_fp8(engine, plan, hf_state(micro_dir))
     engine.reset_prefix_cache()
     again = engine.generate(OWN_PROMPTS, GREEDY)
-    assert [[list(c.token_ids) for c in s] for s in again] == \
-        [[list(c.token_ids) for c in s] for s in engine.own_loading]
-    assert [s[0].logprobs for s in again] == [s[0].logprobs for s in engine.own_loading]
+    assert_own_loading_again(engine, other, again)
 
 
 def test_a_block_fp8_engine_generates_close_to_the_unquantized_model(engine, micro_dir):

