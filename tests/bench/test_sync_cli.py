@@ -1,5 +1,6 @@
-"""`mcore-rl bench sync` end to end: it launches its own ranks, checks bit-exactness and
-reports bytes and staging memory per rank; `plan_only=true` plans 70B from shapes alone."""
+"""`mcore-rl bench sync` end to end: it launches its own ranks, checks bit-exactness (FP8 syncs:
+the arithmetic) and reports bytes and staging memory per rank; `plan_only=true` plans 70B from
+shapes alone."""
 
 import json
 
@@ -73,13 +74,24 @@ def test_plan_only_projects_70b_against_the_baseline(capsys):
 
 
 def test_moe_sync_tp2ep2_is_bit_exact_and_each_rank_gets_only_its_shards(capsys):
-    # TP2·EP2 (experts whole on each EP rank) → vLLM TP2: stacked w13/w2 per inference rank
-    code, report, _ = run_cli(capsys, "bench", "sync", "model=micro-moe", "actor.tp=2",
-                              "actor.ep=2", "actor.etp=1", "rollout.tp=2",
-                              "sync.bucket_mb=0.0625", "check=true")
+    """TP2·EP2 (experts whole on each EP rank) → vLLM TP2: stacked w13/w2 per inference rank,
+    bit-exact in BF16. With `rollout.quantization` the same plan is also synced with its FP8
+    weights quantized inside it (per tensor: one scale per expert), alternating with it: each
+    engine rank's FP8 shards are checked against the arithmetic, and the bytes the senders sent
+    are the plan's — one per FP8 element, the scales computed on the engine ranks."""
+    code, report, out = run_cli(capsys, "bench", "sync", "model=micro-moe", "actor.tp=2",
+                                "actor.ep=2", "actor.etp=1", "rollout.tp=2",
+                                "sync.bucket_mb=0.0625", "check=true", "sync.dtype=bf16",
+                                "rollout.quantization=fp8_per_tensor")
     assert code == 0 and report["check"] == "pass"
     assert report["actor"] == "tp2 pp1 vpp1 dp1 ep2 etp1"
     assert report["received_over_ideal"] == 1.0
+    assert report["fp8"]["check"] == "pass", report["fp8"]
+    wire = report["fp8_sync"]
+    assert report["fp8_bytes_sent"] == wire["fp8_bytes"] + wire["unquantized_bytes"]
+    assert report["fp8_bytes_sent"] < 0.6 * sum(report["bytes_sent"].values())
+    assert report["fp8_speedup"] == pytest.approx(report["wall_s"] / report["fp8"]["wall_s"])
+    assert "fp8_per_tensor: " in out.out and "check pass" in out.out
 
 
 def test_plan_only_projects_qwen3_30b_a3b_with_expert_parallel(capsys):
