@@ -20,7 +20,7 @@ from __future__ import annotations
 import os
 import statistics
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import ClassVar, Literal
 
@@ -42,10 +42,9 @@ from mcore_rl.models.spec import ModelSpec
 from mcore_rl.parallel import ParallelConfig
 from mcore_rl.resharding import Plan, SyncGroupSpec, SyncStats, build_plan, join_sync_group
 from mcore_rl.resharding.channels import SyncChannels
-from mcore_rl.resharding.fp8 import (block_scale_name, fp8_wire_bytes, per_block_units,
-                                     per_tensor_units, quantize_blocks, quantize_with_scale,
-                                     scale_name, sender_quantized, tensor_scale, tensor_units,
-                                     weight_amax)
+from mcore_rl.resharding.fp8 import (block_scale_name, fp8_wire_bytes, quantize_blocks,
+                                     quantize_with_scale, scale_name, sender_quantized,
+                                     tensor_scale, tensor_units, weight_amax, with_fp8)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -255,7 +254,8 @@ def rank_main(rank: int, world_size: int, cfg: SyncBenchConfig) -> dict:
     runs = {"ours": lambda i: _ours_once(plan, channels, local, dtype, cfg)}
     checks = {}
     if cfg.rollout.quantization is not None:  # the same plan, its FP8 weights quantized in it
-        fp8_plan = with_fp8(plan, dst, model, cfg.rollout.quantization)
+        fp8_plan = with_fp8(plan, dst, vllm_fp8_names(model).__contains__,
+                            cfg.rollout.quantization)
         channels.verify(fp8_plan)
         runs["fp8"] = lambda i: _ours_once(fp8_plan, channels, local, dtype, cfg)
         checks["fp8"] = fp8_check
@@ -305,12 +305,6 @@ def _repeat(cfg, barrier, runs: dict, expected, checks: dict | None = None) -> d
             result["check_failures"] = bad
         results[name] = result
     return results
-
-
-def with_fp8(plan: Plan, dst: ShardMap, spec: ModelSpec, scheme: str) -> Plan:
-    """`plan` with the engines' FP8 tensors quantized inside it (`resharding/fp8.py`)."""
-    units = per_tensor_units if scheme == "fp8_per_tensor" else per_block_units
-    return replace(plan, fp8=units(plan, dst, vllm_fp8_names(spec).__contains__))
 
 
 def fp8_check(expected: dict[str, torch.Tensor], received: dict[str, torch.Tensor]) -> list:
@@ -507,11 +501,7 @@ def _fp8_report(cfg: SyncBenchConfig, spec: ModelSpec, plan: Plan, fp8: dict,
     """The FP8 sync's figures beside the unquantized one's: its fold, `fp8_speedup` (the
     unquantized median over the FP8 one), the plan's byte counts (`fp8_sync`) and the bytes
     its senders measured; `check` passes only where both syncs' do."""
-    dst = inference_shards(cfg, spec)
-    is_fp8 = vllm_fp8_names(spec).__contains__
-    wire = fp8_wire_bytes(with_fp8(plan, dst, spec, cfg.rollout.quantization), is_fp8,
-                          element_size=plan.element_size, scheme=cfg.rollout.quantization,
-                          units=tensor_units(dst, plan.num_src, is_fp8))
+    wire = _fp8_wire(cfg, spec, inference_shards(cfg, spec), plan)
     out = {"quantization": cfg.rollout.quantization, "fp8": fp8, "fp8_sync": wire,
            "fp8_speedup": ours["wall_s"] / fp8["wall_s"],
            "fp8_bytes_sent": sum(fp8["bytes_sent"].values())}
@@ -585,17 +575,24 @@ def _fp8_projection(cfg: SyncBenchConfig, spec, dst: ShardMap, plan: Plan, link)
     scheme = cfg.rollout.quantization
     if scheme is None:
         return {}
-    is_fp8 = vllm_fp8_names(spec).__contains__
-    flags = sender_quantized(plan, is_fp8, scheme=scheme)
+    flags = sender_quantized(plan, vllm_fp8_names(spec).__contains__, scheme=scheme)
     quantized = {id(t) for rnd, fs in zip(plan.rounds, flags) for t, f in zip(rnd, fs) if f}
-    wire = fp8_wire_bytes(plan, is_fp8, element_size=plan.element_size, scheme=scheme,
-                          units=tensor_units(dst, plan.num_src, is_fp8), flags=flags)
+    wire = _fp8_wire(cfg, spec, dst, plan, flags)
     return {
         "quantization": scheme,
         "fp8_sync": wire,
         "fp8_projected_s": project_transport(
             plan, link, lambda t: t.numel * (1 if id(t) in quantized else plan.element_size)),
     }
+
+
+def _fp8_wire(cfg: SyncBenchConfig, spec: ModelSpec, dst: ShardMap, plan: Plan,
+              flags: list[list[bool]] | None = None) -> dict:
+    """What one sync of `plan` moves under `rollout.quantization` (`fp8_wire_bytes`)."""
+    is_fp8 = vllm_fp8_names(spec).__contains__
+    return fp8_wire_bytes(plan, is_fp8, element_size=plan.element_size,
+                          scheme=cfg.rollout.quantization,
+                          units=tensor_units(dst, plan.num_src, is_fp8), flags=flags)
 
 
 def actor_label(actor: ParallelConfig) -> str:

@@ -11,8 +11,6 @@ regression shows.
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 from mcore_rl.config import ConfigError
 from mcore_rl.config.dtypes import torch_dtype
 from mcore_rl.layouts import megatron_shards, vllm_fp8_names, vllm_shards
@@ -21,12 +19,7 @@ from mcore_rl.layouts.shards import LayoutError
 from mcore_rl.models.spec import ModelSpec
 from mcore_rl.planning.sized import resolve_model
 from mcore_rl.resharding import build_plan
-from mcore_rl.resharding.fp8 import (
-    fp8_wire_bytes,
-    per_block_units,
-    per_tensor_units,
-    tensor_units,
-)
+from mcore_rl.resharding.fp8 import fp8_wire_bytes, tensor_units, with_fp8
 from mcore_rl.resharding.planner import Plan, PlanError
 from mcore_rl.resharding.sync_group import sync_group_spec
 from mcore_rl.runconfig import RLConfig
@@ -49,10 +42,8 @@ def sync_plan(cfg: RLConfig, run: ResolvedRun, spec: ModelSpec, engines: int | N
         devices=run.sync_devices(engines),
     )
     scheme = cfg.rollout.quantization
-    if scheme is not None:
-        # the senders quantize (all, or what lies on the block grid): resharding/fp8.py
-        units = per_tensor_units if scheme == "fp8_per_tensor" else per_block_units
-        plan = replace(plan, fp8=units(plan, inference, vllm_fp8_names(spec).__contains__))
+    if scheme is not None:  # the senders quantize (all, or what lies on the block grid)
+        plan = with_fp8(plan, inference, vllm_fp8_names(spec).__contains__, scheme)
     return plan
 
 

@@ -276,6 +276,14 @@ def per_block_units(plan: Plan, dst: ShardMap, is_fp8: Callable[[str], bool]) ->
     return Fp8Units("fp8_per_block", 0, tuple(per_transfer), {}, shapes)
 
 
+def with_fp8(plan: Plan, dst: ShardMap, is_fp8: Callable[[str], bool], scheme: str) -> Plan:
+    """`plan` (to the engines of `dst`) with the FP8 tensors (`is_fp8`) quantized inside it
+    under `scheme` (`per_tensor_units`, `per_block_units`)."""
+    _check_scheme(scheme)
+    units = per_tensor_units if scheme == "fp8_per_tensor" else per_block_units
+    return replace(plan, fp8=units(plan, dst, is_fp8))
+
+
 def fp8_parts(plan: Plan) -> tuple[Plan, Plan]:
     """An FP8 plan's transfers as two plans of their own, in plan order: those that cross in
     the engines' dtype, and those the senders quantize (one byte per element, sent as uint8).
@@ -532,4 +540,5 @@ __all__ = [
     "tensor_units",
     "transfer_units",
     "weight_amax",
+    "with_fp8",
 ]

@@ -39,7 +39,8 @@ from typing import Callable, Iterable
 import torch
 from torch import nn
 
-from mcore_rl.rollout.moe_install import MoEInstaller, is_fused_moe, moe_logical_shape
+from mcore_rl.rollout.moe_install import (MoEInstaller, is_fused_moe, moe_logical_shape,
+                                          vllm_block_quantize)
 
 
 def _out_in(module: nn.Module) -> tuple[int, int]:
@@ -228,7 +229,7 @@ def install_from_iterator(model: nn.Module, items: Iterable[tuple[str, torch.Ten
         if is_fp8_weight(module, leaf, param) or _is_fp8_scale(module, leaf):
             if leaf == "weight" and is_block_fp8(module) and tensor.itemsize > 1:
                 # block-wise, sent off the block grid: quantized here, as vLLM's loading does
-                weight, scales = _quantize_blocks(tensor)
+                weight, scales = vllm_block_quantize(tensor)
                 _install_fp8_part(name, module, leaf, weight)
                 scale_name = name.removesuffix("weight") + "weight_scale_inv"
                 _install_fp8_part(scale_name, module, "weight_scale_inv", scales)
@@ -288,13 +289,6 @@ def _install_fp8_part(name: str, module: nn.Module, leaf: str,
     param = module._parameters[leaf]
     install = _repack_fp8 if repacks_fp8(module) else _install_fp8
     return install(name, module, leaf, param, tensor)
-
-
-def _quantize_blocks(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """vLLM's own block-wise quantization of a weight (its online block method's, at load)."""
-    from vllm.utils.deep_gemm import per_block_cast_to_fp8  # lazy: vllm
-
-    return per_block_cast_to_fp8(weight, block_size=[128, 128], use_ue8m0=False)
 
 
 def _fp8_bytes(name: str, param: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor:

@@ -53,6 +53,7 @@ def moe_logical_shape(module: nn.Module, leaf: str) -> tuple[int, ...] | None:
 # an FP8 fused-expert layer's scale parameters, by weight: vLLM's block method's, its
 # per-tensor method's (one per expert)
 FP8_SCALES = {leaf: (f"{leaf}_scale_inv", f"{leaf}_scale") for leaf in _LEAVES}
+_SCALE_LEAVES = frozenset(s for pair in FP8_SCALES.values() for s in pair)
 
 
 def is_fp8_experts(module: nn.Module) -> bool:
@@ -78,8 +79,7 @@ class MoEInstaller:
         self._scales: dict[int, dict[str, torch.Tensor]] = {}
 
     def accepts(self, module: nn.Module, leaf: str) -> bool:
-        scales = {s for pair in FP8_SCALES.values() for s in pair}
-        return (leaf in _LEAVES or leaf in scales) and is_fused_moe(module)
+        return (leaf in _LEAVES or leaf in _SCALE_LEAVES) and is_fused_moe(module)
 
     @torch.no_grad()
     def add(self, name: str, module: nn.Module, leaf: str, tensor: torch.Tensor) -> list[str]:
@@ -163,7 +163,7 @@ def _install_fp8_layer(name: str, module: nn.Module, weights: dict[str, torch.Te
             if not scale_leaf.endswith("_inv"):
                 raise ValueError(f"{name}.{leaf}: arrived in {tensor.dtype}; per-tensor FP8 "
                                  "experts are quantized by the senders")
-            quantized[leaf] = _quantize_experts(tensor)
+            quantized[leaf] = vllm_block_quantize(tensor)
             computed.append(scale_leaf)
         elif scale_leaf in scales:
             quantized[leaf] = (tensor.view(fp8), scales[scale_leaf])
@@ -185,10 +185,14 @@ def _install_fp8_layer(name: str, module: nn.Module, weights: dict[str, torch.Te
     return computed
 
 
-def _quantize_experts(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """vLLM's block-wise quantization of a stacked expert tensor, expert by expert."""
+def vllm_block_quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """vLLM's own block-wise FP8 of a weight, as its online block methods do at load: a
+    linear's `[out, in]`, or a stacked expert tensor expert by expert. (FP8 weight, fp32
+    scales)."""
     from vllm.utils.deep_gemm import per_block_cast_to_fp8  # lazy: vllm
 
+    if weight.dim() == 2:
+        return per_block_cast_to_fp8(weight, block_size=[128, 128], use_ue8m0=False)
     pairs = [per_block_cast_to_fp8(e, block_size=[128, 128], use_ue8m0=False) for e in weight]
     return torch.stack([q for q, _ in pairs]), torch.stack([s for _, s in pairs])
 
@@ -211,4 +215,4 @@ def _put(module: nn.Module, leaf: str, data: torch.Tensor) -> None:
 
 
 __all__ = ["FP8_SCALES", "MoEInstaller", "fp8_scale_leaf", "is_fp8_experts", "is_fused_moe",
-           "moe_logical_shape"]
+           "moe_logical_shape", "vllm_block_quantize"]

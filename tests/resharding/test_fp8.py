@@ -315,15 +315,12 @@ INFER_TP = 2
 
 
 def _channel_plan(spec, parallel, scheme, bucket_bytes, expert_parallel=False):
-    from dataclasses import replace
-
-    from mcore_rl.resharding.fp8 import per_block_units, per_tensor_units
+    from mcore_rl.resharding.fp8 import with_fp8
 
     src = megatron_shards(spec, parallel)
     dst = vllm_shards(spec, INFER_TP, expert_parallel=expert_parallel)
     plan = build_plan(src, dst, bucket_bytes=bucket_bytes, element_size=2)
-    units = per_tensor_units if scheme == "fp8_per_tensor" else per_block_units
-    return src, replace(plan, fp8=units(plan, dst, vllm_fp8_names(spec).__contains__))
+    return src, with_fp8(plan, dst, vllm_fp8_names(spec).__contains__, scheme)
 
 
 def _fp8_channels_syncs(rank, world_size):
